@@ -1,0 +1,37 @@
+# The README's commands. Each bootstraps .venv first (see deploy/bootstrap.sh).
+SHELL := /bin/bash
+BIN := .venv/bin
+STAMP := .venv/.installed
+PYTEST_ARGS ?=
+DEMO_ARGS ?=
+
+.PHONY: demo test lint proto bench bootstrap data clean
+
+$(STAMP): pyproject.toml constraints.txt
+	deploy/bootstrap.sh venv
+
+bootstrap: $(STAMP)
+
+data:
+	deploy/bootstrap.sh data
+
+demo: $(STAMP)
+	@PEERTRAIN_DATA_DIR=$${PEERTRAIN_DATA_DIR:-} deploy/bootstrap.sh data || { case "$(DEMO_ARGS)" in *--data-dir*) ;; *) exit 1;; esac; }
+	$(BIN)/coordinator demo $(DEMO_ARGS)
+
+test: $(STAMP)
+	deploy/bootstrap.sh data prometheus
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+proto: $(STAMP)
+	$(BIN)/python proto/generate.py nodeagent/_proto
+
+bench: $(STAMP)
+	deploy/bootstrap.sh data
+	@set -e; for script in benchmarks/*.py; do echo "== $$script"; $(BIN)/python $$script; done
+
+clean:
+	rm -rf .venv .pytest_cache .ruff_cache runs

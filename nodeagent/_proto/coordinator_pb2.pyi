@@ -1,0 +1,255 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
+    JOB_PENDING: _ClassVar[JobState]
+    JOB_RUNNING: _ClassVar[JobState]
+    JOB_FINISHED: _ClassVar[JobState]
+    JOB_STOPPED: _ClassVar[JobState]
+    JOB_FAILED: _ClassVar[JobState]
+JOB_STATE_UNSPECIFIED: JobState
+JOB_PENDING: JobState
+JOB_RUNNING: JobState
+JOB_FINISHED: JobState
+JOB_STOPPED: JobState
+JOB_FAILED: JobState
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("node_id", "peer_address", "metrics_address", "name", "device", "version")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    peer_address: str
+    metrics_address: str
+    name: str
+    device: str
+    version: str
+    def __init__(self, node_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., name: _Optional[str] = ..., device: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+
+class RegisterReply(_message.Message):
+    __slots__ = ("node_id", "heartbeat_interval_s")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    heartbeat_interval_s: float
+    def __init__(self, node_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("known", "assignment_version")
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNMENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    assignment_version: int
+    def __init__(self, known: _Optional[bool] = ..., assignment_version: _Optional[int] = ...) -> None: ...
+
+class WatchAssignmentRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class Neighbor(_message.Message):
+    __slots__ = ("rank", "node_id", "address", "sign", "phase", "weight", "up")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SIGN_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    UP_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    node_id: str
+    address: str
+    sign: int
+    phase: int
+    weight: float
+    up: bool
+    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., sign: _Optional[int] = ..., phase: _Optional[int] = ..., weight: _Optional[float] = ..., up: _Optional[bool] = ...) -> None: ...
+
+class Assignment(_message.Message):
+    __slots__ = ("version", "job_id", "state", "job_spec_json", "rank", "world_size", "neighbors", "self_weight", "run_dir")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    JOB_SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NEIGHBORS_FIELD_NUMBER: _ClassVar[int]
+    SELF_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    RUN_DIR_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    job_id: str
+    state: JobState
+    job_spec_json: str
+    rank: int
+    world_size: int
+    neighbors: _containers.RepeatedCompositeFieldContainer[Neighbor]
+    self_weight: float
+    run_dir: str
+    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., job_spec_json: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., neighbors: _Optional[_Iterable[_Union[Neighbor, _Mapping]]] = ..., self_weight: _Optional[float] = ..., run_dir: _Optional[str] = ...) -> None: ...
+
+class MetricsReport(_message.Message):
+    __slots__ = ("node_id", "job_id", "rank", "step", "loss", "test_accuracy", "test_loss", "elapsed_s", "finished", "bytes_sent", "bytes_received", "compute_s", "wait_s", "exchanges", "exchange_failures")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    TEST_ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    TEST_LOSS_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGES_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    job_id: str
+    rank: int
+    step: int
+    loss: float
+    test_accuracy: float
+    test_loss: float
+    elapsed_s: float
+    finished: bool
+    bytes_sent: int
+    bytes_received: int
+    compute_s: float
+    wait_s: float
+    exchanges: int
+    exchange_failures: int
+    def __init__(self, node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., finished: _Optional[bool] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., exchanges: _Optional[int] = ..., exchange_failures: _Optional[int] = ...) -> None: ...
+
+class MetricsReply(_message.Message):
+    __slots__ = ("job_active",)
+    JOB_ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    job_active: bool
+    def __init__(self, job_active: _Optional[bool] = ...) -> None: ...
+
+class SubmitJobRequest(_message.Message):
+    __slots__ = ("spec_yaml",)
+    SPEC_YAML_FIELD_NUMBER: _ClassVar[int]
+    spec_yaml: str
+    def __init__(self, spec_yaml: _Optional[str] = ...) -> None: ...
+
+class SubmitJobReply(_message.Message):
+    __slots__ = ("job_id", "state", "run_dir")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RUN_DIR_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    state: JobState
+    run_dir: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., run_dir: _Optional[str] = ...) -> None: ...
+
+class StopJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class StopJobReply(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: JobState
+    def __init__(self, state: _Optional[_Union[JobState, str]] = ...) -> None: ...
+
+class ListNodesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeInfo(_message.Message):
+    __slots__ = ("node_id", "name", "peer_address", "metrics_address", "up", "last_seen_unix", "job_id", "rank", "device")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    UP_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_UNIX_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    name: str
+    peer_address: str
+    metrics_address: str
+    up: bool
+    last_seen_unix: float
+    job_id: str
+    rank: int
+    device: str
+    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., peer_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., up: _Optional[bool] = ..., last_seen_unix: _Optional[float] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+
+class ListNodesReply(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+
+class JobStatusRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class NodeProgress(_message.Message):
+    __slots__ = ("rank", "node_id", "step", "loss", "test_accuracy", "finished", "updated_unix", "bytes_sent", "bytes_received")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    TEST_ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    node_id: str
+    step: int
+    loss: float
+    test_accuracy: float
+    finished: bool
+    updated_unix: float
+    bytes_sent: int
+    bytes_received: int
+    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., finished: _Optional[bool] = ..., updated_unix: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+
+class JobStatusReply(_message.Message):
+    __slots__ = ("job_id", "name", "state", "world_size", "nodes", "run_dir", "created_unix", "spec_yaml")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    RUN_DIR_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    SPEC_YAML_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    name: str
+    state: JobState
+    world_size: int
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeProgress]
+    run_dir: str
+    created_unix: float
+    spec_yaml: str
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., world_size: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeProgress, _Mapping]]] = ..., run_dir: _Optional[str] = ..., created_unix: _Optional[float] = ..., spec_yaml: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,125 @@
+"""The job specification: one pydantic schema shared by the CLI, the coordinator, the agent and the simulator.
+
+A job is written as YAML by a person (`coordinator submit job.yaml`), validated here, stored by the coordinator
+and sent to every agent inside its assignment as JSON. Errors name the field that is wrong.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+DEFAULT_DATA_DIR = "/usr/share/datasets/fashion-mnist"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AlgorithmSpec(_Strict):
+    """Which algorithm every node runs, and its hyper-parameters."""
+
+    name: str = Field("dsgd", description="algorithm name in the registry (nodeagent.algorithms)")
+    mode: Literal["async", "sync"] = Field("async", description="exchange on the edge-phase schedule or every step")
+    lr: float = Field(0.02, gt=0, description="step size mu")
+    momentum: float = Field(0.0, ge=0, lt=1)
+    nesterov: bool = False
+    l2: float = Field(0.0, ge=0, description="L2 term added to the gradient: l2 * w")
+    interval: int = Field(8, ge=1, description="K: local steps between two exchanges on an edge")
+    options: dict[str, Any] = Field(default_factory=dict, description="algorithm-specific options")
+
+
+class ModelSpec(_Strict):
+    name: str = Field("logistic", description="logistic, mlp, cnn, resnet-gn, or 'package.module:factory'")
+    options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the model factory")
+
+
+class DataSpec(_Strict):
+    dataset: Literal["fashion-mnist", "mnist"] = "fashion-mnist"
+    data_dir: str = Field(DEFAULT_DATA_DIR, description="directory holding the IDX files (plain or .gz)")
+    split: str = Field("iid", description="iid, class-window, by-class or dirichlet")
+    split_options: dict[str, Any] = Field(default_factory=dict)
+    batch_size: int = Field(100, ge=1)
+    train_limit: int | None = Field(None, ge=1, description="use only the first N training samples")
+    test_limit: int | None = Field(None, ge=1, description="evaluate on the first N test samples")
+
+
+class TopologySpec(_Strict):
+    kind: str = Field("ring", description="ring, multiplex-ring, ecl-random8, complete, ...")
+    seed: int = Field(0, description="seed of the edge phases (and of random graphs)")
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class WireSpec(_Strict):
+    encoding: Literal["raw", "fp16", "bf16"] = "raw"
+    chunk_bytes: int = Field(1 << 20, ge=1024, le=64 << 20)
+    max_message_bytes: int = Field(1 << 30, ge=1 << 20, description="largest stream a node accepts")
+    exchange_timeout_s: float = Field(30.0, gt=0)
+
+
+class JobSpec(_Strict):
+    name: str = Field("job", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    nodes: int = Field(8, ge=1, le=4096, description="number of node agents in the job")
+    steps: int = Field(1000, ge=1, description="local steps per node")
+    eval_every: int = Field(200, ge=1, description="evaluate test accuracy every N steps (and at the end)")
+    seed: int = 0
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    data: DataSpec = Field(default_factory=DataSpec)
+    topology: TopologySpec = Field(default_factory=TopologySpec)
+    wire: WireSpec = Field(default_factory=WireSpec)
+    slowdown: dict[int, float] = Field(
+        default_factory=dict, description="rank -> factor >= 1 that stretches each local step (heterogeneity)"
+    )
+
+    @model_validator(mode="after")
+    def _ranks_in_range(self) -> JobSpec:
+        for rank, factor in self.slowdown.items():
+            if not 0 <= rank < self.nodes:
+                raise ValueError(f"slowdown: rank {rank} is not in 0..{self.nodes - 1}")
+            if factor < 1:
+                raise ValueError(f"slowdown: factor {factor} of rank {rank} must be >= 1")
+        return self
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def from_json(cls, text: str) -> JobSpec:
+        return cls.model_validate_json(text)
+
+
+class JobSpecError(ValueError):
+    """A job specification that cannot be used; the message names the field."""
+
+
+def _format_validation_error(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        where = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        lines.append(f"{where}: {item['msg']}")
+    return "; ".join(lines)
+
+
+def parse_job_spec(data: dict[str, Any] | None) -> JobSpec:
+    try:
+        return JobSpec.model_validate(data or {})
+    except ValidationError as error:
+        raise JobSpecError(_format_validation_error(error)) from None
+
+
+def parse_job_yaml(text: str) -> JobSpec:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise JobSpecError(f"not valid YAML: {error}") from None
+    if data is not None and not isinstance(data, dict):
+        raise JobSpecError("the job file must be a YAML mapping")
+    return parse_job_spec(data)
+
+
+def load_job_file(path: str | Path) -> JobSpec:
+    return parse_job_yaml(Path(path).read_text())

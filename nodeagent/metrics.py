@@ -1,0 +1,88 @@
+"""Every Prometheus metric of peertrain, defined in one place (agents and the coordinator alike).
+
+Names carry the `peertrain_` prefix and Prometheus units; edges are labelled `src` and `dst` (node ids).
+Each process owns one `Metrics` object with its own registry, so tests can run several in one interpreter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+EXCHANGE_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+
+@dataclass
+class Metrics:
+    """The metrics of one process. `registry` is what its /metrics endpoint serves."""
+
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        edge = ["src", "dst"]
+        node = ["job", "node"]
+        self.edge_bytes_sent = Counter(
+            "peertrain_edge_bytes_sent", "Bytes of tensor frames sent on an edge", edge, registry=r
+        )
+        self.edge_bytes_received = Counter(
+            "peertrain_edge_bytes_received", "Bytes of tensor frames received on an edge", edge, registry=r
+        )
+        self.edge_messages_sent = Counter(
+            "peertrain_edge_messages_sent", "Messages (tensor streams) sent on an edge", edge, registry=r
+        )
+        self.edge_messages_received = Counter(
+            "peertrain_edge_messages_received", "Messages (tensor streams) received on an edge", edge, registry=r
+        )
+        self.exchange_seconds = Histogram(
+            "peertrain_exchange_seconds",
+            "Wall time of one exchange started by src with dst, request and reply",
+            edge,
+            buckets=EXCHANGE_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.exchange_failures = Counter(
+            "peertrain_exchange_failures",
+            "Exchanges that failed, by reason (unavailable, timeout, rejected, ...)",
+            [*edge, "reason"],
+            registry=r,
+        )
+        self.stream_rejections = Counter(
+            "peertrain_stream_rejections",
+            "Received streams rejected before touching state (bad manifest, truncated, ...), by reason",
+            ["src", "dst", "reason"],
+            registry=r,
+        )
+        self.local_steps = Counter("peertrain_local_steps", "Local training steps taken", node, registry=r)
+        self.training_loss = Gauge("peertrain_training_loss", "Loss of the last local minibatch", node, registry=r)
+        self.test_accuracy = Gauge(
+            "peertrain_test_accuracy", "Accuracy on the test set at the last evaluation (0..1)", node, registry=r
+        )
+        self.test_loss = Gauge("peertrain_test_loss", "Loss on the test set at the last evaluation", node, registry=r)
+        self.step_seconds = Histogram(
+            "peertrain_step_seconds",
+            "Compute time of one local step (forward, backward, update)",
+            node,
+            buckets=STEP_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.wait_seconds = Counter(
+            "peertrain_wait_seconds", "Time spent waiting for messages before a step", node, registry=r
+        )
+        self.agent_info = Gauge(
+            "peertrain_agent_info", "Constant 1, labelled with the agent's identity", ["node", "device"], registry=r
+        )
+        self.coordinator_nodes = Gauge(
+            "peertrain_coordinator_nodes", "Registered node agents by liveness", ["state"], registry=r
+        )
+        self.coordinator_jobs = Gauge("peertrain_coordinator_jobs", "Jobs by state", ["state"], registry=r)
+        self.coordinator_heartbeats = Counter(
+            "peertrain_coordinator_heartbeats", "Heartbeats received from node agents", registry=r
+        )
+
+    def serve_http(self, host: str, port: int) -> int:
+        """Serve /metrics over HTTP in a daemon thread; returns the bound port (useful with port 0)."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(server.server_port)
