@@ -65,7 +65,7 @@ class JobSpec(_Strict):
     nodes: int = Field(8, ge=1, le=4096, description="number of node agents in the job")
     steps: int = Field(1000, ge=1, description="local steps per node")
     eval_every: int = Field(200, ge=1, description="evaluate test accuracy every N steps (and at the end)")
-    seed: int = 0
+    seed: int = Field(0, ge=0, description="seeds the initial model, the split and the batch orders")
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     model: ModelSpec = Field(default_factory=ModelSpec)
     data: DataSpec = Field(default_factory=DataSpec)

@@ -1,0 +1,212 @@
+"""`coordinator`: the control plane's daemon and the operator's command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from nodeagent import __version__
+from nodeagent._proto import coordinator_pb2 as pb
+from nodeagent._proto import coordinator_pb2_grpc
+from nodeagent.jobspec import DEFAULT_DATA_DIR, JobSpecError, load_job_file
+
+DEFAULT_COORDINATOR = os.environ.get("PEERTRAIN_COORDINATOR", "127.0.0.1:7070")
+
+
+def _add_coordinator_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--coordinator", default=DEFAULT_COORDINATOR,
+        help="coordinator address HOST:PORT (env PEERTRAIN_COORDINATOR; default %(default)s)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="coordinator",
+        description="peertrain coordinator: registers node agents, distributes jobs and topologies, and shows "
+        "their progress.",
+    )
+    parser.add_argument("--version", action="version", version=f"peertrain {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="run the coordinator daemon")
+    serve.add_argument("--listen", default="0.0.0.0:7070", help="gRPC address HOST:PORT (default %(default)s)")
+    serve.add_argument(
+        "--metrics-listen", default="0.0.0.0:9400", help="Prometheus /metrics address (default %(default)s)"
+    )
+    serve.add_argument(
+        "--state-dir", type=Path,
+        default=Path(os.environ.get("PEERTRAIN_STATE_DIR", "/var/lib/peertrain/coordinator")),
+        help="SQLite state and, unless --runs-dir is given, run directories (default %(default)s)",
+    )
+    serve.add_argument("--runs-dir", type=Path, help="where run directories go (default STATE_DIR/runs)")
+    serve.add_argument(
+        "--heartbeat-timeout", type=float, default=15.0,
+        help="seconds without a heartbeat after which a node is marked down (default %(default)s)",
+    )
+    serve.add_argument("--ready-file", type=Path, help="write the bound addresses here as JSON once serving")
+    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+    submit = commands.add_parser("submit", help="submit a job spec (YAML); prints the job id")
+    submit.add_argument("job_file", type=Path, metavar="JOB.yaml")
+    _add_coordinator_option(submit)
+
+    nodes = commands.add_parser("nodes", help="list registered node agents")
+    _add_coordinator_option(nodes)
+
+    status = commands.add_parser("status", help="per-node step, loss and accuracy of a job (default: newest)")
+    status.add_argument("job_id", nargs="?", default="", metavar="JOB")
+    _add_coordinator_option(status)
+
+    stop = commands.add_parser("stop", help="stop a job")
+    stop.add_argument("job_id", metavar="JOB")
+    _add_coordinator_option(stop)
+
+    demo = commands.add_parser(
+        "demo",
+        help="start a coordinator and agents on loopback, train on Fashion-MNIST, print the result",
+        description="Start a local cluster (a coordinator and N agents as processes on 127.0.0.1), train one job "
+        "on the real Fashion-MNIST data, show progress, print a per-node accuracy table, and stop every process.",
+    )
+    demo.add_argument("--agents", type=int, default=8, help="number of node agents (default %(default)s)")
+    demo.add_argument("--algorithm", default="dsgd", help="algorithm (default %(default)s)")
+    demo.add_argument("--topology", default="multiplex-ring", help="topology (default %(default)s)")
+    demo.add_argument("--split", default="class-window", help="data split (default %(default)s)")
+    demo.add_argument("--model", default="logistic", help="model (default %(default)s)")
+    demo.add_argument("--steps", type=int, default=1500, help="local steps per node (default %(default)s)")
+    demo.add_argument("--lr", type=float, default=0.02, help="step size (default %(default)s)")
+    demo.add_argument(
+        "--data-dir", default=os.environ.get("PEERTRAIN_DATA_DIR", DEFAULT_DATA_DIR),
+        help="directory of the Fashion-MNIST IDX files (default %(default)s)",
+    )
+    demo.add_argument("--runs", type=Path, default=Path("runs"), help="parent of the demo's run directory")
+    demo.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
+    return parser
+
+
+def _stub(address: str) -> coordinator_pb2_grpc.CoordinatorStub:
+    return coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(address))
+
+
+def _fmt(value: float, pattern: str = "{:.4f}") -> str:
+    return "-" if math.isnan(value) else pattern.format(value)
+
+
+def format_status(status: pb.JobStatusReply) -> str:
+    lines = [
+        f"job {status.job_id} ({status.name}): {pb.JobState.Name(status.state).removeprefix('JOB_').lower()}, "
+        f"{status.world_size} nodes, run dir {status.run_dir}",
+        f"{'rank':>4}  {'node':<14} {'step':>7} {'loss':>8} {'test acc':>9} {'sent MB':>9} {'recv MB':>9}  done",
+    ]
+    for n in status.nodes:
+        lines.append(
+            f"{n.rank:>4}  {n.node_id:<14} {n.step:>7} {_fmt(n.loss):>8} {_fmt(n.test_accuracy):>9} "
+            f"{n.bytes_sent / 1e6:>9.2f} {n.bytes_received / 1e6:>9.2f}  {'yes' if n.finished else 'no'}"
+        )
+    accuracies = [n.test_accuracy for n in status.nodes if not math.isnan(n.test_accuracy)]
+    if accuracies:
+        lines.append(f"mean test accuracy over {len(accuracies)} nodes: {sum(accuracies) / len(accuracies):.4f}")
+    return "\n".join(lines)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from coordinator.service import CoordinatorConfig, CoordinatorService
+    from nodeagent.agent import split_address
+    from nodeagent.metrics import Metrics
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s coordinator %(levelname)s: %(message)s")
+    metrics = Metrics()
+    service = CoordinatorService(
+        CoordinatorConfig(state_dir=args.state_dir, runs_dir=args.runs_dir, heartbeat_timeout_s=args.heartbeat_timeout),
+        metrics,
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="coordinator"))
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
+    host, port = split_address(args.listen)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise SystemExit(f"coordinator: cannot listen on {args.listen}")
+    metrics_host, metrics_port = split_address(args.metrics_listen)
+    metrics_bound = metrics.serve_http(metrics_host, metrics_port)
+    service.start()
+    server.start()
+    logging.info("serving on %s:%d, metrics on %s:%d, state in %s", host, bound, metrics_host, metrics_bound,
+                 args.state_dir)
+    logging.warning("control calls are not authenticated (insecure mode): run only on a trusted network")
+    if args.ready_file:
+        tmp = args.ready_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"listen": f"{host}:{bound}", "metrics": f"{metrics_host}:{metrics_bound}"}))
+        os.replace(tmp, args.ready_file)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    stop.wait()
+    logging.info("shutting down")
+    service.stop()
+    server.stop(grace=2).wait()
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    try:
+        spec_yaml = args.job_file.read_text()
+        load_job_file(args.job_file)
+    except OSError as error:
+        raise SystemExit(f"coordinator: cannot read {args.job_file}: {error.strerror}") from None
+    except JobSpecError as error:
+        raise SystemExit(f"coordinator: {args.job_file}: {error}") from None
+    reply = _stub(args.coordinator).SubmitJob(pb.SubmitJobRequest(spec_yaml=spec_yaml), timeout=30)
+    print(reply.job_id)
+    state = pb.JobState.Name(reply.state).removeprefix("JOB_").lower()
+    print(f"state: {state}; run dir: {reply.run_dir}", file=sys.stderr)
+    return 0
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    reply = _stub(args.coordinator).ListNodes(pb.ListNodesRequest(), timeout=10)
+    print(f"{'node':<14} {'name':<16} {'state':<5} {'peer address':<22} {'metrics':<22} {'job':<32} rank")
+    for n in reply.nodes:
+        print(
+            f"{n.node_id:<14} {n.name:<16} {'up' if n.up else 'down':<5} {n.peer_address:<22} "
+            f"{n.metrics_address:<22} {n.job_id or '-':<32} {n.rank if n.job_id else '-'}"
+        )
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    print(format_status(_stub(args.coordinator).JobStatus(pb.JobStatusRequest(job_id=args.job_id), timeout=10)))
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    reply = _stub(args.coordinator).StopJob(pb.StopJobRequest(job_id=args.job_id), timeout=10)
+    print(f"{args.job_id}: {pb.JobState.Name(reply.state).removeprefix('JOB_').lower()}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "demo":
+        from coordinator.demo import run_demo
+
+        return run_demo(args)
+    handlers = {"serve": cmd_serve, "submit": cmd_submit, "nodes": cmd_nodes, "status": cmd_status, "stop": cmd_stop}
+    try:
+        return handlers[args.command](args)
+    except grpc.RpcError as error:
+        print(f"coordinator: {error.code().name}: {error.details()}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""A local cluster: one coordinator and N node agents as separate processes on loopback.
+
+This is what `coordinator demo` runs and what the integration tests start. Every process logs to
+ROOT/logs/NAME.log; `stop()` ends every process it started (SIGTERM, then SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from nodeagent._proto import coordinator_pb2 as pb
+from nodeagent._proto import coordinator_pb2_grpc
+
+FINAL_STATES = (pb.JOB_FINISHED, pb.JOB_STOPPED, pb.JOB_FAILED)
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+@dataclass
+class LocalCluster:
+    root: Path
+    agents: int
+    data_dir: str | None = None
+    slowdown: dict[int, float] = field(default_factory=dict)
+    heartbeat_timeout_s: float = 5.0
+    log_level: str = "INFO"
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    address: str = ""
+    metrics_address: str = ""
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        logs = self.root / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        with open(logs / f"{name}.log", "ab") as log_file:
+            process = subprocess.Popen(
+                [sys.executable, "-m", *args], stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        self.processes[name] = process
+        return process
+
+    def log_of(self, name: str) -> str:
+        path = self.root / "logs" / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def stub(self) -> coordinator_pb2_grpc.CoordinatorStub:
+        return coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(self.address))
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        ready = self.root / "coordinator.ready.json"
+        ready.unlink(missing_ok=True)
+        self.start_coordinator(ready)
+        deadline = time.monotonic() + timeout_s
+        while not ready.exists():
+            self._check_alive("coordinator")
+            if time.monotonic() > deadline:
+                raise ClusterError("the coordinator did not start in time:\n" + self.log_of("coordinator"))
+            time.sleep(0.1)
+        info = json.loads(ready.read_text())
+        self.address, self.metrics_address = info["listen"], info["metrics"]
+        for rank in range(self.agents):
+            self.start_agent(rank)
+        self.wait_for_nodes(self.agents, deadline)
+
+    def start_coordinator(self, ready: Path) -> None:
+        self._spawn(
+            "coordinator",
+            [
+                "coordinator.cli", "serve", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+                "--state-dir", str(self.root / "coordinator"), "--runs-dir", str(self.root / "runs"),
+                "--heartbeat-timeout", str(self.heartbeat_timeout_s), "--ready-file", str(ready),
+                "--log-level", self.log_level,
+            ],
+        )
+
+    def start_agent(self, index: int) -> None:
+        """Start (or restart, keeping its state dir and so its node id) agent number `index`."""
+        args = [
+            "nodeagent.cli", "serve", "--coordinator", self.address, "--listen", "127.0.0.1:0",
+            "--metrics-listen", "127.0.0.1:0", "--state-dir", str(self.root / f"agent-{index}"),
+            "--name", f"agent-{index}", "--device", "cpu", "--log-level", self.log_level,
+            # Agents share this machine's cores: one torch thread each avoids oversubscription.
+            "--torch-threads", "1",
+        ]
+        if self.data_dir:
+            args += ["--data-dir", self.data_dir]
+        if index in self.slowdown:
+            args += ["--slowdown", str(self.slowdown[index])]
+        self._spawn(f"agent-{index}", args)
+
+    def _check_alive(self, name: str) -> None:
+        code = self.processes[name].poll()
+        if code is not None:
+            raise ClusterError(f"{name} exited with code {code}:\n{self.log_of(name)[-4000:]}")
+
+    def wait_for_nodes(self, count: int, deadline: float) -> list[pb.NodeInfo]:
+        stub = self.stub()
+        while True:
+            for name in self.processes:
+                self._check_alive(name)
+            try:
+                nodes = [n for n in stub.ListNodes(pb.ListNodesRequest(), timeout=5).nodes if n.up]
+            except grpc.RpcError:
+                nodes = []
+            if len(nodes) >= count:
+                return nodes
+            if time.monotonic() > deadline:
+                raise ClusterError(f"only {len(nodes)} of {count} agents registered in time")
+            time.sleep(0.2)
+
+    def nodes(self) -> list[pb.NodeInfo]:
+        return list(self.stub().ListNodes(pb.ListNodesRequest(), timeout=5).nodes)
+
+    def submit(self, spec_yaml: str) -> str:
+        return self.stub().SubmitJob(pb.SubmitJobRequest(spec_yaml=spec_yaml), timeout=30).job_id
+
+    def status(self, job_id: str) -> pb.JobStatusReply:
+        return self.stub().JobStatus(pb.JobStatusRequest(job_id=job_id), timeout=10)
+
+    def wait(
+        self, job_id: str, timeout_s: float, on_progress: Callable[[pb.JobStatusReply], None] | None = None
+    ) -> pb.JobStatusReply:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._check_alive("coordinator")
+            status = self.status(job_id)
+            if on_progress:
+                on_progress(status)
+            if status.state in FINAL_STATES:
+                return status
+            if time.monotonic() > deadline:
+                raise ClusterError(f"job {job_id} did not finish within {timeout_s:.0f} s")
+            time.sleep(1.0)
+
+    def kill(self, name: str) -> None:
+        """Kill one process at once, as a crash would."""
+        self.processes[name].kill()
+        self.processes[name].wait()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def mean_accuracy(status: pb.JobStatusReply) -> float:
+    values = [n.test_accuracy for n in status.nodes if not math.isnan(n.test_accuracy)]
+    return sum(values) / len(values) if values else math.nan

@@ -1,0 +1,298 @@
+"""The coordinator's gRPC servicer: registration, heartbeats, assignments, metrics reports and operator calls."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from coordinator.store import ACTIVE_STATES, JobRow, Store
+from coordinator.topology import Topology, build_topology, node_plan
+from nodeagent._proto import coordinator_pb2 as pb
+from nodeagent._proto import coordinator_pb2_grpc
+from nodeagent.algorithms import REGISTRY as ALGORITHMS
+from nodeagent.jobspec import JobSpec, JobSpecError, parse_job_yaml
+from nodeagent.metrics import Metrics
+from nodeagent.training.splits import SPLITS
+
+log = logging.getLogger("coordinator")
+
+JOB_STATES = {
+    name: pb.JobState.Value(f"JOB_{name}") for name in ("PENDING", "RUNNING", "FINISHED", "STOPPED", "FAILED")
+}
+WATCH_POLL_S = 1.0
+
+
+@dataclass
+class CoordinatorConfig:
+    state_dir: Path
+    runs_dir: Path | None = None
+    heartbeat_interval_s: float = 2.0
+    heartbeat_timeout_s: float = 15.0
+
+    @property
+    def run_root(self) -> Path:
+        return self.runs_dir or self.state_dir / "runs"
+
+
+@dataclass
+class _Changes:
+    """A counter that grows on every change that may alter some assignment, and a condition to wait on it."""
+
+    version: int = field(default_factory=lambda: int(time.time() * 1000))
+    condition: threading.Condition = field(default_factory=threading.Condition)
+
+    def bump(self) -> None:
+        with self.condition:
+            self.version += 1
+            self.condition.notify_all()
+
+    def wait_past(self, version: int, timeout: float) -> int:
+        with self.condition:
+            self.condition.wait_for(lambda: self.version != version, timeout=timeout)
+            return self.version
+
+
+def validate_job(spec: JobSpec) -> Topology:
+    """Checks that need more than the schema; returns the job's topology. Raises JobSpecError naming the field."""
+    if spec.algorithm.name not in ALGORITHMS:
+        raise JobSpecError(f"algorithm.name: unknown algorithm {spec.algorithm.name!r}; known: {sorted(ALGORITHMS)}")
+    if spec.data.split not in SPLITS:
+        raise JobSpecError(f"data.split: unknown split {spec.data.split!r}; known: {sorted(SPLITS)}")
+    try:
+        topology = build_topology(spec.topology, spec.nodes)
+    except ValueError as error:
+        raise JobSpecError(f"topology: {error}") from None
+    if spec.nodes > 1 and not topology.is_connected():
+        raise JobSpecError(f"topology: {spec.topology.kind} on {spec.nodes} nodes is not connected")
+    return topology
+
+
+class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self, config: CoordinatorConfig, metrics: Metrics):
+        self.config = config
+        self.metrics = metrics
+        self.store = Store(config.state_dir / "coordinator.db")
+        self.changes = _Changes()
+        self.stopping = threading.Event()
+        self._topologies: dict[str, Topology] = {}
+        self._log_lock = threading.Lock()
+        self._schedule_lock = threading.Lock()
+        self._monitor = threading.Thread(target=self._monitor_loop, name="liveness", daemon=True)
+
+    def start(self) -> None:
+        self._monitor.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.changes.bump()
+        self._monitor.join(timeout=5)
+        self.store.close()
+
+    # -- background ----------------------------------------------------------------------------------------------
+
+    def _monitor_loop(self) -> None:
+        while not self.stopping.wait(1.0):
+            down = self.store.mark_silent_nodes_down(self.config.heartbeat_timeout_s)
+            if down:
+                log.warning("no heartbeat from %s: marked down", ", ".join(down))
+                self.changes.bump()
+            self._schedule()
+            self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        nodes = self.store.nodes()
+        up = sum(n.up for n in nodes)
+        self.metrics.coordinator_nodes.labels("up").set(up)
+        self.metrics.coordinator_nodes.labels("down").set(len(nodes) - up)
+        for state in JOB_STATES:
+            self.metrics.coordinator_jobs.labels(state.lower()).set(len(self.store.jobs((state,))))
+
+    def _schedule(self) -> None:
+        """Start pending jobs, oldest first, on idle nodes that are up (in registration order)."""
+        with self._schedule_lock:
+            for job in self.store.jobs(("PENDING",)):
+                busy = self.store.busy_node_ids()
+                idle = [n.node_id for n in self.store.nodes() if n.up and n.node_id not in busy]
+                if len(idle) < job.world_size:
+                    return
+                self.store.start_job(job.job_id, idle[: job.world_size])
+                log.info("job %s started on %s", job.job_id, ", ".join(idle[: job.world_size]))
+                self.changes.bump()
+
+    # -- assignments ---------------------------------------------------------------------------------------------
+
+    def _topology(self, job: JobRow, spec: JobSpec) -> Topology:
+        topology = self._topologies.get(job.job_id)
+        if topology is None:
+            topology = self._topologies[job.job_id] = build_topology(spec.topology, spec.nodes)
+        return topology
+
+    def assignment_for(self, node_id: str) -> pb.Assignment:
+        membership = self.store.running_membership(node_id)
+        if membership is None:
+            return pb.Assignment(version=self.changes.version, state=pb.JOB_STATE_UNSPECIFIED)
+        job, rank = membership
+        spec = JobSpec.from_json(job.spec_json)
+        plans, self_weight = node_plan(
+            self._topology(job, spec), rank, spec.algorithm.interval, spec.topology.seed,
+            weights=spec.topology.options.get("weights", "uniform"),
+        )
+        members = {m.rank: m.node_id for m in self.store.members(job.job_id)}
+        neighbors = []
+        for plan in plans:
+            peer = self.store.node(members[plan.rank])
+            neighbors.append(
+                pb.Neighbor(
+                    rank=plan.rank, node_id=peer.node_id if peer else "", address=peer.peer_address if peer else "",
+                    sign=plan.sign, phase=plan.phase, weight=plan.weight, up=bool(peer and peer.up),
+                )
+            )
+        return pb.Assignment(
+            version=self.changes.version, job_id=job.job_id, state=pb.JOB_RUNNING, job_spec_json=job.spec_json,
+            rank=rank, world_size=job.world_size, neighbors=neighbors, self_weight=self_weight,
+            run_dir=job.run_dir,
+        )
+
+    # -- agent calls ---------------------------------------------------------------------------------------------
+
+    def Register(self, request, context):
+        if not request.peer_address:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "peer_address is required")
+        node_id = self.store.register_node(
+            request.node_id, request.name or request.peer_address, request.peer_address, request.metrics_address,
+            request.device or "cpu", request.version,
+        )
+        log.info("registered %s (%s) at %s", node_id, request.name, request.peer_address)
+        self.changes.bump()
+        self._schedule()
+        return pb.RegisterReply(node_id=node_id, heartbeat_interval_s=self.config.heartbeat_interval_s)
+
+    def Heartbeat(self, request, context):
+        self.metrics.coordinator_heartbeats.inc()
+        known, came_back = self.store.touch_node(request.node_id)
+        if came_back:
+            log.info("%s is up again", request.node_id)
+            self.changes.bump()
+        return pb.HeartbeatReply(known=known, assignment_version=self.changes.version)
+
+    def WatchAssignment(self, request, context):
+        if self.store.node(request.node_id) is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown node {request.node_id!r}; register first")
+        last_sent: bytes | None = None
+        version = self.changes.version
+        while context.is_active() and not self.stopping.is_set():
+            assignment = self.assignment_for(request.node_id)
+            unversioned = pb.Assignment()
+            unversioned.CopyFrom(assignment)
+            unversioned.version = 0
+            content = unversioned.SerializeToString(deterministic=True)
+            if content != last_sent:
+                last_sent = content
+                yield assignment
+            version = self.changes.wait_past(version, WATCH_POLL_S)
+
+    def ReportMetrics(self, request, context):
+        accuracy = None if math.isnan(request.test_accuracy) else request.test_accuracy
+        accepted = self.store.record_progress(
+            request.job_id, request.rank, request.node_id, request.step, request.loss, accuracy, request.finished,
+            request.bytes_sent, request.bytes_received,
+        )
+        if not accepted:
+            return pb.MetricsReply(job_active=False)
+        job = self.store.job(request.job_id)
+        assert job is not None
+        self._append_log(job, request)
+        if request.finished and job.state == "RUNNING":
+            members = self.store.members(job.job_id)
+            if all(m.finished for m in members):
+                self.store.set_job_state(job.job_id, "FINISHED")
+                log.info("job %s finished", job.job_id)
+                self.changes.bump()
+                self._schedule()
+        return pb.MetricsReply(job_active=job.state == "RUNNING")
+
+    def _append_log(self, job: JobRow, report: pb.MetricsReport) -> None:
+        record = {
+            "time": time.time(), "job": report.job_id, "rank": report.rank, "node": report.node_id,
+            "step": report.step, "loss": report.loss,
+            "test_accuracy": None if math.isnan(report.test_accuracy) else report.test_accuracy,
+            "test_loss": None if math.isnan(report.test_loss) else report.test_loss,
+            "elapsed_s": report.elapsed_s, "finished": report.finished, "bytes_sent": report.bytes_sent,
+            "bytes_received": report.bytes_received, "compute_s": report.compute_s, "wait_s": report.wait_s,
+            "exchanges": report.exchanges, "exchange_failures": report.exchange_failures,
+        }
+        with self._log_lock, open(Path(job.run_dir) / "metrics.jsonl", "a") as out:
+            out.write(json.dumps(record) + "\n")
+
+    # -- operator calls ------------------------------------------------------------------------------------------
+
+    def SubmitJob(self, request, context):
+        try:
+            spec = parse_job_yaml(request.spec_yaml)
+            validate_job(spec)
+        except JobSpecError as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid job spec: {error}")
+        job_id = f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+        run_dir = self.config.run_root / job_id
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "job.yaml").write_text(request.spec_yaml)
+        (run_dir / "job.json").write_text(spec.model_dump_json(indent=2))
+        self.store.add_job(job_id, spec.name, spec.to_json(), request.spec_yaml, spec.nodes, str(run_dir))
+        log.info("job %s submitted: %s on %d nodes", job_id, spec.algorithm.name, spec.nodes)
+        self._schedule()
+        job = self.store.job(job_id)
+        assert job is not None
+        return pb.SubmitJobReply(job_id=job_id, state=JOB_STATES[job.state], run_dir=str(run_dir))
+
+    def StopJob(self, request, context):
+        job = self.store.job(request.job_id)
+        if job is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no job {request.job_id!r}")
+        if job.state in ACTIVE_STATES:
+            self.store.set_job_state(job.job_id, "STOPPED")
+            log.info("job %s stopped by an operator", job.job_id)
+            self.changes.bump()
+            self._schedule()
+        return pb.StopJobReply(state=JOB_STATES[self.store.job(job.job_id).state])
+
+    def ListNodes(self, request, context):
+        busy = {}
+        for job in self.store.jobs(("RUNNING",)):
+            for member in self.store.members(job.job_id):
+                busy[member.node_id] = (job.job_id, member.rank)
+        return pb.ListNodesReply(
+            nodes=[
+                pb.NodeInfo(
+                    node_id=n.node_id, name=n.name, peer_address=n.peer_address, metrics_address=n.metrics_address,
+                    up=n.up, last_seen_unix=n.last_seen_unix, job_id=busy.get(n.node_id, ("", 0))[0],
+                    rank=busy.get(n.node_id, ("", 0))[1], device=n.device,
+                )
+                for n in self.store.nodes()
+            ]
+        )
+
+    def JobStatus(self, request, context):
+        job = self.store.job(request.job_id) if request.job_id else self.store.latest_job()
+        if job is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no job {request.job_id!r}" if request.job_id else "no jobs yet")
+        return pb.JobStatusReply(
+            job_id=job.job_id, name=job.name, state=JOB_STATES[job.state], world_size=job.world_size,
+            run_dir=job.run_dir, created_unix=job.created_unix, spec_yaml=job.spec_yaml,
+            nodes=[
+                pb.NodeProgress(
+                    rank=m.rank, node_id=m.node_id, step=m.step, loss=m.loss if m.loss is not None else math.nan,
+                    test_accuracy=m.test_accuracy if m.test_accuracy is not None else math.nan,
+                    finished=m.finished, updated_unix=m.updated_unix, bytes_sent=m.bytes_sent,
+                    bytes_received=m.bytes_received,
+                )
+                for m in self.store.members(job.job_id)
+            ],
+        )

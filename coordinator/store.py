@@ -1,0 +1,238 @@
+"""The coordinator's state in SQLite (WAL): nodes, jobs, the ranks of each job, and node progress.
+
+Everything the coordinator must not forget across a restart lives here; the servicer keeps only
+wake-up signals in memory. One connection guarded by a lock: the load is a few writes per second per node.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS nodes (
+    node_id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    peer_address TEXT NOT NULL,
+    metrics_address TEXT NOT NULL,
+    device TEXT NOT NULL,
+    version TEXT NOT NULL,
+    registered_unix REAL NOT NULL,
+    last_seen_unix REAL NOT NULL,
+    up INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    spec_json TEXT NOT NULL,
+    spec_yaml TEXT NOT NULL,
+    state TEXT NOT NULL,
+    world_size INTEGER NOT NULL,
+    created_unix REAL NOT NULL,
+    run_dir TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS members (
+    job_id TEXT NOT NULL REFERENCES jobs(job_id),
+    rank INTEGER NOT NULL,
+    node_id TEXT NOT NULL REFERENCES nodes(node_id),
+    step INTEGER NOT NULL DEFAULT 0,
+    loss REAL,
+    test_accuracy REAL,
+    finished INTEGER NOT NULL DEFAULT 0,
+    updated_unix REAL NOT NULL DEFAULT 0,
+    bytes_sent INTEGER NOT NULL DEFAULT 0,
+    bytes_received INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (job_id, rank)
+);
+"""
+
+ACTIVE_STATES = ("PENDING", "RUNNING")
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    node_id: str
+    name: str
+    peer_address: str
+    metrics_address: str
+    device: str
+    version: str
+    registered_unix: float
+    last_seen_unix: float
+    up: bool
+
+
+@dataclass(frozen=True)
+class JobRow:
+    job_id: str
+    name: str
+    spec_json: str
+    spec_yaml: str
+    state: str
+    world_size: int
+    created_unix: float
+    run_dir: str
+
+
+@dataclass(frozen=True)
+class MemberRow:
+    job_id: str
+    rank: int
+    node_id: str
+    step: int
+    loss: float | None
+    test_accuracy: float | None
+    finished: bool
+    updated_unix: float
+    bytes_sent: int
+    bytes_received: int
+
+
+class Store:
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(SCHEMA)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _query(self, sql: str, args: tuple = ()) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    # -- nodes ---------------------------------------------------------------------------------------------------
+
+    def register_node(
+        self, node_id: str, name: str, peer_address: str, metrics_address: str, device: str, version: str
+    ) -> str:
+        """Insert a new node, or bring a known one back up with its new addresses; returns its id."""
+        now = time.time()
+        with self._tx() as db:
+            known = node_id and db.execute("SELECT 1 FROM nodes WHERE node_id = ?", (node_id,)).fetchone()
+            if known:
+                db.execute(
+                    "UPDATE nodes SET name=?, peer_address=?, metrics_address=?, device=?, version=?, "
+                    "last_seen_unix=?, up=1 WHERE node_id=?",
+                    (name, peer_address, metrics_address, device, version, now, node_id),
+                )
+                return node_id
+            node_id = node_id or f"node-{uuid.uuid4().hex[:8]}"
+            db.execute(
+                "INSERT INTO nodes VALUES (?, ?, ?, ?, ?, ?, ?, ?, 1)",
+                (node_id, name, peer_address, metrics_address, device, version, now, now),
+            )
+            return node_id
+
+    def touch_node(self, node_id: str) -> tuple[bool, bool]:
+        """Record a heartbeat; returns (known, came_back_up)."""
+        with self._tx() as db:
+            row = db.execute("SELECT up FROM nodes WHERE node_id = ?", (node_id,)).fetchone()
+            if row is None:
+                return False, False
+            db.execute("UPDATE nodes SET last_seen_unix=?, up=1 WHERE node_id=?", (time.time(), node_id))
+            return True, not row[0]
+
+    def mark_silent_nodes_down(self, timeout_s: float) -> list[str]:
+        cutoff = time.time() - timeout_s
+        with self._tx() as db:
+            rows = db.execute("SELECT node_id FROM nodes WHERE up=1 AND last_seen_unix < ?", (cutoff,)).fetchall()
+            db.executemany("UPDATE nodes SET up=0 WHERE node_id=?", rows)
+        return [r[0] for r in rows]
+
+    def nodes(self) -> list[NodeRow]:
+        rows = self._query("SELECT * FROM nodes ORDER BY registered_unix, node_id")
+        return [NodeRow(*r[:8], up=bool(r[8])) for r in rows]
+
+    def node(self, node_id: str) -> NodeRow | None:
+        rows = self._query("SELECT * FROM nodes WHERE node_id = ?", (node_id,))
+        return NodeRow(*rows[0][:8], up=bool(rows[0][8])) if rows else None
+
+    # -- jobs ----------------------------------------------------------------------------------------------------
+
+    def add_job(self, job_id: str, name: str, spec_json: str, spec_yaml: str, world_size: int, run_dir: str) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO jobs VALUES (?, ?, ?, ?, 'PENDING', ?, ?, ?)",
+                (job_id, name, spec_json, spec_yaml, world_size, time.time(), run_dir),
+            )
+
+    def job(self, job_id: str) -> JobRow | None:
+        rows = self._query("SELECT * FROM jobs WHERE job_id = ?", (job_id,))
+        return JobRow(*rows[0]) if rows else None
+
+    def latest_job(self) -> JobRow | None:
+        rows = self._query("SELECT * FROM jobs ORDER BY created_unix DESC LIMIT 1")
+        return JobRow(*rows[0]) if rows else None
+
+    def jobs(self, states: tuple[str, ...]) -> list[JobRow]:
+        marks = ",".join("?" * len(states))
+        rows = self._query(f"SELECT * FROM jobs WHERE state IN ({marks}) ORDER BY created_unix", states)
+        return [JobRow(*r) for r in rows]
+
+    def set_job_state(self, job_id: str, state: str) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET state=? WHERE job_id=?", (state, job_id))
+
+    def start_job(self, job_id: str, node_ids: list[str]) -> None:
+        """Give the job its ranks (in the order given) and mark it running."""
+        with self._tx() as db:
+            db.executemany(
+                "INSERT INTO members (job_id, rank, node_id) VALUES (?, ?, ?)",
+                [(job_id, rank, node_id) for rank, node_id in enumerate(node_ids)],
+            )
+            db.execute("UPDATE jobs SET state='RUNNING' WHERE job_id=?", (job_id,))
+
+    def busy_node_ids(self) -> set[str]:
+        rows = self._query(
+            "SELECT m.node_id FROM members m JOIN jobs j ON j.job_id = m.job_id WHERE j.state = 'RUNNING'"
+        )
+        return {r[0] for r in rows}
+
+    def members(self, job_id: str) -> list[MemberRow]:
+        rows = self._query("SELECT * FROM members WHERE job_id = ? ORDER BY rank", (job_id,))
+        return [MemberRow(*r[:6], finished=bool(r[6]), updated_unix=r[7], bytes_sent=r[8], bytes_received=r[9])
+                for r in rows]
+
+    def running_membership(self, node_id: str) -> tuple[JobRow, int] | None:
+        rows = self._query(
+            "SELECT j.*, m.rank FROM members m JOIN jobs j ON j.job_id = m.job_id "
+            "WHERE m.node_id = ? AND j.state = 'RUNNING'",
+            (node_id,),
+        )
+        return (JobRow(*rows[0][:8]), rows[0][8]) if rows else None
+
+    def record_progress(
+        self, job_id: str, rank: int, node_id: str, step: int, loss: float, test_accuracy: float | None,
+        finished: bool, bytes_sent: int, bytes_received: int,
+    ) -> bool:
+        """Store a node's progress; returns False if that node does not hold that rank of that job."""
+        with self._tx() as db:
+            cursor = db.execute(
+                "UPDATE members SET step=?, loss=?, test_accuracy=COALESCE(?, test_accuracy), finished=?, "
+                "updated_unix=?, bytes_sent=?, bytes_received=? WHERE job_id=? AND rank=? AND node_id=?",
+                (step, loss, test_accuracy, int(finished), time.time(), bytes_sent, bytes_received, job_id, rank,
+                 node_id),
+            )
+            return cursor.rowcount == 1

@@ -1,0 +1,523 @@
+"""Communication graphs: generators, edge signs and phases, mixing weights, and time-varying peer schedules.
+
+Two families, both pure functions of (kind, nodes, seed, options) so that the coordinator, the simulator
+and the CLI build the same graph for the same job:
+
+- Undirected static graphs (`KINDS`), built by `build_topology` from a `TopologySpec`. Every edge carries a
+  sign for PDMM/ADMM-ISVR (`edge_sign`) and, per endpoint, a phase for the asynchronous exchange schedule
+  (`edge_phases`). `node_plan` bundles what one node needs.
+- Time-varying graphs for SGP and AD-PSGD (`DYNAMIC_KINDS`): circulant graphs whose offsets rotate, one
+  group per iteration (`offsets`, `out_peers`, `in_peers`, `is_passive`).
+
+Conventions follow docs ALGORITHMS.md "Notation" and "Topologies and mixing". Mixing matrices act as
+x_new = W @ x, so W[i, j] is the weight node i gives to node j's value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Literal, get_args
+
+import numpy as np
+
+from nodeagent.jobspec import TopologySpec
+
+Edge = tuple[int, int]
+WeightKind = Literal["uniform", "metropolis-hastings"]
+WEIGHT_KINDS: tuple[str, ...] = get_args(WeightKind)
+
+KINDS: tuple[str, ...] = (
+    "ring",
+    "multiplex-ring",
+    "complete",
+    "star",
+    "torus",
+    "random-regular",
+    "random",
+    "edge-list",
+    "ecl-random8",
+    "exponential",
+)
+DYNAMIC_KINDS: tuple[str, ...] = (
+    "dynamic-exponential",
+    "npeer-exponential",
+    "bipartite-exponential",
+    "bipartite-linear",
+)
+
+# The 8-node random graph of the ECL-ISVR experiments, kept verbatim so that results are comparable.
+ECL_RANDOM8_EDGES: tuple[Edge, ...] = (
+    (0, 1), (0, 4), (0, 6), (0, 7), (1, 6), (2, 4), (2, 5), (3, 6), (3, 7), (4, 5),
+)  # fmt: skip
+
+# A random d-regular graph with d >= 3 is connected with high probability; d = 2 on many nodes is the slow
+# case (a single Hamiltonian cycle is rare). The bound keeps a failure unlikely on thousands of nodes while
+# guaranteeing termination.
+_RANDOM_ATTEMPTS = 1000
+
+
+# ----------------------------------------------------------------------------------------------------
+# Undirected static graphs
+
+
+@dataclass(frozen=True)
+class Topology:
+    """An undirected simple graph on ranks 0..nodes-1.
+
+    `edges` holds each edge once as (a, b) with a < b, sorted, without duplicates or self loops; the
+    constructor checks this so that every consumer can rely on it.
+    """
+
+    nodes: int
+    edges: tuple[Edge, ...]
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise ValueError(f"a topology needs at least one node, got {self.nodes}")
+        for a, b in self.edges:
+            if not 0 <= a < b < self.nodes:
+                raise ValueError(f"edge ({a}, {b}) must satisfy 0 <= a < b < {self.nodes}")
+        if any(first >= second for first, second in zip(self.edges, self.edges[1:], strict=False)):
+            raise ValueError("edges must be sorted and free of duplicates")
+
+    @cached_property
+    def _adjacency(self) -> tuple[tuple[int, ...], ...]:
+        # Built once: neighbours are asked for often, and scanning the edge list each time is O(E).
+        adjacent: list[list[int]] = [[] for _ in range(self.nodes)]
+        for a, b in self.edges:
+            adjacent[a].append(b)
+            adjacent[b].append(a)
+        return tuple(tuple(sorted(peers)) for peers in adjacent)
+
+    def neighbors(self, rank: int) -> list[int]:
+        """The neighbours of `rank`, sorted."""
+        _check_rank(rank, self.nodes)
+        return list(self._adjacency[rank])
+
+    def degree(self, rank: int) -> int:
+        _check_rank(rank, self.nodes)
+        return len(self._adjacency[rank])
+
+    def is_connected(self) -> bool:
+        seen = {0}
+        frontier = [0]
+        while frontier:
+            rank = frontier.pop()
+            for peer in self._adjacency[rank]:
+                if peer not in seen:
+                    seen.add(peer)
+                    frontier.append(peer)
+        return len(seen) == self.nodes
+
+
+def _check_rank(rank: int, nodes: int) -> None:
+    if not 0 <= rank < nodes:
+        raise ValueError(f"rank {rank} is not in 0..{nodes - 1}")
+
+
+def _normalise(pairs: Iterable[Edge]) -> tuple[Edge, ...]:
+    """Undirected, deduplicated, sorted edges; self loops dropped (small circulant graphs wrap onto
+    themselves)."""
+    return tuple(sorted({(min(a, b), max(a, b)) for a, b in pairs if a != b}))
+
+
+def _circulant(nodes: int, distances: Iterable[int]) -> list[Edge]:
+    """Every rank joined to the ranks `distance` ahead of it, modulo `nodes`."""
+    return [(rank, (rank + distance) % nodes) for rank in range(nodes) for distance in distances]
+
+
+def _powers_of_two_below(limit: int) -> list[int]:
+    # Integer arithmetic: floor(log2(n - 1)) through floats misrounds for large n.
+    powers = []
+    power = 1
+    while power < limit:
+        powers.append(power)
+        power *= 2
+    return powers
+
+
+def _int_option(spec: TopologySpec, name: str) -> int:
+    value = spec.options.get(name)
+    if value is None:
+        raise ValueError(f"topology {spec.kind!r}: option {name!r} is required")
+    # bool is an int in Python; `degree: true` in YAML is a mistake, not 1.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"topology {spec.kind!r}: option {name!r} must be an integer, got {value!r}")
+    return value
+
+
+def _ring(spec: TopologySpec, nodes: int) -> Iterable[Edge]:
+    return _circulant(nodes, [1])
+
+
+def _multiplex_ring(spec: TopologySpec, nodes: int) -> Iterable[Edge]:
+    return _circulant(nodes, [1, 2])
+
+
+def _exponential(spec: TopologySpec, nodes: int) -> Iterable[Edge]:
+    return _circulant(nodes, _powers_of_two_below(nodes))
+
+
+def _complete(spec: TopologySpec, nodes: int) -> Iterable[Edge]:
+    return [(a, b) for a in range(nodes) for b in range(a + 1, nodes)]
+
+
+def _star(spec: TopologySpec, nodes: int) -> Iterable[Edge]:
+    return [(0, leaf) for leaf in range(1, nodes)]
+
+
+def _torus(spec: TopologySpec, nodes: int) -> Iterable[Edge]:
+    rows, cols = _torus_shape(spec, nodes)
+    edges = []
+    for row in range(rows):
+        for col in range(cols):
+            rank = row * cols + col
+            edges.append((rank, row * cols + (col + 1) % cols))
+            edges.append((rank, ((row + 1) % rows) * cols + col))
+    return edges
+
+
+def _torus_shape(spec: TopologySpec, nodes: int) -> tuple[int, int]:
+    given = {name: _int_option(spec, name) for name in ("rows", "cols") if name in spec.options}
+    if any(value < 1 for value in given.values()):
+        raise ValueError(f"topology 'torus': rows and cols must be >= 1, got {given}")
+    if not given:
+        # The most square factorisation: the largest divisor not above sqrt(nodes) (1 for a prime: a ring).
+        rows = max(d for d in range(1, int(nodes**0.5) + 1) if nodes % d == 0)
+        cols = nodes // rows
+    else:
+        # One option given derives the other; the product check below catches a non-divisor.
+        rows = given.get("rows", nodes // given.get("cols", 1))
+        cols = given.get("cols", nodes // rows)
+    if rows * cols != nodes:
+        raise ValueError(f"topology 'torus': rows {rows} x cols {cols} does not equal nodes {nodes}")
+    return rows, cols
+
+
+def _random_regular(spec: TopologySpec, nodes: int) -> Iterable[Edge]:
+    degree = _int_option(spec, "degree")
+    if not 1 <= degree < nodes:
+        raise ValueError(f"topology {spec.kind!r}: option 'degree' must be in 1..{nodes - 1}, got {degree}")
+    if nodes * degree % 2:
+        raise ValueError(f"topology {spec.kind!r}: nodes * degree must be even, got {nodes} * {degree}")
+    if degree == 1 and nodes > 2:
+        raise ValueError(f"topology {spec.kind!r}: degree 1 on {nodes} nodes can never be connected")
+    rng = np.random.default_rng(spec.seed)
+    for _ in range(_RANDOM_ATTEMPTS):
+        edges = _random_regular_attempt(nodes, degree, rng)
+        if edges is not None and Topology(nodes, _normalise(edges)).is_connected():
+            return edges
+    raise ValueError(
+        f"topology {spec.kind!r}: no connected {degree}-regular graph on {nodes} nodes in {_RANDOM_ATTEMPTS} tries"
+    )
+
+
+def _random_regular_attempt(nodes: int, degree: int, rng: np.random.Generator) -> set[Edge] | None:
+    """One try of the Steger-Wormald pairing: pair free stubs at random, keep the pairs that make a simple
+    graph, re-pair the rest. Plain rejection of the whole configuration model fails almost always for degree
+    above ~6; this succeeds almost always. Returns None when the leftover stubs cannot be paired."""
+    edges: set[Edge] = set()
+    stubs = [rank for rank in range(nodes) for _ in range(degree)]
+    while stubs:
+        leftover: dict[int, int] = {}
+        shuffled = [stubs[i] for i in rng.permutation(len(stubs))]
+        for a, b in zip(shuffled[0::2], shuffled[1::2], strict=True):
+            edge = (min(a, b), max(a, b))
+            if a != b and edge not in edges:
+                edges.add(edge)
+            else:
+                leftover[a] = leftover.get(a, 0) + 1
+                leftover[b] = leftover.get(b, 0) + 1
+        pending = list(leftover)
+        if pending and not any(
+            (a, b) not in edges for i, a in enumerate(pending) for b in pending[i + 1 :]
+        ):  # the ranks left with free stubs are already all joined: stuck
+            return None
+        stubs = [rank for rank, count in leftover.items() for _ in range(count)]
+    return edges
+
+
+def _edge_list(spec: TopologySpec, nodes: int) -> Iterable[Edge]:
+    path = spec.options.get("path")
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"topology 'edge-list': option 'path' must be a file path, got {path!r}")
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise ValueError(f"topology 'edge-list': cannot read {path}: {error.strerror or error}") from None
+    edges = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        where = f"topology 'edge-list': {path}:{number}"
+        try:
+            a, b = (int(field) for field in fields)
+        except ValueError:
+            raise ValueError(f"{where}: expected two ranks 'a b', got {line.strip()!r}") from None
+        if not (0 <= a < nodes and 0 <= b < nodes):
+            raise ValueError(f"{where}: rank out of range 0..{nodes - 1} in {line.strip()!r}")
+        if a == b:
+            raise ValueError(f"{where}: self loop {a}-{b}")
+        edges.append((a, b))
+    return edges
+
+
+def _ecl_random8(spec: TopologySpec, nodes: int) -> Iterable[Edge]:
+    if nodes != 8:
+        raise ValueError(f"topology 'ecl-random8' is the fixed 8-node graph; the job has {nodes} nodes")
+    return ECL_RANDOM8_EDGES
+
+
+_Builder = Callable[[TopologySpec, int], Iterable[Edge]]
+# kind -> (allowed option names, builder); every kind of KINDS appears here.
+_BUILDERS: dict[str, tuple[frozenset[str], _Builder]] = {
+    "ring": (frozenset(), _ring),
+    "multiplex-ring": (frozenset(), _multiplex_ring),
+    "complete": (frozenset(), _complete),
+    "star": (frozenset(), _star),
+    "torus": (frozenset({"rows", "cols"}), _torus),
+    "random-regular": (frozenset({"degree"}), _random_regular),
+    "random": (frozenset({"degree"}), _random_regular),
+    "edge-list": (frozenset({"path"}), _edge_list),
+    "ecl-random8": (frozenset(), _ecl_random8),
+    "exponential": (frozenset(), _exponential),
+}
+
+
+def build_topology(spec: TopologySpec, nodes: int) -> Topology:
+    """The undirected graph of `spec` on `nodes` ranks. ValueError names the kind or option that is wrong.
+
+    - ring, multiplex-ring (distances 1 and 2), exponential (distances 2^i < nodes): circulant graphs; on few
+      nodes the distances coincide and the duplicate edges collapse (ring of 2 = one edge, of 1 = none).
+    - complete; star (centre 0).
+    - torus: options rows, cols (either derives the other); default the most square factorisation; wraps
+      (a side of 2 wraps onto the same neighbour, so a 2 x m torus has degree 3, and 1 x m is a ring).
+    - random-regular / random: option degree; a random simple degree-regular graph (Steger-Wormald), seeded by
+      spec.seed, redrawn until connected.
+    - edge-list: option path to a text file of "a b" lines, '#' starts a comment; duplicates collapse.
+    - ecl-random8: the ECL-ISVR fixture, nodes must be 8.
+    """
+    if nodes < 1:
+        raise ValueError(f"a topology needs at least one node, got {nodes}")
+    if spec.kind not in _BUILDERS:
+        raise ValueError(f"unknown topology kind {spec.kind!r}; known kinds: {', '.join(KINDS)}")
+    allowed, builder = _BUILDERS[spec.kind]
+    unknown = sorted(set(spec.options) - allowed)
+    if unknown:
+        raise ValueError(
+            f"topology {spec.kind!r}: unknown option(s) {', '.join(unknown)}; "
+            f"allowed: {', '.join(sorted(allowed)) or 'none'}"
+        )
+    return Topology(nodes, _normalise(builder(spec, nodes)))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Signs, phases, per-node plans
+
+
+def edge_sign(i: int, j: int) -> int:
+    """A_ij of PDMM/ADMM-ISVR: +1 for the lower rank, -1 for the higher, so A_ij = -A_ji."""
+    if i == j:
+        raise ValueError(f"no edge sign for a self loop ({i}, {j})")
+    return 1 if i < j else -1
+
+
+def edge_phases(topology: Topology, interval: int, seed: int) -> dict[Edge, int]:
+    """For each directed pair (i, j) of every edge, the phase in 0..interval-1 at which i starts an exchange
+    on that edge. The two endpoints draw independently, so an edge is exchanged about twice per interval at
+    random moments (the asynchronous model of ECL-ISVR). Draws go in edge order, (a, b) then (b, a)."""
+    if interval < 1:
+        raise ValueError(f"interval must be >= 1, got {interval}")
+    draws = np.random.default_rng(seed).integers(0, interval, size=(len(topology.edges), 2))
+    phases: dict[Edge, int] = {}
+    for (a, b), (phase_a, phase_b) in zip(topology.edges, draws.tolist(), strict=True):
+        phases[(a, b)] = phase_a
+        phases[(b, a)] = phase_b
+    return phases
+
+
+@dataclass(frozen=True)
+class NeighborPlan:
+    """What a node needs about one neighbour: its rank, the node's sign A_ij and phase on that edge, and the
+    mixing weight it gives the neighbour's value."""
+
+    rank: int
+    sign: int
+    phase: int
+    weight: float
+
+
+def _weights_of(topology: Topology, rank: int, kind: str) -> tuple[dict[int, float], float]:
+    """One row of the mixing matrix: neighbour -> weight, and the self weight. Computed per row so that a
+    node's plan does not cost an n x n matrix."""
+    peers = topology.neighbors(rank)
+    if kind == "uniform":
+        share = 1.0 / (len(peers) + 1)
+        return {peer: share for peer in peers}, share
+    if kind == "metropolis-hastings":
+        own = len(peers)
+        row = {peer: 1.0 / (1 + max(own, topology.degree(peer))) for peer in peers}
+        return row, 1.0 - sum(row.values())
+    raise ValueError(f"unknown mixing weights {kind!r}; known: {', '.join(WEIGHT_KINDS)}")
+
+
+def node_plan(
+    topology: Topology, rank: int, interval: int, seed: int, weights: WeightKind = "uniform"
+) -> tuple[list[NeighborPlan], float]:
+    """The neighbours of `rank` (sorted by rank) with sign, phase and weight, and the node's self weight."""
+    row, self_weight = _weights_of(topology, rank, weights)
+    phases = edge_phases(topology, interval, seed)
+    plan = [NeighborPlan(peer, edge_sign(rank, peer), phases[(rank, peer)], row[peer]) for peer in row]
+    return plan, self_weight
+
+
+def mixing_matrix(topology: Topology, kind: WeightKind) -> np.ndarray:
+    """The n x n weight matrix. uniform: 1/(E_i+1) on self and neighbours; row-stochastic, doubly stochastic
+    only on regular graphs. metropolis-hastings: w_ij = 1/(1+max(d_i, d_j)), self = 1 - sum; symmetric and
+    doubly stochastic on any graph."""
+    matrix = np.zeros((topology.nodes, topology.nodes))
+    for rank in range(topology.nodes):
+        row, self_weight = _weights_of(topology, rank, kind)
+        matrix[rank, rank] = self_weight
+        for peer, weight in row.items():
+            matrix[rank, peer] = weight
+    return matrix
+
+
+def _is_square_nonnegative(m: np.ndarray, tol: float) -> bool:
+    return m.ndim == 2 and m.shape[0] == m.shape[1] and bool(np.all(m >= -tol))
+
+
+def is_row_stochastic(m: np.ndarray, tol: float = 1e-9) -> bool:
+    return _is_square_nonnegative(m, tol) and bool(np.allclose(m.sum(axis=1), 1.0, rtol=0.0, atol=tol))
+
+
+def is_column_stochastic(m: np.ndarray, tol: float = 1e-9) -> bool:
+    return _is_square_nonnegative(m, tol) and bool(np.allclose(m.sum(axis=0), 1.0, rtol=0.0, atol=tol))
+
+
+def is_doubly_stochastic(m: np.ndarray, tol: float = 1e-9) -> bool:
+    return is_row_stochastic(m, tol) and is_column_stochastic(m, tol)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Time-varying directed graphs (SGP, AD-PSGD)
+
+
+def _dedupe_offsets(nodes: int, raw: Iterable[int]) -> list[int]:
+    """Offsets reduced modulo nodes, first occurrence kept, offset 0 (the node itself) dropped."""
+    seen: list[int] = []
+    for offset in raw:
+        reduced = offset % nodes
+        if reduced and reduced not in seen:
+            seen.append(reduced)
+    return seen
+
+
+def _check_dynamic(kind: str, nodes: int, peers_per_iteration: int) -> None:
+    if kind not in DYNAMIC_KINDS:
+        raise ValueError(f"unknown dynamic topology kind {kind!r}; known kinds: {', '.join(DYNAMIC_KINDS)}")
+    if nodes < 1:
+        raise ValueError(f"a topology needs at least one node, got {nodes}")
+    if peers_per_iteration < 1:
+        raise ValueError(f"peers_per_iteration must be >= 1, got {peers_per_iteration}")
+    # An odd cycle is not bipartite: with odd nodes the odd offsets wrap onto the same parity.
+    if kind.startswith("bipartite-") and nodes % 2:
+        raise ValueError(f"topology {kind!r} needs an even number of nodes, got {nodes}")
+
+
+def offsets(kind: str, nodes: int, peers_per_iteration: int = 1) -> list[int]:
+    """The rotation sequence of a dynamic kind: offsets in 1..nodes-1 (taken modulo nodes, deduplicated, first
+    occurrence kept). At iteration t rank r sends to r + offset for the k offsets at positions
+    t*k .. t*k+k-1 of the sequence, cyclically (k = peers_per_iteration); see `out_peers`.
+
+    - dynamic-exponential: +2^0, -2^0, +2^1, -2^1, ... for 2^i < nodes (SGP's directed exponential graph).
+      8 nodes: 1, 7, 2, 6, 4.
+    - npeer-exponential: SGP's "n-peer forward exponential" graph: for i = 0, 1, ... while (k+1)^i < nodes,
+      and for j = 1..k, the forward offset j*(k+1)^i. Only this kind's offsets depend on k; taken k at a
+      time, each iteration covers one scale i. 8 nodes, k = 1: 1, 2, 4; k = 2: 1, 2, 3, 6.
+    - bipartite-exponential: SGP's bipartite exponential graph: +1, -1, then +(2^i + 1), -(2^i + 1) for
+      i >= 1 while 2^i < nodes, i.e. odd distances 1, 3, 5, 9, 17, ...; every offset is odd, so with an even
+      number of nodes it always joins an even (passive) rank and an odd (active) one. 8 nodes: 1, 7, 3, 5.
+    - bipartite-linear: every odd distance, +1, -1, +3, -3, ...; 8 nodes: 1, 7, 3, 5.
+    Bipartite kinds need an even number of nodes. A single node has no offsets.
+    """
+    _check_dynamic(kind, nodes, peers_per_iteration)
+    if kind == "dynamic-exponential":
+        raw = [sign * power for power in _powers_of_two_below(nodes) for sign in (1, -1)]
+    elif kind == "npeer-exponential":
+        base = peers_per_iteration + 1
+        raw = []
+        scale = 1
+        while scale < nodes:
+            raw.extend(j * scale for j in range(1, base))
+            scale *= base
+    elif kind == "bipartite-exponential":
+        distances = [1] + [power + 1 for power in _powers_of_two_below(nodes)[1:]]
+        raw = [sign * distance for distance in distances for sign in (1, -1)]
+    else:  # bipartite-linear
+        raw = [sign * distance for distance in range(1, nodes, 2) for sign in (1, -1)]
+    return _dedupe_offsets(nodes, raw)
+
+
+def _offsets_at(kind: str, nodes: int, iteration: int, peers_per_iteration: int) -> list[int]:
+    sequence = offsets(kind, nodes, peers_per_iteration)
+    if iteration < 0:
+        raise ValueError(f"iteration must be >= 0, got {iteration}")
+    if not sequence:  # a single node: nobody to talk to
+        return []
+    if peers_per_iteration > len(sequence):
+        # More peers than distinct offsets would send two shares to one peer in an iteration.
+        raise ValueError(
+            f"topology {kind!r} on {nodes} nodes has {len(sequence)} distinct offsets; "
+            f"peers_per_iteration {peers_per_iteration} is too many"
+        )
+    start = iteration * peers_per_iteration
+    return [sequence[(start + m) % len(sequence)] for m in range(peers_per_iteration)]
+
+
+def is_passive(kind: str, rank: int) -> bool:
+    """Bipartite kinds: even ranks are passive (they only answer), odd ranks active (they initiate), so a
+    bilateral exchange never deadlocks. Other kinds have no passive ranks."""
+    if kind not in DYNAMIC_KINDS:
+        raise ValueError(f"unknown dynamic topology kind {kind!r}; known kinds: {', '.join(DYNAMIC_KINDS)}")
+    return kind.startswith("bipartite-") and rank % 2 == 0
+
+
+def out_peers(kind: str, nodes: int, rank: int, iteration: int, peers_per_iteration: int = 1) -> list[int]:
+    """The ranks `rank` sends to (SGP) or initiates an exchange with (AD-PSGD) at `iteration`: (rank + offset)
+    mod nodes for this iteration's offsets (see `offsets`). Passive ranks of bipartite kinds return []."""
+    _check_rank(rank, nodes)
+    chosen = _offsets_at(kind, nodes, iteration, peers_per_iteration)
+    if is_passive(kind, rank):
+        return []
+    return [(rank + offset) % nodes for offset in chosen]
+
+
+def in_peers(kind: str, nodes: int, rank: int, iteration: int, peers_per_iteration: int = 1) -> list[int]:
+    """The ranks whose `out_peers` at `iteration` include `rank`: what a node receives from (or answers)."""
+    _check_rank(rank, nodes)
+    chosen = _offsets_at(kind, nodes, iteration, peers_per_iteration)
+    senders = [(rank - offset) % nodes for offset in chosen]
+    return [sender for sender in senders if not is_passive(kind, sender)]
+
+
+def directed_mixing_matrix(nodes: int, out_peers_per_node: Sequence[Sequence[int]]) -> np.ndarray:
+    """Push-sum weights: sender j keeps 1/(k_j+1) and gives 1/(k_j+1) to each of its k_j out-peers, so
+    W[i, j] is what i receives from j and every column sums to 1 (column-stochastic)."""
+    if len(out_peers_per_node) != nodes:
+        raise ValueError(f"expected out-peers for {nodes} nodes, got {len(out_peers_per_node)}")
+    matrix = np.zeros((nodes, nodes))
+    for sender, peers in enumerate(out_peers_per_node):
+        if len(set(peers)) != len(peers) or sender in peers:
+            raise ValueError(f"out-peers of rank {sender} must be distinct and not itself, got {list(peers)}")
+        share = 1.0 / (len(peers) + 1)
+        matrix[sender, sender] = share
+        for peer in peers:
+            _check_rank(peer, nodes)
+            matrix[peer, sender] = share
+    return matrix

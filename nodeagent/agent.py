@@ -1,0 +1,406 @@
+"""The node agent daemon: register with the coordinator, watch the assignment, train, serve peers, checkpoint.
+
+Threads: gRPC server threads serve peers (they only read the published snapshot and enqueue messages); one
+watch thread follows the assignment stream; one heartbeat thread; one training thread per job (the only
+thread that calls into the algorithm); a small pool performs outgoing exchanges and enqueues their replies.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import queue
+import socket
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+
+from nodeagent import __version__
+from nodeagent._proto import coordinator_pb2, coordinator_pb2_grpc, peer_pb2_grpc
+from nodeagent.algorithms.base import Neighbor, Route, Send
+from nodeagent.jobspec import JobSpec
+from nodeagent.mesh.grpc import GRPC_OPTIONS, PeerClient, PeerServicer, ServingState, failure_reason
+from nodeagent.metrics import Metrics
+from nodeagent.training.job import Node, build_node
+from nodeagent.wire.codec import WireError
+from nodeagent.wire.message import Encoding, Message
+
+log = logging.getLogger("nodeagent")
+
+REPORT_INTERVAL_S = 1.0
+RECONNECT_DELAY_S = 1.0
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    coordinator: str = "127.0.0.1:7070"
+    listen: str = "0.0.0.0:7100"
+    advertise: str | None = None
+    metrics_listen: str | None = "0.0.0.0:9401"
+    state_dir: Path = Path("/var/lib/peertrain/agent")
+    data_dir: str | None = None
+    device: str = "cpu"
+    name: str = field(default_factory=socket.gethostname)
+    slowdown: float = 1.0
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address {address!r} must be HOST:PORT")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+class JobRunner(threading.Thread):
+    """Trains one job's node; the only thread that touches the algorithm."""
+
+    def __init__(self, agent: Agent, assignment: coordinator_pb2.Assignment):
+        super().__init__(name=f"train-{assignment.job_id}", daemon=True)
+        self.agent = agent
+        self.job_id = assignment.job_id
+        self.rank = assignment.rank
+        self.spec = JobSpec.from_json(assignment.job_spec_json)
+        self.stop_event = threading.Event()
+        self.inbox: queue.Queue[Message] = queue.Queue()
+        self.addresses: dict[int, str] = {}
+        self.names: dict[int, str] = {}
+        self.update(assignment)
+        self.neighbors = tuple(
+            Neighbor(rank=n.rank, sign=n.sign, phase=n.phase, weight=n.weight) for n in assignment.neighbors
+        )
+        self.self_weight = assignment.self_weight
+        self.in_flight: set[int] = set()
+        self.in_flight_lock = threading.Lock()
+        self.pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"exchange-{self.job_id}")
+        self.clients: dict[str, PeerClient] = {}
+        self.serving: ServingState | None = None
+        self.failures = 0
+        self.exchanges = 0
+
+    def update(self, assignment: coordinator_pb2.Assignment) -> None:
+        """New addresses or liveness of neighbours; applied between steps (dicts are replaced whole)."""
+        self.addresses = {n.rank: n.address for n in assignment.neighbors}
+        self.names = {n.rank: n.node_id for n in assignment.neighbors} | {self.rank: self.agent.node_id}
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.agent.config.state_dir / "checkpoints" / f"{self.job_id}-rank{self.rank}.pt"
+
+    def save_checkpoint(self, node: Node) -> None:
+        path = self.checkpoint_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"clock": node.algorithm.clock, "w": node.algorithm.w.detach().clone()}, tmp)
+        os.replace(tmp, path)
+
+    def restore_checkpoint(self, node: Node) -> None:
+        if not self.checkpoint_path.exists():
+            return
+        state = torch.load(self.checkpoint_path, weights_only=True)
+        if state["w"].shape != node.algorithm.w.shape:
+            log.warning("checkpoint %s does not fit the model; starting afresh", self.checkpoint_path)
+            return
+        with torch.no_grad():
+            node.algorithm.w.copy_(state["w"])
+        node.algorithm.clock = int(state["clock"])
+        log.info("resumed job %s at step %d from %s", self.job_id, node.algorithm.clock, self.checkpoint_path)
+
+    def run(self) -> None:
+        try:
+            self._train()
+        except Exception:
+            log.exception("job %s failed on this node", self.job_id)
+        finally:
+            self.agent.set_serving(None)
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            for client in self.clients.values():
+                client.close()
+
+    def _train(self) -> None:
+        spec = self.spec
+        node = build_node(spec, self.rank, self.neighbors, self.self_weight, self.agent.config.data_dir)
+        self.restore_checkpoint(node)
+        algorithm = node.algorithm
+        metrics = self.agent.metrics
+        labels = (self.job_id, self.agent.node_id)
+        self.serving = ServingState(
+            job_id=self.job_id,
+            node_id=self.agent.node_id,
+            rank=self.rank,
+            algorithm_name=spec.algorithm.name,
+            names=self.names,
+            expected=algorithm.expected,
+            snapshot=algorithm.snapshot,
+            inbox=self.inbox,
+            encoding=Encoding.from_name(spec.wire.encoding),
+            chunk_bytes=spec.wire.chunk_bytes,
+            max_message_bytes=spec.wire.max_message_bytes,
+        )
+        self.agent.set_serving(self.serving)
+        log.info(
+            "job %s: rank %d of %d, %s on %d samples, neighbours %s",
+            self.job_id, self.rank, spec.nodes, spec.algorithm.name, node.shard_size, sorted(self.addresses),
+        )
+        started = time.monotonic()
+        compute_s = wait_s = 0.0
+        accuracy = test_loss = math.nan
+        last_report = 0.0
+        while algorithm.clock < spec.steps and not self.stop_event.is_set():
+            waited = time.perf_counter()
+            self._drain(algorithm)
+            while not algorithm.ready() and not self.stop_event.is_set():
+                self._drain(algorithm, block=True)
+            wait_s += time.perf_counter() - waited
+            inputs, targets = node.batches.next()
+            began = time.perf_counter()
+            loss = algorithm.step(inputs, targets)
+            elapsed = time.perf_counter() - began
+            if self.agent.config.slowdown > 1:
+                time.sleep(elapsed * (self.agent.config.slowdown - 1))
+                elapsed = time.perf_counter() - began
+            compute_s += elapsed
+            metrics.step_seconds.labels(*labels).observe(elapsed)
+            metrics.local_steps.labels(*labels).inc()
+            metrics.training_loss.labels(*labels).set(loss)
+            for send in algorithm.sends():
+                self._dispatch(send)
+            final = algorithm.clock >= spec.steps
+            if algorithm.clock % spec.eval_every == 0 or final:
+                result = node.evaluate()
+                accuracy, test_loss = result.accuracy, result.loss
+                metrics.test_accuracy.labels(*labels).set(accuracy)
+                metrics.test_loss.labels(*labels).set(test_loss)
+                self.save_checkpoint(node)
+            now = time.monotonic()
+            if final or now - last_report >= REPORT_INTERVAL_S or algorithm.clock % spec.eval_every == 0:
+                last_report = now
+                self.agent.report(
+                    coordinator_pb2.MetricsReport(
+                        node_id=self.agent.node_id, job_id=self.job_id, rank=self.rank, step=algorithm.clock,
+                        loss=loss, test_accuracy=accuracy, test_loss=test_loss, elapsed_s=now - started,
+                        finished=final, bytes_sent=self._traffic("sent"), bytes_received=self._traffic("received"),
+                        compute_s=compute_s, wait_s=wait_s, exchanges=self.exchanges,
+                        exchange_failures=self.failures,
+                    )
+                )
+        metrics.wait_seconds.labels(*labels).inc(wait_s)
+        log.info("job %s: finished at step %d, test accuracy %.4f", self.job_id, algorithm.clock, accuracy)
+        # Keep serving until the coordinator ends the job: slower neighbours may still exchange with us.
+        while not self.stop_event.wait(0.2):
+            self._drain(algorithm)
+
+    def _traffic(self, direction: str) -> int:
+        registry = self.agent.metrics.registry
+        total = 0.0
+        me = self.agent.node_id
+        for peer in self.names.values():
+            if peer == me:
+                continue
+            src, dst = (me, peer) if direction == "sent" else (peer, me)
+            total += registry.get_sample_value(f"peertrain_edge_bytes_{direction}_total", {"src": src, "dst": dst}) or 0
+        return int(total)
+
+    def _drain(self, algorithm, block: bool = False) -> None:
+        try:
+            message = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            algorithm.receive(message)
+            try:
+                message = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _client(self, address: str) -> PeerClient:
+        client = self.clients.get(address)
+        if client is None:
+            client = self.clients[address] = PeerClient(address)
+        return client
+
+    def _dispatch(self, send: Send) -> None:
+        """Start an exchange in the pool, unless one with that peer is still in flight (flow control)."""
+        dst = self.names.get(send.peer, f"rank{send.peer}")
+        with self.in_flight_lock:
+            if send.peer in self.in_flight:
+                self.agent.metrics.exchange_failures.labels(self.agent.node_id, dst, "in_flight").inc()
+                return
+            self.in_flight.add(send.peer)
+        address = self.addresses.get(send.peer)
+        if send.route != Route.EXCHANGE or address is None or send.message is None:
+            raise NotImplementedError(f"route {send.route} is not available in this version")
+        self.pool.submit(self._exchange, send, address, dst)
+
+    def _exchange(self, send: Send, address: str, dst: str) -> None:
+        assert self.serving is not None and send.message is not None
+        try:
+            reply = self._client(address).exchange(
+                self.serving, send.message, self.spec.wire.exchange_timeout_s, self.agent.metrics
+            )
+            self.inbox.put(reply)
+            self.exchanges += 1
+        except grpc.RpcError as error:
+            self.failures += 1
+            self.agent.metrics.exchange_failures.labels(self.agent.node_id, dst, failure_reason(error)).inc()
+            log.debug("exchange with %s failed: %s", dst, error)
+        except WireError as error:
+            self.failures += 1
+            self.agent.metrics.exchange_failures.labels(self.agent.node_id, dst, "rejected").inc()
+            log.warning("reply from %s rejected: %s", dst, error)
+        finally:
+            with self.in_flight_lock:
+                self.in_flight.discard(send.peer)
+
+
+class Agent:
+    def __init__(self, config: AgentConfig):
+        self.config = config
+        self.metrics = Metrics()
+        self.stopping = threading.Event()
+        self.node_id = ""
+        self._serving: ServingState | None = None
+        self._runner: JobRunner | None = None
+        self._runner_lock = threading.Lock()
+        self._server: grpc.Server | None = None
+        self._channel: grpc.Channel | None = None
+        self._stub: coordinator_pb2_grpc.CoordinatorStub | None = None
+        self.peer_address = ""
+        self.metrics_address = ""
+        self._threads: list[threading.Thread] = []
+
+    # -- serving -------------------------------------------------------------------------------------------------
+
+    def set_serving(self, state: ServingState | None) -> None:
+        self._serving = state
+
+    def serving(self) -> ServingState | None:
+        return self._serving
+
+    def start(self) -> None:
+        config = self.config
+        config.state_dir.mkdir(parents=True, exist_ok=True)
+        id_file = config.state_dir / "node_id"
+        self.node_id = id_file.read_text().strip() if id_file.exists() else ""
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="peer"), options=GRPC_OPTIONS
+        )
+        peer_pb2_grpc.add_PeerServicer_to_server(
+            PeerServicer(self.serving, self.metrics, __version__), self._server
+        )
+        host, port = split_address(config.listen)
+        bound = self._server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"cannot listen on {config.listen}")
+        self._server.start()
+        self.peer_address = config.advertise or f"{self._advertised_host(host)}:{bound}"
+        if config.metrics_listen:
+            metrics_host, metrics_port = split_address(config.metrics_listen)
+            metrics_bound = self.metrics.serve_http(metrics_host, metrics_port)
+            self.metrics_address = f"{self._advertised_host(metrics_host)}:{metrics_bound}"
+        log.warning("peer links are not encrypted (insecure mode): run only on a trusted network")
+        self._channel = grpc.insecure_channel(config.coordinator)
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self._register()
+        self.metrics.agent_info.labels(self.node_id, config.device).set(1)
+        for target, name in ((self._watch_loop, "watch"), (self._heartbeat_loop, "heartbeat")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        log.info("agent %s serving peers on %s, metrics on %s", self.node_id, self.peer_address, self.metrics_address)
+
+    @staticmethod
+    def _advertised_host(host: str) -> str:
+        return socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+
+    def _register(self) -> None:
+        assert self._stub is not None
+        while not self.stopping.is_set():
+            try:
+                reply = self._stub.Register(
+                    coordinator_pb2.RegisterRequest(
+                        node_id=self.node_id, peer_address=self.peer_address, metrics_address=self.metrics_address,
+                        name=self.config.name, device=self.config.device, version=__version__,
+                    ),
+                    timeout=5,
+                )
+            except grpc.RpcError as error:
+                log.warning("coordinator %s unreachable (%s); retrying", self.config.coordinator, failure_reason(error))
+                self.stopping.wait(RECONNECT_DELAY_S)
+                continue
+            if reply.node_id != self.node_id:
+                self.node_id = reply.node_id
+                (self.config.state_dir / "node_id").write_text(self.node_id + "\n")
+            self.heartbeat_interval = reply.heartbeat_interval_s or 2.0
+            return
+
+    def _heartbeat_loop(self) -> None:
+        assert self._stub is not None
+        while not self.stopping.wait(self.heartbeat_interval):
+            try:
+                reply = self._stub.Heartbeat(coordinator_pb2.HeartbeatRequest(node_id=self.node_id), timeout=5)
+                if not reply.known:
+                    log.warning("the coordinator forgot this node; registering again")
+                    self._register()
+            except grpc.RpcError as error:
+                log.debug("heartbeat failed: %s", failure_reason(error))
+
+    def _watch_loop(self) -> None:
+        assert self._stub is not None
+        while not self.stopping.is_set():
+            try:
+                for assignment in self._stub.WatchAssignment(
+                    coordinator_pb2.WatchAssignmentRequest(node_id=self.node_id)
+                ):
+                    self._apply(assignment)
+                    if self.stopping.is_set():
+                        return
+            except grpc.RpcError as error:
+                if self.stopping.is_set():
+                    return
+                log.warning("assignment stream lost (%s); reconnecting", failure_reason(error))
+                if failure_reason(error) == "not_found":
+                    self._register()
+            self.stopping.wait(RECONNECT_DELAY_S)
+
+    def _apply(self, assignment: coordinator_pb2.Assignment) -> None:
+        with self._runner_lock:
+            runner = self._runner
+            running = assignment.state == coordinator_pb2.JOB_RUNNING
+            if runner is not None and (not running or runner.job_id != assignment.job_id):
+                log.info("job %s ended here (%s)", runner.job_id, coordinator_pb2.JobState.Name(assignment.state))
+                runner.stop_event.set()
+                runner.join(timeout=30)
+                self._runner = runner = None
+            if not running:
+                return
+            if runner is None:
+                self._runner = JobRunner(self, assignment)
+                self._runner.start()
+            else:
+                runner.update(assignment)
+
+    def report(self, report: coordinator_pb2.MetricsReport) -> None:
+        assert self._stub is not None
+        try:
+            self._stub.ReportMetrics(report, timeout=5)
+        except grpc.RpcError as error:
+            log.debug("metrics report failed: %s", failure_reason(error))
+
+    def stop(self) -> None:
+        """Stop training, stop serving; idempotent. Checkpoints are already on disk."""
+        self.stopping.set()
+        with self._runner_lock:
+            if self._runner is not None:
+                self._runner.stop_event.set()
+                self._runner.join(timeout=30)
+                self._runner = None
+        if self._server is not None:
+            self._server.stop(grace=2).wait()
+        if self._channel is not None:
+            self._channel.close()

@@ -1,0 +1,23 @@
+"""Algorithms by name. Each is one module holding an I/O-free state machine (see base.py)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from nodeagent.algorithms.base import Algorithm, Neighbor, NodeContext, Route, Send, Snapshot
+from nodeagent.algorithms.dsgd import DSGD
+
+REGISTRY: dict[str, type[Algorithm]] = {cls.name: cls for cls in (DSGD,)}
+
+
+def build_algorithm(model: nn.Module, context: NodeContext) -> Algorithm:
+    try:
+        cls = REGISTRY[context.spec.name]
+    except KeyError:
+        raise ValueError(
+            f"algorithm.name: unknown algorithm {context.spec.name!r}; known: {', '.join(sorted(REGISTRY))}"
+        ) from None
+    return cls(model, context)
+
+
+__all__ = ["REGISTRY", "Algorithm", "Neighbor", "NodeContext", "Route", "Send", "Snapshot", "build_algorithm"]

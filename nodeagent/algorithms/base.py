@@ -1,0 +1,210 @@
+"""The algorithm interface: I/O-free state machines that both runtimes (gRPC agent, simulator) drive.
+
+An algorithm never opens a socket, starts a thread or sleeps. Its runtime calls, always from one thread:
+- `step(inputs, targets)`: one local step on the batch it is given; returns the minibatch loss;
+- `sends()`: the messages to send now (exchange, push or pull, to which peer, what kind);
+- `receive(message)`: a message arrived (a peer's reply, push or pull answer);
+- `snapshot()`: the immutable snapshot that network threads serve to peers until the next one;
+- `expected(peer, kind)`: what a stream from `peer` of `kind` must hold, checked before any state is touched;
+- `ready()`: whether the next local step may start (synchronous modes wait for their round's messages).
+
+The node's trainable parameters live in one flat vector `w` that the model's parameters are views of, so the
+mathematics of ALGORITHMS.md (w_i, g_i) is plain vector arithmetic and messages are zero-copy views.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from nodeagent.jobspec import AlgorithmSpec
+from nodeagent.wire.codec import WireError
+from nodeagent.wire.message import Kind, Message, TensorSpec
+
+
+@dataclass(frozen=True)
+class Neighbor:
+    """One edge as this node sees it (from the assignment)."""
+
+    rank: int
+    sign: int = 1
+    phase: int = 0
+    weight: float = 0.0
+
+
+@dataclass(frozen=True)
+class NodeContext:
+    rank: int
+    world_size: int
+    neighbors: tuple[Neighbor, ...]
+    spec: AlgorithmSpec
+    self_weight: float = 1.0
+    seed: int = 0
+
+    @property
+    def neighbor_ranks(self) -> tuple[int, ...]:
+        return tuple(n.rank for n in self.neighbors)
+
+
+class Route(enum.StrEnum):
+    EXCHANGE = "exchange"  # symmetric: send ours, the peer's reply arrives through receive()
+    PUSH = "push"  # one way
+    PULL = "pull"  # fetch the peer's snapshot; it arrives through receive()
+
+
+@dataclass(frozen=True)
+class Send:
+    route: Route
+    peer: int
+    kind: Kind
+    message: Message | None = None  # None for a pull
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What this node serves until the next snapshot: tensors by (peer or None for every peer, kind)."""
+
+    rank: int
+    clock: int
+    loss: float
+    served: Mapping[tuple[int | None, Kind], Mapping[str, torch.Tensor]]
+    weight: float = 1.0
+
+    def message_for(self, peer: int, kind: Kind) -> Message | None:
+        tensors = self.served.get((peer, kind), self.served.get((None, kind)))
+        if tensors is None:
+            return None
+        return Message(kind, self.rank, peer, tensors, clock=self.clock, loss=self.loss, weight=self.weight)
+
+
+class FlatParameters:
+    """A model's trainable parameters re-seated as views of one flat vector, plus flat gradients."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the model has no trainable parameters")
+        dtypes = {p.dtype for _, p in named}
+        if len(dtypes) != 1:
+            raise ValueError(f"all trainable parameters must share one dtype, got {sorted(map(str, dtypes))}")
+        self.names = [name for name, _ in named]
+        self.shapes = [tuple(p.shape) for _, p in named]
+        self.sizes = [p.numel() for _, p in named]
+        self.parameters = [p for _, p in named]
+        self.vector = torch.cat([p.detach().reshape(-1) for p in self.parameters]).clone()
+        offset = 0
+        for p, size, shape in zip(self.parameters, self.sizes, self.shapes, strict=True):
+            p.data = self.vector[offset : offset + size].view(shape)
+            offset += size
+        self.specs = [TensorSpec(n, self.vector.dtype, s) for n, s in zip(self.names, self.shapes, strict=True)]
+
+    @property
+    def numel(self) -> int:
+        return self.vector.numel()
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Named views of a flat vector laid out like the parameters (no copy)."""
+        out = {}
+        offset = 0
+        for name, size, shape in zip(self.names, self.sizes, self.shapes, strict=True):
+            out[name] = flat[offset : offset + size].view(shape)
+            offset += size
+        return out
+
+    def flatten(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """One flat vector from named tensors laid out like the parameters (validated upstream)."""
+        return torch.cat([tensors[name].reshape(-1) for name in self.names]).to(self.vector.device)
+
+    def gradient(self) -> torch.Tensor:
+        return torch.cat(
+            [
+                p.grad.reshape(-1) if p.grad is not None else torch.zeros(size, dtype=p.dtype, device=p.device)
+                for p, size in zip(self.parameters, self.sizes, strict=True)
+            ]
+        )
+
+
+class Algorithm(ABC):
+    """Base of every algorithm; subclasses implement the update rule and the message protocol."""
+
+    name: ClassVar[str]
+
+    def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
+        self.model = model
+        self.context = context
+        self.spec = context.spec
+        self.loss_fn = loss_fn or nn.CrossEntropyLoss()
+        self.params = FlatParameters(model)
+        self.w = self.params.vector
+        self.clock = 0
+        self.last_loss = math.nan
+        self._momentum_buffer: torch.Tensor | None = None
+
+    # -- local computation shared by the algorithms ------------------------------------------------------------
+
+    def gradient(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor]:
+        """Minibatch loss and flat gradient g at the current parameters, with the L2 term l2 * w."""
+        self.model.train()
+        self.model.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model(inputs), targets)
+        loss.backward()
+        grad = self.params.gradient()
+        if self.spec.l2 > 0:
+            grad = grad.add(self.w, alpha=self.spec.l2)
+        return float(loss.detach()), grad
+
+    def sgd_direction(self, grad: torch.Tensor) -> torch.Tensor:
+        """The SGD step direction: the gradient, or its momentum (optionally Nesterov) combination."""
+        momentum = self.spec.momentum
+        if momentum == 0:
+            return grad
+        if self._momentum_buffer is None:
+            self._momentum_buffer = grad.clone()
+        else:
+            self._momentum_buffer.mul_(momentum).add_(grad)
+        if self.spec.nesterov:
+            return grad.add(self._momentum_buffer, alpha=momentum)
+        return self._momentum_buffer
+
+    def due_neighbors(self) -> list[Neighbor]:
+        """Neighbours whose edge phase matches the step just taken (the asynchronous schedule)."""
+        position = (self.clock - 1) % self.spec.interval
+        return [n for n in self.context.neighbors if n.phase == position]
+
+    def reject_unless_neighbor(self, peer: int) -> None:
+        if peer not in self.context.neighbor_ranks:
+            raise WireError("not_neighbor", f"rank {peer} is not a neighbour of rank {self.context.rank}")
+
+    # -- the interface the runtimes drive -----------------------------------------------------------------------
+
+    @abstractmethod
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """One local step; returns the minibatch loss."""
+
+    @abstractmethod
+    def sends(self) -> list[Send]:
+        """Messages to send now (called after each step)."""
+
+    @abstractmethod
+    def receive(self, message: Message) -> None:
+        """Absorb a message that passed `expected`."""
+
+    @abstractmethod
+    def snapshot(self) -> Snapshot:
+        """The immutable state that network threads serve until the next call."""
+
+    @abstractmethod
+    def expected(self, peer: int, kind: Kind) -> list[TensorSpec]:
+        """The tensors a stream from `peer` of `kind` must hold; raises WireError if none is accepted."""
+
+    def ready(self) -> bool:
+        """Whether the next local step may start; asynchronous algorithms never wait."""
+        return True

@@ -1,0 +1,117 @@
+"""`nodeagent`: the node agent's command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+
+from nodeagent import __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nodeagent",
+        description="peertrain node agent: trains on this machine's data shard and exchanges with its neighbours.",
+    )
+    parser.add_argument("--version", action="version", version=f"peertrain {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve",
+        help="run the agent daemon (register, watch the assignment, train, serve peers)",
+        description="Run the node agent until SIGTERM or SIGINT. It registers with the coordinator, trains the jobs "
+        "it is assigned, serves its neighbours over gRPC and exposes Prometheus metrics.",
+    )
+    serve.add_argument(
+        "--coordinator", default=os.environ.get("PEERTRAIN_COORDINATOR", "127.0.0.1:7070"),
+        help="coordinator address HOST:PORT (env PEERTRAIN_COORDINATOR; default %(default)s)",
+    )
+    serve.add_argument("--listen", default="0.0.0.0:7100", help="peer service address HOST:PORT; port 0 picks one")
+    serve.add_argument("--advertise", help="address neighbours dial (default: the listen address, or the hostname)")
+    serve.add_argument(
+        "--metrics-listen", default="0.0.0.0:9401", help="Prometheus /metrics address HOST:PORT (default %(default)s)"
+    )
+    serve.add_argument(
+        "--state-dir", type=Path, default=Path(os.environ.get("PEERTRAIN_STATE_DIR", "/var/lib/peertrain/agent")),
+        help="node id and checkpoints (env PEERTRAIN_STATE_DIR; default %(default)s)",
+    )
+    serve.add_argument(
+        "--data-dir", default=os.environ.get("PEERTRAIN_DATA_DIR"),
+        help="directory of the IDX files on this machine, overriding the job's (env PEERTRAIN_DATA_DIR)",
+    )
+    serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="training device")
+    serve.add_argument("--name", default=socket.gethostname(), help="human name shown by `coordinator nodes`")
+    serve.add_argument(
+        "--slowdown", type=float, default=1.0,
+        help="stretch each local step by this factor (>= 1) to emulate a slower device",
+    )
+    serve.add_argument(
+        "--torch-threads", type=int, default=0,
+        help="intra-op threads of torch (0: torch's default); use 1 when several agents share a machine",
+    )
+    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return parser
+
+
+def resolve_device(choice: str) -> str:
+    import torch
+
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("nodeagent: --device cuda asked for, but no CUDA device is available")
+    return choice
+
+
+def serve(args: argparse.Namespace) -> int:
+    from nodeagent.agent import Agent, AgentConfig
+
+    if args.slowdown < 1:
+        raise SystemExit("nodeagent: --slowdown must be >= 1")
+    if args.torch_threads < 0:
+        raise SystemExit("nodeagent: --torch-threads must be >= 0")
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+    logging.basicConfig(
+        level=args.log_level, format=f"%(asctime)s {args.name} %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    agent = Agent(
+        AgentConfig(
+            coordinator=args.coordinator, listen=args.listen, advertise=args.advertise,
+            metrics_listen=args.metrics_listen or None, state_dir=args.state_dir, data_dir=args.data_dir,
+            device=resolve_device(args.device), name=args.name, slowdown=args.slowdown,
+        )
+    )
+    stop = threading.Event()
+
+    def on_signal(*_: object) -> None:
+        stop.set()
+        agent.stopping.set()  # also ends a registration that is still retrying
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
+    try:
+        agent.start()
+        stop.wait()
+    finally:
+        logging.getLogger("nodeagent").info("shutting down")
+        agent.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,2 @@
+"""Local training: datasets (data), their division among nodes (splits), models, minibatches and evaluation
+(loop)."""

@@ -1,0 +1,63 @@
+"""One node of a job, built from the job spec and the node's place in the topology.
+
+Both runtimes (the gRPC agent and the simulator) build their nodes here, so a node is the same object
+whichever runtime drives it: same seeded initial model on every node, same shard, same batch order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from nodeagent.algorithms import Algorithm, Neighbor, NodeContext, build_algorithm
+from nodeagent.jobspec import JobSpec
+from nodeagent.training.data import Dataset, load_dataset
+from nodeagent.training.loop import BatchStream, EvalResult, evaluate
+from nodeagent.training.models import build_model
+from nodeagent.training.splits import split_indices
+
+
+@dataclass
+class Node:
+    spec: JobSpec
+    rank: int
+    algorithm: Algorithm
+    batches: BatchStream
+    test_set: Dataset
+    shard_size: int
+
+    def evaluate(self) -> EvalResult:
+        return evaluate(self.algorithm.model, self.test_set)
+
+
+def build_node(
+    spec: JobSpec,
+    rank: int,
+    neighbors: tuple[Neighbor, ...],
+    self_weight: float,
+    data_dir: str | Path | None = None,
+) -> Node:
+    """The node of `rank`: model initialised from the job's seed (identical on every node), its data shard,
+    and its algorithm. `data_dir` overrides the job's data directory on this machine."""
+    directory = data_dir or spec.data.data_dir
+    train = load_dataset(spec.data.dataset, directory, "train", spec.data.train_limit)
+    test = load_dataset(spec.data.dataset, directory, "test", spec.data.test_limit)
+    shards = split_indices(
+        train.labels.numpy(), spec.nodes, spec.data.split, spec.seed, dict(spec.data.split_options)
+    )
+    torch.manual_seed(spec.seed)
+    model = build_model(spec.model, train.input_shape, train.num_classes)
+    context = NodeContext(
+        rank=rank,
+        world_size=spec.nodes,
+        neighbors=neighbors,
+        spec=spec.algorithm,
+        self_weight=self_weight,
+        seed=spec.seed,
+    )
+    algorithm = build_algorithm(model, context)
+    # Each node draws its own batch order, reproducibly.
+    batches = BatchStream(train, shards[rank], spec.data.batch_size, seed=spec.seed * 1_000_003 + rank)
+    return Node(spec, rank, algorithm, batches, test, len(shards[rank]))

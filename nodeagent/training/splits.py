@@ -1,0 +1,150 @@
+"""Division of a training set among the nodes of a job: which sample indices each node holds.
+
+Every split is a pure function of the labels, the node count, the seed and its options, so the coordinator,
+the agents and the simulator compute the same shards independently. Each shard is returned sorted; the
+minibatch stream shuffles it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["SPLITS", "ShardStats", "describe_split", "format_split_table", "split_indices"]
+
+NUM_CLASSES = 10
+
+# The label order of the ECL-ISVR code, np.random.RandomState(11).permutation(10), written out so that a
+# reader sees which classes a node holds; a test checks that the two agree.
+ECL_LABEL_ORDER = (7, 8, 2, 6, 4, 5, 1, 3, 0, 9)
+
+
+def _iid(labels: np.ndarray, nodes: int, rng: np.random.Generator) -> list[np.ndarray]:
+    return np.array_split(rng.permutation(len(labels)), nodes)
+
+
+def _by_class(labels: np.ndarray, nodes: int, rng: np.random.Generator) -> list[np.ndarray]:
+    # A stable sort keeps the file order within a class, so the split needs no randomness at all.
+    return np.array_split(np.argsort(labels, kind="stable"), nodes)
+
+
+def _class_window(
+    labels: np.ndarray, nodes: int, rng: np.random.Generator, classes_per_node: int = 8, shift: int = 4
+) -> list[np.ndarray]:
+    if not (isinstance(classes_per_node, int) and 1 <= classes_per_node <= NUM_CLASSES):
+        raise ValueError(f"class-window: classes_per_node must be an integer in 1..10, got {classes_per_node!r}")
+    if not isinstance(shift, int):
+        raise ValueError(f"class-window: shift must be an integer, got {shift!r}")
+    holders: dict[int, list[int]] = {label: [] for label in range(NUM_CLASSES)}
+    for node in range(nodes):
+        start = shift * node % NUM_CLASSES
+        for offset in range(classes_per_node):
+            holders[ECL_LABEL_ORDER[(start + offset) % NUM_CLASSES]].append(node)
+    parts: list[list[np.ndarray]] = [[] for _ in range(nodes)]
+    # A class that no node's window covers (possible with few nodes) is left out of the split.
+    for label in range(NUM_CLASSES):
+        if not holders[label]:
+            continue
+        members = rng.permutation(np.flatnonzero(labels == label))
+        weights = 0.8 + 0.2 * rng.uniform(size=len(holders[label]))
+        cuts = np.round(np.cumsum(weights / weights.sum())[:-1] * len(members)).astype(np.int64)
+        for node, piece in zip(holders[label], np.split(members, cuts), strict=True):
+            parts[node].append(piece)
+    return [np.concatenate(pieces) for pieces in parts]
+
+
+def _dirichlet(labels: np.ndarray, nodes: int, rng: np.random.Generator, alpha: float = 0.5) -> list[np.ndarray]:
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha > 0:
+        raise ValueError(f"dirichlet: alpha must be a number > 0, got {alpha!r}")
+    parts: list[list[int]] = [[] for _ in range(nodes)]
+    for label in range(NUM_CLASSES):
+        members = rng.permutation(np.flatnonzero(labels == label))
+        shares = rng.dirichlet(np.full(nodes, float(alpha)))
+        cuts = np.round(np.cumsum(shares)[:-1] * len(members)).astype(np.int64)
+        for node, piece in enumerate(np.split(members, cuts)):
+            parts[node].extend(piece.tolist())
+    # With a small alpha some nodes draw nothing; a node without data cannot train, so each empty node takes
+    # one sample from the node that currently holds the most.
+    for node in range(nodes):
+        if not parts[node]:
+            richest = max(range(nodes), key=lambda other: len(parts[other]))
+            parts[node].append(parts[richest].pop())
+    return [np.asarray(part, dtype=np.int64) for part in parts]
+
+
+# name -> split function(labels, nodes, rng, **options)
+SPLITS: dict[str, Callable[..., list[np.ndarray]]] = {
+    "iid": _iid,
+    "class-window": _class_window,
+    "by-class": _by_class,
+    "dirichlet": _dirichlet,
+}
+
+_OPTIONS: dict[str, tuple[str, ...]] = {
+    "iid": (),
+    "class-window": ("classes_per_node", "shift"),
+    "by-class": (),
+    "dirichlet": ("alpha",),
+}
+
+
+def split_indices(
+    labels: np.ndarray, nodes: int, kind: str, seed: int, options: dict[str, Any] | None = None
+) -> list[np.ndarray]:
+    """Returns, for each of `nodes` nodes, the sorted int64 indices of the samples it holds.
+
+    Kinds: iid (shuffled, equal shares), class-window (ECL-ISVR; options classes_per_node=8, shift=4),
+    by-class (sorted by label, contiguous equal chunks; ignores the seed), dirichlet (option alpha=0.5;
+    every node gets at least one sample). Shares differ by at most one sample where the count does not
+    divide. Raises ValueError naming an unknown kind or a bad option.
+    """
+    if kind not in SPLITS:
+        raise ValueError(f"unknown split {kind!r}; known: {', '.join(SPLITS)}")
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(_OPTIONS[kind]))
+    if unknown:
+        accepted = ", ".join(_OPTIONS[kind]) or "none"
+        raise ValueError(f"{kind}: unknown option(s) {', '.join(unknown)}; accepted: {accepted}")
+    labels = np.asarray(labels)
+    if labels.ndim != 1:
+        raise ValueError(f"labels must be one-dimensional, got shape {labels.shape}")
+    if labels.size and (labels.min() < 0 or labels.max() >= NUM_CLASSES):
+        raise ValueError(f"labels must lie in 0..{NUM_CLASSES - 1}")
+    if not 1 <= nodes <= len(labels):
+        raise ValueError(f"nodes must be in 1..{len(labels)} (one sample per node at least), got {nodes}")
+    shards = SPLITS[kind](labels, nodes, np.random.default_rng(seed), **options)
+    return [np.sort(shard).astype(np.int64, copy=False) for shard in shards]
+
+
+@dataclass
+class ShardStats:
+    node: int
+    samples: int
+    label_counts: list[int]
+
+
+def describe_split(labels: np.ndarray, shards: list[np.ndarray], num_classes: int = NUM_CLASSES) -> list[ShardStats]:
+    """Sample count and label histogram of each node's shard."""
+    labels = np.asarray(labels)
+    return [
+        ShardStats(
+            node=node,
+            samples=len(shard),
+            label_counts=np.bincount(labels[shard], minlength=num_classes).tolist(),
+        )
+        for node, shard in enumerate(shards)
+    ]
+
+
+def format_split_table(stats: list[ShardStats]) -> str:
+    """A plain-text table, one row per node: sample count, then the count of each label."""
+    num_classes = max((len(item.label_counts) for item in stats), default=0)
+    header = ["node", "samples", *(f"L{label}" for label in range(num_classes))]
+    rows = [[str(item.node), str(item.samples), *map(str, item.label_counts)] for item in stats]
+    widths = [max(len(row[column]) for row in [header, *rows]) for column in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in [header, *rows]
+    )

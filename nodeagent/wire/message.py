@@ -1,0 +1,92 @@
+"""What travels between nodes, independent of how it is framed: a message of named tensors plus a header."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from nodeagent._proto import wire_pb2
+
+
+class Kind(enum.IntEnum):
+    """What a message holds; values are those of the wire's MessageKind."""
+
+    PARAMS = wire_pb2.KIND_PARAMS
+    DUAL = wire_pb2.KIND_DUAL
+    PUSHSUM = wire_pb2.KIND_PUSHSUM
+    GRADIENT = wire_pb2.KIND_GRADIENT
+    DELTA = wire_pb2.KIND_DELTA
+
+
+class Encoding(enum.IntEnum):
+    RAW = wire_pb2.ENCODING_RAW
+    FP16 = wire_pb2.ENCODING_FP16
+    BF16 = wire_pb2.ENCODING_BF16
+
+    @classmethod
+    def from_name(cls, name: str) -> Encoding:
+        return cls[name.upper()]
+
+
+# The dtypes a stream may carry, by the name the manifest uses.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a receiver expects of one tensor: its name, dtype and shape."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
+        return cls(name, tensor.dtype, tuple(tensor.shape))
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count
+
+
+def specs_of(tensors: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
+    return [TensorSpec.of(name, tensor) for name, tensor in tensors.items()]
+
+
+@dataclass(frozen=True)
+class Message:
+    """A tensor set with its header. Algorithms produce and consume these; runtimes move them.
+
+    `tensors` keeps insertion order, which is the order on the wire.
+    """
+
+    kind: Kind
+    sender: int
+    receiver: int
+    tensors: Mapping[str, torch.Tensor]
+    clock: int = 0
+    loss: float = 0.0
+    weight: float = 1.0
+    model_version: int = 0
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
