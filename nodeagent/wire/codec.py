@@ -131,8 +131,6 @@ Expectation = Callable[[wire_pb2.Manifest], Sequence[TensorSpec]]
 
 def check_manifest(manifest: wire_pb2.Manifest, expected: Sequence[TensorSpec], max_bytes: int) -> list[Encoding]:
     """Compare a manifest with the tensors the receiver expects; returns each tensor's encoding."""
-    if manifest.kind not in Kind._value2member_map_:
-        raise WireError("bad_manifest", f"unknown message kind {manifest.kind}")
     if len(manifest.tensors) != len(expected):
         names = [h.name for h in manifest.tensors]
         raise WireError("bad_manifest", f"expected {len(expected)} tensors {[s.name for s in expected]}, got {names}")
@@ -179,6 +177,9 @@ def decode(frames: Iterable[wire_pb2.Frame], expect: Expectation, max_bytes: int
     if first.WhichOneof("body") != "manifest":
         raise WireError("no_manifest", "a stream must start with a manifest frame")
     manifest = first.manifest
+    # The kind is checked before `expect` sees the manifest, so expectations may rely on a valid kind.
+    if manifest.kind not in Kind._value2member_map_:
+        raise WireError("bad_manifest", f"unknown message kind {manifest.kind}")
     expected = expect(manifest)
     encodings = check_manifest(manifest, expected, max_bytes)
     slots = []

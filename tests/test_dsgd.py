@@ -1,0 +1,111 @@
+"""DSGD as a state machine, driven without any network."""
+
+import pytest
+import torch
+from torch import nn
+
+from nodeagent.algorithms import Neighbor, NodeContext, Route, build_algorithm
+from nodeagent.jobspec import AlgorithmSpec
+from nodeagent.wire import Kind, Message, WireError
+
+
+def linear_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Linear(3, 2)
+
+
+def make(rank: int, neighbors: tuple[Neighbor, ...], self_weight: float, lr: float = 0.1, interval: int = 4):
+    spec = AlgorithmSpec(name="dsgd", lr=lr, interval=interval)
+    context = NodeContext(rank=rank, world_size=3, neighbors=neighbors, spec=spec, self_weight=self_weight)
+    return build_algorithm(linear_model(), context)
+
+
+def batch(seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 3, generator=generator), torch.randint(0, 2, (8,), generator=generator)
+
+
+def test_model_parameters_are_views_of_the_flat_vector():
+    algorithm = make(0, (Neighbor(1, 1, 0, 0.5),), 0.5)
+    algorithm.w.zero_()
+    assert all(torch.count_nonzero(p) == 0 for p in algorithm.model.parameters())
+    assert algorithm.w.numel() == 3 * 2 + 2
+
+
+def test_step_is_sgd_then_uniform_mix_with_last_copies():
+    neighbors = (Neighbor(1, 1, 0, 1 / 3), Neighbor(2, 1, 1, 1 / 3))
+    algorithm = make(0, neighbors, 1 / 3, lr=0.1)
+    reference = linear_model()
+    copy_1 = torch.full_like(algorithm.w, 2.0)
+    copy_2 = torch.full_like(algorithm.w, -1.0)
+    algorithm.receive(Message(Kind.PARAMS, 1, 0, algorithm.params.views(copy_1)))
+    algorithm.receive(Message(Kind.PARAMS, 2, 0, algorithm.params.views(copy_2)))
+    x, y = batch(1)
+    loss = nn.functional.cross_entropy(reference(x), y)
+    loss.backward()
+    grad = torch.cat([reference.weight.grad.reshape(-1), reference.bias.grad])
+    w0 = torch.cat([reference.weight.detach().reshape(-1), reference.bias.detach()])
+    expected = ((w0 - 0.1 * grad) + copy_1 + copy_2) / 3
+    returned = algorithm.step(x, y)
+    assert returned == pytest.approx(float(loss.detach()))
+    assert torch.allclose(algorithm.w, expected, atol=1e-6)
+    assert algorithm.clock == 1
+
+
+def test_exchanges_follow_the_edge_phases():
+    neighbors = (Neighbor(1, 1, 0, 0.25), Neighbor(2, 1, 2, 0.25))
+    algorithm = make(0, neighbors, 0.5, interval=4)
+    due_by_step = []
+    for step in range(8):
+        algorithm.step(*batch(step))
+        sends = algorithm.sends()
+        assert all(s.route == Route.EXCHANGE and s.kind == Kind.PARAMS for s in sends)
+        due_by_step.append([s.peer for s in sends])
+    # Step t (clock t+1) serves the edges whose phase is t mod K.
+    assert due_by_step == [[1], [], [2], [], [1], [], [2], []]
+
+
+def test_sent_message_is_a_snapshot_not_a_live_view():
+    algorithm = make(0, (Neighbor(1, 1, 0, 0.5),), 0.5)
+    algorithm.step(*batch(0))
+    (send,) = algorithm.sends()
+    sent = torch.cat([t.reshape(-1) for t in send.message.tensors.values()]).clone()
+    algorithm.step(*batch(1))
+    assert torch.equal(torch.cat([t.reshape(-1) for t in send.message.tensors.values()]), sent)
+    assert not torch.equal(algorithm.w, sent)
+    assert send.message.clock == 1 and send.message.sender == 0 and send.message.receiver == 1
+
+
+def test_expected_rejects_strangers_and_other_kinds():
+    algorithm = make(0, (Neighbor(1, 1, 0, 0.5),), 0.5)
+    assert [s.name for s in algorithm.expected(1, Kind.PARAMS)] == ["weight", "bias"]
+    with pytest.raises(WireError) as stranger:
+        algorithm.expected(2, Kind.PARAMS)
+    assert stranger.value.reason == "not_neighbor"
+    with pytest.raises(WireError) as kind:
+        algorithm.expected(1, Kind.DUAL)
+    assert kind.value.reason == "unexpected_kind"
+
+
+def test_pure_mixing_on_a_ring_reaches_the_average():
+    """With no gradient (lr tiny, zero data effect ignored) mixing alone is a doubly stochastic averaging."""
+    ring = {0: (1, 2), 1: (0, 2), 2: (0, 1)}
+    nodes = [make(r, tuple(Neighbor(p, 1, 0, 1 / 3) for p in ring[r]), 1 / 3, interval=1) for r in range(3)]
+    for rank, node in enumerate(nodes):
+        node.w.fill_(float(rank * 3))
+    target = torch.stack([n.w.clone() for n in nodes]).mean(0)
+    for _ in range(50):
+        snapshots = [n.w.clone() for n in nodes]
+        for rank, node in enumerate(nodes):
+            for peer in ring[rank]:
+                node.receive(Message(Kind.PARAMS, peer, rank, node.params.views(snapshots[peer])))
+            with torch.no_grad():
+                node._mix()
+    for node in nodes:
+        assert torch.allclose(node.w, target, atol=1e-5)
+
+
+def test_unknown_algorithm_names_the_field():
+    context = NodeContext(0, 1, (), AlgorithmSpec(name="nope"))
+    with pytest.raises(ValueError, match=r"algorithm\.name"):
+        build_algorithm(linear_model(), context)
