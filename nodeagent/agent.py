@@ -150,6 +150,18 @@ class JobRunner(threading.Thread):
         started = time.monotonic()
         compute_s = wait_s = 0.0
         accuracy = test_loss = math.nan
+        if algorithm.clock == 0:
+            # The starting point of the accuracy curve: the shared initial model.
+            result = node.evaluate()
+            accuracy, test_loss = result.accuracy, result.loss
+            metrics.test_accuracy.labels(*labels).set(accuracy)
+            metrics.test_loss.labels(*labels).set(test_loss)
+            self.agent.report(
+                coordinator_pb2.MetricsReport(
+                    node_id=self.agent.node_id, job_id=self.job_id, rank=self.rank, step=0, loss=math.nan,
+                    test_accuracy=accuracy, test_loss=test_loss,
+                )
+            )
         last_report = 0.0
         while algorithm.clock < spec.steps and not self.stop_event.is_set():
             waited = time.perf_counter()

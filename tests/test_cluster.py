@@ -1,0 +1,137 @@
+"""A coordinator and 4 agents as separate processes on loopback, training on the real Fashion-MNIST."""
+
+import json
+import os
+import signal
+import time
+import urllib.request
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import yaml
+
+from coordinator.cluster import LocalCluster
+from nodeagent._proto import coordinator_pb2 as pb
+
+pytestmark = pytest.mark.slow
+
+
+def job_yaml(data_dir: str, steps: int, eval_every: int, name: str) -> str:
+    return yaml.safe_dump({
+        "name": name, "nodes": 4, "steps": steps, "eval_every": eval_every,
+        "algorithm": {"name": "dsgd", "lr": 0.02, "interval": 4},
+        "model": {"name": "logistic"},
+        "data": {"data_dir": data_dir, "split": "class-window", "batch_size": 50, "test_limit": 2000},
+        "topology": {"kind": "ring", "seed": 3},
+    })
+
+
+def scrape(address: str) -> dict[tuple[str, frozenset], float]:
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("#") or "{" not in line:
+            continue
+        name, rest = line.split("{", 1)
+        labels, value = rest.rsplit("} ", 1)
+        pairs = frozenset(tuple(p.split("=", 1)) for p in labels.replace('"', "").split(",") if p)
+        samples[(name, pairs)] = float(value)
+    return samples
+
+
+def edge_value(samples, metric: str, src: str, dst: str) -> float:
+    return sum(v for (name, labels), v in samples.items()
+               if name == metric and ("src", src) in labels and ("dst", dst) in labels)
+
+
+def accuracy_by_rank(run_dir: str) -> dict[int, list[float]]:
+    curves = defaultdict(list)
+    for line in Path(run_dir, "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["test_accuracy"] is not None and (not curves[record["rank"]] or
+                                                    curves[record["rank"]][-1] != record["test_accuracy"]):
+            curves[record["rank"]].append(record["test_accuracy"])
+    return curves
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, fashion_mnist_dir):
+    with LocalCluster(root=tmp_path_factory.mktemp("cluster"), agents=4, data_dir=str(fashion_mnist_dir),
+                      heartbeat_timeout_s=3.0) as running:
+        yield running
+
+
+def test_four_agents_train_and_exchange_on_every_edge(cluster, fashion_mnist_dir):
+    job_id = cluster.submit(job_yaml(str(fashion_mnist_dir), steps=400, eval_every=100, name="smoke"))
+    status = cluster.wait(job_id, timeout_s=180)
+    assert status.state == pb.JOB_FINISHED
+    assert [n.step for n in status.nodes] == [400] * 4
+    curves = accuracy_by_rank(status.run_dir)
+    for rank in range(4):
+        assert len(curves[rank]) >= 3, curves[rank]
+        assert curves[rank][-1] > curves[rank][0] + 0.05, f"rank {rank} did not learn: {curves[rank]}"
+        assert curves[rank][-1] > 0.5
+    nodes = {n.node_id: n for n in cluster.nodes()}
+    rank_of = {m.rank: m.node_id for m in status.nodes}
+    for rank, node_id in rank_of.items():
+        samples = scrape(nodes[node_id].metrics_address)
+        for peer in ((rank - 1) % 4, (rank + 1) % 4):
+            peer_id = rank_of[peer]
+            assert edge_value(samples, "peertrain_edge_bytes_sent_total", node_id, peer_id) > 0
+            assert edge_value(samples, "peertrain_edge_bytes_received_total", peer_id, node_id) > 0
+        steps = [v for (name, labels), v in samples.items()
+                 if name == "peertrain_local_steps_total" and ("job", job_id) in labels]
+        assert steps == [400.0]
+        # A non-neighbour on the ring never exchanged with this node.
+        stranger = rank_of[(rank + 2) % 4]
+        assert edge_value(samples, "peertrain_edge_bytes_sent_total", node_id, stranger) == 0
+
+
+def test_a_killed_peer_is_noticed_and_resumes_from_its_checkpoint(cluster, fashion_mnist_dir):
+    job_id = cluster.submit(job_yaml(str(fashion_mnist_dir), steps=6000, eval_every=250, name="fault"))
+    rank_of = {}
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        status = cluster.status(job_id)
+        rank_of = {m.rank: m.node_id for m in status.nodes}
+        if status.state == pb.JOB_RUNNING and min((m.step for m in status.nodes), default=0) >= 300:
+            break
+        time.sleep(0.2)
+    victim_id = rank_of[2]
+    agent_name = next(n.name for n in cluster.nodes() if n.node_id == victim_id)
+    cluster.kill(agent_name)
+    killed_at = cluster.status(job_id).nodes[2].step
+    time.sleep(4.0)  # past the heartbeat timeout; neighbours keep training and keep trying
+    nodes = {n.node_id: n for n in cluster.nodes()}
+    assert not nodes[victim_id].up
+    for neighbour in (1, 3):
+        samples = scrape(nodes[rank_of[neighbour]].metrics_address)
+        failures = sum(v for (name, labels), v in samples.items()
+                       if name == "peertrain_exchange_failures_total" and ("dst", victim_id) in labels
+                       and ("reason", "in_flight") not in labels)
+        assert failures > 0, f"rank {neighbour} saw no failed exchange with the killed peer"
+    cluster.start_agent(int(agent_name.split("-")[1]))
+    status = cluster.wait(job_id, timeout_s=240)
+    assert status.state == pb.JOB_FINISHED
+    assert [n.step for n in status.nodes] == [6000] * 4
+    assert {n.node_id for n in cluster.nodes() if n.up} >= set(rank_of.values())
+    log = cluster.log_of(agent_name)
+    resumed = [line for line in log.splitlines() if "resumed job" in line]
+    assert resumed, log[-2000:]
+    resumed_step = int(resumed[-1].split(" at step ")[1].split()[0])
+    assert 250 <= resumed_step <= killed_at
+
+
+def test_agents_and_coordinator_exit_cleanly_on_sigterm(tmp_path, fashion_mnist_dir):
+    cluster = LocalCluster(root=tmp_path, agents=2, data_dir=str(fashion_mnist_dir))
+    cluster.start()
+    try:
+        for process in cluster.processes.values():
+            process.send_signal(signal.SIGTERM)
+        codes = {name: process.wait(timeout=20) for name, process in cluster.processes.items()}
+    finally:
+        cluster.stop()
+    assert codes == dict.fromkeys(codes, 0), codes
+    assert all("shutting down" in cluster.log_of(name) for name in codes)
+    assert os.path.exists(tmp_path / "agent-0" / "node_id")

@@ -1,0 +1,177 @@
+"""The peer service over real gRPC on loopback: exchanges work, hostile streams are rejected whole and leave
+the node's state untouched."""
+
+import queue
+from concurrent import futures
+
+import grpc
+import pytest
+import torch
+from torch import nn
+
+from nodeagent._proto import peer_pb2, peer_pb2_grpc, wire_pb2
+from nodeagent.algorithms import Neighbor, NodeContext, build_algorithm
+from nodeagent.jobspec import AlgorithmSpec
+from nodeagent.mesh.grpc import GRPC_OPTIONS, PeerClient, PeerServicer, ServingState
+from nodeagent.metrics import Metrics
+from nodeagent.wire import Encoding, Kind, Message, encode
+
+JOB = "job-1"
+
+
+def dsgd(rank: int, peer: int):
+    torch.manual_seed(0)
+    context = NodeContext(rank, 2, (Neighbor(peer, 1, 0, 0.5),), AlgorithmSpec(name="dsgd"), self_weight=0.5)
+    return build_algorithm(nn.Linear(4, 3), context)
+
+
+def serving(algorithm, node_id: str, inbox: queue.Queue) -> ServingState:
+    rank = algorithm.context.rank
+    return ServingState(
+        job_id=JOB, node_id=node_id, rank=rank, algorithm_name="dsgd", names={0: "n0", 1: "n1"},
+        expected=algorithm.expected, snapshot=algorithm.snapshot, inbox=inbox, encoding=Encoding.RAW,
+        chunk_bytes=16, max_message_bytes=1 << 20,
+    )
+
+
+@pytest.fixture
+def node():
+    """Rank 1 served on loopback; yields (algorithm, inbox, metrics, address)."""
+    algorithm = dsgd(1, 0)
+    inbox: queue.Queue = queue.Queue()
+    metrics = Metrics()
+    state = serving(algorithm, "n1", inbox)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
+    peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(lambda: state, metrics, "test"), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield algorithm, inbox, metrics, f"127.0.0.1:{port}"
+    server.stop(grace=None)
+
+
+def frames_from_rank0(tensors=None, **header):
+    sender = dsgd(0, 1)
+    sender.w.fill_(7.0)
+    message = Message(Kind.PARAMS, header.pop("sender", 0), 1, tensors or sender.params.views(sender.w), clock=3)
+    return list(encode(message, job_id=header.pop("job_id", JOB), sender_id="n0", chunk_bytes=16))
+
+
+def call_exchange(address: str, frames):
+    stub = peer_pb2_grpc.PeerStub(grpc.insecure_channel(address, options=GRPC_OPTIONS))
+    return list(stub.Exchange(iter(frames), timeout=10))
+
+
+def state_of(algorithm) -> list[torch.Tensor]:
+    return [algorithm.w.clone(), *(t.clone() for t in algorithm.last_copy.values())]
+
+
+def test_exchange_swaps_parameters_and_counts_bytes(node):
+    algorithm, inbox, metrics, address = node
+    rank0 = dsgd(0, 1)
+    rank0.w.fill_(7.0)
+    client_state = serving(rank0, "n0", queue.Queue())
+    client_metrics = Metrics()
+    message = Message(Kind.PARAMS, 0, 1, rank0.params.views(rank0.w.clone()), clock=3)
+    reply = PeerClient(address).exchange(client_state, message, timeout=10, metrics=client_metrics)
+    assert torch.equal(rank0.params.flatten(reply.tensors), algorithm.w)
+    received = inbox.get_nowait()
+    assert received.sender == 0 and received.clock == 3
+    algorithm.receive(received)
+    assert torch.all(algorithm.last_copy[0] == 7.0)
+    payload = algorithm.w.numel() * 4
+    sample = metrics.registry.get_sample_value
+    assert sample("peertrain_edge_bytes_received_total", {"src": "n0", "dst": "n1"}) == payload
+    assert sample("peertrain_edge_bytes_sent_total", {"src": "n1", "dst": "n0"}) == payload
+    assert client_metrics.registry.get_sample_value("peertrain_exchange_seconds_count", {"src": "n0", "dst": "n1"}) == 1
+
+
+def drop_end(frames):
+    return frames[:-1]
+
+
+def extra_chunk(frames):
+    return [*frames[:-1], wire_pb2.Frame(chunk=b"\0" * 4), frames[-1]]
+
+
+def wrong_length(frames):
+    frames[0].manifest.tensors[0].byte_length += 4
+    return frames
+
+
+def wrong_shape(frames):
+    del frames[0].manifest.tensors[0].shape[:]
+    frames[0].manifest.tensors[0].shape.extend([4, 3])
+    return frames
+
+
+def unknown_name(frames):
+    frames[0].manifest.tensors[0].name = "encoder.weight"
+    return frames
+
+
+def half_a_chunk(frames):
+    frames[2] = wire_pb2.Frame(chunk=frames[2].chunk[:5])
+    return frames
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "reason"),
+    [
+        (drop_end, "truncated"),
+        (extra_chunk, "too_long"),
+        (wrong_length, "bad_manifest"),
+        (wrong_shape, "bad_manifest"),
+        (unknown_name, "bad_manifest"),
+        (half_a_chunk, "truncated"),
+    ],
+)
+def test_hostile_stream_is_rejected_and_state_unchanged(node, corrupt, reason):
+    algorithm, inbox, metrics, address = node
+    before = state_of(algorithm)
+    with pytest.raises(grpc.RpcError) as error:
+        call_exchange(address, corrupt(frames_from_rank0()))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert reason in error.value.details()
+    assert inbox.empty()
+    assert all(torch.equal(a, b) for a, b in zip(before, state_of(algorithm), strict=True))
+    assert metrics.registry.get_sample_value(
+        "peertrain_stream_rejections_total", {"src": "unknown", "dst": "n1", "reason": reason}
+    ) == 1
+
+
+def test_stranger_and_wrong_job_are_refused(node):
+    _, inbox, _, address = node
+    with pytest.raises(grpc.RpcError) as stranger:
+        call_exchange(address, frames_from_rank0(sender=5))
+    assert stranger.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not_neighbor" in stranger.value.details()
+    with pytest.raises(grpc.RpcError) as other_job:
+        call_exchange(address, frames_from_rank0(job_id="job-2"))
+    assert other_job.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert inbox.empty()
+
+
+def test_describe_and_pull(node):
+    _, _, _, address = node
+    stub = peer_pb2_grpc.PeerStub(grpc.insecure_channel(address))
+    description = stub.Describe(peer_pb2.DescribeRequest(), timeout=5)
+    assert (description.node_id, description.rank, description.algorithm) == ("n1", 1, "dsgd")
+    assert [h.name for h in description.served_tensors] == ["params/weight", "params/bias"]
+    frames = list(stub.Pull(peer_pb2.PullRequest(job_id=JOB, requester_rank=0, kind=Kind.PARAMS), timeout=5))
+    assert frames[0].manifest.sender_rank == 1 and frames[-1].WhichOneof("body") == "end"
+    with pytest.raises(grpc.RpcError) as stranger:
+        list(stub.Pull(peer_pb2.PullRequest(job_id=JOB, requester_rank=4, kind=Kind.PARAMS), timeout=5))
+    assert stranger.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_node_without_a_job_refuses_exchanges():
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(lambda: None, Metrics(), "test"), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with pytest.raises(grpc.RpcError) as error:
+            call_exchange(f"127.0.0.1:{port}", frames_from_rank0())
+        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        server.stop(grace=None)
