@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--topology", default="multiplex-ring", help="topology (default %(default)s)")
     demo.add_argument("--split", default="class-window", help="data split (default %(default)s)")
     demo.add_argument("--model", default="logistic", help="model (default %(default)s)")
-    demo.add_argument("--steps", type=int, default=1500, help="local steps per node (default %(default)s)")
+    demo.add_argument("--steps", type=int, default=3000, help="local steps per node (default %(default)s)")
     demo.add_argument("--lr", type=float, default=0.02, help="step size (default %(default)s)")
     demo.add_argument(
         "--data-dir", default=os.environ.get("PEERTRAIN_DATA_DIR", DEFAULT_DATA_DIR),
