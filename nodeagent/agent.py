@@ -57,6 +57,19 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+@dataclass
+class _Progress:
+    """What the training thread reports to the coordinator."""
+
+    started: float
+    reported: float = 0.0
+    loss: float = math.nan
+    accuracy: float = math.nan
+    test_loss: float = math.nan
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+
+
 class JobRunner(threading.Thread):
     """Trains one job's node; the only thread that touches the algorithm."""
 
@@ -147,65 +160,61 @@ class JobRunner(threading.Thread):
             "job %s: rank %d of %d, %s on %d samples, neighbours %s",
             self.job_id, self.rank, spec.nodes, spec.algorithm.name, node.shard_size, sorted(self.addresses),
         )
-        started = time.monotonic()
-        compute_s = wait_s = 0.0
-        accuracy = test_loss = math.nan
-        if algorithm.clock == 0:
-            # The starting point of the accuracy curve: the shared initial model.
-            result = node.evaluate()
-            accuracy, test_loss = result.accuracy, result.loss
-            metrics.test_accuracy.labels(*labels).set(accuracy)
-            metrics.test_loss.labels(*labels).set(test_loss)
-            self.agent.report(
-                coordinator_pb2.MetricsReport(
-                    node_id=self.agent.node_id, job_id=self.job_id, rank=self.rank, step=0, loss=math.nan,
-                    test_accuracy=accuracy, test_loss=test_loss,
-                )
-            )
-        last_report = 0.0
-        while algorithm.clock < spec.steps and not self.stop_event.is_set():
+        progress = _Progress(started=time.monotonic())
+        evaluated_at = -1
+        while not self.stop_event.is_set():
             waited = time.perf_counter()
             self._drain(algorithm)
             while not algorithm.ready() and not self.stop_event.is_set():
                 self._drain(algorithm, block=True)
-            wait_s += time.perf_counter() - waited
+            waited = time.perf_counter() - waited
+            progress.wait_s += waited
+            metrics.wait_seconds.labels(*labels).inc(waited)
+            # A step is complete once the algorithm is ready again (synchronous modes finish it on receipt).
+            final = algorithm.clock >= spec.steps
+            if (algorithm.clock % spec.eval_every == 0 or final) and algorithm.clock != evaluated_at:
+                evaluated_at = algorithm.clock
+                result = node.evaluate()
+                progress.accuracy, progress.test_loss = result.accuracy, result.loss
+                metrics.test_accuracy.labels(*labels).set(result.accuracy)
+                metrics.test_loss.labels(*labels).set(result.loss)
+                if algorithm.clock > 0:
+                    self.save_checkpoint(node)
+                self._report(algorithm.clock, progress, final)
+            elif time.monotonic() - progress.reported >= REPORT_INTERVAL_S:
+                self._report(algorithm.clock, progress, final)
+            if final:
+                break
             inputs, targets = node.batches.next()
             began = time.perf_counter()
-            loss = algorithm.step(inputs, targets)
+            progress.loss = algorithm.step(inputs, targets)
             elapsed = time.perf_counter() - began
             if self.agent.config.slowdown > 1:
                 time.sleep(elapsed * (self.agent.config.slowdown - 1))
                 elapsed = time.perf_counter() - began
-            compute_s += elapsed
+            progress.compute_s += elapsed
             metrics.step_seconds.labels(*labels).observe(elapsed)
             metrics.local_steps.labels(*labels).inc()
-            metrics.training_loss.labels(*labels).set(loss)
+            metrics.training_loss.labels(*labels).set(progress.loss)
             for send in algorithm.sends():
                 self._dispatch(send)
-            final = algorithm.clock >= spec.steps
-            if algorithm.clock % spec.eval_every == 0 or final:
-                result = node.evaluate()
-                accuracy, test_loss = result.accuracy, result.loss
-                metrics.test_accuracy.labels(*labels).set(accuracy)
-                metrics.test_loss.labels(*labels).set(test_loss)
-                self.save_checkpoint(node)
-            now = time.monotonic()
-            if final or now - last_report >= REPORT_INTERVAL_S or algorithm.clock % spec.eval_every == 0:
-                last_report = now
-                self.agent.report(
-                    coordinator_pb2.MetricsReport(
-                        node_id=self.agent.node_id, job_id=self.job_id, rank=self.rank, step=algorithm.clock,
-                        loss=loss, test_accuracy=accuracy, test_loss=test_loss, elapsed_s=now - started,
-                        finished=final, bytes_sent=self._traffic("sent"), bytes_received=self._traffic("received"),
-                        compute_s=compute_s, wait_s=wait_s, exchanges=self.exchanges,
-                        exchange_failures=self.failures,
-                    )
-                )
-        metrics.wait_seconds.labels(*labels).inc(wait_s)
-        log.info("job %s: finished at step %d, test accuracy %.4f", self.job_id, algorithm.clock, accuracy)
+        log.info("job %s: finished at step %d, test accuracy %.4f", self.job_id, algorithm.clock, progress.accuracy)
         # Keep serving until the coordinator ends the job: slower neighbours may still exchange with us.
         while not self.stop_event.wait(0.2):
             self._drain(algorithm)
+
+    def _report(self, clock: int, progress: _Progress, finished: bool) -> None:
+        now = time.monotonic()
+        progress.reported = now
+        self.agent.report(
+            coordinator_pb2.MetricsReport(
+                node_id=self.agent.node_id, job_id=self.job_id, rank=self.rank, step=clock, loss=progress.loss,
+                test_accuracy=progress.accuracy, test_loss=progress.test_loss, elapsed_s=now - progress.started,
+                finished=finished, bytes_sent=self._traffic("sent"), bytes_received=self._traffic("received"),
+                compute_s=progress.compute_s, wait_s=progress.wait_s, exchanges=self.exchanges,
+                exchange_failures=self.failures,
+            )
+        )
 
     def _traffic(self, direction: str) -> int:
         registry = self.agent.metrics.registry
@@ -237,37 +246,57 @@ class JobRunner(threading.Thread):
         return client
 
     def _dispatch(self, send: Send) -> None:
-        """Start an exchange in the pool, unless one with that peer is still in flight (flow control)."""
         dst = self.names.get(send.peer, f"rank{send.peer}")
+        address = self.addresses.get(send.peer)
+        if address is None or send.message is None or send.route == Route.PULL:
+            raise NotImplementedError(f"route {send.route} to rank {send.peer} is not available in this version")
+        if send.route == Route.PUSH:
+            self.pool.submit(self._push, send.message, address, dst)
+            return
+        # Flow control: at most one exchange per edge in flight; a due exchange on a busy edge is skipped.
         with self.in_flight_lock:
             if send.peer in self.in_flight:
                 self.agent.metrics.exchange_failures.labels(self.agent.node_id, dst, "in_flight").inc()
                 return
             self.in_flight.add(send.peer)
-        address = self.addresses.get(send.peer)
-        if send.route != Route.EXCHANGE or address is None or send.message is None:
-            raise NotImplementedError(f"route {send.route} is not available in this version")
-        self.pool.submit(self._exchange, send, address, dst)
+        self.pool.submit(self._exchange, send.peer, send.message, address, dst)
 
-    def _exchange(self, send: Send, address: str, dst: str) -> None:
-        assert self.serving is not None and send.message is not None
+    def _failed(self, dst: str, reason: str) -> None:
+        self.failures += 1
+        self.agent.metrics.exchange_failures.labels(self.agent.node_id, dst, reason).inc()
+
+    def _push(self, message: Message, address: str, dst: str) -> None:
+        """Deliver a push; synchronous rounds depend on it, so a failed delivery is retried until the job ends."""
+        assert self.serving is not None
+        while not self.stop_event.is_set():
+            try:
+                self._client(address).push(self.serving, message, self.spec.wire.exchange_timeout_s,
+                                           self.agent.metrics)
+                self.exchanges += 1
+                return
+            except grpc.RpcError as error:
+                self._failed(dst, failure_reason(error))
+                log.debug("push to %s failed: %s; retrying", dst, error)
+                self.stop_event.wait(RECONNECT_DELAY_S)
+                address = self.addresses.get(message.receiver, address)
+
+    def _exchange(self, peer: int, message: Message, address: str, dst: str) -> None:
+        assert self.serving is not None
         try:
             reply = self._client(address).exchange(
-                self.serving, send.message, self.spec.wire.exchange_timeout_s, self.agent.metrics
+                self.serving, message, self.spec.wire.exchange_timeout_s, self.agent.metrics
             )
             self.inbox.put(reply)
             self.exchanges += 1
         except grpc.RpcError as error:
-            self.failures += 1
-            self.agent.metrics.exchange_failures.labels(self.agent.node_id, dst, failure_reason(error)).inc()
+            self._failed(dst, failure_reason(error))
             log.debug("exchange with %s failed: %s", dst, error)
         except WireError as error:
-            self.failures += 1
-            self.agent.metrics.exchange_failures.labels(self.agent.node_id, dst, "rejected").inc()
+            self._failed(dst, "rejected")
             log.warning("reply from %s rejected: %s", dst, error)
         finally:
             with self.in_flight_lock:
-                self.in_flight.discard(send.peer)
+                self.in_flight.discard(peer)
 
 
 class Agent:

@@ -14,8 +14,8 @@ def linear_model(seed: int = 0) -> nn.Module:
     return nn.Linear(3, 2)
 
 
-def make(rank: int, neighbors: tuple[Neighbor, ...], self_weight: float, lr: float = 0.1, interval: int = 4):
-    spec = AlgorithmSpec(name="dsgd", lr=lr, interval=interval)
+def make(rank, neighbors, self_weight, lr=0.1, interval=4, mode="async"):
+    spec = AlgorithmSpec(name="dsgd", lr=lr, interval=interval, mode=mode)
     context = NodeContext(rank=rank, world_size=3, neighbors=neighbors, spec=spec, self_weight=self_weight)
     return build_algorithm(linear_model(), context)
 
@@ -100,7 +100,7 @@ def test_pure_mixing_on_a_ring_reaches_the_average():
             for peer in ring[rank]:
                 node.receive(Message(Kind.PARAMS, peer, rank, node.params.views(snapshots[peer])))
             with torch.no_grad():
-                node._mix()
+                node._mix(node.last_copy)
     for node in nodes:
         assert torch.allclose(node.w, target, atol=1e-5)
 
@@ -109,3 +109,56 @@ def test_unknown_algorithm_names_the_field():
     context = NodeContext(0, 1, (), AlgorithmSpec(name="nope"))
     with pytest.raises(ValueError, match=r"algorithm\.name"):
         build_algorithm(linear_model(), context)
+
+
+def test_synchronous_rounds_follow_the_d_psgd_recursion():
+    """x_{t+1} = W x_t - lr * g(x_t), whatever order the pushes arrive in."""
+    ring = {0: (1, 2), 1: (0, 2), 2: (0, 1)}
+    nodes = [make(r, tuple(Neighbor(p, 1, 0, 0.25) for p in ring[r]), 0.5, mode="sync") for r in range(3)]
+    references = [linear_model() for _ in range(3)]
+    for rank, node in enumerate(nodes):
+        with torch.no_grad():
+            node.w.add_(float(rank))
+            node._published = node._publish()  # start the nodes from different points
+            for p in references[rank].parameters():
+                p.add_(float(rank))
+    for step in range(3):
+        expected = []
+        flat = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in references]
+        for rank, model in enumerate(references):
+            model.zero_grad()
+            x, y = batch(10 * step + rank)
+            nn.functional.cross_entropy(model(x), y).backward()
+            grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            mixed = 0.5 * flat[rank] + sum(0.25 * flat[p] for p in ring[rank])
+            expected.append(mixed - 0.1 * grad)
+        outbox = []
+        for rank, node in enumerate(nodes):
+            assert node.ready()
+            node.step(*batch(10 * step + rank))
+            assert not node.ready() and node.clock == step
+            outbox += node.sends()
+        assert all(s.route == Route.PUSH for s in outbox) and len(outbox) == 6
+        for send in reversed(outbox):
+            nodes[send.peer].receive(send.message)
+        for rank, node in enumerate(nodes):
+            assert node.ready() and node.clock == step + 1
+            assert torch.allclose(node.w, expected[rank], atol=1e-6)
+        for rank, model in enumerate(references):
+            with torch.no_grad():
+                offset = 0
+                for p in model.parameters():
+                    p.copy_(expected[rank][offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
+
+
+def test_synchronous_round_waits_for_every_neighbour_and_keeps_early_copies():
+    node = make(0, (Neighbor(1, 1, 0, 0.25), Neighbor(2, 1, 0, 0.25)), 0.5, mode="sync")
+    node.step(*batch(0))
+    views = node.params.views
+    node.receive(Message(Kind.PARAMS, 1, 0, views(torch.ones_like(node.w)), clock=0))
+    node.receive(Message(Kind.PARAMS, 1, 0, views(torch.ones_like(node.w)), clock=1))  # early: next round
+    assert not node.ready()
+    node.receive(Message(Kind.PARAMS, 2, 0, views(torch.ones_like(node.w)), clock=0))
+    assert node.ready() and node.clock == 1
+    assert list(node.round_copies) == [1]

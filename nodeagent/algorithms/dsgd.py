@@ -1,11 +1,18 @@
 """DSGD (D-PSGD): local SGD steps mixed with the neighbours' parameters (ALGORITHMS.md, "DSGD").
 
-Asynchronous mode: an edge is exchanged (a symmetric swap of parameters) when the step counter meets the edge's
-phase, and every step mixes with the last copy received from each neighbour, however stale. Before a
+Asynchronous mode: an edge is exchanged (a symmetric swap of parameters) when the step counter meets the
+edge's phase, and every step mixes with the last copy received from each neighbour, however stale. Before a
 neighbour's first copy arrives, its copy is the shared seeded initial model.
+
+Synchronous mode (D-PSGD of Lian et al.): at step t every node pushes its x_t to every neighbour and waits for
+theirs; then x_{t+1} = self_weight * x_t + sum_j weight_j * x_j,t - lr * d(g(x_t)). Pushes never block a
+sender, so no bipartite ordering is needed to avoid deadlock; copies are keyed by step, so a fast neighbour's
+next-step copy can arrive early without harm.
 """
 
 from __future__ import annotations
+
+from collections import defaultdict
 
 import torch
 from torch import nn
@@ -20,42 +27,76 @@ class DSGD(Algorithm):
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         super().__init__(model, context, loss_fn)
-        if context.spec.mode != "async":
-            raise ValueError("dsgd: only mode 'async' is available in this version")
+        self.synchronous = context.spec.mode == "sync"
         self.last_copy = {n.rank: self.w.detach().clone() for n in context.neighbors}
+        self.round_copies: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)
+        self._pending_direction: torch.Tensor | None = None
         self._published = self._publish()
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         loss, grad = self.gradient(inputs, targets)
+        self.last_loss = loss
+        if self.synchronous:
+            # x_t is published and pushed; the update completes once every neighbour's x_t has arrived.
+            self._pending_direction = self.sgd_direction(grad).clone()
+            self._complete_round()
+            return loss
         with torch.no_grad():
             self.w.sub_(self.sgd_direction(grad), alpha=self.spec.lr)
-            self._mix()
+            self._mix(self.last_copy)
         self.clock += 1
-        self.last_loss = loss
         self._published = self._publish()
         return loss
 
-    def _mix(self) -> None:
+    def _mix(self, copies: dict[int, torch.Tensor]) -> None:
         if not self.context.neighbors:
             return
         mixed = self.w * self.context.self_weight
         for neighbor in self.context.neighbors:
-            mixed.add_(self.last_copy[neighbor.rank], alpha=neighbor.weight)
+            mixed.add_(copies[neighbor.rank], alpha=neighbor.weight)
         self.w.copy_(mixed)
+
+    def _complete_round(self) -> None:
+        copies = self.round_copies.get(self.clock, {})
+        if self._pending_direction is None or len(copies) < len(self.context.neighbors):
+            return
+        with torch.no_grad():
+            self._mix(copies)
+            self.w.sub_(self._pending_direction, alpha=self.spec.lr)
+        del self.round_copies[self.clock]
+        self._pending_direction = None
+        self.clock += 1
+        self._published = self._publish()
 
     def _publish(self) -> Snapshot:
         tensors = self.params.views(self.w.detach().clone())
         return Snapshot(self.context.rank, self.clock, self.last_loss, {(None, Kind.PARAMS): tensors})
 
     def sends(self) -> list[Send]:
-        out = []
-        for neighbor in self.due_neighbors():
-            message = self._published.message_for(neighbor.rank, Kind.PARAMS)
-            out.append(Send(Route.EXCHANGE, neighbor.rank, Kind.PARAMS, message))
-        return out
+        if self.synchronous:
+            if self._pending_direction is None:
+                return []
+            return [
+                Send(Route.PUSH, n.rank, Kind.PARAMS, self._published.message_for(n.rank, Kind.PARAMS))
+                for n in self.context.neighbors
+            ]
+        return [
+            Send(Route.EXCHANGE, n.rank, Kind.PARAMS, self._published.message_for(n.rank, Kind.PARAMS))
+            for n in self.due_neighbors()
+        ]
 
     def receive(self, message: Message) -> None:
-        self.last_copy[message.sender] = self.params.flatten(message.tensors)
+        copy = self.params.flatten(message.tensors)
+        if not self.synchronous:
+            self.last_copy[message.sender] = copy
+            return
+        if message.clock < self.clock:
+            return  # a step this node has completed already (a duplicate delivery)
+        self.round_copies[message.clock][message.sender] = copy
+        self._complete_round()
+
+    def ready(self) -> bool:
+        return self._pending_direction is None
 
     def snapshot(self) -> Snapshot:
         return self._published

@@ -172,16 +172,28 @@ class PeerClient:
     def close(self) -> None:
         self.channel.close()
 
-    def exchange(self, state: ServingState, message: Message, timeout: float, metrics: Metrics) -> Message:
-        """Send our message, return the peer's reply for the same edge. Counts traffic on the edge."""
-        dst = state.name_of(message.receiver)
-        sent = metrics.edge_bytes_sent.labels(state.node_id, dst)
+    @staticmethod
+    def _outgoing(state: ServingState, message: Message, metrics: Metrics) -> Iterator[wire_pb2.Frame]:
+        sent = metrics.edge_bytes_sent.labels(state.node_id, state.name_of(message.receiver))
         frames = encode(
             message, job_id=state.job_id, sender_id=state.node_id, encoding=state.encoding,
             chunk_bytes=state.chunk_bytes,
         )
+        return counted(frames, sent.inc)
+
+    def push(self, state: ServingState, message: Message, timeout: float, metrics: Metrics) -> None:
+        """Stream our message to the peer, which absorbs it. Counts traffic on the edge."""
+        dst = state.name_of(message.receiver)
         started = time.perf_counter()
-        replies = self.stub.Exchange(counted(frames, sent.inc), timeout=timeout)
+        self.stub.Push(self._outgoing(state, message, metrics), timeout=timeout)
+        metrics.edge_messages_sent.labels(state.node_id, dst).inc()
+        metrics.exchange_seconds.labels(state.node_id, dst).observe(time.perf_counter() - started)
+
+    def exchange(self, state: ServingState, message: Message, timeout: float, metrics: Metrics) -> Message:
+        """Send our message, return the peer's reply for the same edge. Counts traffic on the edge."""
+        dst = state.name_of(message.receiver)
+        started = time.perf_counter()
+        replies = self.stub.Exchange(self._outgoing(state, message, metrics), timeout=timeout)
         received_bytes = 0
 
         def count(n: int) -> None:
