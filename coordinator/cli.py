@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 
@@ -71,6 +72,25 @@ def build_parser() -> argparse.ArgumentParser:
     stop = commands.add_parser("stop", help="stop a job")
     stop.add_argument("job_id", metavar="JOB")
     _add_coordinator_option(stop)
+
+    simulate = commands.add_parser(
+        "simulate",
+        help="run a job on a virtual clock in this process (same algorithms, simulated devices and network)",
+        description="Run every node of JOB.yaml in this process. Local steps are real; time is virtual and comes "
+        "from the job's `simulation:` section (step time, relative speeds, jitter, latency, bandwidth, loss, "
+        "faults, partitions). Writes the same metrics log as a real run.",
+    )
+    simulate.add_argument("job_file", type=Path, metavar="JOB.yaml")
+    simulate.add_argument("--runs", type=Path, default=Path("runs"), help="parent of the run directory")
+    simulate.add_argument("--data-dir", default=os.environ.get("PEERTRAIN_DATA_DIR"),
+                          help="directory of the IDX files, overriding the job's")
+
+    inspect = commands.add_parser(
+        "inspect", help="show a job's topology and each node's data shard (counts and label histogram)"
+    )
+    inspect.add_argument("job_file", type=Path, metavar="JOB.yaml")
+    inspect.add_argument("--data-dir", default=os.environ.get("PEERTRAIN_DATA_DIR"),
+                         help="directory of the IDX files, overriding the job's")
 
     demo = commands.add_parser(
         "demo",
@@ -158,13 +178,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    try:
-        spec_yaml = args.job_file.read_text()
-        load_job_file(args.job_file)
-    except OSError as error:
-        raise SystemExit(f"coordinator: cannot read {args.job_file}: {error.strerror}") from None
-    except JobSpecError as error:
-        raise SystemExit(f"coordinator: {args.job_file}: {error}") from None
+    _load_job(args.job_file)
+    spec_yaml = args.job_file.read_text()
     reply = _stub(args.coordinator).SubmitJob(pb.SubmitJobRequest(spec_yaml=spec_yaml), timeout=30)
     print(reply.job_id)
     state = pb.JobState.Name(reply.state).removeprefix("JOB_").lower()
@@ -194,13 +209,61 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_job(path: Path):
+    try:
+        return load_job_file(path)
+    except OSError as error:
+        raise SystemExit(f"coordinator: cannot read {path}: {error.strerror}") from None
+    except JobSpecError as error:
+        raise SystemExit(f"coordinator: {path}: {error}") from None
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from coordinator.simulate import SimulationProgress, simulate, status_of
+
+    spec = _load_job(args.job_file)
+    job_id = f"sim-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = (args.runs / job_id).resolve()
+    print(f"simulating {spec.nodes} nodes of {spec.algorithm.name} for {spec.steps} steps; run dir {run_dir}")
+    result = simulate(spec, run_dir, args.data_dir, on_progress=SimulationProgress(spec.steps))
+    print()
+    print(format_status(status_of(result.mesh, job_id, run_dir)))
+    print(f"virtual time {result.mesh.now:.2f} s, wall time {result.wall_s:.1f} s; metrics log {run_dir}/metrics.jsonl")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from coordinator.service import validate_job
+    from nodeagent.training.data import load_dataset
+    from nodeagent.training.splits import describe_split, format_split_table, split_indices
+
+    spec = _load_job(args.job_file)
+    try:
+        topology = validate_job(spec)
+    except JobSpecError as error:
+        raise SystemExit(f"coordinator: {args.job_file}: {error}") from None
+    degrees = [topology.degree(rank) for rank in range(spec.nodes)]
+    print(f"topology {spec.topology.kind}: {spec.nodes} nodes, {len(topology.edges)} edges, "
+          f"degree {min(degrees)}..{max(degrees)}")
+    print("edges: " + " ".join(f"{a}-{b}" for a, b in topology.edges))
+    train = load_dataset(spec.data.dataset, args.data_dir or spec.data.data_dir, "train", spec.data.train_limit)
+    labels = train.labels.numpy()
+    shards = split_indices(labels, spec.nodes, spec.data.split, spec.seed, dict(spec.data.split_options))
+    print(f"split {spec.data.split} of {spec.data.dataset} ({len(labels)} training samples):")
+    print(format_split_table(describe_split(labels, shards)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
         from coordinator.demo import run_demo
 
         return run_demo(args)
-    handlers = {"serve": cmd_serve, "submit": cmd_submit, "nodes": cmd_nodes, "status": cmd_status, "stop": cmd_stop}
+    handlers = {
+        "serve": cmd_serve, "submit": cmd_submit, "nodes": cmd_nodes, "status": cmd_status, "stop": cmd_stop,
+        "simulate": cmd_simulate, "inspect": cmd_inspect,
+    }
     try:
         return handlers[args.command](args)
     except grpc.RpcError as error:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import secrets
@@ -20,6 +19,7 @@ from nodeagent._proto import coordinator_pb2_grpc
 from nodeagent.algorithms import REGISTRY as ALGORITHMS
 from nodeagent.jobspec import JobSpec, JobSpecError, parse_job_yaml
 from nodeagent.metrics import Metrics
+from nodeagent.runlog import ProgressRecord, RunLog, optional
 from nodeagent.training.splits import SPLITS
 
 log = logging.getLogger("coordinator")
@@ -83,7 +83,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.changes = _Changes()
         self.stopping = threading.Event()
         self._topologies: dict[str, Topology] = {}
-        self._log_lock = threading.Lock()
+        self._run_logs: dict[str, RunLog] = {}
         self._schedule_lock = threading.Lock()
         self._monitor = threading.Thread(target=self._monitor_loop, name="liveness", daemon=True)
 
@@ -220,17 +220,18 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return pb.MetricsReply(job_active=job.state == "RUNNING")
 
     def _append_log(self, job: JobRow, report: pb.MetricsReport) -> None:
-        record = {
-            "time": time.time(), "job": report.job_id, "rank": report.rank, "node": report.node_id,
-            "step": report.step, "loss": report.loss,
-            "test_accuracy": None if math.isnan(report.test_accuracy) else report.test_accuracy,
-            "test_loss": None if math.isnan(report.test_loss) else report.test_loss,
-            "elapsed_s": report.elapsed_s, "finished": report.finished, "bytes_sent": report.bytes_sent,
-            "bytes_received": report.bytes_received, "compute_s": report.compute_s, "wait_s": report.wait_s,
-            "exchanges": report.exchanges, "exchange_failures": report.exchange_failures,
-        }
-        with self._log_lock, open(Path(job.run_dir) / "metrics.jsonl", "a") as out:
-            out.write(json.dumps(record) + "\n")
+        log_file = self._run_logs.get(job.job_id)
+        if log_file is None:
+            log_file = self._run_logs[job.job_id] = RunLog(job.run_dir)
+        log_file.append(
+            ProgressRecord(
+                time=time.time(), job=report.job_id, rank=report.rank, node=report.node_id, step=report.step,
+                loss=optional(report.loss), test_accuracy=optional(report.test_accuracy),
+                test_loss=optional(report.test_loss), elapsed_s=report.elapsed_s, finished=report.finished,
+                bytes_sent=report.bytes_sent, bytes_received=report.bytes_received, compute_s=report.compute_s,
+                wait_s=report.wait_s, exchanges=report.exchanges, exchange_failures=report.exchange_failures,
+            )
+        )
 
     # -- operator calls ------------------------------------------------------------------------------------------
 

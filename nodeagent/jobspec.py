@@ -60,6 +60,43 @@ class WireSpec(_Strict):
     exchange_timeout_s: float = Field(30.0, gt=0)
 
 
+class NetworkSpec(_Strict):
+    """The simulator's network model: every directed link has this latency and bandwidth."""
+
+    latency_s: float = Field(0.0005, ge=0, description="one-way latency of a message")
+    bandwidth_bytes_per_s: float = Field(125e6, gt=0, description="per-link bandwidth (default 1 Gbit/s)")
+    loss: float = Field(0.0, ge=0, lt=1, description="probability that a message is lost (the sender times out)")
+    timeout_s: float = Field(1.0, gt=0, description="how long a sender waits for a lost message")
+
+
+class FaultSpec(_Strict):
+    """A node that is down (neither steps nor answers) between two virtual times."""
+
+    node: int = Field(ge=0)
+    down_from: float = Field(ge=0)
+    down_until: float = Field(gt=0)
+
+
+class PartitionSpec(_Strict):
+    """Groups of nodes that cannot reach each other between two virtual times."""
+
+    groups: list[list[int]] = Field(min_length=2)
+    start: float = Field(ge=0)
+    end: float = Field(gt=0)
+
+
+class SimulationSpec(_Strict):
+    """How `coordinator simulate` charges virtual time; the rest of the job is the same as a real run's."""
+
+    step_time_s: float = Field(0.01, gt=0, description="virtual compute time of one local step at speed 1")
+    speeds: list[float] = Field(default_factory=list, description="relative speed per rank (default 1 for all)")
+    jitter: float = Field(0.0, ge=0, le=1, description="relative standard deviation of each step's time")
+    network: NetworkSpec = Field(default_factory=NetworkSpec)
+    faults: list[FaultSpec] = Field(default_factory=list)
+    partitions: list[PartitionSpec] = Field(default_factory=list)
+    seed: int = Field(0, ge=0, description="seeds jitter and message loss")
+
+
 class JobSpec(_Strict):
     name: str = Field("job", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     nodes: int = Field(8, ge=1, le=4096, description="number of node agents in the job")
@@ -75,13 +112,33 @@ class JobSpec(_Strict):
         default_factory=dict, description="rank -> factor >= 1 that stretches each local step (heterogeneity)"
     )
 
+    simulation: SimulationSpec = Field(default_factory=SimulationSpec, description="used by the simulator only")
+
     @model_validator(mode="after")
     def _ranks_in_range(self) -> JobSpec:
-        for rank, factor in self.slowdown.items():
+        def check(where: str, rank: int) -> None:
             if not 0 <= rank < self.nodes:
-                raise ValueError(f"slowdown: rank {rank} is not in 0..{self.nodes - 1}")
+                raise ValueError(f"{where}: rank {rank} is not in 0..{self.nodes - 1}")
+
+        for rank, factor in self.slowdown.items():
+            check("slowdown", rank)
             if factor < 1:
                 raise ValueError(f"slowdown: factor {factor} of rank {rank} must be >= 1")
+        simulation = self.simulation
+        if simulation.speeds and len(simulation.speeds) != self.nodes:
+            raise ValueError(f"simulation.speeds: {len(simulation.speeds)} speeds for {self.nodes} nodes")
+        if any(speed <= 0 for speed in simulation.speeds):
+            raise ValueError("simulation.speeds: every speed must be positive")
+        for fault in simulation.faults:
+            check("simulation.faults", fault.node)
+            if fault.down_until <= fault.down_from:
+                raise ValueError("simulation.faults: down_until must come after down_from")
+        for partition in simulation.partitions:
+            for group in partition.groups:
+                for rank in group:
+                    check("simulation.partitions", rank)
+            if partition.end <= partition.start:
+                raise ValueError("simulation.partitions: end must come after start")
         return self
 
     def to_json(self) -> str:

@@ -23,7 +23,7 @@ class Metrics:
     def __post_init__(self) -> None:
         r = self.registry
         edge = ["src", "dst"]
-        node = ["job", "node"]
+        node = ["job_id", "node"]  # not "job": Prometheus owns that label
         self.edge_bytes_sent = Counter(
             "peertrain_edge_bytes_sent", "Bytes of tensor frames sent on an edge", edge, registry=r
         )

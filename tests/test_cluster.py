@@ -81,7 +81,7 @@ def test_four_agents_train_and_exchange_on_every_edge(cluster, fashion_mnist_dir
             assert edge_value(samples, "peertrain_edge_bytes_sent_total", node_id, peer_id) > 0
             assert edge_value(samples, "peertrain_edge_bytes_received_total", peer_id, node_id) > 0
         steps = [v for (name, labels), v in samples.items()
-                 if name == "peertrain_local_steps_total" and ("job", job_id) in labels]
+                 if name == "peertrain_local_steps_total" and ("job_id", job_id) in labels]
         assert steps == [400.0]
         # A non-neighbour on the ring never exchanged with this node.
         stranger = rank_of[(rank + 2) % 4]

@@ -162,3 +162,16 @@ def test_synchronous_round_waits_for_every_neighbour_and_keeps_early_copies():
     node.receive(Message(Kind.PARAMS, 2, 0, views(torch.ones_like(node.w)), clock=0))
     assert node.ready() and node.clock == 1
     assert list(node.round_copies) == [1]
+
+
+def test_synchronous_step_pushes_even_when_the_round_completes_at_once():
+    """Neighbours' copies of step t may arrive before this node steps; x_t must still go out."""
+    node = make(0, (Neighbor(1, 1, 0, 0.5),), 0.5, mode="sync")
+    x_0 = node.w.clone()
+    node.receive(Message(Kind.PARAMS, 1, 0, node.params.views(torch.ones_like(node.w)), clock=0))
+    node.step(*batch(0))
+    assert node.ready() and node.clock == 1
+    (send,) = node.sends()
+    assert send.route == Route.PUSH and send.message.clock == 0
+    assert torch.equal(node.params.flatten(send.message.tensors), x_0)
+    assert node.sends() == []

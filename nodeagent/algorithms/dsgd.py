@@ -31,13 +31,19 @@ class DSGD(Algorithm):
         self.last_copy = {n.rank: self.w.detach().clone() for n in context.neighbors}
         self.round_copies: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)
         self._pending_direction: torch.Tensor | None = None
+        self._outbox: list[Send] = []
         self._published = self._publish()
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         loss, grad = self.gradient(inputs, targets)
         self.last_loss = loss
         if self.synchronous:
-            # x_t is published and pushed; the update completes once every neighbour's x_t has arrived.
+            # x_t is pushed to every neighbour; the update completes once every neighbour's x_t has arrived,
+            # which may be at once when their copies came early.
+            self._outbox = [
+                Send(Route.PUSH, n.rank, Kind.PARAMS, self._published.message_for(n.rank, Kind.PARAMS))
+                for n in self.context.neighbors
+            ]
             self._pending_direction = self.sgd_direction(grad).clone()
             self._complete_round()
             return loss
@@ -74,12 +80,8 @@ class DSGD(Algorithm):
 
     def sends(self) -> list[Send]:
         if self.synchronous:
-            if self._pending_direction is None:
-                return []
-            return [
-                Send(Route.PUSH, n.rank, Kind.PARAMS, self._published.message_for(n.rank, Kind.PARAMS))
-                for n in self.context.neighbors
-            ]
+            outbox, self._outbox = self._outbox, []
+            return outbox
         return [
             Send(Route.EXCHANGE, n.rank, Kind.PARAMS, self._published.message_for(n.rank, Kind.PARAMS))
             for n in self.due_neighbors()

@@ -1,0 +1,134 @@
+"""`coordinator simulate JOB.yaml`: run a job's nodes in one process on a virtual clock.
+
+The job schema is the one real runs use, plus its `simulation:` section (speeds, network, faults). Nodes are
+built by `nodeagent.training.job.build_node` with the neighbours the coordinator would assign, so a simulated
+node is the same object an agent trains. The run directory gets the same metrics log as a real run, with
+virtual time stamps.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from coordinator.service import validate_job
+from coordinator.topology import node_plan
+from nodeagent._proto import coordinator_pb2 as pb
+from nodeagent.algorithms import Neighbor
+from nodeagent.jobspec import JobSpec
+from nodeagent.mesh.memory import SimNode, VirtualMesh
+from nodeagent.metrics import Metrics
+from nodeagent.runlog import ProgressRecord, RunLog, optional
+from nodeagent.training.job import Node, build_node
+
+
+def job_neighbors(spec: JobSpec) -> list[tuple[tuple[Neighbor, ...], float]]:
+    """Each rank's neighbours and self weight, exactly as the coordinator assigns them."""
+    topology = validate_job(spec)
+    plans = []
+    for rank in range(spec.nodes):
+        neighbors, self_weight = node_plan(
+            topology, rank, spec.algorithm.interval, spec.topology.seed,
+            weights=spec.topology.options.get("weights", "uniform"),
+        )
+        plans.append((tuple(Neighbor(n.rank, n.sign, n.phase, n.weight) for n in neighbors), self_weight))
+    return plans
+
+
+def build_nodes(spec: JobSpec, data_dir: str | None = None) -> list[Node]:
+    return [build_node(spec, rank, neighbors, self_weight, data_dir)
+            for rank, (neighbors, self_weight) in enumerate(job_neighbors(spec))]
+
+
+def progress_record(mesh: VirtualMesh, sim: SimNode, final: bool) -> ProgressRecord:
+    return ProgressRecord(
+        time=mesh.now, job=mesh.job, rank=sim.node.rank, node=sim.name, step=sim.node.algorithm.clock,
+        loss=optional(sim.loss), test_accuracy=optional(sim.accuracy), test_loss=optional(sim.test_loss),
+        elapsed_s=mesh.now, finished=final, bytes_sent=sim.bytes_sent, bytes_received=sim.bytes_received,
+        compute_s=sim.compute_s, wait_s=sim.wait_s, exchanges=sim.exchanges, exchange_failures=sim.failures,
+    )
+
+
+def status_of(mesh: VirtualMesh, job_id: str, run_dir: Path) -> pb.JobStatusReply:
+    """The simulation's state in the shape `coordinator status` prints."""
+    return pb.JobStatusReply(
+        job_id=job_id, name=mesh.job, world_size=len(mesh.nodes), run_dir=str(run_dir),
+        state=pb.JOB_FINISHED if mesh.finished else pb.JOB_RUNNING,
+        nodes=[
+            pb.NodeProgress(
+                rank=sim.node.rank, node_id=sim.name, step=sim.node.algorithm.clock, loss=sim.loss,
+                test_accuracy=sim.accuracy, finished=sim.done, bytes_sent=sim.bytes_sent,
+                bytes_received=sim.bytes_received,
+            )
+            for sim in mesh.nodes
+        ],
+    )
+
+
+@dataclass
+class SimulationResult:
+    mesh: VirtualMesh
+    run_dir: Path | None
+    wall_s: float
+
+    @property
+    def mean_accuracy(self) -> float:
+        values = [sim.accuracy for sim in self.mesh.nodes if not math.isnan(sim.accuracy)]
+        return sum(values) / len(values) if values else math.nan
+
+
+def simulate(
+    spec: JobSpec,
+    run_dir: Path | None = None,
+    data_dir: str | None = None,
+    metrics: Metrics | None = None,
+    on_progress: Callable[[VirtualMesh], None] | None = None,
+) -> SimulationResult:
+    """Run `spec` to completion; writes the metrics log to `run_dir` when given."""
+    torch.set_num_threads(1)  # one process steps every node in turn; extra threads only contend
+    started = time.monotonic()
+    nodes = build_nodes(spec, data_dir)
+    run_log = None
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "job.json").write_text(spec.model_dump_json(indent=2))
+        run_log = RunLog(run_dir)
+
+    def observe(mesh: VirtualMesh, sim: SimNode, final: bool) -> None:
+        if run_log is not None:
+            run_log.append(progress_record(mesh, sim, final))
+
+    mesh = VirtualMesh(nodes, spec.name, spec.simulation, metrics or Metrics(), observe)
+    mesh.run(on_event=on_progress)
+    return SimulationResult(mesh, run_dir, time.monotonic() - started)
+
+
+class SimulationProgress:
+    """A status line every few wall seconds: virtual time, steps, mean accuracy."""
+
+    def __init__(self, steps: int, every_s: float = 2.0):
+        self.steps = steps
+        self.every_s = every_s
+        self.started = time.monotonic()
+        self.last = self.started
+        self.tty = sys.stdout.isatty()
+
+    def __call__(self, mesh: VirtualMesh) -> None:
+        now = time.monotonic()
+        if now - self.last < self.every_s:
+            return
+        self.last = now
+        clocks = [sim.node.algorithm.clock for sim in mesh.nodes]
+        accuracies = [sim.accuracy for sim in mesh.nodes if not math.isnan(sim.accuracy)]
+        accuracy = f"{sum(accuracies) / len(accuracies):.4f}" if accuracies else "-"
+        line = (
+            f"[{now - self.started:5.0f} s wall] virtual {mesh.now:9.2f} s  steps {min(clocks)}..{max(clocks)} "
+            f"of {self.steps}  mean test accuracy {accuracy}"
+        )
+        print(f"\r{line}   " if self.tty else line, end="" if self.tty else "\n", flush=True)

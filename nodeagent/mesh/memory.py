@@ -1,0 +1,252 @@
+"""The memory runtime: the same algorithm objects as the gRPC agent, driven by a discrete-event loop.
+
+Local steps run for real (real tensors, real gradients) but cost virtual time: the step time of a node is
+`step_time_s / speed` (times a seeded jitter); a message on a directed link waits for the link to be free,
+takes `bytes / bandwidth`, then `latency`. Lost messages make the sender time out; nodes that are down or cut
+off by a partition refuse connections at once. The loop mirrors the agent's order of work exactly: drain the
+inbox, wait until the algorithm is ready, evaluate when due, step, send. A peer answers an exchange from the
+snapshot it published at the end of its last completed step, as the agent's servicer does.
+
+Everything is deterministic for a given seed: one heap ordered by (time, sequence number) and one generator.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nodeagent.algorithms.base import Route, Send, Snapshot
+from nodeagent.jobspec import SimulationSpec
+from nodeagent.metrics import Metrics
+from nodeagent.training.job import Node
+from nodeagent.wire.message import Message
+
+# A push that cannot be delivered is retried after this long (synchronous rounds depend on every push).
+PUSH_RETRY_S = 1.0
+
+
+@dataclass
+class SimNode:
+    node: Node
+    name: str
+    step_time_s: float
+    visible: Snapshot
+    inbox: list[Message] = field(default_factory=list)
+    in_flight: set[int] = field(default_factory=set)
+    waiting_since: float | None = None
+    computing: bool = False
+    done: bool = False
+    loss: float = math.nan
+    accuracy: float = math.nan
+    test_loss: float = math.nan
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    exchanges: int = 0
+    failures: int = 0
+    evaluated_at: int = -1
+
+
+Observer = Callable[["VirtualMesh", SimNode, bool], None]
+
+
+class VirtualMesh:
+    """Runs a job's nodes to completion in virtual time. `observe(mesh, node, final)` is called after each
+    evaluation (the place to write the metrics log)."""
+
+    def __init__(self, nodes: list[Node], job: str, simulation: SimulationSpec, metrics: Metrics,
+                 observe: Observer | None = None):
+        self.job = job
+        self.simulation = simulation
+        self.network = simulation.network
+        self.metrics = metrics
+        self.observe = observe
+        self.rng = np.random.default_rng(simulation.seed)
+        self.now = 0.0
+        self._queue: list[tuple[float, int, Callable[[], None]]] = []
+        self._sequence = itertools.count()
+        self._link_free_at: dict[tuple[int, int], float] = {}
+        speeds = simulation.speeds or [1.0] * len(nodes)
+        self.nodes = [
+            SimNode(
+                node=n, name=f"rank{n.rank}", visible=n.algorithm.snapshot(),
+                step_time_s=simulation.step_time_s / speeds[n.rank] * n.spec.slowdown.get(n.rank, 1.0),
+            )
+            for n in nodes
+        ]
+
+    # -- the event loop ------------------------------------------------------------------------------------------
+
+    def at(self, time: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._queue, (time, next(self._sequence), action))
+
+    def run(self, until: float = math.inf, on_event: Callable[[VirtualMesh], None] | None = None) -> None:
+        if not self._queue and self.now == 0.0:
+            for sim in self.nodes:
+                self.at(0.0, lambda sim=sim: self._start(sim))
+        while self._queue and self._queue[0][0] <= until:
+            self.now, _, action = heapq.heappop(self._queue)
+            action()
+            if on_event is not None:
+                on_event(self)
+
+    @property
+    def finished(self) -> bool:
+        return all(sim.done for sim in self.nodes)
+
+    # -- availability --------------------------------------------------------------------------------------------
+
+    def down_until(self, rank: int, time: float) -> float | None:
+        """The end of the fault that holds `rank` down at `time`, if any."""
+        for fault in self.simulation.faults:
+            if fault.node == rank and fault.down_from <= time < fault.down_until:
+                return fault.down_until
+        return None
+
+    def reachable(self, src: int, dst: int, time: float) -> bool:
+        if self.down_until(dst, time) is not None or self.down_until(src, time) is not None:
+            return False
+        for partition in self.simulation.partitions:
+            if partition.start <= time < partition.end:
+                side = {rank: index for index, group in enumerate(partition.groups) for rank in group}
+                if src in side and dst in side and side[src] != side[dst]:
+                    return False
+        return True
+
+    # -- a node's work -------------------------------------------------------------------------------------------
+
+    def _start(self, sim: SimNode) -> None:
+        """Drain, wait until ready, evaluate when due, step; the step's effects land when it completes."""
+        if sim.done or sim.computing:
+            return
+        back = self.down_until(sim.node.rank, self.now)
+        if back is not None:
+            self.at(back, lambda: self._start(sim))
+            return
+        algorithm = sim.node.algorithm
+        for message in sim.inbox:
+            algorithm.receive(message)
+        sim.inbox.clear()
+        if not algorithm.ready():
+            if sim.waiting_since is None:
+                sim.waiting_since = self.now
+            return
+        if sim.waiting_since is not None:
+            sim.wait_s += self.now - sim.waiting_since
+            sim.waiting_since = None
+        spec = sim.node.spec
+        final = algorithm.clock >= spec.steps
+        if (algorithm.clock % spec.eval_every == 0 or final) and algorithm.clock != sim.evaluated_at:
+            sim.evaluated_at = algorithm.clock
+            result = sim.node.evaluate()
+            sim.accuracy, sim.test_loss = result.accuracy, result.loss
+            if self.observe is not None:
+                self.observe(self, sim, final)
+        if final:
+            sim.done = True
+            sim.visible = algorithm.snapshot()
+            return
+        inputs, targets = sim.node.batches.next()
+        sim.loss = algorithm.step(inputs, targets)
+        self.metrics.local_steps.labels(self.job, sim.name).inc()
+        duration = sim.step_time_s
+        if self.simulation.jitter > 0:
+            duration *= float(self.rng.lognormal(0.0, self.simulation.jitter))
+        sim.compute_s += duration
+        sim.computing = True
+        sends = algorithm.sends()
+        snapshot = algorithm.snapshot()
+        self.at(self.now + duration, lambda: self._complete(sim, sends, snapshot))
+
+    def _complete(self, sim: SimNode, sends: list[Send], snapshot: Snapshot) -> None:
+        sim.computing = False
+        sim.visible = snapshot
+        for send in sends:
+            self._transmit(sim, send)
+        self._start(sim)
+
+    # -- the network ---------------------------------------------------------------------------------------------
+
+    def _failed(self, sim: SimNode, peer: int, reason: str) -> None:
+        sim.failures += 1
+        self.metrics.exchange_failures.labels(sim.name, self.nodes[peer].name, reason).inc()
+
+    def _arrival(self, src: int, dst: int, size: int) -> float:
+        """When a message of `size` bytes sent now on src -> dst arrives (the link carries one at a time)."""
+        start = max(self.now, self._link_free_at.get((src, dst), 0.0))
+        finish = start + size / self.network.bandwidth_bytes_per_s
+        self._link_free_at[(src, dst)] = finish
+        return finish + self.network.latency_s
+
+    def _transmit(self, sim: SimNode, send: Send) -> None:
+        if send.route == Route.PULL or send.message is None:
+            raise NotImplementedError(f"route {send.route} is not simulated in this version")
+        src, dst = sim.node.rank, send.peer
+        if send.route == Route.EXCHANGE:
+            if dst in sim.in_flight:
+                self._failed(sim, dst, "in_flight")
+                return
+            sim.in_flight.add(dst)
+        if not self.reachable(src, dst, self.now):
+            self._give_up(sim, send, "unavailable", self.now)
+            return
+        if self.network.loss > 0 and self.rng.random() < self.network.loss:
+            self._give_up(sim, send, "deadline_exceeded", self.now + self.network.timeout_s)
+            return
+        message = send.message
+        size = message.payload_bytes
+        self._count(sim, self.nodes[dst], size)
+        arrival = self._arrival(src, dst, size)
+        self.at(arrival, lambda: self._deliver(sim, send, message))
+
+    def _give_up(self, sim: SimNode, send: Send, reason: str, when: float) -> None:
+        def fail() -> None:
+            self._failed(sim, send.peer, reason)
+            sim.in_flight.discard(send.peer)
+            if send.route == Route.PUSH:
+                self.at(self.now + PUSH_RETRY_S, lambda: self._transmit(sim, send))
+
+        self.at(when, fail)
+
+    def _count(self, src: SimNode, dst: SimNode, size: int) -> None:
+        src.bytes_sent += size
+        dst.bytes_received += size
+        self.metrics.edge_bytes_sent.labels(src.name, dst.name).inc(size)
+        self.metrics.edge_bytes_received.labels(src.name, dst.name).inc(size)
+
+    def _deliver(self, sender: SimNode, send: Send, message: Message) -> None:
+        receiver = self.nodes[send.peer]
+        if not self.reachable(sender.node.rank, receiver.node.rank, self.now):
+            # The receiver went down (or was cut off) while the message travelled: the sender's call fails.
+            self._give_up(sender, send, "unavailable", self.now)
+            return
+        receiver.inbox.append(message)
+        if send.route == Route.EXCHANGE:
+            reply = receiver.visible.message_for(sender.node.rank, message.kind)
+            if reply is None:
+                self._give_up(sender, send, "failed_precondition", self.now)
+                return
+            self._count(receiver, sender, reply.payload_bytes)
+            arrival = self._arrival(receiver.node.rank, sender.node.rank, reply.payload_bytes)
+            self.at(arrival, lambda: self._exchange_done(sender, receiver, reply))
+        else:
+            sender.exchanges += 1
+        self._wake(receiver)
+
+    def _exchange_done(self, sender: SimNode, peer: SimNode, reply: Message) -> None:
+        sender.in_flight.discard(peer.node.rank)
+        if self.down_until(sender.node.rank, self.now) is not None:
+            return  # the initiator itself went down meanwhile: the reply is lost with it
+        sender.exchanges += 1
+        sender.inbox.append(reply)
+        self._wake(sender)
+
+    def _wake(self, sim: SimNode) -> None:
+        if sim.waiting_since is not None and not sim.computing:
+            self._start(sim)

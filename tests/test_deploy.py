@@ -1,0 +1,1246 @@
+"""Checks of the deployment files under deploy/: systemd units, Dockerfiles, docker-compose, Prometheus
+configuration and alert rules, the Grafana dashboard, the Kubernetes manifests and the job specs.
+
+Every command line in them is parsed with the real CLI parsers (`nodeagent.cli.build_parser`,
+`coordinator.cli.build_parser`), every metric a query names must be defined by `nodeagent.metrics.Metrics`,
+and where the tool is installed the files go through it (systemd-analyze, promtool, prometheus, kubectl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+import urllib.parse
+import urllib.request
+import zipfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+SYSTEMD = DEPLOY / "systemd"
+PROMETHEUS = DEPLOY / "prometheus"
+GRAFANA = DEPLOY / "grafana"
+K8S = DEPLOY / "k8s"
+COMPOSE_FILE = DEPLOY / "docker-compose.yml"
+DASHBOARD = GRAFANA / "dashboards" / "peertrain.json"
+SCRAPE_JOBS = {"peertrain-agent", "peertrain-coordinator"}
+
+UNITS = {
+    "peertrain-agent.service": ("nodeagent", "agent.env.example", "/var/lib/peertrain/agent"),
+    "peertrain-coordinator.service": ("coordinator", "coordinator.env.example", "/var/lib/peertrain/coordinator"),
+}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def cli_parser(script: str) -> argparse.ArgumentParser:
+    """The real parser behind a console script (pyproject's [project.scripts])."""
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert script in scripts, f"{script!r} is not a console script of pyproject.toml ({sorted(scripts)})"
+    module = importlib.import_module(scripts[script].split(":")[0])
+    return module.build_parser()
+
+
+def parse_cli(script: str, args: list[str], where: str) -> argparse.Namespace:
+    try:
+        return cli_parser(script).parse_args(args)
+    except SystemExit as error:
+        pytest.fail(f"{where}: `{script} {shlex.join(args)}` does not parse (exit {error.code})")
+
+
+def port_of(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+def host_of(address: str) -> str:
+    return address.rsplit(":", 1)[0]
+
+
+def need(tool: str) -> str:
+    path = shutil.which(tool)
+    if path is None:
+        pytest.skip(f"{tool} is not installed (Debian: see deploy/bootstrap.sh)")
+    return path
+
+
+def run(command: list[str], cwd: Path | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def load_yaml(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+def load_yaml_all(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+# --- systemd unit files
+
+
+def read_unit(path: Path) -> list[tuple[str, str, str]]:
+    """(section, key, value) of a unit file, in order, with continuation lines joined."""
+    entries: list[tuple[str, str, str]] = []
+    section = ""
+    pending = ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if pending:
+            line = f"{pending} {line}"
+            pending = ""
+        elif not line or line.startswith(("#", ";")):
+            continue
+        if line.endswith("\\"):
+            pending = line[:-1].rstrip()
+            continue
+        if line.startswith("["):
+            section = line.strip("[]")
+            continue
+        key, _, value = line.partition("=")
+        entries.append((section, key.strip(), value.strip()))
+    return entries
+
+
+def unit_values(entries: list[tuple[str, str, str]], key: str) -> list[str]:
+    return [value for _, k, value in entries if k == key]
+
+
+def unit_value(entries: list[tuple[str, str, str]], key: str) -> str:
+    values = unit_values(entries, key)
+    assert values, f"{key}= is missing"
+    return values[-1]
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    env = {}
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        assert sep, f"{path.name}: not VAR=value: {raw!r}"
+        assert re.fullmatch(r"[A-Z_][A-Z0-9_]*", key), f"{path.name}: bad variable name {key!r}"
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        env[key] = value
+    return env
+
+
+def expand_exec(command: str, env: dict[str, str]) -> list[str]:
+    """systemd's ExecStart= expansion: ${VAR} stays one word, a bare $VAR word splits at whitespace."""
+    words: list[str] = []
+    for word in shlex.split(command):
+        bare = re.fullmatch(r"\$([A-Za-z_][A-Za-z0-9_]*)", word)
+        if bare:
+            words.extend(env.get(bare.group(1), "").split())
+        else:
+            words.append(re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", lambda m: env.get(m.group(1), ""), word))
+    return words
+
+
+def unit_environment(entries: list[tuple[str, str, str]]) -> dict[str, str]:
+    env = {}
+    for value in unit_values(entries, "Environment"):
+        key, _, val = value.partition("=")
+        env[key] = val
+    return env
+
+
+# --- Dockerfiles
+
+
+def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
+    instructions: list[tuple[str, str]] = []
+    pending = ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if pending and line.startswith("#"):
+            continue
+        line = f"{pending} {line}" if pending else line
+        if line.endswith("\\"):
+            pending = line[:-1].rstrip()
+            continue
+        pending = ""
+        keyword, _, rest = line.partition(" ")
+        instructions.append((keyword.upper(), rest.strip()))
+    return instructions
+
+
+def dockerfile_entrypoint(path: Path) -> list[str]:
+    entrypoints = [rest for keyword, rest in dockerfile_instructions(path) if keyword == "ENTRYPOINT"]
+    assert entrypoints, f"{path.name} has no ENTRYPOINT"
+    return json.loads(entrypoints[-1])
+
+
+# --- metrics and PromQL
+
+
+def defined_metrics() -> dict[str, set[str]]:
+    """Exposed series name -> label names, for every metric of nodeagent.metrics.Metrics()."""
+    from prometheus_client.metrics import MetricWrapperBase
+
+    from nodeagent.metrics import Metrics
+
+    metrics = Metrics()
+    labels_by_family: dict[str, set[str]] = {}
+    for value in vars(metrics).values():
+        if isinstance(value, MetricWrapperBase):
+            for family in value.describe():
+                labels_by_family[family.name] = set(getattr(value, "_labelnames", ()))
+    names: dict[str, set[str]] = {}
+    for family in metrics.registry.collect():
+        labels = labels_by_family[family.name]
+        if family.type == "counter":
+            names[f"{family.name}_total"] = labels
+        elif family.type == "histogram":
+            for suffix in ("_bucket", "_sum", "_count"):
+                names[family.name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
+        else:
+            names[family.name] = labels
+    assert names, "Metrics() defines no metric"
+    return names
+
+
+PROMQL_WORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "bool",
+    "inf",
+    "nan",
+}
+GROUPING = r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)"
+# Labels every series has after a scrape by deploy/prometheus (job and instance from the target,
+# job_id from metric_relabel_configs).
+TARGET_LABELS = {"job", "instance", "job_id"}
+
+
+def promql_references(expr: str) -> tuple[set[str], set[str], set[str]]:
+    """(metric names, label names, string literals) an expression uses."""
+    literals = set(re.findall(r'"((?:[^"\\]|\\.)*)"', expr))
+    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    labels: set[str] = set()
+    for body in re.findall(r"\{([^}]*)\}", text):
+        labels |= set(re.findall(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)", body))
+    text = re.sub(r"\{[^}]*\}", " ", text)
+    text = re.sub(r"\[[^\]]*\]", " ", text)
+    for clause in re.findall(GROUPING, text):
+        labels |= {name.strip() for name in clause.split(",") if name.strip()}
+    text = re.sub(GROUPING, " ", text)
+    names = set()
+    for match in re.finditer(r"(?<![\w.$])([A-Za-z_:][A-Za-z0-9_:]*)(\s*\()?", text):
+        word, call = match.group(1), match.group(2)
+        if not call and word.lower() not in PROMQL_WORDS:
+            names.add(word)
+    return names, labels, literals
+
+
+def check_promql(expr: str, where: str, metrics: dict[str, set[str]]) -> set[str]:
+    """Every metric and label an expression uses exists; returns the metric names."""
+    names, labels, literals = promql_references(expr)
+    assert names, f"{where}: no metric in {expr!r}"
+    unknown = {name for name in names if name not in metrics and name != "up"}
+    assert not unknown, f"{where}: metrics not defined in nodeagent/metrics.py: {sorted(unknown)} in {expr!r}"
+    known_labels = TARGET_LABELS | set().union(*(metrics.get(name, set()) for name in names))
+    # label_replace / label_join create labels named by a string argument.
+    stray = {label for label in labels if label not in known_labels and label not in literals}
+    assert not stray, f"{where}: unknown labels {sorted(stray)} in {expr!r}"
+    return names
+
+
+def alert_rules() -> list[dict[str, Any]]:
+    return [rule for group in load_yaml(PROMETHEUS / "alerts.yml")["groups"] for rule in group["rules"]]
+
+
+# --- Grafana
+
+
+def dashboard_panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    panels = []
+    for panel in dashboard["panels"]:
+        panels.append(panel)
+        panels.extend(panel.get("panels", []))
+    return panels
+
+
+def dashboard_queries(dashboard: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    return [
+        (panel["title"], target)
+        for panel in dashboard_panels(dashboard)
+        if panel["type"] != "row"
+        for target in panel.get("targets", [])
+    ]
+
+
+def grafana_substitute(expr: str, job: str = ".*") -> str:
+    return expr.replace("$__rate_interval", "10s").replace("$__interval", "5s").replace("$job", job)
+
+
+# --- compose and k8s
+
+
+def compose() -> dict[str, Any]:
+    return load_yaml(COMPOSE_FILE)
+
+
+def compose_command(name: str, service: dict[str, Any]) -> tuple[str, list[str]]:
+    """(console script, arguments) a compose service runs."""
+    if "entrypoint" in service:
+        entrypoint = service["entrypoint"]
+    else:
+        assert "build" in service, f"{name}: neither entrypoint nor build"
+        entrypoint = dockerfile_entrypoint(ROOT / service["build"]["dockerfile"])
+    entrypoint = shlex.split(entrypoint) if isinstance(entrypoint, str) else list(entrypoint)
+    command = service.get("command", [])
+    command = shlex.split(command) if isinstance(command, str) else list(command)
+    assert len(entrypoint) == 1, f"{name}: entrypoint {entrypoint} is not one console script"
+    return entrypoint[0], command
+
+
+def compose_volume(volume: str) -> tuple[str, str]:
+    """(source, target) of a short-syntax compose volume; the source may be ${VAR:-default}."""
+    source = ""
+    if volume.startswith("${"):
+        source, volume = volume[: volume.index("}") + 1], volume[volume.index("}") + 2 :]
+        return source, volume.split(":")[0]
+    source, target = volume.split(":")[:2]
+    return source, target
+
+
+def peertrain_services(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {name: service for name, service in spec["services"].items() if "build" in service}
+
+
+def k8s_documents() -> list[dict[str, Any]]:
+    kustomization = load_yaml(K8S / "kustomization.yaml")
+    documents = []
+    for resource in kustomization["resources"]:
+        documents.extend(load_yaml_all(K8S / resource))
+    return documents
+
+
+def k8s_env(container: dict[str, Any], documents: list[dict[str, Any]], pod_name: str) -> dict[str, str]:
+    config_maps = {doc["metadata"]["name"]: doc.get("data", {}) for doc in documents if doc["kind"] == "ConfigMap"}
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        name = source["configMapRef"]["name"]
+        assert name in config_maps, f"envFrom names ConfigMap {name!r}, which the manifests do not define"
+        env.update(config_maps[name])
+    fields = {"metadata.name": pod_name, "metadata.namespace": "peertrain"}
+    for item in container.get("env", []):
+        if "value" in item:
+            env[item["name"]] = item["value"]
+        else:
+            env[item["name"]] = fields[item["valueFrom"]["fieldRef"]["fieldPath"]]
+    return env
+
+
+def k8s_expand(arg: str, env: dict[str, str]) -> str:
+    def replace(match: re.Match[str]) -> str:
+        assert match.group(1) in env, f"$({match.group(1)}) is not defined for the container"
+        return env[match.group(1)]
+
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", replace, arg)
+
+
+# ----------------------------------------------------------------------------------------------------
+# systemd
+
+
+@pytest.mark.parametrize("unit", sorted(UNITS))
+def test_systemd_unit_verifies(unit: str, tmp_path: Path) -> None:
+    tool = need("systemd-analyze")
+    entries = read_unit(SYSTEMD / unit)
+    script = UNITS[unit][0]
+    exec_start = unit_value(entries, "ExecStart")
+    assert exec_start.split()[0] == f"/opt/peertrain/.venv/bin/{script}"
+    # The venv is not installed here: point ExecStart at an executable that exists, keep the rest.
+    stand_in = shutil.which("true") or "/bin/true"
+    text = (SYSTEMD / unit).read_text().replace(f"/opt/peertrain/.venv/bin/{script}", stand_in)
+    (tmp_path / unit).write_text(text)
+    result = run([tool, "verify", "--man=no", str(tmp_path / unit)], cwd=tmp_path)
+    output = result.stdout + result.stderr
+    ours = [line for line in output.splitlines() if unit in line or str(tmp_path) in line]
+    assert result.returncode == 0 and not ours, f"systemd-analyze verify {unit}:\n{output}"
+
+
+@pytest.mark.parametrize("unit", sorted(UNITS))
+def test_systemd_unit_settings(unit: str) -> None:
+    entries = read_unit(SYSTEMD / unit)
+    _, env_example, state_dir = UNITS[unit]
+    sections = {section for section, _, _ in entries}
+    assert sections == {"Unit", "Service", "Install"}
+    assert "network-online.target" in unit_value(entries, "After").split()
+    assert "network-online.target" in unit_value(entries, "Wants").split()
+    expected = {
+        "Type": "simple",
+        "User": "peertrain",
+        "Group": "peertrain",
+        "Restart": "on-failure",
+        "KillSignal": "SIGTERM",
+        "NoNewPrivileges": "yes",
+        "ProtectSystem": "strict",
+        "PrivateTmp": "yes",
+        "EnvironmentFile": f"-/etc/peertrain/{env_example.removesuffix('.example')}",
+        "StateDirectory": state_dir.removeprefix("/var/lib/"),
+        "WantedBy": "multi-user.target",
+    }
+    for key, value in expected.items():
+        assert unit_value(entries, key) == value, f"{unit}: {key}="
+    assert state_dir in unit_value(entries, "ReadWritePaths").split()
+    assert 10 <= int(unit_value(entries, "TimeoutStopSec")) <= 120
+    assert f"--state-dir {state_dir}" in unit_value(entries, "ExecStart")
+    # EnvironmentFile= must come after the defaults so that it overrides them (systemd applies it last
+    # anyway; keeping the order in the file says so to the reader).
+    keys = [key for _, key, _ in entries]
+    assert keys.index("EnvironmentFile") > max(i for i, key in enumerate(keys) if key == "Environment")
+
+
+@pytest.mark.parametrize("unit", sorted(UNITS))
+def test_systemd_unit_exposure_is_low(unit: str, tmp_path: Path) -> None:
+    tool = need("systemd-analyze")
+    script = UNITS[unit][0]
+    text = (SYSTEMD / unit).read_text().replace(f"/opt/peertrain/.venv/bin/{script}", "/bin/true")
+    (tmp_path / unit).write_text(text)
+    result = run([tool, "security", "--offline=true", "--threshold=30", str(tmp_path / unit)], cwd=tmp_path)
+    if "unrecognized option" in result.stderr:
+        pytest.skip("this systemd-analyze has no --offline (systemd < 250)")
+    exposure = re.search(r"Overall exposure level for \S+: ([0-9.]+)", result.stdout)
+    assert exposure, result.stdout + result.stderr
+    assert result.returncode == 0 and float(exposure.group(1)) <= 3.0, result.stdout[-2000:]
+
+
+@pytest.mark.parametrize("unit", sorted(UNITS))
+@pytest.mark.parametrize("with_env_file", [True, False], ids=["env-example", "defaults"])
+def test_systemd_exec_start_parses(unit: str, with_env_file: bool) -> None:
+    entries = read_unit(SYSTEMD / unit)
+    script, env_example, state_dir = UNITS[unit]
+    env = unit_environment(entries)
+    example = read_env_file(SYSTEMD / env_example)
+    exec_start = unit_value(entries, "ExecStart")
+    used = set(re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", exec_start))
+    unused = {key for key in example if key not in used}
+    assert not unused, f"{env_example} sets {sorted(unused)}, which {unit} never passes to {script}"
+    missing_defaults = {key for key in used if key not in env}
+    assert not missing_defaults, f"{unit}: no Environment= default for {sorted(missing_defaults)}"
+    if with_env_file:
+        env |= example
+    argv = expand_exec(exec_start, env)
+    args = parse_cli(script, argv[1:], f"{unit} ExecStart")
+    assert args.command == "serve"
+    assert str(args.state_dir) == state_dir
+    if with_env_file:
+        for key, value in example.items():
+            if not key.endswith("_ARGS"):
+                assert value in argv, f"{key}={value} did not reach the command line"
+
+
+def test_sysusers_creates_the_service_user(tmp_path: Path) -> None:
+    tool = need("systemd-sysusers")
+    result = run([tool, f"--root={tmp_path}", "--dry-run", str(SYSTEMD / "peertrain.sysusers.conf")])
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "Creating user 'peertrain'" in output or "Creating user peertrain" in output, output
+
+
+# ----------------------------------------------------------------------------------------------------
+# Prometheus
+
+
+def k8s_prometheus_config() -> dict[str, Any]:
+    [config_map] = [
+        doc for doc in load_yaml_all(K8S / "configmap.yaml") if doc["metadata"]["name"] == "peertrain-prometheus"
+    ]
+    return yaml.safe_load(config_map["data"]["prometheus.yml"])
+
+
+@pytest.mark.parametrize("config", ["prometheus.yml", "prometheus-cluster.yml", "k8s"])
+def test_promtool_check_config(config: str, tmp_path: Path) -> None:
+    promtool = need("promtool")
+    if config == "k8s":
+        path = tmp_path / "prometheus.yml"
+        path.write_text(yaml.safe_dump(k8s_prometheus_config()))
+    else:
+        path = PROMETHEUS / config
+    result = run([promtool, "check", "config", str(path)], cwd=path.parent)
+    if config == "k8s" and "field kubernetes_sd_configs not found" in result.stdout + result.stderr:
+        # Debian builds Prometheus without Kubernetes discovery: check everything else of the config
+        # (the relabelling) with static targets in its place.
+        loaded = k8s_prometheus_config()
+        for scrape in loaded["scrape_configs"]:
+            assert scrape.pop("kubernetes_sd_configs")
+            scrape["static_configs"] = [{"targets": ["pod.example:9401"]}]
+        path.write_text(yaml.safe_dump(loaded))
+        result = run([promtool, "check", "config", str(path)], cwd=path.parent)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout + result.stderr
+
+
+def test_promtool_check_rules() -> None:
+    promtool = need("promtool")
+    result = run([promtool, "check", "rules", "alerts.yml"], cwd=PROMETHEUS)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(alert_rules())} rules found" in result.stdout + result.stderr
+
+
+def test_promtool_test_rules() -> None:
+    promtool = need("promtool")
+    result = run([promtool, "test", "rules", "alerts_test.yml"], cwd=PROMETHEUS, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_alert_is_unit_tested_and_documented() -> None:
+    tests = load_yaml(PROMETHEUS / "alerts_test.yml")
+    firing = {
+        case["alertname"]
+        for test in tests["tests"]
+        for case in test.get("alert_rule_test", [])
+        if case.get("exp_alerts")
+    }
+    alerts = {rule["alert"] for rule in alert_rules()}
+    assert alerts - firing == set(), f"alerts never shown firing in alerts_test.yml: {sorted(alerts - firing)}"
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    undocumented = {alert for alert in alerts if alert not in operations}
+    assert not undocumented, f"alerts missing from docs/operations.md: {sorted(undocumented)}"
+
+
+def test_alert_rules_use_defined_metrics() -> None:
+    metrics = defined_metrics()
+    rules = alert_rules()
+    assert len({rule["alert"] for rule in rules}) == len(rules), "duplicate alert names"
+    for rule in rules:
+        check_promql(rule["expr"], rule["alert"], metrics)
+        assert rule["labels"]["severity"] in {"critical", "warning", "info"}
+        assert {"summary", "description"} <= set(rule["annotations"])
+    jobs = {job for rule in rules for job in re.findall(r'job="([^"]+)"', rule["expr"])}
+    assert jobs <= SCRAPE_JOBS, f"rules select scrape jobs {sorted(jobs - SCRAPE_JOBS)} that no config defines"
+
+
+@pytest.mark.parametrize("config", ["prometheus.yml", "prometheus-cluster.yml", "k8s"])
+def test_scrape_configs_define_both_jobs(config: str) -> None:
+    loaded = k8s_prometheus_config() if config == "k8s" else load_yaml(PROMETHEUS / config)
+    scrape = {job["job_name"]: job for job in loaded["scrape_configs"]}
+    assert set(scrape) >= SCRAPE_JOBS
+    if config != "k8s":
+        assert loaded["rule_files"] == ["alerts.yml"]
+
+
+def test_compose_prometheus_scrapes_the_compose_services() -> None:
+    spec = compose()
+    services = peertrain_services(spec)
+    expected: dict[str, set[str]] = {"peertrain-agent": set(), "peertrain-coordinator": set()}
+    for name, service in services.items():
+        if "profiles" in service:
+            continue
+        script, command = compose_command(name, service)
+        args = parse_cli(script, command, f"compose service {name}")
+        job = "peertrain-agent" if script == "nodeagent" else "peertrain-coordinator"
+        expected[job].add(f"{name}:{port_of(args.metrics_listen)}")
+    config = load_yaml(PROMETHEUS / "prometheus.yml")
+    scraped = {
+        job["job_name"]: {target for static in job["static_configs"] for target in static["targets"]}
+        for job in config["scrape_configs"]
+    }
+    for job, targets in expected.items():
+        assert scraped[job] == targets, f"prometheus.yml job {job}"
+    # The cluster example's file_sd targets exist and use the default metrics ports.
+    for pattern, port in (("agents", 9401), ("coordinator", 9400)):
+        files = sorted((PROMETHEUS / "targets").glob(f"{pattern}*.yml"))
+        assert files, f"no targets/{pattern}*.yml"
+        for path in files:
+            for group in load_yaml(path):
+                assert group["targets"] and all(port_of(t) == port for t in group["targets"]), path.name
+
+
+# ----------------------------------------------------------------------------------------------------
+# Grafana
+
+
+def test_grafana_provisioning_matches_compose() -> None:
+    spec = compose()
+    grafana = spec["services"]["grafana"]
+    mounts = dict(compose_volume(volume) for volume in grafana["volumes"])
+    assert mounts["./grafana/provisioning"] == "/etc/grafana/provisioning"
+    [datasource] = load_yaml(GRAFANA / "provisioning" / "datasources" / "prometheus.yml")["datasources"]
+    assert datasource["type"] == "prometheus"
+    url = urllib.parse.urlsplit(datasource["url"])
+    assert url.hostname in spec["services"], f"datasource host {url.hostname} is no compose service"
+    container_ports = {int(str(p).split(":")[-1]) for p in spec["services"][url.hostname]["ports"]}
+    assert url.port in container_ports
+    [provider] = load_yaml(GRAFANA / "provisioning" / "dashboards" / "peertrain.yml")["providers"]
+    assert provider["type"] == "file"
+    assert mounts["./grafana/dashboards"] == provider["options"]["path"]
+    home = grafana["environment"].get("GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH")
+    if home:
+        assert home == f"{provider['options']['path']}/{DASHBOARD.name}"
+
+
+def test_dashboard_queries_use_defined_metrics() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    metrics = defined_metrics()
+    panels = dashboard_panels(dashboard)
+    ids = [panel["id"] for panel in panels]
+    assert len(ids) == len(set(ids)), "panel ids repeat"
+    variables = {variable["name"] for variable in dashboard["templating"]["list"]}
+    queries = dashboard_queries(dashboard)
+    assert len(queries) >= 20
+    used: set[str] = set()
+    for title, target in queries:
+        expr = target["expr"]
+        for variable in re.findall(r"\$\{?(\w+)", expr):
+            assert variable in variables or variable.startswith("__") or variable.isdigit(), (
+                f"{title}: ${variable} is not a dashboard variable"
+            )
+        used |= check_promql(expr, title, metrics)
+        assert target["datasource"]["uid"] == "${datasource}", title
+    # What the dashboard is for: every agent metric shows up somewhere.
+    families = {re.sub(r"_(bucket|sum|count)$", "", name) for name in used}
+    wanted = {re.sub(r"_(bucket|sum|count)$", "", name) for name in metrics}
+    missing = wanted - families - {"peertrain_coordinator_heartbeats_total"}
+    assert not missing, f"metrics without a panel: {sorted(missing)}"
+
+
+def test_dashboard_has_the_operator_panels() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    by_title = {panel["title"]: panel for panel in dashboard_panels(dashboard)}
+    exprs = {title: " ".join(t["expr"] for t in panel.get("targets", [])) for title, panel in by_title.items()}
+    assert "sum by (src, dst) (rate(peertrain_edge_bytes_sent_total" in exprs["Per-edge traffic sent"]
+    assert "peertrain_test_accuracy" in exprs["Test accuracy per node"]
+    assert "peertrain_training_loss" in exprs["Training loss per node"]
+    latency = exprs["Exchange latency p50 / p99"]
+    assert "histogram_quantile(0.5," in latency and "histogram_quantile(0.99," in latency
+    assert "sum by (reason) (rate(peertrain_exchange_failures_total" in exprs["Exchange failures by reason"]
+    assert "peertrain_local_steps_total" in exprs["Local step rate per node"]
+    assert "peertrain_wait_seconds_total" in exprs["Wait time (fraction of wall time)"]
+    graph = by_title["Topology and live edge traffic"]
+    assert graph["type"] == "nodegraph"
+    # The node graph panel tells its frames apart by refId, and needs id (+ source, target) fields.
+    refs = {target["refId"]: target for target in graph["targets"]}
+    assert set(refs) == {"nodes", "edges"}
+    assert all(t["format"] == "table" and t["instant"] for t in refs.values())
+    _, node_labels, _ = promql_references(refs["nodes"]["expr"])
+    assert {"id", "title"} <= node_labels
+    assert {'"id"', '"source"', '"target"'} <= set(re.findall(r'"\w+"', refs["edges"]["expr"]))
+    [organize] = graph["transformations"]
+    assert set(organize["options"]["renameByName"].values()) == {"mainstat"}
+
+
+def test_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:
+    promtool = need("promtool")
+    dashboard = json.loads(DASHBOARD.read_text())
+    rules = [
+        {"record": f"peertrain:dashboard_query_{i}", "expr": grafana_substitute(target["expr"])}
+        for i, (_, target) in enumerate(dashboard_queries(dashboard))
+    ]
+    path = tmp_path / "dashboard-rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    result = run([promtool, "check", "rules", str(path)])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- the dashboard and rules against a real Prometheus scraping real Metrics() registries
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def serving(registry: Any) -> Iterator[int]:
+    from prometheus_client import start_http_server
+
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    try:
+        yield int(server.server_port)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def feed(agent: Any, coordinator: Any, job: str, stop: threading.Event) -> None:
+    """Metrics of two nodes n0, n1 on one edge each way, moving like a training job's."""
+    coordinator.coordinator_nodes.labels("up").set(2)
+    coordinator.coordinator_nodes.labels("down").set(0)
+    coordinator.coordinator_jobs.labels("running").set(1)
+    for node in ("n0", "n1"):
+        agent.agent_info.labels(node, "cpu").set(1)
+    step = 0
+    while not stop.wait(0.05):
+        step += 1
+        coordinator.coordinator_heartbeats.inc()
+        for src, dst in (("n0", "n1"), ("n1", "n0")):
+            agent.edge_bytes_sent.labels(src, dst).inc(4096)
+            agent.edge_bytes_received.labels(dst, src).inc(4096)
+            agent.edge_messages_sent.labels(src, dst).inc()
+            agent.edge_messages_received.labels(dst, src).inc()
+            agent.exchange_seconds.labels(src, dst).observe(0.004 * (1 + step % 5))
+            if step % 7 == 0:
+                agent.exchange_failures.labels(src, dst, "unavailable").inc()
+                agent.stream_rejections.labels(src, dst, "bad_manifest").inc()
+        for node in ("n0", "n1"):
+            agent.local_steps.labels(job, node).inc()
+            agent.step_seconds.labels(job, node).observe(0.002)
+            agent.wait_seconds.labels(job, node).inc(0.01)
+            agent.training_loss.labels(job, node).set(1.0 / step)
+            agent.test_accuracy.labels(job, node).set(min(0.9, 0.1 + step / 100))
+            agent.test_loss.labels(job, node).set(1.0 / step)
+
+
+def prometheus_query(base: str, expr: str) -> list[dict[str, Any]]:
+    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        body = json.load(reply)
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, AssertionError):
+            if condition():
+                return
+        time.sleep(0.25)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+@pytest.mark.slow
+def test_dashboard_and_rules_against_live_prometheus(tmp_path: Path) -> None:
+    prometheus = need("prometheus")
+    from nodeagent.metrics import Metrics
+
+    job = "job-0001"
+    agent, coordinator = Metrics(), Metrics()
+    stop = threading.Event()
+    feeder = threading.Thread(target=feed, args=(agent, coordinator, job, stop), daemon=True)
+    with serving(agent.registry) as agent_port, serving(coordinator.registry) as coordinator_port:
+        # The scrape jobs of deploy/prometheus/prometheus.yml, relabelling included, aimed at these ports.
+        config = load_yaml(PROMETHEUS / "prometheus.yml")
+        ports = {"peertrain-agent": agent_port, "peertrain-coordinator": coordinator_port}
+        scrape_configs = []
+        for scrape in config["scrape_configs"]:
+            if scrape["job_name"] in ports:
+                scrape["static_configs"] = [{"targets": [f"127.0.0.1:{ports[scrape['job_name']]}"]}]
+                scrape_configs.append(scrape)
+        config["scrape_configs"] = scrape_configs
+        config["global"] |= {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"}
+        config["rule_files"] = [str(PROMETHEUS / "alerts.yml")]
+        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        feeder.start()
+        process = subprocess.Popen(
+            [
+                prometheus,
+                f"--config.file={tmp_path / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp_path / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=(tmp_path / "prometheus.log").open("w"),
+        )
+        try:
+            scrapes = "min(count_over_time(peertrain_local_steps_total[1m]))"
+            wait_for(
+                lambda: any(float(r["value"][1]) >= 3 for r in prometheus_query(base, scrapes)),
+                60,
+                "three scrapes of the agent",
+            )
+            up = {r["metric"]["job"]: r["value"][1] for r in prometheus_query(base, "up")}
+            assert up == {"peertrain-agent": "1", "peertrain-coordinator": "1"}
+            # The training job's label is job_id; nothing collides with the scrape job's label.
+            assert prometheus_query(base, f'peertrain_local_steps_total{{job_id="{job}"}}')
+            assert not prometheus_query(base, '{exported_job!=""}')
+            dashboard = json.loads(DASHBOARD.read_text())
+            empty = []
+            for title, target in dashboard_queries(dashboard):
+                result = prometheus_query(base, grafana_substitute(target["expr"], job))
+                if not result:
+                    empty.append(f"{title}: {target['expr']}")
+            assert not empty, "dashboard queries without data:\n" + "\n".join(empty)
+            nodes = prometheus_query(
+                base,
+                grafana_substitute(
+                    next(t["expr"] for _, t in dashboard_queries(dashboard) if t["refId"] == "nodes"), job
+                ),
+            )
+            assert {r["metric"]["id"] for r in nodes} == {"n0", "n1"}
+            edges = prometheus_query(
+                base,
+                grafana_substitute(
+                    next(t["expr"] for _, t in dashboard_queries(dashboard) if t["refId"] == "edges"), job
+                ),
+            )
+            assert {(r["metric"]["source"], r["metric"]["target"], r["metric"]["id"]) for r in edges} == {
+                ("n0", "n1", "n0->n1"),
+                ("n1", "n0", "n1->n0"),
+            }
+
+            def rules_evaluated() -> bool:
+                with urllib.request.urlopen(f"{base}/api/v1/rules", timeout=10) as reply:
+                    groups = json.load(reply)["data"]["groups"]
+                rules = [rule for group in groups for rule in group["rules"]]
+                assert len(rules) == len(alert_rules())
+                assert all(rule["health"] != "err" for rule in rules), [r for r in rules if r["health"] == "err"]
+                return all(rule["health"] == "ok" for rule in rules)
+
+            wait_for(rules_evaluated, 30, "every alert rule evaluated without error")
+        finally:
+            stop.set()
+            process.terminate()
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            feeder.join(5)
+
+
+def start_prometheus(tmp_path: Path, targets: dict[str, list[str]], rule_files: list[str]) -> tuple[Any, str]:
+    """A real Prometheus with the scrape jobs of deploy/prometheus/prometheus.yml aimed at `targets`."""
+    config = load_yaml(PROMETHEUS / "prometheus.yml")
+    scrape_configs = []
+    for scrape in config["scrape_configs"]:
+        if scrape["job_name"] in targets:
+            scrape["static_configs"] = [{"targets": targets[scrape["job_name"]]}]
+            scrape_configs.append(scrape)
+    config["scrape_configs"] = scrape_configs
+    config["global"] |= {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"}
+    config["rule_files"] = rule_files
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            need("prometheus"),
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "prometheus.log").open("w"),
+    )
+    return process, f"http://127.0.0.1:{port}"
+
+
+def stop_process(process: Any) -> None:
+    process.terminate()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@pytest.mark.slow
+def test_prometheus_scrapes_a_local_cluster(tmp_path: Path, fashion_mnist_dir: Path) -> None:
+    """The real server scrapes a coordinator and 4 agents on loopback while they train."""
+    need("prometheus")
+    from coordinator.cluster import LocalCluster
+    from nodeagent._proto import coordinator_pb2
+
+    job = {
+        "name": "scraped", "nodes": 4, "steps": 5000, "eval_every": 250,
+        "algorithm": {"name": "dsgd", "interval": 4}, "topology": {"kind": "ring"},
+        "data": {"data_dir": str(fashion_mnist_dir), "split": "iid", "batch_size": 50, "test_limit": 1000},
+    }
+    with LocalCluster(root=tmp_path / "cluster", agents=4, data_dir=str(fashion_mnist_dir)) as cluster:
+        nodes = cluster.nodes()
+        process, base = start_prometheus(
+            tmp_path,
+            {"peertrain-agent": [n.metrics_address for n in nodes],
+             "peertrain-coordinator": [cluster.metrics_address]},
+            [str(PROMETHEUS / "alerts.yml")],
+        )
+        try:
+            job_id = cluster.submit(yaml.safe_dump(job))
+            members = {m.rank: m.node_id for m in cluster.status(job_id).nodes}
+            ring = {(members[r], members[(r + 1) % 4]) for r in range(4)}
+            ring |= {(b, a) for a, b in ring}
+
+            def edges_seen() -> bool:
+                rows = prometheus_query(base, "sum by (src, dst) (peertrain_edge_bytes_sent_total) > 0")
+                return {(r["metric"]["src"], r["metric"]["dst"]) for r in rows} == ring
+
+            def cluster_seen() -> bool:
+                up = prometheus_query(base, "up")
+                accuracy = prometheus_query(base, f'peertrain_test_accuracy{{job_id="{job_id}"}}')
+                return (
+                    len(up) == 5 and all(r["value"][1] == "1" for r in up)
+                    and {r["metric"]["node"] for r in accuracy} == set(members.values())
+                    and bool(prometheus_query(base, 'peertrain_coordinator_nodes{state="up"} == 4'))
+                    and bool(prometheus_query(base, "sum(peertrain_exchange_seconds_count) > 0"))
+                )
+
+            wait_for(edges_seen, 90, "traffic on every edge of the ring")
+            wait_for(cluster_seen, 30, "every target up, accuracy of every node, the coordinator's node count")
+            cluster.stub().StopJob(coordinator_pb2.StopJobRequest(job_id=job_id), timeout=10)
+        finally:
+            stop_process(process)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Dockerfiles
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile.cpu", "Dockerfile.cuda"])
+def test_dockerfile(dockerfile: str) -> None:
+    path = DEPLOY / "docker" / dockerfile
+    instructions = dockerfile_instructions(path)
+    args = {}
+    for keyword, rest in instructions:
+        if keyword == "ARG" and "=" in rest:
+            name, _, default = rest.partition("=")
+            args[name] = default
+    [base] = [re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], rest) for k, rest in instructions if k == "FROM"]
+    if dockerfile == "Dockerfile.cpu":
+        assert base == "python:3.11-slim"
+    else:
+        assert re.fullmatch(r"nvidia/cuda:\d+\.\d+(\.\d+)?-(runtime|base)-ubuntu\d+\.\d+", base), base
+        cuda = re.match(r"nvidia/cuda:(\d+)\.(\d+)", base)
+        assert cuda and args["TORCH_INDEX"].endswith(f"/cu{cuda.group(1)}{cuda.group(2)}"), (
+            "the torch CUDA index must match the base image's CUDA version"
+        )
+
+    copied: set[str] = set()
+    for keyword, rest in instructions:
+        if keyword not in {"COPY", "ADD"}:
+            continue
+        words = [w for w in rest.split() if not w.startswith("--")]
+        assert not rest.startswith("--from"), "multi-stage copies are not expected here"
+        for source in words[:-1]:
+            assert (ROOT / source).exists(), f"{dockerfile}: COPY source {source} does not exist"
+            copied.add(source)
+    assert {"constraints.txt", "pyproject.toml", "nodeagent", "coordinator"} <= copied
+    readme = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"].get("readme")
+    if readme:
+        assert readme in copied, "pyproject.toml names a readme the build needs"
+
+    installs = [rest for keyword, rest in instructions if keyword == "RUN" and "pip install" in rest]
+    commands = [
+        c.strip() for rest in installs for c in rest.split("&&") if "pip install" in c and "--upgrade pip" not in c
+    ]
+    torch = [c for c in commands if re.search(r"\btorch\b", c)]
+    assert torch and all("-c constraints.txt" in c and "--index-url" in c for c in torch), torch
+    assert any(re.search(r"pip install -c constraints\.txt \.(\s|$)", c) for c in commands), commands
+    # torch is installed before peertrain, so that peertrain's torch==2.13.* finds the right build.
+    assert commands.index(torch[0]) < next(i for i, c in enumerate(commands) if c.endswith(" ."))
+    order = [rest.split()[0] for keyword, rest in instructions if keyword == "COPY"]
+    assert order.index("constraints.txt") == 0, "constraints.txt is copied before the first install"
+
+    users = [rest for keyword, rest in instructions if keyword == "USER"]
+    assert users and users[-1] not in {"root", "0"}
+    assert dockerfile_entrypoint(path)[0] in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    exposed = {int(p) for keyword, rest in instructions if keyword == "EXPOSE" for p in rest.split()}
+    assert exposed == {7070, 7100, 9400, 9401}
+
+    ignore = (path.parent / f"{dockerfile}.dockerignore").read_text().split()
+    assert ".venv" in ignore and ".git" in ignore
+    assert not copied & set(ignore), "the .dockerignore hides a COPY source"
+
+
+def test_dockerfile_copies_enough_to_build_the_package(tmp_path: Path) -> None:
+    """`pip install .` inside the image sees only what the Dockerfile copies: build a wheel from just that."""
+    pytest.importorskip("setuptools")
+    context = tmp_path / "context"
+    context.mkdir()
+    for keyword, rest in dockerfile_instructions(DEPLOY / "docker" / "Dockerfile.cpu"):
+        if keyword == "COPY":
+            *sources, destination = rest.split()
+            if destination.startswith("/"):
+                continue  # outside the build directory (the example jobs)
+            for source in sources:
+                if (ROOT / source).is_dir():
+                    shutil.copytree(ROOT / source, context / source, ignore=shutil.ignore_patterns("__pycache__"))
+                else:
+                    shutil.copy2(ROOT / source, context / source)
+    python = Path(sys.executable)
+    result = run(
+        [str(python), "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), "."],
+        cwd=context,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    [wheel] = tmp_path.glob("peertrain-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        [entry_points] = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+        scripts = archive.read(entry_points).decode()
+    for package in ("nodeagent", "coordinator"):
+        modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / package).rglob("*.py")}
+        assert modules <= names, f"the wheel lacks {sorted(modules - names)[:5]}"
+    assert "nodeagent = nodeagent.cli:main" in scripts and "coordinator = coordinator.cli:main" in scripts
+
+
+# ----------------------------------------------------------------------------------------------------
+# docker-compose
+
+
+def test_compose_services_build_and_images() -> None:
+    spec = compose()
+    for name, service in spec["services"].items():
+        assert "image" in service or "build" in service, name
+        if "build" in service:
+            context = (COMPOSE_FILE.parent / service["build"]["context"]).resolve()
+            assert context == ROOT, f"{name}: the build context must be the repository root"
+            assert (context / service["build"]["dockerfile"]).is_file(), name
+        else:
+            image = service["image"]
+            assert ":" in image and not image.endswith(":latest"), f"{name}: pin the image version ({image})"
+        for dependency in service.get("depends_on", []):
+            assert dependency in spec["services"], f"{name} depends on unknown service {dependency}"
+
+
+def test_compose_commands_parse_with_the_cli() -> None:
+    spec = compose()
+    services = peertrain_services(spec)
+    assert {"coordinator", "submit", "agent-0", "agent-1", "agent-2", "agent-3"} <= set(services)
+    parsed = {}
+    for name, service in services.items():
+        script, command = compose_command(name, service)
+        parsed[name] = (script, parse_cli(script, command, f"compose service {name}"))
+    coordinator_script, coordinator = parsed["coordinator"]
+    assert coordinator_script == "coordinator" and coordinator.command == "serve"
+    agents = sorted(name for name, (script, _) in parsed.items() if script == "nodeagent")
+    assert agents == [f"agent-{i}" for i in range(4)]
+    for name in agents:
+        args = parsed[name][1]
+        assert args.command == "serve"
+        assert args.advertise == f"{name}:{port_of(args.listen)}", f"{name} must advertise its service name"
+        assert host_of(args.coordinator) == "coordinator"
+        assert port_of(args.coordinator) == port_of(coordinator.listen)
+        assert args.name == name
+        mounts = dict(compose_volume(v) for v in services[name]["volumes"])
+        assert mounts[f"{name}-state"] == str(args.state_dir)
+        assert args.data_dir in mounts.values(), f"{name}: --data-dir is not mounted"
+        health = " ".join(services[name]["healthcheck"]["test"])
+        assert f":{port_of(args.metrics_listen)}/metrics" in health
+    health = " ".join(services["coordinator"]["healthcheck"]["test"])
+    assert f":{port_of(coordinator.metrics_listen)}/metrics" in health
+    submit_script, submit = parsed["submit"]
+    assert submit_script == "coordinator" and submit.command == "submit"
+    assert host_of(submit.coordinator) == "coordinator"
+    # The job file the one-shot submits is deploy/jobs/demo.yaml, through the ./jobs mount.
+    [jobs_mount] = [v for v in services["submit"]["volumes"] if v.startswith("./jobs:")]
+    target = compose_volume(jobs_mount)[1]
+    relative = Path(str(submit.job_file)).relative_to(target)
+    assert (DEPLOY / "jobs" / relative).is_file()
+
+
+def test_compose_ports_and_volumes() -> None:
+    spec = compose()
+    published: dict[tuple[str, int], str] = {}
+    for name, service in spec["services"].items():
+        listens: set[int] = set()
+        if "build" in service:
+            script, command = compose_command(name, service)
+            args = parse_cli(script, command, name)
+            listens = {port_of(a) for a in (getattr(args, "listen", None), getattr(args, "metrics_listen", None)) if a}
+        for mapping in service.get("ports", []):
+            parts = str(mapping).split(":")
+            host_ip, host_port, container_port = ("0.0.0.0", *parts) if len(parts) == 2 else parts
+            key = (host_ip, int(host_port))
+            assert key not in published, f"{name} and {published.get(key)} both publish {key}"
+            published[key] = name
+            assert host_ip == "127.0.0.1", f"{name}: publish on loopback only (no TLS): {mapping}"
+            if listens:
+                assert int(container_port) in listens, f"{name} publishes {container_port}, listens on {listens}"
+        declared = set(spec.get("volumes") or {})
+        for volume in service.get("volumes", []):
+            source = compose_volume(volume)[0]
+            if source.startswith("$"):
+                continue  # a host path from the environment (the dataset)
+            if source.startswith((".", "/")):
+                assert (COMPOSE_FILE.parent / source).exists(), f"{name}: bind source {source} does not exist"
+            else:
+                assert source in declared, f"{name}: volume {source} is not declared at the top level"
+    # Each agent has its own state volume.
+    agent_volumes = [
+        compose_volume(volume)[0]
+        for name, service in spec["services"].items()
+        if name.startswith("agent-")
+        for volume in service["volumes"]
+        if compose_volume(volume)[1].startswith("/var/lib/peertrain")
+    ]
+    assert len(agent_volumes) == len(set(agent_volumes)) == 4
+
+
+def test_compose_prometheus_and_grafana_mounts() -> None:
+    spec = compose()
+    prometheus = spec["services"]["prometheus"]
+    [config_flag] = [a for a in prometheus["command"] if a.startswith("--config.file=")]
+    config_path = Path(config_flag.split("=", 1)[1])
+    mounts = {Path(target): source for source, target in map(compose_volume, prometheus["volumes"])}
+    source = mounts[config_path.parent]
+    assert (COMPOSE_FILE.parent / source / config_path.name).is_file()
+    assert (COMPOSE_FILE.parent / source / "alerts.yml").is_file()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Job specs
+
+
+JOB_FILES = sorted((DEPLOY / "jobs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", JOB_FILES, ids=[p.name for p in JOB_FILES])
+def test_job_spec_validates(path: Path) -> None:
+    from nodeagent.jobspec import load_job_file
+    from nodeagent.training.models import MODELS
+    from nodeagent.training.splits import SPLITS
+
+    spec = load_job_file(path)
+    assert spec.name == path.stem
+    assert spec.model.name in MODELS or ":" in spec.model.name
+    assert spec.data.split in SPLITS
+    assert spec.eval_every <= spec.steps
+    topology = pytest.importorskip("coordinator.topology")
+    graph = topology.build_topology(spec.topology, spec.nodes)
+    assert graph.nodes == spec.nodes and graph.is_connected()
+    from nodeagent.algorithms import REGISTRY
+
+    if spec.algorithm.name not in REGISTRY:
+        pytest.skip(f"algorithm {spec.algorithm.name!r} is not registered yet (known: {sorted(REGISTRY)})")
+
+
+def test_demo_job_is_the_compose_demo() -> None:
+    from nodeagent.jobspec import load_job_file
+
+    spec = load_job_file(DEPLOY / "jobs" / "demo.yaml")
+    assert (spec.nodes, spec.steps) == (4, 400)
+    assert (spec.algorithm.name, spec.algorithm.mode) == ("dsgd", "async")
+    assert (spec.model.name, spec.data.split, spec.topology.kind) == ("logistic", "class-window", "ring")
+    agents = [name for name in compose()["services"] if name.startswith("agent-")]
+    assert len(agents) == spec.nodes
+    statefulset = next(doc for doc in k8s_documents() if doc["kind"] == "StatefulSet")
+    assert statefulset["spec"]["replicas"] == spec.nodes
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kubernetes
+
+
+def test_k8s_manifests() -> None:
+    kustomization = load_yaml(K8S / "kustomization.yaml")
+    listed = set(kustomization["resources"])
+    on_disk = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == on_disk, "kustomization.yaml must list every manifest"
+    documents = k8s_documents()
+    kinds = sorted(doc["kind"] for doc in documents)
+    assert kinds == sorted(
+        [
+            "Namespace",
+            "ConfigMap",
+            "ConfigMap",
+            "PersistentVolumeClaim",
+            "Deployment",
+            "Service",
+            "Service",
+            "StatefulSet",
+        ]
+    )
+    for doc in documents:
+        assert doc["apiVersion"] and doc["metadata"]["name"]
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"]["namespace"] == "peertrain"
+    workloads = [doc for doc in documents if doc["kind"] in {"Deployment", "StatefulSet"}]
+    services = {doc["metadata"]["name"]: doc for doc in documents if doc["kind"] == "Service"}
+    claims = {doc["metadata"]["name"] for doc in documents if doc["kind"] == "PersistentVolumeClaim"}
+    for workload in workloads:
+        name = workload["metadata"]["name"]
+        template = workload["spec"]["template"]
+        selector = workload["spec"]["selector"]["matchLabels"]
+        assert selector.items() <= template["metadata"]["labels"].items(), f"{name}: selector/labels"
+        pod = template["spec"]
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        volumes |= {t["metadata"]["name"]: t for t in workload["spec"].get("volumeClaimTemplates", [])}
+        for volume in volumes.values():
+            if "persistentVolumeClaim" in volume:
+                assert volume["persistentVolumeClaim"]["claimName"] in claims
+        [container] = pod["containers"]
+        for mount in container.get("volumeMounts", []):
+            assert mount["name"] in volumes, f"{name}: volume {mount['name']} is not defined"
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        annotations = template["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert int(annotations["prometheus.io/port"]) == ports["metrics"]
+        matching = [
+            s for s in services.values() if s["spec"]["selector"].items() <= template["metadata"]["labels"].items()
+        ]
+        assert matching, f"{name}: no Service selects its pods"
+        for service in matching:
+            for port in service["spec"]["ports"]:
+                assert port["targetPort"] in ports, f"{service['metadata']['name']}: targetPort {port['targetPort']}"
+        if workload["kind"] == "StatefulSet":
+            headless = services[workload["spec"]["serviceName"]]
+            assert headless["spec"]["clusterIP"] == "None"
+
+
+def test_k8s_args_parse_with_the_cli() -> None:
+    documents = k8s_documents()
+    services = {doc["metadata"]["name"]: doc for doc in documents if doc["kind"] == "Service"}
+    parsed = {}
+    for workload in (doc for doc in documents if doc["kind"] in {"Deployment", "StatefulSet"}):
+        name = workload["metadata"]["name"]
+        [container] = workload["spec"]["template"]["spec"]["containers"]
+        pod_name = f"{name}-0" if workload["kind"] == "StatefulSet" else name
+        env = k8s_env(container, documents, pod_name)
+        [script] = container["command"]
+        args = [k8s_expand(arg, env) for arg in container["args"]]
+        parsed[workload["kind"]] = (workload, container, parse_cli(script, args, f"k8s {name}"))
+    _, coordinator_container, coordinator = parsed["Deployment"]
+    statefulset, agent_container, agent = parsed["StatefulSet"]
+    coordinator_ports = {p["name"]: p["containerPort"] for p in coordinator_container["ports"]}
+    agent_ports = {p["name"]: p["containerPort"] for p in agent_container["ports"]}
+    assert port_of(coordinator.listen) == coordinator_ports["grpc"]
+    assert port_of(coordinator.metrics_listen) == coordinator_ports["metrics"]
+    assert port_of(agent.listen) == agent_ports["peer"] == port_of(agent.advertise)
+    assert port_of(agent.metrics_listen) == agent_ports["metrics"]
+    # Agents reach the coordinator through its Service, and advertise their stable per-pod DNS name.
+    service, port = host_of(agent.coordinator), port_of(agent.coordinator)
+    assert service in services and port in {p["port"] for p in services[service]["spec"]["ports"]}
+    headless = statefulset["spec"]["serviceName"]
+    assert agent.advertise.startswith(f"peertrain-agent-0.{headless}.")
+    assert agent.name == "peertrain-agent-0"
+    mounts = {m["mountPath"] for m in agent_container["volumeMounts"]}
+    assert str(agent.state_dir) in mounts and agent.data_dir in mounts
+    assert str(coordinator.state_dir) in {m["mountPath"] for m in coordinator_container["volumeMounts"]}
+
+
+def test_kubectl_kustomize_renders() -> None:
+    kubectl = need("kubectl")
+    result = run([kubectl, "kustomize", str(K8S)], timeout=60)
+    assert result.returncode == 0, result.stderr
+    rendered = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    assert len(rendered) == len(k8s_documents())
