@@ -6,7 +6,8 @@ An algorithm never opens a socket, starts a thread or sleeps. Its runtime calls,
 - `receive(message)`: a message arrived (a peer's reply, push or pull answer);
 - `snapshot()`: the immutable snapshot that network threads serve to peers until the next one;
 - `expected(peer, kind)`: what a stream from `peer` of `kind` must hold, checked before any state is touched;
-- `ready()`: whether the next local step may start (synchronous modes wait for their round's messages).
+- `ready()`: whether the next local step may start (synchronous modes wait for their round's messages);
+- `failed(send, reason)`: a send of this node's could not be completed (the peer refused, timed out, ...).
 
 The node's trainable parameters live in one flat vector `w` that the model's parameters are views of, so the
 mathematics of ALGORITHMS.md (w_i, g_i) is plain vector arithmetic and messages are zero-copy views.
@@ -34,9 +35,10 @@ class Neighbor:
     """One edge as this node sees it (from the assignment)."""
 
     rank: int
-    sign: int = 1
-    phase: int = 0
-    weight: float = 0.0
+    sign: int = 1  # A_ij of ECL-ISVR: +1 when this node's rank is the lower one
+    phase: int = 0  # this node's phase on the edge, 0..interval-1
+    weight: float = 0.0  # mixing weight of the neighbour
+    peer_phase: int = 0  # the neighbour's own phase on the edge
 
 
 @dataclass(frozen=True)
@@ -47,16 +49,32 @@ class NodeContext:
     spec: AlgorithmSpec
     self_weight: float = 1.0
     seed: int = 0
+    # Time-varying graphs: this node's out-peers at each iteration of one period (iteration t uses entry
+    # t mod period); empty for static topologies. Every peer in it is also in `neighbors`.
+    peer_schedule: tuple[tuple[int, ...], ...] = ()
 
     @property
     def neighbor_ranks(self) -> tuple[int, ...]:
         return tuple(n.rank for n in self.neighbors)
 
+    def out_peers(self, iteration: int) -> tuple[int, ...]:
+        if not self.peer_schedule:
+            return self.neighbor_ranks
+        return self.peer_schedule[iteration % len(self.peer_schedule)]
+
 
 class Route(enum.StrEnum):
     EXCHANGE = "exchange"  # symmetric: send ours, the peer's reply arrives through receive()
-    PUSH = "push"  # one way
-    PULL = "pull"  # fetch the peer's snapshot; it arrives through receive()
+    PUSH = "push"  # one way; the runtime retries until delivered (synchronous rounds rely on every push)
+    PULL = "pull"  # fetch the peer's snapshot of `kind`; it arrives through receive()
+    ALLREDUCE = "allreduce"  # the runtime averages the message's tensors over all ranks; the mean arrives
+    # through receive() as a message from ALLREDUCE_RANK with the same clock
+    SERVER = "server"  # to the parameter server (the coordinator); its answer arrives from SERVER_RANK
+
+
+# Pseudo ranks of messages that come from the runtime rather than from a peer.
+ALLREDUCE_RANK = -1
+SERVER_RANK = -2
 
 
 @dataclass(frozen=True)
@@ -208,3 +226,8 @@ class Algorithm(ABC):
     def ready(self) -> bool:
         """Whether the next local step may start; asynchronous algorithms never wait."""
         return True
+
+    def failed(self, send: Send, reason: str) -> None:
+        """A send could not be completed; `reason` is the failure label of the metrics (unavailable,
+        deadline_exceeded, in_flight, rejected, ...). Algorithms that keep waiting for a reply must stop."""
+        return None

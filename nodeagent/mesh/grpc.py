@@ -189,11 +189,9 @@ class PeerClient:
         metrics.edge_messages_sent.labels(state.node_id, dst).inc()
         metrics.exchange_seconds.labels(state.node_id, dst).observe(time.perf_counter() - started)
 
-    def exchange(self, state: ServingState, message: Message, timeout: float, metrics: Metrics) -> Message:
-        """Send our message, return the peer's reply for the same edge. Counts traffic on the edge."""
-        dst = state.name_of(message.receiver)
-        started = time.perf_counter()
-        replies = self.stub.Exchange(self._outgoing(state, message, metrics), timeout=timeout)
+    @staticmethod
+    def _incoming(state: ServingState, replies, peer: int, metrics: Metrics) -> Message:
+        """Decode the peer's answer, checked like any received stream, and count it on the edge."""
         received_bytes = 0
 
         def count(n: int) -> None:
@@ -201,8 +199,8 @@ class PeerClient:
             received_bytes += n
 
         def expect_reply(manifest: wire_pb2.Manifest) -> list[TensorSpec]:
-            if manifest.sender_rank != message.receiver:
-                raise WireError("wrong_sender", f"reply from rank {manifest.sender_rank}, asked {message.receiver}")
+            if manifest.sender_rank != peer:
+                raise WireError("wrong_sender", f"reply from rank {manifest.sender_rank}, asked {peer}")
             return state.expectation(manifest)
 
         try:
@@ -210,8 +208,27 @@ class PeerClient:
         except WireError:
             replies.cancel()
             raise
+        src = state.name_of(peer)
+        metrics.edge_bytes_received.labels(src, state.node_id).inc(received_bytes)
+        metrics.edge_messages_received.labels(src, state.node_id).inc()
+        return reply
+
+    def exchange(self, state: ServingState, message: Message, timeout: float, metrics: Metrics) -> Message:
+        """Send our message, return the peer's reply for the same edge. Counts traffic on the edge."""
+        dst = state.name_of(message.receiver)
+        started = time.perf_counter()
+        replies = self.stub.Exchange(self._outgoing(state, message, metrics), timeout=timeout)
+        reply = self._incoming(state, replies, message.receiver, metrics)
         metrics.edge_messages_sent.labels(state.node_id, dst).inc()
-        metrics.edge_bytes_received.labels(dst, state.node_id).inc(received_bytes)
-        metrics.edge_messages_received.labels(dst, state.node_id).inc()
         metrics.exchange_seconds.labels(state.node_id, dst).observe(time.perf_counter() - started)
+        return reply
+
+    def pull(self, state: ServingState, peer: int, kind: Kind, timeout: float, metrics: Metrics) -> Message:
+        """Fetch the peer's latest snapshot of `kind` for this node."""
+        started = time.perf_counter()
+        request = peer_pb2.PullRequest(
+            job_id=state.job_id, requester_rank=state.rank, requester_id=state.node_id, kind=int(kind)
+        )
+        reply = self._incoming(state, self.stub.Pull(request, timeout=timeout), peer, metrics)
+        metrics.exchange_seconds.labels(state.node_id, state.name_of(peer)).observe(time.perf_counter() - started)
         return reply

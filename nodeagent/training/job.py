@@ -6,6 +6,7 @@ whichever runtime drives it: same seeded initial model on every node, same shard
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,10 +26,12 @@ class Node:
     rank: int
     algorithm: Algorithm
     batches: BatchStream
-    test_set: Dataset
+    test_set: Dataset | None  # None: the node is not evaluated (mathematics tests on synthetic problems)
     shard_size: int
 
     def evaluate(self) -> EvalResult:
+        if self.test_set is None:
+            return EvalResult(math.nan, math.nan)
         return evaluate(self.algorithm.model, self.test_set)
 
 
