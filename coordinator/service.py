@@ -11,12 +11,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from torch.distributed import TCPStore
 
 from coordinator.store import ACTIVE_STATES, JobRow, Store
-from coordinator.topology import Topology, build_topology, node_plan
+from coordinator.topology import Topology, build_topology, node_plan, peer_schedule
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc
 from nodeagent.algorithms import REGISTRY as ALGORITHMS
+from nodeagent.algorithms import Neighbor
 from nodeagent.jobspec import JobSpec, JobSpecError, parse_job_yaml
 from nodeagent.metrics import Metrics
 from nodeagent.runlog import ProgressRecord, RunLog, optional
@@ -28,6 +30,7 @@ JOB_STATES = {
     name: pb.JobState.Value(f"JOB_{name}") for name in ("PENDING", "RUNNING", "FINISHED", "STOPPED", "FAILED")
 }
 WATCH_POLL_S = 1.0
+ALLREDUCE_ALGORITHM = "allreduce"
 
 
 @dataclass
@@ -60,6 +63,24 @@ class _Changes:
             return self.version
 
 
+@dataclass(frozen=True)
+class NodePlan:
+    """Everything of a node's place in a job's topology, as the coordinator assigns it."""
+
+    neighbors: tuple[Neighbor, ...]
+    self_weight: float
+    peer_schedule: tuple[tuple[int, ...], ...]
+
+
+def plan_node(spec: JobSpec, topology: Topology, rank: int) -> NodePlan:
+    plans, self_weight = node_plan(
+        topology, rank, spec.algorithm.interval, spec.topology.seed,
+        weights=spec.topology.options.get("weights", "uniform"),
+    )
+    neighbors = tuple(Neighbor(p.rank, p.sign, p.phase, p.weight, p.peer_phase) for p in plans)
+    return NodePlan(neighbors, self_weight, peer_schedule(spec.topology, spec.nodes, rank))
+
+
 def validate_job(spec: JobSpec) -> Topology:
     """Checks that need more than the schema; returns the job's topology. Raises JobSpecError naming the field."""
     if spec.algorithm.name not in ALGORITHMS:
@@ -83,6 +104,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.changes = _Changes()
         self.stopping = threading.Event()
         self._topologies: dict[str, Topology] = {}
+        self._rendezvous: dict[str, TCPStore] = {}
         self._run_logs: dict[str, RunLog] = {}
         self._schedule_lock = threading.Lock()
         self._monitor = threading.Thread(target=self._monitor_loop, name="liveness", daemon=True)
@@ -141,25 +163,40 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             return pb.Assignment(version=self.changes.version, state=pb.JOB_STATE_UNSPECIFIED)
         job, rank = membership
         spec = JobSpec.from_json(job.spec_json)
-        plans, self_weight = node_plan(
-            self._topology(job, spec), rank, spec.algorithm.interval, spec.topology.seed,
-            weights=spec.topology.options.get("weights", "uniform"),
-        )
+        plan = plan_node(spec, self._topology(job, spec), rank)
         members = {m.rank: m.node_id for m in self.store.members(job.job_id)}
         neighbors = []
-        for plan in plans:
-            peer = self.store.node(members[plan.rank])
+        for neighbor in plan.neighbors:
+            peer = self.store.node(members[neighbor.rank])
             neighbors.append(
                 pb.Neighbor(
-                    rank=plan.rank, node_id=peer.node_id if peer else "", address=peer.peer_address if peer else "",
-                    sign=plan.sign, phase=plan.phase, weight=plan.weight, up=bool(peer and peer.up),
+                    rank=neighbor.rank, node_id=peer.node_id if peer else "",
+                    address=peer.peer_address if peer else "", sign=neighbor.sign, phase=neighbor.phase,
+                    weight=neighbor.weight, up=bool(peer and peer.up), peer_phase=neighbor.peer_phase,
                 )
             )
         return pb.Assignment(
             version=self.changes.version, job_id=job.job_id, state=pb.JOB_RUNNING, job_spec_json=job.spec_json,
-            rank=rank, world_size=job.world_size, neighbors=neighbors, self_weight=self_weight,
-            run_dir=job.run_dir,
+            rank=rank, world_size=job.world_size, neighbors=neighbors, self_weight=plan.self_weight,
+            run_dir=job.run_dir, peer_schedule=[pb.PeerSet(ranks=peers) for peers in plan.peer_schedule],
+            rendezvous_port=self._rendezvous_port(job, spec),
         )
+
+    def _rendezvous_port(self, job: JobRow, spec: JobSpec) -> int:
+        """All-reduce jobs meet at a torch.distributed store that the coordinator hosts for the job's life."""
+        if spec.algorithm.name != ALLREDUCE_ALGORITHM:
+            return 0
+        with self._schedule_lock:
+            store = self._rendezvous.get(job.job_id)
+            if store is None:
+                store = self._rendezvous[job.job_id] = TCPStore(
+                    "0.0.0.0", 0, spec.nodes + 1, is_master=True, wait_for_workers=False
+                )
+            return store.port
+
+    def _end_rendezvous(self, job_id: str) -> None:
+        with self._schedule_lock:
+            self._rendezvous.pop(job_id, None)
 
     # -- agent calls ---------------------------------------------------------------------------------------------
 
@@ -214,6 +251,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             members = self.store.members(job.job_id)
             if all(m.finished for m in members):
                 self.store.set_job_state(job.job_id, "FINISHED")
+                self._end_rendezvous(job.job_id)
                 log.info("job %s finished", job.job_id)
                 self.changes.bump()
                 self._schedule()
@@ -259,6 +297,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, f"no job {request.job_id!r}")
         if job.state in ACTIVE_STATES:
             self.store.set_job_state(job.job_id, "STOPPED")
+            self._end_rendezvous(job.job_id)
             log.info("job %s stopped by an operator", job.job_id)
             self.changes.bump()
             self._schedule()

@@ -17,10 +17,8 @@ from pathlib import Path
 
 import torch
 
-from coordinator.service import validate_job
-from coordinator.topology import node_plan
+from coordinator.service import plan_node, validate_job
 from nodeagent._proto import coordinator_pb2 as pb
-from nodeagent.algorithms import Neighbor
 from nodeagent.jobspec import JobSpec
 from nodeagent.mesh.memory import SimNode, VirtualMesh
 from nodeagent.metrics import Metrics
@@ -28,22 +26,14 @@ from nodeagent.runlog import ProgressRecord, RunLog, optional
 from nodeagent.training.job import Node, build_node
 
 
-def job_neighbors(spec: JobSpec) -> list[tuple[tuple[Neighbor, ...], float]]:
-    """Each rank's neighbours and self weight, exactly as the coordinator assigns them."""
-    topology = validate_job(spec)
-    plans = []
-    for rank in range(spec.nodes):
-        neighbors, self_weight = node_plan(
-            topology, rank, spec.algorithm.interval, spec.topology.seed,
-            weights=spec.topology.options.get("weights", "uniform"),
-        )
-        plans.append((tuple(Neighbor(n.rank, n.sign, n.phase, n.weight) for n in neighbors), self_weight))
-    return plans
-
-
 def build_nodes(spec: JobSpec, data_dir: str | None = None) -> list[Node]:
-    return [build_node(spec, rank, neighbors, self_weight, data_dir)
-            for rank, (neighbors, self_weight) in enumerate(job_neighbors(spec))]
+    """Every node of the job, placed in the topology exactly as the coordinator assigns agents."""
+    topology = validate_job(spec)
+    nodes = []
+    for rank in range(spec.nodes):
+        plan = plan_node(spec, topology, rank)
+        nodes.append(build_node(spec, rank, plan.neighbors, plan.self_weight, data_dir, plan.peer_schedule))
+    return nodes
 
 
 def progress_record(mesh: VirtualMesh, sim: SimNode, final: bool) -> ProgressRecord:

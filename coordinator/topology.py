@@ -15,6 +15,7 @@ x_new = W @ x, so W[i, j] is the weight node i gives to node j's value.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -303,8 +304,10 @@ def build_topology(spec: TopologySpec, nodes: int) -> Topology:
     """
     if nodes < 1:
         raise ValueError(f"a topology needs at least one node, got {nodes}")
+    if spec.kind in DYNAMIC_KINDS:
+        return _union_of_period(spec, nodes)
     if spec.kind not in _BUILDERS:
-        raise ValueError(f"unknown topology kind {spec.kind!r}; known kinds: {', '.join(KINDS)}")
+        raise ValueError(f"unknown topology kind {spec.kind!r}; known kinds: {', '.join(KINDS + DYNAMIC_KINDS)}")
     allowed, builder = _BUILDERS[spec.kind]
     unknown = sorted(set(spec.options) - allowed)
     if unknown:
@@ -349,6 +352,7 @@ class NeighborPlan:
     sign: int
     phase: int
     weight: float
+    peer_phase: int  # the neighbour's own phase on the edge
 
 
 def _weights_of(topology: Topology, rank: int, kind: str) -> tuple[dict[int, float], float]:
@@ -371,7 +375,10 @@ def node_plan(
     """The neighbours of `rank` (sorted by rank) with sign, phase and weight, and the node's self weight."""
     row, self_weight = _weights_of(topology, rank, weights)
     phases = edge_phases(topology, interval, seed)
-    plan = [NeighborPlan(peer, edge_sign(rank, peer), phases[(rank, peer)], row[peer]) for peer in row]
+    plan = [
+        NeighborPlan(peer, edge_sign(rank, peer), phases[(rank, peer)], row[peer], phases[(peer, rank)])
+        for peer in row
+    ]
     return plan, self_weight
 
 
@@ -521,3 +528,42 @@ def directed_mixing_matrix(nodes: int, out_peers_per_node: Sequence[Sequence[int
             _check_rank(peer, nodes)
             matrix[peer, sender] = share
     return matrix
+
+
+def _peers_per_iteration(spec: TopologySpec) -> int:
+    unknown = sorted(set(spec.options) - {"peers_per_iteration", "weights"})
+    if unknown:
+        raise ValueError(
+            f"topology {spec.kind!r}: unknown option(s) {', '.join(unknown)}; allowed: peers_per_iteration, weights"
+        )
+    return _int_option(spec, "peers_per_iteration") if "peers_per_iteration" in spec.options else 1
+
+
+def schedule_period(kind: str, nodes: int, peers_per_iteration: int = 1) -> int:
+    """Iterations after which the rotation of a dynamic kind repeats."""
+    count = len(offsets(kind, nodes, peers_per_iteration))
+    return count // math.gcd(count, peers_per_iteration) if count else 1
+
+
+def peer_schedule(spec: TopologySpec, nodes: int, rank: int) -> tuple[tuple[int, ...], ...]:
+    """A dynamic kind's out-peers of `rank` at each iteration of one period; () for static kinds, whose nodes
+    talk to all their neighbours."""
+    if spec.kind not in DYNAMIC_KINDS:
+        return ()
+    k = _peers_per_iteration(spec)
+    return tuple(
+        tuple(out_peers(spec.kind, nodes, rank, t, k)) for t in range(schedule_period(spec.kind, nodes, k))
+    )
+
+
+def _union_of_period(spec: TopologySpec, nodes: int) -> Topology:
+    """The undirected graph of every pair that talks during one period of a dynamic kind: the neighbours a
+    node must accept messages from, whichever direction they flow."""
+    k = _peers_per_iteration(spec)
+    edges = [
+        (rank, peer)
+        for t in range(schedule_period(spec.kind, nodes, k))
+        for rank in range(nodes)
+        for peer in out_peers(spec.kind, nodes, rank, t, k)
+    ]
+    return Topology(nodes, _normalise(edges))

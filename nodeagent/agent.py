@@ -14,16 +14,19 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from concurrent import futures
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import grpc
 import torch
+import torch.distributed as dist
 
 from nodeagent import __version__
 from nodeagent._proto import coordinator_pb2, coordinator_pb2_grpc, peer_pb2_grpc
-from nodeagent.algorithms.base import Neighbor, Route, Send
+from nodeagent.algorithms.base import ALLREDUCE_RANK, Failure, Neighbor, Route, Send
 from nodeagent.jobspec import JobSpec
 from nodeagent.mesh.grpc import GRPC_OPTIONS, PeerClient, PeerServicer, ServingState, failure_reason
 from nodeagent.metrics import Metrics
@@ -57,6 +60,32 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+class Collective:
+    """torch.distributed (gloo) for all-reduce jobs, joined through the coordinator's rendezvous store."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float):
+        if port == 0:
+            raise RuntimeError("the assignment names no rendezvous for this all-reduce job")
+        timeout = timedelta(seconds=max(timeout_s, 30.0))
+        store = dist.TCPStore(host, port, world_size + 1, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        self.world_size = world_size
+
+    def mean(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors.values()])
+        dist.all_reduce(flat)
+        flat /= self.world_size
+        out, offset = {}, 0
+        for name, tensor in tensors.items():
+            out[name] = flat[offset : offset + tensor.numel()].view(tensor.shape).to(tensor.dtype)
+            offset += tensor.numel()
+        return out
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 @dataclass
 class _Progress:
     """What the training thread reports to the coordinator."""
@@ -80,14 +109,18 @@ class JobRunner(threading.Thread):
         self.rank = assignment.rank
         self.spec = JobSpec.from_json(assignment.job_spec_json)
         self.stop_event = threading.Event()
-        self.inbox: queue.Queue[Message] = queue.Queue()
+        self.inbox: queue.Queue[Message | Failure] = queue.Queue()
         self.addresses: dict[int, str] = {}
         self.names: dict[int, str] = {}
         self.update(assignment)
         self.neighbors = tuple(
-            Neighbor(rank=n.rank, sign=n.sign, phase=n.phase, weight=n.weight) for n in assignment.neighbors
+            Neighbor(rank=n.rank, sign=n.sign, phase=n.phase, weight=n.weight, peer_phase=n.peer_phase)
+            for n in assignment.neighbors
         )
         self.self_weight = assignment.self_weight
+        self.peer_schedule = tuple(tuple(peers.ranks) for peers in assignment.peer_schedule)
+        self.rendezvous_port = assignment.rendezvous_port
+        self.collective: Collective | None = None
         self.in_flight: set[int] = set()
         self.in_flight_lock = threading.Lock()
         self.pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"exchange-{self.job_id}")
@@ -132,12 +165,16 @@ class JobRunner(threading.Thread):
         finally:
             self.agent.set_serving(None)
             self.pool.shutdown(wait=False, cancel_futures=True)
+            if self.collective is not None:
+                self.collective.close()
             for client in self.clients.values():
                 client.close()
 
     def _train(self) -> None:
         spec = self.spec
-        node = build_node(spec, self.rank, self.neighbors, self.self_weight, self.agent.config.data_dir)
+        node = build_node(
+            spec, self.rank, self.neighbors, self.self_weight, self.agent.config.data_dir, self.peer_schedule
+        )
         self.restore_checkpoint(node)
         algorithm = node.algorithm
         metrics = self.agent.metrics
@@ -233,7 +270,10 @@ class JobRunner(threading.Thread):
         except queue.Empty:
             return
         while True:
-            algorithm.receive(message)
+            if isinstance(message, Failure):
+                algorithm.failed(message.send, message.reason)
+            else:
+                algorithm.receive(message)
             try:
                 message = self.inbox.get_nowait()
             except queue.Empty:
@@ -246,20 +286,42 @@ class JobRunner(threading.Thread):
         return client
 
     def _dispatch(self, send: Send) -> None:
+        if send.route == Route.ALLREDUCE:
+            self._allreduce(send)
+            return
         dst = self.names.get(send.peer, f"rank{send.peer}")
         address = self.addresses.get(send.peer)
-        if address is None or send.message is None or send.route == Route.PULL:
+        if address is None or send.route == Route.SERVER:
             raise NotImplementedError(f"route {send.route} to rank {send.peer} is not available in this version")
         if send.route == Route.PUSH:
+            assert send.message is not None
             self.pool.submit(self._push, send.message, address, dst)
             return
-        # Flow control: at most one exchange per edge in flight; a due exchange on a busy edge is skipped.
+        # Flow control: one exchange or pull per edge in flight; a due one on a busy edge is skipped.
         with self.in_flight_lock:
             if send.peer in self.in_flight:
                 self.agent.metrics.exchange_failures.labels(self.agent.node_id, dst, "in_flight").inc()
+                self.inbox.put(Failure(send, "in_flight"))
                 return
             self.in_flight.add(send.peer)
-        self.pool.submit(self._exchange, send.peer, send.message, address, dst)
+        self.pool.submit(self._exchange, send, address, dst)
+
+    def _allreduce(self, send: Send) -> None:
+        """The mean of the message's tensors over all ranks, computed with torch.distributed (gloo)."""
+        assert send.message is not None
+        if self.collective is None:
+            host, _ = split_address(self.agent.config.coordinator)
+            self.collective = Collective(
+                host, self.rendezvous_port, self.rank, self.spec.nodes, self.spec.wire.exchange_timeout_s
+            )
+        started = time.perf_counter()
+        mean = self.collective.mean(send.message.tensors)
+        self.agent.metrics.exchange_seconds.labels(self.agent.node_id, "allreduce").observe(
+            time.perf_counter() - started
+        )
+        self.inbox.put(
+            Message(send.kind, ALLREDUCE_RANK, self.rank, mean, clock=send.message.clock, loss=send.message.loss)
+        )
 
     def _failed(self, dst: str, reason: str) -> None:
         self.failures += 1
@@ -280,23 +342,30 @@ class JobRunner(threading.Thread):
                 self.stop_event.wait(RECONNECT_DELAY_S)
                 address = self.addresses.get(message.receiver, address)
 
-    def _exchange(self, peer: int, message: Message, address: str, dst: str) -> None:
+    def _exchange(self, send: Send, address: str, dst: str) -> None:
+        """An exchange or a pull; the answer, or the failure, goes to the training thread through the inbox."""
         assert self.serving is not None
+        timeout = self.spec.wire.exchange_timeout_s
         try:
-            reply = self._client(address).exchange(
-                self.serving, message, self.spec.wire.exchange_timeout_s, self.agent.metrics
-            )
+            client = self._client(address)
+            if send.route == Route.PULL:
+                reply = client.pull(self.serving, send.peer, send.kind, timeout, self.agent.metrics)
+            else:
+                assert send.message is not None
+                reply = client.exchange(self.serving, send.message, timeout, self.agent.metrics)
             self.inbox.put(reply)
             self.exchanges += 1
         except grpc.RpcError as error:
             self._failed(dst, failure_reason(error))
-            log.debug("exchange with %s failed: %s", dst, error)
+            self.inbox.put(Failure(send, failure_reason(error)))
+            log.debug("%s with %s failed: %s", send.route, dst, error)
         except WireError as error:
             self._failed(dst, "rejected")
-            log.warning("reply from %s rejected: %s", dst, error)
+            self.inbox.put(Failure(send, "rejected"))
+            log.warning("answer from %s rejected: %s", dst, error)
         finally:
             with self.in_flight_lock:
-                self.in_flight.discard(peer)
+                self.in_flight.discard(send.peer)
 
 
 class Agent:

@@ -67,7 +67,7 @@ class WatchAssignmentRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ...) -> None: ...
 
 class Neighbor(_message.Message):
-    __slots__ = ("rank", "node_id", "address", "sign", "phase", "weight", "up")
+    __slots__ = ("rank", "node_id", "address", "sign", "phase", "weight", "up", "peer_phase")
     RANK_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class Neighbor(_message.Message):
     PHASE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     UP_FIELD_NUMBER: _ClassVar[int]
+    PEER_PHASE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     node_id: str
     address: str
@@ -82,10 +83,17 @@ class Neighbor(_message.Message):
     phase: int
     weight: float
     up: bool
-    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., sign: _Optional[int] = ..., phase: _Optional[int] = ..., weight: _Optional[float] = ..., up: _Optional[bool] = ...) -> None: ...
+    peer_phase: int
+    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., sign: _Optional[int] = ..., phase: _Optional[int] = ..., weight: _Optional[float] = ..., up: _Optional[bool] = ..., peer_phase: _Optional[int] = ...) -> None: ...
+
+class PeerSet(_message.Message):
+    __slots__ = ("ranks",)
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("version", "job_id", "state", "job_spec_json", "rank", "world_size", "neighbors", "self_weight", "run_dir")
+    __slots__ = ("version", "job_id", "state", "job_spec_json", "rank", "world_size", "neighbors", "self_weight", "run_dir", "peer_schedule", "rendezvous_port")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +103,8 @@ class Assignment(_message.Message):
     NEIGHBORS_FIELD_NUMBER: _ClassVar[int]
     SELF_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     RUN_DIR_FIELD_NUMBER: _ClassVar[int]
+    PEER_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_PORT_FIELD_NUMBER: _ClassVar[int]
     version: int
     job_id: str
     state: JobState
@@ -104,7 +114,9 @@ class Assignment(_message.Message):
     neighbors: _containers.RepeatedCompositeFieldContainer[Neighbor]
     self_weight: float
     run_dir: str
-    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., job_spec_json: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., neighbors: _Optional[_Iterable[_Union[Neighbor, _Mapping]]] = ..., self_weight: _Optional[float] = ..., run_dir: _Optional[str] = ...) -> None: ...
+    peer_schedule: _containers.RepeatedCompositeFieldContainer[PeerSet]
+    rendezvous_port: int
+    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., job_spec_json: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., neighbors: _Optional[_Iterable[_Union[Neighbor, _Mapping]]] = ..., self_weight: _Optional[float] = ..., run_dir: _Optional[str] = ..., peer_schedule: _Optional[_Iterable[_Union[PeerSet, _Mapping]]] = ..., rendezvous_port: _Optional[int] = ...) -> None: ...
 
 class MetricsReport(_message.Message):
     __slots__ = ("node_id", "job_id", "rank", "step", "loss", "test_accuracy", "test_loss", "elapsed_s", "finished", "bytes_sent", "bytes_received", "compute_s", "wait_s", "exchanges", "exchange_failures")

@@ -86,6 +86,14 @@ class Send:
 
 
 @dataclass(frozen=True)
+class Failure:
+    """A send that could not be completed; runtimes hand it to the algorithm's `failed()`."""
+
+    send: Send
+    reason: str
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """What this node serves until the next snapshot: tensors by (peer or None for every peer, kind)."""
 

@@ -19,8 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
-from nodeagent.algorithms.base import Route, Send, Snapshot
+from nodeagent.algorithms.base import ALLREDUCE_RANK, Failure, Route, Send, Snapshot
 from nodeagent.jobspec import SimulationSpec
 from nodeagent.metrics import Metrics
 from nodeagent.training.job import Node
@@ -28,6 +29,8 @@ from nodeagent.wire.message import Message
 
 # A push that cannot be delivered is retried after this long (synchronous rounds depend on every push).
 PUSH_RETRY_S = 1.0
+# Bytes of a request that carries no tensors (a pull): its frames' headers.
+REQUEST_BYTES = 64
 
 
 @dataclass
@@ -36,7 +39,7 @@ class SimNode:
     name: str
     step_time_s: float
     visible: Snapshot
-    inbox: list[Message] = field(default_factory=list)
+    inbox: list[Message | Failure] = field(default_factory=list)
     in_flight: set[int] = field(default_factory=set)
     waiting_since: float | None = None
     computing: bool = False
@@ -72,6 +75,7 @@ class VirtualMesh:
         self._queue: list[tuple[float, int, Callable[[], None]]] = []
         self._sequence = itertools.count()
         self._link_free_at: dict[tuple[int, int], float] = {}
+        self._allreduce: dict[int, dict[int, Message]] = {}
         speeds = simulation.speeds or [1.0] * len(nodes)
         self.nodes = [
             SimNode(
@@ -131,7 +135,10 @@ class VirtualMesh:
             return
         algorithm = sim.node.algorithm
         for message in sim.inbox:
-            algorithm.receive(message)
+            if isinstance(message, Failure):
+                algorithm.failed(message.send, message.reason)
+            else:
+                algorithm.receive(message)
         sim.inbox.clear()
         if not algorithm.ready():
             if sim.waiting_since is None:
@@ -185,12 +192,16 @@ class VirtualMesh:
         return finish + self.network.latency_s
 
     def _transmit(self, sim: SimNode, send: Send) -> None:
-        if send.route == Route.PULL or send.message is None:
-            raise NotImplementedError(f"route {send.route} is not simulated in this version")
+        if send.route == Route.ALLREDUCE:
+            self._contribute(sim, send)
+            return
+        if send.route == Route.SERVER:
+            raise NotImplementedError("the parameter-server route is not simulated in this version")
         src, dst = sim.node.rank, send.peer
-        if send.route == Route.EXCHANGE:
+        if send.route in (Route.EXCHANGE, Route.PULL):
             if dst in sim.in_flight:
                 self._failed(sim, dst, "in_flight")
+                sim.inbox.append(Failure(send, "in_flight"))
                 return
             sim.in_flight.add(dst)
         if not self.reachable(src, dst, self.now):
@@ -199,11 +210,10 @@ class VirtualMesh:
         if self.network.loss > 0 and self.rng.random() < self.network.loss:
             self._give_up(sim, send, "deadline_exceeded", self.now + self.network.timeout_s)
             return
-        message = send.message
-        size = message.payload_bytes
+        size = send.message.payload_bytes if send.message is not None else REQUEST_BYTES
         self._count(sim, self.nodes[dst], size)
         arrival = self._arrival(src, dst, size)
-        self.at(arrival, lambda: self._deliver(sim, send, message))
+        self.at(arrival, lambda: self._deliver(sim, send))
 
     def _give_up(self, sim: SimNode, send: Send, reason: str, when: float) -> None:
         def fail() -> None:
@@ -211,8 +221,38 @@ class VirtualMesh:
             sim.in_flight.discard(send.peer)
             if send.route == Route.PUSH:
                 self.at(self.now + PUSH_RETRY_S, lambda: self._transmit(sim, send))
+                return
+            sim.inbox.append(Failure(send, reason))
+            self._wake(sim)
 
         self.at(when, fail)
+
+    def _contribute(self, sim: SimNode, send: Send) -> None:
+        """A rank's part of an all-reduce; once every rank's is in, all receive the mean after the time a ring
+        all-reduce takes: 2 (n - 1) / n of the bytes through each link and 2 (n - 1) latencies."""
+        assert send.message is not None
+        clock = send.message.clock
+        parts = self._allreduce.setdefault(clock, {})
+        parts[sim.node.rank] = send.message
+        if len(parts) < len(self.nodes):
+            return
+        del self._allreduce[clock]
+        count = len(self.nodes)
+        size = send.message.payload_bytes
+        share = round(2 * (count - 1) / count * size)
+        duration = share / self.network.bandwidth_bytes_per_s + 2 * (count - 1) * self.network.latency_s
+        messages = [parts[rank] for rank in range(count)]
+        mean = {
+            name: torch.stack([m.tensors[name] for m in messages]).mean(dim=0) for name in messages[0].tensors
+        }
+        for rank, node in enumerate(self.nodes):
+            self._count(node, self.nodes[(rank + 1) % count], share)
+            result = Message(send.kind, ALLREDUCE_RANK, rank, mean, clock=clock)
+            self.at(self.now + duration, lambda node=node, result=result: self._collect(node, result))
+
+    def _collect(self, sim: SimNode, result: Message) -> None:
+        sim.inbox.append(result)
+        self._wake(sim)
 
     def _count(self, src: SimNode, dst: SimNode, size: int) -> None:
         src.bytes_sent += size
@@ -220,23 +260,28 @@ class VirtualMesh:
         self.metrics.edge_bytes_sent.labels(src.name, dst.name).inc(size)
         self.metrics.edge_bytes_received.labels(src.name, dst.name).inc(size)
 
-    def _deliver(self, sender: SimNode, send: Send, message: Message) -> None:
+    def _deliver(self, sender: SimNode, send: Send) -> None:
         receiver = self.nodes[send.peer]
         if not self.reachable(sender.node.rank, receiver.node.rank, self.now):
             # The receiver went down (or was cut off) while the message travelled: the sender's call fails.
             self._give_up(sender, send, "unavailable", self.now)
             return
-        receiver.inbox.append(message)
-        if send.route == Route.EXCHANGE:
-            reply = receiver.visible.message_for(sender.node.rank, message.kind)
-            if reply is None:
-                self._give_up(sender, send, "failed_precondition", self.now)
-                return
-            self._count(receiver, sender, reply.payload_bytes)
-            arrival = self._arrival(receiver.node.rank, sender.node.rank, reply.payload_bytes)
-            self.at(arrival, lambda: self._exchange_done(sender, receiver, reply))
-        else:
+        if send.route == Route.PUSH:
+            assert send.message is not None
+            receiver.inbox.append(send.message)
             sender.exchanges += 1
+            self._wake(receiver)
+            return
+        # An exchange or a pull: the peer answers from the snapshot of its last completed step.
+        reply = receiver.visible.message_for(sender.node.rank, send.kind)
+        if reply is None:
+            self._give_up(sender, send, "failed_precondition", self.now)
+            return
+        if send.message is not None:
+            receiver.inbox.append(send.message)
+        self._count(receiver, sender, reply.payload_bytes)
+        arrival = self._arrival(receiver.node.rank, sender.node.rank, reply.payload_bytes)
+        self.at(arrival, lambda: self._exchange_done(sender, receiver, reply))
         self._wake(receiver)
 
     def _exchange_done(self, sender: SimNode, peer: SimNode, reply: Message) -> None:

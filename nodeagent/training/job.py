@@ -41,6 +41,7 @@ def build_node(
     neighbors: tuple[Neighbor, ...],
     self_weight: float,
     data_dir: str | Path | None = None,
+    peer_schedule: tuple[tuple[int, ...], ...] = (),
 ) -> Node:
     """The node of `rank`: model initialised from the job's seed (identical on every node), its data shard,
     and its algorithm. `data_dir` overrides the job's data directory on this machine."""
@@ -59,6 +60,7 @@ def build_node(
         spec=spec.algorithm,
         self_weight=self_weight,
         seed=spec.seed,
+        peer_schedule=peer_schedule,
     )
     algorithm = build_algorithm(model, context)
     # Each node draws its own batch order, reproducibly.
