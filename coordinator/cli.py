@@ -99,12 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
         "on the real Fashion-MNIST data, show progress, print a per-node accuracy table, and stop every process.",
     )
     demo.add_argument("--agents", type=int, default=8, help="number of node agents (default %(default)s)")
-    demo.add_argument("--algorithm", default="dsgd", help="algorithm (default %(default)s)")
+    demo.add_argument(
+        "--algorithms", default="pdmm-isvr,dsgd", help="comma-separated algorithms, one job each (default %(default)s)"
+    )
     demo.add_argument("--topology", default="multiplex-ring", help="topology (default %(default)s)")
     demo.add_argument("--split", default="class-window", help="data split (default %(default)s)")
     demo.add_argument("--model", default="logistic", help="model (default %(default)s)")
     demo.add_argument("--steps", type=int, default=3000, help="local steps per node (default %(default)s)")
     demo.add_argument("--lr", type=float, default=0.02, help="step size (default %(default)s)")
+    demo.add_argument("--l2", type=float, default=0.01, help="L2 term (default %(default)s)")
     demo.add_argument(
         "--data-dir", default=os.environ.get("PEERTRAIN_DATA_DIR", DEFAULT_DATA_DIR),
         help="directory of the Fashion-MNIST IDX files (default %(default)s)",

@@ -1,4 +1,5 @@
-"""`coordinator demo`: a local cluster trains one job on the real data and prints the result."""
+"""`coordinator demo`: a local cluster trains on the real data, one job per algorithm, and prints the results
+beside the single-node reference (one node trained on all the data for the same number of steps)."""
 
 from __future__ import annotations
 
@@ -12,19 +13,21 @@ import yaml
 
 from coordinator.cli import format_status
 from coordinator.cluster import ClusterError, LocalCluster, mean_accuracy
+from coordinator.service import validate_job
+from coordinator.simulate import reference_spec, simulate
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.jobspec import JobSpecError, parse_job_spec
 from nodeagent.training.data import DataError, load_dataset
 
 
-def demo_job(args: argparse.Namespace) -> dict:
+def demo_job(args: argparse.Namespace, algorithm: str) -> dict:
     return {
-        "name": "demo",
+        "name": f"demo-{algorithm}",
         "nodes": args.agents,
         "steps": args.steps,
         "eval_every": max(1, args.steps // 6),
         "seed": 0,
-        "algorithm": {"name": args.algorithm, "mode": "async", "lr": args.lr, "interval": 8},
+        "algorithm": {"name": algorithm, "mode": "async", "lr": args.lr, "l2": args.l2, "interval": 8},
         "model": {"name": args.model},
         "data": {"dataset": "fashion-mnist", "data_dir": str(Path(args.data_dir).resolve()), "split": args.split,
                  "batch_size": 100},
@@ -57,28 +60,36 @@ class Progress:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    algorithms = [name.strip() for name in args.algorithms.split(",") if name.strip()]
     try:
         load_dataset("fashion-mnist", args.data_dir, "test", limit=1)
-        spec = parse_job_spec(demo_job(args))
-    except DataError as error:
+        specs = [parse_job_spec(demo_job(args, algorithm)) for algorithm in algorithms]
+        for spec in specs:
+            validate_job(spec)
+    except (DataError, JobSpecError) as error:
         print(f"coordinator demo: {error}", file=sys.stderr)
         return 1
-    except JobSpecError as error:
-        print(f"coordinator demo: {error}", file=sys.stderr)
-        return 1
+    first = specs[0]
     root = (args.runs / f"demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     print(
-        f"peertrain demo: {spec.nodes} agents on loopback train {spec.algorithm.name} ({spec.model.name}) on the "
-        f"{spec.data.split} split of Fashion-MNIST over a {spec.topology.kind} topology, {spec.steps} steps each.\n"
-        f"Run directory: {root}"
+        f"peertrain demo: {first.nodes} agents on loopback train {', '.join(algorithms)} ({first.model.name}) on "
+        f"the {first.data.split} split of Fashion-MNIST over a {first.topology.kind} topology, {first.steps} steps "
+        f"each, one job after the other.\nRun directory: {root}"
     )
-    cluster = LocalCluster(root=root, agents=spec.nodes, data_dir=str(Path(args.data_dir).resolve()))
+    cluster = LocalCluster(root=root, agents=first.nodes, data_dir=str(Path(args.data_dir).resolve()))
+    results: list[tuple[str, pb.JobStatusReply]] = []
     try:
         cluster.start()
-        print(f"coordinator at {cluster.address}; {spec.nodes} agents registered")
-        job_id = cluster.submit(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
-        status = cluster.wait(job_id, args.timeout, Progress(spec.steps))
-        print()
+        print(f"coordinator at {cluster.address}; {first.nodes} agents registered")
+        for spec in specs:
+            print(f"\n== {spec.algorithm.name}")
+            job_id = cluster.submit(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
+            status = cluster.wait(job_id, args.timeout, Progress(spec.steps))
+            print()
+            print(format_status(status))
+            results.append((spec.algorithm.name, status))
+            if status.state != pb.JOB_FINISHED:
+                return 1
     except ClusterError as error:
         print(f"\ncoordinator demo: {error}", file=sys.stderr)
         return 1
@@ -87,6 +98,14 @@ def run_demo(args: argparse.Namespace) -> int:
         return 130
     finally:
         cluster.stop()
-    print(format_status(status))
-    print(f"metrics log: {status.run_dir}/metrics.jsonl; process logs: {root}/logs")
-    return 0 if status.state == pb.JOB_FINISHED else 1
+    reference = simulate(reference_spec(first)).mean_accuracy
+    print(f"\nmean test accuracy after {first.steps} steps per node ({first.data.split} split: every node sees "
+          f"only part of the classes)")
+    print(f"  {'reference: one node on all the data':<40} {reference:.4f}")
+    for algorithm, status in results:
+        accuracies = [n.test_accuracy for n in status.nodes]
+        sent = sum(n.bytes_sent for n in status.nodes) / len(status.nodes) / 1e6
+        print(f"  {algorithm + f' on {first.nodes} agents':<40} {mean_accuracy(status):.4f}  "
+              f"(nodes {min(accuracies):.4f}..{max(accuracies):.4f}, {sent:.1f} MB sent per node)")
+    print(f"metrics logs: {root}/runs/*/metrics.jsonl; process logs: {root}/logs")
+    return 0

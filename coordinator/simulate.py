@@ -122,3 +122,15 @@ class SimulationProgress:
             f"of {self.steps}  mean test accuracy {accuracy}"
         )
         print(f"\r{line}   " if self.tty else line, end="" if self.tty else "\n", flush=True)
+
+
+def reference_spec(spec: JobSpec) -> JobSpec:
+    """The single-node reference of a job: one node on all the training data (iid split of one), plain SGD with
+    the job's step size, L2, momentum, batch size and number of steps."""
+    algorithm = spec.algorithm.model_copy(update={"name": "dsgd", "mode": "async", "options": {}})
+    data = spec.data.model_copy(update={"split": "iid", "split_options": {}})
+    topology = spec.topology.model_copy(update={"kind": "ring", "options": {}})
+    return spec.model_copy(
+        update={"name": f"{spec.name}-reference", "nodes": 1, "algorithm": algorithm, "data": data,
+                "topology": topology, "slowdown": {}, "simulation": spec.simulation.model_copy(update={"speeds": []})}
+    )

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from nodeagent import __version__
-from nodeagent._proto import coordinator_pb2, coordinator_pb2_grpc, peer_pb2_grpc
+from nodeagent._proto import coordinator_pb2, coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 from nodeagent.algorithms.base import ALLREDUCE_RANK, Failure, Neighbor, Route, Send
 from nodeagent.jobspec import JobSpec
 from nodeagent.mesh.grpc import GRPC_OPTIONS, PeerClient, PeerServicer, ServingState, failure_reason
@@ -37,6 +37,7 @@ from nodeagent.wire.message import Encoding, Message
 log = logging.getLogger("nodeagent")
 
 REPORT_INTERVAL_S = 1.0
+NEIGHBOUR_WAIT_S = 60.0
 RECONNECT_DELAY_S = 1.0
 
 
@@ -197,6 +198,7 @@ class JobRunner(threading.Thread):
             "job %s: rank %d of %d, %s on %d samples, neighbours %s",
             self.job_id, self.rank, spec.nodes, spec.algorithm.name, node.shard_size, sorted(self.addresses),
         )
+        self._wait_for_neighbours()
         progress = _Progress(started=time.monotonic())
         evaluated_at = -1
         while not self.stop_event.is_set():
@@ -239,6 +241,25 @@ class JobRunner(threading.Thread):
         # Keep serving until the coordinator ends the job: slower neighbours may still exchange with us.
         while not self.stop_event.wait(0.2):
             self._drain(algorithm)
+
+    def _wait_for_neighbours(self) -> None:
+        """Start together: wait until every neighbour serves this job (bounded), so that no node runs ahead
+        mixing with neighbours that have not started. A neighbour that does not come keeps its copy stale."""
+        deadline = time.monotonic() + NEIGHBOUR_WAIT_S
+        waiting = dict(self.addresses)
+        while waiting and not self.stop_event.is_set() and time.monotonic() < deadline:
+            for rank, address in list(waiting.items()):
+                try:
+                    description = self._client(address).stub.Describe(peer_pb2.DescribeRequest(), timeout=2)
+                except grpc.RpcError:
+                    continue
+                if description.job_id == self.job_id:
+                    del waiting[rank]
+            if waiting:
+                self.stop_event.wait(0.1)
+        if waiting:
+            log.warning("job %s: starting without neighbours %s, which do not serve it yet", self.job_id,
+                        sorted(waiting))
 
     def _report(self, clock: int, progress: _Progress, finished: bool) -> None:
         now = time.monotonic()
