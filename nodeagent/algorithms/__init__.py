@@ -6,8 +6,9 @@ from torch import nn
 
 from nodeagent.algorithms.base import Algorithm, Neighbor, NodeContext, Route, Send, Snapshot
 from nodeagent.algorithms.dsgd import DSGD
+from nodeagent.algorithms.gossip import PairwiseGossip
 
-REGISTRY: dict[str, type[Algorithm]] = {cls.name: cls for cls in (DSGD,)}
+REGISTRY: dict[str, type[Algorithm]] = {cls.name: cls for cls in (DSGD, PairwiseGossip)}
 
 
 def build_algorithm(model: nn.Module, context: NodeContext) -> Algorithm:
