@@ -1,0 +1,219 @@
+"""Server halves of SSGD, ASGD and DC-ASGD (ALGORITHMS.md, "Parameter-server algorithms").
+
+Each server holds the global model `w` (a flat float32 vector laid out like FlatParameters) and `version`
+(+1 per applied update). Its runtime (the coordinator's gRPC service, or the simulator) calls, from one thread:
+- `push(worker, update, worker_version) -> PushResult`: a worker's update, tagged with the version it was
+  computed on; the result says whether `w` changed, the version after the push, and which workers to release
+  (answer so that they pull);
+- `pull(worker) -> (w, version)`: a copy of the current model (DC-ASGD records it as the worker's backup);
+- `state_dict()` / `load_state_dict(state)`: plain tensors and ints, read after every push so that a restarted
+  coordinator loses no applied update (hyper-parameters come from the job spec, not from the state).
+
+A malformed or out-of-protocol call raises ProtocolError before any state changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+StateDict = dict[str, torch.Tensor | int]
+
+
+class ProtocolError(ValueError):
+    """A push or pull that the protocol does not allow (unknown worker, wrong shape, second push in a round...)."""
+
+
+@dataclass(frozen=True)
+class PushResult:
+    applied: bool  # this push changed w
+    version: int  # the server's version after the push
+    release: tuple[int, ...]  # workers that may pull now (their wait is over)
+    delay: int = 0  # updates applied since the version the worker computed on
+    rejected: str = ""  # non-empty: the update was discarded (why); the worker must pull and recompute
+
+
+class ParameterServer:
+    """What every server shares: the model, its version, the workers, pulls and validation."""
+
+    def __init__(self, w0: torch.Tensor, num_workers: int):
+        if w0.dim() != 1 or not w0.is_floating_point():
+            raise ValueError(f"w0 must be a flat floating-point vector, got {w0.dtype} of shape {tuple(w0.shape)}")
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self.w = w0.detach().clone()
+        self.version = 0
+        self.num_workers = num_workers
+
+    def pull(self, worker: int) -> tuple[torch.Tensor, int]:
+        self.check_worker(worker)
+        return self.w.clone(), self.version
+
+    def state_dict(self) -> StateDict:
+        return {"w": self.w.clone(), "version": self.version}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor | int]) -> None:
+        # Subclasses validate their entries before calling this, so a bad state changes nothing.
+        w = state_tensor(state, "w", self.w)
+        self.version = state_int(state, "version")
+        self.w.copy_(w)
+
+    def check_worker(self, worker: int) -> None:
+        if not 0 <= worker < self.num_workers:
+            raise ProtocolError(f"worker {worker} is not in 0..{self.num_workers - 1}")
+
+    def check_dense(self, update: torch.Tensor) -> None:
+        if update.shape != self.w.shape or update.dtype != self.w.dtype:
+            raise ProtocolError(
+                f"update must be {self.w.dtype} of shape {tuple(self.w.shape)}, "
+                f"got {update.dtype} of shape {tuple(update.shape)}"
+            )
+        # One diverged worker must not poison the global model of everyone.
+        if not bool(torch.isfinite(update).all()):
+            raise ProtocolError("update has non-finite entries")
+
+    def delay_of(self, worker_version: int) -> int:
+        if not 0 <= worker_version <= self.version:
+            raise ProtocolError(f"worker version {worker_version} is not in 0..{self.version}")
+        return self.version - worker_version
+
+
+class SSGDServer(ParameterServer):
+    """One gradient per worker per round; the last one applies w <- w - lr * mean(g) and releases everyone."""
+
+    def __init__(self, w0: torch.Tensor, num_workers: int, lr: float):
+        super().__init__(w0, num_workers)
+        self.lr = lr
+        self.pending = torch.zeros_like(self.w)  # sum of this round's gradients
+        self.arrived = torch.zeros(num_workers, dtype=torch.bool)
+
+    def push(self, worker: int, update: torch.Tensor, worker_version: int) -> PushResult:
+        self.check_worker(worker)
+        if worker_version != self.version:
+            raise ProtocolError(f"worker {worker} pushed version {worker_version} in round {self.version}")
+        if self.arrived[worker]:
+            raise ProtocolError(f"worker {worker} pushed twice in round {self.version}")
+        self.check_dense(update)
+        self.pending.add_(update)
+        self.arrived[worker] = True
+        if not bool(self.arrived.all()):
+            return PushResult(applied=False, version=self.version, release=())
+        self.w.sub_(self.pending.div_(self.num_workers), alpha=self.lr)
+        self.pending.zero_()
+        self.arrived.zero_()
+        self.version += 1
+        return PushResult(applied=True, version=self.version, release=tuple(range(self.num_workers)))
+
+    def state_dict(self) -> StateDict:
+        return {**super().state_dict(), "pending": self.pending.clone(), "arrived": self.arrived.clone()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor | int]) -> None:
+        pending = state_tensor(state, "pending", self.pending)
+        arrived = state_tensor(state, "arrived", self.arrived)
+        super().load_state_dict(state)
+        self.pending.copy_(pending)
+        self.arrived.copy_(arrived)
+
+
+class ASGDServer(ParameterServer):
+    """Each gradient is applied on arrival: w <- w - lr * g."""
+
+    def __init__(self, w0: torch.Tensor, num_workers: int, lr: float):
+        super().__init__(w0, num_workers)
+        self.lr = lr
+
+    def push(self, worker: int, update: torch.Tensor, worker_version: int) -> PushResult:
+        self.check_worker(worker)
+        delay = self.delay_of(worker_version)
+        self.check_dense(update)
+        self.w.sub_(update, alpha=self.lr)
+        self.version += 1
+        return PushResult(applied=True, version=self.version, release=(worker,), delay=delay)
+
+
+class DCASGDServer(ParameterServer):
+    """ASGD with delay compensation: w <- w - lr * (g_m + lambda * g_m * g_m * (w - w_bak[m])).
+
+    w_bak[m] is the model worker m last pulled (every worker starts from w0 at version 0). Constant lambda, or
+    adaptive: MS_m <- mom * MS_m + (1 - mom) * g_m^2 first, then lambda = lambda0 / sqrt(MS_m + 1e-7)
+    elementwise, as in DC-ASGD-a (Zheng et al. 2017).
+    """
+
+    def __init__(
+        self,
+        w0: torch.Tensor,
+        num_workers: int,
+        lr: float,
+        lam: float = 0.04,
+        adaptive: bool = False,
+        lam0: float = 2.0,
+        momentum: float = 0.95,
+    ):
+        super().__init__(w0, num_workers)
+        self.lr = lr
+        self.lam = lam
+        self.adaptive = adaptive
+        self.lam0 = lam0
+        self.momentum = momentum
+        self.backup = self.w.repeat(num_workers, 1)
+        # The version of each backup: a push must be computed on the model its worker last pulled, otherwise the
+        # compensation would correct against the wrong model.
+        self.backup_version = torch.zeros(num_workers, dtype=torch.int64)
+        self.mean_square = torch.zeros_like(self.backup) if adaptive else None
+
+    def pull(self, worker: int) -> tuple[torch.Tensor, int]:
+        w, version = super().pull(worker)
+        self.backup[worker].copy_(w)
+        self.backup_version[worker] = version
+        return w, version
+
+    def push(self, worker: int, update: torch.Tensor, worker_version: int) -> PushResult:
+        self.check_worker(worker)
+        delay = self.delay_of(worker_version)
+        self.check_dense(update)
+        if worker_version != int(self.backup_version[worker]):
+            reason = f"computed on version {worker_version}, but worker {worker} last pulled version "
+            reason += str(int(self.backup_version[worker]))
+            return PushResult(applied=False, version=self.version, release=(worker,), delay=delay, rejected=reason)
+        square = update * update
+        if self.mean_square is None:
+            lam: torch.Tensor | float = self.lam
+        else:
+            self.mean_square[worker].mul_(self.momentum).add_(square, alpha=1 - self.momentum)
+            lam = self.lam0 / torch.sqrt(self.mean_square[worker] + 1e-7)
+        compensated = update + lam * square * (self.w - self.backup[worker])
+        self.w.sub_(compensated, alpha=self.lr)
+        self.version += 1
+        return PushResult(applied=True, version=self.version, release=(worker,), delay=delay)
+
+    def state_dict(self) -> StateDict:
+        state = {**super().state_dict(), "backup": self.backup.clone(), "backup_version": self.backup_version.clone()}
+        if self.mean_square is not None:
+            state["mean_square"] = self.mean_square.clone()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor | int]) -> None:
+        backup = state_tensor(state, "backup", self.backup)
+        backup_version = state_tensor(state, "backup_version", self.backup_version)
+        mean_square = None if self.mean_square is None else state_tensor(state, "mean_square", self.mean_square)
+        super().load_state_dict(state)
+        self.backup.copy_(backup)
+        self.backup_version.copy_(backup_version)
+        if self.mean_square is not None and mean_square is not None:
+            self.mean_square.copy_(mean_square)
+
+
+def state_tensor(state: Mapping[str, torch.Tensor | int], key: str, like: torch.Tensor) -> torch.Tensor:
+    value = state.get(key)
+    if not isinstance(value, torch.Tensor) or value.shape != like.shape or value.dtype != like.dtype:
+        raise ValueError(f"state[{key!r}] must be {like.dtype} of shape {tuple(like.shape)}")
+    return value
+
+
+def state_int(state: Mapping[str, torch.Tensor | int], key: str) -> int:
+    value = state.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"state[{key!r}] must be a non-negative int")
+    return value
