@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from torch import nn
 
+from nodeagent.algorithms.adpsgd import ADPSGD
+from nodeagent.algorithms.allreduce import AllReduceSGD
 from nodeagent.algorithms.base import Algorithm, Neighbor, NodeContext, Route, Send, Snapshot
 from nodeagent.algorithms.dsgd import DSGD
 from nodeagent.algorithms.gossip import PairwiseGossip
+from nodeagent.algorithms.sgp import SGP, OverlapSGP
 
-REGISTRY: dict[str, type[Algorithm]] = {cls.name: cls for cls in (DSGD, PairwiseGossip)}
+REGISTRY: dict[str, type[Algorithm]] = {
+    cls.name: cls for cls in (DSGD, PairwiseGossip, SGP, OverlapSGP, ADPSGD, AllReduceSGD)
+}
 
 
 def build_algorithm(model: nn.Module, context: NodeContext) -> Algorithm:

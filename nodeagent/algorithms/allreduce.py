@@ -1,0 +1,75 @@
+"""AllReduce SGD, the baseline (ALGORITHMS.md, "AllReduce SGD"; also called parallel SGD).
+
+Every step averages the gradients of all nodes: step t computes g_i (with the L2 term) at w, hands it to the
+runtime's all-reduce (Route.ALLREDUCE, Kind.GRADIENT, clock t), and waits (`ready()` is False) until the mean
+arrives through `receive()`; then w <- w - lr * d(mean g), with momentum or Nesterov through `sgd_direction`.
+All nodes start from the same seeded model and apply the same mean with the same arithmetic, so they stay
+bit-identical, and equal to centralised SGD on the union of their batches (equal batch sizes). The all-reduce
+itself belongs to the runtime (torch.distributed in the agent), never to this state machine.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nodeagent.algorithms.base import ALLREDUCE_RANK, Algorithm, NodeContext, Route, Send, Snapshot
+from nodeagent.wire.codec import WireError
+from nodeagent.wire.message import Kind, Message, TensorSpec
+
+
+class AllReduceSGD(Algorithm):
+    name = "allreduce"
+
+    def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
+        super().__init__(model, context, loss_fn)
+        if context.spec.options:
+            raise ValueError(f"algorithm.options.{sorted(context.spec.options)[0]}: {self.name} takes no options")
+        self.waiting = False  # this step's gradient is out and its mean has not come back
+        self._outbox: list[Send] = []
+        self._published = self._publish()
+
+    def _publish(self) -> Snapshot:
+        # Nothing is served to peers; the snapshot reports clock and loss.
+        return Snapshot(self.context.rank, self.clock, self.last_loss, {})
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        loss, grad = self.gradient(inputs, targets)
+        self.last_loss = loss
+        message = Message(
+            Kind.GRADIENT, self.context.rank, ALLREDUCE_RANK, self.params.views(grad), clock=self.clock, loss=loss
+        )
+        self._outbox = [Send(Route.ALLREDUCE, ALLREDUCE_RANK, Kind.GRADIENT, message)]
+        self.waiting = True
+        return loss
+
+    def sends(self) -> list[Send]:
+        outbox, self._outbox = self._outbox, []
+        return outbox
+
+    def receive(self, message: Message) -> None:
+        if not self.waiting or message.clock != self.clock:
+            # Applying another step's mean would silently fork this node from the others.
+            state = "waiting for its mean" if self.waiting else "with no gradient out"
+            raise RuntimeError(
+                f"rank {self.context.rank}: an all-reduce mean of step {message.clock} arrived at step {self.clock}, "
+                f"{state}"
+            )
+        mean = self.params.flatten(message.tensors)
+        self.w.sub_(self.sgd_direction(mean), alpha=self.spec.lr)
+        self.waiting = False
+        self.clock += 1
+        self._published = self._publish()
+
+    def ready(self) -> bool:
+        return not self.waiting
+
+    def snapshot(self) -> Snapshot:
+        return self._published
+
+    def expected(self, peer: int, kind: Kind) -> list[TensorSpec]:
+        if peer != ALLREDUCE_RANK:
+            raise WireError("not_neighbor", f"{self.name} takes messages only from the all-reduce, not rank {peer}")
+        if kind != Kind.GRADIENT:
+            raise WireError("unexpected_kind", f"{self.name} accepts only gradient, not {kind.name.lower()}")
+        return self.params.specs

@@ -1,0 +1,170 @@
+"""Stochastic Gradient Push (SGP) and Overlap SGP (ALGORITHMS.md, "Stochastic Gradient Push (SGP) and Overlap
+SGP"; Assran et al., ICML 2019).
+
+State: the push-sum numerator `x` and the push-sum `weight` (starts at 1). The model's parameters (the flat
+vector `w` of the base class) hold the de-biased z = x / weight between steps, so the gradient, the L2 term
+and evaluation all see z. Step t is x <- x - lr * d(g(z)) followed by gossip round t: with the k
+out-peers of iteration t (`context.out_peers(t)`), x and weight are divided by k + 1; the node keeps one share
+and pushes one share (the tensors x, the header `weight`) to each out-peer. A received share is added to x and
+weight. The mixing is column-stochastic, which is all push-sum needs: z converges to the exact average on any
+strongly connected directed (or time-varying) graph, and on regular graphs the weight stays 1.
+
+Rounds. Round t is the one step t sends; its messages carry t as their clock. A node knows only its own
+out-peers, so it expects as many shares in round t as it sends (k = len(out_peers(t))). Every node receives
+exactly as many as it sends on static undirected graphs (out-peers = neighbours), on directed graphs whose
+in-degree equals the out-degree at every node, and on the circulant dynamic kinds (dynamic-exponential,
+npeer-exponential). The bipartite kinds do not qualify (their passive ranks receive but never send): they are
+AD-PSGD's. Shares are kept by round and sender: a share that comes before this node has sent that round waits
+(it is not scaled into this node's own round), a repeated delivery of a retried push overwrites its own entry
+and one of an absorbed round is dropped, so no share is ever counted twice. Complete rounds are absorbed oldest
+first.
+
+SGP (synchronous, the paper's Algorithm 1): step t + 1 waits until round t is absorbed, so
+x_{t+1} = W_t (x_t - lr * d(g(z_t))) and weight_{t+1} = W_t weight_t, W_t the column-stochastic matrix of
+round t (own share plus the shares received).
+
+Overlap SGP: the runtimes send a step's messages once its computation is done, so round t travels while step
+t + 1 computes, and it is absorbed as soon as it is complete, between two steps: the messages of step t are
+absorbed at step t + 1 and the step after the sending one never waits for them. Option `synch_freq` s >= 0
+(default 0): a node blocks only once s further steps have passed without round t, i.e. round t must be absorbed
+before step t + 2 + s starts. With s = 0 at most one round, the previous step's, is in flight when a step
+starts: the reference implementation's bound, where a round is absorbed at the start of the step after the one
+that sent it. Unlike that implementation, a node does not skip rounds while one is in flight, so with s > 0 up
+to s + 1 rounds may be unabsorbed: every step sends its round, so that the rounds of all nodes stay aligned
+with the iterations (a receiver knows which round a share belongs to and how many to expect) and no node waits
+at the end of a job for a round that a finished in-peer never sends.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from nodeagent.algorithms.base import Algorithm, NodeContext, Route, Send, Snapshot
+from nodeagent.wire.codec import WireError
+from nodeagent.wire.message import Kind, Message, TensorSpec
+
+
+class SGP(Algorithm):
+    name = "sgp"
+
+    def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
+        super().__init__(model, context, loss_fn)
+        # How many of the latest rounds may still be unabsorbed when a step starts (0: synchronous).
+        self.rounds_in_flight = self._parse_options(context.spec.options)
+        self.x = self.w.detach().clone()
+        self.weight = 1.0
+        # Shares received and not yet absorbed: round -> sender -> (x share, weight share).
+        self.shares: dict[int, dict[int, tuple[torch.Tensor, float]]] = defaultdict(dict)
+        # Rounds this node has sent and not yet absorbed, oldest first.
+        self.open_rounds: deque[int] = deque()
+        self._outbox: list[Send] = []
+        self._published = self._publish()
+
+    def _parse_options(self, options: Mapping[str, Any]) -> int:
+        if options:
+            raise ValueError(f"algorithm.options.{sorted(options)[0]}: {self.name} takes no options")
+        return 0
+
+    # -- push-sum ------------------------------------------------------------------------------------------------
+
+    def _split(self, out_degree: int) -> tuple[torch.Tensor, float]:
+        """Keep one of out_degree + 1 equal shares of (x, weight); returns a copy of the share each out-peer gets."""
+        self.x.div_(out_degree + 1)
+        self.weight /= out_degree + 1
+        return self.x.clone(), self.weight
+
+    def _absorb(self, x_share: torch.Tensor, weight_share: float) -> None:
+        self.x.add_(x_share)
+        self.weight += weight_share
+
+    def _absorb_complete_rounds(self) -> bool:
+        """Absorb the sent rounds whose shares have all arrived, oldest first; whether any was."""
+        absorbed = False
+        while self.open_rounds:
+            round_ = self.open_rounds[0]
+            received = self.shares.get(round_, {})
+            if len(received) < len(self.context.out_peers(round_)):
+                break
+            for x_share, weight_share in received.values():
+                self._absorb(x_share, weight_share)
+            self.shares.pop(round_, None)
+            self.open_rounds.popleft()
+            absorbed = True
+        return absorbed
+
+    def _debias(self) -> None:
+        """z = x / weight into the model's parameters, and publish the new state."""
+        torch.div(self.x, self.weight, out=self.w)
+        self._published = self._publish()
+
+    def _publish(self) -> Snapshot:
+        # Push only: nothing is served to peers; the snapshot reports clock, loss and push-sum weight.
+        return Snapshot(self.context.rank, self.clock, self.last_loss, {}, weight=self.weight)
+
+    # -- the interface -------------------------------------------------------------------------------------------
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        loss, grad = self.gradient(inputs, targets)  # at z, which `w` holds
+        self.last_loss = loss
+        self.x.sub_(self.sgd_direction(grad), alpha=self.spec.lr)
+        peers = self.context.out_peers(self.clock)
+        x_share, weight_share = self._split(len(peers))
+        tensors = self.params.views(x_share)
+        self._outbox = [
+            Send(
+                Route.PUSH, peer, Kind.PUSHSUM,
+                Message(Kind.PUSHSUM, self.context.rank, peer, tensors, clock=self.clock, loss=loss,
+                        weight=weight_share),
+            )
+            for peer in peers
+        ]
+        self.open_rounds.append(self.clock)
+        self.clock += 1
+        # The in-peers' shares of this round may have come already (a node without out-peers has none to wait for).
+        self._absorb_complete_rounds()
+        self._debias()
+        return loss
+
+    def sends(self) -> list[Send]:
+        outbox, self._outbox = self._outbox, []
+        return outbox
+
+    def receive(self, message: Message) -> None:
+        round_ = message.clock
+        if round_ < self.clock and round_ not in self.open_rounds:
+            return  # a round absorbed already: a repeated delivery of a retried push
+        self.shares[round_][message.sender] = (self.params.flatten(message.tensors), message.weight)
+        if self._absorb_complete_rounds():
+            self._debias()
+
+    def ready(self) -> bool:
+        return not self.open_rounds or self.open_rounds[0] >= self.clock - self.rounds_in_flight
+
+    def snapshot(self) -> Snapshot:
+        return self._published
+
+    def expected(self, peer: int, kind: Kind) -> list[TensorSpec]:
+        self.reject_unless_neighbor(peer)
+        if kind != Kind.PUSHSUM:
+            raise WireError("unexpected_kind", f"{self.name} accepts only pushsum, not {kind.name.lower()}")
+        return self.params.specs
+
+
+class OverlapSGP(SGP):
+    name = "osgp"
+
+    def _parse_options(self, options: Mapping[str, Any]) -> int:
+        unknown = sorted(set(options) - {"synch_freq"})
+        if unknown:
+            raise ValueError(f"algorithm.options.{unknown[0]}: unknown {self.name} option; known: synch_freq")
+        synch_freq = options.get("synch_freq", 0)
+        # bool is an int in Python; `synch_freq: true` in YAML is a mistake, not 1.
+        if not isinstance(synch_freq, int) or isinstance(synch_freq, bool) or synch_freq < 0:
+            raise ValueError(f"algorithm.options.synch_freq: must be an integer >= 0, got {synch_freq!r}")
+        # The previous step's round is always allowed in flight (the overlap), plus s more.
+        return 1 + synch_freq
