@@ -406,3 +406,14 @@ def test_ring_of_four_reaches_consensus_with_no_gradient(interpolation):
     assert (final - final[0]).abs().max() < 1e-5
     assert torch.all(final >= starts.min(0).values - 1e-6) and torch.all(final <= starts.max(0).values + 1e-6)
     assert not torch.allclose(starts, final)
+
+
+def test_checkpoint_keeps_the_gossip_clock():
+    node = make(loss_fn=FlatLoss())
+    for step in range(3):
+        node.step(*batch(step))
+    node.gossip_clock = 7.25
+    restored = make(loss_fn=FlatLoss())
+    restored.load_state_dict(node.state_dict())
+    assert restored.gossip_clock == 7.25 and restored.clock == 3 and torch.equal(restored.w, node.w)
+    assert restored.snapshot().clock == 7  # the served clock is the gossip clock, rounded

@@ -298,3 +298,16 @@ def test_expected_accepts_pushsum_from_neighbours_only():
     with pytest.raises(WireError) as kind:
         node.expected(1, Kind.PARAMS)
     assert kind.value.reason == "unexpected_kind"
+
+
+def test_checkpoint_keeps_the_push_sum_state():
+    """A node restored from its state dict continues exactly as the original would."""
+    original = make(SGP, 0, 2, ((1,),), (1,))
+    original.x.fill_(3.0)
+    original.weight = 1.5
+    original._debias()
+    state = original.state_dict()
+    restored = make(SGP, 0, 2, ((1,),), (1,))
+    restored.load_state_dict(state)
+    assert restored.weight == 1.5 and torch.equal(restored.x, original.x) and torch.equal(restored.w, original.w)
+    assert torch.allclose(restored.w, torch.full_like(restored.w, 2.0))

@@ -48,7 +48,7 @@ class ADPSGD(Algorithm):
         self.partner: int | None = None  # the peer of the exchange in flight
         self._sent: torch.Tensor | None = None  # the model that exchange sent
         self._outbox: list[Send] = []
-        self._published = self._publish()
+        self.republish()
 
     def _publish(self) -> Snapshot:
         # The served copy; the active node's request is this snapshot too, and `_sent` keeps it.
@@ -61,7 +61,7 @@ class ADPSGD(Algorithm):
         self.last_loss = loss
         self.w.sub_(self.sgd_direction(grad), alpha=self.spec.lr)
         self.clock += 1
-        self._published = self._publish()
+        self.republish()
         if self.partner is None and self.rotation:
             self.partner = self.rotation[self.exchanges_started % len(self.rotation)]
             self.exchanges_started += 1
@@ -83,15 +83,12 @@ class ADPSGD(Algorithm):
             self._sent = None
         else:
             self.w.add_(received).div_(2)
-        self._published = self._publish()
+        self.republish()
 
     def failed(self, send: Send, reason: str) -> None:
         if send.peer == self.partner:
             self.partner = None
             self._sent = None
-
-    def snapshot(self) -> Snapshot:
-        return self._published
 
     def expected(self, peer: int, kind: Kind) -> list[TensorSpec]:
         self.reject_unless_neighbor(peer)

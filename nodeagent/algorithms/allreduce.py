@@ -27,7 +27,7 @@ class AllReduceSGD(Algorithm):
             raise ValueError(f"algorithm.options.{sorted(context.spec.options)[0]}: {self.name} takes no options")
         self.waiting = False  # this step's gradient is out and its mean has not come back
         self._outbox: list[Send] = []
-        self._published = self._publish()
+        self.republish()
 
     def _publish(self) -> Snapshot:
         # Nothing is served to peers; the snapshot reports clock and loss.
@@ -59,13 +59,10 @@ class AllReduceSGD(Algorithm):
         self.w.sub_(self.sgd_direction(mean), alpha=self.spec.lr)
         self.waiting = False
         self.clock += 1
-        self._published = self._publish()
+        self.republish()
 
     def ready(self) -> bool:
         return not self.waiting
-
-    def snapshot(self) -> Snapshot:
-        return self._published
 
     def expected(self, peer: int, kind: Kind) -> list[TensorSpec]:
         if peer != ALLREDUCE_RANK:

@@ -173,6 +173,7 @@ class Algorithm(ABC):
         self.clock = 0
         self.last_loss = math.nan
         self._momentum_buffer: torch.Tensor | None = None
+        self._published: Snapshot
 
     # -- local computation shared by the algorithms ------------------------------------------------------------
 
@@ -223,9 +224,29 @@ class Algorithm(ABC):
     def receive(self, message: Message) -> None:
         """Absorb a message that passed `expected`."""
 
-    @abstractmethod
     def snapshot(self) -> Snapshot:
-        """The immutable state that network threads serve until the next call."""
+        """The immutable state that network threads serve until the next one is published."""
+        return self._published
+
+    @abstractmethod
+    def _publish(self) -> Snapshot:
+        """A fresh snapshot of what this node serves; algorithms call `republish()` after each change."""
+
+    def republish(self) -> None:
+        self._published = self._publish()
+
+    def state_dict(self) -> dict[str, torch.Tensor | int | float]:
+        """What a checkpoint keeps to resume this node where it stopped; algorithms with more state add to it."""
+        return {"clock": self.clock, "w": self.w.detach().clone()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor | int | float]) -> None:
+        w = state["w"]
+        if not isinstance(w, torch.Tensor) or w.shape != self.w.shape or w.dtype != self.w.dtype:
+            raise ValueError(f"the checkpoint's parameters do not fit this model ({self.w.numel()} {self.w.dtype})")
+        with torch.no_grad():
+            self.w.copy_(w)
+        self.clock = int(state["clock"])
+        self.republish()
 
     @abstractmethod
     def expected(self, peer: int, kind: Kind) -> list[TensorSpec]:

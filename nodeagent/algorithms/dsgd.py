@@ -32,7 +32,7 @@ class DSGD(Algorithm):
         self.round_copies: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)
         self._pending_direction: torch.Tensor | None = None
         self._outbox: list[Send] = []
-        self._published = self._publish()
+        self.republish()
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         loss, grad = self.gradient(inputs, targets)
@@ -51,7 +51,7 @@ class DSGD(Algorithm):
             self.w.sub_(self.sgd_direction(grad), alpha=self.spec.lr)
             self._mix(self.last_copy)
         self.clock += 1
-        self._published = self._publish()
+        self.republish()
         return loss
 
     def _mix(self, copies: dict[int, torch.Tensor]) -> None:
@@ -72,7 +72,7 @@ class DSGD(Algorithm):
         del self.round_copies[self.clock]
         self._pending_direction = None
         self.clock += 1
-        self._published = self._publish()
+        self.republish()
 
     def _publish(self) -> Snapshot:
         tensors = self.params.views(self.w.detach().clone())
@@ -99,9 +99,6 @@ class DSGD(Algorithm):
 
     def ready(self) -> bool:
         return self._pending_direction is None
-
-    def snapshot(self) -> Snapshot:
-        return self._published
 
     def expected(self, peer: int, kind: Kind) -> list[TensorSpec]:
         self.reject_unless_neighbor(peer)

@@ -173,7 +173,7 @@ class PairwiseGossip(Algorithm):
         self._fetches: list[_Fetch] = []
         self._retry_excluding: int | None = None  # the peer whose fetch failed; the next fetch avoids it
         self._outbox: list[Send] = []
-        self._published = self._publish()
+        self.republish()
 
     # -- the interface -----------------------------------------------------------------------------------------
 
@@ -186,7 +186,7 @@ class PairwiseGossip(Algorithm):
         self.gossip_clock += 1
         self._mix_due()
         self._outbox = self._plan_fetch()
-        self._published = self._publish()
+        self.republish()
         return loss
 
     def sends(self) -> list[Send]:
@@ -200,7 +200,7 @@ class PairwiseGossip(Algorithm):
         self.scores.succeeded(message.sender)
         fetch.reply = message
         if self._mix_due():
-            self._published = self._publish()
+            self.republish()
 
     def failed(self, send: Send, reason: str) -> None:
         fetch = self._outstanding(send.peer)
@@ -214,9 +214,6 @@ class PairwiseGossip(Algorithm):
     def ready(self) -> bool:
         # Answered fetches are mixed as soon as they are due, so a due fetch still listed is unanswered.
         return all(fetch.due > self.clock for fetch in self._fetches)
-
-    def snapshot(self) -> Snapshot:
-        return self._published
 
     def expected(self, peer: int, kind: Kind) -> list[TensorSpec]:
         self.reject_unless_neighbor(peer)
@@ -262,6 +259,13 @@ class PairwiseGossip(Algorithm):
             # lerp is exact at both ends: f = 0 keeps w, f = 1 copies the peer.
             self.w.lerp_(self.params.flatten(reply.tensors), factor)
         self.gossip_clock = factor * reply.clock + (1 - factor) * self.gossip_clock
+
+    def state_dict(self) -> dict[str, torch.Tensor | int | float]:
+        return {**super().state_dict(), "gossip_clock": self.gossip_clock}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor | int | float]) -> None:
+        self.gossip_clock = float(state.get("gossip_clock", state["clock"]))
+        super().load_state_dict(state)
 
     def _publish(self) -> Snapshot:
         tensors = self.params.views(self.w.detach().clone())

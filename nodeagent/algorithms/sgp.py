@@ -63,7 +63,7 @@ class SGP(Algorithm):
         # Rounds this node has sent and not yet absorbed, oldest first.
         self.open_rounds: deque[int] = deque()
         self._outbox: list[Send] = []
-        self._published = self._publish()
+        self.republish()
 
     def _parse_options(self, options: Mapping[str, Any]) -> int:
         if options:
@@ -100,7 +100,19 @@ class SGP(Algorithm):
     def _debias(self) -> None:
         """z = x / weight into the model's parameters, and publish the new state."""
         torch.div(self.x, self.weight, out=self.w)
-        self._published = self._publish()
+        self.republish()
+
+    def state_dict(self) -> dict[str, torch.Tensor | int | float]:
+        # z alone cannot resume push-sum: the numerator and the weight are the state (shares in flight are lost).
+        return {**super().state_dict(), "x": self.x.clone(), "weight": self.weight}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor | int | float]) -> None:
+        x = state["x"]
+        if not isinstance(x, torch.Tensor) or x.shape != self.x.shape:
+            raise ValueError("the checkpoint's push-sum numerator does not fit this model")
+        self.x.copy_(x)
+        self.weight = float(state["weight"])
+        super().load_state_dict(state)
 
     def _publish(self) -> Snapshot:
         # Push only: nothing is served to peers; the snapshot reports clock, loss and push-sum weight.
@@ -144,9 +156,6 @@ class SGP(Algorithm):
 
     def ready(self) -> bool:
         return not self.open_rounds or self.open_rounds[0] >= self.clock - self.rounds_in_flight
-
-    def snapshot(self) -> Snapshot:
-        return self._published
 
     def expected(self, peer: int, kind: Kind) -> list[TensorSpec]:
         self.reject_unless_neighbor(peer)
