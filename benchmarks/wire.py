@@ -1,19 +1,35 @@
-"""Benchmark: one fp32 tensor streamed between two processes on 127.0.0.1, peer service against gloo.
+"""Benchmark: tensors streamed between two processes on 127.0.0.1, the peer service against gloo; and the cost of
+exchanges in a training step.
 
-    .venv/bin/python benchmarks/wire.py [--size-mb 44] [--repeats 20] [--chunk-bytes 1048576 ...] [--profile]
+    .venv/bin/python benchmarks/wire.py [--sizes-mb 1 44 400] [--repeats 10] [--chunk-bytes 1048576]
+                                        [--step-model cnn] [--steps 96] [--skip-steps]
 
 Measures, in one run (TARGETS.md, "System performance"):
-1. the real peer service: a server process serves `PeerServicer` (the agent's servicer, its gRPC options and
-   thread pool size); a client process streams the tensor with `Push` (one way: the server decodes it into its
-   own buffer, then replies) and with `Exchange` (the server answers with a tensor of the same size);
-2. torch.distributed gloo send/recv of the same tensor between two other processes;
-3. the receiver's peak extra memory for `Push` (RSS high-water mark of the server process).
-Rates are payload bytes per second, 1 GB = 1e9 bytes. It prints today's figures and whether the target is met;
-it asserts nothing.
+1. transfers, for each tensor size (1 MB, 44 MB, 400 MB of fp32 by default): four processes live side by side,
+   and the measurements take turns, repeat by repeat, so that whatever else the machine does weighs on all
+   of them alike:
+   - the real peer service: a server process serves `PeerServicer` (the agent's servicer with lanes on, its
+     gRPC options, registration and thread pool size); a client process calls `PeerClient.push` (one way: the
+     server validates and decodes the stream into its own buffer, then replies) with the job encoding raw,
+     fp16 and bf16, `PeerClient.exchange` (the server answers with a tensor of the same size), and `push` to a
+     second server that offers no lanes (payload in gRPC chunk frames: the fallback, and the agent's path until
+     it passes `lane_host`);
+   - torch.distributed gloo send/recv of the same fp32 tensor between two other processes;
+   - the peer server's peak extra memory during each transfer: its RSS high-water mark (VmHWM, reset before
+     each transfer through /proc/self/clear_refs), less its resident size before the first transfer. Buffers
+     the receiver keeps for the next message (its receive pool) count.
+2. the training step: two agent-like processes, each serving peers (lanes on) and training ECL-ISVR
+   (pdmm-isvr; DSGD where it is not registered) with K = 8 local steps between two exchanges on their edge, on
+   the CNN, its exchanges in a thread pool as in nodeagent/agent.py; blocks of 16 steps with exchanges and
+   without take turns, both nodes in the same block at once, and the medians of the blocks' wall time per step
+   are compared (a block with exchanges lasts until its last exchange has completed).
+Rates: payload bytes per second (1 GB = 1e9 bytes), and parameters per second for the encodings. It prints the
+figures and whether each target is met; it asserts nothing.
 
-Only the standard library is imported at module level, on purpose: a child started with "spawn" inherits its
-parent's RSS high-water mark in `ru_maxrss` (Linux keeps the replaced address space's peak across exec), so the
-parent must stay small for the server's figure to mean anything. torch and grpc are imported in the children.
+Only the standard library is imported at module level, and torch and grpc in the children: VmHWM is the child's
+own, but where /proc/self/clear_refs cannot be written the figure falls back to `ru_maxrss` over the whole
+stage, which a child started with "spawn" inherits from its parent (Linux keeps the replaced address space's
+peak across exec), so the parent must stay small for it to mean anything.
 """
 
 from __future__ import annotations
@@ -28,30 +44,31 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 MIB = 1 << 20
 MAX_CHUNK_BYTES = 64 << 20  # jobspec.WireSpec.chunk_bytes allows at most this; GRPC_OPTIONS is sized for it
-CALL_TIMEOUT_S = 60.0  # one RPC, one gloo operation: far above what a 44 MB transfer takes on loopback
-STAGE_TIMEOUT_S = 240.0  # one whole stage (start, warm-up, repeats); a hung child is killed after it
+CALL_TIMEOUT_S = 120.0  # one RPC, one gloo operation: far above what a 400 MB transfer takes on loopback
+STAGE_TIMEOUT_S = 600.0  # one whole stage; a hung child is killed after it
 TENSOR_NAME = "w"
 JOB_ID = "bench"
+ENCODINGS = ("raw", "fp16", "bf16")
 
 
 @dataclass(frozen=True)
 class Config:
-    numel: int
+    sizes: tuple[int, ...]  # numel of each fp32 tensor
     repeats: int
     warmup: int
-    chunk_sizes: tuple[int, ...]
-    profile: bool
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * 4  # float32
+    chunk_bytes: int
+    step_model: str
+    step_batch: int
+    steps: int
+    step_algorithm: str
+    skip_steps: bool
 
 
 class DiscardingInbox(queue.Queue):
@@ -77,11 +94,32 @@ def maxrss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
-def peer_server(conn: Connection, config: Config, chunk: int) -> None:
-    """Serve PeerServicer as rank 1 of a two-rank job; answer "rss" and "stop" commands on `conn`."""
-    import cProfile
-    import io
-    import pstats
+def proc_status_bytes(field_name: str) -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak() -> bool:
+    """Reset this process's VmHWM to its current RSS (Linux >= 4.0); False where that is not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+        return True
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------------------------------------- transfers
+
+
+def peer_server(conn: Connection, numel: int, chunk: int, lanes: bool) -> None:
+    """Serve PeerServicer as rank 1 of a two-rank job; answer "reset", "peak" and "stop" on `conn`."""
     from concurrent import futures
 
     import grpc
@@ -95,7 +133,7 @@ def peer_server(conn: Connection, config: Config, chunk: int) -> None:
     from nodeagent.wire.message import Encoding, Kind, TensorSpec
 
     torch.set_num_threads(1)
-    spec = TensorSpec(TENSOR_NAME, torch.float32, (config.numel,))
+    spec = TensorSpec(TENSOR_NAME, torch.float32, (numel,))
 
     def expected(sender: int, kind: Kind) -> list[TensorSpec]:
         if sender != 0 or kind != Kind.PARAMS:
@@ -103,109 +141,99 @@ def peer_server(conn: Connection, config: Config, chunk: int) -> None:
         return [spec]
 
     # Exchange replies with this tensor; ones() touches its pages so they are in the baseline RSS already.
-    served = Snapshot(rank=1, clock=0, loss=0.0, served={(None, Kind.PARAMS): {TENSOR_NAME: torch.ones(config.numel)}})
+    served = Snapshot(rank=1, clock=0, loss=0.0, served={(None, Kind.PARAMS): {TENSOR_NAME: torch.ones(numel)}})
     state = ServingState(
         job_id=JOB_ID, node_id="server", rank=1, algorithm_name="bench", names={0: "client", 1: "server"},
         expected=expected, snapshot=lambda: served, inbox=DiscardingInbox(), encoding=Encoding.RAW,
-        chunk_bytes=chunk, max_message_bytes=max(1 << 30, config.nbytes),
+        chunk_bytes=chunk, max_message_bytes=max(1 << 30, 4 * numel),
     )
-    profiler = cProfile.Profile()
-
-    class ProfiledServicer(PeerServicer):
-        """Profiles Push in the handler thread (cProfile only sees the thread that enables it)."""
-
-        def Push(self, request_iterator, context):
-            profiler.enable()
-            try:
-                return super().Push(request_iterator, context)
-            finally:
-                profiler.disable()
-
-    servicer_type = ProfiledServicer if config.profile else PeerServicer
-    # The agent's own server setup (nodeagent/agent.py): a 16-thread pool and GRPC_OPTIONS.
+    # The agent's own server setup (nodeagent/agent.py): a 16-thread pool, GRPC_OPTIONS, the generated
+    # registration; lanes on the host it listens on, or none.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="peer"), options=GRPC_OPTIONS)
-    peer_pb2_grpc.add_PeerServicer_to_server(servicer_type(lambda: state, Metrics(), "bench"), server)
+    servicer = PeerServicer(lambda: state, Metrics(), "bench", lane_host="127.0.0.1" if lanes else None)
+    peer_pb2_grpc.add_PeerServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     if port == 0:
         raise OSError("cannot listen on 127.0.0.1")
     server.start()
-    conn.send(("ready", port, maxrss_bytes()))
+    baseline = proc_status_bytes("VmRSS")
+    conn.send(("ready", port, baseline if baseline is not None else maxrss_bytes()))
+    resettable = reset_peak()
     try:
         while True:
             command = conn.recv()
-            if command == "rss":
-                conn.send(("rss", maxrss_bytes()))
+            if command == "reset":
+                conn.send(("reset", resettable and reset_peak()))
+            elif command == "peak":
+                peak = proc_status_bytes("VmHWM") if resettable else None
+                conn.send(("peak", peak if peak is not None else maxrss_bytes()))
             elif command == "stop":
-                report = ""
-                if config.profile:
-                    out = io.StringIO()
-                    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(15)
-                    report = out.getvalue()
-                conn.send(("stopped", report))
+                conn.send(("stopped",))
                 return
     finally:
+        servicer.close()
         server.stop(grace=1.0)
 
 
-def peer_client(conn: Connection, port: int, config: Config, chunk: int) -> None:
-    """Push the tensor, then (when asked) Exchange it; send back the timings (seconds)."""
+def peer_client(conn: Connection, ports: tuple[int, int], numel: int, chunk: int) -> None:
+    """Run the asked transfers one at a time and send back each one's seconds."""
     import grpc
     import torch
 
     from nodeagent.algorithms.base import Snapshot
     from nodeagent.mesh.grpc import PeerClient, ServingState
     from nodeagent.metrics import Metrics
-    from nodeagent.wire.codec import WireError, encode
+    from nodeagent.wire.codec import WireError
     from nodeagent.wire.message import Encoding, Kind, Message, TensorSpec
 
     torch.set_num_threads(1)
-    spec = TensorSpec(TENSOR_NAME, torch.float32, (config.numel,))
-    message = Message(Kind.PARAMS, 0, 1, {TENSOR_NAME: torch.randn(config.numel)})
-    client = PeerClient(f"127.0.0.1:{port}")  # the agent's client channel, with GRPC_OPTIONS
-    grpc.channel_ready_future(client.channel).result(timeout=CALL_TIMEOUT_S)
-    samples = []
-    for i in range(config.warmup + config.repeats):
-        started = time.perf_counter()
-        # encode() is lazy: the frames are built while gRPC sends them, so encoding is inside the timing, as it
-        # is for an agent. The reply comes once the server has decoded the whole stream into its own buffer.
-        frames = encode(message, job_id=JOB_ID, sender_id="client", chunk_bytes=chunk)
-        reply = client.stub.Push(frames, timeout=CALL_TIMEOUT_S)
-        elapsed = time.perf_counter() - started
-        if reply.bytes_received != config.nbytes:
-            raise RuntimeError(f"server received {reply.bytes_received} bytes, sent {config.nbytes}")
-        if i >= config.warmup:
-            samples.append(elapsed)
-    conn.send(("timings", samples))
-    if conn.recv() != "exchange":  # the parent reads the server's RSS between Push and Exchange
-        return
+    spec = TensorSpec(TENSOR_NAME, torch.float32, (numel,))
+    message = Message(Kind.PARAMS, 0, 1, {TENSOR_NAME: torch.randn(numel)})
 
     def expected(sender: int, kind: Kind) -> list[TensorSpec]:
         if sender != 1 or kind != Kind.PARAMS:
             raise WireError("wrong_sender", f"only PARAMS from rank 1 are accepted, not {kind.name} from {sender}")
         return [spec]
 
-    # PeerClient.exchange is the agent's own path: encode, stream, decode and validate the reply.
-    own = ServingState(
-        job_id=JOB_ID, node_id="client", rank=0, algorithm_name="bench", names={0: "client", 1: "server"},
-        expected=expected, snapshot=lambda: Snapshot(rank=0, clock=0, loss=0.0, served={}), inbox=queue.Queue(),
-        encoding=Encoding.RAW, chunk_bytes=chunk, max_message_bytes=max(1 << 30, config.nbytes),
-    )
+    def state(encoding: str) -> ServingState:
+        return ServingState(
+            job_id=JOB_ID, node_id="client", rank=0, algorithm_name="bench", names={0: "client", 1: "server"},
+            expected=expected, snapshot=lambda: Snapshot(rank=0, clock=0, loss=0.0, served={}), inbox=queue.Queue(),
+            encoding=Encoding.from_name(encoding), chunk_bytes=chunk, max_message_bytes=max(1 << 30, 4 * numel),
+        )
+
+    states = {encoding: state(encoding) for encoding in ENCODINGS}
+    # The agent's client, to a server that offers lanes and to one that does not (it falls back to frames).
+    laned = PeerClient(f"127.0.0.1:{ports[0]}")
+    framed = PeerClient(f"127.0.0.1:{ports[1]}")
+    for client in (laned, framed):
+        grpc.channel_ready_future(client.channel).result(timeout=CALL_TIMEOUT_S)
     metrics = Metrics()
-    samples = []
-    for i in range(config.warmup + config.repeats):
+    conn.send(("ready",))
+    while True:
+        command = conn.recv()
+        if command[0] == "stop":
+            break
+        what, encoding = command
         started = time.perf_counter()
-        answer = client.exchange(own, message, CALL_TIMEOUT_S, metrics)
-        elapsed = time.perf_counter() - started
-        if answer.payload_bytes != config.nbytes:
-            raise RuntimeError(f"exchange answered {answer.payload_bytes} bytes, expected {config.nbytes}")
-        if i >= config.warmup:
-            samples.append(elapsed)
-    client.close()
-    conn.send(("timings", samples))
+        if what == "push":
+            laned.push(states[encoding], message, CALL_TIMEOUT_S, metrics)
+        elif what == "push-frames":
+            framed.push(states[encoding], message, CALL_TIMEOUT_S, metrics)
+        elif what == "exchange":
+            answer = laned.exchange(states[encoding], message, CALL_TIMEOUT_S, metrics)
+            if answer.payload_bytes != 4 * numel:
+                raise RuntimeError(f"exchange answered {answer.payload_bytes} bytes, expected {4 * numel}")
+            del answer
+        conn.send(("seconds", time.perf_counter() - started))
+    lanes_used = bool(laned._idle) and not framed._idle
+    laned.close()
+    framed.close()
+    conn.send(("stopped", lanes_used))
 
 
-def gloo_peer(conn: Connection, rank: int, port: int, config: Config) -> None:
-    """Rank 0 sends the tensor to rank 1 with torch.distributed gloo; both send back their timings."""
+def gloo_peer(conn: Connection, rank: int, port: int, numel: int) -> None:
+    """Rank 0 sends the tensor to rank 1 with torch.distributed gloo on each "go"; both send back their time."""
     from datetime import timedelta
 
     import torch
@@ -213,28 +241,24 @@ def gloo_peer(conn: Connection, rank: int, port: int, config: Config) -> None:
 
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only; don't let gloo resolve the host name
-    address = f"tcp://127.0.0.1:{port}"
     timeout = timedelta(seconds=CALL_TIMEOUT_S)
-    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=2, timeout=timeout)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timeout)
     try:
-        # The receiver reuses one buffer, as a training job on gloo would. The peer service's decoder allocates a
-        # fresh one per stream by design (it hands tensors over only once a stream is complete), and pays the page
-        # faults of that allocation inside its timing: part of what this comparison is meant to show.
-        tensor = torch.randn(config.numel) if rank == 0 else torch.empty(config.numel)
-        samples = []
-        for i in range(config.warmup + config.repeats):
+        # The receiver reuses one buffer, as a training job on gloo would (the peer service's receiver reuses
+        # its pooled buffer once the previous message is no longer held).
+        tensor = torch.randn(numel) if rank == 0 else torch.zeros(numel)
+        conn.send(("ready",))
+        while conn.recv() == "go":
             # Both sides leave the barrier together (to within a loopback round trip, tens of microseconds
-            # against tens of milliseconds), then each times its own half; the parent takes the later finish.
+            # against milliseconds), then each times its own half; the parent takes the later finish.
             dist.barrier()
             started = time.perf_counter()
             if rank == 0:
                 dist.send(tensor, dst=1)
             else:
                 dist.recv(tensor, src=0)
-            elapsed = time.perf_counter() - started
-            if i >= config.warmup:
-                samples.append(elapsed)
-        conn.send(("timings", samples))
+            conn.send(("seconds", time.perf_counter() - started))
+        conn.send(("stopped",))
     finally:
         dist.destroy_process_group()
 
@@ -289,130 +313,320 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-@dataclass(frozen=True)
-class PeerResult:
-    chunk: int
-    push: list[float]
-    exchange: list[float]
-    push_extra_bytes: int  # the server's RSS high-water mark after the Push runs, less the one before them
-    exchange_extra_bytes: int  # the same after the Exchange runs too
-    profile: str
+METHODS = [
+    ("push", "raw"), ("push", "fp16"), ("push", "bf16"), ("exchange", "raw"), ("push-frames", "raw"), ("gloo", "raw"),
+]
 
 
-def measure_peer_service(context: mp.context.SpawnContext, config: Config, chunk: int) -> PeerResult:
-    """One fresh server per chunk size: a high-water mark cannot be reset, so each needs its own process."""
+@dataclass
+class SizeResult:
+    numel: int
+    seconds: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    extra_bytes: dict[tuple[str, str], int] = field(default_factory=dict)  # peak extra receiver memory per method
+    per_transfer: bool = True  # False: one high-water mark over all transfers (no clear_refs here)
+    lanes_used: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.numel
+
+
+def measure_size(context: mp.context.SpawnContext, config: Config, numel: int) -> SizeResult:
+    result = SizeResult(numel)
+    repeats = config.repeats if numel * 4 < 200e6 else max(3, config.repeats // 3)
     with Stage(context) as stage:
-        server = stage.start(peer_server, config, chunk)
-        _, port, baseline = stage.receive(server, "peer server start")
-        client = stage.start(peer_client, port, config, chunk)
-        _, push = stage.receive(client, "peer client Push")
-        server.send("rss")
-        _, after_push = stage.receive(server, "server RSS")
-        client.send("exchange")
-        _, exchange = stage.receive(client, "peer client Exchange")
-        server.send("rss")
-        _, after_exchange = stage.receive(server, "server RSS")
-        server.send("stop")
-        _, profile = stage.receive(server, "peer server stop")
-    return PeerResult(chunk, push, exchange, after_push - baseline, after_exchange - baseline, profile)
+        # One server with lanes, one without: the frames path's allocations (gRPC's buffers, Python's heap) are
+        # its own and do not raise the other's high-water mark.
+        servers, ports, baselines = [], [], []
+        for lanes in (True, False):
+            servers.append(stage.start(peer_server, numel, config.chunk_bytes, lanes))
+            _, port, baseline = stage.receive(servers[-1], "peer server start")
+            ports.append(port)
+            baselines.append(baseline)
+        client = stage.start(peer_client, tuple(ports), numel, config.chunk_bytes)
+        gloo_port = free_port()
+        gloo = [stage.start(gloo_peer, rank, gloo_port, numel) for rank in (0, 1)]
+        for conn, what in ((client, "peer client"), (gloo[0], "gloo rank 0"), (gloo[1], "gloo rank 1")):
+            stage.receive(conn, f"{what} start")
+        for repeat in range(config.warmup + repeats):
+            for method in METHODS:
+                if method[0] == "gloo":
+                    for conn in gloo:
+                        conn.send("go")
+                    seconds = max(stage.receive(conn, "gloo send/recv")[1] for conn in gloo)
+                else:
+                    which = 1 if method[0] == "push-frames" else 0
+                    server = servers[which]
+                    server.send("reset")
+                    result.per_transfer = stage.receive(server, "server peak reset")[1] and result.per_transfer
+                    client.send(method)
+                    seconds = stage.receive(client, f"peer {method[0]} {method[1]}")[1]
+                    server.send("peak")
+                    extra = stage.receive(server, "server peak")[1] - baselines[which]
+                    result.extra_bytes[method] = max(result.extra_bytes.get(method, 0), extra)
+                if repeat >= config.warmup:
+                    result.seconds.setdefault(method, []).append(seconds)
+        if not result.per_transfer:  # one high-water mark per server over all its transfers
+            for group in ([m for m in result.extra_bytes if m[0] != "push-frames"], [("push-frames", "raw")]):
+                overall = max(result.extra_bytes[m] for m in group)
+                result.extra_bytes.update(dict.fromkeys(group, overall))
+        client.send(("stop",))
+        result.lanes_used = stage.receive(client, "peer client stop")[1]
+        for conn in gloo:
+            conn.send("stop")
+            stage.receive(conn, "gloo stop")
+        for server in servers:
+            server.send("stop")
+            stage.receive(server, "peer server stop")
+    return result
 
 
-def measure_gloo(context: mp.context.SpawnContext, config: Config) -> list[float]:
-    port = free_port()
+# ---------------------------------------------------------------------------------------- training step
+
+
+def step_agent(conn: Connection, rank: int, ports: list[int], config: Config) -> None:
+    """One agent-like node: serves peers, trains DSGD on random batches, exchanges in a thread pool. It runs
+    blocks of steps as the parent says, with or without exchanges, and reports each block's seconds per step."""
+    from concurrent import futures
+
+    import grpc
+    import torch
+
+    from nodeagent._proto import peer_pb2_grpc
+    from nodeagent.algorithms import REGISTRY, Neighbor, NodeContext, build_algorithm
+    from nodeagent.jobspec import AlgorithmSpec, ModelSpec
+    from nodeagent.mesh.grpc import GRPC_OPTIONS, PeerClient, PeerServicer, ServingState
+    from nodeagent.metrics import Metrics
+    from nodeagent.training.models import build_model
+    from nodeagent.wire.message import Encoding
+
+    torch.set_num_threads(1)
+    name = config.step_algorithm
+    if name == "auto":  # ECL-ISVR (TARGETS.md) where it is registered, else DSGD
+        name = "pdmm-isvr" if "pdmm-isvr" in REGISTRY else "dsgd"
+    if name not in REGISTRY:
+        raise ValueError(f"unknown algorithm {name!r}; known: {sorted(REGISTRY)}")
+    peer = 1 - rank
+    torch.manual_seed(0)
+    model = build_model(ModelSpec(name=config.step_model))
+    spec = AlgorithmSpec(name=name, interval=8)
+    # The edge's two phases half a round apart, as a seeded topology would give them.
+    neighbor = Neighbor(rank=peer, sign=1 if rank == 0 else -1, phase=4 * rank, weight=0.5, peer_phase=4 * peer)
+    algorithm = build_algorithm(model, NodeContext(rank, 2, (neighbor,), spec, self_weight=0.5, seed=0))
+    inbox: queue.Queue = queue.Queue()
+    metrics = Metrics()
+    state = ServingState(
+        job_id=JOB_ID, node_id=f"n{rank}", rank=rank, algorithm_name=spec.name, names={0: "n0", 1: "n1"},
+        expected=algorithm.expected, snapshot=algorithm.snapshot, inbox=inbox, encoding=Encoding.RAW,
+        chunk_bytes=config.chunk_bytes, max_message_bytes=1 << 30,
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="peer"), options=GRPC_OPTIONS)
+    servicer = PeerServicer(lambda: state, metrics, "bench", lane_host="127.0.0.1")
+    peer_pb2_grpc.add_PeerServicer_to_server(servicer, server)
+    server.add_insecure_port(f"127.0.0.1:{ports[rank]}")
+    server.start()
+    client = PeerClient(f"127.0.0.1:{ports[peer]}")
+    pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="exchange")
+    in_flight: set[int] = set()
+    failures = 0
+
+    def run_exchange(send) -> None:
+        nonlocal failures
+        try:
+            inbox.put(client.exchange(state, send.message, CALL_TIMEOUT_S, metrics))
+        except Exception:
+            failures += 1
+        finally:
+            in_flight.discard(send.peer)
+
+    generator = torch.Generator().manual_seed(rank)
+    batches = [
+        (torch.randn(config.step_batch, 1, 28, 28, generator=generator),
+         torch.randint(0, 10, (config.step_batch,), generator=generator))
+        for _ in range(8)
+    ]
+    conn.send(("ready", name))
+    step = 0
+    while True:
+        command = conn.recv()
+        if command[0] == "stop":
+            break
+        _, steps, exchange = command
+        started = time.perf_counter()
+        for _ in range(steps):
+            while True:
+                try:
+                    algorithm.receive(inbox.get_nowait())
+                except queue.Empty:
+                    break
+            inputs, targets = batches[step % len(batches)]
+            step += 1
+            algorithm.step(inputs, targets)
+            for send in algorithm.sends():
+                if exchange and send.peer not in in_flight and send.message is not None:
+                    in_flight.add(send.peer)
+                    pool.submit(run_exchange, send)
+        while in_flight:  # the block's exchanges count in full, their tails included
+            time.sleep(0.0005)
+        conn.send(("block", (time.perf_counter() - started) / steps))
+    pool.shutdown(wait=True)
+    exchanges = int(metrics.registry.get_sample_value(
+        "peertrain_exchange_seconds_count", {"src": f"n{rank}", "dst": f"n{peer}"}) or 0)
+    conn.send(("done", exchanges, failures))
+    conn.recv()  # the other node may still exchange with this one until both are done
+    client.close()
+    servicer.close()
+    server.stop(grace=1.0)
+
+
+def measure_steps(
+    context: mp.context.SpawnContext, config: Config
+) -> tuple[str, list[float], list[float], int, int]:
+    """Seconds per step of blocks with and without exchanges, taking turns (so that whatever else the machine
+    does weighs on both alike); both nodes run each block together. Also: the algorithm, exchanges initiated,
+    failures."""
+    ports = [free_port(), free_port()]
+    block = 2 * 8  # two rounds of K
+    alone: list[float] = []
+    together: list[float] = []
     with Stage(context) as stage:
-        sender = stage.start(gloo_peer, 0, port, config)
-        receiver = stage.start(gloo_peer, 1, port, config)
-        _, sent = stage.receive(sender, "gloo sender")
-        _, received = stage.receive(receiver, "gloo receiver")
-    # The transfer is over when both sides are: the later of the two finishes, repeat by repeat.
-    return [max(s, r) for s, r in zip(sent, received, strict=True)]
+        nodes = [stage.start(step_agent, rank, ports, config) for rank in (0, 1)]
+        names = [stage.receive(conn, "step agent start")[1] for conn in nodes]
+        name = names[0]
+        for conn in nodes:  # warm-up
+            conn.send(("block", block, True))
+        for conn in nodes:
+            stage.receive(conn, "step agent warm-up")
+        for index in range(2 * max(1, config.steps // block)):
+            exchange = index % 2 == 0
+            for conn in nodes:
+                conn.send(("block", block, exchange))
+            seconds = statistics.mean(stage.receive(conn, "step agent block")[1] for conn in nodes)
+            (together if exchange else alone).append(seconds)
+        for conn in nodes:
+            conn.send(("stop",))
+        results = [stage.receive(conn, "step agent stop") for conn in nodes]
+        for conn in nodes:
+            conn.send("stop")
+    return name, alone, together, sum(r[1] for r in results), sum(r[2] for r in results)
 
 
-def rates(nbytes: int, samples: list[float]) -> tuple[float, float]:
-    """Best and median rate in GB/s (1e9 bytes)."""
-    return nbytes / min(samples) / 1e9, nbytes / statistics.median(samples) / 1e9
+# --------------------------------------------------------------------------------------------- report
 
 
-def chunk_label(chunk: int) -> str:
-    return f"{chunk // MIB} MiB" if chunk % MIB == 0 else f"{chunk} B"
+def median(samples: list[float]) -> float:
+    return statistics.median(samples)
+
+
+def size_label(nbytes: int) -> str:
+    return f"{nbytes / 1e6:.0f} MB" if nbytes >= 1e6 else f"{nbytes / 1e3:.0f} kB"
 
 
 def parse_args(argv: list[str] | None) -> Config:
     parser = argparse.ArgumentParser(
-        description="Stream one fp32 tensor between two processes on 127.0.0.1: the peer service (Push, Exchange) "
-        "against torch.distributed gloo send/recv. Prints GB/s (1e9 bytes) and the receiver's peak extra memory."
+        description="Stream fp32 tensors between two processes on 127.0.0.1: the peer service (Push raw/fp16/bf16, "
+        "Exchange, Push over frames) against torch.distributed gloo send/recv; then a DSGD training step with and "
+        "without exchanges."
     )
-    parser.add_argument("--size-mb", type=float, default=44.0, help="tensor size in MB of 1e6 bytes (default 44)")
-    parser.add_argument("--repeats", type=int, default=20, help="timed transfers per method (default 20)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed transfers first (default 2)")
-    parser.add_argument(
-        "--chunk-bytes", type=int, nargs="+", default=[MIB],
-        help="chunk size(s) of the peer-service frames, each measured with its own server process "
-        "(default 1048576, the job spec's default)",
-    )
-    parser.add_argument("--profile", action="store_true", help="cProfile the server's Push handler and print it")
+    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1.0, 44.0, 400.0],
+                        help="tensor sizes in MB of 1e6 bytes (default 1 44 400)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed transfers per method and size (default 10; "
+                        "a third of it, at least 3, for sizes of 200 MB and more)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
+    parser.add_argument("--chunk-bytes", type=int, default=MIB,
+                        help="the job's chunk size: gRPC frames, staging of conversions (default 1048576)")
+    parser.add_argument("--step-model", default="cnn", help="model of the training-step stage (default cnn)")
+    parser.add_argument("--step-batch", type=int, default=100, help="minibatch of the training-step stage")
+    parser.add_argument("--steps", type=int, default=96,
+                        help="timed steps per node and mode, in blocks of 16 (default 96)")
+    parser.add_argument("--step-algorithm", default="auto",
+                        help="algorithm of the training-step stage (default: pdmm-isvr, i.e. ECL-ISVR, where it is "
+                        "registered, else dsgd)")
+    parser.add_argument("--skip-steps", action="store_true", help="measure transfers only")
     args = parser.parse_args(argv)
-    numel = int(args.size_mb * 1e6 / 4)
-    if numel < 1:
-        parser.error("--size-mb must give at least one float32")
-    if args.repeats < 1 or args.warmup < 0:
-        parser.error("--repeats must be at least 1 and --warmup at least 0")
-    for chunk in args.chunk_bytes:
-        if not 1 <= chunk <= MAX_CHUNK_BYTES:
-            parser.error(f"--chunk-bytes must be between 1 and {MAX_CHUNK_BYTES} (gRPC's frame limit)")
-    return Config(numel, args.repeats, args.warmup, tuple(args.chunk_bytes), args.profile)
+    sizes = tuple(int(mb * 1e6 / 4) for mb in args.sizes_mb)
+    if min(sizes) < 1:
+        parser.error("--sizes-mb must give at least one float32")
+    if args.repeats < 1 or args.warmup < 0 or args.steps < 1:
+        parser.error("--repeats and --steps must be at least 1 and --warmup at least 0")
+    if not 1 <= args.chunk_bytes <= MAX_CHUNK_BYTES:
+        parser.error(f"--chunk-bytes must be between 1 and {MAX_CHUNK_BYTES} (gRPC's frame limit)")
+    return Config(sizes, args.repeats, args.warmup, args.chunk_bytes, args.step_model, args.step_batch, args.steps,
+                  args.step_algorithm, args.skip_steps)
 
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     context = mp.get_context("spawn")
-    nbytes = config.nbytes
-    size = f"{nbytes / 1e6:.1f} MB"
     print(
-        f"wire benchmark: one fp32 tensor of {size} ({config.numel:,} elements), two processes on 127.0.0.1, "
-        f"{config.repeats} timed repeats after {config.warmup} warm-up, {os.cpu_count()} CPUs",
+        f"wire benchmark: fp32 tensors of {', '.join(size_label(4 * n) for n in config.sizes)} between two processes "
+        f"on 127.0.0.1, {config.repeats} timed repeats after {config.warmup} warm-up, chunks of "
+        f"{config.chunk_bytes} bytes, {os.cpu_count()} CPUs",
         flush=True,
     )
-    started = time.monotonic()
-    # The peer service first, while this process is still small (see the docstring).
-    peers = [measure_peer_service(context, config, chunk) for chunk in config.chunk_sizes]
-    gloo = measure_gloo(context, config)
+    began = time.monotonic()
+    # The transfers first, while this process is still small (see the docstring).
+    results = [measure_size(context, config, numel) for numel in config.sizes]
 
-    rows = []
-    for peer in peers:
-        chunks = f"{chunk_label(peer.chunk)} chunks"
-        rows.append((f"peer service Push (one way), {chunks}", size, *rates(nbytes, peer.push)))
-        rows.append((f"peer service Exchange (both ways), {chunks}", f"2 x {size}", *rates(2 * nbytes, peer.exchange)))
-    rows.append(("torch.distributed gloo send/recv (one way)", size, *rates(nbytes, gloo)))
     print()
-    print(f"{'method':<52} {'size':>12} {'best GB/s':>10} {'median GB/s':>12}")
-    for method, label, best, median in rows:
-        print(f"{method:<52} {label:>12} {best:>10.3f} {median:>12.3f}")
-
-    gloo_best, gloo_median = rates(nbytes, gloo)
-    print()
-    for peer in peers:
-        push_best, push_median = rates(nbytes, peer.push)
-        ratio = push_median / gloo_median
-        verdict = "target met" if ratio >= 1.0 else "below target"
-        print(
-            f"peer service Push / gloo, {chunk_label(peer.chunk)} chunks: {ratio:.2f} on medians, "
-            f"{push_best / gloo_best:.2f} on bests -> {verdict} (TARGETS.md: >= 1.0)"
-        )
-    for peer in peers:
-        for what, extra in (("Push", peer.push_extra_bytes), ("Push + Exchange", peer.exchange_extra_bytes)):
-            multiple = extra / nbytes
-            memory_verdict = "target met" if multiple <= 2.0 else "above target"
+    print(f"{'size':>7}  {'method':<50} {'median ms':>10} {'GB/s':>7} {'Mparam/s':>9} {'best GB/s':>10} "
+          f"{'recv extra':>11}")
+    names = {
+        ("push", "raw"): "peer Push, raw (lane)",
+        ("push", "fp16"): "peer Push, fp16 on the wire (lane)",
+        ("push", "bf16"): "peer Push, bf16 on the wire (lane)",
+        ("exchange", "raw"): "peer Exchange, raw, both ways (lane)",
+        ("push-frames", "raw"): "peer Push, raw, chunk frames (peer without lanes)",
+        ("gloo", "raw"): "torch.distributed gloo send/recv",
+    }
+    for result in results:
+        for method in METHODS:
+            samples = result.seconds[method]
+            moved = result.nbytes * (2 if method[0] == "exchange" else 1)
+            params = result.numel * (2 if method[0] == "exchange" else 1)
             print(
-                f"receiver peak extra RSS, {what}, {chunk_label(peer.chunk)} chunks: {extra / 1e6:.1f} MB "
-                f"= {multiple:.2f}x the tensor -> {memory_verdict} (TARGETS.md: <= 2x)"
+                f"{size_label(result.nbytes):>7}  {names[method]:<50} {median(samples) * 1e3:>10.2f} "
+                f"{moved / median(samples) / 1e9:>7.3f} {params / median(samples) / 1e6:>9.0f} "
+                f"{moved / min(samples) / 1e9:>10.3f} "
+                + (f"{result.extra_bytes[method] / result.nbytes:>10.2f}x" if method in result.extra_bytes else "")
             )
-    print(f"(took {time.monotonic() - started:.1f} s)")
-    for peer in peers:
-        if peer.profile:
-            print(f"\ncProfile of the server's Push handler thread, {chunk_label(peer.chunk)} chunks, by own time")
-            print("(gRPC deserializes each frame in its own polling thread, which this does not see):")
-            print(peer.profile)
+        if not result.lanes_used:
+            print(f"{'':>7}  (the client found no lane: the Push rows above went over frames)")
+    print()
+    for result in results:
+        label = size_label(result.nbytes)
+        raw = median(result.seconds[("push", "raw")])
+        ratio = median(result.seconds[("gloo", "raw")]) / raw
+        goal = result.nbytes == 44_000_000
+        verdict = ("target met" if ratio >= 1.0 else "below target") + " (TARGETS.md: >= 1.0)" if goal else ""
+        print(f"{label}: peer Push raw / gloo = {ratio:.2f} on medians {'-> ' + verdict if goal else ''}".rstrip())
+        for encoding in ("fp16", "bf16"):
+            speedup = raw / median(result.seconds[("push", encoding)])
+            verdict = "target met" if speedup >= 1.8 else "below target"
+            print(f"{label}: {encoding} / raw in parameters per second = {speedup:.2f} -> {verdict} "
+                  "(TARGETS.md: >= 1.8)")
+        extra = result.extra_bytes[("push", "raw")]
+        multiple = extra / result.nbytes
+        scope = "in a raw Push" if result.per_transfer else "over all transfers (no per-transfer reset here)"
+        big = result.nbytes >= 44_000_000
+        verdict = ("target met" if multiple <= 2.0 else "above target") + " (TARGETS.md: <= 2x)"
+        print(
+            f"{label}: receiver peak extra memory {scope} = {extra / 1e6:.1f} MB = {multiple:.2f}x the tensor"
+            + (f" -> {verdict}" if big else " (fixed costs of the process dominate a small tensor)")
+        )
+    if not config.skip_steps:
+        name, alone_blocks, together_blocks, exchanges, failures = measure_steps(context, config)
+        print(
+            f"\ntraining step: 2 nodes, {name} K = 8, model {config.step_model}, batch {config.step_batch}, "
+            f"{config.steps} timed steps per node and mode, one process and one thread each",
+        )
+        alone, together = median(alone_blocks), median(together_blocks)
+        overhead = together / alone - 1
+        verdict = "target met" if overhead <= 0.10 else "above target"
+        print(f"step without exchanges: {alone * 1e3:.1f} ms; with exchanges: {together * 1e3:.1f} ms (medians of "
+              f"{len(alone_blocks)} blocks of 16 steps each, taking turns; {exchanges} exchanges, {failures} failed)")
+        print(f"exchange overhead of a training step = {overhead * 100:+.1f}% -> {verdict} (TARGETS.md: <= 10%)")
+    print(f"(took {time.monotonic() - began:.1f} s)")
     return 0
 
 

@@ -7,17 +7,37 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LaneRequest(_message.Message):
+    __slots__ = ("job_id", "requester_rank", "requester_id")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUESTER_RANK_FIELD_NUMBER: _ClassVar[int]
+    REQUESTER_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    requester_rank: int
+    requester_id: str
+    def __init__(self, job_id: _Optional[str] = ..., requester_rank: _Optional[int] = ..., requester_id: _Optional[str] = ...) -> None: ...
+
+class LaneGrant(_message.Message):
+    __slots__ = ("port", "token")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    token: bytes
+    def __init__(self, port: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
+
 class PullRequest(_message.Message):
-    __slots__ = ("job_id", "requester_rank", "requester_id", "kind")
+    __slots__ = ("job_id", "requester_rank", "requester_id", "kind", "lane_token")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REQUESTER_RANK_FIELD_NUMBER: _ClassVar[int]
     REQUESTER_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    LANE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     requester_rank: int
     requester_id: str
     kind: _wire_pb2.MessageKind
-    def __init__(self, job_id: _Optional[str] = ..., requester_rank: _Optional[int] = ..., requester_id: _Optional[str] = ..., kind: _Optional[_Union[_wire_pb2.MessageKind, str]] = ...) -> None: ...
+    lane_token: bytes
+    def __init__(self, job_id: _Optional[str] = ..., requester_rank: _Optional[int] = ..., requester_id: _Optional[str] = ..., kind: _Optional[_Union[_wire_pb2.MessageKind, str]] = ..., lane_token: _Optional[bytes] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("bytes_received",)

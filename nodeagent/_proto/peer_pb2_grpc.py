@@ -55,6 +55,21 @@ class PeerStub:
                 request_serializer=peertrain_dot_v1_dot_peer__pb2.DescribeRequest.SerializeToString,
                 response_deserializer=peertrain_dot_v1_dot_peer__pb2.NodeDescription.FromString,
                 _registered_method=True)
+        self.OpenLane = channel.unary_unary(
+                '/peertrain.v1.Peer/OpenLane',
+                request_serializer=peertrain_dot_v1_dot_peer__pb2.LaneRequest.SerializeToString,
+                response_deserializer=peertrain_dot_v1_dot_peer__pb2.LaneGrant.FromString,
+                _registered_method=True)
+        self.PushOnLane = channel.unary_unary(
+                '/peertrain.v1.Peer/PushOnLane',
+                request_serializer=peertrain_dot_v1_dot_wire__pb2.Frames.SerializeToString,
+                response_deserializer=peertrain_dot_v1_dot_peer__pb2.PushReply.FromString,
+                _registered_method=True)
+        self.ExchangeOnLane = channel.unary_stream(
+                '/peertrain.v1.Peer/ExchangeOnLane',
+                request_serializer=peertrain_dot_v1_dot_wire__pb2.Frames.SerializeToString,
+                response_deserializer=peertrain_dot_v1_dot_wire__pb2.Frames.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -89,6 +104,32 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenLane(self, request, context):
+        """A side TCP connection for the payload bytes of this peer's streams (wire.proto, Lane). The callee grants
+        a one-time token bound to the job and the requester's rank; the caller connects to the port (on the
+        callee's host) and sends the token; the callee answers one byte 0x01 once the lane is ready. Nodes that
+        offer no lanes answer UNIMPLEMENTED, and streams keep their chunks in frames.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushOnLane(self, request, context):
+        """Push and Exchange for a stream whose payload is on lanes: its Manifest, Lane and End frames in one message
+        rather than a stream of them (one gRPC round trip instead of a message delivery per frame each way). The
+        callee of ExchangeOnLane answers with the frames of its reply, then writes the reply's payload on the same
+        lanes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExchangeOnLane(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +152,21 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Describe,
                     request_deserializer=peertrain_dot_v1_dot_peer__pb2.DescribeRequest.FromString,
                     response_serializer=peertrain_dot_v1_dot_peer__pb2.NodeDescription.SerializeToString,
+            ),
+            'OpenLane': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenLane,
+                    request_deserializer=peertrain_dot_v1_dot_peer__pb2.LaneRequest.FromString,
+                    response_serializer=peertrain_dot_v1_dot_peer__pb2.LaneGrant.SerializeToString,
+            ),
+            'PushOnLane': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushOnLane,
+                    request_deserializer=peertrain_dot_v1_dot_wire__pb2.Frames.FromString,
+                    response_serializer=peertrain_dot_v1_dot_peer__pb2.PushReply.SerializeToString,
+            ),
+            'ExchangeOnLane': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExchangeOnLane,
+                    request_deserializer=peertrain_dot_v1_dot_wire__pb2.Frames.FromString,
+                    response_serializer=peertrain_dot_v1_dot_wire__pb2.Frames.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +277,87 @@ class Peer:
             '/peertrain.v1.Peer/Describe',
             peertrain_dot_v1_dot_peer__pb2.DescribeRequest.SerializeToString,
             peertrain_dot_v1_dot_peer__pb2.NodeDescription.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenLane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peertrain.v1.Peer/OpenLane',
+            peertrain_dot_v1_dot_peer__pb2.LaneRequest.SerializeToString,
+            peertrain_dot_v1_dot_peer__pb2.LaneGrant.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushOnLane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peertrain.v1.Peer/PushOnLane',
+            peertrain_dot_v1_dot_wire__pb2.Frames.SerializeToString,
+            peertrain_dot_v1_dot_peer__pb2.PushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExchangeOnLane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/peertrain.v1.Peer/ExchangeOnLane',
+            peertrain_dot_v1_dot_wire__pb2.Frames.SerializeToString,
+            peertrain_dot_v1_dot_wire__pb2.Frames.FromString,
             options,
             channel_credentials,
             insecure,

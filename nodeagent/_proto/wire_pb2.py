@@ -24,23 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17peertrain/v1/wire.proto\x12\x0cpeertrain.v1\"\x8d\x01\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12(\n\x08\x65ncoding\x18\x04 \x01(\x0e\x32\x16.peertrain.v1.Encoding\x12\x13\n\x0b\x62yte_length\x18\x05 \x01(\x04\x12\x12\n\ntopk_count\x18\x06 \x01(\x04\"\xf3\x01\n\x08Manifest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tsender_id\x18\x02 \x01(\t\x12\x13\n\x0bsender_rank\x18\x03 \x01(\r\x12\x15\n\rreceiver_rank\x18\x04 \x01(\r\x12\'\n\x04kind\x18\x05 \x01(\x0e\x32\x19.peertrain.v1.MessageKind\x12\r\n\x05\x63lock\x18\x06 \x01(\x03\x12\x0c\n\x04loss\x18\x07 \x01(\x01\x12\x0e\n\x06weight\x18\x08 \x01(\x01\x12\x15\n\rmodel_version\x18\t \x01(\x04\x12+\n\x07tensors\x18\n \x03(\x0b\x32\x1a.peertrain.v1.TensorHeader\"\x1a\n\x03\x45nd\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\"n\n\x05\x46rame\x12*\n\x08manifest\x18\x01 \x01(\x0b\x32\x16.peertrain.v1.ManifestH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x12 \n\x03\x65nd\x18\x03 \x01(\x0b\x32\x11.peertrain.v1.EndH\x00\x42\x06\n\x04\x62ody*U\n\x08\x45ncoding\x12\x10\n\x0c\x45NCODING_RAW\x10\x00\x12\x11\n\rENCODING_FP16\x10\x01\x12\x11\n\rENCODING_BF16\x10\x02\x12\x11\n\rENCODING_TOPK\x10\x03*x\n\x0bMessageKind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKIND_PARAMS\x10\x01\x12\r\n\tKIND_DUAL\x10\x02\x12\x10\n\x0cKIND_PUSHSUM\x10\x03\x12\x11\n\rKIND_GRADIENT\x10\x04\x12\x0e\n\nKIND_DELTA\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17peertrain/v1/wire.proto\x12\x0cpeertrain.v1\"\x8d\x01\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12(\n\x08\x65ncoding\x18\x04 \x01(\x0e\x32\x16.peertrain.v1.Encoding\x12\x13\n\x0b\x62yte_length\x18\x05 \x01(\x04\x12\x12\n\ntopk_count\x18\x06 \x01(\x04\"\xf3\x01\n\x08Manifest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tsender_id\x18\x02 \x01(\t\x12\x13\n\x0bsender_rank\x18\x03 \x01(\r\x12\x15\n\rreceiver_rank\x18\x04 \x01(\r\x12\'\n\x04kind\x18\x05 \x01(\x0e\x32\x19.peertrain.v1.MessageKind\x12\r\n\x05\x63lock\x18\x06 \x01(\x03\x12\x0c\n\x04loss\x18\x07 \x01(\x01\x12\x0e\n\x06weight\x18\x08 \x01(\x01\x12\x15\n\rmodel_version\x18\t \x01(\x04\x12+\n\x07tensors\x18\n \x03(\x0b\x32\x1a.peertrain.v1.TensorHeader\"\x1a\n\x03\x45nd\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\"M\n\x04Lane\x12\r\n\x05token\x18\x01 \x01(\x0c\x12\x11\n\tstream_id\x18\x02 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\"\x92\x01\n\x05\x46rame\x12*\n\x08manifest\x18\x01 \x01(\x0b\x32\x16.peertrain.v1.ManifestH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x12 \n\x03\x65nd\x18\x03 \x01(\x0b\x32\x11.peertrain.v1.EndH\x00\x12\"\n\x04lane\x18\x04 \x01(\x0b\x32\x12.peertrain.v1.LaneH\x00\x42\x06\n\x04\x62ody\"-\n\x06\x46rames\x12#\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x13.peertrain.v1.Frame*U\n\x08\x45ncoding\x12\x10\n\x0c\x45NCODING_RAW\x10\x00\x12\x11\n\rENCODING_FP16\x10\x01\x12\x11\n\rENCODING_BF16\x10\x02\x12\x11\n\rENCODING_TOPK\x10\x03*x\n\x0bMessageKind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKIND_PARAMS\x10\x01\x12\r\n\tKIND_DUAL\x10\x02\x12\x10\n\x0cKIND_PUSHSUM\x10\x03\x12\x11\n\rKIND_GRADIENT\x10\x04\x12\x0e\n\nKIND_DELTA\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'peertrain.v1.wire_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENCODING']._serialized_start=571
-  _globals['_ENCODING']._serialized_end=656
-  _globals['_MESSAGEKIND']._serialized_start=658
-  _globals['_MESSAGEKIND']._serialized_end=778
+  _globals['_ENCODING']._serialized_start=734
+  _globals['_ENCODING']._serialized_end=819
+  _globals['_MESSAGEKIND']._serialized_start=821
+  _globals['_MESSAGEKIND']._serialized_end=941
   _globals['_TENSORHEADER']._serialized_start=42
   _globals['_TENSORHEADER']._serialized_end=183
   _globals['_MANIFEST']._serialized_start=186
   _globals['_MANIFEST']._serialized_end=429
   _globals['_END']._serialized_start=431
   _globals['_END']._serialized_end=457
-  _globals['_FRAME']._serialized_start=459
-  _globals['_FRAME']._serialized_end=569
+  _globals['_LANE']._serialized_start=459
+  _globals['_LANE']._serialized_end=536
+  _globals['_FRAME']._serialized_start=539
+  _globals['_FRAME']._serialized_end=685
+  _globals['_FRAMES']._serialized_start=687
+  _globals['_FRAMES']._serialized_end=732
 # @@protoc_insertion_point(module_scope)

@@ -79,12 +79,32 @@ class End(_message.Message):
     total_bytes: int
     def __init__(self, total_bytes: _Optional[int] = ...) -> None: ...
 
+class Lane(_message.Message):
+    __slots__ = ("token", "stream_id", "total_bytes", "offset")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    token: bytes
+    stream_id: bytes
+    total_bytes: int
+    offset: int
+    def __init__(self, token: _Optional[bytes] = ..., stream_id: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
 class Frame(_message.Message):
-    __slots__ = ("manifest", "chunk", "end")
+    __slots__ = ("manifest", "chunk", "end", "lane")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
     manifest: Manifest
     chunk: bytes
     end: End
-    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk: _Optional[bytes] = ..., end: _Optional[_Union[End, _Mapping]] = ...) -> None: ...
+    lane: Lane
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk: _Optional[bytes] = ..., end: _Optional[_Union[End, _Mapping]] = ..., lane: _Optional[_Union[Lane, _Mapping]] = ...) -> None: ...
+
+class Frames(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[Frame]
+    def __init__(self, frames: _Optional[_Iterable[_Union[Frame, _Mapping]]] = ...) -> None: ...

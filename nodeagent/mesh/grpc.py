@@ -3,22 +3,35 @@
 Network threads never call into an algorithm's mutable state: the servicer validates a stream against the
 job's (immutable) expectations, puts the decoded message on the node's inbox, and answers from the published
 snapshot. The training thread drains the inbox between steps.
+
+Payload bytes travel in one of two ways (nodeagent/wire/lane.py says why): on lanes, side TCP connections that
+the receiver granted to this peer over gRPC, straight from the tensor's memory into the destination buffer (a
+large payload striped over several lanes at once); or, when the peer offers no lanes, in chunk frames on the
+gRPC stream itself, which the client builds and reads by hand (serialized frame bytes, no protobuf copies of the
+payload). Either way the manifest and end frames, the status, the deadline and the metrics are gRPC's, and every
+stream is validated before any state is touched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from concurrent import futures
+from dataclasses import dataclass, field
 
 import grpc
+import grpc.experimental
 
 from nodeagent._proto import peer_pb2, peer_pb2_grpc, wire_pb2
 from nodeagent.algorithms.base import Snapshot
 from nodeagent.metrics import Metrics
-from nodeagent.wire.codec import WireError, decode, encode
+from nodeagent.wire.codec import Outgoing, Receiver, WireError, chunk_frame, new_stream_id, plan, serialize
+from nodeagent.wire.lane import LaneHub, LaneSocket, dial, split_host, stripes_for
 from nodeagent.wire.message import DTYPE_NAMES, Encoding, Kind, Message, TensorSpec
+from nodeagent.wire.pool import BufferPool
 
 # gRPC's per-frame limit must hold the largest chunk a job may configure (jobspec.WireSpec.chunk_bytes) plus the
 # frame's own overhead; the size of a whole stream is limited by the decoder (max_message_bytes).
@@ -27,6 +40,15 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_FRAME_BYTES),
     ("grpc.max_send_message_length", MAX_FRAME_BYTES),
 ]
+
+_SERVICE = "peertrain.v1.Peer"
+LANE_RETRY_S = 30.0  # after a peer refused lanes (or could not be dialled), frames only for this long
+LANE_SETUP_TIMEOUT_S = 5.0
+IDLE_LANES_PER_PEER = 8
+# A client's lane payloads are written by these threads while the calling thread runs the gRPC call itself
+# (blocking calls poll their own completion queue: no thread is started per call, unlike gRPC's futures).
+# A writer is held for as long as its peer takes to read (at most the call's deadline), hence a generous bound.
+_LANE_WRITERS = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="lane-writer")
 
 
 @dataclass(frozen=True)
@@ -44,6 +66,9 @@ class ServingState:
     encoding: Encoding
     chunk_bytes: int
     max_message_bytes: int
+    device: str = "cpu"  # where received tensors are delivered (a CUDA device: through pinned staging buffers)
+    # Receive buffers of this job, reused once no received tensor made from them is alive (wire/pool.py).
+    buffers: BufferPool = field(default_factory=BufferPool, compare=False, repr=False)
 
     def name_of(self, rank: int) -> str:
         return self.names.get(rank, f"rank{rank}")
@@ -58,6 +83,17 @@ class ServingState:
             raise WireError("wrong_receiver", f"stream for rank {manifest.receiver_rank}, this node is {self.rank}")
         return self.expected(manifest.sender_rank, Kind(manifest.kind))
 
+    def outgoing(self, message: Message) -> Outgoing:
+        return plan(
+            message, job_id=self.job_id, sender_id=self.node_id, encoding=self.encoding, chunk_bytes=self.chunk_bytes
+        )
+
+    def receiver(self, expect: Callable[[wire_pb2.Manifest], list[TensorSpec]], lanes=None) -> Receiver:
+        return Receiver(
+            expect, self.max_message_bytes, pool=self.buffers, device=self.device, lanes=lanes,
+            chunk_bytes=self.chunk_bytes,
+        )
+
 
 def counted(frames: Iterable[wire_pb2.Frame], count: Callable[[int], None]) -> Iterator[wire_pb2.Frame]:
     """Pass frames through, reporting the payload bytes of each chunk."""
@@ -67,11 +103,80 @@ def counted(frames: Iterable[wire_pb2.Frame], count: Callable[[int], None]) -> I
         yield frame
 
 
+def _counted_serialized(outgoing: Outgoing, count: Callable[[int], None]) -> Iterator[bytes]:
+    """The stream as serialized frames, reporting each chunk's payload bytes as it is handed to gRPC."""
+    yield outgoing.manifest_frame().SerializeToString()
+    for piece in outgoing.pieces(outgoing.chunk_bytes):
+        frame = chunk_frame(piece)
+        count(len(piece))
+        yield frame
+    yield outgoing.end_frame().SerializeToString()
+
+
+def _remaining(context: grpc.ServicerContext) -> float | None:
+    """Time left for lane I/O: a little less than the call's, so that a stalled lane ends in a clear status
+    (truncated) rather than in the caller's DEADLINE_EXCEEDED."""
+    remaining = context.time_remaining()
+    if remaining is None or remaining > 1e8:
+        return None
+    return max(0.001, remaining - min(1.0, 0.1 * remaining))
+
+
+def _write_share(outgoing: Outgoing, lane: LaneSocket, stream_id: bytes, share: tuple[int, int],
+                 seconds: float | None) -> None:
+    lane.set_timeout(seconds)
+    lane.send(outgoing.lane_pieces(stream_id, *share))
+
+
+def _write_shares(outgoing: Outgoing, lanes: list[LaneSocket], stream_id: bytes, shares: list[tuple[int, int]],
+                  seconds: float | None) -> None:
+    """Write each share of the payload on its lane, the lanes concurrently (the first in this thread). Raises
+    OSError when any lane fails; all of them are shut down then."""
+    pending = [
+        _LANE_WRITERS.submit(_write_share, outgoing, lane, stream_id, share, seconds)
+        for lane, share in zip(lanes[1:], shares[1:], strict=True)
+    ]
+    errors: list[BaseException] = []
+    try:
+        _write_share(outgoing, lanes[0], stream_id, shares[0], seconds)
+    except BaseException as error:
+        errors.append(error)
+    for future in pending:
+        if errors:
+            for lane in lanes:
+                lane.abort()
+        try:
+            future.result()
+        except BaseException as error:
+            errors.append(error)
+    if errors:
+        for lane in lanes:
+            lane.abort()
+        raise errors[0]
+
+
 class PeerServicer(peer_pb2_grpc.PeerServicer):
-    def __init__(self, current: Callable[[], ServingState | None], metrics: Metrics, version: str):
+    """The Peer service. With `lane_host` it also listens for lanes there (port `lane_port`, 0: any free one);
+    the host must be one the node's peers can reach it on, normally the host of its gRPC listen address."""
+
+    def __init__(
+        self,
+        current: Callable[[], ServingState | None],
+        metrics: Metrics,
+        version: str,
+        *,
+        lane_host: str | None = None,
+        lane_port: int = 0,
+    ):
         self._current = current
         self._metrics = metrics
         self._version = version
+        self.lanes = LaneHub(lane_host, lane_port) if lane_host is not None else None
+
+    def close(self) -> None:
+        """Stop listening for lanes and close the open ones (the gRPC server is the caller's to stop)."""
+        if self.lanes is not None:
+            self.lanes.close()
 
     def _state(self, context: grpc.ServicerContext) -> ServingState:
         state = self._current()
@@ -79,43 +184,95 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node runs no job")
         return state
 
-    def _receive(self, state: ServingState, frames: Iterable[wire_pb2.Frame], context: grpc.ServicerContext) -> Message:
-        received = 0
+    def _receive(
+        self, state: ServingState, frames: Iterable[wire_pb2.Frame | bytes], context: grpc.ServicerContext
+    ) -> tuple[Message, list[LaneSocket]]:
+        """Decode and validate a stream; returns the message and the lanes its payload came on (still claimed)."""
+        claimed: list[LaneSocket] = []
 
-        def count(n: int) -> None:
-            nonlocal received
-            received += n
+        def resolve(lane: wire_pb2.Lane, manifest: wire_pb2.Manifest) -> LaneSocket:
+            if self.lanes is None:
+                raise WireError("bad_lane", "this node offers no lanes")
+            socket = self.lanes.claim(lane.token, state.job_id, manifest.sender_rank)
+            claimed.append(socket)
+            socket.set_timeout(_remaining(context))
+            return socket
 
+        receiver = state.receiver(state.expectation, resolve)
+        error: WireError | None = None
         try:
-            message = decode(counted(frames, count), state.expectation, state.max_message_bytes)
-        except WireError as error:
+            for frame in frames:
+                receiver.feed(frame)
+            message = receiver.result()
+        except WireError as rejected:
+            # Without its traceback the error no longer holds the receiver's frames, so the receive buffers
+            # are free for the pool at once rather than when the garbage collector finds the cycle.
+            error = rejected.with_traceback(None)
+        except BaseException:
+            self._release(claimed, False)
+            raise
+        if error is not None:
+            del receiver
+            self._release(claimed, False)
             self._metrics.stream_rejections.labels("unknown", state.node_id, error.reason).inc()
             context.abort(error.code, str(error))
         src = state.name_of(message.sender)
-        self._metrics.edge_bytes_received.labels(src, state.node_id).inc(received)
+        self._metrics.edge_bytes_received.labels(src, state.node_id).inc(receiver.received)
         self._metrics.edge_messages_received.labels(src, state.node_id).inc()
-        return message
+        return message, claimed
 
-    def _send(self, state: ServingState, message: Message) -> Iterator[wire_pb2.Frame]:
+    def _send(
+        self, state: ServingState, message: Message, context: grpc.ServicerContext, lanes: list[LaneSocket],
+        batched: bool,
+    ) -> Iterator[wire_pb2.Frame | wire_pb2.Frames]:
+        """The reply stream: Frame messages, or Frames messages when `batched`. On lanes, the Manifest, Lane and
+        End frames go first and the payload follows on the lanes."""
         dst = state.name_of(message.receiver)
         sent_bytes = self._metrics.edge_bytes_sent.labels(state.node_id, dst)
-        frames = encode(
-            message, job_id=state.job_id, sender_id=state.node_id, encoding=state.encoding,
-            chunk_bytes=state.chunk_bytes,
-        )
-        yield from counted(frames, sent_bytes.inc)
+        outgoing = state.outgoing(message)
+        if lanes:
+            stream_id = new_stream_id()
+            shares = outgoing.shares(len(lanes))
+            used = lanes[: len(shares)]
+            frames = outgoing.lane_frames([lane.token for lane in used], stream_id, shares)
+            if batched:
+                yield wire_pb2.Frames(frames=frames)
+            else:
+                yield from frames
+            try:
+                _write_shares(outgoing, used, stream_id, shares, _remaining(context))
+            except OSError as error:
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"lane_failed: {error}")
+            sent_bytes.inc(outgoing.total)
+        elif batched:
+            for frame in counted(outgoing.frames(), sent_bytes.inc):
+                yield wire_pb2.Frames(frames=[frame])
+        else:
+            yield from counted(outgoing.frames(), sent_bytes.inc)
         self._metrics.edge_messages_sent.labels(state.node_id, dst).inc()
 
-    def Exchange(self, request_iterator, context):
-        state = self._state(context)
-        message = self._receive(state, request_iterator, context)
-        reply = state.snapshot().message_for(message.sender, message.kind)
-        if reply is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node serves no {message.kind.name.lower()}")
-        state.inbox.put(message)
-        yield from self._send(state, reply)
+    def _release(self, lanes: list[LaneSocket], ok: bool) -> None:
+        if self.lanes is not None:
+            for lane in lanes:
+                self.lanes.release(lane, ok)
 
-    def Pull(self, request, context):
+    # -- the service ------------------------------------------------------------------------------------------
+
+    def _exchange(self, request_iterator, context, batched: bool):
+        state = self._state(context)
+        message, lanes = self._receive(state, request_iterator, context)
+        ok = False
+        try:
+            reply = state.snapshot().message_for(message.sender, message.kind)
+            if reply is None:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node serves no {message.kind.name.lower()}")
+            state.inbox.put(message)
+            yield from self._send(state, reply, context, lanes, batched)
+            ok = True
+        finally:
+            self._release(lanes, ok)
+
+    def _pull(self, request, context):
         state = self._state(context)
         if request.job_id != state.job_id:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node runs job {state.job_id!r}")
@@ -129,13 +286,50 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         reply = state.snapshot().message_for(request.requester_rank, kind)
         if reply is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node serves no {kind.name.lower()}")
-        yield from self._send(state, reply)
+        lanes = []
+        if request.lane_token and self.lanes is not None:
+            with contextlib.suppress(WireError):  # not a lane of the requester's: answer in frames
+                lanes.append(self.lanes.claim(request.lane_token, state.job_id, request.requester_rank))
+        ok = False
+        try:
+            yield from self._send(state, reply, context, lanes, batched=False)
+            ok = True
+        finally:
+            self._release(lanes, ok)
 
-    def Push(self, request_iterator, context):
+    def _push(self, request_iterator, context):
         state = self._state(context)
-        message = self._receive(state, request_iterator, context)
+        message, lanes = self._receive(state, request_iterator, context)
+        self._release(lanes, True)
         state.inbox.put(message)
         return peer_pb2.PushReply(bytes_received=message.payload_bytes)
+
+    def Exchange(self, request_iterator, context):
+        return self._exchange(request_iterator, context, batched=False)
+
+    def Pull(self, request, context):
+        return self._pull(request, context)
+
+    def Push(self, request_iterator, context):
+        return self._push(request_iterator, context)
+
+    def PushOnLane(self, request, context):
+        return self._push(request.frames, context)
+
+    def ExchangeOnLane(self, request, context):
+        return self._exchange(request.frames, context, batched=True)
+
+    def OpenLane(self, request, context):
+        if self.lanes is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this node offers no lanes")
+        state = self._state(context)
+        if request.job_id != state.job_id:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node runs job {state.job_id!r}")
+        if request.requester_rank == state.rank or request.requester_rank not in state.names:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"rank {request.requester_rank} is not a peer here")
+        self.lanes.forget_job(state.job_id)
+        token = self.lanes.grant(state.job_id, request.requester_rank)
+        return peer_pb2.LaneGrant(port=self.lanes.port, token=token)
 
     def Describe(self, request, context):
         state = self._current()
@@ -156,60 +350,186 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         )
 
 
+def _identity(data: bytes) -> bytes:
+    return data
+
+
 def failure_reason(error: grpc.RpcError) -> str:
     code = error.code() if hasattr(error, "code") else None
     return code.name.lower() if code is not None else "error"
 
 
 class PeerClient:
-    """Dials one neighbour. Every call validates what comes back before returning it."""
+    """Dials one neighbour. Every call validates what comes back before returning it. With `lanes` (the default)
+    payloads travel on lanes whenever the peer offers them."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, *, lanes: bool = True):
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        # Server-streaming calls are consumed by the calling thread rather than by a thread gRPC starts per call.
+        options = [*GRPC_OPTIONS, (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
+        self.channel = grpc.insecure_channel(address, options=options)
         self.stub = peer_pb2_grpc.PeerStub(self.channel)
+        # The same methods with frames as bytes: chunk frames are built and read by hand (codec.py).
+        self._exchange_call = self.channel.stream_stream(
+            f"/{_SERVICE}/Exchange", request_serializer=serialize, response_deserializer=_identity
+        )
+        self._push_call = self.channel.stream_unary(
+            f"/{_SERVICE}/Push", request_serializer=serialize, response_deserializer=peer_pb2.PushReply.FromString
+        )
+        self._pull_call = self.channel.unary_stream(
+            f"/{_SERVICE}/Pull", request_serializer=peer_pb2.PullRequest.SerializeToString,
+            response_deserializer=_identity,
+        )
+        self._push_on_lane = self.channel.unary_unary(
+            f"/{_SERVICE}/PushOnLane", request_serializer=wire_pb2.Frames.SerializeToString,
+            response_deserializer=peer_pb2.PushReply.FromString,
+        )
+        self._exchange_on_lane = self.channel.unary_stream(
+            f"/{_SERVICE}/ExchangeOnLane", request_serializer=wire_pb2.Frames.SerializeToString,
+            response_deserializer=wire_pb2.Frames.FromString,
+        )
+        self._host = split_host(address) if lanes else None
+        self._idle: dict[tuple[str, int], list[LaneSocket]] = {}
+        self._no_lanes_until = 0.0
+        self._lock = threading.Lock()
 
     def close(self) -> None:
+        with self._lock:
+            idle = [lane for lanes in self._idle.values() for lane in lanes]
+            self._idle.clear()
+        for lane in idle:
+            lane.close()
         self.channel.close()
 
+    # -- lanes -----------------------------------------------------------------------------------------------
+
+    def _lanes(self, state: ServingState, timeout: float, count: int) -> list[LaneSocket]:
+        """Up to `count` lanes to this peer for `state`'s job and rank: idle ones, else new ones; none when the
+        peer offers no lanes (frames then)."""
+        if self._host is None or time.monotonic() < self._no_lanes_until:
+            return []
+        lanes = []
+        with self._lock:
+            idle = self._idle.get((state.job_id, state.rank), [])
+            while idle and len(lanes) < count:
+                lane = idle.pop()
+                if lane.alive():
+                    lanes.append(lane)
+                else:
+                    lane.close()  # the peer closed it (another job, a restart, too many lanes): open another
+        setup = min(timeout, LANE_SETUP_TIMEOUT_S)
+        while len(lanes) < count:
+            try:
+                grant = self.stub.OpenLane(
+                    peer_pb2.LaneRequest(job_id=state.job_id, requester_rank=state.rank, requester_id=state.node_id),
+                    timeout=setup,
+                )
+                lanes.append(dial(self._host, grant.port, grant.token, state.job_id, state.rank, setup))
+            except (grpc.RpcError, OSError):
+                # UNIMPLEMENTED: the peer offers no lanes; others (no job yet, an unreachable port): later again.
+                if not lanes:
+                    self._no_lanes_until = time.monotonic() + LANE_RETRY_S
+                break
+        return lanes
+
+    def _give_back(self, lane: LaneSocket, ok: bool) -> None:
+        if not ok or lane.closed:
+            lane.abort()
+            lane.close()
+            return
+        with self._lock:
+            idle = self._idle.setdefault((lane.job_id, lane.rank), [])
+            if len(idle) < IDLE_LANES_PER_PEER:
+                idle.append(lane)
+                return
+        lane.close()
+
     @staticmethod
-    def _outgoing(state: ServingState, message: Message, metrics: Metrics) -> Iterator[wire_pb2.Frame]:
-        sent = metrics.edge_bytes_sent.labels(state.node_id, state.name_of(message.receiver))
-        frames = encode(
-            message, job_id=state.job_id, sender_id=state.node_id, encoding=state.encoding,
-            chunk_bytes=state.chunk_bytes,
-        )
-        return counted(frames, sent.inc)
+    def _deliver(outgoing: Outgoing, lanes: list[LaneSocket], stream_id: bytes, shares: list[tuple[int, int]],
+                 deadline: float, count: Callable[[int], None]) -> bool:
+        """Write the payload on the lanes (from a lane writer); False when a lane failed (the call's status then
+        says why)."""
+        try:
+            _write_shares(outgoing, lanes, stream_id, shares, deadline - time.monotonic())
+        except OSError:
+            return False
+        count(outgoing.total)
+        return True
+
+    def _start(self, state: ServingState, outgoing: Outgoing, lanes: list[LaneSocket], deadline: float,
+               count: Callable[[int], None]) -> tuple[wire_pb2.Frames, list[LaneSocket], futures.Future]:
+        """The request of a call on lanes, and the payload on its way in a lane writer."""
+        stream_id = new_stream_id()
+        shares = outgoing.shares(len(lanes))
+        used, spare = lanes[: len(shares)], lanes[len(shares) :]
+        for lane in spare:
+            self._give_back(lane, True)
+        request = wire_pb2.Frames(frames=outgoing.lane_frames([lane.token for lane in used], stream_id, shares))
+        writing = _LANE_WRITERS.submit(self._deliver, outgoing, used, stream_id, shares, deadline, count)
+        return request, used, writing
+
+    def _finish(self, lanes: list[LaneSocket], writing: futures.Future | None, ok: bool) -> None:
+        """After a call on lanes: on failure, stop the writers (they may be blocked on a peer that stopped
+        reading) and wait for them before the sockets are closed; then keep or close the lanes."""
+        if not ok:
+            for lane in lanes:
+                lane.abort()
+        delivered = writing.result() if writing is not None else True
+        for lane in lanes:
+            self._give_back(lane, ok and delivered)
+
+    # -- calls -----------------------------------------------------------------------------------------------
 
     def push(self, state: ServingState, message: Message, timeout: float, metrics: Metrics) -> None:
         """Stream our message to the peer, which absorbs it. Counts traffic on the edge."""
         dst = state.name_of(message.receiver)
         started = time.perf_counter()
-        self.stub.Push(self._outgoing(state, message, metrics), timeout=timeout)
+        deadline = time.monotonic() + timeout
+        sent = metrics.edge_bytes_sent.labels(state.node_id, dst)
+        outgoing = state.outgoing(message)
+        lanes = self._lanes(state, timeout, stripes_for(outgoing.total))
+        if not lanes:
+            self._push_call(_counted_serialized(outgoing, sent.inc), timeout=timeout)
+        else:
+            request, lanes, writing = self._start(state, outgoing, lanes, deadline, sent.inc)
+            ok = False
+            try:
+                self._push_on_lane(request, timeout=timeout)
+                ok = True
+            finally:
+                self._finish(lanes, writing, ok)
         metrics.edge_messages_sent.labels(state.node_id, dst).inc()
         metrics.exchange_seconds.labels(state.node_id, dst).observe(time.perf_counter() - started)
 
     @staticmethod
-    def _incoming(state: ServingState, replies, peer: int, metrics: Metrics) -> Message:
+    def _incoming(state: ServingState, replies, peer: int, metrics: Metrics, lanes: list[LaneSocket] = (),
+                  deadline: float | None = None, batched: bool = False) -> Message:
         """Decode the peer's answer, checked like any received stream, and count it on the edge."""
-        received_bytes = 0
-
-        def count(n: int) -> None:
-            nonlocal received_bytes
-            received_bytes += n
 
         def expect_reply(manifest: wire_pb2.Manifest) -> list[TensorSpec]:
             if manifest.sender_rank != peer:
                 raise WireError("wrong_sender", f"reply from rank {manifest.sender_rank}, asked {peer}")
             return state.expectation(manifest)
 
+        def resolve(lane_frame: wire_pb2.Lane, manifest: wire_pb2.Manifest) -> LaneSocket:
+            lane = next((lane for lane in lanes if lane.token == lane_frame.token), None)
+            if lane is None:
+                raise WireError("bad_lane", "the reply names a lane this call did not offer")
+            if deadline is not None:
+                lane.set_timeout(deadline - time.monotonic())
+            return lane
+
+        receiver = state.receiver(expect_reply, resolve)
         try:
-            reply = decode(counted(replies, count), expect_reply, state.max_message_bytes)
+            for item in replies:
+                for frame in item.frames if batched else (item,):
+                    receiver.feed(frame)
+            reply = receiver.result()
         except WireError:
             replies.cancel()
             raise
         src = state.name_of(peer)
-        metrics.edge_bytes_received.labels(src, state.node_id).inc(received_bytes)
+        metrics.edge_bytes_received.labels(src, state.node_id).inc(receiver.received)
         metrics.edge_messages_received.labels(src, state.node_id).inc()
         return reply
 
@@ -217,8 +537,24 @@ class PeerClient:
         """Send our message, return the peer's reply for the same edge. Counts traffic on the edge."""
         dst = state.name_of(message.receiver)
         started = time.perf_counter()
-        replies = self.stub.Exchange(self._outgoing(state, message, metrics), timeout=timeout)
-        reply = self._incoming(state, replies, message.receiver, metrics)
+        deadline = time.monotonic() + timeout
+        sent = metrics.edge_bytes_sent.labels(state.node_id, dst)
+        outgoing = state.outgoing(message)
+        # The peer answers on the same lanes: enough of them for the larger of the two payloads (ours, or what
+        # we expect back when it is larger).
+        lanes = self._lanes(state, timeout, stripes_for(outgoing.total))
+        if not lanes:
+            replies = self._exchange_call(_counted_serialized(outgoing, sent.inc), timeout=timeout)
+            reply = self._incoming(state, replies, message.receiver, metrics)
+        else:
+            request, lanes, writing = self._start(state, outgoing, lanes, deadline, sent.inc)
+            ok = False
+            try:
+                replies = self._exchange_on_lane(request, timeout=timeout)
+                reply = self._incoming(state, replies, message.receiver, metrics, lanes, deadline, batched=True)
+                ok = True
+            finally:
+                self._finish(lanes, writing, ok)
         metrics.edge_messages_sent.labels(state.node_id, dst).inc()
         metrics.exchange_seconds.labels(state.node_id, dst).observe(time.perf_counter() - started)
         return reply
@@ -226,9 +562,18 @@ class PeerClient:
     def pull(self, state: ServingState, peer: int, kind: Kind, timeout: float, metrics: Metrics) -> Message:
         """Fetch the peer's latest snapshot of `kind` for this node."""
         started = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        lanes = self._lanes(state, timeout, 1)
         request = peer_pb2.PullRequest(
-            job_id=state.job_id, requester_rank=state.rank, requester_id=state.node_id, kind=int(kind)
+            job_id=state.job_id, requester_rank=state.rank, requester_id=state.node_id, kind=int(kind),
+            lane_token=lanes[0].token if lanes else b"",
         )
-        reply = self._incoming(state, self.stub.Pull(request, timeout=timeout), peer, metrics)
+        ok = False
+        try:
+            replies = self._pull_call(request, timeout=timeout)
+            reply = self._incoming(state, replies, peer, metrics, lanes, deadline)
+            ok = True
+        finally:
+            self._finish(lanes, None, ok)
         metrics.exchange_seconds.labels(state.node_id, state.name_of(peer)).observe(time.perf_counter() - started)
         return reply

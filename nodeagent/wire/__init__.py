@@ -1,17 +1,22 @@
 """Tensors on the wire: messages, the frame codec and its encodings."""
 
-from nodeagent.wire.codec import DEFAULT_CHUNK_BYTES, WireError, decode, encode
-from nodeagent.wire.message import DTYPES, Encoding, Kind, Message, TensorSpec, specs_of
+from nodeagent.wire.codec import DEFAULT_CHUNK_BYTES, Receiver, WireError, decode, encode, plan
+from nodeagent.wire.message import DTYPES, Encoding, Kind, Message, TensorSpec, TopK, specs_of
+from nodeagent.wire.pool import BufferPool
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "DTYPES",
+    "BufferPool",
     "Encoding",
     "Kind",
     "Message",
+    "Receiver",
     "TensorSpec",
+    "TopK",
     "WireError",
     "decode",
     "encode",
+    "plan",
     "specs_of",
 ]

@@ -1,0 +1,610 @@
+"""Lanes: the peer service's side connections for payload bytes, over real gRPC and TCP on loopback.
+
+Streams on lanes are validated exactly like streams in frames: a bad manifest, a lane of another rank or job, a
+stalled or truncated payload, a header out of step: each is rejected whole with INVALID_ARGUMENT, counted, and
+leaves the node's inbox and state untouched; the lane is closed and the next stream opens another.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+import torch
+
+from nodeagent._proto import peer_pb2, peer_pb2_grpc, wire_pb2
+from nodeagent.algorithms.base import Snapshot
+from nodeagent.mesh.grpc import GRPC_OPTIONS, PeerClient, PeerServicer, ServingState
+from nodeagent.metrics import Metrics
+from nodeagent.wire import Encoding, Kind, Message, TensorSpec, TopK, WireError
+from nodeagent.wire.codec import LANE_HEADER, LANE_MAGIC, new_stream_id, plan
+from nodeagent.wire.lane import READY, dial
+
+JOB = "job-lanes"
+N = 300_000  # 1.2 MB: several staging chunks, and more than a loopback socket buffers at once
+
+
+def make_state(rank: int, inbox: queue.Queue, served: dict, specs: dict, **fields) -> ServingState:
+    def expected(sender: int, kind: Kind) -> list[TensorSpec]:
+        if sender not in specs:
+            raise WireError("not_neighbor", f"rank {sender} is not a neighbour")
+        return specs[sender]
+
+    snapshot = Snapshot(rank=rank, clock=5, loss=0.5, served={(None, Kind.PARAMS): served})
+    values = dict(
+        job_id=JOB, node_id=f"n{rank}", rank=rank, algorithm_name="test", names={0: "n0", 1: "n1", 2: "n2"},
+        expected=expected, snapshot=lambda: snapshot, inbox=inbox, encoding=Encoding.RAW, chunk_bytes=1 << 16,
+        max_message_bytes=1 << 30,
+    )
+    values.update(fields)
+    return ServingState(**values)
+
+
+class Node:
+    """Rank 1 serving on loopback with lanes (or without)."""
+
+    def __init__(self, lanes: bool = True):
+        self.inbox: queue.Queue = queue.Queue()
+        self.metrics = Metrics()
+        self.served = {"w": torch.arange(N, dtype=torch.float32)}
+        specs = [TensorSpec("w", torch.float32, (N,))]
+        self.state = make_state(1, self.inbox, self.served, {0: specs, 2: specs})
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=GRPC_OPTIONS)
+        self.servicer = PeerServicer(lambda: self.state, self.metrics, "test", lane_host="127.0.0.1" if lanes else None)
+        peer_pb2_grpc.add_PeerServicer_to_server(self.servicer, self.server)
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def close(self) -> None:
+        self.servicer.close()
+        self.server.stop(grace=None)
+
+    def sample(self, name: str, **labels) -> float:
+        return self.metrics.registry.get_sample_value(name, labels) or 0.0
+
+    def rejections(self, reason: str) -> float:
+        return self.sample("peertrain_stream_rejections_total", src="unknown", dst="n1", reason=reason)
+
+    def open_lanes(self) -> int:
+        assert self.servicer.lanes is not None
+        return len(self.servicer.lanes._lanes)
+
+
+@pytest.fixture
+def node():
+    served = Node()
+    yield served
+    served.close()
+
+
+def client_state(rank: int = 0, **fields) -> ServingState:
+    specs = [TensorSpec("w", torch.float32, (N,))]
+    return make_state(rank, queue.Queue(), {}, {1: specs}, **fields)
+
+
+def message(rank: int = 0, seed: int = 0) -> Message:
+    generator = torch.Generator().manual_seed(seed)
+    return Message(Kind.PARAMS, rank, 1, {"w": torch.randn(N, generator=generator)}, clock=3)
+
+
+# ------------------------------------------------------------------------------------------- round trips
+
+
+def test_push_exchange_pull_travel_on_one_lane_and_count_as_before(node):
+    client = PeerClient(node.address)
+    state, metrics = client_state(), Metrics()
+    sent = message()
+    client.push(state, sent, timeout=10, metrics=metrics)
+    received = node.inbox.get_nowait()
+    assert torch.equal(received.tensors["w"], sent.tensors["w"]) and received.clock == 3
+    reply = client.exchange(state, sent, timeout=10, metrics=metrics)
+    assert torch.equal(reply.tensors["w"], node.served["w"]) and reply.sender == 1 and reply.clock == 5
+    assert torch.equal(node.inbox.get_nowait().tensors["w"], sent.tensors["w"])
+    pulled = client.pull(state, 1, Kind.PARAMS, timeout=10, metrics=metrics)
+    assert torch.equal(pulled.tensors["w"], node.served["w"])
+    # All three calls used one lane, granted once.
+    assert len(client._idle[(JOB, 0)]) == 1 and node.open_lanes() == 1
+    payload = N * 4
+    assert node.sample("peertrain_edge_bytes_received_total", src="n0", dst="n1") == 2 * payload
+    assert node.sample("peertrain_edge_messages_received_total", src="n0", dst="n1") == 2
+    assert node.sample("peertrain_edge_bytes_sent_total", src="n1", dst="n0") == 2 * payload
+    assert node.sample("peertrain_edge_messages_sent_total", src="n1", dst="n0") == 2
+    client_sample = metrics.registry.get_sample_value
+    assert client_sample("peertrain_edge_bytes_sent_total", {"src": "n0", "dst": "n1"}) == 2 * payload
+    assert client_sample("peertrain_edge_bytes_received_total", {"src": "n1", "dst": "n0"}) == 2 * payload
+    assert client_sample("peertrain_edge_messages_sent_total", {"src": "n0", "dst": "n1"}) == 2
+    assert client_sample("peertrain_exchange_seconds_count", {"src": "n0", "dst": "n1"}) == 3
+    client.close()
+
+
+@pytest.mark.parametrize("encoding", [Encoding.FP16, Encoding.BF16], ids=lambda e: e.name)
+def test_lossy_encodings_on_a_lane(node, encoding):
+    client = PeerClient(node.address)
+    sent = message(seed=1)
+    client.push(client_state(encoding=encoding), sent, timeout=10, metrics=Metrics())
+    wire = {Encoding.FP16: torch.float16, Encoding.BF16: torch.bfloat16}[encoding]
+    received = node.inbox.get_nowait().tensors["w"]
+    assert received.dtype == torch.float32
+    assert torch.equal(received, sent.tensors["w"].to(wire).to(torch.float32))
+    assert node.sample("peertrain_edge_bytes_received_total", src="n0", dst="n1") == N * 2
+    assert client._idle[(JOB, 0)], "the lane was used"
+    client.close()
+
+
+def test_topk_on_a_lane_arrives_dense_with_zeros_elsewhere(node):
+    client = PeerClient(node.address)
+    tensor = torch.randn(N, generator=torch.Generator().manual_seed(2))
+    sparse = TopK.rate(tensor, 0.01)
+    client.push(client_state(), Message(Kind.PARAMS, 0, 1, {"w": sparse}), timeout=10, metrics=Metrics())
+    received = node.inbox.get_nowait().tensors["w"]
+    assert torch.equal(received, sparse.dense())
+    assert int((received != 0).sum()) == sparse.count == N // 100
+    assert node.sample("peertrain_edge_bytes_received_total", src="n0", dst="n1") == sparse.count * 8
+    client.close()
+
+
+def test_a_peer_without_lanes_gets_frames_and_the_client_remembers():
+    plain = Node(lanes=False)
+    try:
+        client = PeerClient(plain.address)
+        state = client_state()
+        with pytest.raises(grpc.RpcError) as refused:
+            client.stub.OpenLane(peer_pb2.LaneRequest(job_id=JOB, requester_rank=0), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        sent = message()
+        client.push(state, sent, timeout=10, metrics=Metrics())
+        reply = client.exchange(state, sent, timeout=10, metrics=Metrics())
+        assert torch.equal(reply.tensors["w"], plain.served["w"])
+        assert torch.equal(plain.inbox.get_nowait().tensors["w"], sent.tensors["w"])
+        assert client._no_lanes_until > time.monotonic() and not client._idle
+        client.close()
+    finally:
+        plain.close()
+
+
+# ---------------------------------------------------------------------------------------- receive buffers
+
+
+def test_receive_buffers_are_reused_only_when_nothing_holds_them(node):
+    client = PeerClient(node.address)
+    state, metrics = client_state(), Metrics()
+    client.push(state, message(seed=1), timeout=10, metrics=metrics)
+    first = node.inbox.get_nowait()
+    kept = first.tensors["w"]
+    kept_copy = kept.clone()
+    pointer = kept.data_ptr()
+    del first
+    # The first message's tensor is still held: the next stream must land elsewhere and leave it intact.
+    client.push(state, message(seed=2), timeout=10, metrics=metrics)
+    second = node.inbox.get_nowait().tensors["w"]
+    assert second.data_ptr() != pointer
+    assert torch.equal(kept, kept_copy)
+    # Once nothing holds the first buffer, it is reused (no fresh allocation, no page faults).
+    del kept
+    client.push(state, message(seed=3), timeout=10, metrics=metrics)
+    third = node.inbox.get_nowait().tensors["w"]
+    assert third.data_ptr() == pointer
+    assert torch.equal(third, message(seed=3).tensors["w"])
+    assert not torch.equal(second, third)
+    client.close()
+
+
+# ------------------------------------------------------------------------------------------- hostile lanes
+
+
+def lane_for(node: Node, rank: int) -> tuple[PeerClient, object]:
+    """A lane of `rank`'s, opened the way PeerClient opens one."""
+    client = PeerClient(node.address)
+    (lane,) = client._lanes(client_state(rank), timeout=5, count=1)
+    return client, lane
+
+
+def raw_push(node: Node, frames, lane=None, payload: list[bytes] = (), timeout: float = 5) -> grpc.RpcError | None:
+    """Push hand-made frames, writing `payload` on `lane` meanwhile; returns the error, if any."""
+    channel = grpc.insecure_channel(node.address, options=GRPC_OPTIONS)
+    stub = peer_pb2_grpc.PeerStub(channel)
+    writer = None
+    if lane is not None and payload:
+        def write() -> None:
+            try:
+                for piece in payload:
+                    lane.sock.sendall(piece)
+            except OSError:
+                pass
+
+        writer = threading.Thread(target=write, daemon=True)
+        writer.start()
+    try:
+        stub.Push(iter(frames), timeout=timeout)
+        return None
+    except grpc.RpcError as error:
+        return error
+    finally:
+        if writer is not None:
+            writer.join(timeout=10)
+        channel.close()
+
+
+def laned_stream(rank: int, token: bytes, stream_id: bytes, tensor: torch.Tensor, **manifest) -> tuple:
+    outgoing = plan(Message(Kind.PARAMS, rank, 1, {"w": tensor}), job_id=manifest.pop("job_id", JOB), sender_id="x")
+    frames = outgoing.lane_frames([token], stream_id, [(0, outgoing.total)])
+    header = LANE_HEADER.pack(LANE_MAGIC, stream_id, outgoing.total)
+    return frames, header, tensor.numpy().tobytes()
+
+
+def assert_rejected(node: Node, error: grpc.RpcError | None, reason: str) -> None:
+    assert error is not None, "the stream was accepted"
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert error.details().startswith(reason), error.details()
+    assert node.inbox.empty()
+    assert node.rejections(reason) == 1
+
+
+def test_bad_manifest_on_a_lane_is_rejected_and_the_lane_closed(node):
+    client = PeerClient(node.address)
+    wrong = Message(Kind.PARAMS, 0, 1, {"w": torch.zeros(N + 1)})
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as error:
+        client.push(client_state(), wrong, timeout=20, metrics=Metrics())
+    # Refused on its manifest: the client does not wait for the deadline with its payload half written.
+    assert time.monotonic() - started < 5
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "bad_manifest" in error.value.details()
+    assert node.inbox.empty() and node.rejections("bad_manifest") == 1
+    assert not client._idle.get((JOB, 0))
+    # The next stream opens a fresh lane and goes through.
+    client.push(client_state(), message(), timeout=10, metrics=Metrics())
+    assert torch.equal(node.inbox.get_nowait().tensors["w"], message().tensors["w"])
+    client.close()
+
+
+def test_a_lane_of_another_rank_is_refused(node):
+    client, lane = lane_for(node, rank=2)
+    frames, _, _ = laned_stream(0, lane.token, new_stream_id(), torch.ones(N))
+    assert_rejected(node, raw_push(node, frames), "bad_lane")
+    # Rank 2's lane is not disturbed: it still carries rank 2's streams.
+    other = Message(Kind.PARAMS, 2, 1, {"w": torch.full((N,), 2.0)})
+    client._give_back(lane, True)
+    client.push(client_state(2), other, timeout=10, metrics=Metrics())
+    assert torch.equal(node.inbox.get_nowait().tensors["w"], other.tensors["w"])
+    assert node.open_lanes() == 1
+    client.close()
+
+
+def test_a_lane_of_another_job_is_refused(node):
+    client, lane = lane_for(node, rank=0)
+    node.state = make_state(1, node.inbox, node.served, {0: [TensorSpec("w", torch.float32, (N,))]}, job_id="job-2")
+    frames, _, _ = laned_stream(0, lane.token, new_stream_id(), torch.ones(N), job_id="job-2")
+    assert_rejected(node, raw_push(node, frames), "bad_lane")
+    client.close()
+
+
+def test_an_unknown_token_is_refused(node):
+    frames, _, _ = laned_stream(0, b"\x07" * 32, new_stream_id(), torch.ones(N))
+    assert_rejected(node, raw_push(node, frames), "bad_lane")
+
+
+@pytest.mark.parametrize(
+    "case", ["stream_id", "magic", "total", "truncated", "chunks_and_lane", "stalled", "bad_stream_id_length"]
+)
+def test_a_payload_out_of_step_with_its_stream_is_rejected(node, case):
+    client, lane = lane_for(node, rank=0)
+    stream_id = new_stream_id()
+    tensor = torch.ones(N)
+    frames, header, payload = laned_stream(0, lane.token, stream_id, tensor)
+    pieces = [header, payload]
+    reason = "bad_lane"
+    if case == "stream_id":
+        pieces[0] = LANE_HEADER.pack(LANE_MAGIC, new_stream_id(), N * 4)
+    elif case == "magic":
+        pieces[0] = LANE_HEADER.pack(b"HTTP", stream_id, N * 4)
+    elif case == "total":
+        pieces[0] = LANE_HEADER.pack(LANE_MAGIC, stream_id, N * 4 - 4)
+    elif case == "truncated":
+        pieces = [header, payload[: len(payload) // 2]]
+        reason = "truncated"
+
+        def close_after_write(pieces=pieces):
+            for piece in pieces:
+                lane.sock.sendall(piece)
+            lane.sock.shutdown(socket.SHUT_WR)
+
+        threading.Thread(target=close_after_write, daemon=True).start()
+        pieces = []
+    elif case == "chunks_and_lane":
+        frames = [frames[0], wire_pb2.Frame(chunk=b"\0" * 4), frames[1], frames[2]]
+    elif case == "stalled":
+        pieces = [header, payload[:1000]]  # then nothing, until the deadline
+        reason = "truncated"
+    elif case == "bad_stream_id_length":
+        frames[1].lane.stream_id = b"short"
+    before = node.state.snapshot().served[(None, Kind.PARAMS)]["w"].clone()
+    error = raw_push(node, frames, lane, pieces, timeout=2 if case == "stalled" else 5)
+    assert_rejected(node, error, reason)
+    assert torch.equal(node.served["w"], before)
+    assert node.open_lanes() == 0, "a lane whose byte stream may be out of step is closed"
+    client.close()
+
+
+def test_a_handshake_with_a_wrong_token_gets_no_lane(node):
+    assert node.servicer.lanes is not None
+    port = node.servicer.lanes.port
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(b"\x01" * 32)
+        assert sock.recv(1) == b"", "the hub closes the connection without answering"
+    # A granted token works once, and only once.
+    grant = PeerClient(node.address).stub.OpenLane(
+        peer_pb2.LaneRequest(job_id=JOB, requester_rank=0, requester_id="n0"), timeout=5
+    )
+    lane = dial("127.0.0.1", grant.port, grant.token, JOB, 0, timeout=5)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as again:
+        again.sendall(grant.token)
+        assert again.recv(1) != READY
+    lane.close()
+
+
+def test_open_lane_is_only_for_this_job_and_its_peers(node):
+    stub = PeerClient(node.address).stub
+    for request, code in [
+        (peer_pb2.LaneRequest(job_id="other", requester_rank=0), grpc.StatusCode.FAILED_PRECONDITION),
+        (peer_pb2.LaneRequest(job_id=JOB, requester_rank=7), grpc.StatusCode.PERMISSION_DENIED),
+        (peer_pb2.LaneRequest(job_id=JOB, requester_rank=1), grpc.StatusCode.PERMISSION_DENIED),
+    ]:
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.OpenLane(request, timeout=5)
+        assert refused.value.code() == code
+
+
+def test_a_hostile_reply_on_a_lane_is_rejected_by_the_client(node):
+    """The client validates what comes back on a lane as strictly: a reply whose lane frame names a token the
+    call did not offer is refused."""
+    client = PeerClient(node.address)
+    state = client_state()
+    (lane,) = client._lanes(state, timeout=5, count=1)
+    replies = [
+        wire_pb2.Frame(manifest=wire_pb2.Manifest(
+            job_id=JOB, sender_rank=1, receiver_rank=0, kind=Kind.PARAMS,
+            tensors=[wire_pb2.TensorHeader(name="w", dtype="float32", shape=[N], byte_length=N * 4)],
+        )),
+        wire_pb2.Frame(lane=wire_pb2.Lane(token=b"\x02" * 32, stream_id=new_stream_id(), total_bytes=N * 4)),
+    ]
+
+    class Replies(list):
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    stream = Replies(r.SerializeToString() for r in replies)
+    with pytest.raises(WireError) as error:
+        PeerClient._incoming(state, stream, 1, Metrics(), [lane])
+    assert error.value.reason == "bad_lane" and stream.cancelled
+    lane.close()
+    client.close()
+
+
+def test_lanes_close_with_the_servicer():
+    served = Node()
+    client = PeerClient(served.address)
+    client.push(client_state(), message(), timeout=10, metrics=Metrics())
+    lane = client._idle[(JOB, 0)][0]
+    served.close()
+    lane.sock.settimeout(5)
+    assert lane.sock.recv(1) == b""
+    client.close()
+
+
+def test_an_idle_lane_closed_by_the_peer_is_replaced_before_use(node):
+    client = PeerClient(node.address)
+    client.push(client_state(), message(), timeout=10, metrics=Metrics())
+    node.inbox.get_nowait()
+    (old,) = client._idle[(JOB, 0)]
+    node.servicer.lanes.forget_job("another job")  # the node moved on: its lanes of this job are closed
+    deadline = time.monotonic() + 5
+    while old.alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    client.push(client_state(), message(seed=9), timeout=10, metrics=Metrics())
+    assert torch.equal(node.inbox.get_nowait().tensors["w"], message(seed=9).tensors["w"])
+    assert old.closed and client._idle[(JOB, 0)][0] is not old
+    client.close()
+
+
+@pytest.mark.parametrize(
+    ("order", "reason"),
+    [
+        ([1, 0, 2], "no_manifest"),
+        ([0, 2, 1], "truncated"),
+        ([0, 1], "truncated"),
+        ([0, 1, 2, 2], "after_end"),
+        ([0, 0, 1, 2], "second_manifest"),
+    ],
+    ids=["lane_first", "end_before_lane", "no_end", "two_ends", "two_manifests"],
+)
+def test_frames_in_one_message_are_checked_like_a_stream(node, order, reason):
+    client, lane = lane_for(node, rank=0)
+    stream_id = new_stream_id()
+    frames, header, payload = laned_stream(0, lane.token, stream_id, torch.ones(N))
+    request = wire_pb2.Frames(frames=[frames[i] for i in order])
+    writer = threading.Thread(target=lambda: _write_quietly(lane, [header, payload]), daemon=True)
+    writer.start()
+    with pytest.raises(grpc.RpcError) as error:
+        client._push_on_lane(request, timeout=5)
+    lane.abort()  # as PeerClient does after a failed call: the writer may be blocked on a lane nobody reads
+    writer.join(timeout=10)
+    assert not writer.is_alive()
+    assert_rejected(node, error.value, reason)
+    client.close()
+
+
+def _write_quietly(lane, pieces) -> None:
+    try:
+        for piece in pieces:
+            lane.sock.sendall(piece)
+    except OSError:
+        pass
+
+
+def test_exchange_on_lane_answers_frames_then_the_payload(node):
+    client, lane = lane_for(node, rank=0)
+    stream_id = new_stream_id()
+    sent = message(seed=11)
+    frames, header, payload = laned_stream(0, lane.token, stream_id, sent.tensors["w"])
+    writer = threading.Thread(target=lambda: _write_quietly(lane, [header, payload]), daemon=True)
+    writer.start()
+    replies = client._exchange_on_lane(wire_pb2.Frames(frames=frames), timeout=10)
+    first = next(replies)
+    assert [f.WhichOneof("body") for f in first.frames] == ["manifest", "lane", "end"]
+    assert first.frames[1].lane.token == lane.token
+    header_back = bytearray(LANE_HEADER.size)
+    lane.read_into(memoryview(header_back))
+    assert LANE_HEADER.unpack(header_back)[1] == first.frames[1].lane.stream_id
+    back = bytearray(N * 4)
+    lane.read_into(memoryview(back))
+    assert torch.equal(torch.frombuffer(back, dtype=torch.float32), node.served["w"])
+    assert list(replies) == []
+    writer.join(timeout=10)
+    assert torch.equal(node.inbox.get_nowait().tensors["w"], sent.tensors["w"])
+    client.close()
+
+
+# ------------------------------------------------------------------------------------------------- striping
+
+
+@pytest.fixture
+def striped(monkeypatch):
+    """Payloads of this module's size striped over three lanes."""
+    monkeypatch.setattr("nodeagent.wire.lane.STRIPE_BYTES", 1 << 16)
+    monkeypatch.setattr("nodeagent.wire.lane.MAX_STRIPES", 3)
+
+
+@pytest.mark.parametrize("encoding", [Encoding.RAW, Encoding.FP16, Encoding.BF16], ids=lambda e: e.name)
+def test_a_large_payload_is_striped_over_several_lanes(node, striped, encoding):
+    client = PeerClient(node.address)
+    state, metrics = client_state(encoding=encoding), Metrics()
+    sent = message(seed=12)
+    reply = client.exchange(state, sent, timeout=10, metrics=metrics)
+    assert torch.equal(reply.tensors["w"], node.served["w"])
+    wire = {Encoding.RAW: torch.float32, Encoding.FP16: torch.float16, Encoding.BF16: torch.bfloat16}[encoding]
+    assert torch.equal(node.inbox.get_nowait().tensors["w"], sent.tensors["w"].to(wire).float())
+    client.push(state, sent, timeout=10, metrics=metrics)
+    assert torch.equal(node.inbox.get_nowait().tensors["w"], sent.tensors["w"].to(wire).float())
+    assert len(client._idle[(JOB, 0)]) == 3 and node.open_lanes() == 3
+    wire_bytes = N * wire.itemsize
+    assert node.sample("peertrain_edge_bytes_received_total", src="n0", dst="n1") == 2 * wire_bytes
+    assert node.sample("peertrain_edge_bytes_sent_total", src="n1", dst="n0") == N * 4
+    client.close()
+
+
+def test_a_striped_topk_and_a_mixed_message(node, striped):
+    client = PeerClient(node.address)
+    tensor = torch.randn(N, generator=torch.Generator().manual_seed(13))
+    sparse = TopK.rate(tensor, 0.5)  # 1.2 MB of indices and values: striped too
+    client.push(client_state(), Message(Kind.PARAMS, 0, 1, {"w": sparse}), timeout=10, metrics=Metrics())
+    assert torch.equal(node.inbox.get_nowait().tensors["w"], sparse.dense())
+    client.close()
+
+
+def two_lanes(node: Node) -> tuple[PeerClient, list]:
+    client = PeerClient(node.address)
+    lanes = client._lanes(client_state(0), timeout=5, count=2)
+    assert len(lanes) == 2
+    return client, lanes
+
+
+def striped_request(lanes, tensor: torch.Tensor, shares, stream_ids=None, encoding=Encoding.RAW):
+    outgoing = plan(Message(Kind.PARAMS, 0, 1, {"w": tensor}), job_id=JOB, sender_id="n0", encoding=encoding)
+    stream_id = new_stream_id()
+    frames = outgoing.lane_frames([lane.token for lane in lanes], stream_id, shares)
+    for frame, other in zip(frames[1:-1], stream_ids or [], strict=False):
+        frame.lane.stream_id = other
+    payloads = [list(outgoing.lane_pieces(stream_id, start, stop)) for start, stop in shares]
+    return wire_pb2.Frames(frames=frames), [[bytes(p) for p in pieces] for pieces in payloads]
+
+
+def striped_push(node: Node, client: PeerClient, lanes, request, payloads, timeout: float = 5):
+    writers = [
+        threading.Thread(target=_write_quietly, args=(lane, pieces), daemon=True)
+        for lane, pieces in zip(lanes, payloads, strict=False)
+    ]
+    for writer in writers:
+        writer.start()
+    try:
+        client._push_on_lane(request, timeout=timeout)
+        error = None
+    except grpc.RpcError as failed:
+        error = failed
+    for lane in lanes:
+        lane.abort()
+    for writer in writers:
+        writer.join(timeout=10)
+        assert not writer.is_alive()
+    return error
+
+
+def test_a_correct_striped_stream_by_hand_is_accepted(node):
+    client, lanes = two_lanes(node)
+    tensor = torch.randn(N)
+    request, payloads = striped_request(lanes, tensor, [(0, 600_000), (600_000, N * 4)])
+    assert striped_push(node, client, lanes, request, payloads) is None
+    assert torch.equal(node.inbox.get_nowait().tensors["w"], tensor)
+    client.close()
+
+
+@pytest.mark.parametrize(
+    "case", ["gap", "overlap", "reordered", "short", "same_lane_twice", "splits_an_element", "stream_ids",
+             "header_length", "one_lane_stalls"],
+)
+def test_a_striped_stream_out_of_step_is_rejected_and_its_lanes_closed(node, case):
+    client, lanes = two_lanes(node)
+    tensor = torch.randn(N)
+    total = N * 4
+    shares = [(0, 600_000), (600_000, total)]
+    encoding = Encoding.RAW
+    stream_ids = None
+    timeout = 5
+    reason = "bad_lane"
+    if case == "gap":
+        shares = [(0, 600_000), (600_064, total)]
+    elif case == "overlap":
+        shares = [(0, 600_000), (599_936, total)]
+    elif case == "reordered":
+        shares = [(600_000, total), (0, 600_000)]
+    elif case == "short":
+        shares = [(0, 600_000), (600_000, total - 64)]
+    elif case == "same_lane_twice":
+        lanes = [lanes[0], lanes[0]]
+    elif case == "splits_an_element":
+        encoding = Encoding.FP16  # 2-byte elements on the wire: an odd boundary splits one
+        total = N * 2
+        shares = [(0, 300_000), (300_000, total)]
+    elif case == "stream_ids":
+        stream_ids = [new_stream_id(), new_stream_id()]
+    elif case == "header_length":
+        pass
+    elif case == "one_lane_stalls":
+        reason = "truncated"
+        timeout = 2
+    request, payloads = striped_request(lanes, tensor, shares, stream_ids, encoding)
+    if case == "header_length":
+        payloads[1][0] = LANE_HEADER.pack(LANE_MAGIC, request.frames[2].lane.stream_id, total - 600_000 + 8)
+    if case == "one_lane_stalls":
+        payloads[1] = payloads[1][:1]  # its header, then nothing
+    if case == "splits_an_element":  # a sender would not cut there: the frames and the bytes are made by hand
+        for frame, (start, stop) in zip(request.frames[1:-1], [(0, 300_001), (300_001, total)], strict=True):
+            frame.lane.offset, frame.lane.total_bytes = start, stop - start
+        wire = b"".join(b"".join(p[1:]) for p in payloads)
+        stream_id = request.frames[1].lane.stream_id
+        payloads = [[LANE_HEADER.pack(LANE_MAGIC, stream_id, stop - start), wire[start:stop]]
+                    for start, stop in [(0, 300_001), (300_001, total)]]
+    started = time.monotonic()
+    error = striped_push(node, client, lanes, request, payloads, timeout=timeout)
+    assert time.monotonic() - started < timeout + 1
+    assert_rejected(node, error, reason)
+    # The lanes the stream named are closed (their byte streams may be out of step); a lane it never got to
+    # name is the sender's business, and the next stream on it fails its header check.
+    assert lanes[0].token not in node.servicer.lanes._lanes
+    if case not in ("reordered", "same_lane_twice"):
+        assert node.open_lanes() == 0
+    client.close()
