@@ -145,6 +145,7 @@ def format_status(status: pb.JobStatusReply) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     from coordinator.service import CoordinatorConfig, CoordinatorService
     from nodeagent.agent import split_address
+    from nodeagent.mesh.grpc import GRPC_OPTIONS
     from nodeagent.metrics import Metrics
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s coordinator %(levelname)s: %(message)s")
@@ -153,7 +154,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         CoordinatorConfig(state_dir=args.state_dir, runs_dir=args.runs_dir, heartbeat_timeout_s=args.heartbeat_timeout),
         metrics,
     )
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="coordinator"))
+    # Every agent holds a thread with its assignment stream, and synchronous parameter-server pushes wait for
+    # their round on one: size the pool for a few hundred agents. Frame limits as on the peer service.
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=512, thread_name_prefix="coordinator"), options=GRPC_OPTIONS
+    )
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
     host, port = split_address(args.listen)
     bound = server.add_insecure_port(f"{host}:{port}")

@@ -1,4 +1,5 @@
-"""The coordinator's gRPC servicer: registration, heartbeats, assignments, metrics reports and operator calls."""
+"""The coordinator's gRPC servicer: registration, heartbeats, assignments, metrics reports, operator calls, and
+the parameter server of the centralised algorithms (coordinator.ps_service)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ from pathlib import Path
 import grpc
 from torch.distributed import TCPStore
 
+from coordinator.ps_service import PSService
 from coordinator.store import ACTIVE_STATES, JobRow, Store
 from coordinator.topology import Topology, build_topology, node_plan, peer_schedule
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc
 from nodeagent.algorithms import REGISTRY as ALGORITHMS
 from nodeagent.algorithms import Neighbor
+from nodeagent.algorithms.ps import server_class
 from nodeagent.jobspec import JobSpec, JobSpecError, parse_job_yaml
 from nodeagent.metrics import Metrics
 from nodeagent.runlog import ProgressRecord, RunLog, optional
@@ -31,6 +34,7 @@ JOB_STATES = {
 }
 WATCH_POLL_S = 1.0
 ALLREDUCE_ALGORITHM = "allreduce"
+PUSH_SUM_ALGORITHMS = ("sgp", "osgp")
 
 
 @dataclass
@@ -39,6 +43,7 @@ class CoordinatorConfig:
     runs_dir: Path | None = None
     heartbeat_interval_s: float = 2.0
     heartbeat_timeout_s: float = 15.0
+    ps_fsync: bool = False  # also fsync the parameter server's state before answering (survives a machine crash)
 
     @property
     def run_root(self) -> Path:
@@ -73,6 +78,9 @@ class NodePlan:
 
 
 def plan_node(spec: JobSpec, topology: Topology, rank: int) -> NodePlan:
+    """A centralised algorithm's workers talk only to the parameter server: no neighbours."""
+    if server_class(spec.algorithm.name) is not None:
+        return NodePlan((), 1.0, ())
     plans, self_weight = node_plan(
         topology, rank, spec.algorithm.interval, spec.topology.seed,
         weights=spec.topology.options.get("weights", "uniform"),
@@ -85,6 +93,12 @@ def validate_job(spec: JobSpec) -> Topology:
     """Checks that need more than the schema; returns the job's topology. Raises JobSpecError naming the field."""
     if spec.algorithm.name not in ALGORITHMS:
         raise JobSpecError(f"algorithm.name: unknown algorithm {spec.algorithm.name!r}; known: {sorted(ALGORITHMS)}")
+    centralised = server_class(spec.algorithm.name)
+    if centralised is not None:
+        try:
+            centralised.parse_options(spec.algorithm)
+        except ValueError as error:
+            raise JobSpecError(str(error)) from None
     if spec.data.split not in SPLITS:
         raise JobSpecError(f"data.split: unknown split {spec.data.split!r}; known: {sorted(SPLITS)}")
     try:
@@ -93,6 +107,10 @@ def validate_job(spec: JobSpec) -> Topology:
         raise JobSpecError(f"topology: {error}") from None
     if spec.nodes > 1 and not topology.is_connected():
         raise JobSpecError(f"topology: {spec.topology.kind} on {spec.nodes} nodes is not connected")
+    if spec.algorithm.name in PUSH_SUM_ALGORITHMS and spec.topology.kind.startswith("bipartite-"):
+        # Push-sum nodes expect as many shares per round as they send; passive ranks send none.
+        raise JobSpecError(f"topology.kind: {spec.algorithm.name} needs every node to send; "
+                           f"{spec.topology.kind} has passive nodes (use it with ad-psgd)")
     return topology
 
 
@@ -107,6 +125,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._rendezvous: dict[str, TCPStore] = {}
         self._run_logs: dict[str, RunLog] = {}
         self._schedule_lock = threading.Lock()
+        self.ps = PSService(self.store, metrics, fsync=config.ps_fsync)
         self._monitor = threading.Thread(target=self._monitor_loop, name="liveness", daemon=True)
 
     def start(self) -> None:
@@ -115,6 +134,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def stop(self) -> None:
         self.stopping.set()
         self.changes.bump()
+        self.ps.close_all()
         self._monitor.join(timeout=5)
         self.store.close()
 
@@ -252,6 +272,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             if all(m.finished for m in members):
                 self.store.set_job_state(job.job_id, "FINISHED")
                 self._end_rendezvous(job.job_id)
+                self.ps.close(job.job_id)
                 log.info("job %s finished", job.job_id)
                 self.changes.bump()
                 self._schedule()
@@ -270,6 +291,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 wait_s=report.wait_s, exchanges=report.exchanges, exchange_failures=report.exchange_failures,
             )
         )
+
+    # -- parameter server (coordinator.ps_service) ----------------------------------------------------------------
+
+    def PsPush(self, request_iterator, context):
+        return self.ps.push(request_iterator, context)
+
+    def PsPull(self, request, context):
+        yield from self.ps.pull(request, context)
+
+    def PsReport(self, request, context):
+        return self.ps.report(request, context)
 
     # -- operator calls ------------------------------------------------------------------------------------------
 
@@ -298,6 +330,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if job.state in ACTIVE_STATES:
             self.store.set_job_state(job.job_id, "STOPPED")
             self._end_rendezvous(job.job_id)
+            self.ps.close(job.job_id)
             log.info("job %s stopped by an operator", job.job_id)
             self.changes.bump()
             self._schedule()

@@ -2,11 +2,17 @@
 
 Threads: gRPC server threads serve peers (they only read the published snapshot and enqueue messages); one
 watch thread follows the assignment stream; one heartbeat thread; one training thread per job (the only
-thread that calls into the algorithm); a small pool performs outgoing exchanges and enqueues their replies.
+thread that calls into the algorithm); a small pool performs outgoing exchanges and calls to the parameter
+server (the coordinator) and enqueues their replies.
+
+Slow devices: each local step is stretched by the product of the agent's `--slowdown` (the machine) and the
+job's `slowdown` of this rank (the experiment): after the step the agent sleeps (factor - 1) times the step's
+compute time, and the step counts as compute for that whole time (metrics, ESync step reports).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -27,8 +33,10 @@ import torch.distributed as dist
 from nodeagent import __version__
 from nodeagent._proto import coordinator_pb2, coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 from nodeagent.algorithms.base import ALLREDUCE_RANK, Failure, Neighbor, Route, Send
+from nodeagent.algorithms.ps import PSWorker, StepReport
 from nodeagent.jobspec import JobSpec
 from nodeagent.mesh.grpc import GRPC_OPTIONS, PeerClient, PeerServicer, ServingState, failure_reason
+from nodeagent.mesh.ps import SERVER_NODE, ServerClient, new_push_id
 from nodeagent.metrics import Metrics
 from nodeagent.training.job import Node, build_node
 from nodeagent.wire.codec import WireError
@@ -39,6 +47,9 @@ log = logging.getLogger("nodeagent")
 REPORT_INTERVAL_S = 1.0
 NEIGHBOUR_WAIT_S = 60.0
 RECONNECT_DELAY_S = 1.0
+# Failures of a call to the parameter server that a retry may cure (the coordinator restarts, a round is slow).
+TRANSIENT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                   grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,7 @@ class AgentConfig:
     device: str = "cpu"
     name: str = field(default_factory=socket.gethostname)
     slowdown: float = 1.0
+    lane_port: int = 0  # TCP port of the tensor lanes beside the peer service (0: any free port)
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -127,6 +139,9 @@ class JobRunner(threading.Thread):
         self.pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"exchange-{self.job_id}")
         self.clients: dict[str, PeerClient] = {}
         self.serving: ServingState | None = None
+        self.server_client: ServerClient | None = None
+        self._worker: PSWorker | None = None  # network threads read only its immutable configuration
+        self.slowdown = agent.config.slowdown * self.spec.slowdown.get(self.rank, 1.0)
         self.failures = 0
         self.exchanges = 0
 
@@ -143,19 +158,18 @@ class JobRunner(threading.Thread):
         path = self.checkpoint_path
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        torch.save({"clock": node.algorithm.clock, "w": node.algorithm.w.detach().clone()}, tmp)
+        torch.save(node.algorithm.state_dict(), tmp)
         os.replace(tmp, path)
 
     def restore_checkpoint(self, node: Node) -> None:
         if not self.checkpoint_path.exists():
             return
         state = torch.load(self.checkpoint_path, weights_only=True)
-        if state["w"].shape != node.algorithm.w.shape:
-            log.warning("checkpoint %s does not fit the model; starting afresh", self.checkpoint_path)
+        try:
+            node.algorithm.load_state_dict(state)
+        except (KeyError, ValueError) as error:
+            log.warning("checkpoint %s does not fit (%s); starting afresh", self.checkpoint_path, error)
             return
-        with torch.no_grad():
-            node.algorithm.w.copy_(state["w"])
-        node.algorithm.clock = int(state["clock"])
         log.info("resumed job %s at step %d from %s", self.job_id, node.algorithm.clock, self.checkpoint_path)
 
     def run(self) -> None:
@@ -194,6 +208,14 @@ class JobRunner(threading.Thread):
             max_message_bytes=spec.wire.max_message_bytes,
         )
         self.agent.set_serving(self.serving)
+        if isinstance(algorithm, PSWorker):
+            assert self.agent.stub is not None
+            self._worker = algorithm
+            self.server_client = ServerClient(
+                self.agent.stub, self.job_id, self.agent.node_id, self.rank, spec.nodes, metrics,
+                encoding=Encoding.from_name(spec.wire.encoding), chunk_bytes=spec.wire.chunk_bytes,
+                max_message_bytes=spec.wire.max_message_bytes,
+            )
         log.info(
             "job %s: rank %d of %d, %s on %d samples, neighbours %s",
             self.job_id, self.rank, spec.nodes, spec.algorithm.name, node.shard_size, sorted(self.addresses),
@@ -202,6 +224,11 @@ class JobRunner(threading.Thread):
         progress = _Progress(started=time.monotonic())
         evaluated_at = -1
         while not self.stop_event.is_set():
+            if evaluated_at == -1 and algorithm.clock == 0:
+                # The curve starts at the shared initial model, before anything received is mixed in.
+                evaluated_at = 0
+                self._evaluate(node, progress, labels)
+                self._report(0, progress, False)
             waited = time.perf_counter()
             self._drain(algorithm)
             while not algorithm.ready() and not self.stop_event.is_set():
@@ -213,12 +240,8 @@ class JobRunner(threading.Thread):
             final = algorithm.clock >= spec.steps
             if (algorithm.clock % spec.eval_every == 0 or final) and algorithm.clock != evaluated_at:
                 evaluated_at = algorithm.clock
-                result = node.evaluate()
-                progress.accuracy, progress.test_loss = result.accuracy, result.loss
-                metrics.test_accuracy.labels(*labels).set(result.accuracy)
-                metrics.test_loss.labels(*labels).set(result.loss)
-                if algorithm.clock > 0:
-                    self.save_checkpoint(node)
+                self._evaluate(node, progress, labels)
+                self.save_checkpoint(node)
                 self._report(algorithm.clock, progress, final)
             elif time.monotonic() - progress.reported >= REPORT_INTERVAL_S:
                 self._report(algorithm.clock, progress, final)
@@ -228,15 +251,19 @@ class JobRunner(threading.Thread):
             began = time.perf_counter()
             progress.loss = algorithm.step(inputs, targets)
             elapsed = time.perf_counter() - began
-            if self.agent.config.slowdown > 1:
-                time.sleep(elapsed * (self.agent.config.slowdown - 1))
+            if self.slowdown > 1:
+                time.sleep(elapsed * (self.slowdown - 1))
                 elapsed = time.perf_counter() - began
             progress.compute_s += elapsed
             metrics.step_seconds.labels(*labels).observe(elapsed)
             metrics.local_steps.labels(*labels).inc()
             metrics.training_loss.labels(*labels).set(progress.loss)
+            asked = time.perf_counter()
             for send in algorithm.sends():
-                self._dispatch(send)
+                self._dispatch(send, elapsed)
+            asked = time.perf_counter() - asked  # an ESync step report waits for its answer here
+            progress.wait_s += asked
+            metrics.wait_seconds.labels(*labels).inc(asked)
         log.info("job %s: finished at step %d, test accuracy %.4f", self.job_id, algorithm.clock, progress.accuracy)
         # Keep serving until the coordinator ends the job: slower neighbours may still exchange with us.
         while not self.stop_event.wait(0.2):
@@ -261,6 +288,12 @@ class JobRunner(threading.Thread):
             log.warning("job %s: starting without neighbours %s, which do not serve it yet", self.job_id,
                         sorted(waiting))
 
+    def _evaluate(self, node: Node, progress: _Progress, labels: tuple[str, str]) -> None:
+        result = node.evaluate()
+        progress.accuracy, progress.test_loss = result.accuracy, result.loss
+        self.agent.metrics.test_accuracy.labels(*labels).set(result.accuracy)
+        self.agent.metrics.test_loss.labels(*labels).set(result.loss)
+
     def _report(self, clock: int, progress: _Progress, finished: bool) -> None:
         now = time.monotonic()
         progress.reported = now
@@ -276,7 +309,9 @@ class JobRunner(threading.Thread):
 
     def _traffic(self, direction: str) -> int:
         registry = self.agent.metrics.registry
-        total = 0.0
+        # This job's traffic with the parameter server is counted by its client (the edge metrics add up all jobs).
+        client = self.server_client
+        total = 0.0 if client is None else client.bytes_sent if direction == "sent" else client.bytes_received
         me = self.agent.node_id
         for peer in self.names.values():
             if peer == me:
@@ -298,7 +333,10 @@ class JobRunner(threading.Thread):
             try:
                 message = self.inbox.get_nowait()
             except queue.Empty:
-                return
+                break
+        if algorithm.sends_after_receive:
+            for send in algorithm.sends():
+                self._dispatch(send)
 
     def _client(self, address: str) -> PeerClient:
         client = self.clients.get(address)
@@ -306,13 +344,22 @@ class JobRunner(threading.Thread):
             client = self.clients[address] = PeerClient(address)
         return client
 
-    def _dispatch(self, send: Send) -> None:
+    def _dispatch(self, send: Send, step_s: float = math.nan) -> None:
         if send.route == Route.ALLREDUCE:
             self._allreduce(send)
             return
+        if send.route == Route.SERVER:
+            if isinstance(send.message, StepReport):
+                # The worker can do nothing until the answer comes, and the call is small: make it from this
+                # thread, sparing two thread hand-offs per local step.
+                self._server_call(Send(send.route, send.peer, send.kind,
+                                       dataclasses.replace(send.message, duration_s=step_s)))
+                return
+            self.pool.submit(self._server_call, send)
+            return
         dst = self.names.get(send.peer, f"rank{send.peer}")
         address = self.addresses.get(send.peer)
-        if address is None or send.route == Route.SERVER:
+        if address is None:
             raise NotImplementedError(f"route {send.route} to rank {send.peer} is not available in this version")
         if send.route == Route.PUSH:
             assert send.message is not None
@@ -363,6 +410,48 @@ class JobRunner(threading.Thread):
                 self.stop_event.wait(RECONNECT_DELAY_S)
                 address = self.addresses.get(message.receiver, address)
 
+    def _server_call(self, send: Send) -> None:
+        """A push (then the pull of the model), a pull, or an ESync step report to the parameter server. Transient
+        failures are retried (a push with the same id, so that it is applied once) until the job ends."""
+        client = self.server_client
+        assert client is not None
+        timeout = self.spec.wire.exchange_timeout_s
+        message = send.message
+        push_id = new_push_id()
+        pushed = message is None or isinstance(message, StepReport)
+        while not self.stop_event.is_set():
+            try:
+                if isinstance(message, StepReport):
+                    self.inbox.put(client.report(message, timeout))
+                    return
+                if not pushed:
+                    assert message is not None
+                    reply = client.push(message, push_id, timeout)
+                    pushed = True
+                    if reply.rejected:
+                        log.info("job %s: push rejected (%s); pulling the model", self.job_id, reply.rejected)
+                since = message.model_version if message is not None else 0
+                worker = self._worker
+                assert worker is not None
+                delta = bool(getattr(worker, "pull_delta", False)) and message is not None
+                self.inbox.put(client.pull(worker, since, delta, timeout))
+                self.exchanges += 1
+                return
+            except grpc.RpcError as error:
+                reason = failure_reason(error)
+                self._failed(SERVER_NODE, reason)
+                if error.code() not in TRANSIENT_CODES:
+                    log.warning("job %s: the parameter server refused a call: %s", self.job_id, error.details())
+                    self.inbox.put(Failure(send, reason))
+                    return
+                log.debug("call to the parameter server failed (%s); retrying", reason)
+                self.stop_event.wait(RECONNECT_DELAY_S if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED else 0)
+            except WireError as error:
+                self._failed(SERVER_NODE, "rejected")
+                log.warning("job %s: answer of the parameter server rejected: %s", self.job_id, error)
+                self.inbox.put(Failure(send, "rejected"))
+                return
+
     def _exchange(self, send: Send, address: str, dst: str) -> None:
         """An exchange or a pull; the answer, or the failure, goes to the training thread through the inbox."""
         assert self.serving is not None
@@ -399,11 +488,16 @@ class Agent:
         self._runner: JobRunner | None = None
         self._runner_lock = threading.Lock()
         self._server: grpc.Server | None = None
+        self._servicer: PeerServicer | None = None
         self._channel: grpc.Channel | None = None
         self._stub: coordinator_pb2_grpc.CoordinatorStub | None = None
         self.peer_address = ""
         self.metrics_address = ""
         self._threads: list[threading.Thread] = []
+
+    @property
+    def stub(self) -> coordinator_pb2_grpc.CoordinatorStub | None:
+        return self._stub
 
     # -- serving -------------------------------------------------------------------------------------------------
 
@@ -421,10 +515,11 @@ class Agent:
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="peer"), options=GRPC_OPTIONS
         )
-        peer_pb2_grpc.add_PeerServicer_to_server(
-            PeerServicer(self.serving, self.metrics, __version__), self._server
-        )
         host, port = split_address(config.listen)
+        # Payload bytes of exchanges travel on lanes beside gRPC, on the same host as the peer service.
+        self._servicer = PeerServicer(self.serving, self.metrics, __version__, lane_host=host,
+                                      lane_port=config.lane_port)
+        peer_pb2_grpc.add_PeerServicer_to_server(self._servicer, self._server)
         bound = self._server.add_insecure_port(f"{host}:{port}")
         if bound == 0:
             raise OSError(f"cannot listen on {config.listen}")
@@ -435,7 +530,7 @@ class Agent:
             metrics_bound = self.metrics.serve_http(metrics_host, metrics_port)
             self.metrics_address = f"{self._advertised_host(metrics_host)}:{metrics_bound}"
         log.warning("peer links are not encrypted (insecure mode): run only on a trusted network")
-        self._channel = grpc.insecure_channel(config.coordinator)
+        self._channel = grpc.insecure_channel(config.coordinator, options=GRPC_OPTIONS)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self._register()
         self.metrics.agent_info.labels(self.node_id, config.device).set(1)
@@ -533,5 +628,7 @@ class Agent:
                 self._runner = None
         if self._server is not None:
             self._server.stop(grace=2).wait()
+        if self._servicer is not None:
+            self._servicer.close()
         if self._channel is not None:
             self._channel.close()

@@ -32,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="coordinator address HOST:PORT (env PEERTRAIN_COORDINATOR; default %(default)s)",
     )
     serve.add_argument("--listen", default="0.0.0.0:7100", help="peer service address HOST:PORT; port 0 picks one")
+    serve.add_argument(
+        "--lane-port", type=int, default=0,
+        help="TCP port of the tensor lanes that carry exchange payloads beside gRPC (default 0: any free port)",
+    )
     serve.add_argument("--advertise", help="address neighbours dial (default: the listen address, or the hostname)")
     serve.add_argument(
         "--metrics-listen", default="0.0.0.0:9401", help="Prometheus /metrics address HOST:PORT (default %(default)s)"
@@ -86,7 +90,7 @@ def serve(args: argparse.Namespace) -> int:
         AgentConfig(
             coordinator=args.coordinator, listen=args.listen, advertise=args.advertise,
             metrics_listen=args.metrics_listen or None, state_dir=args.state_dir, data_dir=args.data_dir,
-            device=resolve_device(args.device), name=args.name, slowdown=args.slowdown,
+            device=resolve_device(args.device), name=args.name, slowdown=args.slowdown, lane_port=args.lane_port,
         )
     )
     stop = threading.Event()

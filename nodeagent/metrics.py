@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 EXCHANGE_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 
@@ -80,6 +81,23 @@ class Metrics:
         self.coordinator_jobs = Gauge("peertrain_coordinator_jobs", "Jobs by state", ["state"], registry=r)
         self.coordinator_heartbeats = Counter(
             "peertrain_coordinator_heartbeats", "Heartbeats received from node agents", registry=r
+        )
+        # The parameter server hosted by the coordinator (centralised algorithms); `node` is the worker.
+        self.ps_bytes_upstream = Counter(
+            "peertrain_ps_upstream_bytes", "Payload bytes of pushes and step reports, worker to server", node,
+            registry=r,
+        )
+        self.ps_bytes_downstream = Counter(
+            "peertrain_ps_downstream_bytes", "Payload bytes of model pulls, server to worker", node, registry=r
+        )
+        self.ps_pushes = Counter(
+            "peertrain_ps_pushes", "Pushes received by the parameter server, by outcome (applied, pending, "
+            "rejected, duplicate)", ["job_id", "outcome"], registry=r,
+        )
+        self.ps_version = Gauge("peertrain_ps_version", "Model version of the parameter server", ["job_id"], registry=r)
+        self.ps_staleness = Histogram(
+            "peertrain_ps_staleness", "Delay of an applied push: updates between the worker's version and it",
+            ["job_id"], buckets=STALENESS_BUCKETS, registry=r,
         )
 
     def serve_http(self, host: str, port: int) -> int:

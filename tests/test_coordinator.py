@@ -95,8 +95,11 @@ def first_assignment(stub, node_id: str) -> pb.Assignment:
 def test_invalid_job_is_refused_with_the_field(coordinator):
     start, _ = coordinator
     _, stub = start()
-    for text, field in ((job(topology={"kind": "hypercube"}), "topology"), (job(algorithm={"name": "x"}),
-                                                                             "algorithm.name")):
+    for text, field in (
+        (job(topology={"kind": "hypercube"}), "topology"),
+        (job(algorithm={"name": "x"}), "algorithm.name"),
+        (job(nodes=4, algorithm={"name": "sgp"}, topology={"kind": "bipartite-exponential"}), "topology.kind"),
+    ):
         with pytest.raises(grpc.RpcError) as error:
             stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=text), timeout=5)
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -714,6 +714,12 @@ def feed(agent: Any, coordinator: Any, job: str, stop: threading.Event) -> None:
             agent.training_loss.labels(job, node).set(1.0 / step)
             agent.test_accuracy.labels(job, node).set(min(0.9, 0.1 + step / 100))
             agent.test_loss.labels(job, node).set(1.0 / step)
+            # The parameter server the coordinator hosts for centralised jobs.
+            coordinator.ps_bytes_upstream.labels(job, node).inc(1024)
+            coordinator.ps_bytes_downstream.labels(job, node).inc(4096)
+        coordinator.ps_pushes.labels(job, "applied").inc(2)
+        coordinator.ps_version.labels(job).set(2 * step)
+        coordinator.ps_staleness.labels(job).observe(step % 3)
 
 
 def prometheus_query(base: str, expr: str) -> list[dict[str, Any]]:

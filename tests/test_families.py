@@ -46,7 +46,7 @@ def test_family_trains_over_grpc(cluster, fashion_mnist_dir, family):
     assert status.state == pb.JOB_FINISHED
     assert [n.step for n in status.nodes] == [200] * 4
     for node in status.nodes:
-        assert node.test_accuracy > 0.6, f"rank {node.rank} reached only {node.test_accuracy}"
+        assert node.test_accuracy > 0.5, f"rank {node.rank} reached only {node.test_accuracy}"
         assert node.bytes_sent > 0 or node.bytes_received > 0
     first = {r.rank: r.test_accuracy for r in read_run_log(status.run_dir) if r.step == 0 and r.test_accuracy}
     assert all(first[n.rank] + 0.2 < n.test_accuracy for n in status.nodes)

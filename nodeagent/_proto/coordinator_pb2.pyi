@@ -1,3 +1,4 @@
+from . import wire_pb2 as _wire_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -265,3 +266,57 @@ class JobStatusReply(_message.Message):
     created_unix: float
     spec_yaml: str
     def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., world_size: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeProgress, _Mapping]]] = ..., run_dir: _Optional[str] = ..., created_unix: _Optional[float] = ..., spec_yaml: _Optional[str] = ...) -> None: ...
+
+class PsPushReply(_message.Message):
+    __slots__ = ("version", "applied", "rejected", "delay", "bytes_received", "duplicate")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    DELAY_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    applied: bool
+    rejected: str
+    delay: int
+    bytes_received: int
+    duplicate: bool
+    def __init__(self, version: _Optional[int] = ..., applied: _Optional[bool] = ..., rejected: _Optional[str] = ..., delay: _Optional[int] = ..., bytes_received: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+
+class PsPullRequest(_message.Message):
+    __slots__ = ("job_id", "rank", "node_id", "since_version", "delta")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SINCE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rank: int
+    node_id: str
+    since_version: int
+    delta: bool
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., node_id: _Optional[str] = ..., since_version: _Optional[int] = ..., delta: _Optional[bool] = ...) -> None: ...
+
+class PsReportRequest(_message.Message):
+    __slots__ = ("job_id", "rank", "node_id", "version", "round_step", "duration_s")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUND_STEP_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rank: int
+    node_id: str
+    version: int
+    round_step: int
+    duration_s: float
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., node_id: _Optional[str] = ..., version: _Optional[int] = ..., round_step: _Optional[int] = ..., duration_s: _Optional[float] = ...) -> None: ...
+
+class PsReportReply(_message.Message):
+    __slots__ = ("ready", "version")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    version: int
+    def __init__(self, ready: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...

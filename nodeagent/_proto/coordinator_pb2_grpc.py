@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from . import coordinator_pb2 as peertrain_dot_v1_dot_coordinator__pb2
+from . import wire_pb2 as peertrain_dot_v1_dot_wire__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -74,6 +75,21 @@ class CoordinatorStub:
                 request_serializer=peertrain_dot_v1_dot_coordinator__pb2.JobStatusRequest.SerializeToString,
                 response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.JobStatusReply.FromString,
                 _registered_method=True)
+        self.PsPush = channel.stream_unary(
+                '/peertrain.v1.Coordinator/PsPush',
+                request_serializer=peertrain_dot_v1_dot_wire__pb2.Frame.SerializeToString,
+                response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.PsPushReply.FromString,
+                _registered_method=True)
+        self.PsPull = channel.unary_stream(
+                '/peertrain.v1.Coordinator/PsPull',
+                request_serializer=peertrain_dot_v1_dot_coordinator__pb2.PsPullRequest.SerializeToString,
+                response_deserializer=peertrain_dot_v1_dot_wire__pb2.Frame.FromString,
+                _registered_method=True)
+        self.PsReport = channel.unary_unary(
+                '/peertrain.v1.Coordinator/PsReport',
+                request_serializer=peertrain_dot_v1_dot_coordinator__pb2.PsReportRequest.SerializeToString,
+                response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.PsReportReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -129,6 +145,33 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PsPush(self, request_iterator, context):
+        """Parameter-server calls: the coordinator hosts the server half of the centralised algorithms (SSGD, ASGD,
+        DC-ASGD, AdaComp, ESync). On the wire the server is rank world_size of the job (one past the last worker).
+        Push: the worker streams its update (manifest: job, sender id and rank, kind, clock, and in model_version the
+        version it computed on). The invocation metadata "peertrain-push-id" names the push: a retry carries the same
+        id and is never applied twice. The reply comes once the worker may pull: at once for asynchronous rules, when
+        the round completes for synchronous ones (SSGD, ESync).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PsPull(self, request, context):
+        """Pull: the model as a stream, in full (kind PARAMS) or, when asked and available, as a delta since the
+        worker's version (kind DELTA); model_version in the manifest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PsReport(self, request, context):
+        """ESync: a worker finished a local step of duration_s seconds; READY says whether to stop this round.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -171,6 +214,21 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.JobStatus,
                     request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.JobStatusRequest.FromString,
                     response_serializer=peertrain_dot_v1_dot_coordinator__pb2.JobStatusReply.SerializeToString,
+            ),
+            'PsPush': grpc.stream_unary_rpc_method_handler(
+                    servicer.PsPush,
+                    request_deserializer=peertrain_dot_v1_dot_wire__pb2.Frame.FromString,
+                    response_serializer=peertrain_dot_v1_dot_coordinator__pb2.PsPushReply.SerializeToString,
+            ),
+            'PsPull': grpc.unary_stream_rpc_method_handler(
+                    servicer.PsPull,
+                    request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.PsPullRequest.FromString,
+                    response_serializer=peertrain_dot_v1_dot_wire__pb2.Frame.SerializeToString,
+            ),
+            'PsReport': grpc.unary_unary_rpc_method_handler(
+                    servicer.PsReport,
+                    request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.PsReportRequest.FromString,
+                    response_serializer=peertrain_dot_v1_dot_coordinator__pb2.PsReportReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -389,6 +447,87 @@ class Coordinator:
             '/peertrain.v1.Coordinator/JobStatus',
             peertrain_dot_v1_dot_coordinator__pb2.JobStatusRequest.SerializeToString,
             peertrain_dot_v1_dot_coordinator__pb2.JobStatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PsPush(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/peertrain.v1.Coordinator/PsPush',
+            peertrain_dot_v1_dot_wire__pb2.Frame.SerializeToString,
+            peertrain_dot_v1_dot_coordinator__pb2.PsPushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PsPull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/peertrain.v1.Coordinator/PsPull',
+            peertrain_dot_v1_dot_coordinator__pb2.PsPullRequest.SerializeToString,
+            peertrain_dot_v1_dot_wire__pb2.Frame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PsReport(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peertrain.v1.Coordinator/PsReport',
+            peertrain_dot_v1_dot_coordinator__pb2.PsReportRequest.SerializeToString,
+            peertrain_dot_v1_dot_coordinator__pb2.PsReportReply.FromString,
             options,
             channel_credentials,
             insecure,

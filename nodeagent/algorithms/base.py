@@ -162,6 +162,9 @@ class Algorithm(ABC):
     """Base of every algorithm; subclasses implement the update rule and the message protocol."""
 
     name: ClassVar[str]
+    # Whether receive() can produce sends (ESync pushes its delta once READY): runtimes then also call sends()
+    # after draining received messages, not only after a step.
+    sends_after_receive: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         self.model = model

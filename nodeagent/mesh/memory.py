@@ -7,11 +7,22 @@ off by a partition refuse connections at once. The loop mirrors the agent's orde
 inbox, wait until the algorithm is ready, evaluate when due, step, send. A peer answers an exchange from the
 snapshot it published at the end of its last completed step, as the agent's servicer does.
 
+The parameter server (Route.SERVER, the centralised algorithms) is the same server half the coordinator hosts
+(nodeagent.algorithms.ps.build_server), in this process. It has one network interface: pushes queue on its
+ingress and models on its egress, each at the network's bandwidth, plus the latency; step reports and their
+answers (ESync) are small and cost the latency and their bytes, without queueing. The server's clock is the
+virtual clock, so ESync's READY decision runs unchanged on virtual time; a report carries the step's virtual
+duration. The server is always reachable (faults and partitions apply to peer links). Each worker's rounds (one
+per model it receives) are measured as nodeagent.ps.RoundMetrics in `SimNode.rounds`: local steps, samples,
+compute, aggregation (its push's and its model's time on the network, queueing included) and wait (the rest:
+step reports, and waiting for the other workers).
+
 Everything is deterministic for a given seed: one heap ordered by (time, sequence number) and one generator.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -21,9 +32,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from nodeagent.algorithms.base import ALLREDUCE_RANK, Failure, Route, Send, Snapshot
+from nodeagent.algorithms.base import ALLREDUCE_RANK, SERVER_RANK, Failure, Route, Send, Snapshot
+from nodeagent.algorithms.ps import ReadyAnswer, ServerHalf, StepReport, build_server, server_class
 from nodeagent.jobspec import SimulationSpec
 from nodeagent.metrics import Metrics
+from nodeagent.ps.esync import RoundMetrics
 from nodeagent.training.job import Node
 from nodeagent.wire.message import Message
 
@@ -31,6 +44,10 @@ from nodeagent.wire.message import Message
 PUSH_RETRY_S = 1.0
 # Bytes of a request that carries no tensors (a pull): its frames' headers.
 REQUEST_BYTES = 64
+# Keys of the parameter server's interface in the link table.
+SERVER_INGRESS = (SERVER_RANK, 0)
+SERVER_EGRESS = (SERVER_RANK, 1)
+SERVER_NAME = "server"
 
 
 @dataclass
@@ -54,6 +71,15 @@ class SimNode:
     exchanges: int = 0
     failures: int = 0
     evaluated_at: int = -1
+    # The current round with the parameter server (from one model received to the next).
+    round_started: float = 0.0
+    round_steps: int = 0
+    round_samples: int = 0
+    round_compute: float = 0.0
+    round_network: float = 0.0
+    round_sent: int = 0
+    round_received: int = 0
+    rounds: list[RoundMetrics] = field(default_factory=list)
 
 
 Observer = Callable[["VirtualMesh", SimNode, bool], None]
@@ -77,6 +103,15 @@ class VirtualMesh:
         self._link_free_at: dict[tuple[int, int], float] = {}
         self._allreduce: dict[int, dict[int, Message]] = {}
         speeds = simulation.speeds or [1.0] * len(nodes)
+        self.server: ServerHalf | None = None
+        if nodes and server_class(nodes[0].spec.algorithm.name) is not None:
+            self.server = build_server(nodes[0].spec)
+            if not torch.equal(self.server.w, nodes[0].algorithm.w):
+                raise RuntimeError("the server's initial model differs from the workers'")
+        self._push_ids = itertools.count()
+        self._pushed_from: dict[int, int] = {}  # rank -> the version its outstanding push was computed on
+        self.server_bytes_up = 0
+        self.server_bytes_down = 0
         self.nodes = [
             SimNode(
                 node=n, name=f"rank{n.rank}", visible=n.algorithm.snapshot(),
@@ -139,6 +174,9 @@ class VirtualMesh:
                 algorithm.failed(message.send, message.reason)
             else:
                 algorithm.receive(message)
+        if sim.inbox and algorithm.sends_after_receive:
+            for send in algorithm.sends():
+                self._transmit(sim, send)
         sim.inbox.clear()
         if not algorithm.ready():
             if sim.waiting_since is None:
@@ -166,8 +204,11 @@ class VirtualMesh:
         if self.simulation.jitter > 0:
             duration *= float(self.rng.lognormal(0.0, self.simulation.jitter))
         sim.compute_s += duration
+        sim.round_compute += duration
+        sim.round_steps += 1
+        sim.round_samples += len(inputs)
         sim.computing = True
-        sends = algorithm.sends()
+        sends = [self._stamp(send, duration) for send in algorithm.sends()]
         snapshot = algorithm.snapshot()
         self.at(self.now + duration, lambda: self._complete(sim, sends, snapshot))
 
@@ -196,7 +237,8 @@ class VirtualMesh:
             self._contribute(sim, send)
             return
         if send.route == Route.SERVER:
-            raise NotImplementedError("the parameter-server route is not simulated in this version")
+            self._to_server(sim, send)
+            return
         src, dst = sim.node.rank, send.peer
         if send.route in (Route.EXCHANGE, Route.PULL):
             if dst in sim.in_flight:
@@ -295,3 +337,105 @@ class VirtualMesh:
     def _wake(self, sim: SimNode) -> None:
         if sim.waiting_since is not None and not sim.computing:
             self._start(sim)
+
+    # -- the parameter server ------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _stamp(send: Send, duration: float) -> Send:
+        """A step report carries the virtual duration of the step it reports."""
+        if isinstance(send.message, StepReport):
+            return dataclasses.replace(send, message=dataclasses.replace(send.message, duration_s=duration))
+        return send
+
+    def _server_link(self, key: tuple[int, int], size: int) -> float:
+        """When `size` bytes sent now through the server's ingress or egress arrive (one transfer at a time)."""
+        start = max(self.now, self._link_free_at.get(key, 0.0))
+        finish = start + size / self.network.bandwidth_bytes_per_s
+        self._link_free_at[key] = finish
+        return finish + self.network.latency_s
+
+    def _count_server(self, sim: SimNode, up: int = 0, down: int = 0) -> None:
+        sim.bytes_sent += up
+        sim.round_sent += up
+        sim.bytes_received += down
+        sim.round_received += down
+        self.server_bytes_up += up
+        self.server_bytes_down += down
+        if up:
+            self.metrics.edge_bytes_sent.labels(sim.name, SERVER_NAME).inc(up)
+            self.metrics.edge_bytes_received.labels(sim.name, SERVER_NAME).inc(up)
+        if down:
+            self.metrics.edge_bytes_sent.labels(SERVER_NAME, sim.name).inc(down)
+            self.metrics.edge_bytes_received.labels(SERVER_NAME, sim.name).inc(down)
+
+    def _to_server(self, sim: SimNode, send: Send) -> None:
+        server = self.server
+        if server is None:
+            raise RuntimeError(f"{sim.name} sent to the parameter server, but this job has none")
+        message = send.message
+        rank = sim.node.rank
+        if isinstance(message, StepReport):
+            self._count_server(sim, up=REQUEST_BYTES)
+            arrival = self.now + REQUEST_BYTES / self.network.bandwidth_bytes_per_s + self.network.latency_s
+            self.at(arrival, lambda: self._server_report(sim, message))
+            return
+        if message is None:  # a pull of the current model
+            self._count_server(sim, up=REQUEST_BYTES)
+            self._pushed_from[rank] = sim.node.algorithm.version
+            self.at(self.now + self.network.latency_s, lambda: self._server_answer(rank))
+            return
+        size = message.payload_bytes
+        self._count_server(sim, up=size)
+        arrival = self._server_link(SERVER_INGRESS, size)
+        sim.round_network += arrival - self.now
+        push_id = f"{rank}:{next(self._push_ids)}"
+        self.at(arrival, lambda: self._server_push(rank, message, push_id))
+
+    def _server_push(self, rank: int, message, push_id: str) -> None:
+        assert self.server is not None
+        result = self.server.push(rank, message, push_id, self.now)
+        self.server.drain_events()
+        self._pushed_from[rank] = message.model_version
+        self.nodes[rank].exchanges += 1
+        for worker in result.release:
+            self._server_answer(worker)
+
+    def _server_answer(self, rank: int) -> None:
+        """Send worker `rank` the model (in full, or the delta since its push if it asks for deltas)."""
+        assert self.server is not None
+        sim = self.nodes[rank]
+        delta = bool(getattr(sim.node.algorithm, "pull_delta", False))
+        answer = self.server.pull(rank, self._pushed_from.pop(rank, 0), delta, self.now)
+        self.server.drain_events()
+        size = answer.payload_bytes
+        self._count_server(sim, down=size)
+        arrival = self._server_link(SERVER_EGRESS, size)
+        sim.round_network += arrival - self.now
+        self.at(arrival, lambda: self._server_deliver(sim, answer))
+
+    def _server_deliver(self, sim: SimNode, answer) -> None:
+        sim.inbox.append(answer)
+        self._end_round(sim)
+        self._wake(sim)
+
+    def _server_report(self, sim: SimNode, report: StepReport) -> None:
+        assert self.server is not None
+        rank = sim.node.rank
+        ready = self.server.report(rank, report.model_version, report.clock, report.duration_s, self.now)
+        answer = ReadyAnswer(report.kind, SERVER_RANK, rank, {}, model_version=self.server.version, ready=ready)
+        self._count_server(sim, down=REQUEST_BYTES)
+        arrival = self.now + REQUEST_BYTES / self.network.bandwidth_bytes_per_s + self.network.latency_s
+        self.at(arrival, lambda: self._collect(sim, answer))
+
+    def _end_round(self, sim: SimNode) -> None:
+        elapsed = self.now - sim.round_started
+        if elapsed > 0:
+            aggregation = min(sim.round_network, elapsed)
+            wait = max(0.0, elapsed - sim.round_compute - aggregation)
+            sim.rounds.append(
+                RoundMetrics(sim.round_steps, sim.round_samples, sim.round_compute, wait, aggregation, elapsed,
+                             sim.round_sent, sim.round_received)
+            )
+        sim.round_started = self.now
+        sim.round_steps = sim.round_samples = sim.round_sent = sim.round_received = 0
+        sim.round_compute = sim.round_network = 0.0

@@ -33,6 +33,7 @@ class PushResult:
     release: tuple[int, ...]  # workers that may pull now (their wait is over)
     delay: int = 0  # updates applied since the version the worker computed on
     rejected: str = ""  # non-empty: the update was discarded (why); the worker must pull and recompute
+    duplicate: bool = False  # a retry of a push the server already had (runtimes dedupe by push id)
 
 
 class ParameterServer:

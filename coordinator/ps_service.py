@@ -1,0 +1,339 @@
+"""The parameter server inside the coordinator: the server half of every running centralised job (SSGD, ASGD,
+DC-ASGD, AdaComp, ESync), served over the PsPush, PsPull and PsReport calls of coordinator.proto.
+
+One `PSJob` per job holds the algorithm's server half (nodeagent.algorithms.ps) behind one lock: pushes from many
+workers are applied one at a time, in the order they take the lock, each exactly once (a push is named by the
+"peertrain-push-id" metadata, and a retry of a worker's last push is recognised and not applied again).
+
+Durability: every applied update is written to the job's run directory before it is acknowledged: the server
+state (model, version, the rule's state, the push ids) to `ps-state.pt` after each push; ESync's step reports,
+which happen after every local step and touch only the round's small table, to `ps-round.pt`. Each file is
+written whole and renamed over the old one, so a coordinator that is killed and restarted finds the state as of
+the last acknowledged call (add `fsync` to survive a crash of the machine too). The rule's per-worker tables that
+no applied update depends on (DC-ASGD's backups and mean squares: `ServerHalf.volatile`) go to `ps-tables.pt` at
+most every TABLES_EVERY_S seconds and when the job closes: after a crash a backup may be older than the model its
+worker pulled, and that worker's next push is rejected (it pulls again), which costs one step and loses nothing.
+`ps-log.jsonl` records the applied order: one line per push (rank, push id, the version it was computed on, the
+version after it, delay, rejection), per pull that sets a backup and per ESync round.
+
+Synchronous rules answer a push when the round completes: the call waits (bounded by the caller's deadline; the
+worker retries with the same id, which waits for the same round).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from coordinator.store import Store
+from nodeagent._proto import coordinator_pb2 as pb
+from nodeagent._proto import wire_pb2
+from nodeagent.algorithms.base import SERVER_RANK
+from nodeagent.algorithms.ps import PUSH_ID_HEADER, ServerHalf, build_server, server_class, wire_rank
+from nodeagent.jobspec import JobSpec
+from nodeagent.metrics import Metrics
+from nodeagent.ps.rules import ProtocolError, PushResult
+from nodeagent.wire.codec import WireError, decode, encode
+from nodeagent.wire.message import Encoding, Kind, Message
+
+log = logging.getLogger("coordinator.ps")
+
+STATE_FILE = "ps-state.pt"
+ROUND_FILE = "ps-round.pt"
+TABLES_FILE = "ps-tables.pt"
+TABLES_EVERY_S = 2.0
+LOG_FILE = "ps-log.jsonl"
+SERVER_NODE = "coordinator"  # how the server is named in edge metrics and manifests
+WAIT_SLICE_S = 0.5  # a waiting push checks this often whether its caller is still there
+
+
+class JobClosed(Exception):
+    """The job ended while a call waited."""
+
+
+def atomic_write(path: Path, state: Any, fsync: bool) -> None:
+    buffer = io.BytesIO()
+    # The legacy format is one buffer, several times faster to write than the zip format for our small states.
+    torch.save(state, buffer, _use_new_zipfile_serialization=False)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as out:
+        out.write(buffer.getbuffer())
+        if fsync:
+            out.flush()
+            os.fsync(out.fileno())
+    os.replace(tmp, path)
+
+
+def counted(frames: Iterable[wire_pb2.Frame], count: Callable[[int], None]) -> Iterator[wire_pb2.Frame]:
+    for frame in frames:
+        if frame.WhichOneof("body") == "chunk":
+            count(len(frame.chunk))
+        yield frame
+
+
+class PSJob:
+    """One job's server half, its lock, and its files."""
+
+    def __init__(self, job_id: str, spec: JobSpec, run_dir: Path, members: dict[int, str], metrics: Metrics,
+                 fsync: bool = False):
+        self.job_id = job_id
+        self.spec = spec
+        self.members = members  # rank -> node id
+        self.metrics = metrics
+        self.fsync = fsync
+        self.half: ServerHalf = build_server(spec)
+        self.run_dir = run_dir
+        self.state_path = run_dir / STATE_FILE
+        self.round_path = run_dir / ROUND_FILE
+        self.tables_path = run_dir / TABLES_FILE
+        self.tables_written = 0.0
+        self.condition = threading.Condition()
+        self.closed = False
+        self.commits = 0
+        self._load()
+        self._log = open(run_dir / LOG_FILE, "a")  # noqa: SIM115 (open for the job's life, closed by close())
+        metrics.ps_version.labels(job_id).set(self.half.version)
+
+    def _load(self) -> None:
+        if self.state_path.exists():
+            state = torch.load(self.state_path, weights_only=True)
+        elif self.round_path.exists():
+            state = {**self.half.state_dict(), "commits": 0}  # reports came, no push yet
+        else:
+            return
+        self.commits = int(state.get("commits", 0))
+        if self.half.volatile:
+            tables = torch.load(self.tables_path, weights_only=True) if self.tables_path.exists() else {}
+            fresh = self.half.state_dict()["rule"]
+            for key in self.half.volatile:
+                if key in fresh:
+                    state["rule"][key] = tables.get(key, fresh[key])
+        if self.round_path.exists():
+            light = torch.load(self.round_path, weights_only=True)
+            if int(light.get("commits", -1)) > self.commits and light.get("version") == state["rule"]["version"]:
+                state["rule"].update(light["round"])
+                self.commits = int(light["commits"])
+        self.half.load_state_dict(state)
+        log.info("job %s: parameter server resumed at version %d from %s", self.job_id, self.half.version,
+                 self.state_path)
+
+    # -- the calls, each under the job's lock -------------------------------------------------------------------------
+
+    def push(self, rank: int, message: Message, push_id: str, alive: Callable[[], bool]) -> PushResult:
+        with self.condition:
+            self._check_open()
+            result = self.half.push(rank, message, push_id, time.monotonic())
+            outcome = "duplicate" if result.duplicate else "rejected" if result.rejected else (
+                "applied" if result.applied else "pending")
+            self.metrics.ps_pushes.labels(self.job_id, outcome).inc()
+            if not result.duplicate:
+                self._commit()
+                if result.applied and not self.half.synchronous:
+                    self.metrics.ps_staleness.labels(self.job_id).observe(result.delay)
+                self.condition.notify_all()
+            while not self.half.is_released(rank, push_id):
+                self._check_open()
+                if not alive():
+                    raise JobClosed("the caller went away")
+                self.condition.wait(WAIT_SLICE_S)
+            return dataclasses.replace(result, version=self.half.version)
+
+    def pull(self, rank: int, since_version: int, delta: bool) -> Message:
+        with self.condition:
+            self._check_open()
+            message = self.half.pull(rank, since_version, delta, time.monotonic())
+            if self.half.pull_mutates:
+                self._commit(durable=False)
+            return message
+
+    def report(self, rank: int, version: int, round_step: int, duration_s: float) -> tuple[bool, int]:
+        with self.condition:
+            self._check_open()
+            ready = self.half.report(rank, version, round_step, duration_s, time.monotonic())
+            self.commits += 1
+            atomic_write(self.round_path, {"commits": self.commits, "version": self.half.version,
+                                           "round": self.half.round_state()}, self.fsync)
+            return ready, self.half.version
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise JobClosed(f"job {self.job_id} is not running")
+
+    def _commit(self, durable: bool = True) -> None:
+        """Make the state durable, then log what happened (called with the lock held, before any answer).
+        `durable` False: only volatile tables changed (they are written when due)."""
+        state = self.half.state_dict()
+        tables = {key: state["rule"].pop(key) for key in self.half.volatile if key in state["rule"]}
+        if durable:
+            self.commits += 1
+            atomic_write(self.state_path, {**state, "commits": self.commits}, self.fsync)
+        if tables and time.monotonic() - self.tables_written >= TABLES_EVERY_S:
+            self._write_tables(tables)
+        for event in self.half.drain_events():
+            self._log.write(json.dumps(event) + "\n")
+        self._log.flush()
+        self.metrics.ps_version.labels(self.job_id).set(self.half.version)
+
+    def _write_tables(self, tables: dict[str, Any] | None = None) -> None:
+        if tables is None:
+            state = self.half.state_dict()["rule"]
+            tables = {key: state[key] for key in self.half.volatile if key in state}
+        atomic_write(self.tables_path, tables, self.fsync)
+        self.tables_written = time.monotonic()
+
+    def close(self) -> None:
+        with self.condition:
+            if self.half.volatile and not self.closed:
+                self._write_tables()
+            self.closed = True
+            self.condition.notify_all()
+            self._log.close()
+
+
+class PSService:
+    """The parameter-server calls of the coordinator's servicer."""
+
+    def __init__(self, store: Store, metrics: Metrics, fsync: bool = False):
+        self.store = store
+        self.metrics = metrics
+        self.fsync = fsync
+        self._jobs: dict[str, PSJob] = {}
+        self._lock = threading.Lock()
+
+    def job(self, job_id: str) -> PSJob:
+        """The running centralised job `job_id`'s server (loaded from its run directory after a restart)."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is not None and not job.closed:
+                return job
+            row = self.store.job(job_id)
+            if row is None or row.state != "RUNNING":
+                raise WireError("wrong_job", f"job {job_id!r} is not running", grpc.StatusCode.FAILED_PRECONDITION)
+            spec = JobSpec.from_json(row.spec_json)
+            if server_class(spec.algorithm.name) is None:
+                raise WireError("no_server", f"job {job_id!r} runs {spec.algorithm.name}, which has no parameter "
+                                "server", grpc.StatusCode.FAILED_PRECONDITION)
+            members = {m.rank: m.node_id for m in self.store.members(job_id)}
+            job = self._jobs[job_id] = PSJob(job_id, spec, Path(row.run_dir), members, self.metrics, self.fsync)
+            return job
+
+    def close(self, job_id: str) -> None:
+        with self._lock:
+            job = self._jobs.pop(job_id, None)
+        if job is not None:
+            job.close()
+
+    def close_all(self) -> None:
+        for job_id in list(self._jobs):
+            self.close(job_id)
+
+    @staticmethod
+    def _check_member(job: PSJob, rank: int, node_id: str) -> None:
+        if job.members.get(rank) != node_id:
+            raise WireError("not_member", f"node {node_id!r} does not hold rank {rank} of job {job.job_id}",
+                            grpc.StatusCode.PERMISSION_DENIED)
+
+    def _count(self, job: PSJob, rank: int, up: int = 0, down: int = 0) -> None:
+        node = job.members.get(rank, f"rank{rank}")
+        if up:
+            self.metrics.ps_bytes_upstream.labels(job.job_id, node).inc(up)
+            self.metrics.edge_bytes_received.labels(node, SERVER_NODE).inc(up)
+        if down:
+            self.metrics.ps_bytes_downstream.labels(job.job_id, node).inc(down)
+            self.metrics.edge_bytes_sent.labels(SERVER_NODE, node).inc(down)
+
+    # -- the calls ---------------------------------------------------------------------------------------------------
+
+    def push(self, request_iterator, context) -> pb.PsPushReply:
+        push_id = dict(context.invocation_metadata()).get(PUSH_ID_HEADER, "")
+        if not push_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"a push needs the {PUSH_ID_HEADER} metadata")
+        found: dict[str, PSJob] = {}
+        received = 0
+
+        def count(n: int) -> None:
+            nonlocal received
+            received += n
+
+        def expect(manifest: wire_pb2.Manifest):
+            job = self.job(manifest.job_id)
+            self._check_member(job, manifest.sender_rank, manifest.sender_id)
+            if manifest.receiver_rank != wire_rank(job.spec.nodes):
+                raise WireError("wrong_receiver", f"a push to the server goes to rank {wire_rank(job.spec.nodes)}")
+            total = sum(header.byte_length for header in manifest.tensors)
+            if total > job.spec.wire.max_message_bytes:
+                raise WireError("too_large", f"a push of {total} bytes exceeds the job's limit")
+            found["job"] = job
+            shapes = [(header.name, tuple(header.shape)) for header in manifest.tensors]
+            return job.half.push_specs(Kind(manifest.kind), shapes)
+
+        try:
+            message = decode(counted(request_iterator, count), expect)
+        except WireError as error:
+            self.metrics.stream_rejections.labels("unknown", SERVER_NODE, error.reason).inc()
+            context.abort(error.code, str(error))
+        job = found["job"]
+        rank = message.sender
+        self._count(job, rank, up=received)
+        message = dataclasses.replace(message, receiver=SERVER_RANK)
+        error: tuple[grpc.StatusCode, str] | None = None
+        try:
+            result = job.push(rank, message, push_id, context.is_active)
+        except ProtocolError as failure:
+            error = (grpc.StatusCode.INVALID_ARGUMENT, str(failure))
+        except JobClosed as failure:
+            error = (grpc.StatusCode.FAILED_PRECONDITION, str(failure))
+        if error is not None:
+            context.abort(*error)
+        return pb.PsPushReply(
+            version=result.version, applied=not result.rejected and not result.duplicate,
+            rejected=result.rejected, delay=result.delay, bytes_received=received, duplicate=result.duplicate,
+        )
+
+    def pull(self, request: pb.PsPullRequest, context) -> Iterator[wire_pb2.Frame]:
+        error: tuple[grpc.StatusCode, str] | None = None
+        try:
+            job = self.job(request.job_id)
+            self._check_member(job, request.rank, request.node_id)
+            message = job.pull(request.rank, request.since_version, request.delta)
+        except WireError as failure:
+            error = (failure.code, str(failure))
+        except ProtocolError as failure:
+            error = (grpc.StatusCode.INVALID_ARGUMENT, str(failure))
+        except JobClosed as failure:
+            error = (grpc.StatusCode.FAILED_PRECONDITION, str(failure))
+        if error is not None:
+            context.abort(*error)
+        message = dataclasses.replace(message, sender=wire_rank(job.spec.nodes))
+        frames = encode(message, job_id=job.job_id, sender_id=SERVER_NODE,
+                        encoding=Encoding.from_name(job.spec.wire.encoding), chunk_bytes=job.spec.wire.chunk_bytes)
+        yield from counted(frames, lambda n: self._count(job, request.rank, down=n))
+
+    def report(self, request: pb.PsReportRequest, context) -> pb.PsReportReply:
+        error: tuple[grpc.StatusCode, str] | None = None
+        try:
+            job = self.job(request.job_id)
+            self._check_member(job, request.rank, request.node_id)
+            ready, version = job.report(request.rank, request.version, request.round_step, request.duration_s)
+        except WireError as failure:
+            error = (failure.code, str(failure))
+        except ProtocolError as failure:
+            error = (grpc.StatusCode.INVALID_ARGUMENT, str(failure))
+        except JobClosed as failure:
+            error = (grpc.StatusCode.FAILED_PRECONDITION, str(failure))
+        if error is not None:
+            context.abort(*error)
+        reply = pb.PsReportReply(ready=ready, version=version)
+        self._count(job, request.rank, up=request.ByteSize(), down=reply.ByteSize())
+        return reply

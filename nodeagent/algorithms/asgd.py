@@ -1,0 +1,22 @@
+"""ASGD (ALGORITHMS.md, "ASGD"): the server applies each pushed gradient on arrival, w <- w - lr * g; the worker
+pulls the new w before its next step.
+
+Worker: `PSWorker`. Server: nodeagent.ps.ASGDServer; a push is answered at once, whatever its staleness.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nodeagent.algorithms.ps import PSWorker, ServerHalf
+from nodeagent.ps.rules import ASGDServer, ParameterServer
+
+
+class ASGDServerHalf(ServerHalf):
+    def build_rule(self, w0: torch.Tensor) -> ParameterServer:
+        return ASGDServer(w0, self.num_workers, self.spec.algorithm.lr)
+
+
+class ASGD(PSWorker):
+    name = "asgd"
+    server_half = ASGDServerHalf

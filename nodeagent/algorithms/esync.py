@@ -1,0 +1,134 @@
+"""ESync (ALGORITHMS.md, "ESync"): synchronous rounds sized for heterogeneous workers.
+
+Worker: each round starts from the global model; the worker runs local SGD steps (lr is the local lr; momentum
+and Nesterov apply to the local steps) and after each one reports it (a `StepReport`; the runtime adds the step's
+duration) and waits for the answer. Not READY: another step. READY: it pushes delta = w_local - w_global
+(Kind.DELTA) and waits for the next global model. Its clock counts rounds, so a job's `steps` is the number of
+rounds and `eval_every` counts rounds; `local_steps` counts the local steps.
+
+Server: nodeagent.ps.ESyncServer. READY is nodeagent.ps.is_ready, a pure function of the reported step counts,
+durations and end times, epsilon and the time (`now`: the coordinator's monotonic clock, or the simulator's
+virtual clock); once every delta is in, w <- w + global_lr * mean(delta_i) and the next round starts.
+
+Options (algorithm.options): epsilon (0.5 s), global_lr (1.0).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from nodeagent.algorithms.base import SERVER_RANK, NodeContext, Route, Send
+from nodeagent.algorithms.ps import PSWorker, ReadyAnswer, ServerHalf, StepReport
+from nodeagent.ps.esync import ESyncServer
+from nodeagent.ps.rules import ParameterServer, ProtocolError, PushResult
+from nodeagent.wire.message import Kind, Message
+
+
+class ESyncServerHalf(ServerHalf):
+    synchronous = True
+    push_kind = Kind.DELTA
+
+    def build_rule(self, w0: torch.Tensor) -> ParameterServer:
+        return ESyncServer(w0, self.num_workers, global_lr=self.options["global_lr"], epsilon=self.options["epsilon"])
+
+    @property
+    def esync(self) -> ESyncServer:
+        assert isinstance(self.rule, ESyncServer)
+        return self.rule
+
+    def apply(self, rank: int, update: torch.Tensor, worker_version: int, now: float) -> PushResult:
+        return self.esync.push(rank, update, worker_version, now)
+
+    def push(self, rank: int, message: Message, push_id: str, now: float) -> PushResult:
+        result = super().push(rank, message, push_id, now)
+        if result.applied:
+            self.events.append({"event": "round", "time": now, "version": result.version})
+        return result
+
+    def round_state(self) -> dict[str, torch.Tensor]:
+        round_ = self.esync.round
+        return {
+            "steps": torch.tensor([r.steps for r in round_.reports], dtype=torch.int64),
+            "durations": torch.tensor([r.duration for r in round_.reports], dtype=torch.float64),
+            "ends": torch.tensor([r.end for r in round_.reports], dtype=torch.float64),
+            "ready": torch.tensor(round_.ready, dtype=torch.bool),
+        }
+
+    def report(self, rank: int, version: int, round_step: int, duration_s: float, now: float) -> bool:
+        """READY or not for worker `rank`'s step number `round_step` of round `version`; a retry of the last
+        report gets the same answer."""
+        self.check_rank(rank)
+        if version != self.version:
+            raise ProtocolError(f"rank {rank} reported a step of round {version}, the round is {self.version}")
+        done = self.esync.round.reports[rank].steps
+        if round_step == done and done > 0:
+            return self.esync.round.ready[rank]
+        if round_step != done + 1:
+            raise ProtocolError(f"rank {rank} reported step {round_step} of the round after step {done}")
+        return self.esync.report(rank, duration_s, now)
+
+
+class ESync(PSWorker):
+    name = "esync"
+    server_half = ESyncServerHalf
+    OPTIONS = {"epsilon": 0.5, "global_lr": 1.0}
+    pushes_gradients = False
+
+    def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
+        super().__init__(model, context, loss_fn)
+        self.round_start = self.w.detach().clone()  # the global model this round started from
+        self.round_steps = 0
+        self.local_steps = 0
+        self.asking = False  # a step report is out and its answer has not come
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> None:
+        if options["epsilon"] < 0:
+            raise ValueError("algorithm.options.epsilon: must be >= 0 (seconds)")
+        if options["global_lr"] <= 0:
+            raise ValueError("algorithm.options.global_lr: must be > 0")
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        loss, grad = self.gradient(inputs, targets)
+        self.last_loss = loss
+        with torch.no_grad():
+            self.w.sub_(self.sgd_direction(grad), alpha=self.spec.lr)
+        self.round_steps += 1
+        self.local_steps += 1
+        report = StepReport(Kind.DELTA, self.context.rank, SERVER_RANK, {}, clock=self.round_steps, loss=loss,
+                            model_version=self.version)
+        self._outbox = [Send(Route.SERVER, SERVER_RANK, Kind.DELTA, report)]
+        self.asking = True
+        return loss
+
+    def receive(self, message: Message) -> None:
+        if not isinstance(message, ReadyAnswer):
+            super().receive(message)  # the next global model: a round is complete
+            self.round_start.copy_(self.w)
+            self.round_steps = 0
+            return
+        if not self.asking:
+            raise RuntimeError(f"rank {self.context.rank}: a READY answer arrived with no step report out")
+        self.asking = False
+        if message.ready:
+            delta = self.w.detach() - self.round_start
+            self._outbox = [self.push(self.params.views(delta), Kind.DELTA)]
+            self.waiting = True
+
+    def ready(self) -> bool:
+        return not self.waiting and not self.asking
+
+    def failed(self, send: Send, reason: str) -> None:
+        if isinstance(send.message, StepReport):
+            self.asking = False
+        else:
+            self.waiting = False
+
+    def load_state_dict(self, state) -> None:
+        # A restored worker starts a fresh round from its checkpointed model.
+        super().load_state_dict(state)
+        self.round_start.copy_(self.w)
+        self.round_steps = 0

@@ -1,0 +1,25 @@
+"""SSGD (ALGORITHMS.md, "SSGD"): every step each worker pushes its gradient; the server waits for all of them,
+applies w <- w - lr * mean(g), and every worker pulls w.
+
+Worker: `PSWorker` (push the gradient, wait for the model). Server: nodeagent.ps.SSGDServer, one round at a time;
+a push answers only once the round completes, so the slowest worker sets the pace.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nodeagent.algorithms.ps import PSWorker, ServerHalf
+from nodeagent.ps.rules import ParameterServer, SSGDServer
+
+
+class SSGDServerHalf(ServerHalf):
+    synchronous = True
+
+    def build_rule(self, w0: torch.Tensor) -> ParameterServer:
+        return SSGDServer(w0, self.num_workers, self.spec.algorithm.lr)
+
+
+class SSGD(PSWorker):
+    name = "ssgd"
+    server_half = SSGDServerHalf

@@ -1,0 +1,94 @@
+"""Every parameter-server algorithm on real agents: 4 agent processes and a coordinator (the server) on loopback.
+SSGD ends with the simulator's model; ESync's slowed-down agent (the job's `slowdown`) does one local step per round
+while the others do several."""
+
+import math
+import urllib.request
+
+import pytest
+import torch
+import yaml
+
+from coordinator.cluster import LocalCluster
+from coordinator.simulate import simulate
+from nodeagent._proto import coordinator_pb2 as pb
+from nodeagent.jobspec import parse_job_spec
+from nodeagent.runlog import read_run_log
+
+pytestmark = pytest.mark.slow
+
+ALGORITHMS = {
+    "ssgd": ({"name": "ssgd"}, 150, {}),
+    "asgd": ({"name": "asgd"}, 150, {}),
+    "dc-asgd": ({"name": "dc-asgd", "options": {"adaptive": True}}, 150, {}),
+    "adacomp": ({"name": "adacomp", "options": {"rate": 0.05, "codec": "int8", "residual": True, "pull": "delta"}},
+                150, {}),
+    "esync": ({"name": "esync", "options": {"epsilon": 0.0}}, 15, {3: 200.0}),
+}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, fashion_mnist_dir):
+    with LocalCluster(root=tmp_path_factory.mktemp("ps"), agents=4, data_dir=str(fashion_mnist_dir)) as running:
+        yield running
+
+
+def job(name: str, fashion_mnist_dir, **overrides) -> dict:
+    algorithm, steps, slowdown = ALGORITHMS[name]
+    return {
+        "name": name, "nodes": 4, "steps": steps, "eval_every": steps // 3, "slowdown": slowdown,
+        "algorithm": {"lr": 0.05, **algorithm}, "model": {"name": "logistic"},
+        "data": {"data_dir": str(fashion_mnist_dir), "split": "iid", "batch_size": 50, "test_limit": 1000},
+        **overrides,
+    }
+
+
+def local_steps(cluster: LocalCluster, job_id: str) -> dict[str, float]:
+    """peertrain_local_steps_total of `job_id` on every agent, by node id."""
+    steps = {}
+    for node in cluster.nodes():
+        text = urllib.request.urlopen(f"http://{node.metrics_address}/metrics", timeout=5).read().decode()
+        for line in text.splitlines():
+            if line.startswith("peertrain_local_steps_total{") and f'job_id="{job_id}"' in line:
+                steps[node.node_id] = float(line.rsplit(" ", 1)[1])
+    return steps
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_algorithm_trains_through_the_coordinator(cluster, fashion_mnist_dir, name):
+    spec = job(name, fashion_mnist_dir)
+    job_id = cluster.submit(yaml.safe_dump(spec))
+    status = cluster.wait(job_id, timeout_s=180)
+    assert status.state == pb.JOB_FINISHED
+    assert [n.step for n in status.nodes] == [spec["steps"]] * 4
+    records = read_run_log(status.run_dir)
+    first = {r.rank: r.test_accuracy for r in records if r.step == 0 and r.test_accuracy}
+    for node in status.nodes:
+        assert node.test_accuracy > 0.6, f"rank {node.rank} reached only {node.test_accuracy}"
+        assert first[node.rank] + 0.2 < node.test_accuracy
+        assert node.bytes_sent > 0 and node.bytes_received > 0
+        assert not math.isnan(node.loss)
+    if name == "adacomp":
+        # Compressed pushes: upstream is far below a dense model per push (31,400 bytes for the logistic model).
+        assert all(n.bytes_sent < spec["steps"] * 31_400 / 10 for n in status.nodes)
+    if name == "esync":
+        steps = local_steps(cluster, job_id)
+        rounds = spec["steps"]
+        by_rank = {n.rank: steps[n.node_id] for n in status.nodes}
+        assert by_rank[3] == rounds, by_rank  # the slowest worker: one local step per round
+        assert all(by_rank[rank] >= 2 * rounds for rank in (0, 1, 2)), by_rank
+
+
+def test_ssgd_on_agents_ends_with_the_simulators_model(cluster, fashion_mnist_dir, tmp_path):
+    spec = job("ssgd", fashion_mnist_dir, steps=30, eval_every=10, seed=5)
+    status = cluster.wait(cluster.submit(yaml.safe_dump(spec)), timeout_s=180)
+    assert status.state == pb.JOB_FINISHED
+    names = {n.node_id: n.name for n in cluster.nodes()}
+    simulated = simulate(parse_job_spec(spec)).mesh
+    for member in status.nodes:
+        checkpoint = cluster.root / names[member.node_id] / "checkpoints" / f"{status.job_id}-rank{member.rank}.pt"
+        state = torch.load(checkpoint, weights_only=True)
+        assert (state["clock"], state["version"]) == (30, 30)
+        # The round's gradients are summed in arrival order, which differs between the runs: not bit for bit.
+        assert torch.allclose(state["w"], simulated.nodes[member.rank].node.algorithm.w, rtol=0, atol=1e-5)
+    assert torch.equal(simulated.nodes[0].node.algorithm.w, simulated.server.w)

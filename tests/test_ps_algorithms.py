@@ -1,0 +1,186 @@
+"""The parameter-server family's two halves without any runtime: workers' messages, server halves' exactly-once
+pushes, AdaComp's delta pulls, ESync's worker round and report protocol, and the options' validation."""
+
+import pytest
+import torch
+
+from coordinator.service import validate_job
+from nodeagent.algorithms import REGISTRY, NodeContext
+from nodeagent.algorithms.base import SERVER_RANK, Route
+from nodeagent.algorithms.ps import ReadyAnswer, StepReport, build_server, initial_parameters
+from nodeagent.jobspec import JobSpecError, parse_job_spec
+from nodeagent.ps import ProtocolError
+from nodeagent.training.models import build_model
+from nodeagent.wire.codec import WireError
+from nodeagent.wire.message import Kind, Message
+
+
+def job(name: str, nodes: int = 3, **algorithm):
+    return parse_job_spec({"name": name, "nodes": nodes, "algorithm": {"name": name, "lr": 0.1, **algorithm},
+                           "model": {"name": "logistic"}})
+
+
+def worker(spec, rank: int):
+    torch.manual_seed(spec.seed)
+    model = build_model(spec.model)
+    return REGISTRY[spec.algorithm.name](model, NodeContext(rank, spec.nodes, (), spec.algorithm))
+
+
+def batch(seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 1, 28, 28, generator=generator), torch.randint(0, 10, (8,), generator=generator)
+
+
+def push_of(algorithm):
+    (send,) = algorithm.sends()
+    assert send.route == Route.SERVER and send.peer == SERVER_RANK
+    return send.message
+
+
+def test_a_worker_pushes_its_gradient_and_waits_for_the_model():
+    spec = job("asgd")
+    alg = worker(spec, 1)
+    w0 = alg.w.clone()
+    alg.step(*batch(0))
+    message = push_of(alg)
+    assert (message.kind, message.sender, message.model_version, message.clock) == (Kind.GRADIENT, 1, 0, 0)
+    assert not alg.ready() and alg.sends() == []
+    server = build_server(spec)
+    assert torch.equal(server.w, w0)  # the server starts from the workers' seeded model
+    result = server.push(1, message, "p1", now=0.0)
+    assert (result.applied, result.version, result.release) == (True, 1, (1,))
+    alg.receive(server.pull(1, 0, False, now=0.0))
+    assert alg.ready() and alg.clock == 1 and alg.version == 1 and torch.equal(alg.w, server.w)
+    with pytest.raises(WireError, match="only from the server"):
+        alg.receive(Message(Kind.PARAMS, 0, 1, {}))
+
+
+def test_a_retried_push_is_applied_once_and_released_again():
+    spec = job("asgd")
+    server = build_server(spec)
+    alg = worker(spec, 0)
+    alg.step(*batch(1))
+    message = push_of(alg)
+    first = server.push(0, message, "same", now=0.0)
+    after = server.w.clone()
+    retry = server.push(0, message, "same", now=1.0)
+    assert (retry.duplicate, retry.applied, retry.version, retry.release) == (True, False, 1, (0,))
+    assert first.applied and torch.equal(server.w, after) and server.version == 1
+    assert [e["push_id"] for e in server.drain_events()] == ["same"]
+    with pytest.raises(ProtocolError, match="needs an id"):
+        server.push(0, message, "", now=0.0)
+
+
+def test_ssgd_releases_everyone_when_the_round_completes_and_rejects_stale_pushes():
+    spec = job("ssgd", nodes=2)
+    server = build_server(spec)
+    workers = [worker(spec, rank) for rank in range(2)]
+    for rank, alg in enumerate(workers):
+        alg.step(*batch(rank))
+    first = server.push(0, push_of(workers[0]), "a", now=0.0)
+    assert (first.applied, first.release) == (False, ()) and not server.is_released(0, "a")
+    last = server.push(1, push_of(workers[1]), "b", now=0.0)
+    assert last.release == (0, 1) and server.is_released(0, "a") and server.is_released(1, "b")
+    workers[0].step(*batch(2))  # computed on version 0 (it never took the model of version 1)
+    stale = server.push(0, push_of(workers[0]), "c", now=0.0)
+    assert stale.rejected == "computed on version 0, the round is 1" and stale.release == (0,)
+
+
+def test_dcasgd_logs_the_pulls_that_set_backups():
+    spec = job("dc-asgd", options={"adaptive": True})
+    server = build_server(spec)
+    assert server.rule.adaptive and server.pull_mutates
+    server.pull(2, 0, False, now=3.0)
+    assert server.drain_events() == [{"event": "pull", "time": 3.0, "rank": 2, "version": 0}]
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+def test_adacomp_delta_pulls_keep_every_worker_equal_to_the_server(codec):
+    spec = job("adacomp", nodes=3, options={"rate": 0.05, "codec": codec, "pull": "delta", "residual": True})
+    server = build_server(spec)
+    workers = [worker(spec, rank) for rank in range(3)]
+    kinds = []
+    for step, rank in enumerate([0, 1, 2, 1, 1, 0, 2, 2, 0, 1]):
+        alg = workers[rank]
+        alg.step(*batch(step))
+        message = push_of(alg)
+        assert list(message.tensors) == ["payload"] and message.tensors["payload"].dtype == torch.uint8
+        result = server.push(rank, message, f"{rank}-{step}", now=float(step))
+        assert result.applied
+        answer = server.pull(rank, message.model_version, True, now=float(step))
+        kinds.append(answer.kind)
+        alg.check_server_message(answer)
+        alg.receive(answer)
+        assert torch.equal(alg.w, server.w), f"step {step}: rank {rank} differs from the server"
+    assert set(kinds) == {Kind.DELTA}
+    # A payload that does not decode is refused before the model changes.
+    bad = Message(Kind.GRADIENT, 0, SERVER_RANK, {"payload": torch.tensor([0, 5], dtype=torch.uint8)})
+    before = server.w.clone()
+    with pytest.raises(ProtocolError, match="bad adacomp payload"):
+        server.push(0, bad, "bad", now=0.0)
+    assert torch.equal(server.w, before)
+    with pytest.raises(WireError, match="cannot be a valid encoding"):
+        server.push_specs(Kind.GRADIENT, [("payload", (10**9,))])
+
+
+def test_esync_worker_round_with_ready_answers():
+    spec = job("esync", nodes=2)
+    alg = worker(spec, 0)
+    start = alg.w.clone()
+    alg.step(*batch(0))
+    (send,) = alg.sends()
+    report = send.message
+    assert isinstance(report, StepReport) and report.clock == 1 and report.tensors == {}
+    assert not alg.ready()
+    alg.receive(ReadyAnswer(Kind.DELTA, SERVER_RANK, 0, {}, ready=False))
+    assert alg.ready() and alg.sends() == []
+    alg.step(*batch(1))
+    assert push_of(alg).clock == 2
+    alg.receive(ReadyAnswer(Kind.DELTA, SERVER_RANK, 0, {}, ready=True))
+    delta = push_of(alg)
+    assert delta.kind == Kind.DELTA and not alg.ready()
+    flat = alg.params.flatten(delta.tensors)
+    assert torch.allclose(flat, alg.w - start)
+    new_model = alg.params.views(start + 0.5 * flat)
+    alg.receive(Message(Kind.PARAMS, SERVER_RANK, 0, new_model, model_version=1))
+    assert alg.ready() and alg.clock == 1 and alg.version == 1 and alg.local_steps == 2 and alg.round_steps == 0
+    assert torch.equal(alg.round_start, alg.w)
+
+
+def test_esync_server_half_reports_are_idempotent_and_ordered():
+    spec = job("esync", nodes=2, options={"epsilon": 0.0})
+    server = build_server(spec)
+    assert server.report(0, 0, 1, 1.0, now=1.0) is False  # rank 1 not seen: it counts as the slowest
+    assert server.report(0, 0, 1, 1.0, now=1.0) is False  # a retry: same answer, no second step
+    assert server.rule.round.reports[0].steps == 1
+    assert server.report(1, 0, 1, 5.0, now=5.0) is True  # the slowest
+    assert server.report(0, 0, 2, 1.0, now=5.0) is True  # the slowest is ready
+    with pytest.raises(ProtocolError, match="step 4 of the round after step 2"):
+        server.report(0, 0, 4, 1.0, now=6.0)
+    with pytest.raises(ProtocolError, match="round 3, the round is 0"):
+        server.report(0, 3, 3, 1.0, now=6.0)
+    assert {k: v.tolist() for k, v in server.round_state().items()} == {
+        "steps": [2, 1], "durations": [1.0, 5.0], "ends": [5.0, 5.0], "ready": [True, True],
+    }
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "message"),
+    [
+        ({"name": "asgd", "options": {"rate": 0.1}}, "algorithm.options.rate: asgd takes no options"),
+        ({"name": "ssgd", "momentum": 0.9}, "algorithm.momentum: ssgd pushes plain gradients"),
+        ({"name": "adacomp", "options": {"codec": "int4"}}, "algorithm.options.codec: one of fp32, fp16, int8"),
+        ({"name": "adacomp", "options": {"rate": "high"}}, "algorithm.options.rate: expected float"),
+        ({"name": "dc-asgd", "options": {"mean_square_decay": 1.0}}, "algorithm.options.mean_square_decay"),
+        ({"name": "esync", "options": {"epsilon": -1}}, "algorithm.options.epsilon: must be >= 0"),
+    ],
+)
+def test_bad_options_name_the_field_at_submission(algorithm, message):
+    spec = parse_job_spec({"nodes": 2, "algorithm": algorithm})
+    with pytest.raises(JobSpecError, match=message):
+        validate_job(spec)
+
+
+def test_initial_parameters_match_every_node():
+    spec = job("asgd")
+    assert torch.equal(initial_parameters(spec).vector, worker(spec, 2).w)

@@ -1,0 +1,302 @@
+"""The parameter server in a real coordinator over gRPC: many workers pushing at once are applied exactly once in
+a recorded order, a restarted coordinator loses no applied update (nor a synchronous round half done), ESync's
+reports, and streams the server must refuse."""
+
+import json
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+import yaml
+
+from coordinator.service import CoordinatorConfig, CoordinatorService
+from nodeagent._proto import coordinator_pb2 as pb
+from nodeagent._proto import coordinator_pb2_grpc
+from nodeagent.algorithms import REGISTRY, NodeContext
+from nodeagent.algorithms.base import SERVER_RANK
+from nodeagent.algorithms.ps import PUSH_ID_HEADER, ReadyAnswer, StepReport, build_server
+from nodeagent.jobspec import parse_job_spec
+from nodeagent.mesh.ps import ServerClient, new_push_id
+from nodeagent.metrics import Metrics
+from nodeagent.ps.adacomp import Codec, compress
+from nodeagent.training.models import build_model
+from nodeagent.wire.codec import encode
+from nodeagent.wire.message import Kind, Message
+
+
+class Coordinator:
+    """A CoordinatorService behind a real gRPC server on loopback, restartable on the same state directory."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.service: CoordinatorService | None = None
+        self.server: grpc.Server | None = None
+        self.channel: grpc.Channel | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.service = CoordinatorService(CoordinatorConfig(state_dir=self.root), Metrics())
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.service, self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+        self.service.start()
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+
+    def stop(self) -> None:
+        self.server.stop(grace=0).wait()
+        self.service.stop()
+        self.channel.close()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def job(self, spec: dict) -> tuple[str, dict[int, str], str]:
+        """Register fake agents and submit `spec`; returns the job id, rank -> node id, and the run dir."""
+        for index in range(spec["nodes"]):
+            self.stub.Register(pb.RegisterRequest(peer_address=f"127.0.0.1:{20000 + index}", name=f"worker-{index}"))
+        job_id = self.stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=yaml.safe_dump(spec))).job_id
+        status = self.stub.JobStatus(pb.JobStatusRequest(job_id=job_id))
+        assert status.state == pb.JOB_RUNNING
+        return job_id, {m.rank: m.node_id for m in status.nodes}, status.run_dir
+
+    def client(self, job_id: str, node_id: str, rank: int, world_size: int) -> ServerClient:
+        return ServerClient(self.stub, job_id, node_id, rank, world_size, Metrics())
+
+
+@pytest.fixture
+def coordinator(tmp_path):
+    running = Coordinator(tmp_path / "coordinator")
+    yield running
+    running.stop()
+
+
+def spec_of(name: str, nodes: int, **algorithm) -> dict:
+    return {"name": name.replace("_", "-"), "nodes": nodes, "steps": 100,
+            "algorithm": {"name": name, "lr": 0.05, **algorithm}, "model": {"name": "logistic"}}
+
+
+def worker_of(spec, rank: int):
+    torch.manual_seed(spec.seed)
+    return REGISTRY[spec.algorithm.name](build_model(spec.model), NodeContext(rank, spec.nodes, (), spec.algorithm))
+
+
+def read_log(run_dir: str) -> list[dict]:
+    return [json.loads(line) for line in Path(run_dir, "ps-log.jsonl").read_text().splitlines()]
+
+
+PUSHES_PER_WORKER = 6
+
+
+@pytest.mark.parametrize(
+    "algorithm",
+    [{"name": "asgd"}, {"name": "dc-asgd", "options": {"adaptive": True}},
+     {"name": "adacomp", "options": {"rate": 0.02, "codec": "int8", "pull": "delta"}}],
+    ids=["asgd", "dc-asgd", "adacomp"],
+)
+def test_sixteen_workers_push_at_once_and_each_push_is_applied_once_in_the_recorded_order(coordinator, algorithm):
+    raw = spec_of(algorithm["name"], 16, **{k: v for k, v in algorithm.items() if k != "name"})
+    job_id, nodes, run_dir = coordinator.job(raw)
+    spec = parse_job_spec(raw)
+    sizes = worker_of(spec, 0).params.sizes
+    numel = sum(sizes)
+    start = threading.Barrier(16)
+    sent: dict[str, tuple[int, Message]] = {}  # push id -> (rank, the message as the server decodes it)
+    errors = []
+
+    def work(rank: int) -> None:
+        try:
+            client = coordinator.client(job_id, nodes[rank], rank, 16)
+            alg = worker_of(spec, rank)  # only its configuration is used (what it accepts from the server)
+            generator = torch.Generator().manual_seed(rank)
+            version = 0
+            start.wait()
+            for k in range(PUSHES_PER_WORKER):
+                grad = torch.randn(numel, generator=generator) * 0.1
+                if algorithm["name"] == "adacomp":
+                    payload, _ = compress(grad, sizes, 0.02, Codec.INT8)
+                    tensors = {"payload": torch.frombuffer(bytearray(payload), dtype=torch.uint8)}
+                else:
+                    tensors = alg.params.views(grad)
+                message = Message(Kind.GRADIENT, rank, SERVER_RANK, tensors, clock=k, model_version=version)
+                push_id = new_push_id()
+                sent[push_id] = (rank, message)
+                reply = client.push(message, push_id, timeout=30)
+                assert reply.applied and not reply.duplicate
+                version = client.pull(alg, version, alg.pull_delta, timeout=30).model_version
+        except Exception as error:  # reported below, with the rank
+            errors.append((rank, error))
+
+    threads = [threading.Thread(target=work, args=(rank,)) for rank in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    final = coordinator.client(job_id, nodes[0], 0, 16).pull(worker_of(spec, 0), 0, False, timeout=30)
+    assert final.model_version == 16 * PUSHES_PER_WORKER == len(sent)
+    # Replay the recorded order (pushes, and the pulls that set DC-ASGD's backups) on a fresh server.
+    events = read_log(run_dir)
+    pushes = [e for e in events if e["event"] == "push"]
+    assert sorted(e["push_id"] for e in pushes) == sorted(sent)
+    assert [e["version"] for e in pushes] == list(range(1, len(sent) + 1))
+    replay = build_server(spec)
+    for event in events:
+        if event["event"] == "pull":
+            replay.pull(event["rank"], 0, False, now=0.0)
+            continue
+        rank, message = sent[event["push_id"]]
+        assert (event["rank"], event["worker_version"]) == (rank, message.model_version)
+        result = replay.push(rank, message, event["push_id"], now=0.0)
+        assert (result.applied, result.version, result.delay) == (True, event["version"], event["delay"])
+    assert torch.equal(replay.params.flatten(final.tensors), replay.w)
+    assert max(e["delay"] for e in pushes) > 0  # they did overlap
+
+
+def test_a_restarted_coordinator_keeps_the_version_and_the_model(coordinator):
+    raw = spec_of("asgd", 2)
+    job_id, nodes, run_dir = coordinator.job(raw)
+    spec = parse_job_spec(raw)
+    alg = worker_of(spec, 0)
+
+    def push(version: int, seed: int) -> int:
+        grad = torch.randn(alg.params.numel, generator=torch.Generator().manual_seed(seed))
+        message = Message(Kind.GRADIENT, 0, SERVER_RANK, alg.params.views(grad), model_version=version)
+        return coordinator.client(job_id, nodes[0], 0, 2).push(message, new_push_id(), timeout=30).version
+
+    for seed in range(3):
+        push(seed, seed)
+    before = coordinator.client(job_id, nodes[0], 0, 2).pull(alg, 0, False, timeout=30)
+    coordinator.restart()
+    after = coordinator.client(job_id, nodes[0], 0, 2).pull(alg, 0, False, timeout=30)
+    assert after.model_version == before.model_version == 3
+    assert all(torch.equal(after.tensors[name], before.tensors[name]) for name in before.tensors)
+    assert push(3, 3) == 4
+    assert [e["version"] for e in read_log(run_dir)] == [1, 2, 3, 4]
+
+
+def test_a_synchronous_round_half_done_survives_a_restart_and_a_retried_push_counts_once(coordinator):
+    raw = spec_of("ssgd", 2)
+    job_id, nodes, _ = coordinator.job(raw)
+    spec = parse_job_spec(raw)
+    workers = [worker_of(spec, rank) for rank in range(2)]
+    grads = [torch.full((workers[0].params.numel,), float(rank + 1)) for rank in range(2)]
+    messages = [Message(Kind.GRADIENT, rank, SERVER_RANK, workers[rank].params.views(grads[rank]), model_version=0)
+                for rank in range(2)]
+    first_id = new_push_id()
+    with pytest.raises(grpc.RpcError) as waited:  # the round is not complete: the call waits past its deadline
+        coordinator.client(job_id, nodes[0], 0, 2).push(messages[0], first_id, timeout=1.0)
+    assert waited.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    coordinator.restart()
+    pool = futures.ThreadPoolExecutor(2)
+    retried = pool.submit(coordinator.client(job_id, nodes[0], 0, 2).push, messages[0], first_id, 30)
+    last = coordinator.client(job_id, nodes[1], 1, 2).push(messages[1], new_push_id(), timeout=30)
+    again = retried.result(timeout=30)
+    assert (last.version, again.version, again.duplicate) == (1, 1, True)
+    model = coordinator.client(job_id, nodes[1], 1, 2).pull(workers[1], 0, False, timeout=30)
+    expected = workers[0].w - 0.05 * (grads[0] + grads[1]) / 2
+    assert torch.allclose(workers[0].params.flatten(model.tensors), expected, atol=1e-7)
+
+
+def test_esync_reports_and_round_over_grpc(coordinator):
+    raw = spec_of("esync", 2, options={"epsilon": 0.0})
+    job_id, nodes, run_dir = coordinator.job(raw)
+    spec = parse_job_spec(raw)
+    clients = [coordinator.client(job_id, nodes[rank], rank, 2) for rank in range(2)]
+
+    def report(rank: int, step: int, duration: float) -> ReadyAnswer:
+        nonlocal clients
+        message = StepReport(Kind.DELTA, rank, SERVER_RANK, {}, clock=step, duration_s=duration, model_version=0)
+        return clients[rank].report(message, timeout=10)
+
+    assert report(0, 1, 0.01).ready is False  # rank 1 has not reported: it counts as the slowest
+    assert report(1, 1, 100.0).ready is True  # the slowest stops after one step
+    assert report(0, 2, 0.01).ready is True  # the slowest is ready
+    coordinator.restart()  # the round's table was persisted after each report
+    clients = [coordinator.client(job_id, nodes[rank], rank, 2) for rank in range(2)]
+    assert report(0, 2, 0.01).ready is True  # a retry of the last report: same answer
+    workers = [worker_of(spec, rank) for rank in range(2)]
+    deltas = [torch.full((workers[0].params.numel,), float(2 * rank)) for rank in range(2)]
+    pool = futures.ThreadPoolExecutor(2)
+    replies = [
+        pool.submit(clients[rank].push, Message(Kind.DELTA, rank, SERVER_RANK, workers[rank].params.views(deltas[rank]),
+                                                model_version=0), new_push_id(), 30)
+        for rank in range(2)
+    ]
+    assert [reply.result(timeout=30).version for reply in replies] == [1, 1]
+    model = clients[0].pull(workers[0], 0, False, timeout=10)
+    assert torch.allclose(workers[0].params.flatten(model.tensors), workers[0].w + 1.0)
+    assert [e["event"] for e in read_log(run_dir)][-1] == "round"
+
+
+def raw_push(coordinator, frames, push_id: str | None = "x") -> grpc.RpcError:
+    metadata = ((PUSH_ID_HEADER, push_id),) if push_id else ()
+    with pytest.raises(grpc.RpcError) as failure:
+        coordinator.stub.PsPush(iter(frames), timeout=10, metadata=metadata)
+    return failure.value
+
+
+def test_the_server_refuses_streams_it_cannot_accept_and_keeps_its_model(coordinator):
+    raw = spec_of("asgd", 2)
+    job_id, nodes, run_dir = coordinator.job(raw)
+    spec = parse_job_spec(raw)
+    alg = worker_of(spec, 0)
+    good = Message(Kind.GRADIENT, 0, 2, alg.params.views(torch.ones(alg.params.numel)))
+
+    def frames(message=good, node=nodes[0], job=job_id):
+        return list(encode(message, job_id=job, sender_id=node, chunk_bytes=4096))
+
+    cases = [
+        (raw_push(coordinator, frames(), push_id=None), grpc.StatusCode.INVALID_ARGUMENT, "peertrain-push-id"),
+        (raw_push(coordinator, frames(node=nodes[1])), grpc.StatusCode.PERMISSION_DENIED, "does not hold rank 0"),
+        (raw_push(coordinator, frames(job="nope")), grpc.StatusCode.FAILED_PRECONDITION, "is not running"),
+        (raw_push(coordinator, frames()[:-1]), grpc.StatusCode.INVALID_ARGUMENT, "truncated"),
+        (raw_push(coordinator, frames(Message(Kind.DELTA, 0, 2, good.tensors))), grpc.StatusCode.INVALID_ARGUMENT,
+         "asgd pushes gradient, not delta"),
+        (raw_push(coordinator, frames(Message(Kind.GRADIENT, 0, 1, good.tensors))), grpc.StatusCode.INVALID_ARGUMENT,
+         "goes to rank 2"),
+        (raw_push(coordinator, frames(Message(Kind.GRADIENT, 0, 2, {"w": torch.ones(3)}))),
+         grpc.StatusCode.INVALID_ARGUMENT, "expected 2 tensors"),
+        (raw_push(coordinator, frames(Message(Kind.GRADIENT, 0, 2, alg.params.views(
+            torch.full((alg.params.numel,), float("nan")))))), grpc.StatusCode.INVALID_ARGUMENT, "non-finite"),
+        (raw_push(coordinator, frames(Message(Kind.GRADIENT, 0, 2, good.tensors, model_version=7)), push_id="y"),
+         grpc.StatusCode.INVALID_ARGUMENT, "worker version 7 is not in 0..0"),
+    ]
+    for error, code, detail in cases:
+        assert error.code() == code and detail in error.details(), (error.code(), error.details())
+    model = coordinator.client(job_id, nodes[0], 0, 2).pull(alg, 0, False, timeout=10)
+    assert model.model_version == 0 and torch.equal(alg.params.flatten(model.tensors), alg.w)
+    assert not Path(run_dir, "ps-log.jsonl").read_text()
+    with pytest.raises(grpc.RpcError) as failure:
+        list(coordinator.stub.PsPull(pb.PsPullRequest(job_id=job_id, rank=1, node_id=nodes[0]), timeout=10))
+    assert failure.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_dcasgd_after_a_restart_rejects_a_push_whose_backup_was_not_kept_and_recovers(coordinator):
+    raw = spec_of("dc-asgd", 2, options={"adaptive": True})
+    job_id, nodes, run_dir = coordinator.job(raw)
+    spec = parse_job_spec(raw)
+    alg = worker_of(spec, 0)
+    client = coordinator.client(job_id, nodes[0], 0, 2)
+
+    def push(version: int) -> pb.PsPushReply:
+        grad = torch.full((alg.params.numel,), 0.1)
+        message = Message(Kind.GRADIENT, 0, SERVER_RANK, alg.params.views(grad), model_version=version)
+        return client.push(message, new_push_id(), timeout=30)
+
+    assert push(0).version == 1
+    assert client.pull(alg, 0, False, timeout=30).model_version == 1  # backup of version 1, not yet on disk
+    coordinator.stop()
+    coordinator.service = None
+    Path(run_dir, "ps-tables.pt").unlink(missing_ok=True)  # as if the coordinator died before writing them
+    coordinator.start()
+    client = coordinator.client(job_id, nodes[0], 0, 2)
+    rejected = push(1)
+    assert "last pulled version 0" in rejected.rejected and rejected.version == 1
+    assert client.pull(alg, 1, False, timeout=30).model_version == 1
+    assert push(1).version == 2
