@@ -348,14 +348,8 @@ class PSWorker(Algorithm):
         return Snapshot(self.context.rank, self.clock, self.last_loss, {})
 
     def state_dict(self) -> dict[str, Any]:
-        return {"clock": self.clock, "w": self.w.detach().clone(), "version": self.version}
+        return {**super().state_dict(), "version": self.version}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        w = state["w"]
-        if not isinstance(w, torch.Tensor) or w.shape != self.w.shape or w.dtype != self.w.dtype:
-            raise ValueError(f"the checkpoint's parameters do not fit this model ({self.w.numel()} {self.w.dtype})")
-        with torch.no_grad():
-            self.w.copy_(w)
-        self.clock = int(state["clock"])
         self.version = int(state.get("version", 0))
-        self.republish()
+        super().load_state_dict(state)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from nodeagent.ps.rules import ParameterServer, ProtocolError, PushResult, StateDict, state_tensor
+from nodeagent.ps.rules import ProtocolError, PushResult, RoundServer, StateDict, state_tensor
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class ESyncRound:
         self.ready = [False] * len(self.reports)
 
 
-class ESyncServer(ParameterServer):
+class ESyncServer(RoundServer):
     """Holds w; each round, every worker reports its steps, and once READY pushes delta_i = w_local - w.
 
     When all deltas are in: w <- w + global_lr * mean(delta_i), version + 1, the next round starts and every
@@ -83,28 +83,18 @@ class ESyncServer(ParameterServer):
         super().__init__(w0, num_workers)
         self.global_lr = global_lr
         self.round = ESyncRound(num_workers, epsilon, start)
-        self.pending = torch.zeros_like(self.w)  # sum of this round's deltas
-        self.arrived = torch.zeros(num_workers, dtype=torch.bool)
 
     def report(self, worker: int, duration: float, now: float) -> bool:
         return self.round.report(worker, duration, now)
 
     def push(self, worker: int, update: torch.Tensor, worker_version: int, now: float) -> PushResult:
-        self.check_worker(worker)
-        if worker_version != self.version:
-            raise ProtocolError(f"worker {worker} pushed a delta of version {worker_version} in round {self.version}")
+        self.check_round(worker, worker_version)
         if not self.round.ready[worker]:
             raise ProtocolError(f"worker {worker} pushed its delta before READY")
-        if self.arrived[worker]:
-            raise ProtocolError(f"worker {worker} pushed twice in round {self.version}")
-        self.check_dense(update)
-        self.pending.add_(update)
-        self.arrived[worker] = True
-        if not bool(self.arrived.all()):
+        mean = self.gather(worker, update, worker_version)
+        if mean is None:
             return PushResult(applied=False, version=self.version, release=())
-        self.w.add_(self.pending.div_(self.num_workers), alpha=self.global_lr)
-        self.pending.zero_()
-        self.arrived.zero_()
+        self.w.add_(mean, alpha=self.global_lr)
         self.version += 1
         self.round.reset(now)
         return PushResult(applied=True, version=self.version, release=tuple(range(self.num_workers)))
@@ -113,8 +103,6 @@ class ESyncServer(ParameterServer):
         reports = self.round.reports
         return {
             **super().state_dict(),
-            "pending": self.pending.clone(),
-            "arrived": self.arrived.clone(),
             "steps": torch.tensor([r.steps for r in reports], dtype=torch.int64),
             "durations": torch.tensor([r.duration for r in reports], dtype=torch.float64),
             "ends": torch.tensor([r.end for r in reports], dtype=torch.float64),
@@ -127,11 +115,7 @@ class ESyncServer(ParameterServer):
         durations = state_tensor(state, "durations", torch.zeros(n, dtype=torch.float64)).tolist()
         ends = state_tensor(state, "ends", torch.zeros(n, dtype=torch.float64)).tolist()
         ready = state_tensor(state, "ready", torch.zeros(n, dtype=torch.bool)).tolist()
-        pending = state_tensor(state, "pending", self.pending)
-        arrived = state_tensor(state, "arrived", self.arrived)
         super().load_state_dict(state)
-        self.pending.copy_(pending)
-        self.arrived.copy_(arrived)
         self.round.reports = [WorkerReport(*report) for report in zip(steps, durations, ends, strict=True)]
         self.round.ready = ready
 

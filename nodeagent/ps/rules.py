@@ -81,31 +81,34 @@ class ParameterServer:
         return self.version - worker_version
 
 
-class SSGDServer(ParameterServer):
-    """One gradient per worker per round; the last one applies w <- w - lr * mean(g) and releases everyone."""
+class RoundServer(ParameterServer):
+    """A synchronous server: one update per worker per round, applied together once all have arrived."""
 
-    def __init__(self, w0: torch.Tensor, num_workers: int, lr: float):
+    def __init__(self, w0: torch.Tensor, num_workers: int):
         super().__init__(w0, num_workers)
-        self.lr = lr
-        self.pending = torch.zeros_like(self.w)  # sum of this round's gradients
+        self.pending = torch.zeros_like(self.w)  # sum of this round's updates
         self.arrived = torch.zeros(num_workers, dtype=torch.bool)
 
-    def push(self, worker: int, update: torch.Tensor, worker_version: int) -> PushResult:
+    def check_round(self, worker: int, worker_version: int) -> None:
         self.check_worker(worker)
         if worker_version != self.version:
             raise ProtocolError(f"worker {worker} pushed version {worker_version} in round {self.version}")
         if self.arrived[worker]:
             raise ProtocolError(f"worker {worker} pushed twice in round {self.version}")
+
+    def gather(self, worker: int, update: torch.Tensor, worker_version: int) -> torch.Tensor | None:
+        """Take this round's update of `worker`; once every worker's is in, returns their mean (and clears the
+        round), else None."""
+        self.check_round(worker, worker_version)
         self.check_dense(update)
         self.pending.add_(update)
         self.arrived[worker] = True
         if not bool(self.arrived.all()):
-            return PushResult(applied=False, version=self.version, release=())
-        self.w.sub_(self.pending.div_(self.num_workers), alpha=self.lr)
+            return None
+        mean = self.pending.div(self.num_workers)
         self.pending.zero_()
         self.arrived.zero_()
-        self.version += 1
-        return PushResult(applied=True, version=self.version, release=tuple(range(self.num_workers)))
+        return mean
 
     def state_dict(self) -> StateDict:
         return {**super().state_dict(), "pending": self.pending.clone(), "arrived": self.arrived.clone()}
@@ -116,6 +119,22 @@ class SSGDServer(ParameterServer):
         super().load_state_dict(state)
         self.pending.copy_(pending)
         self.arrived.copy_(arrived)
+
+
+class SSGDServer(RoundServer):
+    """One gradient per worker per round; the last one applies w <- w - lr * mean(g) and releases everyone."""
+
+    def __init__(self, w0: torch.Tensor, num_workers: int, lr: float):
+        super().__init__(w0, num_workers)
+        self.lr = lr
+
+    def push(self, worker: int, update: torch.Tensor, worker_version: int) -> PushResult:
+        mean = self.gather(worker, update, worker_version)
+        if mean is None:
+            return PushResult(applied=False, version=self.version, release=())
+        self.w.sub_(mean, alpha=self.lr)
+        self.version += 1
+        return PushResult(applied=True, version=self.version, release=tuple(range(self.num_workers)))
 
 
 class ASGDServer(ParameterServer):
