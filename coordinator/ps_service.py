@@ -58,6 +58,15 @@ SERVER_NODE = "coordinator"  # how the server is named in edge metrics and manif
 WAIT_SLICE_S = 0.5  # a waiting push checks this often whether its caller is still there
 
 
+
+def status_of(failure: WireError | ProtocolError | JobClosed) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status a refused push, pull or report is answered with."""
+    if isinstance(failure, WireError):
+        return failure.code, str(failure)
+    if isinstance(failure, JobClosed):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(failure)
+    return grpc.StatusCode.INVALID_ARGUMENT, str(failure)
+
 class JobClosed(Exception):
     """The job ended while a call waited."""
 
@@ -290,10 +299,8 @@ class PSService:
         error: tuple[grpc.StatusCode, str] | None = None
         try:
             result = job.push(rank, message, push_id, context.is_active)
-        except ProtocolError as failure:
-            error = (grpc.StatusCode.INVALID_ARGUMENT, str(failure))
-        except JobClosed as failure:
-            error = (grpc.StatusCode.FAILED_PRECONDITION, str(failure))
+        except (ProtocolError, JobClosed) as failure:
+            error = status_of(failure)
         if error is not None:
             context.abort(*error)
         return pb.PsPushReply(
@@ -307,12 +314,8 @@ class PSService:
             job = self.job(request.job_id)
             self._check_member(job, request.rank, request.node_id)
             message = job.pull(request.rank, request.since_version, request.delta)
-        except WireError as failure:
-            error = (failure.code, str(failure))
-        except ProtocolError as failure:
-            error = (grpc.StatusCode.INVALID_ARGUMENT, str(failure))
-        except JobClosed as failure:
-            error = (grpc.StatusCode.FAILED_PRECONDITION, str(failure))
+        except (WireError, ProtocolError, JobClosed) as failure:
+            error = status_of(failure)
         if error is not None:
             context.abort(*error)
         message = dataclasses.replace(message, sender=wire_rank(job.spec.nodes))
@@ -326,12 +329,8 @@ class PSService:
             job = self.job(request.job_id)
             self._check_member(job, request.rank, request.node_id)
             ready, version = job.report(request.rank, request.version, request.round_step, request.duration_s)
-        except WireError as failure:
-            error = (failure.code, str(failure))
-        except ProtocolError as failure:
-            error = (grpc.StatusCode.INVALID_ARGUMENT, str(failure))
-        except JobClosed as failure:
-            error = (grpc.StatusCode.FAILED_PRECONDITION, str(failure))
+        except (WireError, ProtocolError, JobClosed) as failure:
+            error = status_of(failure)
         if error is not None:
             context.abort(*error)
         reply = pb.PsReportReply(ready=ready, version=version)
