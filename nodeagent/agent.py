@@ -360,7 +360,7 @@ class JobRunner(threading.Thread):
         dst = self.names.get(send.peer, f"rank{send.peer}")
         address = self.addresses.get(send.peer)
         if address is None:
-            raise NotImplementedError(f"route {send.route} to rank {send.peer} is not available in this version")
+            raise RuntimeError(f"{send.route} to rank {send.peer}: not a neighbour of rank {self.rank}, no address")
         if send.route == Route.PUSH:
             assert send.message is not None
             self.pool.submit(self._push, send.message, address, dst)

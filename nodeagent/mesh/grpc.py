@@ -540,8 +540,8 @@ class PeerClient:
         deadline = time.monotonic() + timeout
         sent = metrics.edge_bytes_sent.labels(state.node_id, dst)
         outgoing = state.outgoing(message)
-        # The peer answers on the same lanes: enough of them for the larger of the two payloads (ours, or what
-        # we expect back when it is larger).
+        # The peer answers on the same lanes, striped as for our own payload (both ends of an edge send the same
+        # tensor set, so the two payloads are alike in size).
         lanes = self._lanes(state, timeout, stripes_for(outgoing.total))
         if not lanes:
             replies = self._exchange_call(_counted_serialized(outgoing, sent.inc), timeout=timeout)
