@@ -5,14 +5,14 @@ One `PSJob` per job holds the algorithm's server half (nodeagent.algorithms.ps) 
 workers are applied one at a time, in the order they take the lock, each exactly once (a push is named by the
 "peertrain-push-id" metadata, and a retry of a worker's last push is recognised and not applied again).
 
-Durability: every applied update is written to the job's run directory before it is acknowledged: the server
-state (model, version, the rule's state, the push ids) to `ps-state.pt` after each push; ESync's step reports,
-which happen after every local step and touch only the round's small table, to `ps-round.pt`. Each file is
-written whole and renamed over the old one, so a coordinator that is killed and restarted finds the state as of
-the last acknowledged call (add `fsync` to survive a crash of the machine too). The rule's per-worker tables that
-no applied update depends on (DC-ASGD's backups and mean squares: `ServerHalf.volatile`) go to `ps-tables.pt` at
-most every TABLES_EVERY_S seconds and when the job closes: after a crash a backup may be older than the model its
-worker pulled, and that worker's next push is rejected (it pulls again), which costs one step and loses nothing.
+Durability: every applied update is written to the job's run directory before it is acknowledged: the server state
+(model, version, the rule's state, the push ids) to `ps-state.pt` after each push; ESync's step reports, which come
+a few times per round from each worker and touch only the round's small table, to `ps-round.pt`. Each file is
+written whole and renamed over the old one, so a coordinator that is killed and restarted finds the state as of the
+last acknowledged call (add `fsync` to survive a crash of the machine too). The rule's per-worker tables that no
+applied update depends on (DC-ASGD's backups and mean squares: `ServerHalf.volatile`) go to `ps-tables.pt` at most
+every TABLES_EVERY_S seconds and when the job closes: after a crash a backup may be older than the model its worker
+pulled, and that worker's next push is rejected (it pulls again), which costs one step and loses nothing.
 `ps-log.jsonl` records the applied order: one line per push (rank, push id, the version it was computed on, the
 version after it, delay, rejection), per pull that sets a backup and per ESync round.
 
@@ -43,6 +43,7 @@ from nodeagent.algorithms.base import SERVER_RANK
 from nodeagent.algorithms.ps import PUSH_ID_HEADER, ServerHalf, build_server, server_class, wire_rank
 from nodeagent.jobspec import JobSpec
 from nodeagent.metrics import Metrics
+from nodeagent.ps.esync import Decision
 from nodeagent.ps.rules import ProtocolError, PushResult
 from nodeagent.wire.codec import WireError, decode, encode
 from nodeagent.wire.message import Encoding, Kind, Message
@@ -166,14 +167,14 @@ class PSJob:
                 self._commit(durable=False)
             return message
 
-    def report(self, rank: int, version: int, round_step: int, duration_s: float) -> tuple[bool, int]:
+    def report(self, rank: int, version: int, round_step: int, duration_s: float) -> tuple[Decision, int]:
         with self.condition:
             self._check_open()
-            ready = self.half.report(rank, version, round_step, duration_s, time.monotonic())
+            decision = self.half.report(rank, version, round_step, duration_s, time.monotonic())
             self.commits += 1
             atomic_write(self.round_path, {"commits": self.commits, "version": self.half.version,
                                            "round": self.half.round_state()}, self.fsync)
-            return ready, self.half.version
+            return decision, self.half.version
 
     def _check_open(self) -> None:
         if self.closed:
@@ -328,11 +329,12 @@ class PSService:
         try:
             job = self.job(request.job_id)
             self._check_member(job, request.rank, request.node_id)
-            ready, version = job.report(request.rank, request.version, request.round_step, request.duration_s)
+            decision, version = job.report(request.rank, request.version, request.round_step, request.duration_s)
         except (WireError, ProtocolError, JobClosed) as failure:
             error = status_of(failure)
         if error is not None:
             context.abort(*error)
-        reply = pb.PsReportReply(ready=ready, version=version)
+        reply = pb.PsReportReply(ready=decision.ready, version=version,
+                                 steps_before_asking=decision.steps_before_asking)
         self._count(job, request.rank, up=request.ByteSize(), down=reply.ByteSize())
         return reply

@@ -9,7 +9,7 @@ from nodeagent.algorithms import REGISTRY, NodeContext
 from nodeagent.algorithms.base import SERVER_RANK, Route
 from nodeagent.algorithms.ps import ReadyAnswer, StepReport, build_server, initial_parameters
 from nodeagent.jobspec import JobSpecError, parse_job_spec
-from nodeagent.ps import ProtocolError
+from nodeagent.ps import Decision, ProtocolError
 from nodeagent.training.models import build_model
 from nodeagent.wire.codec import WireError
 from nodeagent.wire.message import Kind, Message
@@ -132,10 +132,13 @@ def test_esync_worker_round_with_ready_answers():
     report = send.message
     assert isinstance(report, StepReport) and report.clock == 1 and report.tensors == {}
     assert not alg.ready()
-    alg.receive(ReadyAnswer(Kind.DELTA, SERVER_RANK, 0, {}, ready=False))
+    alg.receive(ReadyAnswer(Kind.DELTA, SERVER_RANK, 0, {}, ready=False, steps_before_asking=3))
     assert alg.ready() and alg.sends() == []
-    alg.step(*batch(1))
-    assert push_of(alg).clock == 2
+    for index in (1, 2):  # told to run 3 steps before asking again: no report after the first two
+        alg.step(*batch(index))
+        assert alg.ready() and alg.sends() == []
+    alg.step(*batch(3))
+    assert push_of(alg).clock == 4
     alg.receive(ReadyAnswer(Kind.DELTA, SERVER_RANK, 0, {}, ready=True))
     delta = push_of(alg)
     assert delta.kind == Kind.DELTA and not alg.ready()
@@ -143,24 +146,31 @@ def test_esync_worker_round_with_ready_answers():
     assert torch.allclose(flat, alg.w - start)
     new_model = alg.params.views(start + 0.5 * flat)
     alg.receive(Message(Kind.PARAMS, SERVER_RANK, 0, new_model, model_version=1))
-    assert alg.ready() and alg.clock == 1 and alg.version == 1 and alg.local_steps == 2 and alg.round_steps == 0
+    assert alg.ready() and alg.clock == 1 and alg.version == 1 and alg.local_steps == 4 and alg.round_steps == 0
     assert torch.equal(alg.round_start, alg.w)
+    alg.step(*batch(4))  # a new round: its first step is reported
+    assert push_of(alg).clock == 1
 
 
 def test_esync_server_half_reports_are_idempotent_and_ordered():
     spec = job("esync", nodes=2, options={"epsilon": 0.0})
     server = build_server(spec)
-    assert server.report(0, 0, 1, 1.0, now=1.0) is False  # rank 1 not seen: it counts as the slowest
-    assert server.report(0, 0, 1, 1.0, now=1.0) is False  # a retry: same answer, no second step
+    assert server.report(0, 0, 1, 1.0, now=1.0) == Decision(False, 1)  # rank 1 not seen: it counts as the slowest
+    assert server.report(0, 0, 1, 1.0, now=1.0) == Decision(False, 1)  # a retry: same answer, no second step
     assert server.rule.round.reports[0].steps == 1
-    assert server.report(1, 0, 1, 5.0, now=5.0) is True  # the slowest
-    assert server.report(0, 0, 2, 1.0, now=5.0) is True  # the slowest is ready
-    with pytest.raises(ProtocolError, match="step 4 of the round after step 2"):
-        server.report(0, 0, 4, 1.0, now=6.0)
+    assert server.report(1, 0, 1, 9.0, now=9.0) == Decision(True)  # the slowest
+    server.rule.round.reset(now=10.0)
+    # Rank 1's next step should end at 19: 8 s left at t = 11, READY after 7 more steps of 1 s; ask after 4.
+    assert server.report(0, 0, 1, 1.0, now=11.0) == Decision(False, 4)
+    assert server.report(0, 0, 1, 1.0, now=11.0) == Decision(False, 4)  # the retry's answer is the same
+    assert server.report(0, 0, 5, 1.0, now=15.0) == Decision(False, 2)  # 4 s left: READY after 4, ask after 2
+    assert server.report(0, 0, 8, 1.0, now=18.5) == Decision(True)  # more steps than asked for are accepted
+    with pytest.raises(ProtocolError, match="step 4 of the round after step 8"):
+        server.report(0, 0, 4, 1.0, now=19.0)
     with pytest.raises(ProtocolError, match="round 3, the round is 0"):
-        server.report(0, 3, 3, 1.0, now=6.0)
+        server.report(0, 3, 3, 1.0, now=19.0)
     assert {k: v.tolist() for k, v in server.round_state().items()} == {
-        "steps": [2, 1], "durations": [1.0, 5.0], "ends": [5.0, 5.0], "ready": [True, True],
+        "steps": [8, 0], "durations": [1.0, 9.0], "ends": [18.5, 10.0], "ready": [True, False], "asked_after": [2, 1],
     }
 
 

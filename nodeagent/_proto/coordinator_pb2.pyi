@@ -314,9 +314,11 @@ class PsReportRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., node_id: _Optional[str] = ..., version: _Optional[int] = ..., round_step: _Optional[int] = ..., duration_s: _Optional[float] = ...) -> None: ...
 
 class PsReportReply(_message.Message):
-    __slots__ = ("ready", "version")
+    __slots__ = ("ready", "version", "steps_before_asking")
     READY_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    STEPS_BEFORE_ASKING_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     version: int
-    def __init__(self, ready: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
+    steps_before_asking: int
+    def __init__(self, ready: _Optional[bool] = ..., version: _Optional[int] = ..., steps_before_asking: _Optional[int] = ...) -> None: ...

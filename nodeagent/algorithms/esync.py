@@ -1,9 +1,10 @@
 """ESync (ALGORITHMS.md, "ESync"): synchronous rounds sized for heterogeneous workers.
 
 Worker: each round starts from the global model; the worker runs local SGD steps (lr is the local lr; momentum
-and Nesterov apply to the local steps) and after each one reports it (a `StepReport`; the runtime adds the step's
-duration) and waits for the answer. Not READY: another step. READY: it pushes delta = w_local - w_global
-(Kind.DELTA) and waits for the next global model. Its clock counts rounds, so a job's `steps` is the number of
+and Nesterov apply to the local steps), reports the first one (a `StepReport`; the runtime adds the step's
+duration) and waits for the answer. Not READY: the answer says how many steps to run before reporting again
+(nodeagent.ps.steps_before_asking). READY: it pushes delta = w_local - w_global (Kind.DELTA) and waits for the
+next global model. Its clock counts rounds, so a job's `steps` is the number of
 rounds and `eval_every` counts rounds; `local_steps` counts the local steps.
 
 Server: nodeagent.ps.ESyncServer. READY is nodeagent.ps.is_ready, a pure function of the reported step counts,
@@ -22,7 +23,7 @@ from torch import nn
 
 from nodeagent.algorithms.base import SERVER_RANK, NodeContext, Route, Send
 from nodeagent.algorithms.ps import PSWorker, ReadyAnswer, ServerHalf, StepReport
-from nodeagent.ps.esync import ESyncServer
+from nodeagent.ps.esync import Decision, ESyncServer
 from nodeagent.ps.rules import ParameterServer, ProtocolError, PushResult
 from nodeagent.wire.message import Kind, Message
 
@@ -55,20 +56,23 @@ class ESyncServerHalf(ServerHalf):
             "durations": torch.tensor([r.duration for r in round_.reports], dtype=torch.float64),
             "ends": torch.tensor([r.end for r in round_.reports], dtype=torch.float64),
             "ready": torch.tensor(round_.ready, dtype=torch.bool),
+            "asked_after": torch.tensor(round_.asked_after, dtype=torch.int64),
         }
 
-    def report(self, rank: int, version: int, round_step: int, duration_s: float, now: float) -> bool:
-        """READY or not for worker `rank`'s step number `round_step` of round `version`; a retry of the last
-        report gets the same answer."""
+    def report(self, rank: int, version: int, round_step: int, duration_s: float, now: float) -> Decision:
+        """The decision for worker `rank`, which has done `round_step` steps of round `version`; a retry of the
+        last report gets the same answer."""
         self.check_rank(rank)
         if version != self.version:
             raise ProtocolError(f"rank {rank} reported a step of round {version}, the round is {self.version}")
-        done = self.esync.round.reports[rank].steps
+        round_ = self.esync.round
+        done = round_.reports[rank].steps
         if round_step == done and done > 0:
-            return self.esync.round.ready[rank]
-        if round_step != done + 1:
+            return round_.answer(rank)
+        # More steps than the last answer asked for are accepted (a worker whose report failed stepped on).
+        if round_step <= done:
             raise ProtocolError(f"rank {rank} reported step {round_step} of the round after step {done}")
-        return self.esync.report(rank, duration_s, now)
+        return self.esync.report(rank, duration_s, now, round_step)
 
 
 class ESync(PSWorker):
@@ -82,6 +86,7 @@ class ESync(PSWorker):
         self.round_start = self.w.detach().clone()  # the global model this round started from
         self.round_steps = 0
         self.local_steps = 0
+        self.report_at = 1  # the round step after which the next report goes out
         self.asking = False  # a step report is out and its answer has not come
 
     @classmethod
@@ -98,6 +103,8 @@ class ESync(PSWorker):
             self.w.sub_(self.sgd_direction(grad), alpha=self.spec.lr)
         self.round_steps += 1
         self.local_steps += 1
+        if self.round_steps < self.report_at:
+            return loss
         report = StepReport(Kind.DELTA, self.context.rank, SERVER_RANK, {}, clock=self.round_steps, loss=loss,
                             model_version=self.version)
         self._outbox = [Send(Route.SERVER, SERVER_RANK, Kind.DELTA, report)]
@@ -109,11 +116,14 @@ class ESync(PSWorker):
             super().receive(message)  # the next global model: a round is complete
             self.round_start.copy_(self.w)
             self.round_steps = 0
+            self.report_at = 1
             return
         if not self.asking:
             raise RuntimeError(f"rank {self.context.rank}: a READY answer arrived with no step report out")
         self.asking = False
-        if message.ready:
+        if not message.ready:
+            self.report_at = self.round_steps + max(1, message.steps_before_asking)
+        else:
             delta = self.w.detach() - self.round_start
             self._outbox = [self.push(self.params.views(delta), Kind.DELTA)]
             self.waiting = True
@@ -132,3 +142,4 @@ class ESync(PSWorker):
         super().load_state_dict(state)
         self.round_start.copy_(self.w)
         self.round_steps = 0
+        self.report_at = 1

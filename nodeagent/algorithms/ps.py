@@ -12,9 +12,10 @@ Protocol over Route.SERVER (the server is SERVER_RANK to algorithms; on the wire
   asynchronous rules, when the round completes for synchronous ones), then pulls the model, in full or, for a
   worker with `pull_delta`, as a delta since the version it pushed from, and hands it to `receive()` as a Message
   from SERVER_RANK whose `model_version` is the server's version.
-- Step report (ESync): a `StepReport` (no tensors; `clock` = steps done in the round, this one included). The
-  runtime sets `duration_s` to the step's duration (measured on agents, slow-down included; virtual in the
-  simulator); the decision comes back to `receive()` as a `ReadyAnswer`.
+- Step report (ESync): a `StepReport` (no tensors; `clock` = steps done in the round, the one just finished
+  included). The runtime sets `duration_s` to that step's duration (measured on agents, slow-down included;
+  virtual in the simulator); the decision comes back to `receive()` as a `ReadyAnswer`: READY, or how many local
+  steps to run before the next report.
 - `sends_after_receive`: a receive can produce a send (ESync pushes its delta once READY), so runtimes also call
   `sends()` after draining the inbox of these workers, not only after a step.
 
@@ -44,6 +45,7 @@ from torch import nn
 
 from nodeagent.algorithms.base import SERVER_RANK, Algorithm, FlatParameters, NodeContext, Route, Send, Snapshot
 from nodeagent.jobspec import AlgorithmSpec, JobSpec
+from nodeagent.ps.esync import Decision
 from nodeagent.ps.rules import ParameterServer, ProtocolError, PushResult
 from nodeagent.wire.codec import WireError
 from nodeagent.wire.message import Kind, Message, TensorSpec
@@ -63,6 +65,7 @@ class ReadyAnswer(Message):
     """ESync: the server's decision on a StepReport."""
 
     ready: bool = False
+    steps_before_asking: int = 1  # when not ready: local steps to run before the next report
 
 
 def wire_rank(world_size: int) -> int:
@@ -192,7 +195,7 @@ class ServerHalf:
             self.events.append({"event": "pull", "time": now, "rank": rank, "version": version})
         return Message(Kind.PARAMS, SERVER_RANK, rank, self.params.views(w), model_version=version)
 
-    def report(self, rank: int, version: int, round_step: int, duration_s: float, now: float) -> bool:
+    def report(self, rank: int, version: int, round_step: int, duration_s: float, now: float) -> Decision:
         raise ProtocolError(f"{self.spec.algorithm.name} takes no step reports")
 
     # -- persistence -----------------------------------------------------------------------------------------------

@@ -421,8 +421,9 @@ class VirtualMesh:
     def _server_report(self, sim: SimNode, report: StepReport) -> None:
         assert self.server is not None
         rank = sim.node.rank
-        ready = self.server.report(rank, report.model_version, report.clock, report.duration_s, self.now)
-        answer = ReadyAnswer(report.kind, SERVER_RANK, rank, {}, model_version=self.server.version, ready=ready)
+        decision = self.server.report(rank, report.model_version, report.clock, report.duration_s, self.now)
+        answer = ReadyAnswer(report.kind, SERVER_RANK, rank, {}, model_version=self.server.version,
+                             ready=decision.ready, steps_before_asking=decision.steps_before_asking)
         self._count_server(sim, down=REQUEST_BYTES)
         arrival = self.now + REQUEST_BYTES / self.network.bandwidth_bytes_per_s + self.network.latency_s
         self.at(arrival, lambda: self._collect(sim, answer))

@@ -106,4 +106,5 @@ class ServerClient:
         self.metrics.exchange_seconds.labels(self.node_id, SERVER_NODE).observe(time.perf_counter() - started)
         self._sent(request.ByteSize())
         self._received(reply.ByteSize())
-        return ReadyAnswer(report.kind, SERVER_RANK, self.rank, {}, model_version=reply.version, ready=reply.ready)
+        return ReadyAnswer(report.kind, SERVER_RANK, self.rank, {}, model_version=reply.version, ready=reply.ready,
+                           steps_before_asking=max(1, reply.steps_before_asking))

@@ -18,7 +18,15 @@ from nodeagent.ps.adacomp import (
     select_topk,
     traffic,
 )
-from nodeagent.ps.esync import ESyncRound, ESyncServer, RoundMetrics, WorkerReport, is_ready
+from nodeagent.ps.esync import (
+    Decision,
+    ESyncRound,
+    ESyncServer,
+    RoundMetrics,
+    WorkerReport,
+    is_ready,
+    steps_before_asking,
+)
 from nodeagent.ps.rules import ASGDServer, DCASGDServer, ParameterServer, ProtocolError, PushResult, SSGDServer
 
 __all__ = [
@@ -26,6 +34,7 @@ __all__ = [
     "AdaCompServer",
     "Codec",
     "DCASGDServer",
+    "Decision",
     "DeltaPull",
     "ESyncRound",
     "ESyncServer",
@@ -45,5 +54,6 @@ __all__ = [
     "flat_indices",
     "is_ready",
     "select_topk",
+    "steps_before_asking",
     "traffic",
 ]
