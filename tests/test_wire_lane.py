@@ -247,7 +247,8 @@ def assert_rejected(node: Node, error: grpc.RpcError | None, reason: str) -> Non
 
 def test_bad_manifest_on_a_lane_is_rejected_and_the_lane_closed(node):
     client = PeerClient(node.address)
-    wrong = Message(Kind.PARAMS, 0, 1, {"w": torch.zeros(N + 1)})
+    # 16 MB, far more than the sockets buffer: a write that nothing stopped would block until the deadline.
+    wrong = Message(Kind.PARAMS, 0, 1, {"w": torch.zeros(4_000_000)})
     started = time.monotonic()
     with pytest.raises(grpc.RpcError) as error:
         client.push(client_state(), wrong, timeout=20, metrics=Metrics())
