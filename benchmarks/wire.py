@@ -3,6 +3,7 @@ exchanges in a training step.
 
     .venv/bin/python benchmarks/wire.py [--sizes-mb 1 44 400] [--repeats 10] [--chunk-bytes 1048576]
                                         [--step-model cnn] [--steps 96] [--skip-steps]
+                                        [--link-gbit 10]
 
 Measures, in one run (TARGETS.md, "System performance"):
 1. transfers, for each tensor size (1 MB, 44 MB, 400 MB of fp32 by default): four processes live side by side,
@@ -23,6 +24,13 @@ Measures, in one run (TARGETS.md, "System performance"):
    the CNN, its exchanges in a thread pool as in nodeagent/agent.py; blocks of 16 steps with exchanges and
    without take turns, both nodes in the same block at once, and the medians of the blocks' wall time per step
    are compared (a block with exchanges lasts until its last exchange has completed).
+3. the encodings on a link of `--link-gbit` Gbit/s (default 10): Push raw, fp16 and bf16 and gloo of the 44 MB
+   tensor again, in a private network namespace (`unshare --user --map-root-user --net`, nothing outside it is
+   touched) whose loopback is shaped with a tc token bucket (tbf). On this machine kind loopback is bound by the
+   two cores, not by a wire: every byte costs a kernel copy on each side, and converting to and from fp16 costs
+   about what halving the bytes saves there. On a link slower than the processors, as between machines, the
+   conversion runs in the shadow of the sending and halving the bytes halves the time. Skipped, with the reason,
+   where namespaces or tc are not available.
 Rates: payload bytes per second (1 GB = 1e9 bytes), and parameters per second for the encodings. It prints the
 figures and whether each target is met; it asserts nothing.
 
@@ -35,11 +43,14 @@ peak across exec), so the parent must stay small for it to mean anything.
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -69,6 +80,7 @@ class Config:
     steps: int
     step_algorithm: str
     skip_steps: bool
+    link_gbit: float
 
 
 class DiscardingInbox(queue.Queue):
@@ -159,14 +171,16 @@ def peer_server(conn: Connection, numel: int, chunk: int, lanes: bool) -> None:
     baseline = proc_status_bytes("VmRSS")
     conn.send(("ready", port, baseline if baseline is not None else maxrss_bytes()))
     resettable = reset_peak()
+    cpu_start = time.process_time()
     try:
         while True:
             command = conn.recv()
             if command == "reset":
+                cpu_start = time.process_time()
                 conn.send(("reset", resettable and reset_peak()))
             elif command == "peak":
                 peak = proc_status_bytes("VmHWM") if resettable else None
-                conn.send(("peak", peak if peak is not None else maxrss_bytes()))
+                conn.send(("peak", peak if peak is not None else maxrss_bytes(), time.process_time() - cpu_start))
             elif command == "stop":
                 conn.send(("stopped",))
                 return
@@ -216,6 +230,7 @@ def peer_client(conn: Connection, ports: tuple[int, int], numel: int, chunk: int
             break
         what, encoding = command
         started = time.perf_counter()
+        cpu_start = time.process_time()
         if what == "push":
             laned.push(states[encoding], message, CALL_TIMEOUT_S, metrics)
         elif what == "push-frames":
@@ -225,7 +240,7 @@ def peer_client(conn: Connection, ports: tuple[int, int], numel: int, chunk: int
             if answer.payload_bytes != 4 * numel:
                 raise RuntimeError(f"exchange answered {answer.payload_bytes} bytes, expected {4 * numel}")
             del answer
-        conn.send(("seconds", time.perf_counter() - started))
+        conn.send(("seconds", time.perf_counter() - started, time.process_time() - cpu_start))
     lanes_used = bool(laned._idle) and not framed._idle
     laned.close()
     framed.close()
@@ -253,11 +268,12 @@ def gloo_peer(conn: Connection, rank: int, port: int, numel: int) -> None:
             # against milliseconds), then each times its own half; the parent takes the later finish.
             dist.barrier()
             started = time.perf_counter()
+            cpu_start = time.process_time()
             if rank == 0:
                 dist.send(tensor, dst=1)
             else:
                 dist.recv(tensor, src=0)
-            conn.send(("seconds", time.perf_counter() - started))
+            conn.send(("seconds", time.perf_counter() - started, time.process_time() - cpu_start))
         conn.send(("stopped",))
     finally:
         dist.destroy_process_group()
@@ -322,6 +338,7 @@ METHODS = [
 class SizeResult:
     numel: int
     seconds: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    cpu_seconds: dict[tuple[str, str], list[float]] = field(default_factory=dict)  # sender's plus receiver's
     extra_bytes: dict[tuple[str, str], int] = field(default_factory=dict)  # peak extra receiver memory per method
     per_transfer: bool = True  # False: one high-water mark over all transfers (no clear_refs here)
     lanes_used: bool = False
@@ -331,7 +348,9 @@ class SizeResult:
         return 4 * self.numel
 
 
-def measure_size(context: mp.context.SpawnContext, config: Config, numel: int) -> SizeResult:
+def measure_size(
+    context: mp.context.SpawnContext, config: Config, numel: int, methods: list[tuple[str, str]] = METHODS
+) -> SizeResult:
     result = SizeResult(numel)
     repeats = config.repeats if numel * 4 < 200e6 else max(3, config.repeats // 3)
     with Stage(context) as stage:
@@ -349,23 +368,27 @@ def measure_size(context: mp.context.SpawnContext, config: Config, numel: int) -
         for conn, what in ((client, "peer client"), (gloo[0], "gloo rank 0"), (gloo[1], "gloo rank 1")):
             stage.receive(conn, f"{what} start")
         for repeat in range(config.warmup + repeats):
-            for method in METHODS:
+            for method in methods:
                 if method[0] == "gloo":
                     for conn in gloo:
                         conn.send("go")
-                    seconds = max(stage.receive(conn, "gloo send/recv")[1] for conn in gloo)
+                    replies = [stage.receive(conn, "gloo send/recv") for conn in gloo]
+                    seconds = max(reply[1] for reply in replies)
+                    cpu = sum(reply[2] for reply in replies)
                 else:
                     which = 1 if method[0] == "push-frames" else 0
                     server = servers[which]
                     server.send("reset")
                     result.per_transfer = stage.receive(server, "server peak reset")[1] and result.per_transfer
                     client.send(method)
-                    seconds = stage.receive(client, f"peer {method[0]} {method[1]}")[1]
+                    _, seconds, cpu = stage.receive(client, f"peer {method[0]} {method[1]}")
                     server.send("peak")
-                    extra = stage.receive(server, "server peak")[1] - baselines[which]
-                    result.extra_bytes[method] = max(result.extra_bytes.get(method, 0), extra)
+                    _, peak, server_cpu = stage.receive(server, "server peak")
+                    cpu += server_cpu
+                    result.extra_bytes[method] = max(result.extra_bytes.get(method, 0), peak - baselines[which])
                 if repeat >= config.warmup:
                     result.seconds.setdefault(method, []).append(seconds)
+                    result.cpu_seconds.setdefault(method, []).append(cpu)
         if not result.per_transfer:  # one high-water mark per server over all its transfers
             for group in ([m for m in result.extra_bytes if m[0] != "push-frames"], [("push-frames", "raw")]):
                 overall = max(result.extra_bytes[m] for m in group)
@@ -511,6 +534,43 @@ def measure_steps(
     return name, alone, together, sum(r[1] for r in results), sum(r[2] for r in results)
 
 
+# ------------------------------------------------------------------------------------------ shaped link
+
+LINK_SIZE = 11_000_000  # the 44 MB tensor
+LINK_METHODS = [("push", "raw"), ("push", "fp16"), ("push", "bf16"), ("gloo", "raw")]
+
+
+def shaped_link(config: Config) -> dict[tuple[str, str], list[float]] | str:
+    """Seconds per transfer of LINK_METHODS on a loopback shaped to `config.link_gbit` in a private network
+    namespace (this script again, with --in-shaped-namespace); or why it could not run."""
+    missing = [tool for tool in ("unshare", "ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"{', '.join(missing)} not found"
+    rate_bits = config.link_gbit * 1e9
+    burst = max(1 << 20, int(rate_bits / 8 / 1000))  # a millisecond of the rate, and more than loopback's MTU
+    inner = [sys.executable, os.path.abspath(__file__), "--in-shaped-namespace", "--repeats", str(config.repeats),
+             "--warmup", str(config.warmup), "--chunk-bytes", str(config.chunk_bytes)]
+    script = (f"ip link set lo up && tc qdisc add dev lo root tbf rate {int(rate_bits)}bit burst {burst} "
+              f"latency 100ms && exec {' '.join(inner)}")
+    try:
+        done = subprocess.run(["unshare", "--user", "--map-root-user", "--net", "sh", "-c", script],
+                              capture_output=True, text=True, timeout=STAGE_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return f"no result within {STAGE_TIMEOUT_S:.0f} s"
+    if done.returncode != 0:
+        lines = (done.stderr.strip() or done.stdout.strip() or f"exit code {done.returncode}").splitlines()
+        return f"the namespace could not be set up or the run failed: {lines[-1]}"
+    seconds = json.loads(done.stdout.strip().splitlines()[-1])
+    return {tuple(method.split("/")): values for method, values in seconds.items()}
+
+
+def in_shaped_namespace(config: Config) -> int:
+    """The transfers of `shaped_link`, run inside its namespace; prints their seconds as one JSON line."""
+    result = measure_size(mp.get_context("spawn"), config, LINK_SIZE, LINK_METHODS)
+    print(json.dumps({"/".join(method): values for method, values in result.seconds.items()}))
+    return 0
+
+
 # --------------------------------------------------------------------------------------------- report
 
 
@@ -522,7 +582,7 @@ def size_label(nbytes: int) -> str:
     return f"{nbytes / 1e6:.0f} MB" if nbytes >= 1e6 else f"{nbytes / 1e3:.0f} kB"
 
 
-def parse_args(argv: list[str] | None) -> Config:
+def parse_args(argv: list[str] | None) -> tuple[Config, bool]:
     parser = argparse.ArgumentParser(
         description="Stream fp32 tensors between two processes on 127.0.0.1: the peer service (Push raw/fp16/bf16, "
         "Exchange, Push over frames) against torch.distributed gloo send/recv; then a DSGD training step with and "
@@ -543,6 +603,10 @@ def parse_args(argv: list[str] | None) -> Config:
                         help="algorithm of the training-step stage (default: pdmm-isvr, i.e. ECL-ISVR, where it is "
                         "registered, else dsgd)")
     parser.add_argument("--skip-steps", action="store_true", help="measure transfers only")
+    parser.add_argument("--link-gbit", type=float, default=10.0,
+                        help="rate of the shaped link of the encodings' second measurement, in Gbit/s (default 10; "
+                        "0 skips it)")
+    parser.add_argument("--in-shaped-namespace", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sizes = tuple(int(mb * 1e6 / 4) for mb in args.sizes_mb)
     if min(sizes) < 1:
@@ -551,12 +615,35 @@ def parse_args(argv: list[str] | None) -> Config:
         parser.error("--repeats and --steps must be at least 1 and --warmup at least 0")
     if not 1 <= args.chunk_bytes <= MAX_CHUNK_BYTES:
         parser.error(f"--chunk-bytes must be between 1 and {MAX_CHUNK_BYTES} (gRPC's frame limit)")
-    return Config(sizes, args.repeats, args.warmup, args.chunk_bytes, args.step_model, args.step_batch, args.steps,
-                  args.step_algorithm, args.skip_steps)
+    if args.link_gbit < 0:
+        parser.error("--link-gbit must be >= 0")
+    config = Config(sizes, args.repeats, args.warmup, args.chunk_bytes, args.step_model, args.step_batch,
+                    args.steps, args.step_algorithm, args.skip_steps, args.link_gbit)
+    return config, args.in_shaped_namespace
+
+
+def report_link(config: Config, link: dict[tuple[str, str], list[float]] | str) -> None:
+    print(f"\nencodings on a {config.link_gbit:g} Gbit/s link (tbf on loopback in a private network namespace), "
+          f"{size_label(4 * LINK_SIZE)}:")
+    if isinstance(link, str):
+        print(f"  skipped: {link}")
+        return
+    for method in LINK_METHODS:
+        samples = link[method]
+        print(f"  {method[0]} {method[1]:<5} median {median(samples) * 1e3:8.2f} ms  "
+              f"{4 * LINK_SIZE / median(samples) / 1e9:6.3f} GB/s  {LINK_SIZE / median(samples) / 1e6:6.0f} Mparam/s")
+    raw = median(link[("push", "raw")])
+    print(f"  peer Push raw / gloo = {median(link[('gloo', 'raw')]) / raw:.2f} on medians")
+    for encoding in ("fp16", "bf16"):
+        speedup = raw / median(link[("push", encoding)])
+        verdict = "target met" if speedup >= 1.8 else "below target"
+        print(f"  {encoding} / raw in parameters per second = {speedup:.2f} -> {verdict} (TARGETS.md: >= 1.8)")
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = parse_args(argv)
+    config, in_namespace = parse_args(argv)
+    if in_namespace:
+        return in_shaped_namespace(config)
     context = mp.get_context("spawn")
     print(
         f"wire benchmark: fp32 tensors of {', '.join(size_label(4 * n) for n in config.sizes)} between two processes "
@@ -567,10 +654,11 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     # The transfers first, while this process is still small (see the docstring).
     results = [measure_size(context, config, numel) for numel in config.sizes]
+    link = shaped_link(config) if config.link_gbit > 0 else None
 
     print()
     print(f"{'size':>7}  {'method':<50} {'median ms':>10} {'GB/s':>7} {'Mparam/s':>9} {'best GB/s':>10} "
-          f"{'recv extra':>11}")
+          f"{'CPU ms':>7} {'recv extra':>11}")
     names = {
         ("push", "raw"): "peer Push, raw (lane)",
         ("push", "fp16"): "peer Push, fp16 on the wire (lane)",
@@ -587,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{size_label(result.nbytes):>7}  {names[method]:<50} {median(samples) * 1e3:>10.2f} "
                 f"{moved / median(samples) / 1e9:>7.3f} {params / median(samples) / 1e6:>9.0f} "
-                f"{moved / min(samples) / 1e9:>10.3f} "
+                f"{moved / min(samples) / 1e9:>10.3f} {median(result.cpu_seconds[method]) * 1e3:>7.1f} "
                 + (f"{result.extra_bytes[method] / result.nbytes:>10.2f}x" if method in result.extra_bytes else "")
             )
         if not result.lanes_used:
@@ -605,6 +693,13 @@ def main(argv: list[str] | None = None) -> int:
             verdict = "target met" if speedup >= 1.8 else "below target"
             print(f"{label}: {encoding} / raw in parameters per second = {speedup:.2f} -> {verdict} "
                   "(TARGETS.md: >= 1.8)")
+        cpu = {encoding: median(result.cpu_seconds[("push", encoding)]) for encoding in ENCODINGS}
+        cores = os.cpu_count() or 1
+        # Sender and receiver share the machine's cores: a transfer takes at least its CPU time over their count.
+        bounds = ", ".join(f"{encoding} {raw / (cpu[encoding] / cores):.2f}x" for encoding in ("fp16", "bf16"))
+        print(f"{label}: CPU time of a Push, sender and receiver together: "
+              + ", ".join(f"{encoding} {seconds * 1e3:.1f} ms" for encoding, seconds in cpu.items())
+              + f"; on {cores} CPUs that bounds the rate over raw's to {bounds}")
         extra = result.extra_bytes[("push", "raw")]
         multiple = extra / result.nbytes
         scope = "in a raw Push" if result.per_transfer else "over all transfers (no per-transfer reset here)"
@@ -614,6 +709,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{label}: receiver peak extra memory {scope} = {extra / 1e6:.1f} MB = {multiple:.2f}x the tensor"
             + (f" -> {verdict}" if big else " (fixed costs of the process dominate a small tensor)")
         )
+    if link is not None:
+        report_link(config, link)
     if not config.skip_steps:
         name, alone_blocks, together_blocks, exchanges, failures = measure_steps(context, config)
         print(
