@@ -16,6 +16,7 @@ Measures, in one run (TARGETS.md, "System performance"):
      second server that offers no lanes (payload in gRPC chunk frames: the fallback, and the agent's path until
      it passes `lane_host`);
    - torch.distributed gloo send/recv of the same fp32 tensor between two other processes;
+   - the CPU time of each transfer, sender's and receiver's processes together (time.process_time);
    - the peer server's peak extra memory during each transfer: its RSS high-water mark (VmHWM, reset before
      each transfer through /proc/self/clear_refs), less its resident size before the first transfer. Buffers
      the receiver keeps for the next message (its receive pool) count.
@@ -585,8 +586,9 @@ def size_label(nbytes: int) -> str:
 def parse_args(argv: list[str] | None) -> tuple[Config, bool]:
     parser = argparse.ArgumentParser(
         description="Stream fp32 tensors between two processes on 127.0.0.1: the peer service (Push raw/fp16/bf16, "
-        "Exchange, Push over frames) against torch.distributed gloo send/recv; then a DSGD training step with and "
-        "without exchanges."
+        "Exchange, Push over frames) against torch.distributed gloo send/recv, with the CPU time of each transfer; "
+        "then the encodings again on a shaped link in a private network namespace; then a training step "
+        "(ECL-ISVR, K = 8) with and without exchanges."
     )
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1.0, 44.0, 400.0],
                         help="tensor sizes in MB of 1e6 bytes (default 1 44 400)")
