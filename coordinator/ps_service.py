@@ -159,9 +159,14 @@ class PSJob:
                 self.condition.wait(WAIT_SLICE_S)
             return dataclasses.replace(result, version=self.half.version)
 
-    def pull(self, rank: int, since_version: int, delta: bool) -> Message:
+    def pull(self, rank: int, since_version: int, delta: bool, alive: Callable[[], bool]) -> Message:
         with self.condition:
             self._check_open()
+            while self.half.holds_update(rank):  # a rejoining worker that had pushed: the next round's model
+                if not alive():
+                    raise JobClosed("the caller went away")
+                self.condition.wait(WAIT_SLICE_S)
+                self._check_open()
             message = self.half.pull(rank, since_version, delta, time.monotonic())
             if self.half.pull_mutates:
                 self._commit(durable=False)
@@ -314,7 +319,7 @@ class PSService:
         try:
             job = self.job(request.job_id)
             self._check_member(job, request.rank, request.node_id)
-            message = job.pull(request.rank, request.since_version, request.delta)
+            message = job.pull(request.rank, request.since_version, request.delta, context.is_active)
         except (WireError, ProtocolError, JobClosed) as failure:
             error = status_of(failure)
         if error is not None:

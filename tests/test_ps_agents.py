@@ -1,9 +1,13 @@
 """Every parameter-server algorithm on real agents: 4 agent processes and a coordinator (the server) on loopback.
 SSGD ends with the simulator's model; ESync's slowed-down agent (the job's `slowdown`) does one local step per round
-while the others do several."""
+while the others do several; a worker of a synchronous job killed and restarted from an older checkpoint rejoins,
+and the job finishes with every round applied once."""
 
+import json
 import math
+import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,3 +96,27 @@ def test_ssgd_on_agents_ends_with_the_simulators_model(cluster, fashion_mnist_di
         # The round's gradients are summed in arrival order, which differs between the runs: not bit for bit.
         assert torch.allclose(state["w"], simulated.nodes[member.rank].node.algorithm.w, rtol=0, atol=1e-5)
     assert torch.equal(simulated.nodes[0].node.algorithm.w, simulated.server.w)
+
+
+@pytest.mark.parametrize("name", ["esync", "ssgd"])
+def test_a_worker_killed_mid_round_rejoins_and_the_job_finishes(cluster, fashion_mnist_dir, name):
+    spec = job(name, fashion_mnist_dir, steps=150, eval_every=20, slowdown={})
+    job_id = cluster.submit(yaml.safe_dump(spec))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        status = cluster.status(job_id)
+        if status.state == pb.JOB_RUNNING and min((n.step for n in status.nodes), default=0) >= 45:
+            break
+        time.sleep(0.1)
+    victim = next(n for n in status.nodes if n.rank == 2)
+    agent_name = next(n.name for n in cluster.nodes() if n.node_id == victim.node_id)
+    cluster.kill(agent_name)
+    # It resumes from its checkpoint (step 40), rounds behind: its first call is refused, and it rejoins.
+    cluster.start_agent(int(agent_name.split("-")[1]))
+    status = cluster.wait(job_id, timeout_s=180)
+    assert status.state == pb.JOB_FINISHED
+    assert [n.step for n in status.nodes] == [spec["steps"]] * 4
+    events = [json.loads(line) for line in (Path(status.run_dir) / "ps-log.jsonl").read_text().splitlines()]
+    # Every round applied once: versions 1 .. steps, one applying push each.
+    applied = [e["version"] for e in events if e["event"] == "push" and e["applied"]]
+    assert applied == list(range(1, spec["steps"] + 1))

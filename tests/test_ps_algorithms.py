@@ -6,7 +6,7 @@ import torch
 
 from coordinator.service import validate_job
 from nodeagent.algorithms import REGISTRY, NodeContext
-from nodeagent.algorithms.base import SERVER_RANK, Route
+from nodeagent.algorithms.base import SERVER_RANK, Route, Send
 from nodeagent.algorithms.ps import ReadyAnswer, StepReport, build_server, initial_parameters
 from nodeagent.jobspec import JobSpecError, parse_job_spec
 from nodeagent.ps import Decision, ProtocolError
@@ -172,6 +172,57 @@ def test_esync_server_half_reports_are_idempotent_and_ordered():
     assert {k: v.tolist() for k, v in server.round_state().items()} == {
         "steps": [8, 0], "durations": [1.0, 9.0], "ends": [18.5, 10.0], "ready": [True, False], "asked_after": [2, 1],
     }
+
+
+@pytest.mark.parametrize(("name", "clock"), [("ssgd", 7), ("asgd", 0)])
+def test_a_refused_call_makes_the_worker_rejoin_from_the_servers_model(name, clock):
+    spec = job(name)
+    alg = worker(spec, 0)
+    alg.step(*batch(0))
+    pushed = alg.sends()
+    alg.failed(pushed[0], "failed_precondition")  # e.g. "pushed twice in round 7" after a restart
+    (pull,) = alg.sends()
+    assert pull.message is None and pull.kind == Kind.PARAMS and not alg.ready()
+    model = alg.params.views(torch.full_like(alg.w, 0.25))
+    alg.receive(Message(Kind.PARAMS, SERVER_RANK, 0, model, model_version=7))
+    # Not an answered push; a synchronous worker counts the rounds it missed (version 7), an asynchronous one not.
+    assert alg.ready() and alg.version == 7 and alg.clock == clock
+    assert torch.equal(alg.w, torch.full_like(alg.w, 0.25))
+    alg.step(*batch(1))
+    assert push_of(alg).model_version == 7
+    alg.failed(Send(Route.SERVER, SERVER_RANK, Kind.PARAMS, None), "failed_precondition")
+    assert alg.ready() and alg.sends() == []  # a refused pull: step on from the own model
+
+
+def test_an_esync_worker_rejoins_the_round_and_the_server_restarts_its_entry():
+    spec = job("esync", nodes=2, options={"epsilon": 0.0})
+    server = build_server(spec)
+    assert server.report(0, 0, 1, 1.0, now=1.0) == Decision(False)
+    assert server.report(1, 0, 1, 9.0, now=9.0) == Decision(True)  # the slowest
+    assert server.report(0, 0, 2, 1.0, now=10.0) == Decision(True)  # the slowest is ready
+    # Rank 0 restarts from its checkpoint and reports step 1 of the round again: refused. Its worker pulls, and
+    # the pull restarts its entry.
+    with pytest.raises(ProtocolError, match="step 1 of the round after step 2"):
+        server.report(0, 0, 1, 1.0, now=11.0)
+    model = server.pull(0, 0, False, now=11.0)
+    assert model.model_version == 0 and server.rule.round.reports[0].steps == 0 and not server.rule.round.ready[0]
+    assert server.drain_events()[-1] == {"event": "rejoin", "time": 11.0, "rank": 0, "version": 0}
+    assert server.report(0, 0, 1, 1.0, now=12.0) == Decision(True)
+    # A worker whose delta is already in waits for the round: its pull leaves the round's table alone.
+    delta = {name: torch.zeros_like(t) for name, t in server.params.views(server.rule.w).items()}
+    server.push(0, Message(Kind.DELTA, 0, SERVER_RANK, delta, model_version=0), "p0", now=12.5)
+    assert server.holds_update(0) and not server.holds_update(1)
+
+    alg = worker(spec, 0)
+    alg.step(*batch(0))
+    (report,) = alg.sends()
+    alg.failed(report, "failed_precondition")
+    (pull,) = alg.sends()
+    assert pull.message is None and not alg.ready()
+    alg.receive(Message(Kind.PARAMS, SERVER_RANK, 0, alg.params.views(alg.w.detach().clone()), model_version=3))
+    assert alg.ready() and alg.round_steps == 0 and alg.version == 3 and alg.clock == 3
+    alg.step(*batch(1))
+    assert push_of(alg).clock == 1  # the first step of the round is reported
 
 
 @pytest.mark.parametrize(

@@ -43,6 +43,12 @@ class ESyncServerHalf(ServerHalf):
     def apply(self, rank: int, update: torch.Tensor, worker_version: int, now: float) -> PushResult:
         return self.esync.push(rank, update, worker_version, now)
 
+    def pull(self, rank: int, since_version: int, delta: bool, now: float) -> Message:
+        # A worker pulls between rounds, or to rejoin the current one: then it starts the round again.
+        if not self.holds_update(rank) and self.esync.round.restart(rank, now):
+            self.events.append({"event": "rejoin", "time": now, "rank": rank, "version": self.version})
+        return super().pull(rank, since_version, delta, now)
+
     def push(self, rank: int, message: Message, push_id: str, now: float) -> PushResult:
         result = super().push(rank, message, push_id, now)
         if result.applied:
@@ -134,8 +140,9 @@ class ESync(PSWorker):
     def failed(self, send: Send, reason: str) -> None:
         if isinstance(send.message, StepReport):
             self.asking = False
+            self.rejoin()
         else:
-            self.waiting = False
+            super().failed(send, reason)
 
     def load_state_dict(self, state) -> None:
         # A restored worker starts a fresh round from its checkpointed model.

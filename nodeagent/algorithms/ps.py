@@ -22,10 +22,10 @@ Protocol over Route.SERVER (the server is SERVER_RANK to algorithms; on the wire
 - Pull alone: `Send(Route.SERVER, SERVER_RANK, Kind.PARAMS, None)`; the full model comes back (runtimes offer it;
   the workers here start from the seeded model the server also starts from, and need no first pull).
 
-A worker's clock counts its answered pushes (one per local step; ESync: one per round), which is what the job's
-`steps` counts; a rejected push is answered too (with the model to start again from). The server rules are plain
-SGD steps on the pushed gradient, so the gradient-pushing workers refuse `algorithm.momentum`; ESync's local
-steps use it.
+A worker's clock counts its answered pushes (one per local step; ESync: one per round; with a synchronous rule it is
+the server's version, the rounds done), which is what the job's `steps` counts; a rejected push is answered too
+(with the model to start again from). The server rules are plain SGD steps on the pushed gradient, so the
+gradient-pushing workers refuse `algorithm.momentum`; ESync's local steps use it.
 
 Server halves keep the rule's state plus, per worker, the id of its last push and of its last released push:
 that is what makes a retried push idempotent (a coordinator restart between a push and its answer makes the
@@ -46,7 +46,7 @@ from torch import nn
 from nodeagent.algorithms.base import SERVER_RANK, Algorithm, FlatParameters, NodeContext, Route, Send, Snapshot
 from nodeagent.jobspec import AlgorithmSpec, JobSpec
 from nodeagent.ps.esync import Decision
-from nodeagent.ps.rules import ParameterServer, ProtocolError, PushResult
+from nodeagent.ps.rules import ParameterServer, ProtocolError, PushResult, RoundServer
 from nodeagent.wire.codec import WireError
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
@@ -187,6 +187,11 @@ class ServerHalf:
 
     # -- pulls and reports -----------------------------------------------------------------------------------------
 
+    def holds_update(self, rank: int) -> bool:
+        """Whether the current round already has worker `rank`'s update: a pull of that worker is answered once
+        the round completes (a restarted worker that had pushed rejoins with the next round)."""
+        return isinstance(self.rule, RoundServer) and self.rule.holds(rank)
+
     def pull(self, rank: int, since_version: int, delta: bool, now: float) -> Message:
         """The model for worker `rank` (full here; AdaComp can answer with a delta since `since_version`)."""
         self.check_rank(rank)
@@ -269,6 +274,7 @@ class PSWorker(Algorithm):
         self.options = self.parse_options(context.spec)
         self.version = 0  # the server version the local model came from (every node starts from the seeded w0)
         self.waiting = False  # an update is out and the model has not come back
+        self.rejoining = False  # a pull is out to start again from the server's model
         self._outbox: list[Send] = []
         self.republish()
 
@@ -315,7 +321,13 @@ class PSWorker(Algorithm):
             self.apply_model(message)
         self.version = message.model_version
         self.waiting = False
-        self.clock += 1
+        if self.server_half.synchronous:
+            # Every worker takes part in every round, so its clock is the round count: rounds that went by while
+            # it was away (restarted, or refused) count for it too, and all workers end with the job's last round.
+            self.clock = message.model_version
+        elif not self.rejoining:
+            self.clock += 1
+        self.rejoining = False
         self.republish()
 
     def apply_model(self, message: Message) -> None:
@@ -326,9 +338,18 @@ class PSWorker(Algorithm):
         return not self.waiting
 
     def failed(self, send: Send, reason: str) -> None:
-        # The runtime gave up on a server call (the server refused it, or the job ends): this step's update is
-        # lost and the worker steps again from its model.
-        self.waiting = False
+        # The server refused a call (after a restart of this worker from an older checkpoint, a push of a round
+        # it already has, a report out of step): this update is lost, and the worker pulls the server's model and
+        # starts again from it. A refused pull gives up waiting, and the worker steps on from its own model.
+        if send.message is None:
+            self.rejoining = self.waiting = False
+            return
+        self.rejoin()
+
+    def rejoin(self) -> None:
+        """Ask for the server's current model; `receive` then starts from it without counting a step."""
+        self._outbox = [Send(Route.SERVER, SERVER_RANK, Kind.PARAMS, None)]
+        self.waiting = self.rejoining = True
 
     # -- what the network threads may call (immutable configuration only) -----------------------------------------
 

@@ -119,6 +119,17 @@ class ESyncRound:
             self.asked_after[worker] = steps_before_asking(worker, self.reports, self.ready, now, self.epsilon)
         return self.answer(worker)
 
+    def restart(self, worker: int, now: float) -> bool:
+        """Worker `worker` starts the current round again from its first step (it was restarted, or its calls
+        were refused); its speed estimate stays. Whether its entry changed."""
+        report = self.reports[worker]
+        if report.steps == 0 and not self.ready[worker]:
+            return False
+        self.reports[worker] = WorkerReport(0, report.duration, now)
+        self.ready[worker] = False
+        self.asked_after[worker] = 1
+        return True
+
     def reset(self, now: float) -> None:
         """Start the next round at `now`: no steps, nobody ready; durations carry over as the speed estimates."""
         self.reports = [WorkerReport(0, report.duration, now) for report in self.reports]

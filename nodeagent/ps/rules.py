@@ -96,6 +96,10 @@ class RoundServer(ParameterServer):
         if self.arrived[worker]:
             raise ProtocolError(f"worker {worker} pushed twice in round {self.version}")
 
+    def holds(self, worker: int) -> bool:
+        """Whether this round already has `worker`'s update (it waits for the round to complete)."""
+        return bool(self.arrived[worker])
+
     def gather(self, worker: int, update: torch.Tensor, worker_version: int) -> torch.Tensor | None:
         """Take this round's update of `worker`; once every worker's is in, returns their mean (and clears the
         round), else None."""
