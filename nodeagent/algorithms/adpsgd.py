@@ -27,8 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nodeagent.algorithms.base import Algorithm, NodeContext, Route, Send, Snapshot
-from nodeagent.wire.codec import WireError
+from nodeagent.algorithms.base import Algorithm, NodeContext, Route, Send, Snapshot, parse_options
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
 
@@ -37,8 +36,7 @@ class ADPSGD(Algorithm):
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         super().__init__(model, context, loss_fn)
-        if context.spec.options:
-            raise ValueError(f"algorithm.options.{sorted(context.spec.options)[0]}: {self.name} takes no options")
+        parse_options(self.name, context.spec.options, {})
         self.active = context.rank % 2 == 1
         schedule = context.peer_schedule or (context.neighbor_ranks,)
         self.rotation: tuple[int, ...] = (
@@ -91,7 +89,4 @@ class ADPSGD(Algorithm):
             self._sent = None
 
     def expected(self, peer: int, kind: Kind) -> list[TensorSpec]:
-        self.reject_unless_neighbor(peer)
-        if kind != Kind.PARAMS:
-            raise WireError("unexpected_kind", f"{self.name} accepts only params, not {kind.name.lower()}")
-        return self.params.specs
+        return self.neighbor_specs(peer, kind, Kind.PARAMS)

@@ -20,7 +20,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -213,6 +213,14 @@ class Algorithm(ABC):
         if peer not in self.context.neighbor_ranks:
             raise WireError("not_neighbor", f"rank {peer} is not a neighbour of rank {self.context.rank}")
 
+    def neighbor_specs(self, peer: int, kind: Kind, accepted: Kind) -> list[TensorSpec]:
+        """`expected` of an algorithm whose neighbours send one kind of message shaped like the model."""
+        self.reject_unless_neighbor(peer)
+        if kind != accepted:
+            raise WireError("unexpected_kind",
+                            f"{self.name} accepts only {accepted.name.lower()}, not {kind.name.lower()}")
+        return self.params.specs
+
     # -- the interface the runtimes drive -----------------------------------------------------------------------
 
     @abstractmethod
@@ -263,3 +271,28 @@ class Algorithm(ABC):
         """A send could not be completed; `reason` is the failure label of the metrics (unavailable,
         deadline_exceeded, in_flight, rejected, ...). Algorithms that keep waiting for a reply must stop."""
         return None
+
+
+def parse_options(name: str, given: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """`given` over `defaults`, each value of its default's type (an int passes for a float); errors name the
+    field as the job spec does."""
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        known = ", ".join(sorted(defaults)) or "no options"
+        raise ValueError(f"algorithm.options.{unknown[0]}: {name} takes {known}")
+    options = dict(defaults)
+    for key, value in given.items():
+        default = defaults[key]
+        if isinstance(default, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(default, float):
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            value = float(value) if ok else value
+        elif isinstance(default, int):
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, type(default))
+        if not ok:
+            raise ValueError(f"algorithm.options.{key}: expected {type(default).__name__}, got {value!r}")
+        options[key] = value
+    return options

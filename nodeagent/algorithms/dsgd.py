@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from nodeagent.algorithms.base import Algorithm, NodeContext, Route, Send, Snapshot
-from nodeagent.wire.codec import WireError
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
 
@@ -101,7 +100,4 @@ class DSGD(Algorithm):
         return self._pending_direction is None
 
     def expected(self, peer: int, kind: Kind) -> list[TensorSpec]:
-        self.reject_unless_neighbor(peer)
-        if kind != Kind.PARAMS:
-            raise WireError("unexpected_kind", f"dsgd accepts only params, not {kind.name.lower()}")
-        return self.params.specs
+        return self.neighbor_specs(peer, kind, Kind.PARAMS)

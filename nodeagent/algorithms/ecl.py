@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from nodeagent.algorithms.base import Algorithm, Neighbor, NodeContext, Route, Send, Snapshot
-from nodeagent.wire.codec import WireError
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
 ETA_RULES = ("released", "optimal")
@@ -143,10 +142,7 @@ class PDMMISVR(Algorithm):
         self.z[peer] = self.merge(self.z[peer], self.params.flatten(message.tensors))
 
     def expected(self, peer: int, kind: Kind) -> list[TensorSpec]:
-        self.reject_unless_neighbor(peer)
-        if kind != Kind.DUAL:
-            raise WireError("unexpected_kind", f"{self.name} accepts only dual, not {kind.name.lower()}")
-        return self.params.specs
+        return self.neighbor_specs(peer, kind, Kind.DUAL)
 
 
 class ADMMISVR(PDMMISVR):

@@ -44,7 +44,6 @@ import torch
 from torch import nn
 
 from nodeagent.algorithms.base import Algorithm, NodeContext, Route, Send, Snapshot
-from nodeagent.wire.codec import WireError
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
 # Flow control of ALGORITHMS.md: the score range, the start, the random term and the rewards.
@@ -216,10 +215,7 @@ class PairwiseGossip(Algorithm):
         return all(fetch.due > self.clock for fetch in self._fetches)
 
     def expected(self, peer: int, kind: Kind) -> list[TensorSpec]:
-        self.reject_unless_neighbor(peer)
-        if kind != Kind.PARAMS:
-            raise WireError("unexpected_kind", f"gossip accepts only params, not {kind.name.lower()}")
-        return self.params.specs
+        return self.neighbor_specs(peer, kind, Kind.PARAMS)
 
     # -- the protocol ------------------------------------------------------------------------------------------
 

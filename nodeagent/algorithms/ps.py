@@ -43,7 +43,16 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from nodeagent.algorithms.base import SERVER_RANK, Algorithm, FlatParameters, NodeContext, Route, Send, Snapshot
+from nodeagent.algorithms.base import (
+    SERVER_RANK,
+    Algorithm,
+    FlatParameters,
+    NodeContext,
+    Route,
+    Send,
+    Snapshot,
+    parse_options,
+)
 from nodeagent.jobspec import AlgorithmSpec, JobSpec
 from nodeagent.ps.esync import Decision
 from nodeagent.ps.rules import ParameterServer, ProtocolError, PushResult, RoundServer
@@ -71,34 +80,6 @@ class ReadyAnswer(Message):
 def wire_rank(world_size: int) -> int:
     """The server's rank on the wire (manifests carry unsigned ranks)."""
     return world_size
-
-
-# -- options -----------------------------------------------------------------------------------------------------
-
-
-def parse_options(name: str, given: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """`given` over `defaults`, each value of its default's type (an int passes for a float); errors name the
-    field as the job spec does."""
-    unknown = sorted(set(given) - set(defaults))
-    if unknown:
-        known = ", ".join(sorted(defaults)) or "no options"
-        raise ValueError(f"algorithm.options.{unknown[0]}: {name} takes {known}")
-    options = dict(defaults)
-    for key, value in given.items():
-        default = defaults[key]
-        if isinstance(default, bool):
-            ok = isinstance(value, bool)
-        elif isinstance(default, float):
-            ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-            value = float(value) if ok else value
-        elif isinstance(default, int):
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        else:
-            ok = isinstance(value, type(default))
-        if not ok:
-            raise ValueError(f"algorithm.options.{key}: expected {type(default).__name__}, got {value!r}")
-        options[key] = value
-    return options
 
 
 # -- the server half ---------------------------------------------------------------------------------------------

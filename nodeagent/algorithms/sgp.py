@@ -44,8 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nodeagent.algorithms.base import Algorithm, NodeContext, Route, Send, Snapshot
-from nodeagent.wire.codec import WireError
+from nodeagent.algorithms.base import Algorithm, NodeContext, Route, Send, Snapshot, parse_options
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
 
@@ -66,8 +65,7 @@ class SGP(Algorithm):
         self.republish()
 
     def _parse_options(self, options: Mapping[str, Any]) -> int:
-        if options:
-            raise ValueError(f"algorithm.options.{sorted(options)[0]}: {self.name} takes no options")
+        parse_options(self.name, options, {})
         return 0
 
     # -- push-sum ------------------------------------------------------------------------------------------------
@@ -158,10 +156,7 @@ class SGP(Algorithm):
         return not self.open_rounds or self.open_rounds[0] >= self.clock - self.rounds_in_flight
 
     def expected(self, peer: int, kind: Kind) -> list[TensorSpec]:
-        self.reject_unless_neighbor(peer)
-        if kind != Kind.PUSHSUM:
-            raise WireError("unexpected_kind", f"{self.name} accepts only pushsum, not {kind.name.lower()}")
-        return self.params.specs
+        return self.neighbor_specs(peer, kind, Kind.PUSHSUM)
 
 
 class OverlapSGP(SGP):
