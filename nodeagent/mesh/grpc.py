@@ -29,7 +29,16 @@ import grpc.experimental
 from nodeagent._proto import peer_pb2, peer_pb2_grpc, wire_pb2
 from nodeagent.algorithms.base import Snapshot
 from nodeagent.metrics import Metrics
-from nodeagent.wire.codec import Outgoing, Receiver, WireError, chunk_frame, new_stream_id, plan, serialize
+from nodeagent.wire.codec import (
+    Outgoing,
+    Receiver,
+    WireError,
+    chunk_frame,
+    new_stream_id,
+    plan,
+    run_on_lanes,
+    serialize,
+)
 from nodeagent.wire.lane import LaneHub, LaneSocket, dial, split_host, stripes_for
 from nodeagent.wire.message import DTYPE_NAMES, Encoding, Kind, Message, TensorSpec
 from nodeagent.wire.pool import BufferPool
@@ -133,27 +142,9 @@ def _write_shares(outgoing: Outgoing, lanes: list[LaneSocket], stream_id: bytes,
                   seconds: float | None) -> None:
     """Write each share of the payload on its lane, the lanes concurrently (the first in this thread). Raises
     OSError when any lane fails; all of them are shut down then."""
-    pending = [
-        _LANE_WRITERS.submit(_write_share, outgoing, lane, stream_id, share, seconds)
-        for lane, share in zip(lanes[1:], shares[1:], strict=True)
-    ]
-    errors: list[BaseException] = []
-    try:
-        _write_share(outgoing, lanes[0], stream_id, shares[0], seconds)
-    except BaseException as error:
-        errors.append(error)
-    for future in pending:
-        if errors:
-            for lane in lanes:
-                lane.abort()
-        try:
-            future.result()
-        except BaseException as error:
-            errors.append(error)
-    if errors:
-        for lane in lanes:
-            lane.abort()
-        raise errors[0]
+    tasks = [functools.partial(_write_share, outgoing, lane, stream_id, share, seconds)
+             for lane, share in zip(lanes, shares, strict=True)]
+    run_on_lanes(tasks, lanes, _LANE_WRITERS)
 
 
 class PeerServicer(peer_pb2_grpc.PeerServicer):

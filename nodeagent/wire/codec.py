@@ -15,6 +15,7 @@ never pass through protobuf objects.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import struct
@@ -339,6 +340,30 @@ class LaneReader:
 LaneResolver = Callable[[wire_pb2.Lane, wire_pb2.Manifest], LaneReader]
 
 
+def run_on_lanes(tasks: Sequence[Callable[[], None]], lanes: Sequence[LaneReader], pool: futures.Executor) -> None:
+    """Run one task per lane at once, the first in this thread and the others in `pool`. When one fails, every
+    lane is aborted (the others stop waiting on their sockets), all tasks are waited for, and the first WireError
+    is raised, else the first error."""
+    pending = [pool.submit(task) for task in tasks[1:]]
+    errors: list[BaseException] = []
+    try:
+        tasks[0]()
+    except BaseException as error:
+        errors.append(error)
+    for future in pending:
+        if errors:
+            for lane in lanes:
+                lane.abort()
+        try:
+            future.result()
+        except BaseException as error:
+            errors.append(error)
+    if errors:
+        for lane in lanes:
+            lane.abort()
+        raise next((e for e in errors if isinstance(e, WireError)), errors[0])
+
+
 def check_manifest(manifest: wire_pb2.Manifest, expected: Sequence[TensorSpec], max_bytes: int) -> list[Encoding]:
     """Compare a manifest with the tensors the receiver expects; returns each tensor's encoding."""
     if len(manifest.tensors) != len(expected):
@@ -608,24 +633,8 @@ class Receiver:
             (reader, length, stream_id, self._parts(offset, offset + length))
             for reader, offset, length, stream_id in self.shares
         ]
-        pending = [_LANE_READERS.submit(self._read_share, *job) for job in jobs[1:]]
-        errors: list[BaseException] = []
-        try:
-            self._read_share(*jobs[0])
-        except BaseException as error:
-            errors.append(error)
-        for future in pending:
-            if errors:
-                for reader, *_ in self.shares:
-                    reader.abort()
-            try:
-                future.result()
-            except BaseException as error:
-                errors.append(error)
-        if errors:
-            for reader, *_ in self.shares:
-                reader.abort()
-            raise next((e for e in errors if isinstance(e, WireError)), errors[0])
+        run_on_lanes([functools.partial(self._read_share, *job) for job in jobs],
+                     [reader for reader, *_ in self.shares], _LANE_READERS)
         for sink in self.sinks:
             sink.filled = sink.nbytes
         self.received = self.total
