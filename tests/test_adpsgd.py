@@ -4,7 +4,7 @@ from collections import defaultdict
 
 import pytest
 import torch
-from torch import nn
+from exact_linear import ZeroLoss, batch, linear_model
 
 from coordinator.topology import in_peers, is_passive, offsets, out_peers
 from nodeagent.algorithms.adpsgd import ADPSGD
@@ -13,23 +13,6 @@ from nodeagent.jobspec import AlgorithmSpec
 from nodeagent.wire import Kind, Message, WireError
 
 KIND = "bipartite-exponential"
-
-
-class ZeroLoss(nn.Module):
-    """A loss whose gradient is exactly zero, so that steps leave the model alone (the spec requires lr > 0)."""
-
-    def forward(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return output.sum() * 0.0
-
-
-def linear_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Linear(3, 2, dtype=torch.float64)
-
-
-def batch(seed: int):
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(8, 3, generator=generator, dtype=torch.float64), torch.randint(0, 2, (8,), generator=generator)
 
 
 def make(rank, world, schedule, neighbors, loss_fn=None):

@@ -823,12 +823,7 @@ def test_dashboard_and_rules_against_live_prometheus(tmp_path: Path) -> None:
             wait_for(rules_evaluated, 30, "every alert rule evaluated without error")
         finally:
             stop.set()
-            process.terminate()
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop_process(process)
             feeder.join(5)
 
 

@@ -5,6 +5,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
+from exact_linear import ZeroLoss, batch, linear_model
 from torch import nn
 
 from coordinator.topology import directed_mixing_matrix, in_peers, is_column_stochastic, is_row_stochastic
@@ -14,23 +15,6 @@ from nodeagent.algorithms.base import Neighbor, NodeContext, Route
 from nodeagent.algorithms.sgp import SGP, OverlapSGP
 from nodeagent.jobspec import AlgorithmSpec
 from nodeagent.wire import Kind, Message, WireError
-
-
-class ZeroLoss(nn.Module):
-    """A loss whose gradient is exactly zero, so that steps do pure push-sum (the spec requires lr > 0)."""
-
-    def forward(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return output.sum() * 0.0
-
-
-def linear_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Linear(3, 2, dtype=torch.float64)
-
-
-def batch(seed: int):
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(8, 3, generator=generator, dtype=torch.float64), torch.randint(0, 2, (8,), generator=generator)
 
 
 def make(cls, rank, world, schedule, neighbors, lr=0.1, options=None, loss_fn=None):
