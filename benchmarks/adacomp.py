@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from coordinator.simulate import build_nodes
-from nodeagent.algorithms.ps import initial_parameters
 from nodeagent.jobspec import DEFAULT_DATA_DIR, JobSpec, parse_job_spec
-from nodeagent.mesh.memory import VirtualMesh
 from nodeagent.metrics import Metrics
+from nodeagent.ps.server import initial_parameters
+from nodeagent.runtime.simulator import VirtualMesh
 from nodeagent.training.data import load_dataset
 from nodeagent.training.loop import evaluate
 
@@ -84,12 +84,12 @@ def run(args: argparse.Namespace, label: str) -> Outcome:
     accuracies: list[float] = []
 
     def sample(_mesh: VirtualMesh) -> None:
-        if len(accuracies) < len(marks) and server.version >= marks[len(accuracies)]:
-            evaluator.vector.copy_(server.w)
+        if len(accuracies) < len(marks) and server.half.version >= marks[len(accuracies)]:
+            evaluator.vector.copy_(server.half.w)
             accuracies.append(evaluate(evaluator.model, test).accuracy)
 
     mesh.run(on_event=sample)
-    return Outcome(label, server.version, mesh.server_bytes_up, mesh.server_bytes_down,
+    return Outcome(label, server.half.version, mesh.server.bytes_up, mesh.server.bytes_down,
                    sum(accuracies) / len(accuracies), accuracies[-1], mesh.now, time.monotonic() - started)
 
 

@@ -37,11 +37,11 @@ import torch
 import yaml
 
 from coordinator.simulate import build_nodes, reference_spec
-from nodeagent.algorithms.ps import initial_parameters
 from nodeagent.jobspec import DEFAULT_DATA_DIR, JobSpec, parse_job_spec
-from nodeagent.mesh.memory import VirtualMesh
 from nodeagent.metrics import Metrics
 from nodeagent.ps.esync import RoundMetrics
+from nodeagent.ps.server import initial_parameters
+from nodeagent.runtime.simulator import VirtualMesh
 from nodeagent.training.data import load_dataset
 from nodeagent.training.loop import evaluate
 
@@ -106,12 +106,12 @@ def simulate_run(args: argparse.Namespace, label: str) -> Outcome:
         # Fine steps until the target is reached, then 100 points over the budget for the final accuracy.
         now += GRID_S if math.isnan(outcome.reached) else max(GRID_S, args.budget / 100)
         mesh.run(until=now)
-        version = nodes[0].algorithm.clock if mesh.server is None else mesh.server.version
+        version = nodes[0].algorithm.clock if mesh.server is None else mesh.server.half.version
         if version == seen:
             outcome.curve.append((now, outcome.curve[-1][1]))
             continue
         seen = version
-        evaluator.vector.copy_(nodes[0].algorithm.w if mesh.server is None else mesh.server.w)
+        evaluator.vector.copy_(nodes[0].algorithm.w if mesh.server is None else mesh.server.half.w)
         accuracy = evaluate(evaluator.model, test).accuracy
         outcome.curve.append((now, accuracy))
         if math.isnan(outcome.reached) and accuracy >= args.target:
@@ -177,7 +177,7 @@ def local_steps(cluster, job_id: str, status) -> list[float]:
 def agents(args: argparse.Namespace) -> None:
     from coordinator.cluster import LocalCluster
     from nodeagent._proto import coordinator_pb2 as pb
-    from nodeagent.runlog import read_run_log
+    from nodeagent.runtime.progress import read_run_log
 
     slow = {4: args.slowdown, 5: args.slowdown}
     # Evaluate about as often in time: ESync after every round, SSGD every 2 rounds, the asynchronous ones every
@@ -214,14 +214,14 @@ def agents(args: argparse.Namespace) -> None:
             local = local_steps(cluster, job_id, status)
             cluster.stub().StopJob(pb.StopJobRequest(job_id=job_id), timeout=10)
             records = read_run_log(status.run_dir)
-            hits = [r.elapsed_s for r in records if r.rank == 0 and (r.test_accuracy or 0) >= args.agent_target]
+            hits = [r.elapsed_s for r in records if r.rank == 0 and r.test_accuracy >= args.agent_target]
             reached = min(hits) if hits else math.nan
             last = {}
             for record in records:
                 last[record.rank] = record
             ratios = [last[r].compute_s / last[r].elapsed_s if r in last and last[r].elapsed_s > 0 else math.nan
                       for r in range(6)]
-            best = max((r.test_accuracy or 0) for r in records if r.rank == 0)
+            best = max((r.test_accuracy for r in records if r.rank == 0 and not math.isnan(r.test_accuracy)), default=0)
             rounds = [last[r].step if r in last else 0 for r in range(6)]
             per_round = [local[r] / max(1, rounds[r]) for r in range(6)]
             rows.append((label, reached, best, ratios, rounds, per_round))

@@ -19,8 +19,8 @@ from torch import nn
 
 from coordinator.simulate import build_nodes
 from nodeagent.jobspec import DEFAULT_DATA_DIR, parse_job_spec
-from nodeagent.mesh.memory import VirtualMesh
 from nodeagent.metrics import Metrics
+from nodeagent.runtime.simulator import VirtualMesh
 from nodeagent.training.data import load_dataset
 from nodeagent.training.loop import BatchStream
 from nodeagent.training.models import build_model

@@ -140,8 +140,8 @@ def peer_server(conn: Connection, numel: int, chunk: int, lanes: bool) -> None:
 
     from nodeagent._proto import peer_pb2_grpc
     from nodeagent.algorithms.base import Snapshot
-    from nodeagent.mesh.grpc import GRPC_OPTIONS, PeerServicer, ServingState
     from nodeagent.metrics import Metrics
+    from nodeagent.runtime.peer_service import GRPC_OPTIONS, PeerServicer, ServingState
     from nodeagent.wire.codec import WireError
     from nodeagent.wire.message import Encoding, Kind, TensorSpec
 
@@ -196,8 +196,8 @@ def peer_client(conn: Connection, ports: tuple[int, int], numel: int, chunk: int
     import torch
 
     from nodeagent.algorithms.base import Snapshot
-    from nodeagent.mesh.grpc import PeerClient, ServingState
     from nodeagent.metrics import Metrics
+    from nodeagent.runtime.peer_service import PeerClient, ServingState
     from nodeagent.wire.codec import WireError
     from nodeagent.wire.message import Encoding, Kind, Message, TensorSpec
 
@@ -419,8 +419,8 @@ def step_agent(conn: Connection, rank: int, ports: list[int], config: Config) ->
     from nodeagent._proto import peer_pb2_grpc
     from nodeagent.algorithms import REGISTRY, Neighbor, NodeContext, build_algorithm
     from nodeagent.jobspec import AlgorithmSpec, ModelSpec
-    from nodeagent.mesh.grpc import GRPC_OPTIONS, PeerClient, PeerServicer, ServingState
     from nodeagent.metrics import Metrics
+    from nodeagent.runtime.peer_service import GRPC_OPTIONS, PeerClient, PeerServicer, ServingState
     from nodeagent.training.models import build_model
     from nodeagent.wire.message import Encoding
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import signal
 import sys
@@ -16,10 +15,19 @@ from pathlib import Path
 
 import grpc
 
+from coordinator.demo import run_demo
+from coordinator.display import format_status, state_name, status_text
+from coordinator.jobs import validate_job
+from coordinator.service import CoordinatorConfig, CoordinatorService
+from coordinator.simulate import SimulationProgress, simulate
 from nodeagent import __version__
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc
-from nodeagent.jobspec import DEFAULT_DATA_DIR, JobSpecError, load_job_file
+from nodeagent.jobspec import DEFAULT_DATA_DIR, JobSpec, JobSpecError, load_job_file
+from nodeagent.metrics import Metrics
+from nodeagent.runtime.peer_service import GRPC_OPTIONS, split_address
+from nodeagent.training.data import load_dataset
+from nodeagent.training.splits import describe_split, format_split_table, split_indices
 
 DEFAULT_COORDINATOR = os.environ.get("PEERTRAIN_COORDINATOR", "127.0.0.1:7070")
 
@@ -121,33 +129,7 @@ def _stub(address: str) -> coordinator_pb2_grpc.CoordinatorStub:
     return coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(address))
 
 
-def _fmt(value: float, pattern: str = "{:.4f}") -> str:
-    return "-" if math.isnan(value) else pattern.format(value)
-
-
-def format_status(status: pb.JobStatusReply) -> str:
-    lines = [
-        f"job {status.job_id} ({status.name}): {pb.JobState.Name(status.state).removeprefix('JOB_').lower()}, "
-        f"{status.world_size} nodes, run dir {status.run_dir}",
-        f"{'rank':>4}  {'node':<14} {'step':>7} {'loss':>8} {'test acc':>9} {'sent MB':>9} {'recv MB':>9}  done",
-    ]
-    for n in status.nodes:
-        lines.append(
-            f"{n.rank:>4}  {n.node_id:<14} {n.step:>7} {_fmt(n.loss):>8} {_fmt(n.test_accuracy):>9} "
-            f"{n.bytes_sent / 1e6:>9.2f} {n.bytes_received / 1e6:>9.2f}  {'yes' if n.finished else 'no'}"
-        )
-    accuracies = [n.test_accuracy for n in status.nodes if not math.isnan(n.test_accuracy)]
-    if accuracies:
-        lines.append(f"mean test accuracy over {len(accuracies)} nodes: {sum(accuracies) / len(accuracies):.4f}")
-    return "\n".join(lines)
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
-    from coordinator.service import CoordinatorConfig, CoordinatorService
-    from nodeagent.agent import split_address
-    from nodeagent.mesh.grpc import GRPC_OPTIONS
-    from nodeagent.metrics import Metrics
-
     logging.basicConfig(level=args.log_level, format="%(asctime)s coordinator %(levelname)s: %(message)s")
     metrics = Metrics()
     service = CoordinatorService(
@@ -186,12 +168,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    _load_job(args.job_file)
+    _load_job(args.job_file)  # refused here, before anything reaches the coordinator
     spec_yaml = args.job_file.read_text()
     reply = _stub(args.coordinator).SubmitJob(pb.SubmitJobRequest(spec_yaml=spec_yaml), timeout=30)
     print(reply.job_id)
-    state = pb.JobState.Name(reply.state).removeprefix("JOB_").lower()
-    print(f"state: {state}; run dir: {reply.run_dir}", file=sys.stderr)
+    print(f"state: {state_name(reply.state)}; run dir: {reply.run_dir}", file=sys.stderr)
     return 0
 
 
@@ -207,49 +188,45 @@ def cmd_nodes(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    print(format_status(_stub(args.coordinator).JobStatus(pb.JobStatusRequest(job_id=args.job_id), timeout=10)))
+    print(status_text(_stub(args.coordinator).JobStatus(pb.JobStatusRequest(job_id=args.job_id), timeout=10)))
     return 0
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
     reply = _stub(args.coordinator).StopJob(pb.StopJobRequest(job_id=args.job_id), timeout=10)
-    print(f"{args.job_id}: {pb.JobState.Name(reply.state).removeprefix('JOB_').lower()}")
+    print(f"{args.job_id}: {state_name(reply.state)}")
     return 0
 
 
-def _load_job(path: Path):
+def _load_job(path: Path) -> JobSpec:
+    """The job of `path`, validated as the coordinator validates it (schema, algorithm, options, topology)."""
     try:
-        return load_job_file(path)
+        spec = load_job_file(path)
+        validate_job(spec)
     except OSError as error:
         raise SystemExit(f"coordinator: cannot read {path}: {error.strerror}") from None
     except JobSpecError as error:
         raise SystemExit(f"coordinator: {path}: {error}") from None
+    return spec
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from coordinator.simulate import SimulationProgress, simulate, status_of
-
     spec = _load_job(args.job_file)
     job_id = f"sim-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = (args.runs / job_id).resolve()
     print(f"simulating {spec.nodes} nodes of {spec.algorithm.name} for {spec.steps} steps; run dir {run_dir}")
     result = simulate(spec, run_dir, args.data_dir, on_progress=SimulationProgress(spec.steps))
     print()
-    print(format_status(status_of(result.mesh, job_id, run_dir)))
+    state = "finished" if result.mesh.finished else "running"
+    print(format_status(f"job {job_id} ({spec.name}): {state}, {spec.nodes} nodes, run dir {run_dir}",
+                        result.progress))
     print(f"virtual time {result.mesh.now:.2f} s, wall time {result.wall_s:.1f} s; metrics log {run_dir}/metrics.jsonl")
     return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from coordinator.service import validate_job
-    from nodeagent.training.data import load_dataset
-    from nodeagent.training.splits import describe_split, format_split_table, split_indices
-
     spec = _load_job(args.job_file)
-    try:
-        topology = validate_job(spec)
-    except JobSpecError as error:
-        raise SystemExit(f"coordinator: {args.job_file}: {error}") from None
+    topology = validate_job(spec)
     degrees = [topology.degree(rank) for rank in range(spec.nodes)]
     print(f"topology {spec.topology.kind}: {spec.nodes} nodes, {len(topology.edges)} edges, "
           f"degree {min(degrees)}..{max(degrees)}")
@@ -264,13 +241,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "demo":
-        from coordinator.demo import run_demo
-
-        return run_demo(args)
     handlers = {
         "serve": cmd_serve, "submit": cmd_submit, "nodes": cmd_nodes, "status": cmd_status, "stop": cmd_stop,
-        "simulate": cmd_simulate, "inspect": cmd_inspect,
+        "simulate": cmd_simulate, "inspect": cmd_inspect, "demo": run_demo,
     }
     try:
         return handlers[args.command](args)

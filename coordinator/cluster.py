@@ -7,7 +7,6 @@ ROOT/logs/NAME.log; `stop()` ends every process it started (SIGTERM, then SIGKIL
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import subprocess
@@ -169,8 +168,3 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-
-
-def mean_accuracy(status: pb.JobStatusReply) -> float:
-    values = [n.test_accuracy for n in status.nodes if not math.isnan(n.test_accuracy)]
-    return sum(values) / len(values) if values else math.nan

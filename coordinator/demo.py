@@ -11,9 +11,9 @@ from pathlib import Path
 
 import yaml
 
-from coordinator.cli import format_status
-from coordinator.cluster import ClusterError, LocalCluster, mean_accuracy
-from coordinator.service import validate_job
+from coordinator.cluster import ClusterError, LocalCluster
+from coordinator.display import mean_accuracy, progress_of, state_name, status_text
+from coordinator.jobs import validate_job
 from coordinator.simulate import reference_spec, simulate
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.jobspec import JobSpecError, parse_job_spec
@@ -27,7 +27,7 @@ def demo_job(args: argparse.Namespace, algorithm: str) -> dict:
         "steps": args.steps,
         "eval_every": max(1, args.steps // 6),
         "seed": 0,
-        "algorithm": {"name": algorithm, "mode": "async", "lr": args.lr, "l2": args.l2, "interval": 8},
+        "algorithm": {"name": algorithm, "lr": args.lr, "l2": args.l2, "interval": 8},
         "model": {"name": args.model},
         "data": {"dataset": "fashion-mnist", "data_dir": str(Path(args.data_dir).resolve()), "split": args.split,
                  "batch_size": 100},
@@ -50,8 +50,8 @@ class Progress:
             return
         self.last_print = now
         steps = [n.step for n in status.nodes] or [0]
-        state = pb.JobState.Name(status.state).removeprefix("JOB_").lower()
-        accuracy = mean_accuracy(status)
+        state = state_name(status.state)
+        accuracy = mean_accuracy(progress_of(status))
         line = (
             f"[{now - self.started:5.0f} s] {state:<8} steps {min(steps)}..{max(steps)} of {self.steps}"
             f"  mean test accuracy {'-' if math.isnan(accuracy) else f'{accuracy:.4f}'}"
@@ -86,7 +86,7 @@ def run_demo(args: argparse.Namespace) -> int:
             job_id = cluster.submit(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
             status = cluster.wait(job_id, args.timeout, Progress(spec.steps))
             print()
-            print(format_status(status))
+            print(status_text(status))
             results.append((spec.algorithm.name, status))
             if status.state != pb.JOB_FINISHED:
                 return 1
@@ -103,9 +103,10 @@ def run_demo(args: argparse.Namespace) -> int:
           f"only part of the classes)")
     print(f"  {'reference: one node on all the data':<40} {reference:.4f}")
     for algorithm, status in results:
-        accuracies = [n.test_accuracy for n in status.nodes]
-        sent = sum(n.bytes_sent for n in status.nodes) / len(status.nodes) / 1e6
-        print(f"  {algorithm + f' on {first.nodes} agents':<40} {mean_accuracy(status):.4f}  "
+        nodes = progress_of(status)
+        accuracies = [n.test_accuracy for n in nodes]
+        sent = sum(n.bytes_sent for n in nodes) / len(nodes) / 1e6
+        print(f"  {algorithm + f' on {first.nodes} agents':<40} {mean_accuracy(nodes):.4f}  "
               f"(nodes {min(accuracies):.4f}..{max(accuracies):.4f}, {sent:.1f} MB sent per node)")
     print(f"metrics logs: {root}/runs/*/metrics.jsonl; process logs: {root}/logs")
     return 0

@@ -39,14 +39,23 @@ import torch
 from coordinator.store import Store
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import wire_pb2
-from nodeagent.algorithms.base import SERVER_RANK
-from nodeagent.algorithms.ps import PUSH_ID_HEADER, ServerHalf, build_server, server_class, wire_rank
+from nodeagent.algorithms import Family, build_server, lookup
 from nodeagent.jobspec import JobSpec
 from nodeagent.metrics import Metrics
 from nodeagent.ps.esync import Decision
+from nodeagent.ps.messages import (
+    PUSH_ID_HEADER,
+    SERVER_NAME,
+    ServerModel,
+    ServerPush,
+    model_message,
+    push_of,
+    server_wire_rank,
+)
 from nodeagent.ps.rules import ProtocolError, PushResult
+from nodeagent.ps.server import ServerHalf
 from nodeagent.wire.codec import WireError, decode, encode
-from nodeagent.wire.message import Encoding, Kind, Message
+from nodeagent.wire.message import Encoding, Kind
 
 log = logging.getLogger("coordinator.ps")
 
@@ -55,7 +64,6 @@ ROUND_FILE = "ps-round.pt"
 TABLES_FILE = "ps-tables.pt"
 TABLES_EVERY_S = 2.0
 LOG_FILE = "ps-log.jsonl"
-SERVER_NODE = "coordinator"  # how the server is named in edge metrics and manifests
 WAIT_SLICE_S = 0.5  # a waiting push checks this often whether its caller is still there
 
 
@@ -140,10 +148,10 @@ class PSJob:
 
     # -- the calls, each under the job's lock -------------------------------------------------------------------------
 
-    def push(self, rank: int, message: Message, push_id: str, alive: Callable[[], bool]) -> PushResult:
+    def push(self, rank: int, push: ServerPush, push_id: str, alive: Callable[[], bool]) -> PushResult:
         with self.condition:
             self._check_open()
-            result = self.half.push(rank, message, push_id, time.monotonic())
+            result = self.half.push(rank, push, push_id, time.monotonic())
             outcome = "duplicate" if result.duplicate else "rejected" if result.rejected else (
                 "applied" if result.applied else "pending")
             self.metrics.ps_pushes.labels(self.job_id, outcome).inc()
@@ -159,7 +167,7 @@ class PSJob:
                 self.condition.wait(WAIT_SLICE_S)
             return dataclasses.replace(result, version=self.half.version)
 
-    def pull(self, rank: int, since_version: int, delta: bool, alive: Callable[[], bool]) -> Message:
+    def pull(self, rank: int, since_version: int, delta: bool, alive: Callable[[], bool]) -> ServerModel:
         with self.condition:
             self._check_open()
             while self.half.holds_update(rank):  # a rejoining worker that had pushed: the next round's model
@@ -167,10 +175,10 @@ class PSJob:
                     raise JobClosed("the caller went away")
                 self.condition.wait(WAIT_SLICE_S)
                 self._check_open()
-            message = self.half.pull(rank, since_version, delta, time.monotonic())
+            model = self.half.pull(rank, since_version, delta, time.monotonic())
             if self.half.pull_mutates:
                 self._commit(durable=False)
-            return message
+            return model
 
     def report(self, rank: int, version: int, round_step: int, duration_s: float) -> tuple[Decision, int]:
         with self.condition:
@@ -236,7 +244,7 @@ class PSService:
             if row is None or row.state != "RUNNING":
                 raise WireError("wrong_job", f"job {job_id!r} is not running", grpc.StatusCode.FAILED_PRECONDITION)
             spec = JobSpec.from_json(row.spec_json)
-            if server_class(spec.algorithm.name) is None:
+            if lookup(spec.algorithm.name).family is not Family.SERVER:
                 raise WireError("no_server", f"job {job_id!r} runs {spec.algorithm.name}, which has no parameter "
                                 "server", grpc.StatusCode.FAILED_PRECONDITION)
             members = {m.rank: m.node_id for m in self.store.members(job_id)}
@@ -263,10 +271,10 @@ class PSService:
         node = job.members.get(rank, f"rank{rank}")
         if up:
             self.metrics.ps_bytes_upstream.labels(job.job_id, node).inc(up)
-            self.metrics.edge_bytes_received.labels(node, SERVER_NODE).inc(up)
+            self.metrics.edge_bytes_received.labels(node, SERVER_NAME).inc(up)
         if down:
             self.metrics.ps_bytes_downstream.labels(job.job_id, node).inc(down)
-            self.metrics.edge_bytes_sent.labels(SERVER_NODE, node).inc(down)
+            self.metrics.edge_bytes_sent.labels(SERVER_NAME, node).inc(down)
 
     # -- the calls ---------------------------------------------------------------------------------------------------
 
@@ -284,8 +292,9 @@ class PSService:
         def expect(manifest: wire_pb2.Manifest):
             job = self.job(manifest.job_id)
             self._check_member(job, manifest.sender_rank, manifest.sender_id)
-            if manifest.receiver_rank != wire_rank(job.spec.nodes):
-                raise WireError("wrong_receiver", f"a push to the server goes to rank {wire_rank(job.spec.nodes)}")
+            server_rank = server_wire_rank(job.spec.nodes)
+            if manifest.receiver_rank != server_rank:
+                raise WireError("wrong_receiver", f"a push to the server goes to rank {server_rank}")
             total = sum(header.byte_length for header in manifest.tensors)
             if total > job.spec.wire.max_message_bytes:
                 raise WireError("too_large", f"a push of {total} bytes exceeds the job's limit")
@@ -296,15 +305,14 @@ class PSService:
         try:
             message = decode(counted(request_iterator, count), expect)
         except WireError as error:
-            self.metrics.stream_rejections.labels("unknown", SERVER_NODE, error.reason).inc()
+            self.metrics.stream_rejections.labels("unknown", SERVER_NAME, error.reason).inc()
             context.abort(error.code, str(error))
         job = found["job"]
         rank = message.sender
         self._count(job, rank, up=received)
-        message = dataclasses.replace(message, receiver=SERVER_RANK)
         error: tuple[grpc.StatusCode, str] | None = None
         try:
-            result = job.push(rank, message, push_id, context.is_active)
+            result = job.push(rank, push_of(message), push_id, context.is_active)
         except (ProtocolError, JobClosed) as failure:
             error = status_of(failure)
         if error is not None:
@@ -319,13 +327,13 @@ class PSService:
         try:
             job = self.job(request.job_id)
             self._check_member(job, request.rank, request.node_id)
-            message = job.pull(request.rank, request.since_version, request.delta, context.is_active)
+            model = job.pull(request.rank, request.since_version, request.delta, context.is_active)
         except (WireError, ProtocolError, JobClosed) as failure:
             error = status_of(failure)
         if error is not None:
             context.abort(*error)
-        message = dataclasses.replace(message, sender=wire_rank(job.spec.nodes))
-        frames = encode(message, job_id=job.job_id, sender_id=SERVER_NODE,
+        message = model_message(model, request.rank, job.spec.nodes)
+        frames = encode(message, job_id=job.job_id, sender_id=SERVER_NAME,
                         encoding=Encoding.from_name(job.spec.wire.encoding), chunk_bytes=job.spec.wire.chunk_bytes)
         yield from counted(frames, lambda n: self._count(job, request.rank, down=n))
 

@@ -4,7 +4,6 @@ the parameter server of the centralised algorithms (coordinator.ps_service)."""
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 import threading
 import time
@@ -14,18 +13,16 @@ from pathlib import Path
 import grpc
 from torch.distributed import TCPStore
 
+from coordinator.jobs import plan_node, validate_job
 from coordinator.ps_service import PSService
 from coordinator.store import ACTIVE_STATES, JobRow, Store
-from coordinator.topology import Topology, build_topology, node_plan, peer_schedule
+from coordinator.topology import Topology, build_topology
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc
-from nodeagent.algorithms import REGISTRY as ALGORITHMS
-from nodeagent.algorithms import Neighbor
-from nodeagent.algorithms.ps import server_class
+from nodeagent.algorithms import Family, lookup
 from nodeagent.jobspec import JobSpec, JobSpecError, parse_job_yaml
 from nodeagent.metrics import Metrics
-from nodeagent.runlog import ProgressRecord, RunLog, optional
-from nodeagent.training.splits import SPLITS
+from nodeagent.runtime.progress import RunLog, from_report, to_node_progress
 
 log = logging.getLogger("coordinator")
 
@@ -33,8 +30,6 @@ JOB_STATES = {
     name: pb.JobState.Value(f"JOB_{name}") for name in ("PENDING", "RUNNING", "FINISHED", "STOPPED", "FAILED")
 }
 WATCH_POLL_S = 1.0
-ALLREDUCE_ALGORITHM = "allreduce"
-PUSH_SUM_ALGORITHMS = ("sgp", "osgp")
 
 
 @dataclass
@@ -66,52 +61,6 @@ class _Changes:
         with self.condition:
             self.condition.wait_for(lambda: self.version != version, timeout=timeout)
             return self.version
-
-
-@dataclass(frozen=True)
-class NodePlan:
-    """Everything of a node's place in a job's topology, as the coordinator assigns it."""
-
-    neighbors: tuple[Neighbor, ...]
-    self_weight: float
-    peer_schedule: tuple[tuple[int, ...], ...]
-
-
-def plan_node(spec: JobSpec, topology: Topology, rank: int) -> NodePlan:
-    """A centralised algorithm's workers talk only to the parameter server: no neighbours."""
-    if server_class(spec.algorithm.name) is not None:
-        return NodePlan((), 1.0, ())
-    plans, self_weight = node_plan(
-        topology, rank, spec.algorithm.interval, spec.topology.seed,
-        weights=spec.topology.options.get("weights", "uniform"),
-    )
-    neighbors = tuple(Neighbor(p.rank, p.sign, p.phase, p.weight, p.peer_phase) for p in plans)
-    return NodePlan(neighbors, self_weight, peer_schedule(spec.topology, spec.nodes, rank))
-
-
-def validate_job(spec: JobSpec) -> Topology:
-    """Checks that need more than the schema; returns the job's topology. Raises JobSpecError naming the field."""
-    if spec.algorithm.name not in ALGORITHMS:
-        raise JobSpecError(f"algorithm.name: unknown algorithm {spec.algorithm.name!r}; known: {sorted(ALGORITHMS)}")
-    centralised = server_class(spec.algorithm.name)
-    if centralised is not None:
-        try:
-            centralised.parse_options(spec.algorithm)
-        except ValueError as error:
-            raise JobSpecError(str(error)) from None
-    if spec.data.split not in SPLITS:
-        raise JobSpecError(f"data.split: unknown split {spec.data.split!r}; known: {sorted(SPLITS)}")
-    try:
-        topology = build_topology(spec.topology, spec.nodes)
-    except ValueError as error:
-        raise JobSpecError(f"topology: {error}") from None
-    if spec.nodes > 1 and not topology.is_connected():
-        raise JobSpecError(f"topology: {spec.topology.kind} on {spec.nodes} nodes is not connected")
-    if spec.algorithm.name in PUSH_SUM_ALGORITHMS and spec.topology.kind.startswith("bipartite-"):
-        # Push-sum nodes expect as many shares per round as they send; passive ranks send none.
-        raise JobSpecError(f"topology.kind: {spec.algorithm.name} needs every node to send; "
-                           f"{spec.topology.kind} has passive nodes (use it with ad-psgd)")
-    return topology
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
@@ -204,7 +153,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def _rendezvous_port(self, job: JobRow, spec: JobSpec) -> int:
         """All-reduce jobs meet at a torch.distributed store that the coordinator hosts for the job's life."""
-        if spec.algorithm.name != ALLREDUCE_ALGORITHM:
+        if lookup(spec.algorithm.name).family is not Family.COLLECTIVE:
             return 0
         with self._schedule_lock:
             store = self._rendezvous.get(job.job_id)
@@ -257,19 +206,18 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             version = self.changes.wait_past(version, WATCH_POLL_S)
 
     def ReportMetrics(self, request, context):
-        accuracy = None if math.isnan(request.test_accuracy) else request.test_accuracy
-        accepted = self.store.record_progress(
-            request.job_id, request.rank, request.node_id, request.step, request.loss, accuracy, request.finished,
-            request.bytes_sent, request.bytes_received,
-        )
-        if not accepted:
+        progress = from_report(request, time=time.time())
+        if not self.store.record_progress(progress):
             return pb.MetricsReply(job_active=False)
         job = self.store.job(request.job_id)
         assert job is not None
-        self._append_log(job, request)
+        run_log = self._run_logs.get(job.job_id)
+        if run_log is None:
+            run_log = self._run_logs[job.job_id] = RunLog(job.run_dir)
+        run_log.append(progress)
         if request.finished and job.state == "RUNNING":
             members = self.store.members(job.job_id)
-            if all(m.finished for m in members):
+            if all(m.progress.finished for m in members):
                 self.store.set_job_state(job.job_id, "FINISHED")
                 self._end_rendezvous(job.job_id)
                 self.ps.close(job.job_id)
@@ -277,20 +225,6 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 self.changes.bump()
                 self._schedule()
         return pb.MetricsReply(job_active=job.state == "RUNNING")
-
-    def _append_log(self, job: JobRow, report: pb.MetricsReport) -> None:
-        log_file = self._run_logs.get(job.job_id)
-        if log_file is None:
-            log_file = self._run_logs[job.job_id] = RunLog(job.run_dir)
-        log_file.append(
-            ProgressRecord(
-                time=time.time(), job=report.job_id, rank=report.rank, node=report.node_id, step=report.step,
-                loss=optional(report.loss), test_accuracy=optional(report.test_accuracy),
-                test_loss=optional(report.test_loss), elapsed_s=report.elapsed_s, finished=report.finished,
-                bytes_sent=report.bytes_sent, bytes_received=report.bytes_received, compute_s=report.compute_s,
-                wait_s=report.wait_s, exchanges=report.exchanges, exchange_failures=report.exchange_failures,
-            )
-        )
 
     # -- parameter server (coordinator.ps_service) ----------------------------------------------------------------
 
@@ -359,13 +293,5 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return pb.JobStatusReply(
             job_id=job.job_id, name=job.name, state=JOB_STATES[job.state], world_size=job.world_size,
             run_dir=job.run_dir, created_unix=job.created_unix, spec_yaml=job.spec_yaml,
-            nodes=[
-                pb.NodeProgress(
-                    rank=m.rank, node_id=m.node_id, step=m.step, loss=m.loss if m.loss is not None else math.nan,
-                    test_accuracy=m.test_accuracy if m.test_accuracy is not None else math.nan,
-                    finished=m.finished, updated_unix=m.updated_unix, bytes_sent=m.bytes_sent,
-                    bytes_received=m.bytes_received,
-                )
-                for m in self.store.members(job.job_id)
-            ],
+            nodes=[to_node_progress(m.progress) for m in self.store.members(job.job_id)],
         )

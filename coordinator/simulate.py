@@ -17,12 +17,13 @@ from pathlib import Path
 
 import torch
 
-from coordinator.service import plan_node, validate_job
-from nodeagent._proto import coordinator_pb2 as pb
+from coordinator.display import mean_accuracy
+from coordinator.jobs import plan_node, validate_job
 from nodeagent.jobspec import JobSpec
-from nodeagent.mesh.memory import SimNode, VirtualMesh
 from nodeagent.metrics import Metrics
-from nodeagent.runlog import ProgressRecord, RunLog, optional
+from nodeagent.runtime.driver import Report
+from nodeagent.runtime.progress import Progress, RunLog
+from nodeagent.runtime.simulator import SimNode, VirtualMesh
 from nodeagent.training.job import Node, build_node
 
 
@@ -36,31 +37,6 @@ def build_nodes(spec: JobSpec, data_dir: str | None = None) -> list[Node]:
     return nodes
 
 
-def progress_record(mesh: VirtualMesh, sim: SimNode, final: bool) -> ProgressRecord:
-    return ProgressRecord(
-        time=mesh.now, job=mesh.job, rank=sim.node.rank, node=sim.name, step=sim.node.algorithm.clock,
-        loss=optional(sim.loss), test_accuracy=optional(sim.accuracy), test_loss=optional(sim.test_loss),
-        elapsed_s=mesh.now, finished=final, bytes_sent=sim.bytes_sent, bytes_received=sim.bytes_received,
-        compute_s=sim.compute_s, wait_s=sim.wait_s, exchanges=sim.exchanges, exchange_failures=sim.failures,
-    )
-
-
-def status_of(mesh: VirtualMesh, job_id: str, run_dir: Path) -> pb.JobStatusReply:
-    """The simulation's state in the shape `coordinator status` prints."""
-    return pb.JobStatusReply(
-        job_id=job_id, name=mesh.job, world_size=len(mesh.nodes), run_dir=str(run_dir),
-        state=pb.JOB_FINISHED if mesh.finished else pb.JOB_RUNNING,
-        nodes=[
-            pb.NodeProgress(
-                rank=sim.node.rank, node_id=sim.name, step=sim.node.algorithm.clock, loss=sim.loss,
-                test_accuracy=sim.accuracy, finished=sim.done, bytes_sent=sim.bytes_sent,
-                bytes_received=sim.bytes_received,
-            )
-            for sim in mesh.nodes
-        ],
-    )
-
-
 @dataclass
 class SimulationResult:
     mesh: VirtualMesh
@@ -68,9 +44,12 @@ class SimulationResult:
     wall_s: float
 
     @property
+    def progress(self) -> list[Progress]:
+        return [sim.driver.progress() for sim in self.mesh.nodes]
+
+    @property
     def mean_accuracy(self) -> float:
-        values = [sim.accuracy for sim in self.mesh.nodes if not math.isnan(sim.accuracy)]
-        return sum(values) / len(values) if values else math.nan
+        return mean_accuracy(self.progress)
 
 
 def simulate(
@@ -90,9 +69,9 @@ def simulate(
         (run_dir / "job.json").write_text(spec.model_dump_json(indent=2))
         run_log = RunLog(run_dir)
 
-    def observe(mesh: VirtualMesh, sim: SimNode, final: bool) -> None:
+    def observe(mesh: VirtualMesh, sim: SimNode, report: Report) -> None:
         if run_log is not None:
-            run_log.append(progress_record(mesh, sim, final))
+            run_log.append(report.progress)
 
     mesh = VirtualMesh(nodes, spec.name, spec.simulation, metrics or Metrics(), observe)
     mesh.run(on_event=on_progress)
@@ -115,11 +94,10 @@ class SimulationProgress:
             return
         self.last = now
         clocks = [sim.node.algorithm.clock for sim in mesh.nodes]
-        accuracies = [sim.accuracy for sim in mesh.nodes if not math.isnan(sim.accuracy)]
-        accuracy = f"{sum(accuracies) / len(accuracies):.4f}" if accuracies else "-"
+        accuracy = mean_accuracy([sim.driver.progress() for sim in mesh.nodes])
         line = (
             f"[{now - self.started:5.0f} s wall] virtual {mesh.now:9.2f} s  steps {min(clocks)}..{max(clocks)} "
-            f"of {self.steps}  mean test accuracy {accuracy}"
+            f"of {self.steps}  mean test accuracy {'-' if math.isnan(accuracy) else f'{accuracy:.4f}'}"
         )
         print(f"\r{line}   " if self.tty else line, end="" if self.tty else "\n", flush=True)
 

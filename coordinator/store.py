@@ -6,6 +6,7 @@ wake-up signals in memory. One connection guarded by a lock: the load is a few w
 
 from __future__ import annotations
 
+import math
 import sqlite3
 import threading
 import time
@@ -14,6 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from nodeagent.runtime.progress import Progress
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -51,6 +54,18 @@ CREATE TABLE IF NOT EXISTS members (
     PRIMARY KEY (job_id, rank)
 );
 """
+# Columns added to `members` since its first version: a database written before gets them when opened.
+MEMBER_COLUMNS_ADDED = {
+    "test_loss": "REAL",
+    "elapsed_s": "REAL NOT NULL DEFAULT 0",
+    "compute_s": "REAL NOT NULL DEFAULT 0",
+    "wait_s": "REAL NOT NULL DEFAULT 0",
+    "exchanges": "INTEGER NOT NULL DEFAULT 0",
+    "exchange_failures": "INTEGER NOT NULL DEFAULT 0",
+}
+# The members' columns in the order `members()` reads them.
+_MEMBER_FIELDS = ("job_id", "rank", "node_id", "step", "loss", "test_accuracy", "finished", "updated_unix",
+                  "bytes_sent", "bytes_received", *MEMBER_COLUMNS_ADDED)
 
 ACTIVE_STATES = ("PENDING", "RUNNING")
 
@@ -85,13 +100,7 @@ class MemberRow:
     job_id: str
     rank: int
     node_id: str
-    step: int
-    loss: float | None
-    test_accuracy: float | None
-    finished: bool
-    updated_unix: float
-    bytes_sent: int
-    bytes_received: int
+    progress: Progress  # the last one the node reported (nothing measured before the first)
 
 
 class Store:
@@ -101,6 +110,10 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
+        present = {row[1] for row in self._db.execute("PRAGMA table_info(members)")}
+        for column, definition in MEMBER_COLUMNS_ADDED.items():
+            if column not in present:
+                self._db.execute(f"ALTER TABLE members ADD COLUMN {column} {definition}")
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -211,9 +224,20 @@ class Store:
         return {r[0] for r in rows}
 
     def members(self, job_id: str) -> list[MemberRow]:
-        rows = self._query("SELECT * FROM members WHERE job_id = ? ORDER BY rank", (job_id,))
-        return [MemberRow(*r[:6], finished=bool(r[6]), updated_unix=r[7], bytes_sent=r[8], bytes_received=r[9])
-                for r in rows]
+        rows = self._query(f"SELECT {', '.join(_MEMBER_FIELDS)} FROM members WHERE job_id = ? ORDER BY rank",
+                           (job_id,))
+        members = []
+        for row in rows:
+            f = dict(zip(_MEMBER_FIELDS, row, strict=True))
+            progress = Progress(
+                job=job_id, rank=f["rank"], node=f["node_id"], step=f["step"], loss=_float(f["loss"]),
+                test_accuracy=_float(f["test_accuracy"]), test_loss=_float(f["test_loss"]), elapsed_s=f["elapsed_s"],
+                finished=bool(f["finished"]), bytes_sent=f["bytes_sent"], bytes_received=f["bytes_received"],
+                compute_s=f["compute_s"], wait_s=f["wait_s"], exchanges=f["exchanges"],
+                exchange_failures=f["exchange_failures"], time=f["updated_unix"],
+            )
+            members.append(MemberRow(job_id, f["rank"], f["node_id"], progress))
+        return members
 
     def running_membership(self, node_id: str) -> tuple[JobRow, int] | None:
         rows = self._query(
@@ -223,16 +247,27 @@ class Store:
         )
         return (JobRow(*rows[0][:8]), rows[0][8]) if rows else None
 
-    def record_progress(
-        self, job_id: str, rank: int, node_id: str, step: int, loss: float, test_accuracy: float | None,
-        finished: bool, bytes_sent: int, bytes_received: int,
-    ) -> bool:
-        """Store a node's progress; returns False if that node does not hold that rank of that job."""
+    def record_progress(self, progress: Progress) -> bool:
+        """Store a node's progress (an evaluation's figures stay until the next evaluation); returns False if
+        that node does not hold that rank of that job."""
+        p = progress
         with self._tx() as db:
             cursor = db.execute(
-                "UPDATE members SET step=?, loss=?, test_accuracy=COALESCE(?, test_accuracy), finished=?, "
-                "updated_unix=?, bytes_sent=?, bytes_received=? WHERE job_id=? AND rank=? AND node_id=?",
-                (step, loss, test_accuracy, int(finished), time.time(), bytes_sent, bytes_received, job_id, rank,
-                 node_id),
+                "UPDATE members SET step=?, loss=?, test_accuracy=COALESCE(?, test_accuracy), "
+                "test_loss=COALESCE(?, test_loss), finished=?, updated_unix=?, bytes_sent=?, bytes_received=?, "
+                "elapsed_s=?, compute_s=?, wait_s=?, exchanges=?, exchange_failures=? "
+                "WHERE job_id=? AND rank=? AND node_id=?",
+                (p.step, _null(p.loss), _null(p.test_accuracy), _null(p.test_loss), int(p.finished), p.time,
+                 p.bytes_sent, p.bytes_received, p.elapsed_s, p.compute_s, p.wait_s, p.exchanges,
+                 p.exchange_failures, p.job, p.rank, p.node),
             )
             return cursor.rowcount == 1
+
+
+def _null(value: float) -> float | None:
+    """NaN (not measured) as SQL NULL."""
+    return None if math.isnan(value) else value
+
+
+def _float(value: float | None) -> float:
+    return math.nan if value is None else value

@@ -69,15 +69,19 @@ class Topology:
     """An undirected simple graph on ranks 0..nodes-1.
 
     `edges` holds each edge once as (a, b) with a < b, sorted, without duplicates or self loops; the
-    constructor checks this so that every consumer can rely on it.
+    constructor checks this so that every consumer can rely on it. `passive` are the ranks that never start
+    an exchange, they only answer (the even ranks of the bipartite time-varying kinds).
     """
 
     nodes: int
     edges: tuple[Edge, ...]
+    passive: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
             raise ValueError(f"a topology needs at least one node, got {self.nodes}")
+        if any(not 0 <= rank < self.nodes for rank in self.passive):
+            raise ValueError(f"passive ranks must lie in 0..{self.nodes - 1}")
         for a, b in self.edges:
             if not 0 <= a < b < self.nodes:
                 raise ValueError(f"edge ({a}, {b}) must satisfy 0 <= a < b < {self.nodes}")
@@ -566,4 +570,5 @@ def _union_of_period(spec: TopologySpec, nodes: int) -> Topology:
         for rank in range(nodes)
         for peer in out_peers(spec.kind, nodes, rank, t, k)
     ]
-    return Topology(nodes, _normalise(edges))
+    passive = frozenset(rank for rank in range(nodes) if is_passive(spec.kind, rank))
+    return Topology(nodes, _normalise(edges), passive)

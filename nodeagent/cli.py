@@ -11,7 +11,10 @@ import sys
 import threading
 from pathlib import Path
 
+import torch
+
 from nodeagent import __version__
+from nodeagent.agent import Agent, AgentConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,8 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_device(choice: str) -> str:
-    import torch
-
     if choice == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "cuda" and not torch.cuda.is_available():
@@ -73,15 +74,11 @@ def resolve_device(choice: str) -> str:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from nodeagent.agent import Agent, AgentConfig
-
     if args.slowdown < 1:
         raise SystemExit("nodeagent: --slowdown must be >= 1")
     if args.torch_threads < 0:
         raise SystemExit("nodeagent: --torch-threads must be >= 0")
     if args.torch_threads:
-        import torch
-
         torch.set_num_threads(args.torch_threads)
     logging.basicConfig(
         level=args.log_level, format=f"%(asctime)s {args.name} %(levelname)s %(name)s: %(message)s", stream=sys.stderr

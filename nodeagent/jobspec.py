@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 DEFAULT_DATA_DIR = "/usr/share/datasets/fashion-mnist"
+Mode = Literal["async", "sync"]
 
 
 class _Strict(BaseModel):
@@ -23,13 +24,16 @@ class AlgorithmSpec(_Strict):
     """Which algorithm every node runs, and its hyper-parameters."""
 
     name: str = Field("dsgd", description="algorithm name in the registry (nodeagent.algorithms)")
-    mode: Literal["async", "sync"] = Field("async", description="exchange on the edge-phase schedule or every step")
+    mode: Mode | None = Field(
+        None, description="async (exchanges on the edge-phase schedule) or sync (every step); unset: the algorithm's "
+        "own (dsgd: async)")
     lr: float = Field(0.02, gt=0, description="step size mu")
     momentum: float = Field(0.0, ge=0, lt=1)
     nesterov: bool = False
     l2: float = Field(0.0, ge=0, description="L2 term added to the gradient: l2 * w")
     interval: int = Field(8, ge=1, description="K: local steps between two exchanges on an edge")
-    options: dict[str, Any] = Field(default_factory=dict, description="algorithm-specific options")
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="the algorithm's own options, checked by its Options model")
 
 
 class ModelSpec(_Strict):
@@ -153,11 +157,14 @@ class JobSpecError(ValueError):
     """A job specification that cannot be used; the message names the field."""
 
 
-def _format_validation_error(error: ValidationError) -> str:
+def format_validation_error(error: ValidationError, prefix: str = "", unknown: str = "") -> str:
+    """One line naming each wrong field (`prefix.field: what is wrong`); `unknown` replaces pydantic's words for
+    a key the model does not know."""
     lines = []
     for item in error.errors():
-        where = ".".join(str(part) for part in item["loc"]) or "(top level)"
-        lines.append(f"{where}: {item['msg']}")
+        path = ([prefix] if prefix else []) + [str(part) for part in item["loc"]]
+        message = unknown if unknown and item["type"] == "extra_forbidden" else item["msg"]
+        lines.append(f"{'.'.join(path) or '(top level)'}: {message}")
     return "; ".join(lines)
 
 
@@ -165,7 +172,7 @@ def parse_job_spec(data: dict[str, Any] | None) -> JobSpec:
     try:
         return JobSpec.model_validate(data or {})
     except ValidationError as error:
-        raise JobSpecError(_format_validation_error(error)) from None
+        raise JobSpecError(format_validation_error(error)) from None
 
 
 def parse_job_yaml(text: str) -> JobSpec:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from nodeagent.training.data import DataError, Dataset, load_dataset, read_idx
+from nodeagent.training.data import DATASETS, DataError, Dataset, load_dataset, read_idx
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 
@@ -47,7 +47,8 @@ def test_fashion_mnist_from_the_debian_directory(fashion_mnist_dir: Path) -> Non
     assert (len(train), len(test)) == (60000, 10000)
     assert train.images.shape == (60000, 1, 28, 28) and train.images.dtype == torch.float32
     assert train.labels.dtype == torch.int64
-    assert train.input_shape == (1, 28, 28) and train.num_classes == 10
+    info = DATASETS["fashion-mnist"]  # what the coordinator builds the initial model from, without the data
+    assert info.input_shape == (1, 28, 28) == train.input_shape and info.num_classes == 10
     # Fashion-MNIST is balanced; its first training image is an ankle boot (9), its first test one too.
     assert torch.bincount(train.labels).tolist() == [6000] * 10
     assert torch.bincount(test.labels).tolist() == [1000] * 10
@@ -142,7 +143,7 @@ def test_unknown_dataset_split_or_limit(tmp_path: Path) -> None:
 
 def test_dataset_reports_its_size_and_shape() -> None:
     dataset = Dataset(images=torch.zeros(4, 1, 28, 28), labels=torch.zeros(4, dtype=torch.int64))
-    assert len(dataset) == 4 and dataset.input_shape == (1, 28, 28) and dataset.num_classes == 10
+    assert len(dataset) == 4 and dataset.input_shape == (1, 28, 28)
 
 
 def test_torchvision_is_never_needed(tmp_path: Path) -> None:

@@ -69,7 +69,8 @@ def pulled(node: PairwiseGossip) -> list[int]:
 
 
 def test_options_have_the_documented_defaults():
-    assert GossipOptions.parse({}) == GossipOptions("constant", 0.5, 0.0, 1.0)
+    assert GossipOptions.model_validate({}) == GossipOptions(
+        interpolation="constant", factor=0.5, divergence_threshold=0.0, fetch_probability=1.0)
     node = make()
     assert node.name == "gossip" and node.options == GossipOptions()
 

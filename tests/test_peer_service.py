@@ -12,8 +12,8 @@ from torch import nn
 from nodeagent._proto import peer_pb2, peer_pb2_grpc, wire_pb2
 from nodeagent.algorithms import Neighbor, NodeContext, build_algorithm
 from nodeagent.jobspec import AlgorithmSpec
-from nodeagent.mesh.grpc import GRPC_OPTIONS, PeerClient, PeerServicer, ServingState
 from nodeagent.metrics import Metrics
+from nodeagent.runtime.peer_service import GRPC_OPTIONS, PeerClient, PeerServicer, ServingState
 from nodeagent.wire import Encoding, Kind, Message, encode
 
 JOB = "job-1"

@@ -4,12 +4,12 @@ pushes, AdaComp's delta pulls, ESync's worker round and report protocol, and the
 import pytest
 import torch
 
-from coordinator.service import validate_job
-from nodeagent.algorithms import REGISTRY, NodeContext
-from nodeagent.algorithms.base import SERVER_RANK, Route, Send
-from nodeagent.algorithms.ps import ReadyAnswer, StepReport, build_server, initial_parameters
+from coordinator.jobs import validate_job
+from nodeagent.algorithms import REGISTRY, NodeContext, build_server
+from nodeagent.algorithms.base import Route, Send
 from nodeagent.jobspec import JobSpecError, parse_job_spec
 from nodeagent.ps import Decision, ProtocolError
+from nodeagent.ps.messages import SERVER_RANK, ReadyAnswer, ServerModel, ServerPull, ServerPush, StepReport
 from nodeagent.training.models import build_model
 from nodeagent.wire.codec import WireError
 from nodeagent.wire.message import Kind, Message
@@ -43,7 +43,8 @@ def test_a_worker_pushes_its_gradient_and_waits_for_the_model():
     w0 = alg.w.clone()
     alg.step(*batch(0))
     message = push_of(alg)
-    assert (message.kind, message.sender, message.model_version, message.clock) == (Kind.GRADIENT, 1, 0, 0)
+    assert isinstance(message, ServerPush)
+    assert (message.kind, message.version, message.clock) == (Kind.GRADIENT, 0, 0)
     assert not alg.ready() and alg.sends() == []
     server = build_server(spec)
     assert torch.equal(server.w, w0)  # the server starts from the workers' seeded model
@@ -107,14 +108,14 @@ def test_adacomp_delta_pulls_keep_every_worker_equal_to_the_server(codec):
         assert list(message.tensors) == ["payload"] and message.tensors["payload"].dtype == torch.uint8
         result = server.push(rank, message, f"{rank}-{step}", now=float(step))
         assert result.applied
-        answer = server.pull(rank, message.model_version, True, now=float(step))
+        answer = server.pull(rank, message.version, True, now=float(step))
         kinds.append(answer.kind)
         alg.check_server_message(answer)
         alg.receive(answer)
         assert torch.equal(alg.w, server.w), f"step {step}: rank {rank} differs from the server"
     assert set(kinds) == {Kind.DELTA}
     # A payload that does not decode is refused before the model changes.
-    bad = Message(Kind.GRADIENT, 0, SERVER_RANK, {"payload": torch.tensor([0, 5], dtype=torch.uint8)})
+    bad = ServerPush(Kind.GRADIENT, {"payload": torch.tensor([0, 5], dtype=torch.uint8)}, 0)
     before = server.w.clone()
     with pytest.raises(ProtocolError, match="bad adacomp payload"):
         server.push(0, bad, "bad", now=0.0)
@@ -130,26 +131,26 @@ def test_esync_worker_round_with_ready_answers():
     alg.step(*batch(0))
     (send,) = alg.sends()
     report = send.message
-    assert isinstance(report, StepReport) and report.clock == 1 and report.tensors == {}
+    assert report == StepReport(version=0, round_step=1)
     assert not alg.ready()
-    alg.receive(ReadyAnswer(Kind.DELTA, SERVER_RANK, 0, {}, ready=False, steps_before_asking=3))
+    alg.receive(ReadyAnswer(ready=False, steps_before_asking=3, version=0))
     assert alg.ready() and alg.sends() == []
     for index in (1, 2):  # told to run 3 steps before asking again: no report after the first two
         alg.step(*batch(index))
         assert alg.ready() and alg.sends() == []
     alg.step(*batch(3))
-    assert push_of(alg).clock == 4
-    alg.receive(ReadyAnswer(Kind.DELTA, SERVER_RANK, 0, {}, ready=True))
+    assert push_of(alg).round_step == 4
+    alg.receive(ReadyAnswer(ready=True, steps_before_asking=1, version=0))
     delta = push_of(alg)
     assert delta.kind == Kind.DELTA and not alg.ready()
     flat = alg.params.flatten(delta.tensors)
     assert torch.allclose(flat, alg.w - start)
     new_model = alg.params.views(start + 0.5 * flat)
-    alg.receive(Message(Kind.PARAMS, SERVER_RANK, 0, new_model, model_version=1))
+    alg.receive(ServerModel(Kind.PARAMS, new_model, version=1))
     assert alg.ready() and alg.clock == 1 and alg.version == 1 and alg.local_steps == 4 and alg.round_steps == 0
     assert torch.equal(alg.round_start, alg.w)
     alg.step(*batch(4))  # a new round: its first step is reported
-    assert push_of(alg).clock == 1
+    assert push_of(alg) == StepReport(version=1, round_step=1)
 
 
 def test_esync_server_half_reports_are_idempotent_and_ordered():
@@ -182,15 +183,15 @@ def test_a_refused_call_makes_the_worker_rejoin_from_the_servers_model(name, clo
     pushed = alg.sends()
     alg.failed(pushed[0], "failed_precondition")  # e.g. "pushed twice in round 7" after a restart
     (pull,) = alg.sends()
-    assert pull.message is None and pull.kind == Kind.PARAMS and not alg.ready()
+    assert pull.message == ServerPull() and pull.kind == Kind.PARAMS and not alg.ready()
     model = alg.params.views(torch.full_like(alg.w, 0.25))
-    alg.receive(Message(Kind.PARAMS, SERVER_RANK, 0, model, model_version=7))
+    alg.receive(ServerModel(Kind.PARAMS, model, version=7))
     # Not an answered push; a synchronous worker counts the rounds it missed (version 7), an asynchronous one not.
     assert alg.ready() and alg.version == 7 and alg.clock == clock
     assert torch.equal(alg.w, torch.full_like(alg.w, 0.25))
     alg.step(*batch(1))
-    assert push_of(alg).model_version == 7
-    alg.failed(Send(Route.SERVER, SERVER_RANK, Kind.PARAMS, None), "failed_precondition")
+    assert push_of(alg).version == 7
+    alg.failed(Send(Route.SERVER, SERVER_RANK, Kind.PARAMS, ServerPull()), "failed_precondition")
     assert alg.ready() and alg.sends() == []  # a refused pull: step on from the own model
 
 
@@ -205,12 +206,12 @@ def test_an_esync_worker_rejoins_the_round_and_the_server_restarts_its_entry():
     with pytest.raises(ProtocolError, match="step 1 of the round after step 2"):
         server.report(0, 0, 1, 1.0, now=11.0)
     model = server.pull(0, 0, False, now=11.0)
-    assert model.model_version == 0 and server.rule.round.reports[0].steps == 0 and not server.rule.round.ready[0]
+    assert model.version == 0 and server.rule.round.reports[0].steps == 0 and not server.rule.round.ready[0]
     assert server.drain_events()[-1] == {"event": "rejoin", "time": 11.0, "rank": 0, "version": 0}
     assert server.report(0, 0, 1, 1.0, now=12.0) == Decision(True)
     # A worker whose delta is already in waits for the round: its pull leaves the round's table alone.
     delta = {name: torch.zeros_like(t) for name, t in server.params.views(server.rule.w).items()}
-    server.push(0, Message(Kind.DELTA, 0, SERVER_RANK, delta, model_version=0), "p0", now=12.5)
+    server.push(0, ServerPush(Kind.DELTA, delta, version=0), "p0", now=12.5)
     assert server.holds_update(0) and not server.holds_update(1)
 
     alg = worker(spec, 0)
@@ -218,22 +219,25 @@ def test_an_esync_worker_rejoins_the_round_and_the_server_restarts_its_entry():
     (report,) = alg.sends()
     alg.failed(report, "failed_precondition")
     (pull,) = alg.sends()
-    assert pull.message is None and not alg.ready()
-    alg.receive(Message(Kind.PARAMS, SERVER_RANK, 0, alg.params.views(alg.w.detach().clone()), model_version=3))
+    assert pull.message == ServerPull() and not alg.ready()
+    alg.receive(ServerModel(Kind.PARAMS, alg.params.views(alg.w.detach().clone()), version=3))
     assert alg.ready() and alg.round_steps == 0 and alg.version == 3 and alg.clock == 3
     alg.step(*batch(1))
-    assert push_of(alg).clock == 1  # the first step of the round is reported
+    assert push_of(alg) == StepReport(version=3, round_step=1)  # the first step of the round is reported
 
 
 @pytest.mark.parametrize(
     ("algorithm", "message"),
     [
-        ({"name": "asgd", "options": {"rate": 0.1}}, "algorithm.options.rate: asgd takes no options"),
-        ({"name": "ssgd", "momentum": 0.9}, "algorithm.momentum: ssgd pushes plain gradients"),
-        ({"name": "adacomp", "options": {"codec": "int4"}}, "algorithm.options.codec: one of fp32, fp16, int8"),
-        ({"name": "adacomp", "options": {"rate": "high"}}, "algorithm.options.rate: expected float"),
+        ({"name": "asgd", "options": {"rate": 0.1}}, "algorithm.options.rate: unknown option of asgd, which takes "
+         "no options"),
+        ({"name": "ssgd", "momentum": 0.9}, "algorithm.momentum: the workers push plain gradients"),
+        ({"name": "adacomp", "options": {"codec": "int4"}}, "algorithm.options.codec: Input should be 'fp32', "
+         "'fp16' or 'int8'"),
+        ({"name": "adacomp", "options": {"rate": "high"}}, "algorithm.options.rate: Input should be a valid number"),
         ({"name": "dc-asgd", "options": {"mean_square_decay": 1.0}}, "algorithm.options.mean_square_decay"),
-        ({"name": "esync", "options": {"epsilon": -1}}, "algorithm.options.epsilon: must be >= 0"),
+        ({"name": "esync", "options": {"epsilon": -1}}, "algorithm.options.epsilon: Input should be greater than or "
+         "equal to 0"),
     ],
 )
 def test_bad_options_name_the_field_at_submission(algorithm, message):
@@ -242,6 +246,6 @@ def test_bad_options_name_the_field_at_submission(algorithm, message):
         validate_job(spec)
 
 
-def test_initial_parameters_match_every_node():
+def test_the_server_starts_from_the_model_of_every_node():
     spec = job("asgd")
-    assert torch.equal(initial_parameters(spec).vector, worker(spec, 2).w)
+    assert torch.equal(build_server(spec).w, worker(spec, 2).w)

@@ -4,6 +4,7 @@ reports, and streams the server must refuse."""
 
 import json
 import threading
+import uuid
 from concurrent import futures
 from pathlib import Path
 
@@ -15,13 +16,13 @@ import yaml
 from coordinator.service import CoordinatorConfig, CoordinatorService
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc
-from nodeagent.algorithms import REGISTRY, NodeContext
-from nodeagent.algorithms.base import SERVER_RANK
-from nodeagent.algorithms.ps import PUSH_ID_HEADER, ReadyAnswer, StepReport, build_server
+from nodeagent.algorithms import REGISTRY, NodeContext, build_server
 from nodeagent.jobspec import parse_job_spec
-from nodeagent.mesh.ps import ServerClient, new_push_id
 from nodeagent.metrics import Metrics
 from nodeagent.ps.adacomp import Codec, compress
+from nodeagent.ps.messages import PUSH_ID_HEADER, ReadyAnswer, ServerPull, ServerPush, StepReport
+from nodeagent.runtime.progress import Traffic
+from nodeagent.runtime.server_link import GrpcServerLink
 from nodeagent.training.models import build_model
 from nodeagent.wire.codec import encode
 from nodeagent.wire.message import Kind, Message
@@ -65,8 +66,15 @@ class Coordinator:
         assert status.state == pb.JOB_RUNNING
         return job_id, {m.rank: m.node_id for m in status.nodes}, status.run_dir
 
-    def client(self, job_id: str, node_id: str, rank: int, world_size: int) -> ServerClient:
-        return ServerClient(self.stub, job_id, node_id, rank, world_size, Metrics())
+    def client(self, job_id: str, node_id: str, rank: int, world_size: int, worker, timeout_s: float = 30.0
+               ) -> GrpcServerLink:
+        return GrpcServerLink(self.stub, job_id=job_id, node_id=node_id, rank=rank, world_size=world_size,
+                              worker=worker, metrics=Metrics(), traffic=Traffic(), pool=futures.ThreadPoolExecutor(1),
+                              timeout_s=timeout_s)
+
+
+def new_push_id() -> str:
+    return uuid.uuid4().hex
 
 
 @pytest.fixture
@@ -106,13 +114,13 @@ def test_sixteen_workers_push_at_once_and_each_push_is_applied_once_in_the_recor
     sizes = worker_of(spec, 0).params.sizes
     numel = sum(sizes)
     start = threading.Barrier(16)
-    sent: dict[str, tuple[int, Message]] = {}  # push id -> (rank, the message as the server decodes it)
+    sent: dict[str, tuple[int, ServerPush]] = {}  # push id -> (rank, the push as the server decodes it)
     errors = []
 
     def work(rank: int) -> None:
         try:
-            client = coordinator.client(job_id, nodes[rank], rank, 16)
             alg = worker_of(spec, rank)  # only its configuration is used (what it accepts from the server)
+            client = coordinator.client(job_id, nodes[rank], rank, 16, alg)
             generator = torch.Generator().manual_seed(rank)
             version = 0
             start.wait()
@@ -123,12 +131,12 @@ def test_sixteen_workers_push_at_once_and_each_push_is_applied_once_in_the_recor
                     tensors = {"payload": torch.frombuffer(bytearray(payload), dtype=torch.uint8)}
                 else:
                     tensors = alg.params.views(grad)
-                message = Message(Kind.GRADIENT, rank, SERVER_RANK, tensors, clock=k, model_version=version)
+                push = ServerPush(Kind.GRADIENT, tensors, version, clock=k)
                 push_id = new_push_id()
-                sent[push_id] = (rank, message)
-                reply = client.push(message, push_id, timeout=30)
+                sent[push_id] = (rank, push)
+                reply = client.push_update(push, push_id)
                 assert reply.applied and not reply.duplicate
-                version = client.pull(alg, version, alg.pull_delta, timeout=30).model_version
+                version = client.fetch_model(ServerPull(version, alg.pull_delta)).version
         except Exception as error:  # reported below, with the rank
             errors.append((rank, error))
 
@@ -138,8 +146,8 @@ def test_sixteen_workers_push_at_once_and_each_push_is_applied_once_in_the_recor
     for thread in threads:
         thread.join(timeout=120)
     assert not errors, errors
-    final = coordinator.client(job_id, nodes[0], 0, 16).pull(worker_of(spec, 0), 0, False, timeout=30)
-    assert final.model_version == 16 * PUSHES_PER_WORKER == len(sent)
+    final = coordinator.client(job_id, nodes[0], 0, 16, worker_of(spec, 0)).fetch_model(ServerPull())
+    assert final.version == 16 * PUSHES_PER_WORKER == len(sent)
     # Replay the recorded order (pushes, and the pulls that set DC-ASGD's backups) on a fresh server.
     events = read_log(run_dir)
     pushes = [e for e in events if e["event"] == "push"]
@@ -150,9 +158,9 @@ def test_sixteen_workers_push_at_once_and_each_push_is_applied_once_in_the_recor
         if event["event"] == "pull":
             replay.pull(event["rank"], 0, False, now=0.0)
             continue
-        rank, message = sent[event["push_id"]]
-        assert (event["rank"], event["worker_version"]) == (rank, message.model_version)
-        result = replay.push(rank, message, event["push_id"], now=0.0)
+        rank, push = sent[event["push_id"]]
+        assert (event["rank"], event["worker_version"]) == (rank, push.version)
+        result = replay.push(rank, push, event["push_id"], now=0.0)
         assert (result.applied, result.version, result.delay) == (True, event["version"], event["delay"])
     assert torch.equal(replay.params.flatten(final.tensors), replay.w)
     assert max(e["delay"] for e in pushes) > 0  # they did overlap
@@ -166,15 +174,15 @@ def test_a_restarted_coordinator_keeps_the_version_and_the_model(coordinator):
 
     def push(version: int, seed: int) -> int:
         grad = torch.randn(alg.params.numel, generator=torch.Generator().manual_seed(seed))
-        message = Message(Kind.GRADIENT, 0, SERVER_RANK, alg.params.views(grad), model_version=version)
-        return coordinator.client(job_id, nodes[0], 0, 2).push(message, new_push_id(), timeout=30).version
+        update = ServerPush(Kind.GRADIENT, alg.params.views(grad), version)
+        return coordinator.client(job_id, nodes[0], 0, 2, alg).push_update(update, new_push_id()).version
 
     for seed in range(3):
         push(seed, seed)
-    before = coordinator.client(job_id, nodes[0], 0, 2).pull(alg, 0, False, timeout=30)
+    before = coordinator.client(job_id, nodes[0], 0, 2, alg).fetch_model(ServerPull())
     coordinator.restart()
-    after = coordinator.client(job_id, nodes[0], 0, 2).pull(alg, 0, False, timeout=30)
-    assert after.model_version == before.model_version == 3
+    after = coordinator.client(job_id, nodes[0], 0, 2, alg).fetch_model(ServerPull())
+    assert after.version == before.version == 3
     assert all(torch.equal(after.tensors[name], before.tensors[name]) for name in before.tensors)
     assert push(3, 3) == 4
     assert [e["version"] for e in read_log(run_dir)] == [1, 2, 3, 4]
@@ -186,19 +194,18 @@ def test_a_synchronous_round_half_done_survives_a_restart_and_a_retried_push_cou
     spec = parse_job_spec(raw)
     workers = [worker_of(spec, rank) for rank in range(2)]
     grads = [torch.full((workers[0].params.numel,), float(rank + 1)) for rank in range(2)]
-    messages = [Message(Kind.GRADIENT, rank, SERVER_RANK, workers[rank].params.views(grads[rank]), model_version=0)
-                for rank in range(2)]
+    pushes = [ServerPush(Kind.GRADIENT, workers[rank].params.views(grads[rank]), 0) for rank in range(2)]
     first_id = new_push_id()
     with pytest.raises(grpc.RpcError) as waited:  # the round is not complete: the call waits past its deadline
-        coordinator.client(job_id, nodes[0], 0, 2).push(messages[0], first_id, timeout=1.0)
+        coordinator.client(job_id, nodes[0], 0, 2, workers[0], timeout_s=1.0).push_update(pushes[0], first_id)
     assert waited.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     coordinator.restart()
     pool = futures.ThreadPoolExecutor(2)
-    retried = pool.submit(coordinator.client(job_id, nodes[0], 0, 2).push, messages[0], first_id, 30)
-    last = coordinator.client(job_id, nodes[1], 1, 2).push(messages[1], new_push_id(), timeout=30)
+    retried = pool.submit(coordinator.client(job_id, nodes[0], 0, 2, workers[0]).push_update, pushes[0], first_id)
+    last = coordinator.client(job_id, nodes[1], 1, 2, workers[1]).push_update(pushes[1], new_push_id())
     again = retried.result(timeout=30)
     assert (last.version, again.version, again.duplicate) == (1, 1, True)
-    model = coordinator.client(job_id, nodes[1], 1, 2).pull(workers[1], 0, False, timeout=30)
+    model = coordinator.client(job_id, nodes[1], 1, 2, workers[1]).fetch_model(ServerPull())
     expected = workers[0].w - 0.05 * (grads[0] + grads[1]) / 2
     assert torch.allclose(workers[0].params.flatten(model.tensors), expected, atol=1e-7)
 
@@ -207,29 +214,28 @@ def test_esync_reports_and_round_over_grpc(coordinator):
     raw = spec_of("esync", 2, options={"epsilon": 0.0})
     job_id, nodes, run_dir = coordinator.job(raw)
     spec = parse_job_spec(raw)
-    clients = [coordinator.client(job_id, nodes[rank], rank, 2) for rank in range(2)]
+    workers = [worker_of(spec, rank) for rank in range(2)]
+    clients = [coordinator.client(job_id, nodes[rank], rank, 2, workers[rank]) for rank in range(2)]
 
     def report(rank: int, step: int, duration: float) -> ReadyAnswer:
         nonlocal clients
-        message = StepReport(Kind.DELTA, rank, SERVER_RANK, {}, clock=step, duration_s=duration, model_version=0)
-        return clients[rank].report(message, timeout=10)
+        return clients[rank].ask(StepReport(version=0, round_step=step), duration)
 
     assert report(0, 1, 0.01).ready is False  # rank 1 has not reported: it counts as the slowest
     assert report(1, 1, 100.0).ready is True  # the slowest stops after one step
     assert report(0, 2, 0.01).ready is True  # the slowest is ready
     coordinator.restart()  # the round's table was persisted after each report
-    clients = [coordinator.client(job_id, nodes[rank], rank, 2) for rank in range(2)]
+    clients = [coordinator.client(job_id, nodes[rank], rank, 2, workers[rank]) for rank in range(2)]
     assert report(0, 2, 0.01).ready is True  # a retry of the last report: same answer
-    workers = [worker_of(spec, rank) for rank in range(2)]
     deltas = [torch.full((workers[0].params.numel,), float(2 * rank)) for rank in range(2)]
     pool = futures.ThreadPoolExecutor(2)
     replies = [
-        pool.submit(clients[rank].push, Message(Kind.DELTA, rank, SERVER_RANK, workers[rank].params.views(deltas[rank]),
-                                                model_version=0), new_push_id(), 30)
+        pool.submit(clients[rank].push_update, ServerPush(Kind.DELTA, workers[rank].params.views(deltas[rank]), 0),
+                    new_push_id())
         for rank in range(2)
     ]
     assert [reply.result(timeout=30).version for reply in replies] == [1, 1]
-    model = clients[0].pull(workers[0], 0, False, timeout=10)
+    model = clients[0].fetch_model(ServerPull())
     assert torch.allclose(workers[0].params.flatten(model.tensors), workers[0].w + 1.0)
     assert [e["event"] for e in read_log(run_dir)][-1] == "round"
 
@@ -269,8 +275,8 @@ def test_the_server_refuses_streams_it_cannot_accept_and_keeps_its_model(coordin
     ]
     for error, code, detail in cases:
         assert error.code() == code and detail in error.details(), (error.code(), error.details())
-    model = coordinator.client(job_id, nodes[0], 0, 2).pull(alg, 0, False, timeout=10)
-    assert model.model_version == 0 and torch.equal(alg.params.flatten(model.tensors), alg.w)
+    model = coordinator.client(job_id, nodes[0], 0, 2, alg).fetch_model(ServerPull())
+    assert model.version == 0 and torch.equal(alg.params.flatten(model.tensors), alg.w)
     assert not Path(run_dir, "ps-log.jsonl").read_text()
     with pytest.raises(grpc.RpcError) as failure:
         list(coordinator.stub.PsPull(pb.PsPullRequest(job_id=job_id, rank=1, node_id=nodes[0]), timeout=10))
@@ -282,21 +288,20 @@ def test_dcasgd_after_a_restart_rejects_a_push_whose_backup_was_not_kept_and_rec
     job_id, nodes, run_dir = coordinator.job(raw)
     spec = parse_job_spec(raw)
     alg = worker_of(spec, 0)
-    client = coordinator.client(job_id, nodes[0], 0, 2)
+    client = coordinator.client(job_id, nodes[0], 0, 2, alg)
 
     def push(version: int) -> pb.PsPushReply:
         grad = torch.full((alg.params.numel,), 0.1)
-        message = Message(Kind.GRADIENT, 0, SERVER_RANK, alg.params.views(grad), model_version=version)
-        return client.push(message, new_push_id(), timeout=30)
+        return client.push_update(ServerPush(Kind.GRADIENT, alg.params.views(grad), version), new_push_id())
 
     assert push(0).version == 1
-    assert client.pull(alg, 0, False, timeout=30).model_version == 1  # backup of version 1, not yet on disk
+    assert client.fetch_model(ServerPull()).version == 1  # backup of version 1, not yet on disk
     coordinator.stop()
     coordinator.service = None
     Path(run_dir, "ps-tables.pt").unlink(missing_ok=True)  # as if the coordinator died before writing them
     coordinator.start()
-    client = coordinator.client(job_id, nodes[0], 0, 2)
+    client = coordinator.client(job_id, nodes[0], 0, 2, alg)
     rejected = push(1)
     assert "last pulled version 0" in rejected.rejected and rejected.version == 1
-    assert client.pull(alg, 1, False, timeout=30).model_version == 1
+    assert client.fetch_model(ServerPull(1)).version == 1
     assert push(1).version == 2

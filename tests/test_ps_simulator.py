@@ -24,7 +24,7 @@ def run(fashion_mnist_dir, name: str, steps: int, options=None, speeds=SPEEDS, *
 
 def test_esync_slowest_worker_does_one_step_per_round_and_the_others_fill_its_time(fashion_mnist_dir):
     mesh = run(fashion_mnist_dir, "esync", 6, {"epsilon": 0.1})
-    assert mesh.server.version == 6 and [sim.node.algorithm.clock for sim in mesh.nodes] == [6] * 4
+    assert mesh.server.half.version == 6 and [sim.node.algorithm.clock for sim in mesh.nodes] == [6] * 4
     slow, fast = mesh.nodes[3], mesh.nodes[:3]
     assert [r.steps for r in slow.rounds] == [1] * 6
     for sim in fast:
@@ -34,13 +34,13 @@ def test_esync_slowest_worker_does_one_step_per_round_and_the_others_fill_its_ti
     totals = [RoundMetrics.total(sim.rounds) for sim in mesh.nodes]
     assert all(t.computing_time_ratio > 0.7 for t in totals), [t.computing_time_ratio for t in totals]
     # Every worker received every global model: the runtime's evaluation sees the server's model.
-    assert all(torch.equal(sim.node.algorithm.w, mesh.server.w) for sim in mesh.nodes)
+    assert all(torch.equal(sim.node.algorithm.w, mesh.server.half.w) for sim in mesh.nodes)
     assert all(r.samples == 32 * r.steps for r in slow.rounds)
 
 
 def test_ssgd_waits_for_the_slowest_worker_every_step(fashion_mnist_dir):
     mesh = run(fashion_mnist_dir, "ssgd", 10)
-    assert mesh.server.version == 10 and mesh.now > 10.0  # ten slow steps of 1 s, plus the network
+    assert mesh.server.half.version == 10 and mesh.now > 10.0  # ten slow steps of 1 s, plus the network
     fast, slow = RoundMetrics.total(mesh.nodes[0].rounds), RoundMetrics.total(mesh.nodes[3].rounds)
     assert fast.steps == slow.steps == 10
     assert fast.computing_time_ratio < 0.1 < 0.9 < slow.computing_time_ratio
@@ -50,8 +50,8 @@ def test_ssgd_waits_for_the_slowest_worker_every_step(fashion_mnist_dir):
 @pytest.mark.parametrize("name", ["asgd", "dc-asgd"])
 def test_asynchronous_workers_do_not_wait_for_the_slowest(fashion_mnist_dir, name):
     mesh = run(fashion_mnist_dir, name, 20)
-    assert mesh.server.version == 80  # every push applied once
-    finish = [sim.compute_s + sim.wait_s for sim in mesh.nodes]
+    assert mesh.server.half.version == 80  # every push applied once
+    finish = [sim.driver.compute_s + sim.driver.wait_s for sim in mesh.nodes]
     assert max(finish[:3]) < 2.0 < 19.0 < finish[3]  # 20 fast steps of 0.05 s against 20 slow ones of 1 s
     assert all(RoundMetrics.total(sim.rounds).computing_time_ratio > 0.9 for sim in mesh.nodes)
 
@@ -65,13 +65,13 @@ def test_the_servers_interface_is_shared_and_counts_both_directions(fashion_mnis
     # push (10 ms) and the four models (40 ms): 0.15 s.
     assert mesh.now == pytest.approx(0.18 + 4 * 0.15)
     for sim in mesh.nodes:
-        assert sim.bytes_sent == sim.bytes_received == 5 * 31_400
-    assert mesh.server_bytes_up == mesh.server_bytes_down == 4 * 5 * 31_400
+        assert sim.driver.traffic.sent == sim.driver.traffic.received == 5 * 31_400
+    assert mesh.server.bytes_up == mesh.server.bytes_down == 4 * 5 * 31_400
 
 
 def test_adacomp_in_the_simulator_sends_far_fewer_bytes_upstream_than_asgd(fashion_mnist_dir):
     dense = run(fashion_mnist_dir, "asgd", 10, speeds=[1.0] * 4)
     sparse = run(fashion_mnist_dir, "adacomp", 10, {"codec": "int8", "pull": "delta"}, speeds=[1.0] * 4)
-    assert dense.server.version == sparse.server.version == 40
-    assert dense.server_bytes_up > 100 * sparse.server_bytes_up
-    assert dense.server_bytes_down > 2 * sparse.server_bytes_down
+    assert dense.server.half.version == sparse.server.half.version == 40
+    assert dense.server.bytes_up > 100 * sparse.server.bytes_up
+    assert dense.server.bytes_down > 2 * sparse.server.bytes_down

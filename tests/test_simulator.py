@@ -8,7 +8,7 @@ import torch
 from coordinator.simulate import simulate
 from nodeagent.jobspec import JobSpecError, parse_job_spec
 from nodeagent.metrics import Metrics
-from nodeagent.runlog import read_run_log
+from nodeagent.runtime.progress import read_run_log
 
 
 def spec(fashion_mnist_dir, **overrides):
@@ -46,7 +46,7 @@ def test_64_nodes_with_a_node_down_for_a_period(fashion_mnist_dir, tmp_path):
 
     def sample(mesh):
         victim = mesh.nodes[5]
-        trace.append((mesh.now, victim.node.algorithm.clock, victim.bytes_sent))
+        trace.append((mesh.now, victim.node.algorithm.clock, victim.driver.traffic.sent))
 
     result = simulate(job, tmp_path / "run", metrics=metrics, on_progress=sample)
     assert result.mesh.finished
@@ -60,7 +60,7 @@ def test_64_nodes_with_a_node_down_for_a_period(fashion_mnist_dir, tmp_path):
     assert failures(metrics, "rank5", "unavailable") > 0
     assert failures(metrics, "rank20", "unavailable") == 0
     # Everyone else finished at about the same virtual time; the victim is late by about its down time.
-    finish = [sim.compute_s for sim in result.mesh.nodes]
+    finish = [sim.driver.compute_s for sim in result.mesh.nodes]
     assert math.isclose(finish[5], finish[0], rel_tol=1e-9)
     records = read_run_log(tmp_path / "run")
     assert {r.rank for r in records} == set(range(64))
@@ -98,7 +98,7 @@ def test_slow_links_cost_virtual_time_in_synchronous_rounds(fashion_mnist_dir):
 def test_relative_speeds_set_each_nodes_pace(fashion_mnist_dir):
     job = spec(fashion_mnist_dir, simulation={"step_time_s": 0.01, "speeds": [1, 1, 1, 0.5, 1, 1, 1, 2]})
     mesh = simulate(job).mesh
-    compute = [sim.compute_s for sim in mesh.nodes]
+    compute = [sim.driver.compute_s for sim in mesh.nodes]
     assert compute[3] == pytest.approx(1.2) and compute[7] == pytest.approx(0.3) and compute[0] == pytest.approx(0.6)
 
 

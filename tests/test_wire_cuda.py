@@ -14,8 +14,8 @@ from test_codec import assert_bit_equal, finite_sample
 
 from nodeagent._proto import peer_pb2_grpc
 from nodeagent.algorithms.base import Snapshot
-from nodeagent.mesh.grpc import GRPC_OPTIONS, PeerClient, PeerServicer, ServingState
 from nodeagent.metrics import Metrics
+from nodeagent.runtime.peer_service import GRPC_OPTIONS, PeerClient, PeerServicer, ServingState
 from nodeagent.wire import Encoding, Kind, Message, TensorSpec, TopK, decode, plan, specs_of
 from nodeagent.wire.staging import StagedSink, StagedSource, source_for
 

@@ -19,8 +19,8 @@ import torch
 
 from nodeagent._proto import peer_pb2, peer_pb2_grpc, wire_pb2
 from nodeagent.algorithms.base import Snapshot
-from nodeagent.mesh.grpc import GRPC_OPTIONS, PeerClient, PeerServicer, ServingState
 from nodeagent.metrics import Metrics
+from nodeagent.runtime.peer_service import GRPC_OPTIONS, PeerClient, PeerServicer, ServingState
 from nodeagent.wire import Encoding, Kind, Message, TensorSpec, TopK, WireError
 from nodeagent.wire.codec import LANE_HEADER, LANE_MAGIC, new_stream_id, plan
 from nodeagent.wire.lane import READY, dial

@@ -18,17 +18,20 @@ worker, at least 64), pull ("full" or "delta").
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Literal
 
 import torch
+from pydantic import Field
 from torch import nn
 
-from nodeagent.algorithms.base import SERVER_RANK, NodeContext
-from nodeagent.algorithms.ps import PSWorker, ServerHalf
+from nodeagent.algorithms.base import AlgorithmOptions, NodeContext
 from nodeagent.ps.adacomp import AdaCompServer, Codec, Residual, Sparse, compress, decode_sparse, encode_sparse
+from nodeagent.ps.messages import ServerModel, ServerPush
 from nodeagent.ps.rules import ParameterServer, ProtocolError
+from nodeagent.ps.server import ServerHalf
+from nodeagent.ps.worker import PSWorker
 from nodeagent.wire.codec import WireError
-from nodeagent.wire.message import Kind, Message, TensorSpec
+from nodeagent.wire.message import Kind, TensorSpec
 
 PAYLOAD = "payload"
 CODECS = {"fp32": Codec.FP32, "fp16": Codec.FP16, "int8": Codec.INT8}
@@ -63,9 +66,19 @@ def split_flat(indices: torch.Tensor, values: torch.Tensor, tensor_sizes: list[i
     ]
 
 
+class AdaCompOptions(AlgorithmOptions):
+    rate: float = Field(0.01, gt=0, le=1)  # the share of each tensor's entries sent
+    codec: Literal["fp32", "fp16", "int8"] = "fp32"  # how the values travel
+    residual: bool = False  # error feedback: entries not sent are added to the next gradient
+    max_delay: int = Field(0, ge=0)  # the staleness window in pushes (0: 16 per worker, at least 64)
+    pull: Literal["full", "delta"] = "full"  # the model back in full, or the entries changed since the push
+
+
 class AdaCompServerHalf(ServerHalf):
+    options: AdaCompOptions
+
     def build_rule(self, w0: torch.Tensor) -> ParameterServer:
-        max_delay = self.options["max_delay"] or max(64, 16 * self.num_workers)
+        max_delay = self.options.max_delay or max(64, 16 * self.num_workers)
         return AdaCompServer(w0, self.num_workers, self.params.sizes, self.spec.algorithm.lr, max_delay)
 
     def push_specs(self, kind: Kind, shapes: list[tuple[str, tuple[int, ...]]]) -> list[TensorSpec]:
@@ -73,8 +86,8 @@ class AdaCompServerHalf(ServerHalf):
             raise WireError("unexpected_kind", f"adacomp pushes gradient, not {kind.name.lower()}")
         return payload_spec(shapes, self.params.sizes)
 
-    def decode(self, message: Message) -> Sparse:
-        payload = message.tensors.get(PAYLOAD)
+    def decode(self, push: ServerPush) -> Sparse:
+        payload = push.tensors.get(PAYLOAD)
         if payload is None or payload.dtype != torch.uint8 or payload.dim() != 1:
             raise ProtocolError(f"an adacomp push is one uint8 tensor {PAYLOAD!r}")
         try:
@@ -82,44 +95,32 @@ class AdaCompServerHalf(ServerHalf):
         except ValueError as error:
             raise ProtocolError(f"bad adacomp payload: {error}") from None
 
-    def pull(self, rank: int, since_version: int, delta: bool, now: float) -> Message:
+    def pull(self, rank: int, since_version: int, delta: bool, now: float) -> ServerModel:
         if not delta:
             return super().pull(rank, since_version, delta, now)
         self.check_rank(rank)
         assert isinstance(self.rule, AdaCompServer)
         answer = self.rule.pull_delta(rank, since_version)
         if answer.indices is None:
-            return Message(Kind.PARAMS, SERVER_RANK, rank, self.params.views(answer.values),
-                           model_version=answer.version)
+            return ServerModel(Kind.PARAMS, self.params.views(answer.values), answer.version)
         sparse = split_flat(answer.indices, answer.values, self.params.sizes)
         payload = encode_sparse(sparse, self.params.sizes, Codec.FP32)
-        return Message(Kind.DELTA, SERVER_RANK, rank, {PAYLOAD: payload_tensor(payload)},
-                       model_version=answer.version)
+        return ServerModel(Kind.DELTA, {PAYLOAD: payload_tensor(payload)}, answer.version)
 
 
 class AdaComp(PSWorker):
     name = "adacomp"
     server_half = AdaCompServerHalf
-    OPTIONS = {"rate": 0.01, "codec": "fp32", "residual": False, "max_delay": 0, "pull": "full"}
+    Options = AdaCompOptions
+    options: AdaCompOptions
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         super().__init__(model, context, loss_fn)
-        self.rate = self.options["rate"]
-        self.codec = CODECS[self.options["codec"]]
-        self.residual = Residual(self.params.numel) if self.options["residual"] else None
-        self.pull_delta = self.options["pull"] == "delta"
+        self.rate = self.options.rate
+        self.codec = CODECS[self.options.codec]
+        self.residual = Residual(self.params.numel) if self.options.residual else None
+        self.pull_delta = self.options.pull == "delta"
         self.last_payload_bytes = 0
-
-    @classmethod
-    def check_options(cls, options: dict[str, Any]) -> None:
-        if not 0 < options["rate"] <= 1:
-            raise ValueError("algorithm.options.rate: must be in (0, 1]")
-        if options["codec"] not in CODECS:
-            raise ValueError(f"algorithm.options.codec: one of {', '.join(CODECS)}")
-        if options["max_delay"] < 0:
-            raise ValueError("algorithm.options.max_delay: must be >= 0 (0: automatic)")
-        if options["pull"] not in ("full", "delta"):
-            raise ValueError("algorithm.options.pull: full or delta")
 
     def update_tensors(self, grad: torch.Tensor) -> dict[str, torch.Tensor]:
         payload, _ = compress(grad, self.params.sizes, self.rate, self.codec, self.residual)
@@ -131,18 +132,18 @@ class AdaComp(PSWorker):
             return payload_spec(shapes, self.params.sizes)
         return super().server_specs(kind, shapes)
 
-    def check_server_message(self, message: Message) -> None:
-        if message.kind == Kind.DELTA:
+    def check_server_message(self, model: ServerModel) -> None:
+        if model.kind == Kind.DELTA:
             try:
-                decode_sparse(message.tensors[PAYLOAD].numpy().tobytes(), self.params.sizes)
+                decode_sparse(model.tensors[PAYLOAD].numpy().tobytes(), self.params.sizes)
             except ValueError as error:
                 raise WireError("bad_payload", f"delta from the server: {error}") from None
 
-    def apply_model(self, message: Message) -> None:
-        if message.kind != Kind.DELTA:
-            super().apply_model(message)
+    def apply_model(self, model: ServerModel) -> None:
+        if model.kind != Kind.DELTA:
+            super().apply_model(model)
             return
-        sparse = decode_sparse(message.tensors[PAYLOAD].numpy().tobytes(), self.params.sizes)
+        sparse = decode_sparse(model.tensors[PAYLOAD].numpy().tobytes(), self.params.sizes)
         offset = 0
         for (indices, values), n in zip(sparse, self.params.sizes, strict=True):
             self.w[offset + indices] = values.to(self.w.dtype)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nodeagent.algorithms.base import Algorithm, NodeContext, Route, Send, Snapshot, parse_options
+from nodeagent.algorithms.base import Algorithm, NodeContext, Route, Send, Snapshot
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
 
@@ -36,7 +36,6 @@ class ADPSGD(Algorithm):
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         super().__init__(model, context, loss_fn)
-        parse_options(self.name, context.spec.options, {})
         self.active = context.rank % 2 == 1
         schedule = context.peer_schedule or (context.neighbor_ranks,)
         self.rotation: tuple[int, ...] = (

@@ -13,17 +13,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nodeagent.algorithms.base import ALLREDUCE_RANK, Algorithm, NodeContext, Route, Send, Snapshot, parse_options
+from nodeagent.algorithms.base import ALLREDUCE_RANK, Algorithm, Family, NodeContext, Route, Send, Snapshot
 from nodeagent.wire.codec import WireError
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
 
 class AllReduceSGD(Algorithm):
     name = "allreduce"
+    family = Family.COLLECTIVE
+    modes = ("sync",)
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         super().__init__(model, context, loss_fn)
-        parse_options(self.name, context.spec.options, {})
         self.waiting = False  # this step's gradient is out and its mean has not come back
         self._outbox: list[Send] = []
         self.republish()

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from nodeagent.algorithms.ps import PSWorker, ServerHalf
 from nodeagent.ps.rules import ASGDServer, ParameterServer
+from nodeagent.ps.server import ServerHalf
+from nodeagent.ps.worker import PSWorker
 
 
 class ASGDServerHalf(ServerHalf):

@@ -1,13 +1,22 @@
 """The algorithm interface: I/O-free state machines that both runtimes (gRPC agent, simulator) drive.
 
-An algorithm never opens a socket, starts a thread or sleeps. Its runtime calls, always from one thread:
+An algorithm never opens a socket, starts a thread or sleeps. The node driver (nodeagent.runtime.driver) calls,
+always from one thread (the agent's runner thread, or the simulator's loop):
 - `step(inputs, targets)`: one local step on the batch it is given; returns the minibatch loss;
-- `sends()`: the messages to send now (exchange, push or pull, to which peer, what kind);
-- `receive(message)`: a message arrived (a peer's reply, push or pull answer);
-- `snapshot()`: the immutable snapshot that network threads serve to peers until the next one;
-- `expected(peer, kind)`: what a stream from `peer` of `kind` must hold, checked before any state is touched;
+- `sends()`: the messages to send now (exchange, push, pull, all-reduce, or a request to the parameter server);
+- `receive(message)`: a message arrived (a peer's, a reply, an all-reduce mean, the parameter server's answer);
 - `ready()`: whether the next local step may start (synchronous modes wait for their round's messages);
-- `failed(send, reason)`: a send of this node's could not be completed (the peer refused, timed out, ...).
+- `failed(send, reason)`: a send of this node's could not be completed (the peer refused, timed out, ...);
+- `state_dict()` / `load_state_dict()`: checkpoints.
+
+Network threads call only two methods, which must read immutable state alone: `expected(peer, kind)` (what a
+stream must hold, checked before any state is touched) and `snapshot()` (the immutable snapshot published after
+the last change, which peers are served). Parameter-server workers add `server_specs()` and
+`check_server_message()` for the link's threads (nodeagent.ps.worker).
+
+Each algorithm also declares, without a model, what it needs and accepts: its `family`, its `modes`, its typed
+`Options` (unknown keys refused) and `check(spec, topology)`, which refuses at validation every job its
+constructor would refuse, naming the field. The registry (nodeagent.algorithms) is the only list of them.
 
 The node's trainable parameters live in one flat vector `w` that the model's parameters are views of, so the
 mathematics of ALGORITHMS.md (w_i, g_i) is plain vector arithmetic and messages are zero-copy views.
@@ -20,12 +29,14 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar, Protocol
 
 import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
 from torch import nn
 
-from nodeagent.jobspec import AlgorithmSpec
+from nodeagent.jobspec import AlgorithmSpec, JobSpec, JobSpecError, Mode, format_validation_error
+from nodeagent.ps.messages import ServerAnswer, ServerRequest
 from nodeagent.wire.codec import WireError
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
@@ -65,16 +76,16 @@ class NodeContext:
 
 class Route(enum.StrEnum):
     EXCHANGE = "exchange"  # symmetric: send ours, the peer's reply arrives through receive()
-    PUSH = "push"  # one way; the runtime retries until delivered (synchronous rounds rely on every push)
+    PUSH = "push"  # one way; the driver retries until delivered (synchronous rounds rely on every push)
     PULL = "pull"  # fetch the peer's snapshot of `kind`; it arrives through receive()
     ALLREDUCE = "allreduce"  # the runtime averages the message's tensors over all ranks; the mean arrives
     # through receive() as a message from ALLREDUCE_RANK with the same clock
-    SERVER = "server"  # to the parameter server (the coordinator); its answer arrives from SERVER_RANK
+    SERVER = "server"  # a ServerRequest to the parameter server; its ServerAnswer arrives through receive()
 
 
-# Pseudo ranks of messages that come from the runtime rather than from a peer.
+# The pseudo rank of messages that come from the runtime's all-reduce rather than from a peer (the parameter
+# server's is SERVER_RANK, nodeagent.ps.messages).
 ALLREDUCE_RANK = -1
-SERVER_RANK = -2
 
 
 @dataclass(frozen=True)
@@ -82,15 +93,49 @@ class Send:
     route: Route
     peer: int
     kind: Kind
-    message: Message | None = None  # None for a pull
+    message: Message | ServerRequest | None = None  # None for a pull; a ServerRequest on Route.SERVER
 
 
-@dataclass(frozen=True)
-class Failure:
-    """A send that could not be completed; runtimes hand it to the algorithm's `failed()`."""
+class SendFailed(Exception):
+    """A send that could not be completed. `reason` is the failure label of the metrics (unavailable,
+    deadline_exceeded, rejected, ...); `transient` says whether the same send may succeed if tried again."""
 
-    send: Send
-    reason: str
+    def __init__(self, reason: str, detail: str = "", transient: bool = False):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.transient = transient
+
+
+class Family(enum.StrEnum):
+    """Whom an algorithm's nodes talk to; the coordinator plans nodes and services from it."""
+
+    PEER = "peer"  # neighbours in the job's topology
+    COLLECTIVE = "collective"  # every rank at once, through an all-reduce (the coordinator hosts its rendezvous)
+    SERVER = "server"  # only the parameter server the coordinator hosts; no neighbours
+
+
+class AlgorithmOptions(BaseModel):
+    """An algorithm's `algorithm.options`: typed, checked, unknown keys refused (as strict as the job schema)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+
+class NoOptions(AlgorithmOptions):
+    pass
+
+
+class Graph(Protocol):
+    """What `check()` may ask of a job's graph (coordinator.topology.Topology is one)."""
+
+    @property
+    def nodes(self) -> int: ...
+
+    @property
+    def passive(self) -> frozenset[int]:
+        """Ranks that never send on their own, they only answer (the bipartite time-varying kinds)."""
+        ...
+
+    def degree(self, rank: int) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -162,11 +207,18 @@ class Algorithm(ABC):
     """Base of every algorithm; subclasses implement the update rule and the message protocol."""
 
     name: ClassVar[str]
-    # Whether receive() can produce sends (ESync pushes its delta once READY): runtimes then also call sends()
-    # after draining received messages, not only after a step.
+    family: ClassVar[Family] = Family.PEER
+    modes: ClassVar[tuple[Mode, ...]] = ("async",)  # the modes it runs; the first is its default
+    Options: ClassVar[type[AlgorithmOptions]] = NoOptions
+    # Non-empty: why `algorithm.momentum` (and nesterov) is refused, for algorithms whose rule uses the plain g.
+    refuses_momentum: ClassVar[str] = ""
+    # Whether receive() can produce sends (ESync pushes its delta once READY): the driver then also calls sends()
+    # after handing over received messages, not only after a step.
     sends_after_receive: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
+        self.options = type(self).options_of(context.spec)
+        self.mode: Mode = context.spec.mode or self.modes[0]
         self.model = model
         self.context = context
         self.spec = context.spec
@@ -177,6 +229,30 @@ class Algorithm(ABC):
         self.last_loss = math.nan
         self._momentum_buffer: torch.Tensor | None = None
         self._published: Snapshot
+
+    # -- what a job may ask of it (no model needed) --------------------------------------------------------------
+
+    @classmethod
+    def options_of(cls, spec: AlgorithmSpec) -> AlgorithmOptions:
+        """The algorithm's typed options, once mode and momentum are known to fit; JobSpecError names the field."""
+        if spec.mode is not None and spec.mode not in cls.modes:
+            runs = " or ".join(repr(mode) for mode in cls.modes)
+            raise JobSpecError(f"algorithm.mode: {cls.name} runs only {runs}, not {spec.mode!r}")
+        if cls.refuses_momentum and (spec.momentum or spec.nesterov):
+            raise JobSpecError(f"algorithm.momentum: {cls.refuses_momentum}")
+        try:
+            return cls.Options.model_validate(spec.options)
+        except ValidationError as error:
+            known = ", ".join(field.alias or name for name, field in cls.Options.model_fields.items())
+            unknown = f"unknown option of {cls.name}, which takes {known or 'no options'}"
+            raise JobSpecError(format_validation_error(error, "algorithm.options", unknown)) from None
+
+    @classmethod
+    def check(cls, spec: JobSpec, topology: Graph) -> None:
+        """Refuse a job this algorithm cannot run, with JobSpecError naming the field. It runs at validation,
+        before any node exists, and refuses at least every job the constructor would; subclasses with
+        constraints on the graph or between options extend it."""
+        cls.options_of(spec.algorithm)
 
     # -- local computation shared by the algorithms ------------------------------------------------------------
 
@@ -229,11 +305,11 @@ class Algorithm(ABC):
 
     @abstractmethod
     def sends(self) -> list[Send]:
-        """Messages to send now (called after each step)."""
+        """Messages to send now (called after each step, and after receiving when `sends_after_receive`)."""
 
     @abstractmethod
-    def receive(self, message: Message) -> None:
-        """Absorb a message that passed `expected`."""
+    def receive(self, message: Message | ServerAnswer) -> None:
+        """Absorb a message that passed `expected` (or, for parameter-server workers, the server's answer)."""
 
     def snapshot(self) -> Snapshot:
         """The immutable state that network threads serve until the next one is published."""
@@ -271,28 +347,3 @@ class Algorithm(ABC):
         """A send could not be completed; `reason` is the failure label of the metrics (unavailable,
         deadline_exceeded, in_flight, rejected, ...). Algorithms that keep waiting for a reply must stop."""
         return None
-
-
-def parse_options(name: str, given: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """`given` over `defaults`, each value of its default's type (an int passes for a float); errors name the
-    field as the job spec does."""
-    unknown = sorted(set(given) - set(defaults))
-    if unknown:
-        known = ", ".join(sorted(defaults)) or "no options"
-        raise ValueError(f"algorithm.options.{unknown[0]}: {name} takes {known}")
-    options = dict(defaults)
-    for key, value in given.items():
-        default = defaults[key]
-        if isinstance(default, bool):
-            ok = isinstance(value, bool)
-        elif isinstance(default, float):
-            ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-            value = float(value) if ok else value
-        elif isinstance(default, int):
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        else:
-            ok = isinstance(value, type(default))
-        if not ok:
-            raise ValueError(f"algorithm.options.{key}: expected {type(default).__name__}, got {value!r}")
-        options[key] = value
-    return options

@@ -14,34 +14,37 @@ before every answer (they are several models' worth); a push computed on another
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+from pydantic import Field
 
-from nodeagent.algorithms.ps import PSWorker, ServerHalf
+from nodeagent.algorithms.base import AlgorithmOptions
 from nodeagent.ps.rules import DCASGDServer, ParameterServer
+from nodeagent.ps.server import ServerHalf
+from nodeagent.ps.worker import PSWorker
+
+
+class DCASGDOptions(AlgorithmOptions):
+    adaptive: bool = False  # lambda_t = lambda0 / sqrt(MS_m + 1e-7) instead of the constant lambda
+    lambda_: float = Field(0.04, ge=0, alias="lambda")
+    lambda0: float = Field(2.0, ge=0)
+    mean_square_decay: float = Field(0.95, ge=0, lt=1)  # the paper's m
 
 
 class DCASGDServerHalf(ServerHalf):
     pull_mutates = True
     volatile = ("backup", "backup_version", "mean_square")
 
+    options: DCASGDOptions
+
     def build_rule(self, w0: torch.Tensor) -> ParameterServer:
         o = self.options
         return DCASGDServer(
-            w0, self.num_workers, self.spec.algorithm.lr, lam=o["lambda"], adaptive=o["adaptive"],
-            lam0=o["lambda0"], momentum=o["mean_square_decay"],
+            w0, self.num_workers, self.spec.algorithm.lr, lam=o.lambda_, adaptive=o.adaptive, lam0=o.lambda0,
+            momentum=o.mean_square_decay,
         )
 
 
 class DCASGD(PSWorker):
     name = "dc-asgd"
     server_half = DCASGDServerHalf
-    OPTIONS = {"adaptive": False, "lambda": 0.04, "lambda0": 2.0, "mean_square_decay": 0.95}
-
-    @classmethod
-    def check_options(cls, options: dict[str, Any]) -> None:
-        if options["lambda"] < 0 or options["lambda0"] < 0:
-            raise ValueError("algorithm.options.lambda: must be >= 0")
-        if not 0 <= options["mean_square_decay"] < 1:
-            raise ValueError("algorithm.options.mean_square_decay: must be in [0, 1)")
+    Options = DCASGDOptions

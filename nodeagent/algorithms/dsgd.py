@@ -23,10 +23,11 @@ from nodeagent.wire.message import Kind, Message, TensorSpec
 
 class DSGD(Algorithm):
     name = "dsgd"
+    modes = ("async", "sync")
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         super().__init__(model, context, loss_fn)
-        self.synchronous = context.spec.mode == "sync"
+        self.synchronous = self.mode == "sync"
         self.last_copy = {n.rank: self.w.detach().clone() for n in context.neighbors}
         self.round_copies: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)
         self._pending_direction: torch.Tensor | None = None

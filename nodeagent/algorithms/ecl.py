@@ -27,19 +27,23 @@ late case is a second swap with no primal update in between. It also makes a rep
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Literal
 
 import torch
 from torch import nn
 
-from nodeagent.algorithms.base import Algorithm, Neighbor, NodeContext, Route, Send, Snapshot
+from nodeagent.algorithms.base import Algorithm, AlgorithmOptions, Graph, Neighbor, NodeContext, Route, Send, Snapshot
+from nodeagent.jobspec import JobSpec
 from nodeagent.wire.message import Kind, Message, TensorSpec
-
-ETA_RULES = ("released", "optimal")
 
 
 def released_eta(lr: float, degree: int, interval: int) -> float:
     """eta = 1 / (mu (E_i (K - 1) + K)): the value of the released code, whose plots are the targets."""
     return 1.0 / (lr * (degree * (interval - 1) + interval))
+
+
+def eta_of(rule: str, lr: float, degree: int, interval: int) -> float:
+    return optimal_eta(lr, degree, interval) if rule == "optimal" else released_eta(lr, degree, interval)
 
 
 def optimal_eta(lr: float, degree: int, interval: int) -> float:
@@ -53,19 +57,18 @@ def optimal_eta(lr: float, degree: int, interval: int) -> float:
     return 1.0 / (lr * degree * (interval - 1))
 
 
+class ECLOptions(AlgorithmOptions):
+    eta: Literal["released", "optimal"] = "released"  # see released_eta and optimal_eta
+
+
 class PDMMISVR(Algorithm):
     name = "pdmm-isvr"
+    Options = ECLOptions
+    refuses_momentum = "pdmm-isvr and admm-isvr use the plain gradient g; set momentum to 0"
+    options: ECLOptions
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         super().__init__(model, context, loss_fn)
-        spec = context.spec
-        if spec.mode != "async":
-            raise ValueError(
-                f"algorithm.mode: {self.name} runs only 'async' (exchanges on the edge-phase schedule), "
-                f"not {spec.mode!r}"
-            )
-        if spec.momentum > 0:
-            raise ValueError(f"algorithm.momentum: {self.name} uses the plain gradient g; set momentum to 0")
         for neighbor in context.neighbors:
             expected_sign = 1 if context.rank < neighbor.rank else -1
             if neighbor.sign != expected_sign:
@@ -75,16 +78,16 @@ class PDMMISVR(Algorithm):
                     f"edge ({context.rank}, {neighbor.rank}): sign A_ij must be {expected_sign:+d} "
                     f"(+1 at the lower rank), got {neighbor.sign}"
                 )
-        self.eta_rule = spec.options.get("eta", "released")
-        degree = len(context.neighbors)
-        if self.eta_rule == "released":
-            self.eta = released_eta(spec.lr, degree, spec.interval)
-        elif self.eta_rule == "optimal":
-            self.eta = optimal_eta(spec.lr, degree, spec.interval)
-        else:
-            raise ValueError(f"algorithm.options.eta: unknown rule {self.eta_rule!r}; known: {', '.join(ETA_RULES)}")
+        self.eta_rule = self.options.eta  # recorded: which eta a run used
+        self.eta = eta_of(self.eta_rule, self.spec.lr, len(context.neighbors), self.spec.interval)
         self.z = {n.rank: torch.zeros_like(self.w) for n in context.neighbors}
         self.republish()
+
+    @classmethod
+    def check(cls, spec: JobSpec, topology: Graph) -> None:
+        options = cls.options_of(spec.algorithm)
+        for rank in range(topology.nodes):
+            eta_of(options.eta, spec.algorithm.lr, topology.degree(rank), spec.algorithm.interval)
 
     # -- the mathematics ------------------------------------------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """ESync (ALGORITHMS.md, "ESync"): synchronous rounds sized for heterogeneous workers.
 
 Worker: each round starts from the global model; the worker runs local SGD steps (lr is the local lr; momentum
-and Nesterov apply to the local steps), reports the first one (a `StepReport`; the runtime adds the step's
-duration) and waits for the answer. Not READY: the answer says how many steps to run before reporting again
+and Nesterov apply to the local steps), reports the first one (a `StepReport`; the node driver stamps the step's
+duration on the call) and waits for the answer. Not READY: the answer says how many steps to run before reporting again
 (nodeagent.ps.steps_before_asking). READY: it pushes delta = w_local - w_global (Kind.DELTA) and waits for the
 next global model. Its clock counts rounds, so a job's `steps` is the number of
 rounds and `eval_every` counts rounds; `local_steps` counts the local steps.
@@ -16,24 +16,31 @@ Options (algorithm.options): epsilon (0.5 s), global_lr (1.0).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+from pydantic import Field
 from torch import nn
 
-from nodeagent.algorithms.base import SERVER_RANK, NodeContext, Route, Send
-from nodeagent.algorithms.ps import PSWorker, ReadyAnswer, ServerHalf, StepReport
+from nodeagent.algorithms.base import AlgorithmOptions, NodeContext, Route, Send
 from nodeagent.ps.esync import Decision, ESyncServer
+from nodeagent.ps.messages import SERVER_RANK, ReadyAnswer, ServerAnswer, ServerModel, ServerPush, StepReport
 from nodeagent.ps.rules import ParameterServer, ProtocolError, PushResult
+from nodeagent.ps.server import ServerHalf
+from nodeagent.ps.worker import PSWorker
 from nodeagent.wire.message import Kind, Message
+
+
+class ESyncOptions(AlgorithmOptions):
+    epsilon: float = Field(0.5, ge=0)  # seconds: READY when a step of the caller's would end within it
+    global_lr: float = Field(1.0, gt=0)  # w <- w + global_lr * mean(delta_i)
 
 
 class ESyncServerHalf(ServerHalf):
     synchronous = True
     push_kind = Kind.DELTA
+    options: ESyncOptions
 
     def build_rule(self, w0: torch.Tensor) -> ParameterServer:
-        return ESyncServer(w0, self.num_workers, global_lr=self.options["global_lr"], epsilon=self.options["epsilon"])
+        return ESyncServer(w0, self.num_workers, global_lr=self.options.global_lr, epsilon=self.options.epsilon)
 
     @property
     def esync(self) -> ESyncServer:
@@ -43,14 +50,14 @@ class ESyncServerHalf(ServerHalf):
     def apply(self, rank: int, update: torch.Tensor, worker_version: int, now: float) -> PushResult:
         return self.esync.push(rank, update, worker_version, now)
 
-    def pull(self, rank: int, since_version: int, delta: bool, now: float) -> Message:
+    def pull(self, rank: int, since_version: int, delta: bool, now: float) -> ServerModel:
         # A worker pulls between rounds, or to rejoin the current one: then it starts the round again.
         if not self.holds_update(rank) and self.esync.round.restart(rank, now):
             self.events.append({"event": "rejoin", "time": now, "rank": rank, "version": self.version})
         return super().pull(rank, since_version, delta, now)
 
-    def push(self, rank: int, message: Message, push_id: str, now: float) -> PushResult:
-        result = super().push(rank, message, push_id, now)
+    def push(self, rank: int, push: ServerPush, push_id: str, now: float) -> PushResult:
+        result = super().push(rank, push, push_id, now)
         if result.applied:
             self.events.append({"event": "round", "time": now, "version": result.version})
         return result
@@ -83,9 +90,10 @@ class ESyncServerHalf(ServerHalf):
 
 class ESync(PSWorker):
     name = "esync"
+    modes = ("sync",)
     server_half = ESyncServerHalf
-    OPTIONS = {"epsilon": 0.5, "global_lr": 1.0}
-    pushes_gradients = False
+    Options = ESyncOptions
+    refuses_momentum = ""  # the local steps are plain local SGD, with momentum if asked
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         super().__init__(model, context, loss_fn)
@@ -94,13 +102,6 @@ class ESync(PSWorker):
         self.local_steps = 0
         self.report_at = 1  # the round step after which the next report goes out
         self.asking = False  # a step report is out and its answer has not come
-
-    @classmethod
-    def check_options(cls, options: dict[str, Any]) -> None:
-        if options["epsilon"] < 0:
-            raise ValueError("algorithm.options.epsilon: must be >= 0 (seconds)")
-        if options["global_lr"] <= 0:
-            raise ValueError("algorithm.options.global_lr: must be > 0")
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         loss, grad = self.gradient(inputs, targets)
@@ -111,13 +112,12 @@ class ESync(PSWorker):
         self.local_steps += 1
         if self.round_steps < self.report_at:
             return loss
-        report = StepReport(Kind.DELTA, self.context.rank, SERVER_RANK, {}, clock=self.round_steps, loss=loss,
-                            model_version=self.version)
+        report = StepReport(self.version, self.round_steps)
         self._outbox = [Send(Route.SERVER, SERVER_RANK, Kind.DELTA, report)]
         self.asking = True
         return loss
 
-    def receive(self, message: Message) -> None:
+    def receive(self, message: Message | ServerAnswer) -> None:
         if not isinstance(message, ReadyAnswer):
             super().receive(message)  # the next global model: a round is complete
             self.round_start.copy_(self.w)

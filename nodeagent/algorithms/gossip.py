@@ -36,14 +36,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
+from pydantic import Field
 from torch import nn
 
-from nodeagent.algorithms.base import Algorithm, NodeContext, Route, Send, Snapshot
+from nodeagent.algorithms.base import Algorithm, AlgorithmOptions, NodeContext, Route, Send, Snapshot
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
 # Flow control of ALGORITHMS.md: the score range, the start, the random term and the rewards.
@@ -56,44 +57,18 @@ SUCCESS_REWARD = 10
 FAILURE_PENALTY = 100
 RECOVERY_PER_DRAW = 1  # points a peer gains each time another is picked (see PeerScores.pick)
 
-INTERPOLATIONS = ("constant", "clock", "loss")
 # A failure label meaning the runtime did not call the peer at all (its one-call-per-edge rule): it says nothing
 # about the peer, so it costs no score.
 LOCAL_SKIP = "in_flight"
 
 
-@dataclass(frozen=True)
-class GossipOptions:
+class GossipOptions(AlgorithmOptions):
     """`algorithm.options` of the gossip algorithm."""
 
-    interpolation: str = "constant"  # constant, clock or loss
-    factor: float = 0.5  # f of the constant interpolation, in [0, 1]
-    divergence_threshold: float = 0.0  # d: when the loss is below d, f <- f * loss / d; 0 turns it off
-    fetch_probability: float = 1.0  # probability of a fetch before each batch
-
-    @classmethod
-    def parse(cls, options: Mapping[str, Any]) -> GossipOptions:
-        known = {field.name for field in fields(cls)}
-        for key in options:
-            if key not in known:
-                raise ValueError(f"algorithm.options.{key}: unknown gossip option; known: {', '.join(sorted(known))}")
-        parsed = cls(**options)
-        if parsed.interpolation not in INTERPOLATIONS:
-            raise ValueError(
-                f"algorithm.options.interpolation: {parsed.interpolation!r} is not one of {', '.join(INTERPOLATIONS)}"
-            )
-        _number("factor", parsed.factor, 0.0, 1.0)
-        _number("divergence_threshold", parsed.divergence_threshold, 0.0, math.inf)
-        _number("fetch_probability", parsed.fetch_probability, 0.0, 1.0)
-        return parsed
-
-
-def _number(key: str, value: object, low: float, high: float) -> None:
-    # bool is an int to Python, but `factor: true` is a mistake, not 1.
-    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
-        raise ValueError(f"algorithm.options.{key}: expected a number in [{low}, {high}], got {value!r}")
-    if math.isinf(value):
-        raise ValueError(f"algorithm.options.{key}: expected a finite number, got {value!r}")
+    interpolation: Literal["constant", "clock", "loss"] = "constant"
+    factor: float = Field(0.5, ge=0, le=1)  # f of the constant interpolation
+    divergence_threshold: float = Field(0.0, ge=0)  # d: when the loss is below d, f <- f * loss / d; 0: off
+    fetch_probability: float = Field(1.0, ge=0, le=1)  # probability of a fetch before each batch
 
 
 def _share(part: float, other: float) -> float:
@@ -159,12 +134,11 @@ class _Fetch:
 
 class PairwiseGossip(Algorithm):
     name = "gossip"
+    Options = GossipOptions
+    options: GossipOptions
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         super().__init__(model, context, loss_fn)
-        if context.spec.mode != "async":
-            raise ValueError("algorithm.mode: gossip has no synchronous mode; use async")
-        self.options = GossipOptions.parse(context.spec.options)
         self.scores = PeerScores(context.neighbor_ranks)
         self.gossip_clock = 0.0
         # One generator per node, so that peer choices and fetch decisions replay for a given job seed.

@@ -39,22 +39,24 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from collections.abc import Mapping
-from typing import Any
 
 import torch
+from pydantic import Field
 from torch import nn
 
-from nodeagent.algorithms.base import Algorithm, NodeContext, Route, Send, Snapshot, parse_options
+from nodeagent.algorithms.base import Algorithm, AlgorithmOptions, Graph, NodeContext, Route, Send, Snapshot
+from nodeagent.jobspec import JobSpec, JobSpecError
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
 
 class SGP(Algorithm):
     name = "sgp"
+    modes = ("sync",)
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         super().__init__(model, context, loss_fn)
         # How many of the latest rounds may still be unabsorbed when a step starts (0: synchronous).
-        self.rounds_in_flight = self._parse_options(context.spec.options)
+        self.rounds_in_flight = self._rounds_in_flight()
         self.x = self.w.detach().clone()
         self.weight = 1.0
         # Shares received and not yet absorbed: round -> sender -> (x share, weight share).
@@ -64,8 +66,15 @@ class SGP(Algorithm):
         self._outbox: list[Send] = []
         self.republish()
 
-    def _parse_options(self, options: Mapping[str, Any]) -> int:
-        parse_options(self.name, options, {})
+    @classmethod
+    def check(cls, spec: JobSpec, topology: Graph) -> None:
+        super().check(spec, topology)
+        if topology.passive:
+            # Push-sum nodes expect as many shares per round as they send; passive ranks send none.
+            raise JobSpecError(f"topology.kind: {cls.name} needs every node to send; {spec.topology.kind} has "
+                               "passive nodes (use it with ad-psgd)")
+
+    def _rounds_in_flight(self) -> int:
         return 0
 
     # -- push-sum ------------------------------------------------------------------------------------------------
@@ -159,16 +168,17 @@ class SGP(Algorithm):
         return self.neighbor_specs(peer, kind, Kind.PUSHSUM)
 
 
+class OverlapSGPOptions(AlgorithmOptions):
+    # Steps a node may run ahead of a round before it blocks for it, beyond the one overlapped round.
+    synch_freq: int = Field(0, ge=0)
+
+
 class OverlapSGP(SGP):
     name = "osgp"
+    modes = ("async",)
+    Options = OverlapSGPOptions
+    options: OverlapSGPOptions
 
-    def _parse_options(self, options: Mapping[str, Any]) -> int:
-        unknown = sorted(set(options) - {"synch_freq"})
-        if unknown:
-            raise ValueError(f"algorithm.options.{unknown[0]}: unknown {self.name} option; known: synch_freq")
-        synch_freq = options.get("synch_freq", 0)
-        # bool is an int in Python; `synch_freq: true` in YAML is a mistake, not 1.
-        if not isinstance(synch_freq, int) or isinstance(synch_freq, bool) or synch_freq < 0:
-            raise ValueError(f"algorithm.options.synch_freq: must be an integer >= 0, got {synch_freq!r}")
-        # The previous step's round is always allowed in flight (the overlap), plus s more.
-        return 1 + synch_freq
+    def _rounds_in_flight(self) -> int:
+        # The previous step's round is always allowed in flight (the overlap), plus synch_freq more.
+        return 1 + self.options.synch_freq

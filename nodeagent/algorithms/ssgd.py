@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from nodeagent.algorithms.ps import PSWorker, ServerHalf
 from nodeagent.ps.rules import ParameterServer, SSGDServer
+from nodeagent.ps.server import ServerHalf
+from nodeagent.ps.worker import PSWorker
 
 
 class SSGDServerHalf(ServerHalf):
@@ -22,4 +23,5 @@ class SSGDServerHalf(ServerHalf):
 
 class SSGD(PSWorker):
     name = "ssgd"
+    modes = ("sync",)
     server_half = SSGDServerHalf

@@ -20,16 +20,24 @@ import torch
 
 from nodeagent.jobspec import DEFAULT_DATA_DIR
 
-__all__ = ["DEFAULT_DATA_DIR", "DataError", "Dataset", "load_dataset", "read_idx"]
+__all__ = ["DATASETS", "DEFAULT_DATA_DIR", "DataError", "Dataset", "DatasetInfo", "load_dataset", "read_idx"]
 
-NUM_CLASSES = 10
-IMAGE_SIDE = 28
 
-# Mean and standard deviation of the training pixels scaled to [0, 1]. They are fixed per dataset (not
-# computed from the shard) so that every node, and the test set, sees the same input transform.
-_NORMALISATION: dict[str, tuple[float, float]] = {
-    "fashion-mnist": (0.2860, 0.3530),
-    "mnist": (0.1307, 0.3081),
+@dataclass(frozen=True)
+class DatasetInfo:
+    """What a dataset's samples are, known without reading it: the coordinator builds the initial model (for the
+    parameter server) from this, and loading checks the files against it."""
+
+    input_shape: tuple[int, ...]
+    num_classes: int
+    # Mean and standard deviation of the training pixels scaled to [0, 1]. They are fixed per dataset (not
+    # computed from the shard) so that every node, and the test set, sees the same input transform.
+    normalisation: tuple[float, float]
+
+
+DATASETS: dict[str, DatasetInfo] = {
+    "fashion-mnist": DatasetInfo((1, 28, 28), 10, (0.2860, 0.3530)),
+    "mnist": DatasetInfo((1, 28, 28), 10, (0.1307, 0.3081)),
 }
 
 _FILE_PREFIX = {"train": "train", "test": "t10k"}
@@ -50,15 +58,11 @@ class Dataset:
     load_dataset): never modify them in place.
     """
 
-    images: torch.Tensor  # (N, 1, 28, 28) float32, normalised: (x / 255 - mean) / std
-    labels: torch.Tensor  # (N,) int64, in 0..9
+    images: torch.Tensor  # (N, *DatasetInfo.input_shape) float32, normalised: (x / 255 - mean) / std
+    labels: torch.Tensor  # (N,) int64, in 0..DatasetInfo.num_classes - 1
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
-
-    @property
-    def num_classes(self) -> int:
-        return NUM_CLASSES
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -108,15 +112,17 @@ def _load_tensors(name: str, directory: Path, split: str) -> tuple[torch.Tensor,
     prefix = _FILE_PREFIX[split]
     image_path = _find_file(directory, f"{prefix}-images-idx3-ubyte")
     label_path = _find_file(directory, f"{prefix}-labels-idx1-ubyte")
+    info = DATASETS[name]
     images = read_idx(image_path, 3)
     labels = read_idx(label_path, 1)
-    if images.shape[1:] != (IMAGE_SIDE, IMAGE_SIDE):
-        raise DataError(f"{image_path}: images are {images.shape[1]}x{images.shape[2]}, expected 28x28")
+    if (1, *images.shape[1:]) != info.input_shape:
+        side = "x".join(map(str, info.input_shape[1:]))
+        raise DataError(f"{image_path}: images are {images.shape[1]}x{images.shape[2]}, expected {side}")
     if images.shape[0] != labels.shape[0]:
         raise DataError(f"{label_path}: {labels.shape[0]} labels for {images.shape[0]} images in {image_path}")
-    if labels.size and labels.max() >= NUM_CLASSES:
-        raise DataError(f"{label_path}: label {labels.max()} is not in 0..{NUM_CLASSES - 1}")
-    mean, std = _NORMALISATION[name]
+    if labels.size and labels.max() >= info.num_classes:
+        raise DataError(f"{label_path}: label {labels.max()} is not in 0..{info.num_classes - 1}")
+    mean, std = info.normalisation
     # torch.tensor copies the read-only buffer once; the arithmetic then runs in place.
     image_tensor = torch.tensor(images).unsqueeze(1).to(torch.float32)
     image_tensor.div_(255.0).sub_(mean).div_(std)
@@ -126,8 +132,8 @@ def _load_tensors(name: str, directory: Path, split: str) -> tuple[torch.Tensor,
 def load_dataset(name: str, data_dir: str | Path, split: Literal["train", "test"], limit: int | None = None) -> Dataset:
     """Loads the train or test split of `name` ('fashion-mnist' or 'mnist'), only its first `limit`
     samples when given. Raises DataError when a file is missing or malformed."""
-    if name not in _NORMALISATION:
-        raise ValueError(f"unknown dataset {name!r}; known: {', '.join(sorted(_NORMALISATION))}")
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; known: {', '.join(sorted(DATASETS))}")
     if split not in _FILE_PREFIX:
         raise ValueError(f"unknown split {split!r}; use 'train' or 'test'")
     if limit is not None and limit < 1:

@@ -10,13 +10,11 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from nodeagent.algorithms import Algorithm, Neighbor, NodeContext, build_algorithm
 from nodeagent.jobspec import JobSpec
 from nodeagent.training.data import Dataset, load_dataset
 from nodeagent.training.loop import BatchStream, EvalResult, evaluate
-from nodeagent.training.models import build_model
+from nodeagent.training.models import initial_model
 from nodeagent.training.splits import split_indices
 
 
@@ -51,8 +49,7 @@ def build_node(
     shards = split_indices(
         train.labels.numpy(), spec.nodes, spec.data.split, spec.seed, dict(spec.data.split_options)
     )
-    torch.manual_seed(spec.seed)
-    model = build_model(spec.model, train.input_shape, train.num_classes)
+    model = initial_model(spec)
     context = NodeContext(
         rank=rank,
         world_size=spec.nodes,

@@ -14,13 +14,15 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from nodeagent.jobspec import ModelSpec
+from nodeagent.jobspec import JobSpec, ModelSpec
+from nodeagent.training.data import DATASETS
 
 __all__ = [
     "MODELS",
     "build_model",
     "cnn",
     "flat_parameters",
+    "initial_model",
     "logistic",
     "mlp",
     "parameter_specs",
@@ -196,6 +198,15 @@ def build_model(spec: ModelSpec, input_shape: InputShape = (1, 28, 28), num_clas
     if not isinstance(model, nn.Module):
         raise ValueError(f"model {spec.name!r}: the factory returned {type(model).__name__}, not a torch.nn.Module")
     return model
+
+
+def initial_model(spec: JobSpec) -> nn.Module:
+    """The job's seeded initial model, identical on every node and at the parameter server, shaped for its
+    dataset's samples. It seeds torch's global generator with the job's seed, so that what a node draws next
+    (dropout) is the same on every run; a caller that must keep its own random state forks it first."""
+    info = DATASETS[spec.data.dataset]
+    torch.manual_seed(spec.seed)
+    return build_model(spec.model, info.input_shape, info.num_classes)
 
 
 def flat_parameters(model: nn.Module) -> torch.Tensor:

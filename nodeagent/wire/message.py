@@ -185,3 +185,8 @@ class Message:
             else:
                 total += t.numel() * t.element_size()
         return total
+
+
+def payload_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    """Bytes of the tensors as held."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -1,4 +1,4 @@
-"""The gRPC runtime's network half: the Peer service a node serves, and the client it dials neighbours with.
+"""The agent's peer transport: the Peer service a node serves, and the client it dials neighbours with.
 
 Network threads never call into an algorithm's mutable state: the servicer validates a stream against the
 job's (immutable) expectations, puts the decoded message on the node's inbox, and answers from the published
@@ -27,8 +27,9 @@ import grpc
 import grpc.experimental
 
 from nodeagent._proto import peer_pb2, peer_pb2_grpc, wire_pb2
-from nodeagent.algorithms.base import Snapshot
+from nodeagent.algorithms.base import SendFailed, Snapshot
 from nodeagent.metrics import Metrics
+from nodeagent.runtime.progress import Traffic
 from nodeagent.wire.codec import (
     Outgoing,
     Receiver,
@@ -52,6 +53,14 @@ GRPC_OPTIONS = [
 ]
 
 _SERVICE = "peertrain.v1.Peer"
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address {address!r} must be HOST:PORT")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
 LANE_RETRY_S = 30.0  # after a peer refused lanes (or could not be dialled), frames only for this long
 LANE_SETUP_TIMEOUT_S = 5.0
 IDLE_LANES_PER_PEER = 8
@@ -79,9 +88,30 @@ class ServingState:
     device: str = "cpu"  # where received tensors are delivered (a CUDA device: through pinned staging buffers)
     # Receive buffers of this job, reused once no received tensor made from them is alive (wire/pool.py).
     buffers: BufferPool = field(default_factory=BufferPool, compare=False, repr=False)
+    traffic: Traffic = field(default_factory=Traffic, compare=False, repr=False)  # this job's payload bytes
 
     def name_of(self, rank: int) -> str:
         return self.names.get(rank, f"rank{rank}")
+
+    def sent_to(self, metrics: Metrics, rank: int) -> Callable[[int], None]:
+        """Counts payload bytes sent to `rank`, on the edge's metric and in this job's traffic."""
+        edge = metrics.edge_bytes_sent.labels(self.node_id, self.name_of(rank))
+
+        def count(n: int) -> None:
+            edge.inc(n)
+            self.traffic.add_sent(n)
+
+        return count
+
+    def received_from(self, metrics: Metrics, rank: int) -> Callable[[int], None]:
+        """Counts payload bytes received from `rank`, on the edge's metric and in this job's traffic."""
+        edge = metrics.edge_bytes_received.labels(self.name_of(rank), self.node_id)
+
+        def count(n: int) -> None:
+            edge.inc(n)
+            self.traffic.add_received(n)
+
+        return count
 
     def expectation(self, manifest: wire_pb2.Manifest) -> list[TensorSpec]:
         if manifest.job_id != self.job_id:
@@ -208,9 +238,8 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             self._release(claimed, False)
             self._metrics.stream_rejections.labels("unknown", state.node_id, error.reason).inc()
             context.abort(error.code, str(error))
-        src = state.name_of(message.sender)
-        self._metrics.edge_bytes_received.labels(src, state.node_id).inc(receiver.received)
-        self._metrics.edge_messages_received.labels(src, state.node_id).inc()
+        state.received_from(self._metrics, message.sender)(receiver.received)
+        self._metrics.edge_messages_received.labels(state.name_of(message.sender), state.node_id).inc()
         return message, claimed
 
     def _send(
@@ -220,7 +249,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         """The reply stream: Frame messages, or Frames messages when `batched`. On lanes, the Manifest, Lane and
         End frames go first and the payload follows on the lanes."""
         dst = state.name_of(message.receiver)
-        sent_bytes = self._metrics.edge_bytes_sent.labels(state.node_id, dst)
+        sent = state.sent_to(self._metrics, message.receiver)
         outgoing = state.outgoing(message)
         if lanes:
             stream_id = new_stream_id()
@@ -235,12 +264,12 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                 _write_shares(outgoing, used, stream_id, shares, _remaining(context))
             except OSError as error:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"lane_failed: {error}")
-            sent_bytes.inc(outgoing.total)
+            sent(outgoing.total)
         elif batched:
-            for frame in counted(outgoing.frames(), sent_bytes.inc):
+            for frame in counted(outgoing.frames(), sent):
                 yield wire_pb2.Frames(frames=[frame])
         else:
-            yield from counted(outgoing.frames(), sent_bytes.inc)
+            yield from counted(outgoing.frames(), sent)
         self._metrics.edge_messages_sent.labels(state.node_id, dst).inc()
 
     def _release(self, lanes: list[LaneSocket], ok: bool) -> None:
@@ -489,11 +518,11 @@ class PeerClient:
         dst = state.name_of(message.receiver)
         started = time.perf_counter()
         deadline = time.monotonic() + timeout
-        sent = metrics.edge_bytes_sent.labels(state.node_id, dst)
+        sent = state.sent_to(metrics, message.receiver)
         outgoing = state.outgoing(message)
         lanes = self._lanes(state, timeout, stripes_for(outgoing.total))
         if not lanes:
-            self._push_call(_counted_serialized(outgoing, sent.inc), timeout=timeout)
+            self._push_call(_counted_serialized(outgoing, sent), timeout=timeout)
         else:
             request, lanes, deliver = self._plan_lanes(outgoing, lanes)
             # The call goes out first, then this thread writes the payload: the peer's handler is on its way while
@@ -502,7 +531,7 @@ class PeerClient:
             # which ends a write the peer will never read.
             call = self._push_on_lane.future(request, timeout=timeout)
             call.add_done_callback(functools.partial(_abort_on_failure, lanes))
-            delivered = deliver(deadline, sent.inc)
+            delivered = deliver(deadline, sent)
             ok = False
             try:
                 call.result()
@@ -539,9 +568,8 @@ class PeerClient:
         except WireError:
             replies.cancel()
             raise
-        src = state.name_of(peer)
-        metrics.edge_bytes_received.labels(src, state.node_id).inc(receiver.received)
-        metrics.edge_messages_received.labels(src, state.node_id).inc()
+        state.received_from(metrics, peer)(receiver.received)
+        metrics.edge_messages_received.labels(state.name_of(peer), state.node_id).inc()
         return reply
 
     def exchange(self, state: ServingState, message: Message, timeout: float, metrics: Metrics) -> Message:
@@ -549,13 +577,13 @@ class PeerClient:
         dst = state.name_of(message.receiver)
         started = time.perf_counter()
         deadline = time.monotonic() + timeout
-        sent = metrics.edge_bytes_sent.labels(state.node_id, dst)
+        sent = state.sent_to(metrics, message.receiver)
         outgoing = state.outgoing(message)
         # The peer answers on the same lanes, striped as for our own payload (both ends of an edge send the same
         # tensor set, so the two payloads are alike in size).
         lanes = self._lanes(state, timeout, stripes_for(outgoing.total))
         if not lanes:
-            replies = self._exchange_call(_counted_serialized(outgoing, sent.inc), timeout=timeout)
+            replies = self._exchange_call(_counted_serialized(outgoing, sent), timeout=timeout)
             reply = self._incoming(state, replies, message.receiver, metrics)
         else:
             request, lanes, deliver = self._plan_lanes(outgoing, lanes)
@@ -564,7 +592,7 @@ class PeerClient:
             try:
                 replies = self._exchange_on_lane(request, timeout=timeout)
                 # This thread reads the reply: the payload goes from a lane writer, started once the call is out.
-                writing = _LANE_WRITERS.submit(deliver, deadline, sent.inc)
+                writing = _LANE_WRITERS.submit(deliver, deadline, sent)
                 reply = self._incoming(state, replies, message.receiver, metrics, lanes, deadline, batched=True)
                 ok = True
             finally:
@@ -591,3 +619,65 @@ class PeerClient:
             self._finish(lanes, True, ok)
         metrics.exchange_seconds.labels(state.node_id, state.name_of(peer)).observe(time.perf_counter() - started)
         return reply
+
+
+class GrpcPeers:
+    """The agent's peer transport for one job: a PeerClient per neighbour address, calls that block until done and
+    raise SendFailed (with the gRPC status as reason) when they fail. Addresses change with the assignment."""
+
+    def __init__(self, state: ServingState, addresses: dict[int, str], metrics: Metrics, timeout_s: float):
+        self.state = state
+        self.addresses = addresses
+        self.metrics = metrics
+        self.timeout_s = timeout_s
+        self._clients: dict[str, PeerClient] = {}
+        self._lock = threading.Lock()
+
+    def update(self, addresses: dict[int, str]) -> None:
+        self.addresses = addresses  # replaced whole: calls in flight keep the address they started with
+
+    def client(self, rank: int) -> PeerClient:
+        address = self.addresses.get(rank)
+        if address is None:
+            raise SendFailed("not_neighbor", f"rank {rank} is not a neighbour of rank {self.state.rank}, no address")
+        with self._lock:
+            client = self._clients.get(address)
+            if client is None:
+                client = self._clients[address] = PeerClient(address)
+            return client
+
+    def serving_job(self, rank: int) -> str | None:
+        """The job the neighbour `rank` serves now, or None when it cannot be asked."""
+        try:
+            return self.client(rank).stub.Describe(peer_pb2.DescribeRequest(), timeout=2).job_id
+        except (grpc.RpcError, SendFailed):
+            return None
+
+    def exchange(self, message: Message) -> Message:
+        with _failures():
+            return self.client(message.receiver).exchange(self.state, message, self.timeout_s, self.metrics)
+
+    def pull(self, peer: int, kind: Kind) -> Message:
+        with _failures():
+            return self.client(peer).pull(self.state, peer, kind, self.timeout_s, self.metrics)
+
+    def push(self, message: Message) -> None:
+        with _failures():
+            self.client(message.receiver).push(self.state, message, self.timeout_s, self.metrics)
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()
+
+
+@contextlib.contextmanager
+def _failures() -> Iterator[None]:
+    """A failed call as SendFailed: the gRPC status, or "rejected" for an answer that fails validation."""
+    try:
+        yield
+    except grpc.RpcError as error:
+        raise SendFailed(failure_reason(error), str(error.details())) from None
+    except WireError as error:
+        raise SendFailed("rejected", str(error)) from None

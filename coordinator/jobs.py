@@ -1,0 +1,56 @@
+"""Job validation and node planning, shared by the coordinator's service, the simulator, the CLI and the demo.
+
+Validation goes through the algorithm registry: the algorithm named by the job checks the whole job itself
+(its mode, momentum, options and what it needs of the graph), so nothing here knows an algorithm by name.
+No gRPC here: the CLI and the simulator validate and plan jobs without a coordinator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coordinator.topology import Topology, build_topology, node_plan, peer_schedule
+from nodeagent.algorithms import Family, Neighbor, lookup
+from nodeagent.jobspec import JobSpec, JobSpecError
+from nodeagent.training.splits import SPLITS
+
+
+def validate_job(spec: JobSpec) -> Topology:
+    """Checks that need more than the schema; returns the job's topology. Raises JobSpecError naming the field."""
+    algorithm = lookup(spec.algorithm.name)
+    if spec.data.split not in SPLITS:
+        raise JobSpecError(f"data.split: unknown split {spec.data.split!r}; known: {sorted(SPLITS)}")
+    try:
+        topology = build_topology(spec.topology, spec.nodes)
+    except ValueError as error:
+        raise JobSpecError(f"topology: {error}") from None
+    if spec.nodes > 1 and not topology.is_connected():
+        raise JobSpecError(f"topology: {spec.topology.kind} on {spec.nodes} nodes is not connected")
+    try:
+        algorithm.check(spec, topology)
+    except JobSpecError:
+        raise
+    except ValueError as error:  # a check that names its field in a plain ValueError
+        raise JobSpecError(str(error)) from None
+    return topology
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """Everything of a node's place in a job's topology, as the coordinator assigns it."""
+
+    neighbors: tuple[Neighbor, ...]
+    self_weight: float
+    peer_schedule: tuple[tuple[int, ...], ...]
+
+
+def plan_node(spec: JobSpec, topology: Topology, rank: int) -> NodePlan:
+    """A parameter-server algorithm's workers talk only to the server: no neighbours."""
+    if lookup(spec.algorithm.name).family is Family.SERVER:
+        return NodePlan((), 1.0, ())
+    plans, self_weight = node_plan(
+        topology, rank, spec.algorithm.interval, spec.topology.seed,
+        weights=spec.topology.options.get("weights", "uniform"),
+    )
+    neighbors = tuple(Neighbor(p.rank, p.sign, p.phase, p.weight, p.peer_phase) for p in plans)
+    return NodePlan(neighbors, self_weight, peer_schedule(spec.topology, spec.nodes, rank))

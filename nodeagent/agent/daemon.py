@@ -1,0 +1,198 @@
+"""The node agent daemon: register with the coordinator, keep beating, watch the assignment, serve peers, and run
+each assigned job in a runner thread (nodeagent.agent.runner).
+
+Threads: gRPC server threads serve peers (they only read the published snapshot and enqueue messages); one
+watch thread follows the assignment stream; one heartbeat thread; one runner thread per job (the only thread
+that calls into the algorithm), with a small pool for its outgoing calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from nodeagent import __version__
+from nodeagent._proto import coordinator_pb2, coordinator_pb2_grpc, peer_pb2_grpc
+from nodeagent.agent.runner import JobRunner
+from nodeagent.metrics import Metrics
+from nodeagent.runtime.peer_service import GRPC_OPTIONS, PeerServicer, ServingState, failure_reason, split_address
+
+log = logging.getLogger("nodeagent")
+
+RECONNECT_DELAY_S = 1.0
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    coordinator: str = "127.0.0.1:7070"
+    listen: str = "0.0.0.0:7100"
+    advertise: str | None = None
+    metrics_listen: str | None = "0.0.0.0:9401"
+    state_dir: Path = Path("/var/lib/peertrain/agent")
+    data_dir: str | None = None
+    device: str = "cpu"
+    name: str = field(default_factory=socket.gethostname)
+    slowdown: float = 1.0
+    lane_port: int = 0  # TCP port of the tensor lanes beside the peer service (0: any free port)
+
+
+class Agent:
+    def __init__(self, config: AgentConfig):
+        self.config = config
+        self.metrics = Metrics()
+        self.stopping = threading.Event()
+        self.node_id = ""
+        self._serving: ServingState | None = None
+        self._runner: JobRunner | None = None
+        self._runner_lock = threading.Lock()
+        self._server: grpc.Server | None = None
+        self._servicer: PeerServicer | None = None
+        self._channel: grpc.Channel | None = None
+        self._stub: coordinator_pb2_grpc.CoordinatorStub | None = None
+        self.peer_address = ""
+        self.metrics_address = ""
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def stub(self) -> coordinator_pb2_grpc.CoordinatorStub | None:
+        return self._stub
+
+    # -- serving -------------------------------------------------------------------------------------------------
+
+    def set_serving(self, state: ServingState | None) -> None:
+        self._serving = state
+
+    def serving(self) -> ServingState | None:
+        return self._serving
+
+    def start(self) -> None:
+        config = self.config
+        config.state_dir.mkdir(parents=True, exist_ok=True)
+        id_file = config.state_dir / "node_id"
+        self.node_id = id_file.read_text().strip() if id_file.exists() else ""
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="peer"), options=GRPC_OPTIONS
+        )
+        host, port = split_address(config.listen)
+        # Payload bytes of exchanges travel on lanes beside gRPC, on the same host as the peer service.
+        self._servicer = PeerServicer(self.serving, self.metrics, __version__, lane_host=host,
+                                      lane_port=config.lane_port)
+        peer_pb2_grpc.add_PeerServicer_to_server(self._servicer, self._server)
+        bound = self._server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"cannot listen on {config.listen}")
+        self._server.start()
+        self.peer_address = config.advertise or f"{self._advertised_host(host)}:{bound}"
+        if config.metrics_listen:
+            metrics_host, metrics_port = split_address(config.metrics_listen)
+            metrics_bound = self.metrics.serve_http(metrics_host, metrics_port)
+            self.metrics_address = f"{self._advertised_host(metrics_host)}:{metrics_bound}"
+        log.warning("peer links are not encrypted (insecure mode): run only on a trusted network")
+        self._channel = grpc.insecure_channel(config.coordinator, options=GRPC_OPTIONS)
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self._register()
+        self.metrics.agent_info.labels(self.node_id, config.device).set(1)
+        for target, name in ((self._watch_loop, "watch"), (self._heartbeat_loop, "heartbeat")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        log.info("agent %s serving peers on %s, metrics on %s", self.node_id, self.peer_address, self.metrics_address)
+
+    @staticmethod
+    def _advertised_host(host: str) -> str:
+        return socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+
+    def _register(self) -> None:
+        assert self._stub is not None
+        while not self.stopping.is_set():
+            try:
+                reply = self._stub.Register(
+                    coordinator_pb2.RegisterRequest(
+                        node_id=self.node_id, peer_address=self.peer_address, metrics_address=self.metrics_address,
+                        name=self.config.name, device=self.config.device, version=__version__,
+                    ),
+                    timeout=5,
+                )
+            except grpc.RpcError as error:
+                log.warning("coordinator %s unreachable (%s); retrying", self.config.coordinator, failure_reason(error))
+                self.stopping.wait(RECONNECT_DELAY_S)
+                continue
+            if reply.node_id != self.node_id:
+                self.node_id = reply.node_id
+                (self.config.state_dir / "node_id").write_text(self.node_id + "\n")
+            self.heartbeat_interval = reply.heartbeat_interval_s or 2.0
+            return
+
+    def _heartbeat_loop(self) -> None:
+        assert self._stub is not None
+        while not self.stopping.wait(self.heartbeat_interval):
+            try:
+                reply = self._stub.Heartbeat(coordinator_pb2.HeartbeatRequest(node_id=self.node_id), timeout=5)
+                if not reply.known:
+                    log.warning("the coordinator forgot this node; registering again")
+                    self._register()
+            except grpc.RpcError as error:
+                log.debug("heartbeat failed: %s", failure_reason(error))
+
+    def _watch_loop(self) -> None:
+        assert self._stub is not None
+        while not self.stopping.is_set():
+            try:
+                for assignment in self._stub.WatchAssignment(
+                    coordinator_pb2.WatchAssignmentRequest(node_id=self.node_id)
+                ):
+                    self._apply(assignment)
+                    if self.stopping.is_set():
+                        return
+            except grpc.RpcError as error:
+                if self.stopping.is_set():
+                    return
+                log.warning("assignment stream lost (%s); reconnecting", failure_reason(error))
+                if failure_reason(error) == "not_found":
+                    self._register()
+            self.stopping.wait(RECONNECT_DELAY_S)
+
+    def _apply(self, assignment: coordinator_pb2.Assignment) -> None:
+        with self._runner_lock:
+            runner = self._runner
+            running = assignment.state == coordinator_pb2.JOB_RUNNING
+            if runner is not None and (not running or runner.job_id != assignment.job_id):
+                log.info("job %s ended here (%s)", runner.job_id, coordinator_pb2.JobState.Name(assignment.state))
+                runner.stop_event.set()
+                runner.join(timeout=30)
+                self._runner = runner = None
+            if not running:
+                return
+            if runner is None:
+                self._runner = JobRunner(self, assignment)
+                self._runner.start()
+            else:
+                runner.update(assignment)
+
+    def report(self, report: coordinator_pb2.MetricsReport) -> None:
+        assert self._stub is not None
+        try:
+            self._stub.ReportMetrics(report, timeout=5)
+        except grpc.RpcError as error:
+            log.debug("metrics report failed: %s", failure_reason(error))
+
+    def stop(self) -> None:
+        """Stop training, stop serving; idempotent. Checkpoints are already on disk."""
+        self.stopping.set()
+        with self._runner_lock:
+            if self._runner is not None:
+                self._runner.stop_event.set()
+                self._runner.join(timeout=30)
+                self._runner = None
+        if self._server is not None:
+            self._server.stop(grace=2).wait()
+        if self._servicer is not None:
+            self._servicer.close()
+        if self._channel is not None:
+            self._channel.close()

@@ -1,0 +1,201 @@
+"""One job on one agent: the runner thread, the only thread that touches the node's algorithm.
+
+It builds the node, resumes it from its checkpoint, and drives it with the node driver (nodeagent.runtime.driver):
+whatever the network threads received, and the outcome of every call the dispatch made, comes through one queue
+and goes to the driver; what the driver decides is performed here (a local step, stretched by the slow-down),
+by the dispatch (sends) and by the agent (progress reports; a checkpoint after each evaluation).
+
+Slow devices: each local step is stretched by the product of the agent's `--slowdown` (the machine) and the job's
+`slowdown` of this rank (the experiment): after the step the runner sleeps (factor - 1) times the step's compute
+time, and the step counts as compute for that whole time (metrics, ESync step reports).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent import futures
+from typing import TYPE_CHECKING, cast
+
+from nodeagent._proto import coordinator_pb2
+from nodeagent.agent.checkpoint import checkpoint_path, restore_checkpoint, save_checkpoint
+from nodeagent.agent.collective import Collective
+from nodeagent.agent.dispatch import Dispatch
+from nodeagent.algorithms import Family, Neighbor
+from nodeagent.jobspec import JobSpec
+from nodeagent.ps.link import ServerExpectation
+from nodeagent.runtime.driver import Action, Arrival, NodeDriver, Report
+from nodeagent.runtime.peer_service import GrpcPeers, ServingState, split_address
+from nodeagent.runtime.progress import to_report
+from nodeagent.runtime.server_link import GrpcServerLink
+from nodeagent.training.job import Node, build_node
+from nodeagent.wire.message import Encoding
+
+if TYPE_CHECKING:
+    from nodeagent.agent.daemon import Agent
+
+log = logging.getLogger("nodeagent")
+
+REPORT_INTERVAL_S = 1.0
+NEIGHBOUR_WAIT_S = 60.0
+WAIT_POLL_S = 0.05  # how often a waiting runner looks at the time (retries, stop)
+SERVE_POLL_S = 0.2  # the same once the node is done and only serves
+
+
+class JobRunner(threading.Thread):
+    def __init__(self, agent: Agent, assignment: coordinator_pb2.Assignment):
+        super().__init__(name=f"train-{assignment.job_id}", daemon=True)
+        self.agent = agent
+        self.job_id = assignment.job_id
+        self.rank = assignment.rank
+        self.spec = JobSpec.from_json(assignment.job_spec_json)
+        self.stop_event = threading.Event()
+        self.inbox: queue.Queue[Arrival] = queue.Queue()
+        self.neighbors = tuple(
+            Neighbor(rank=n.rank, sign=n.sign, phase=n.phase, weight=n.weight, peer_phase=n.peer_phase)
+            for n in assignment.neighbors
+        )
+        self.self_weight = assignment.self_weight
+        self.peer_schedule = tuple(tuple(peers.ranks) for peers in assignment.peer_schedule)
+        self.rendezvous_port = assignment.rendezvous_port
+        self.peers: GrpcPeers | None = None
+        self.collective: Collective | None = None
+        self.addresses: dict[int, str] = {}
+        self.names: dict[int, str] = {}
+        self.update(assignment)
+        self.pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"exchange-{self.job_id}")
+        self.slowdown = agent.config.slowdown * self.spec.slowdown.get(self.rank, 1.0)
+
+    def update(self, assignment: coordinator_pb2.Assignment) -> None:
+        """New addresses or liveness of neighbours; applied between calls (dicts are replaced whole)."""
+        self.addresses = {n.rank: n.address for n in assignment.neighbors}
+        self.names = {n.rank: n.node_id for n in assignment.neighbors} | {self.rank: self.agent.node_id}
+        if self.peers is not None:
+            self.peers.update(self.addresses)
+
+    def name_of(self, rank: int) -> str:
+        return self.names.get(rank, f"rank{rank}")
+
+    def run(self) -> None:
+        try:
+            self._train()
+        except Exception:
+            log.exception("job %s failed on this node", self.job_id)
+        finally:
+            self.agent.set_serving(None)
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            if self.collective is not None:
+                self.collective.close()
+            if self.peers is not None:
+                self.peers.close()
+
+    def _train(self) -> None:
+        spec, agent = self.spec, self.agent
+        node = build_node(spec, self.rank, self.neighbors, self.self_weight, agent.config.data_dir,
+                          self.peer_schedule)
+        algorithm = node.algorithm
+        checkpoint = checkpoint_path(agent.config.state_dir, self.job_id, self.rank)
+        if restore_checkpoint(checkpoint, algorithm):
+            log.info("resumed job %s at step %d from %s", self.job_id, algorithm.clock, checkpoint)
+        driver = NodeDriver(node, job=self.job_id, name=agent.node_id, clock=time.perf_counter,
+                            metrics=agent.metrics, name_of=self.name_of, report_every_s=REPORT_INTERVAL_S)
+        encoding = Encoding.from_name(spec.wire.encoding)
+        serving = ServingState(
+            job_id=self.job_id, node_id=agent.node_id, rank=self.rank, algorithm_name=spec.algorithm.name,
+            names=self.names, expected=algorithm.expected, snapshot=algorithm.snapshot, inbox=self.inbox,
+            encoding=encoding, chunk_bytes=spec.wire.chunk_bytes, max_message_bytes=spec.wire.max_message_bytes,
+            traffic=driver.traffic,
+        )
+        agent.set_serving(serving)
+        self.peers = GrpcPeers(serving, self.addresses, agent.metrics, spec.wire.exchange_timeout_s)
+        dispatch = Dispatch(self.inbox.put, self.pool, self.peers, self._server_link(node, driver),
+                            self._collective(node, driver))
+        log.info("job %s: rank %d of %d, %s on %d samples, neighbours %s", self.job_id, self.rank, spec.nodes,
+                 spec.algorithm.name, node.shard_size, sorted(self.addresses))
+        self._wait_for_neighbours()
+        while not self.stop_event.is_set():
+            self._collect(driver)
+            for transmission in driver.due_retries():
+                dispatch.perform(transmission)
+            decision = driver.next()
+            for transmission in decision.sends:
+                dispatch.perform(transmission)
+            self._publish(decision.reports, node, checkpoint)
+            if decision.action is Action.DONE:
+                break
+            if decision.action is Action.WAIT:
+                self._collect(driver, block=True)
+                continue
+            duration = driver.step()
+            if self.slowdown > 1:
+                slept = time.perf_counter()
+                time.sleep(duration * (self.slowdown - 1))
+                duration += time.perf_counter() - slept
+            self._collect(driver)  # replies that came during the step free their edges for its sends
+            for transmission in driver.stepped(duration):
+                dispatch.perform(transmission)
+        log.info("job %s: finished at step %d, test accuracy %.4f", self.job_id, algorithm.clock, driver.accuracy)
+        # Keep serving until the coordinator ends the job: slower neighbours may still exchange with us, and our
+        # pushes that failed are retried until delivered.
+        while not self.stop_event.wait(SERVE_POLL_S):
+            self._collect(driver)
+            for transmission in driver.due_retries():
+                dispatch.perform(transmission)
+
+    def _server_link(self, node: Node, driver: NodeDriver) -> GrpcServerLink | None:
+        if type(node.algorithm).family is not Family.SERVER:
+            return None
+        assert self.agent.stub is not None
+        spec = self.spec
+        # The server family's workers say what they accept from the server (nodeagent.ps.worker.PSWorker).
+        worker = cast(ServerExpectation, node.algorithm)
+        return GrpcServerLink(
+            self.agent.stub, job_id=self.job_id, node_id=self.agent.node_id, rank=self.rank, world_size=spec.nodes,
+            worker=worker, metrics=self.agent.metrics, traffic=driver.traffic, pool=self.pool,
+            timeout_s=spec.wire.exchange_timeout_s, encoding=Encoding.from_name(spec.wire.encoding),
+            chunk_bytes=spec.wire.chunk_bytes, max_message_bytes=spec.wire.max_message_bytes,
+        )
+
+    def _collective(self, node: Node, driver: NodeDriver) -> Collective | None:
+        if type(node.algorithm).family is not Family.COLLECTIVE:
+            return None
+        host, _ = split_address(self.agent.config.coordinator)
+        self.collective = Collective(host, self.rendezvous_port, self.rank, self.spec.nodes,
+                                     self.spec.wire.exchange_timeout_s, self.agent.metrics, self.agent.node_id,
+                                     driver.traffic)
+        return self.collective
+
+    def _collect(self, driver: NodeDriver, block: bool = False) -> None:
+        """Hand the driver everything that arrived; with `block`, wait a little for the first item."""
+        try:
+            item = self.inbox.get(timeout=WAIT_POLL_S) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            driver.arrived(item)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _publish(self, reports: tuple[Report, ...], node: Node, checkpoint) -> None:
+        for report in reports:
+            if report.evaluated:
+                save_checkpoint(checkpoint, node.algorithm)
+            self.agent.report(to_report(report.progress))
+
+    def _wait_for_neighbours(self) -> None:
+        """Start together: wait until every neighbour serves this job (bounded), so that no node runs ahead
+        mixing with neighbours that have not started. A neighbour that does not come keeps its copy stale."""
+        assert self.peers is not None
+        deadline = time.monotonic() + NEIGHBOUR_WAIT_S
+        waiting = set(self.addresses)
+        while waiting and not self.stop_event.is_set() and time.monotonic() < deadline:
+            waiting = {rank for rank in waiting if self.peers.serving_job(rank) != self.job_id}
+            if waiting:
+                self.stop_event.wait(0.1)
+        if waiting:
+            log.warning("job %s: starting without neighbours %s, which do not serve it yet", self.job_id,
+                        sorted(waiting))

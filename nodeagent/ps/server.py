@@ -1,0 +1,158 @@
+"""The server half of a parameter-server algorithm: a rule of nodeagent.ps behind the requests the runtimes move.
+
+The coordinator's gRPC service (coordinator.ps_service) and the simulator (nodeagent.runtime.simulator) host the
+same server halves, built by the worker class's `build_server(spec)` from the job's seeded initial model, so the
+server starts from exactly the model every worker starts from.
+
+Exactly once: the half keeps, per worker, the id of its last push and of its last released push. A retried push
+(same id as the worker's last) changes nothing and is answered again, which is what makes a retry after a lost
+answer safe (a coordinator restart between a push and its answer makes the worker retry). `events` lists what
+happened in order (pushes, pulls that change the state, rounds), for the run's log; runtimes drain it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from nodeagent.algorithms.base import AlgorithmOptions, FlatParameters
+from nodeagent.jobspec import JobSpec
+from nodeagent.ps.esync import Decision
+from nodeagent.ps.messages import ServerModel, ServerPush
+from nodeagent.ps.rules import ParameterServer, ProtocolError, PushResult, RoundServer
+from nodeagent.training.models import initial_model
+from nodeagent.wire.codec import WireError
+from nodeagent.wire.message import Kind, TensorSpec
+
+
+def initial_parameters(spec: JobSpec) -> FlatParameters:
+    """The parameters of the job's seeded initial model (every worker's w0), leaving torch's random state alone."""
+    with torch.random.fork_rng(devices=[]):
+        return FlatParameters(initial_model(spec))
+
+
+class ServerHalf:
+    """Not thread-safe: the runtime serialises calls (the coordinator holds one lock per job; the simulator has
+    one thread)."""
+
+    synchronous: ClassVar[bool] = False  # pushes must be computed on the current version (one round at a time)
+    pull_mutates: ClassVar[bool] = False  # a pull changes the state (DC-ASGD's backups)
+    # Entries of the rule's state that no applied update depends on (losing their latest values costs at most a
+    # rejected push): the coordinator persists them periodically rather than before every answer.
+    volatile: ClassVar[tuple[str, ...]] = ()
+    push_kind: ClassVar[Kind] = Kind.GRADIENT
+
+    def __init__(self, spec: JobSpec, params: FlatParameters, options: AlgorithmOptions):
+        self.spec = spec
+        self.params = params
+        self.options = options
+        self.num_workers = spec.nodes
+        self.rule = self.build_rule(params.vector.detach().clone())
+        self.last_push = [""] * self.num_workers
+        self.released = [""] * self.num_workers
+        self.events: list[dict[str, Any]] = []
+
+    def build_rule(self, w0: torch.Tensor) -> ParameterServer:
+        raise NotImplementedError
+
+    @property
+    def version(self) -> int:
+        return self.rule.version
+
+    @property
+    def w(self) -> torch.Tensor:
+        return self.rule.w
+
+    def check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.num_workers:
+            raise ProtocolError(f"rank {rank} is not a worker of this job (0..{self.num_workers - 1})")
+
+    # -- pushes ----------------------------------------------------------------------------------------------------
+
+    def push_specs(self, kind: Kind, shapes: list[tuple[str, tuple[int, ...]]]) -> list[TensorSpec]:
+        """What a push stream of `kind` must hold; `shapes` are the manifest's (name, shape) pairs, for
+        variable-length payloads. Raises WireError for a stream the server does not accept."""
+        if kind != self.push_kind:
+            raise WireError("unexpected_kind", f"{self.spec.algorithm.name} pushes {self.push_kind.name.lower()}, "
+                            f"not {kind.name.lower()}")
+        return self.params.specs
+
+    def decode(self, push: ServerPush) -> Any:
+        """The rule's update from a validated push; ProtocolError if its content is unusable."""
+        return self.params.flatten(push.tensors)
+
+    def apply(self, rank: int, update: Any, worker_version: int, now: float) -> PushResult:
+        return self.rule.push(rank, update, worker_version)
+
+    def push(self, rank: int, push: ServerPush, push_id: str, now: float) -> PushResult:
+        """Apply a push once; a retry (same id as the worker's last push) changes nothing."""
+        self.check_rank(rank)
+        if not push_id:
+            raise ProtocolError("a push needs an id")
+        if push_id == self.last_push[rank]:
+            release = (rank,) if self.released[rank] == push_id else ()
+            return PushResult(applied=False, version=self.version, release=release, duplicate=True)
+        if push.kind != self.push_kind:
+            raise ProtocolError(f"expected a {self.push_kind.name.lower()} push, got {push.kind.name.lower()}")
+        if self.synchronous and push.version != self.version:
+            reason = f"computed on version {push.version}, the round is {self.version}"
+            result = PushResult(applied=False, version=self.version, release=(rank,), rejected=reason)
+        else:
+            result = self.apply(rank, self.decode(push), push.version, now)
+        self.last_push[rank] = push_id
+        for worker in result.release:
+            self.released[worker] = self.last_push[worker]
+        self.events.append({
+            "event": "push", "time": now, "rank": rank, "push_id": push_id, "worker_version": push.version,
+            "version": result.version, "applied": result.applied, "delay": result.delay, "rejected": result.rejected,
+        })
+        return result
+
+    def is_released(self, rank: int, push_id: str) -> bool:
+        return self.released[rank] == push_id
+
+    # -- pulls and reports -----------------------------------------------------------------------------------------
+
+    def holds_update(self, rank: int) -> bool:
+        """Whether the current round already has worker `rank`'s update: a pull of that worker is answered once
+        the round completes (a restarted worker that had pushed rejoins with the next round)."""
+        return isinstance(self.rule, RoundServer) and self.rule.holds(rank)
+
+    def pull(self, rank: int, since_version: int, delta: bool, now: float) -> ServerModel:
+        """The model for worker `rank` (full here; AdaComp can answer with a delta since `since_version`)."""
+        self.check_rank(rank)
+        w, version = self.rule.pull(rank)
+        if self.pull_mutates:
+            self.events.append({"event": "pull", "time": now, "rank": rank, "version": version})
+        return ServerModel(Kind.PARAMS, self.params.views(w), version)
+
+    def report(self, rank: int, version: int, round_step: int, duration_s: float, now: float) -> Decision:
+        raise ProtocolError(f"{self.spec.algorithm.name} takes no step reports")
+
+    # -- persistence -----------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rule": self.rule.state_dict(), "last_push": list(self.last_push), "released": list(self.released)}
+
+    def round_state(self) -> dict[str, torch.Tensor]:
+        """The part of the rule's state that step reports change (ESync's round table), small enough to persist
+        after every report; it overlays the rule's state_dict entries of the same names."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        ids = [state.get("last_push"), state.get("released")]
+        for value in ids:
+            if not isinstance(value, list) or len(value) != self.num_workers or not all(isinstance(v, str)
+                                                                                        for v in value):
+                raise ValueError(f"the server state's push ids must be {self.num_workers} strings")
+        rule = state.get("rule")
+        if not isinstance(rule, Mapping):
+            raise ValueError("the server state has no rule state")
+        self.rule.load_state_dict(rule)
+        self.last_push, self.released = list(ids[0]), list(ids[1])
+
+    def drain_events(self) -> list[dict[str, Any]]:
+        events, self.events = self.events, []
+        return events

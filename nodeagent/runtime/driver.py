@@ -1,0 +1,309 @@
+"""The node driver: the policy that runs one node of a job, written once for both runtimes.
+
+The driver owns the order of work and every rule of it; it performs no I/O, starts no thread and reads time
+only through the clock it is given (the agent's monotonic clock, or the simulator's virtual one). Its executors,
+the agent's runner thread (nodeagent.agent.runner) and the simulator (nodeagent.runtime.simulator), only perform
+what it decides and tell it what happened:
+
+    arrived(item)    a peer's message, a reply to one of this node's sends, or the failure of one
+    next()           absorb what arrived, then: STEP, WAIT (until something arrives) or DONE, with the sends to
+                     perform now and the progress reports to publish
+    step()           run one local step (the executor then takes as long as the step takes)
+    stepped(d)       the step took d seconds; the sends to perform now
+    due_retries()    the sends to perform again now
+
+The rules, each in one place:
+- Order of work: the initial model is evaluated before anything received is mixed in; then what arrived is
+  handed to the algorithm (and, for algorithms whose answers make sends, those are sent); the node waits until
+  the algorithm is ready; evaluation is due every `eval_every` steps and at the last; then the next step.
+- Flow control: one exchange or pull per edge in flight; a due one on a busy edge is not sent, and the
+  algorithm hears of it as a failure "in_flight" (no call was made, so it costs the peer nothing).
+- Retries: a push to a peer is retried every PUSH_RETRY_S until it is delivered (synchronous rounds rely on every
+  push, even after this node finished); a call to the parameter server that failed transiently is retried with
+  the same call id (applied once), at once after a deadline and after SERVER_RETRY_S otherwise. Any other failure
+  goes to the algorithm's `failed()`.
+- Step reports: a call to the parameter server carries the duration of the step that made it.
+- Accounting: compute time is the executor's measure of each step; wait time is the time from the end of a
+  step (or the start) until the node is found ready again, less the time spent evaluating; traffic is what the
+  transports count where bytes are sent and received (`traffic`).
+- After the last step the node absorbs nothing more: it serves its final snapshot and only finishes its retries.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import math
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nodeagent.algorithms.base import ALLREDUCE_RANK, Route, Send
+from nodeagent.metrics import Metrics
+from nodeagent.ps.messages import SERVER_NAME, SERVER_RANK, ServerAnswer
+from nodeagent.runtime.progress import Progress, Traffic
+from nodeagent.training.job import Node
+from nodeagent.wire.message import Message
+
+PUSH_RETRY_S = 1.0
+SERVER_RETRY_S = 1.0
+IN_FLIGHT = "in_flight"  # the failure reason of a send skipped by flow control
+ALLREDUCE_NAME = "allreduce"  # the all-reduce in edge metrics
+
+
+@dataclass(frozen=True)
+class Transmission:
+    """A send the driver asks its executor to perform."""
+
+    send: Send
+    step_s: float = math.nan  # the duration of the step that made it (calls to the parameter server carry it)
+    call_id: str = ""  # names a call to the parameter server; a retry carries the same id
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A transmission completed: the exchange's or pull's reply, the all-reduce mean, the server's answer, or
+    None for a delivered push."""
+
+    transmission: Transmission
+    answer: Message | ServerAnswer | None
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A transmission failed; `reason` is the failure label of the metrics, `transient` whether a retry may cure
+    it."""
+
+    transmission: Transmission
+    reason: str
+    transient: bool = False
+
+
+Arrival = Message | Reply | Failure
+
+
+class Action(enum.Enum):
+    STEP = "step"  # call step(), take the step's time, then stepped()
+    WAIT = "wait"  # call next() again once something arrived (or a retry is due)
+    DONE = "done"  # the last step is done and evaluated; keep serving until the job ends
+
+
+@dataclass(frozen=True)
+class Report:
+    """Progress to publish (to the coordinator, or to the run's log). `evaluated`: the model was just evaluated
+    (the agent checkpoints then)."""
+
+    progress: Progress
+    evaluated: bool
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    sends: tuple[Transmission, ...] = ()
+    reports: tuple[Report, ...] = ()
+
+
+class NodeDriver:
+    def __init__(self, node: Node, *, job: str, name: str, clock: Callable[[], float], metrics: Metrics,
+                 name_of: Callable[[int], str], report_every_s: float | None = None):
+        """`name` labels this node in metrics and progress, `name_of(rank)` its peers; `report_every_s` adds a
+        progress report between evaluations at most that often (None: only at evaluations)."""
+        self.node = node
+        self.algorithm = node.algorithm
+        self.job = job
+        self.name = name
+        self.clock = clock
+        self.metrics = metrics
+        self.name_of = name_of
+        self.report_every_s = report_every_s
+        self.traffic = Traffic()
+        self.done = False
+        self.loss = math.nan
+        self.accuracy = math.nan
+        self.test_loss = math.nan
+        self.compute_s = 0.0
+        self.wait_s = 0.0
+        self.exchanges = 0
+        self.failures = 0
+        self.samples = 0  # trained on, over all local steps
+        self._started: float | None = None
+        self._idle_since: float | None = None  # the end of the last step, until the node is found ready again
+        self._evaluating_s = 0.0  # time spent evaluating since then
+        self._step_began = 0.0
+        self._evaluated_at = -1
+        self._reported = -math.inf
+        self._in_flight: set[int] = set()
+        self._arrived: list[Message | ServerAnswer | Failure] = []
+        self._retries: list[tuple[float, int, Transmission]] = []
+        self._sequence = itertools.count()
+        self._calls = itertools.count()
+        self._incarnation = uuid.uuid4().hex[:12]  # call ids stay unique across restarts of the node
+        self._labels = (job, name)
+
+    # -- what the executor tells the driver ------------------------------------------------------------------------
+
+    def arrived(self, item: Arrival) -> float | None:
+        """Something arrived for this node; it is handed to the algorithm at the next `next()`. Returns the time
+        at which a retry this failure calls for is due (`due_retries()` then returns it), or None."""
+        if isinstance(item, Message):
+            if not self.done:
+                self._arrived.append(item)
+            return None
+        send = item.transmission.send
+        if send.route in (Route.EXCHANGE, Route.PULL):
+            self._in_flight.discard(send.peer)
+        if isinstance(item, Reply):
+            self.exchanges += 1
+            if item.answer is not None and not self.done:
+                self._arrived.append(item.answer)
+            return None
+        self._count_failure(send.peer, item.reason)
+        delay = self._retry_delay(item)
+        if delay is None:
+            if not self.done:
+                self._arrived.append(item)
+            return None
+        due = self.clock() + delay
+        heapq.heappush(self._retries, (due, next(self._sequence), item.transmission))
+        return due
+
+    def _retry_delay(self, failure: Failure) -> float | None:
+        """Seconds until a failed transmission is tried again, or None: the algorithm hears of the failure."""
+        route = failure.transmission.send.route
+        if route == Route.PUSH:
+            return PUSH_RETRY_S
+        if route == Route.SERVER and failure.transient:
+            return 0.0 if failure.reason == "deadline_exceeded" else SERVER_RETRY_S
+        return None
+
+    def due_retries(self) -> list[Transmission]:
+        now = self.clock()
+        due = []
+        while self._retries and self._retries[0][0] <= now:
+            due.append(heapq.heappop(self._retries)[2])
+        return due
+
+    @property
+    def next_retry_at(self) -> float | None:
+        return self._retries[0][0] if self._retries else None
+
+    # -- the order of work -----------------------------------------------------------------------------------------
+
+    def next(self) -> Decision:
+        now = self.clock()
+        if self._started is None:
+            self._started = self._idle_since = now
+        if self.done:
+            return Decision(Action.DONE)
+        algorithm = self.algorithm
+        reports: list[Report] = []
+        if self._evaluated_at < 0 and algorithm.clock == 0:
+            # The curve starts at the shared initial model, before anything received is mixed in.
+            reports.append(self._evaluate())
+        sends: list[Transmission] = []
+        if self._arrived:
+            arrived, self._arrived = self._arrived, []
+            for item in arrived:
+                if isinstance(item, Failure):
+                    algorithm.failed(item.transmission.send, item.reason)
+                else:
+                    algorithm.receive(item)
+            if algorithm.sends_after_receive:
+                sends = self._transmissions(algorithm.sends(), math.nan)
+        if not algorithm.ready():
+            return Decision(Action.WAIT, tuple(sends), tuple(reports))
+        self._ready(self.clock())
+        # A step is complete once the algorithm is ready again (synchronous modes finish it on receipt).
+        spec = self.node.spec
+        self.done = algorithm.clock >= spec.steps
+        if (algorithm.clock % spec.eval_every == 0 or self.done) and algorithm.clock != self._evaluated_at:
+            reports.append(self._evaluate())
+        elif self.done or (self.report_every_s is not None and now - self._reported >= self.report_every_s):
+            reports.append(self._report(evaluated=False))
+        if self.done:
+            self._arrived.clear()
+            return Decision(Action.DONE, tuple(sends), tuple(reports))
+        return Decision(Action.STEP, tuple(sends), tuple(reports))
+
+    def step(self) -> float:
+        """One local step on the next minibatch; returns its compute time on the driver's clock."""
+        inputs, targets = self.node.batches.next()
+        self.samples += len(inputs)
+        self._step_began = self.clock()
+        self.loss = self.algorithm.step(inputs, targets)
+        return self.clock() - self._step_began
+
+    def stepped(self, duration_s: float) -> list[Transmission]:
+        """The step took `duration_s` (the agent's measure with its slow-down, the simulator's virtual time);
+        returns its sends."""
+        self.compute_s += duration_s
+        self._idle_since = self._step_began + duration_s
+        self._evaluating_s = 0.0
+        self.metrics.step_seconds.labels(*self._labels).observe(duration_s)
+        self.metrics.local_steps.labels(*self._labels).inc()
+        self.metrics.training_loss.labels(*self._labels).set(self.loss)
+        return self._transmissions(self.algorithm.sends(), duration_s)
+
+    # -- the rules -------------------------------------------------------------------------------------------------
+
+    def _transmissions(self, sends: list[Send], step_s: float) -> list[Transmission]:
+        out = []
+        for send in sends:
+            if send.route in (Route.EXCHANGE, Route.PULL):
+                if send.peer in self._in_flight:
+                    self.metrics.exchange_failures.labels(self.name, self.name_of(send.peer), IN_FLIGHT).inc()
+                    self._arrived.append(Failure(Transmission(send), IN_FLIGHT))
+                    continue
+                self._in_flight.add(send.peer)
+            if send.route == Route.SERVER:
+                out.append(Transmission(send, step_s, f"{self._incarnation}-{next(self._calls)}"))
+            else:
+                out.append(Transmission(send))
+        return out
+
+    def _ready(self, now: float) -> None:
+        """The node is ready to go on: the time since the last step ended, less evaluations, was waiting."""
+        if self._idle_since is None:
+            return
+        waited = max(0.0, now - self._idle_since - self._evaluating_s)
+        self._idle_since = None
+        self.wait_s += waited
+        self.metrics.wait_seconds.labels(*self._labels).inc(waited)
+
+    def _evaluate(self) -> Report:
+        began = self.clock()
+        result = self.node.evaluate()
+        self._evaluating_s += self.clock() - began
+        self._evaluated_at = self.algorithm.clock
+        self.accuracy, self.test_loss = result.accuracy, result.loss
+        self.metrics.test_accuracy.labels(*self._labels).set(result.accuracy)
+        self.metrics.test_loss.labels(*self._labels).set(result.loss)
+        return self._report(evaluated=True)
+
+    def _report(self, evaluated: bool) -> Report:
+        self._reported = self.clock()
+        return Report(self.progress(), evaluated)
+
+    def _count_failure(self, peer: int, reason: str) -> None:
+        self.failures += 1
+        self.metrics.exchange_failures.labels(self.name, self.peer_name(peer), reason).inc()
+
+    def peer_name(self, rank: int) -> str:
+        if rank == SERVER_RANK:
+            return SERVER_NAME
+        if rank == ALLREDUCE_RANK:
+            return ALLREDUCE_NAME
+        return self.name_of(rank)
+
+    def progress(self) -> Progress:
+        """The node's progress now; `finished` once its last step is done and evaluated."""
+        now = self.clock()
+        return Progress(
+            job=self.job, rank=self.node.rank, node=self.name, step=self.algorithm.clock, loss=self.loss,
+            test_accuracy=self.accuracy, test_loss=self.test_loss,
+            elapsed_s=now - (self._started if self._started is not None else now), finished=self.done,
+            bytes_sent=self.traffic.sent, bytes_received=self.traffic.received, compute_s=self.compute_s,
+            wait_s=self.wait_s, exchanges=self.exchanges, exchange_failures=self.failures, time=now,
+        )

@@ -1,0 +1,132 @@
+"""A node's progress in a job: the one record that agents report, the coordinator stores and shows, the simulator
+returns and every run writes to its metrics log; and the byte counters it is built from.
+
+The proto conversions live here and nowhere else: a MetricsReport (agent -> coordinator) and a NodeProgress
+(coordinator -> operator) carry the same fields. NaN means "not measured yet" (no evaluation so far); the log
+writes it as null.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from nodeagent._proto import coordinator_pb2 as pb
+
+LOG_FILE = "metrics.jsonl"
+
+
+@dataclass(frozen=True)
+class Progress:
+    job: str
+    rank: int
+    node: str  # the node's id (agents) or name (simulated nodes)
+    step: int = 0
+    loss: float = math.nan  # of the last local minibatch
+    test_accuracy: float = math.nan  # at the last evaluation
+    test_loss: float = math.nan
+    elapsed_s: float = 0.0  # since the node started the job
+    finished: bool = False
+    bytes_sent: int = 0  # payload bytes of this job only, counted where they were sent and received
+    bytes_received: int = 0
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    exchanges: int = 0
+    exchange_failures: int = 0
+    time: float = 0.0  # when it was recorded: Unix time at the coordinator, virtual seconds in the simulator
+
+
+class Traffic:
+    """Bytes a node sent and received in one job, added where they go out and come in (by network threads too)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.sent = 0
+        self.received = 0
+
+    def add_sent(self, count: int) -> None:
+        with self._lock:
+            self.sent += count
+
+    def add_received(self, count: int) -> None:
+        with self._lock:
+            self.received += count
+
+
+def ring_allreduce_bytes(payload: int, ranks: int) -> int:
+    """Bytes each rank sends (and receives) in a ring all-reduce of `payload` bytes: 2 (n - 1) / n of it. The
+    collective's own library does not report its traffic, so both runtimes count this."""
+    return round(2 * (ranks - 1) / ranks * payload)
+
+
+# -- the proto forms ---------------------------------------------------------------------------------------------
+
+
+def to_report(progress: Progress) -> pb.MetricsReport:
+    return pb.MetricsReport(
+        job_id=progress.job, rank=progress.rank, node_id=progress.node, step=progress.step, loss=progress.loss,
+        test_accuracy=progress.test_accuracy, test_loss=progress.test_loss, elapsed_s=progress.elapsed_s,
+        finished=progress.finished, bytes_sent=progress.bytes_sent, bytes_received=progress.bytes_received,
+        compute_s=progress.compute_s, wait_s=progress.wait_s, exchanges=progress.exchanges,
+        exchange_failures=progress.exchange_failures,
+    )
+
+
+def from_report(report: pb.MetricsReport, time: float) -> Progress:
+    return Progress(
+        job=report.job_id, rank=report.rank, node=report.node_id, step=report.step, loss=report.loss,
+        test_accuracy=report.test_accuracy, test_loss=report.test_loss, elapsed_s=report.elapsed_s,
+        finished=report.finished, bytes_sent=report.bytes_sent, bytes_received=report.bytes_received,
+        compute_s=report.compute_s, wait_s=report.wait_s, exchanges=report.exchanges,
+        exchange_failures=report.exchange_failures, time=time,
+    )
+
+
+def to_node_progress(progress: Progress) -> pb.NodeProgress:
+    return pb.NodeProgress(
+        rank=progress.rank, node_id=progress.node, step=progress.step, loss=progress.loss,
+        test_accuracy=progress.test_accuracy, finished=progress.finished, updated_unix=progress.time,
+        bytes_sent=progress.bytes_sent, bytes_received=progress.bytes_received, test_loss=progress.test_loss,
+        elapsed_s=progress.elapsed_s, compute_s=progress.compute_s, wait_s=progress.wait_s,
+        exchanges=progress.exchanges, exchange_failures=progress.exchange_failures,
+    )
+
+
+def from_node_progress(job: str, node: pb.NodeProgress) -> Progress:
+    return Progress(
+        job=job, rank=node.rank, node=node.node_id, step=node.step, loss=node.loss, test_accuracy=node.test_accuracy,
+        test_loss=node.test_loss, elapsed_s=node.elapsed_s, finished=node.finished, bytes_sent=node.bytes_sent,
+        bytes_received=node.bytes_received, compute_s=node.compute_s, wait_s=node.wait_s, exchanges=node.exchanges,
+        exchange_failures=node.exchange_failures, time=node.updated_unix,
+    )
+
+
+# -- the metrics log of a run -------------------------------------------------------------------------------------
+
+
+class RunLog:
+    """`metrics.jsonl` in a run directory: one JSON object per progress record, appended (thread-safe)."""
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / LOG_FILE
+        self._lock = threading.Lock()
+
+    def append(self, progress: Progress) -> None:
+        fields = {key: None if isinstance(value, float) and math.isnan(value) else value
+                  for key, value in dataclasses.asdict(progress).items()}
+        line = json.dumps(fields) + "\n"
+        with self._lock, open(self.path, "a") as out:
+            out.write(line)
+
+
+def read_run_log(run_dir: str | Path) -> list[Progress]:
+    records = []
+    for line in (Path(run_dir) / LOG_FILE).read_text().splitlines():
+        if line.strip():
+            fields = json.loads(line)
+            records.append(Progress(**{key: math.nan if value is None else value for key, value in fields.items()}))
+    return records

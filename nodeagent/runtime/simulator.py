@@ -1,0 +1,428 @@
+"""The simulator: a job's nodes in one process, each run by the node driver the agents use, on a virtual clock.
+
+Local steps run for real (real tensors, real gradients) but cost virtual time: the step time of a node is
+`step_time_s / speed` (times a seeded jitter); a message on a directed link waits for the link to be free,
+takes `bytes / bandwidth`, then `latency`. Lost messages make the sender time out; nodes that are down or cut
+off by a partition refuse connections at once, and a node that is down does not step. A step's sends leave when
+its computation is done, and a peer answers an exchange from the snapshot it published at the end of its last
+completed step, as the agent's servicer does. Everything else (what to do next, flow control, retries,
+evaluation, accounting) is the driver's (nodeagent.runtime.driver).
+
+The parameter server (Route.SERVER, the centralised algorithms) is the same server half the coordinator hosts,
+in this process, behind `SimulatedServer`, the simulator's ServerLink. It has one network interface: pushes
+queue on its ingress and models on its egress, each at the network's bandwidth, plus the latency; step reports
+and their answers (ESync) are small and cost the latency and their bytes, without queueing. The server's clock is
+the virtual clock, so ESync's READY decision runs unchanged on virtual time; a report carries the step's virtual
+duration. The server is always reachable (faults and partitions apply to peer links). Each worker's rounds (one
+per model it receives) are measured as nodeagent.ps.RoundMetrics in `SimNode.rounds`: local steps, samples,
+compute, aggregation (its push's and its model's time on the network, queueing included) and wait (the rest:
+step reports, and waiting for the other workers).
+
+Everything is deterministic for a given seed: one heap ordered by (time, sequence number) and one generator.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from nodeagent.algorithms import Family, Snapshot, build_server
+from nodeagent.algorithms.base import ALLREDUCE_RANK, Route, SendFailed
+from nodeagent.jobspec import SimulationSpec
+from nodeagent.metrics import Metrics
+from nodeagent.ps.esync import RoundMetrics
+from nodeagent.ps.link import Answered, ServerLink
+from nodeagent.ps.messages import (
+    SERVER_NAME,
+    SERVER_RANK,
+    ReadyAnswer,
+    ServerModel,
+    ServerPull,
+    ServerPush,
+    StepReport,
+)
+from nodeagent.ps.server import ServerHalf
+from nodeagent.runtime.driver import Action, Arrival, Failure, NodeDriver, Reply, Report, Transmission
+from nodeagent.runtime.progress import ring_allreduce_bytes
+from nodeagent.training.job import Node
+from nodeagent.wire.message import Message
+
+# Bytes of a request that carries no tensors (a pull, a step report, its answer): its frames' headers.
+REQUEST_BYTES = 64
+
+
+@dataclass
+class RoundMeter:
+    """A worker's current round with the parameter server (from one model received to the next)."""
+
+    started: float = 0.0
+    steps: int = 0
+    samples: int = 0
+    compute: float = 0.0
+    network: float = 0.0
+    sent: int = 0
+    received: int = 0
+
+    def end(self, now: float) -> RoundMetrics | None:
+        """The round that ends now (None if it took no time); the meter starts the next one."""
+        elapsed = now - self.started
+        metrics = None
+        if elapsed > 0:
+            aggregation = min(self.network, elapsed)
+            wait = max(0.0, elapsed - self.compute - aggregation)
+            metrics = RoundMetrics(self.steps, self.samples, self.compute, wait, aggregation, elapsed, self.sent,
+                                   self.received)
+        self.started = now
+        self.steps = self.samples = self.sent = self.received = 0
+        self.compute = self.network = 0.0
+        return metrics
+
+
+@dataclass
+class SimNode:
+    node: Node
+    driver: NodeDriver
+    name: str
+    step_time_s: float
+    visible: Snapshot  # what peers are answered from: the snapshot of the last completed step
+    computing: bool = False
+    waiting: bool = False
+    round: RoundMeter = field(default_factory=RoundMeter)
+    rounds: list[RoundMetrics] = field(default_factory=list)
+    link: ServerLink | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.node.rank
+
+    @property
+    def done(self) -> bool:
+        return self.driver.done
+
+
+Observer = Callable[["VirtualMesh", SimNode, Report], None]
+
+
+class VirtualMesh:
+    """Runs a job's nodes to completion in virtual time. `observe(mesh, node, report)` is called with each of a
+    node's progress reports (the place to write the metrics log)."""
+
+    def __init__(self, nodes: list[Node], job: str, simulation: SimulationSpec, metrics: Metrics,
+                 observe: Observer | None = None):
+        self.job = job
+        self.simulation = simulation
+        self.network = simulation.network
+        self.metrics = metrics
+        self.observe = observe
+        self.rng = np.random.default_rng(simulation.seed)
+        self.now = 0.0
+        self._queue: list[tuple[float, int, Callable[[], None]]] = []
+        self._sequence = itertools.count()
+        self._link_free_at: dict[tuple[int, int], float] = {}
+        self._allreduce: dict[int, dict[int, tuple[Transmission, Message]]] = {}
+        speeds = simulation.speeds or [1.0] * len(nodes)
+        self.nodes = [
+            SimNode(
+                node=n, name=self.name_of(n.rank), visible=n.algorithm.snapshot(),
+                driver=NodeDriver(n, job=job, name=self.name_of(n.rank), clock=self.clock, metrics=metrics,
+                                  name_of=self.name_of),
+                step_time_s=simulation.step_time_s / speeds[n.rank] * n.spec.slowdown.get(n.rank, 1.0),
+            )
+            for n in nodes
+        ]
+        self.server: SimulatedServer | None = None
+        if nodes and type(nodes[0].algorithm).family is Family.SERVER:
+            self.server = SimulatedServer(self, build_server(nodes[0].spec))
+            if not torch.equal(self.server.half.w, nodes[0].algorithm.w):
+                raise RuntimeError("the server's initial model differs from the workers'")
+            for sim in self.nodes:
+                sim.link = SimulatedLink(self.server, sim)
+
+    @staticmethod
+    def name_of(rank: int) -> str:
+        return f"rank{rank}"
+
+    def clock(self) -> float:
+        return self.now
+
+    # -- the event loop ------------------------------------------------------------------------------------------
+
+    def at(self, time: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._queue, (time, next(self._sequence), action))
+
+    def run(self, until: float = math.inf, on_event: Callable[[VirtualMesh], None] | None = None) -> None:
+        if not self._queue and self.now == 0.0:
+            for sim in self.nodes:
+                self.at(0.0, lambda sim=sim: self._start(sim))
+        while self._queue and self._queue[0][0] <= until:
+            self.now, _, action = heapq.heappop(self._queue)
+            action()
+            if on_event is not None:
+                on_event(self)
+
+    @property
+    def finished(self) -> bool:
+        return all(sim.done for sim in self.nodes)
+
+    # -- availability --------------------------------------------------------------------------------------------
+
+    def down_until(self, rank: int, time: float) -> float | None:
+        """The end of the fault that holds `rank` down at `time`, if any."""
+        for fault in self.simulation.faults:
+            if fault.node == rank and fault.down_from <= time < fault.down_until:
+                return fault.down_until
+        return None
+
+    def reachable(self, src: int, dst: int, time: float) -> bool:
+        if self.down_until(dst, time) is not None or self.down_until(src, time) is not None:
+            return False
+        for partition in self.simulation.partitions:
+            if partition.start <= time < partition.end:
+                side = {rank: index for index, group in enumerate(partition.groups) for rank in group}
+                if src in side and dst in side and side[src] != side[dst]:
+                    return False
+        return True
+
+    # -- a node's work: what its driver decides ------------------------------------------------------------------
+
+    def _start(self, sim: SimNode) -> None:
+        if sim.done or sim.computing:
+            return
+        back = self.down_until(sim.rank, self.now)
+        if back is not None:
+            self.at(back, lambda: self._start(sim))
+            return
+        decision = sim.driver.next()
+        self._transmit(sim, decision.sends)
+        if self.observe is not None:
+            for report in decision.reports:
+                self.observe(self, sim, report)
+        sim.waiting = decision.action is Action.WAIT
+        if decision.action is Action.DONE:
+            sim.visible = sim.node.algorithm.snapshot()
+        if decision.action is not Action.STEP:
+            return
+        samples = sim.driver.samples
+        sim.driver.step()
+        duration = sim.step_time_s
+        if self.simulation.jitter > 0:
+            duration *= float(self.rng.lognormal(0.0, self.simulation.jitter))
+        sim.round.compute += duration
+        sim.round.steps += 1
+        sim.round.samples += sim.driver.samples - samples
+        sim.computing = True
+        self.at(self.now + duration, lambda: self._complete(sim, duration))
+
+    def _complete(self, sim: SimNode, duration: float) -> None:
+        sim.computing = False
+        sends = sim.driver.stepped(duration)
+        sim.visible = sim.node.algorithm.snapshot()
+        self._transmit(sim, sends)
+        self._start(sim)
+
+    def _arrive(self, sim: SimNode, item: Arrival) -> None:
+        """Hand `item` to the node's driver, schedule the retries it asks for, and wake the node if it waits."""
+        retry_at = sim.driver.arrived(item)
+        if retry_at is not None:
+            self.at(retry_at, lambda: self._transmit(sim, sim.driver.due_retries()))
+        if sim.waiting and not sim.computing:
+            self._start(sim)
+
+    # -- the network ---------------------------------------------------------------------------------------------
+
+    def _arrival(self, link: tuple[int, int], size: int) -> float:
+        """When `size` bytes sent now on `link` arrive (a link carries one message at a time)."""
+        start = max(self.now, self._link_free_at.get(link, 0.0))
+        finish = start + size / self.network.bandwidth_bytes_per_s
+        self._link_free_at[link] = finish
+        return finish + self.network.latency_s
+
+    def _transmit(self, sim: SimNode, transmissions: list[Transmission] | tuple[Transmission, ...]) -> None:
+        for t in transmissions:
+            route = t.send.route
+            if route == Route.ALLREDUCE:
+                self._contribute(sim, t)
+            elif route == Route.SERVER:
+                assert sim.link is not None, f"{sim.name} sent to the parameter server, but this job has none"
+                sim.link.call(t.send.message, t.call_id, t.step_s, lambda answer, t=t: self._answered(sim, t, answer))
+            else:
+                self._to_peer(sim, t)
+
+    def _answered(self, sim: SimNode, t: Transmission, answer: object) -> None:
+        if isinstance(answer, SendFailed):
+            self._arrive(sim, Failure(t, answer.reason, answer.transient))
+        else:
+            self._arrive(sim, Reply(t, answer))
+
+    def _to_peer(self, sim: SimNode, t: Transmission) -> None:
+        src, dst = sim.rank, t.send.peer
+        if not self.reachable(src, dst, self.now):
+            self._give_up(sim, t, "unavailable", self.now)
+            return
+        if self.network.loss > 0 and self.rng.random() < self.network.loss:
+            self._give_up(sim, t, "deadline_exceeded", self.now + self.network.timeout_s)
+            return
+        message = t.send.message
+        size = message.payload_bytes if isinstance(message, Message) else REQUEST_BYTES
+        self._count(sim, self.nodes[dst], size)
+        self.at(self._arrival((src, dst), size), lambda: self._deliver(sim, t))
+
+    def _give_up(self, sim: SimNode, t: Transmission, reason: str, when: float) -> None:
+        self.at(when, lambda: self._arrive(sim, Failure(t, reason)))
+
+    def _deliver(self, sender: SimNode, t: Transmission) -> None:
+        receiver = self.nodes[t.send.peer]
+        if not self.reachable(sender.rank, receiver.rank, self.now):
+            # The receiver went down (or was cut off) while the message travelled: the sender's call fails.
+            self._give_up(sender, t, "unavailable", self.now)
+            return
+        message = t.send.message
+        assert message is None or isinstance(message, Message)
+        if t.send.route == Route.PUSH:
+            self._arrive(receiver, message)
+            self._arrive(sender, Reply(t, None))
+            return
+        # An exchange or a pull: the peer answers from the snapshot of its last completed step.
+        reply = receiver.visible.message_for(sender.rank, t.send.kind)
+        if reply is None:
+            self._give_up(sender, t, "failed_precondition", self.now)
+            return
+        self._count(receiver, sender, reply.payload_bytes)
+        arrival = self._arrival((receiver.rank, sender.rank), reply.payload_bytes)
+        self.at(arrival, lambda: self._exchange_done(sender, t, reply))
+        if message is not None:
+            self._arrive(receiver, message)
+
+    def _exchange_done(self, sender: SimNode, t: Transmission, reply: Message) -> None:
+        if self.down_until(sender.rank, self.now) is not None:
+            # The initiator went down meanwhile: the reply is lost with it, and the call failed.
+            self._arrive(sender, Failure(t, "unavailable"))
+            return
+        self._arrive(sender, Reply(t, reply))
+
+    def _contribute(self, sim: SimNode, t: Transmission) -> None:
+        """A rank's part of an all-reduce; once every rank's is in, all receive the mean after the time a ring
+        all-reduce takes: 2 (n - 1) / n of the bytes through each link and 2 (n - 1) latencies."""
+        message = t.send.message
+        assert isinstance(message, Message)
+        parts = self._allreduce.setdefault(message.clock, {})
+        parts[sim.rank] = (t, message)
+        if len(parts) < len(self.nodes):
+            return
+        del self._allreduce[message.clock]
+        count = len(self.nodes)
+        share = ring_allreduce_bytes(message.payload_bytes, count)
+        duration = share / self.network.bandwidth_bytes_per_s + 2 * (count - 1) * self.network.latency_s
+        messages = [parts[rank][1] for rank in range(count)]
+        mean = {name: torch.stack([m.tensors[name] for m in messages]).mean(dim=0) for name in messages[0].tensors}
+        for rank, node in enumerate(self.nodes):
+            self._count(node, self.nodes[(rank + 1) % count], share)
+            result = Reply(parts[rank][0], Message(t.send.kind, ALLREDUCE_RANK, rank, mean, clock=message.clock))
+            self.at(self.now + duration, lambda node=node, result=result: self._arrive(node, result))
+
+    def _count(self, src: SimNode, dst: SimNode, size: int) -> None:
+        src.driver.traffic.add_sent(size)
+        dst.driver.traffic.add_received(size)
+        self.metrics.edge_bytes_sent.labels(src.name, dst.name).inc(size)
+        self.metrics.edge_bytes_received.labels(src.name, dst.name).inc(size)
+
+
+class SimulatedServer:
+    """The parameter server of a simulated job: the server half the coordinator would host, behind one network
+    interface of the mesh."""
+
+    INGRESS = (SERVER_RANK, 0)  # keys of its interface in the mesh's link table
+    EGRESS = (SERVER_RANK, 1)
+
+    def __init__(self, mesh: VirtualMesh, half: ServerHalf):
+        self.mesh = mesh
+        self.half = half
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self._waiting: dict[int, tuple[SimNode, ServerPush, Answered]] = {}  # pushed, not yet released
+
+    def count(self, sim: SimNode, up: int = 0, down: int = 0) -> None:
+        sim.driver.traffic.add_sent(up)
+        sim.driver.traffic.add_received(down)
+        sim.round.sent += up
+        sim.round.received += down
+        self.bytes_up += up
+        self.bytes_down += down
+        metrics = self.mesh.metrics
+        if up:
+            metrics.edge_bytes_sent.labels(sim.name, SERVER_NAME).inc(up)
+            metrics.edge_bytes_received.labels(sim.name, SERVER_NAME).inc(up)
+        if down:
+            metrics.edge_bytes_sent.labels(SERVER_NAME, sim.name).inc(down)
+            metrics.edge_bytes_received.labels(SERVER_NAME, sim.name).inc(down)
+
+    def small_trip(self) -> float:
+        """When a request without tensors sent now arrives (no queueing)."""
+        network = self.mesh.network
+        return self.mesh.now + REQUEST_BYTES / network.bandwidth_bytes_per_s + network.latency_s
+
+    def push(self, sim: SimNode, push: ServerPush, call_id: str, answered: Answered) -> None:
+        mesh = self.mesh
+        self.count(sim, up=push.payload_bytes)
+        arrival = mesh._arrival(self.INGRESS, push.payload_bytes)
+        sim.round.network += arrival - mesh.now
+        mesh.at(arrival, lambda: self._apply(sim, push, call_id, answered))
+
+    def _apply(self, sim: SimNode, push: ServerPush, call_id: str, answered: Answered) -> None:
+        result = self.half.push(sim.rank, push, call_id, self.mesh.now)
+        self.half.drain_events()
+        self._waiting[sim.rank] = (sim, push, answered)
+        for rank in result.release:
+            worker, released, reply = self._waiting.pop(rank)
+            self.send_model(worker, ServerPull(released.version, released.pull_delta), reply)
+
+    def send_model(self, sim: SimNode, pull: ServerPull, answered: Answered) -> None:
+        """The model (in full, or the delta since the pushed version), through the server's egress."""
+        mesh = self.mesh
+        model = self.half.pull(sim.rank, pull.since_version, pull.delta, mesh.now)
+        self.half.drain_events()
+        self.count(sim, down=model.payload_bytes)
+        arrival = mesh._arrival(self.EGRESS, model.payload_bytes)
+        sim.round.network += arrival - mesh.now
+        mesh.at(arrival, lambda: self._deliver_model(sim, model, answered))
+
+    def _deliver_model(self, sim: SimNode, model: ServerModel, answered: Answered) -> None:
+        metrics = sim.round.end(self.mesh.now)
+        if metrics is not None:
+            sim.rounds.append(metrics)
+        answered(model)
+
+    def report(self, sim: SimNode, report: StepReport, step_s: float, answered: Answered) -> None:
+        self.count(sim, up=REQUEST_BYTES)
+        self.mesh.at(self.small_trip(), lambda: self._decide(sim, report, step_s, answered))
+
+    def _decide(self, sim: SimNode, report: StepReport, step_s: float, answered: Answered) -> None:
+        decision = self.half.report(sim.rank, report.version, report.round_step, step_s, self.mesh.now)
+        answer = ReadyAnswer(decision.ready, decision.steps_before_asking, self.half.version)
+        self.count(sim, down=REQUEST_BYTES)
+        self.mesh.at(self.small_trip(), lambda: answered(answer))
+
+
+class SimulatedLink(ServerLink):
+    """One worker's ServerLink to the simulated server."""
+
+    def __init__(self, server: SimulatedServer, sim: SimNode):
+        self.server = server
+        self.sim = sim
+
+    def push(self, push: ServerPush, call_id: str, answered: Answered) -> None:
+        self.server.push(self.sim, push, call_id, answered)
+
+    def pull(self, pull: ServerPull, answered: Answered) -> None:
+        self.server.count(self.sim, up=REQUEST_BYTES)
+        mesh = self.server.mesh
+        mesh.at(mesh.now + mesh.network.latency_s, lambda: self.server.send_model(self.sim, pull, answered))
+
+    def report(self, report: StepReport, step_s: float, answered: Answered) -> None:
+        self.server.report(self.sim, report, step_s, answered)
