@@ -39,7 +39,7 @@ from nodeagent.mesh.grpc import GRPC_OPTIONS, PeerClient, PeerServicer, ServingS
 from nodeagent.mesh.ps import SERVER_NODE, ServerClient, new_push_id
 from nodeagent.metrics import Metrics
 from nodeagent.training.job import Node, build_node
-from nodeagent.wire.codec import WireError
+from nodeagent.wire.errors import WireError
 from nodeagent.wire.message import Encoding, Message
 
 log = logging.getLogger("nodeagent")

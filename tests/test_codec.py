@@ -11,13 +11,12 @@ import sys
 import tracemalloc
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-import grpc
 import numpy as np
 import pytest
 import torch
 
 from nodeagent._proto import wire_pb2
-from nodeagent.wire import DTYPES, Encoding, Kind, Message, TensorSpec, WireError, decode, encode, specs_of
+from nodeagent.wire import DTYPES, Encoding, Kind, Message, Status, TensorSpec, WireError, decode, encode, specs_of
 
 Frames = list[wire_pb2.Frame]
 
@@ -517,7 +516,7 @@ def test_hostile_stream_is_rejected_and_state_kept(build, reason: str, manifest_
         receive(state, stream, expect)
     error = excinfo.value
     assert error.reason == reason, str(error)
-    assert error.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.status == Status.INVALID_ARGUMENT
     assert error.detail and str(error).startswith(f"{reason}: ")
     assert len(calls) <= 1
     if manifest_only:
@@ -551,7 +550,7 @@ def test_max_bytes_limits_the_announced_stream(max_bytes: int, ok: bool) -> None
     with pytest.raises(WireError) as excinfo:
         receive(state, stream, expect_specs(SPECS), max_bytes=max_bytes)
     assert excinfo.value.reason == "too_large"
-    assert excinfo.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert excinfo.value.status == Status.INVALID_ARGUMENT
     assert stream.pulled == 1, "an oversized stream must be refused on its manifest"
     for name, tensor in state.items():
         assert_bit_equal(tensor, snapshot[name])
@@ -585,7 +584,7 @@ def test_unknown_kind_is_rejected_before_a_per_kind_expectation_sees_it() -> Non
         with pytest.raises(WireError) as excinfo:
             receive(state, frames, expect)
         assert excinfo.value.reason == "bad_manifest"
-        assert excinfo.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert excinfo.value.status == Status.INVALID_ARGUMENT
     for name, tensor in state.items():
         assert_bit_equal(tensor, snapshot[name])
 
@@ -594,7 +593,7 @@ def test_unknown_kind_is_rejected_before_a_per_kind_expectation_sees_it() -> Non
 
 
 def test_expectation_error_propagates_unchanged() -> None:
-    refusal = WireError("not_neighbour", "rank 1 is not a neighbour of rank 2", code=grpc.StatusCode.PERMISSION_DENIED)
+    refusal = WireError("not_neighbour", "rank 1 is not a neighbour of rank 2", status=Status.PERMISSION_DENIED)
     seen = []
 
     def expect(manifest: wire_pb2.Manifest) -> list[TensorSpec]:
@@ -608,7 +607,7 @@ def test_expectation_error_propagates_unchanged() -> None:
         receive(state, stream, expect)
     assert excinfo.value is refusal
     assert excinfo.value.reason == "not_neighbour"
-    assert excinfo.value.code == grpc.StatusCode.PERMISSION_DENIED
+    assert excinfo.value.status == Status.PERMISSION_DENIED
     assert seen == [(1, 2, "n1")]
     assert stream.pulled == 1
     for name, tensor in state.items():

@@ -5,13 +5,13 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-import grpc
 import pytest
 import torch
 
 from nodeagent._proto import wire_pb2
 from nodeagent.wire import DTYPES, Encoding, Kind, Message, TensorSpec, TopK, WireError, decode, encode, specs_of
 from nodeagent.wire.codec import DEFAULT_TOPK_RATE
+from nodeagent.wire.errors import Status
 
 Frames = list[wire_pb2.Frame]
 
@@ -306,7 +306,7 @@ def test_corrupted_streams_either_decode_to_the_expected_specs_or_raise_wire_err
         except WireError as error:
             assert not benign, f"{label}: an acceptable stream was rejected: {error}"
             assert error.reason in REASONS, label
-            assert error.code == grpc.StatusCode.INVALID_ARGUMENT, label
+            assert error.status == Status.INVALID_ARGUMENT, label
             outcomes["rejected"] += 1
             reasons.add(error.reason)
             continue

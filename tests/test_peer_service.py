@@ -14,7 +14,8 @@ from nodeagent.algorithms import Neighbor, NodeContext, build_algorithm
 from nodeagent.jobspec import AlgorithmSpec
 from nodeagent.mesh.grpc import GRPC_OPTIONS, PeerClient, PeerServicer, ServingState
 from nodeagent.metrics import Metrics
-from nodeagent.wire import Encoding, Kind, Message, encode
+from nodeagent.rpc import grpc_code
+from nodeagent.wire import Encoding, Kind, Message, Status, encode
 
 JOB = "job-1"
 
@@ -175,3 +176,8 @@ def test_node_without_a_job_refuses_exchanges():
         assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     finally:
         server.stop(grace=None)
+
+
+def test_every_wire_status_is_the_grpc_code_of_its_name():
+    for status in Status:
+        assert grpc_code(status).name == status.name

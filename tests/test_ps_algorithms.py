@@ -11,7 +11,7 @@ from nodeagent.algorithms.ps import ReadyAnswer, StepReport, build_server, initi
 from nodeagent.jobspec import JobSpecError, parse_job_spec
 from nodeagent.ps import Decision, ProtocolError
 from nodeagent.training.models import build_model
-from nodeagent.wire.codec import WireError
+from nodeagent.wire.errors import WireError
 from nodeagent.wire.message import Kind, Message
 
 

@@ -27,7 +27,7 @@ from nodeagent.algorithms.base import SERVER_RANK, NodeContext
 from nodeagent.algorithms.ps import PSWorker, ServerHalf
 from nodeagent.ps.adacomp import AdaCompServer, Codec, Residual, Sparse, compress, decode_sparse, encode_sparse
 from nodeagent.ps.rules import ParameterServer, ProtocolError
-from nodeagent.wire.codec import WireError
+from nodeagent.wire.errors import WireError
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
 PAYLOAD = "payload"

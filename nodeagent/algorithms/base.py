@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from nodeagent.jobspec import AlgorithmSpec
-from nodeagent.wire.codec import WireError
+from nodeagent.wire.errors import WireError
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
 

@@ -56,7 +56,7 @@ from nodeagent.algorithms.base import (
 from nodeagent.jobspec import AlgorithmSpec, JobSpec
 from nodeagent.ps.esync import Decision
 from nodeagent.ps.rules import ParameterServer, ProtocolError, PushResult, RoundServer
-from nodeagent.wire.codec import WireError
+from nodeagent.wire.errors import WireError
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
 PUSH_ID_HEADER = "peertrain-push-id"  # gRPC metadata key naming a push (see the module docstring)

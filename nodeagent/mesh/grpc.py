@@ -29,16 +29,17 @@ import grpc.experimental
 from nodeagent._proto import peer_pb2, peer_pb2_grpc, wire_pb2
 from nodeagent.algorithms.base import Snapshot
 from nodeagent.metrics import Metrics
+from nodeagent.rpc import grpc_code
 from nodeagent.wire.codec import (
     Outgoing,
     Receiver,
-    WireError,
     chunk_frame,
     new_stream_id,
     plan,
     run_on_lanes,
     serialize,
 )
+from nodeagent.wire.errors import Status, WireError
 from nodeagent.wire.lane import LaneHub, LaneSocket, dial, split_host, stripes_for
 from nodeagent.wire.message import DTYPE_NAMES, Encoding, Kind, Message, TensorSpec
 from nodeagent.wire.pool import BufferPool
@@ -87,7 +88,7 @@ class ServingState:
         if manifest.job_id != self.job_id:
             raise WireError(
                 "wrong_job", f"stream for job {manifest.job_id!r}, this node runs {self.job_id!r}",
-                grpc.StatusCode.FAILED_PRECONDITION,
+                Status.FAILED_PRECONDITION,
             )
         if manifest.receiver_rank != self.rank:
             raise WireError("wrong_receiver", f"stream for rank {manifest.receiver_rank}, this node is {self.rank}")
@@ -207,7 +208,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             del receiver
             self._release(claimed, False)
             self._metrics.stream_rejections.labels("unknown", state.node_id, error.reason).inc()
-            context.abort(error.code, str(error))
+            context.abort(grpc_code(error.status), str(error))
         src = state.name_of(message.sender)
         self._metrics.edge_bytes_received.labels(src, state.node_id).inc(receiver.received)
         self._metrics.edge_messages_received.labels(src, state.node_id).inc()
@@ -274,7 +275,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         try:
             state.expected(request.requester_rank, kind)
         except WireError as error:
-            context.abort(error.code, str(error))
+            context.abort(grpc_code(error.status), str(error))
         reply = state.snapshot().message_for(request.requester_rank, kind)
         if reply is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node serves no {kind.name.lower()}")

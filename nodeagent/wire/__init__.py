@@ -1,6 +1,7 @@
 """Tensors on the wire: messages, the frame codec and its encodings."""
 
-from nodeagent.wire.codec import DEFAULT_CHUNK_BYTES, Receiver, WireError, decode, encode, plan
+from nodeagent.wire.codec import DEFAULT_CHUNK_BYTES, Receiver, decode, encode, plan
+from nodeagent.wire.errors import Status, WireError
 from nodeagent.wire.message import DTYPES, Encoding, Kind, Message, TensorSpec, TopK, specs_of
 from nodeagent.wire.pool import BufferPool
 
@@ -12,6 +13,7 @@ __all__ = [
     "Kind",
     "Message",
     "Receiver",
+    "Status",
     "TensorSpec",
     "TopK",
     "WireError",

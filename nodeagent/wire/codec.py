@@ -23,12 +23,12 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
 from nodeagent._proto import wire_pb2
+from nodeagent.wire.errors import WireError
 from nodeagent.wire.message import DTYPE_NAMES, DTYPES, TOPK_MAX_NUMEL, Encoding, Kind, Message, TensorSpec, TopK
 from nodeagent.wire.pool import BufferPool, aligned
 from nodeagent.wire.staging import BytesSource, DirectSink, Sink, Source, StagedSink, byte_view, source_for
@@ -48,16 +48,6 @@ SHARE_ALIGN = 64  # a payload split between lanes inside a tensor: at a multiple
 
 # The parts of a striped payload beyond the first are read by these threads (the first by the caller).
 _LANE_READERS = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="lane-reader")
-
-
-class WireError(Exception):
-    """A stream that cannot be accepted. `reason` is a short label for metrics; `code` the gRPC status."""
-
-    def __init__(self, reason: str, detail: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
-        self.code = code
 
 
 def wire_encoding(dtype: torch.dtype, requested: Encoding) -> Encoding:
