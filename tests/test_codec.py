@@ -491,6 +491,8 @@ HOSTILE: list[tuple[str, Callable[[Frames], Frames], str, bool]] = [
     ("missing_tensor", _missing_tensor, "bad_manifest", True),
     ("extra_tensor", _extra_tensor, "bad_manifest", True),
     ("encoding_topk", _set_header(0, encoding=3), "bad_manifest", True),
+    ("encoding_topk_with_its_count", _set_header(0, encoding=3, topk_count=2, byte_length=16), "bad_manifest", True),
+    ("topk_count_on_raw", _set_header(0, topk_count=1), "bad_manifest", True),
     ("encoding_99", _set_header(0, encoding=99), "bad_manifest", True),
     ("encoding_fp16_on_int", _set_header(1, encoding=1, byte_length=6), "bad_manifest", True),
     ("encoding_bf16_on_int", _set_header(1, encoding=2, byte_length=6), "bad_manifest", True),

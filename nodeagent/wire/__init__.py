@@ -2,7 +2,7 @@
 
 from nodeagent.wire.codec import DEFAULT_CHUNK_BYTES, Receiver, decode, encode, plan
 from nodeagent.wire.errors import Status, WireError
-from nodeagent.wire.message import DTYPES, Encoding, Kind, Message, TensorSpec, TopK, specs_of
+from nodeagent.wire.message import DTYPES, Encoding, Kind, Message, TensorSpec, specs_of
 from nodeagent.wire.pool import BufferPool
 
 __all__ = [
@@ -15,7 +15,6 @@ __all__ = [
     "Receiver",
     "Status",
     "TensorSpec",
-    "TopK",
     "WireError",
     "decode",
     "encode",

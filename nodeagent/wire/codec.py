@@ -23,20 +23,18 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
 from nodeagent._proto import wire_pb2
 from nodeagent.wire.errors import WireError
-from nodeagent.wire.message import DTYPE_NAMES, DTYPES, TOPK_MAX_NUMEL, Encoding, Kind, Message, TensorSpec, TopK
+from nodeagent.wire.message import DTYPE_NAMES, DTYPES, Encoding, Kind, Message, TensorSpec
 from nodeagent.wire.pool import BufferPool, aligned
-from nodeagent.wire.staging import BytesSource, DirectSink, Sink, Source, StagedSink, byte_view, source_for
+from nodeagent.wire.staging import DirectSink, Sink, Source, StagedSink, byte_view, source_for
 
 # Chosen by benchmarks/wire.py (frames over gRPC: 1 MiB beat 256 KiB and 4 MiB; larger chunks also cost receiver
 # memory). On a lane the chunk size is the staging granularity of conversions and GPU copies.
 DEFAULT_CHUNK_BYTES = 1 << 20
-DEFAULT_TOPK_RATE = 0.01  # AdaComp's default rate, for streams encoded with Encoding.TOPK
 
 # Wire dtypes of the lossy encodings; they apply to floating tensors only, others travel raw.
 _ENCODED_DTYPES = {Encoding.FP16: torch.float16, Encoding.BF16: torch.bfloat16}
@@ -54,8 +52,6 @@ def wire_encoding(dtype: torch.dtype, requested: Encoding) -> Encoding:
     """The encoding a tensor of `dtype` travels in when `requested` is asked for."""
     if requested in _ENCODED_DTYPES and dtype.is_floating_point and dtype != _ENCODED_DTYPES[requested]:
         return requested
-    if requested == Encoding.TOPK and dtype.is_floating_point:
-        return requested
     return Encoding.RAW
 
 
@@ -63,9 +59,7 @@ def wire_dtype(dtype: torch.dtype, encoding: Encoding) -> torch.dtype:
     return _ENCODED_DTYPES.get(encoding, dtype)
 
 
-def wire_length(spec: TensorSpec, encoding: Encoding, topk_count: int = 0) -> int:
-    if encoding == Encoding.TOPK:
-        return topk_count * (4 + spec.dtype.itemsize)
+def wire_length(spec: TensorSpec, encoding: Encoding) -> int:
     return spec.numel * wire_dtype(spec.dtype, encoding).itemsize
 
 
@@ -216,24 +210,6 @@ def new_stream_id() -> bytes:
     return os.urandom(STREAM_ID_BYTES)
 
 
-def _topk_source(value: TopK) -> tuple[BytesSource, int]:
-    if value.count > value.numel or value.numel > TOPK_MAX_NUMEL:
-        raise ValueError(f"top-k of {value.count} entries of a tensor of {value.numel}")
-    indices = value.indices.detach().to("cpu", torch.int64)
-    values = value.values.detach().cpu()
-    if value.count > 1 and not bool((indices[1:] > indices[:-1]).all()):
-        indices, order = indices.sort()  # the wire wants them strictly increasing
-        values = values[order]
-        if not bool((indices[1:] > indices[:-1]).all()):
-            raise ValueError("top-k indices repeat an entry")
-    if value.count and (int(indices[0]) < 0 or int(indices[-1]) >= value.numel):
-        raise ValueError(f"top-k indices outside [0, {value.numel})")
-    indices = indices.to(torch.int32).contiguous()
-    values = values.contiguous()
-    data = np.concatenate([byte_view(indices), byte_view(values)]) if value.count else np.empty(0, np.uint8)
-    return BytesSource(data), value.count
-
-
 def plan(
     message: Message,
     *,
@@ -241,9 +217,8 @@ def plan(
     sender_id: str = "",
     encoding: Encoding = Encoding.RAW,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    topk_rate: float = DEFAULT_TOPK_RATE,
 ) -> Outgoing:
-    """Check a message and plan its stream. Nothing is copied yet, except what the top-k selection builds."""
+    """Check a message and plan its stream. Nothing is copied yet."""
     if chunk_bytes < 1:
         raise ValueError("chunk_bytes must be positive")
     headers = []
@@ -252,29 +227,16 @@ def plan(
     for name, value in message.tensors.items():
         if value.dtype not in DTYPE_NAMES:
             raise ValueError(f"tensor {name!r}: dtype {value.dtype} cannot travel")
-        count = 0
-        if isinstance(value, TopK):
-            if not value.dtype.is_floating_point:
-                raise ValueError(f"tensor {name!r}: top-k applies to floating tensors, not {value.dtype}")
-            tensor_encoding = Encoding.TOPK
-            source, count = _topk_source(value)
-            shape = value.shape
-        else:
-            tensor_encoding = wire_encoding(value.dtype, encoding)
-            shape = tuple(value.shape)
-            if tensor_encoding == Encoding.TOPK:
-                source, count = _topk_source(TopK.rate(value, topk_rate))
-            else:
-                source = source_for(value, wire_dtype(value.dtype, tensor_encoding), chunk_bytes)
-        length = wire_length(TensorSpec(name, value.dtype, shape), tensor_encoding, count)
+        tensor_encoding = wire_encoding(value.dtype, encoding)
+        source = source_for(value, wire_dtype(value.dtype, tensor_encoding), chunk_bytes)
+        length = wire_length(TensorSpec.of(name, value), tensor_encoding)
         headers.append(
             wire_pb2.TensorHeader(
                 name=name,
                 dtype=DTYPE_NAMES[value.dtype],
-                shape=list(shape),
+                shape=list(value.shape),
                 encoding=int(tensor_encoding),
                 byte_length=length,
-                topk_count=count,
             )
         )
         sources.append(source)
@@ -301,13 +263,10 @@ def encode(
     sender_id: str = "",
     encoding: Encoding = Encoding.RAW,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    topk_rate: float = DEFAULT_TOPK_RATE,
 ) -> Iterator[wire_pb2.Frame]:
     """Frames of one message: manifest, chunks (at most `chunk_bytes` each), end. Lazy: a chunk is read from the
     tensor (converted, or copied off the GPU) only when its frame is asked for."""
-    outgoing = plan(
-        message, job_id=job_id, sender_id=sender_id, encoding=encoding, chunk_bytes=chunk_bytes, topk_rate=topk_rate
-    )
+    outgoing = plan(message, job_id=job_id, sender_id=sender_id, encoding=encoding, chunk_bytes=chunk_bytes)
     yield from outgoing.frames()
 
 
@@ -372,20 +331,18 @@ def check_manifest(manifest: wire_pb2.Manifest, expected: Sequence[TensorSpec], 
             raise WireError(
                 "bad_manifest", f"tensor {spec.name!r}: expected shape {list(spec.shape)}, got {list(header.shape)}"
             )
+        # ENCODING_TOPK (3) and topk_count stay in the proto for compatibility; no sender uses them any more, so
+        # encoding 3 is refused like any unknown encoding, and so is a non-zero topk_count.
         if header.encoding not in Encoding._value2member_map_:
             raise WireError("bad_manifest", f"tensor {spec.name!r}: unsupported encoding {header.encoding}")
         encoding = Encoding(header.encoding)
         if encoding != wire_encoding(spec.dtype, encoding):
             raise WireError("bad_manifest", f"tensor {spec.name!r}: encoding {encoding.name} does not fit {spec.dtype}")
-        count = header.topk_count
-        if encoding == Encoding.TOPK:
-            if spec.numel > TOPK_MAX_NUMEL or count > spec.numel:
-                raise WireError(
-                    "bad_manifest", f"tensor {spec.name!r}: top-k of {count} entries of a tensor of {spec.numel}"
-                )
-        elif count:
-            raise WireError("bad_manifest", f"tensor {spec.name!r}: topk_count {count} with encoding {encoding.name}")
-        length = wire_length(spec, encoding, count)
+        if header.topk_count:
+            raise WireError(
+                "bad_manifest", f"tensor {spec.name!r}: topk_count {header.topk_count} with encoding {encoding.name}"
+            )
+        length = wire_length(spec, encoding)
         if header.byte_length != length:
             raise WireError(
                 "bad_manifest", f"tensor {spec.name!r}: byte_length {header.byte_length}, expected {length}"
@@ -397,42 +354,12 @@ def check_manifest(manifest: wire_pb2.Manifest, expected: Sequence[TensorSpec], 
     return encodings
 
 
-@dataclass
-class _Slot:
-    """One expected tensor being received: where its bytes go, and how to hand it over."""
-
-    spec: TensorSpec
-    encoding: Encoding
-    sinks: list[Sink]
-    dense: torch.Tensor | None  # the 1-D destination (None for a top-k handed over sparse)
-    topk: tuple[torch.Tensor, torch.Tensor] | None = None  # staging of (indices, values) for top-k
-
-    def value(self, sparse: bool) -> torch.Tensor | TopK:
-        if self.topk is None:
-            assert self.dense is not None
-            return self.dense.view(self.spec.shape)
-        indices, values = self.topk
-        numel = self.spec.numel
-        if indices.numel():
-            first, last = int(indices[0]), int(indices[-1])
-            if first < 0 or last >= numel or not bool((indices[1:] > indices[:-1]).all()):
-                raise WireError(
-                    "bad_topk", f"tensor {self.spec.name!r}: top-k indices must increase strictly within [0, {numel})"
-                )
-        if sparse:
-            return TopK(indices, values, self.spec.shape)
-        assert self.dense is not None
-        self.dense.zero_()
-        self.dense[indices.to(device=self.dense.device, dtype=torch.int64)] = values.to(self.dense.device)
-        return self.dense.view(self.spec.shape)
-
-
 class Receiver:
     """Decodes one stream fed frame by frame; `result()` hands the message over once the stream is complete.
 
-    `pool` supplies reusable CPU buffers (see pool.py); `device` is where dense tensors are delivered (CUDA
-    destinations are filled through pinned staging buffers); `sparse` hands top-k tensors over as TopK values;
-    `lanes` resolves a Lane frame to the lane its payload travels on (None: lanes are refused).
+    `pool` supplies reusable CPU buffers (see pool.py); `device` is where tensors are delivered (CUDA destinations
+    are filled through pinned staging buffers); `lanes` resolves a Lane frame to the lane its payload travels on
+    (None: lanes are refused).
     """
 
     def __init__(
@@ -442,7 +369,6 @@ class Receiver:
         *,
         pool: BufferPool | None = None,
         device: torch.device | str | None = None,
-        sparse: bool = False,
         lanes: LaneResolver | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ):
@@ -450,11 +376,11 @@ class Receiver:
         self.max_bytes = max_bytes
         self.pool = pool
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.sparse = sparse
         self.lanes = lanes
         self.chunk_bytes = chunk_bytes
         self.manifest: wire_pb2.Manifest | None = None
-        self.slots: list[_Slot] = []
+        self.specs: list[TensorSpec] = []
+        self.destinations: list[torch.Tensor] = []  # 1-D, one per expected tensor
         self.sinks: list[Sink] = []
         self.index = 0
         self.total = 0
@@ -473,29 +399,15 @@ class Receiver:
         expected = list(self.expect(manifest))
         encodings = check_manifest(manifest, expected, self.max_bytes)
         self.manifest = manifest
-        dense_specs = [
-            spec for spec, encoding in zip(expected, encodings, strict=True)
-            if not (self.sparse and encoding == Encoding.TOPK)
-        ]
-        dense = iter(self._allocate(dense_specs))
-        for spec, encoding, header in zip(expected, encodings, manifest.tensors, strict=True):
-            destination = None if self.sparse and encoding == Encoding.TOPK else next(dense)
-            if encoding == Encoding.TOPK:
-                count = header.topk_count
-                indices = torch.empty(count, dtype=torch.int32)
-                values = torch.empty(count, dtype=spec.dtype)
-                sinks: list[Sink] = [DirectSink(byte_view(indices)), DirectSink(byte_view(values))]
-                slot = _Slot(spec, encoding, sinks, destination, (indices, values))
+        self.specs = expected
+        self.destinations = self._allocate(expected)
+        for spec, encoding, destination in zip(expected, encodings, self.destinations, strict=True):
+            wire = wire_dtype(spec.dtype, encoding)
+            if wire == spec.dtype and not destination.is_cuda:
+                sink: Sink = DirectSink(byte_view(destination))
             else:
-                assert destination is not None
-                wire = wire_dtype(spec.dtype, encoding)
-                if wire == spec.dtype and not destination.is_cuda:
-                    sink: Sink = DirectSink(byte_view(destination))
-                else:
-                    sink = StagedSink(destination, wire, self.chunk_bytes)
-                slot = _Slot(spec, encoding, [sink], destination)
-            self.slots.append(slot)
-            self.sinks.extend(slot.sinks)
+                sink = StagedSink(destination, wire, self.chunk_bytes)
+            self.sinks.append(sink)
         self.total = sum(sink.nbytes for sink in self.sinks)
 
     def _allocate(self, specs: list[TensorSpec]) -> list[torch.Tensor]:
@@ -638,7 +550,10 @@ class Receiver:
             )
         manifest = self.manifest
         assert manifest is not None
-        tensors = {slot.spec.name: slot.value(self.sparse) for slot in self.slots}
+        tensors = {
+            spec.name: destination.view(spec.shape)
+            for spec, destination in zip(self.specs, self.destinations, strict=True)
+        }
         return Message(
             kind=Kind(manifest.kind),
             sender=manifest.sender_rank,
@@ -658,7 +573,6 @@ def decode(
     *,
     pool: BufferPool | None = None,
     device: torch.device | str | None = None,
-    sparse: bool = False,
     lanes: LaneResolver | None = None,
 ) -> Message:
     """Read one whole stream (the iterator must end right after the End frame) into a Message.
@@ -667,7 +581,7 @@ def decode(
     WireError (for example when the sender is not a neighbour). Frames may be Frame messages or serialized bytes.
     See Receiver for the keyword arguments.
     """
-    receiver = Receiver(expect, max_bytes, pool=pool, device=device, sparse=sparse, lanes=lanes)
+    receiver = Receiver(expect, max_bytes, pool=pool, device=device, lanes=lanes)
     for frame in frames:
         receiver.feed(frame)
     return receiver.result()
