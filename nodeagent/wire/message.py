@@ -8,23 +8,25 @@ from dataclasses import dataclass
 
 import torch
 
-from nodeagent._proto import wire_pb2
 
-
+# The values are those of wire.proto's enums, written out so that this module needs no protobuf;
+# tests/test_proto_drift.py checks them against the generated module.
 class Kind(enum.IntEnum):
-    """What a message holds; values are those of the wire's MessageKind."""
+    """What a message holds; values are those of the wire's MessageKind (KIND_*)."""
 
-    PARAMS = wire_pb2.KIND_PARAMS
-    DUAL = wire_pb2.KIND_DUAL
-    PUSHSUM = wire_pb2.KIND_PUSHSUM
-    GRADIENT = wire_pb2.KIND_GRADIENT
-    DELTA = wire_pb2.KIND_DELTA
+    PARAMS = 1
+    DUAL = 2
+    PUSHSUM = 3
+    GRADIENT = 4
+    DELTA = 5
 
 
 class Encoding(enum.IntEnum):
-    RAW = wire_pb2.ENCODING_RAW
-    FP16 = wire_pb2.ENCODING_FP16
-    BF16 = wire_pb2.ENCODING_BF16
+    """How a tensor travels; values are those of the wire's Encoding (ENCODING_*)."""
+
+    RAW = 0
+    FP16 = 1
+    BF16 = 2
 
     @classmethod
     def from_name(cls, name: str) -> Encoding:
