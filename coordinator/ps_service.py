@@ -46,7 +46,8 @@ from nodeagent.metrics import Metrics
 from nodeagent.ps.esync import Decision
 from nodeagent.ps.rules import ProtocolError, PushResult
 from nodeagent.rpc import grpc_code
-from nodeagent.wire.codec import decode, encode
+from nodeagent.wire.decoder import decode
+from nodeagent.wire.encoder import encode
 from nodeagent.wire.errors import Status, WireError
 from nodeagent.wire.message import Encoding, Kind, Message
 

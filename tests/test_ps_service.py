@@ -23,7 +23,7 @@ from nodeagent.mesh.ps import ServerClient, new_push_id
 from nodeagent.metrics import Metrics
 from nodeagent.ps.adacomp import Codec, compress
 from nodeagent.training.models import build_model
-from nodeagent.wire.codec import encode
+from nodeagent.wire.encoder import encode
 from nodeagent.wire.message import Kind, Message
 
 

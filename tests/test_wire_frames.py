@@ -14,7 +14,7 @@ from test_codec import HOSTILE, SPECS, _good_frames, assert_bit_equal, finite_sa
 
 from nodeagent._proto import wire_pb2
 from nodeagent.wire import BufferPool, Encoding, Kind, Message, Receiver, WireError, decode, encode, plan, specs_of
-from nodeagent.wire.codec import chunk_frame, frame_body, serialize
+from nodeagent.wire.frames import chunk_frame, frame_body, serialize
 from nodeagent.wire.staging import RING, STAGE_MIN_BYTES, StagedSink, source_for
 
 

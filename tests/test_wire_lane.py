@@ -22,7 +22,8 @@ from nodeagent.algorithms.base import Snapshot
 from nodeagent.mesh.grpc import GRPC_OPTIONS, PeerClient, PeerServicer, ServingState
 from nodeagent.metrics import Metrics
 from nodeagent.wire import Encoding, Kind, Message, TensorSpec, WireError, specs_of
-from nodeagent.wire.codec import LANE_HEADER, LANE_MAGIC, new_stream_id, plan
+from nodeagent.wire.encoder import plan
+from nodeagent.wire.frames import LANE_HEADER, LANE_MAGIC, new_stream_id
 from nodeagent.wire.lane import READY, dial
 
 JOB = "job-lanes"

@@ -30,19 +30,14 @@ from nodeagent._proto import peer_pb2, peer_pb2_grpc, wire_pb2
 from nodeagent.algorithms.base import Snapshot
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import grpc_code
-from nodeagent.wire.codec import (
-    Outgoing,
-    Receiver,
-    chunk_frame,
-    new_stream_id,
-    plan,
-    run_on_lanes,
-    serialize,
-)
+from nodeagent.wire.decoder import Receiver
+from nodeagent.wire.encoder import Outgoing, plan
 from nodeagent.wire.errors import Status, WireError
+from nodeagent.wire.frames import chunk_frame, new_stream_id, serialize
 from nodeagent.wire.lane import LaneHub, LaneSocket, dial, split_host, stripes_for
 from nodeagent.wire.message import DTYPE_NAMES, Encoding, Kind, Message, TensorSpec
 from nodeagent.wire.pool import BufferPool
+from nodeagent.wire.striping import run_on_lanes
 
 # gRPC's per-frame limit must hold the largest chunk a job may configure (jobspec.WireSpec.chunk_bytes) plus the
 # frame's own overhead; the size of a whole stream is limited by the decoder (max_message_bytes).
@@ -369,7 +364,7 @@ class PeerClient:
         options = [*GRPC_OPTIONS, (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
         self.channel = grpc.insecure_channel(address, options=options)
         self.stub = peer_pb2_grpc.PeerStub(self.channel)
-        # The same methods with frames as bytes: chunk frames are built and read by hand (codec.py).
+        # The same methods with frames as bytes: chunk frames are built and read by hand (wire/frames.py).
         self._exchange_call = self.channel.stream_stream(
             f"/{_SERVICE}/Exchange", request_serializer=serialize, response_deserializer=_identity
         )

@@ -18,7 +18,8 @@ from nodeagent._proto import coordinator_pb2_grpc, wire_pb2
 from nodeagent.algorithms.base import SERVER_RANK
 from nodeagent.algorithms.ps import PUSH_ID_HEADER, PSWorker, ReadyAnswer, StepReport, wire_rank
 from nodeagent.metrics import Metrics
-from nodeagent.wire.codec import decode, encode
+from nodeagent.wire.decoder import decode
+from nodeagent.wire.encoder import encode
 from nodeagent.wire.errors import WireError
 from nodeagent.wire.message import Encoding, Kind, Message
 

@@ -1,276 +1,31 @@
-"""The frame codec: messages of tensors to a stream of frames and back, the one place that does it.
+"""Receiving: a stream of frames checked and read into a message of tensors.
 
-A stream is a Manifest frame, chunk frames carrying the tensors' encoded bytes back to back in manifest order,
-and an End frame; or, between peers that opened lanes, a Manifest frame, Lane frames (the same bytes then travel
-on those lanes, each carrying a contiguous part, see lane.py) and an End frame. The receiver checks the manifest
-against what it expects for the edge and kind before it allocates anything, writes the bytes straight into the
-destination buffers (one per expected tensor, or one arena from a `BufferPool`), and only hands the tensors over
-once the End frame has confirmed the stream is complete. Any deviation raises `WireError`; nothing outside the
-decoder's own buffers has been touched at that point, so callers reject the stream and keep their state.
-
-Frames are `wire_pb2.Frame` messages or their serialized bytes: the fast paths build chunk frames by hand (tag,
-length, then the payload copied once from the tensor's memory) and read them back by slicing, so payload bytes
-never pass through protobuf objects.
+The receiver checks the manifest against what it expects for the edge and kind before it allocates anything,
+writes the bytes straight into the destination buffers (one per expected tensor, or one arena from a
+`BufferPool`), and only hands the tensors over once the End frame has confirmed the stream is complete. Any
+deviation raises `WireError`; nothing outside the decoder's own buffers has been touched at that point, so callers
+reject the stream and keep their state.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
-import os
-import struct
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
-from dataclasses import dataclass
 
 import torch
-from google.protobuf.message import DecodeError
 
 from nodeagent._proto import wire_pb2
+from nodeagent.wire.encodings import wire_dtype, wire_encoding, wire_length
 from nodeagent.wire.errors import WireError
+from nodeagent.wire.frames import DEFAULT_CHUNK_BYTES, LANE_HEADER, LANE_MAGIC, STREAM_ID_BYTES, frame_body
 from nodeagent.wire.message import DTYPE_NAMES, DTYPES, Encoding, Kind, Message, TensorSpec
 from nodeagent.wire.pool import BufferPool, aligned
-from nodeagent.wire.staging import DirectSink, Sink, Source, StagedSink, byte_view, source_for
-
-# Chosen by benchmarks/wire.py (frames over gRPC: 1 MiB beat 256 KiB and 4 MiB; larger chunks also cost receiver
-# memory). On a lane the chunk size is the staging granularity of conversions and GPU copies.
-DEFAULT_CHUNK_BYTES = 1 << 20
-
-# Wire dtypes of the lossy encodings; they apply to floating tensors only, others travel raw.
-_ENCODED_DTYPES = {Encoding.FP16: torch.float16, Encoding.BF16: torch.bfloat16}
-
-LANE_MAGIC = b"PTL1"
-LANE_HEADER = struct.Struct("<4s12sQ8x")  # magic, stream id, bytes of the part; 32 bytes
-STREAM_ID_BYTES = 12
-SHARE_ALIGN = 64  # a payload split between lanes inside a tensor: at a multiple of this from the tensor's start
+from nodeagent.wire.staging import DirectSink, Sink, StagedSink, byte_view
+from nodeagent.wire.striping import overlaps, run_on_lanes
 
 # The parts of a striped payload beyond the first are read by these threads (the first by the caller).
 _LANE_READERS = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="lane-reader")
-
-
-def wire_encoding(dtype: torch.dtype, requested: Encoding) -> Encoding:
-    """The encoding a tensor of `dtype` travels in when `requested` is asked for."""
-    if requested in _ENCODED_DTYPES and dtype.is_floating_point and dtype != _ENCODED_DTYPES[requested]:
-        return requested
-    return Encoding.RAW
-
-
-def wire_dtype(dtype: torch.dtype, encoding: Encoding) -> torch.dtype:
-    return _ENCODED_DTYPES.get(encoding, dtype)
-
-
-def wire_length(spec: TensorSpec, encoding: Encoding) -> int:
-    return spec.numel * wire_dtype(spec.dtype, encoding).itemsize
-
-
-# ------------------------------------------------------------------------------------------------ frames
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-_CHUNK_TAG = b"\x12"  # field 2 (chunk), wire type 2 (length-delimited)
-
-
-def chunk_frame(piece: memoryview | bytes) -> bytes:
-    """The serialized Frame{chunk: piece}, built with one copy of the payload."""
-    return b"".join((_CHUNK_TAG, _varint(len(piece)), piece))
-
-
-def serialize(frame: wire_pb2.Frame | bytes) -> bytes:
-    """A frame as gRPC sends it: pre-serialized bytes pass through untouched."""
-    return frame if isinstance(frame, bytes) else frame.SerializeToString()
-
-
-def _read_varint(data: memoryview, pos: int) -> tuple[int, int] | None:
-    value = 0
-    shift = 0
-    while pos < len(data) and shift < 64:
-        byte = data[pos]
-        value |= (byte & 0x7F) << shift
-        pos += 1
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
-    return None
-
-
-def frame_body(frame: wire_pb2.Frame | bytes | bytearray | memoryview) -> tuple[str | None, object]:
-    """(which body, its value) of a frame object or of serialized frame bytes. A chunk's value is a buffer.
-
-    Serialized chunk frames (exactly one field 2) are sliced, not parsed, so the payload is not copied; any other
-    bytes are parsed by protobuf with its full semantics.
-    """
-    if isinstance(frame, wire_pb2.Frame):
-        body = frame.WhichOneof("body")
-        return body, getattr(frame, body) if body else None
-    data = memoryview(frame)
-    if len(data) > 1 and data[0] == _CHUNK_TAG[0]:
-        header = _read_varint(data, 1)
-        if header is not None and header[0] + header[1] == len(data):
-            return "chunk", data[header[1] :]
-    try:
-        parsed = wire_pb2.Frame.FromString(bytes(data))
-    except DecodeError as error:
-        raise WireError("bad_frame", f"a frame that does not parse: {error}") from None
-    body = parsed.WhichOneof("body")
-    return body, getattr(parsed, body) if body else None
-
-
-# ---------------------------------------------------------------------------------------------- sending
-
-
-@dataclass
-class Outgoing:
-    """One message planned for the wire: its manifest, and the tensors' wire bytes produced on demand."""
-
-    manifest: wire_pb2.Manifest
-    sources: list[Source]
-    total: int
-    chunk_bytes: int
-
-    def manifest_frame(self) -> wire_pb2.Frame:
-        return wire_pb2.Frame(manifest=self.manifest)
-
-    def end_frame(self) -> wire_pb2.Frame:
-        return wire_pb2.Frame(end=wire_pb2.End(total_bytes=self.total))
-
-    def pieces(self, limit: int | None) -> Iterator[memoryview]:
-        """The payload in order, each piece at most `limit` bytes (None: as large as the staging allows) and
-        valid only until the next one is asked for."""
-        for source in self.sources:
-            yield from source.pieces(limit)
-
-    def frames(self) -> Iterator[wire_pb2.Frame]:
-        yield self.manifest_frame()
-        for piece in self.pieces(self.chunk_bytes):
-            yield wire_pb2.Frame(chunk=bytes(piece))
-        yield self.end_frame()
-
-    def serialized_frames(self) -> Iterator[bytes]:
-        """The same stream as serialized frames, each chunk frame built with one copy of its payload."""
-        yield self.manifest_frame().SerializeToString()
-        for piece in self.pieces(self.chunk_bytes):
-            yield chunk_frame(piece)
-        yield self.end_frame().SerializeToString()
-
-    def shares(self, count: int) -> list[tuple[int, int]]:
-        """The payload split into at most `count` contiguous parts of about equal size, one per lane; a boundary
-        inside a tensor falls on a multiple of SHARE_ALIGN bytes from the tensor's start (a whole element of any
-        wire dtype)."""
-        if count <= 1 or self.total == 0:
-            return [(0, self.total)]
-        bounds = [0]
-        starts = []
-        offset = 0
-        for source in self.sources:
-            starts.append(offset)
-            offset += source.nbytes
-        for index in range(1, count):
-            target = self.total * index // count
-            start = max(s for s, source in zip(starts, self.sources, strict=True) if s <= target and source.nbytes)
-            bound = start + (target - start) // SHARE_ALIGN * SHARE_ALIGN
-            if bound > bounds[-1]:
-                bounds.append(bound)
-        if self.total > bounds[-1]:
-            bounds.append(self.total)
-        return list(itertools.pairwise(bounds))
-
-    def lane_frames(self, tokens: Sequence[bytes], stream_id: bytes,
-                    shares: Sequence[tuple[int, int]]) -> list[wire_pb2.Frame]:
-        """Manifest, Lane frames (one per share, on the lane of the same index) and End frame of a stream whose
-        payload travels on lanes."""
-        lanes = [
-            wire_pb2.Frame(lane=wire_pb2.Lane(token=token, stream_id=stream_id, total_bytes=stop - start,
-                                              offset=start))
-            for token, (start, stop) in zip(tokens, shares, strict=True)
-        ]
-        return [self.manifest_frame(), *lanes, self.end_frame()]
-
-    def lane_pieces(self, stream_id: bytes, start: int = 0, stop: int | None = None) -> Iterator[memoryview | bytes]:
-        """What goes on the lane that carries payload bytes [start, stop): the header, then those bytes."""
-        stop = self.total if stop is None else stop
-        yield LANE_HEADER.pack(LANE_MAGIC, stream_id, stop - start)
-        offset = 0
-        for source in self.sources:
-            low, high = max(start, offset), min(stop, offset + source.nbytes)
-            if low < high:
-                whole = (low, high) == (offset, offset + source.nbytes)
-                yield from (source if whole else source.part(low - offset, high - offset)).pieces(None)
-            offset += source.nbytes
-
-
-def new_stream_id() -> bytes:
-    return os.urandom(STREAM_ID_BYTES)
-
-
-def plan(
-    message: Message,
-    *,
-    job_id: str = "",
-    sender_id: str = "",
-    encoding: Encoding = Encoding.RAW,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> Outgoing:
-    """Check a message and plan its stream. Nothing is copied yet."""
-    if chunk_bytes < 1:
-        raise ValueError("chunk_bytes must be positive")
-    headers = []
-    sources: list[Source] = []
-    total = 0
-    for name, value in message.tensors.items():
-        if value.dtype not in DTYPE_NAMES:
-            raise ValueError(f"tensor {name!r}: dtype {value.dtype} cannot travel")
-        tensor_encoding = wire_encoding(value.dtype, encoding)
-        source = source_for(value, wire_dtype(value.dtype, tensor_encoding), chunk_bytes)
-        length = wire_length(TensorSpec.of(name, value), tensor_encoding)
-        headers.append(
-            wire_pb2.TensorHeader(
-                name=name,
-                dtype=DTYPE_NAMES[value.dtype],
-                shape=list(value.shape),
-                encoding=int(tensor_encoding),
-                byte_length=length,
-            )
-        )
-        sources.append(source)
-        total += length
-    manifest = wire_pb2.Manifest(
-        job_id=job_id,
-        sender_id=sender_id,
-        sender_rank=message.sender,
-        receiver_rank=message.receiver,
-        kind=int(message.kind),
-        clock=message.clock,
-        loss=message.loss,
-        weight=message.weight,
-        model_version=message.model_version,
-        tensors=headers,
-    )
-    return Outgoing(manifest, sources, total, chunk_bytes)
-
-
-def encode(
-    message: Message,
-    *,
-    job_id: str = "",
-    sender_id: str = "",
-    encoding: Encoding = Encoding.RAW,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> Iterator[wire_pb2.Frame]:
-    """Frames of one message: manifest, chunks (at most `chunk_bytes` each), end. Lazy: a chunk is read from the
-    tensor (converted, or copied off the GPU) only when its frame is asked for."""
-    outgoing = plan(message, job_id=job_id, sender_id=sender_id, encoding=encoding, chunk_bytes=chunk_bytes)
-    yield from outgoing.frames()
-
-
-# -------------------------------------------------------------------------------------------- receiving
 
 Expectation = Callable[[wire_pb2.Manifest], Sequence[TensorSpec]]
 
@@ -287,30 +42,6 @@ class LaneReader:
 
 
 LaneResolver = Callable[[wire_pb2.Lane, wire_pb2.Manifest], LaneReader]
-
-
-def run_on_lanes(tasks: Sequence[Callable[[], None]], lanes: Sequence[LaneReader], pool: futures.Executor) -> None:
-    """Run one task per lane at once, the first in this thread and the others in `pool`. When one fails, every
-    lane is aborted (the others stop waiting on their sockets), all tasks are waited for, and the first WireError
-    is raised, else the first error."""
-    pending = [pool.submit(task) for task in tasks[1:]]
-    errors: list[BaseException] = []
-    try:
-        tasks[0]()
-    except BaseException as error:
-        errors.append(error)
-    for future in pending:
-        if errors:
-            for lane in lanes:
-                lane.abort()
-        try:
-            future.result()
-        except BaseException as error:
-            errors.append(error)
-    if errors:
-        for lane in lanes:
-            lane.abort()
-        raise next((e for e in errors if isinstance(e, WireError)), errors[0])
 
 
 def check_manifest(manifest: wire_pb2.Manifest, expected: Sequence[TensorSpec], max_bytes: int) -> list[Encoding]:
@@ -502,18 +233,15 @@ class Receiver:
     def _parts(self, start: int, stop: int) -> list[Sink]:
         """The sinks (or parts of them) that payload bytes [start, stop) go to."""
         parts = []
-        offset = 0
-        for sink in self.sinks:
-            low, high = max(start, offset), min(stop, offset + sink.nbytes)
-            if low < high:
-                if (low, high) == (offset, offset + sink.nbytes):
-                    parts.append(sink)
-                else:
-                    try:
-                        parts.append(sink.part(low - offset, high - offset))
-                    except ValueError as error:
-                        raise WireError("bad_lane", f"a lane boundary splits an element: {error}") from None
-            offset += sink.nbytes
+        for index, low, high in overlaps([sink.nbytes for sink in self.sinks], start, stop):
+            sink = self.sinks[index]
+            if (low, high) == (0, sink.nbytes):
+                parts.append(sink)
+            else:
+                try:
+                    parts.append(sink.part(low, high))
+                except ValueError as error:
+                    raise WireError("bad_lane", f"a lane boundary splits an element: {error}") from None
         return parts
 
     @staticmethod
@@ -585,9 +313,3 @@ def decode(
     for frame in frames:
         receiver.feed(frame)
     return receiver.result()
-
-
-def stream_bytes(frames: Iterable[wire_pb2.Frame]) -> Iterator[tuple[wire_pb2.Frame, int]]:
-    """Pass frames through, paired with the payload bytes each carries (for traffic accounting)."""
-    for frame in frames:
-        yield frame, len(frame.chunk) if frame.WhichOneof("body") == "chunk" else 0
