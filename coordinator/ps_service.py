@@ -29,7 +29,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ from nodeagent.rpc import grpc_code
 from nodeagent.wire.decoder import decode
 from nodeagent.wire.encoder import encode
 from nodeagent.wire.errors import Status, WireError
+from nodeagent.wire.frames import counted
 from nodeagent.wire.message import Encoding, Kind, Message
 
 log = logging.getLogger("coordinator.ps")
@@ -86,13 +87,6 @@ def atomic_write(path: Path, state: Any, fsync: bool) -> None:
             out.flush()
             os.fsync(out.fileno())
     os.replace(tmp, path)
-
-
-def counted(frames: Iterable[wire_pb2.Frame], count: Callable[[int], None]) -> Iterator[wire_pb2.Frame]:
-    for frame in frames:
-        if frame.WhichOneof("body") == "chunk":
-            count(len(frame.chunk))
-        yield frame
 
 
 class PSJob:

@@ -33,7 +33,7 @@ from nodeagent.rpc import grpc_code
 from nodeagent.wire.decoder import Receiver
 from nodeagent.wire.encoder import Outgoing, plan
 from nodeagent.wire.errors import Status, WireError
-from nodeagent.wire.frames import chunk_frame, new_stream_id, serialize
+from nodeagent.wire.frames import counted, new_stream_id, serialize
 from nodeagent.wire.lane import LaneHub, LaneSocket, dial, split_host, stripes_for
 from nodeagent.wire.message import DTYPE_NAMES, Encoding, Kind, Message, TensorSpec
 from nodeagent.wire.pool import BufferPool
@@ -99,24 +99,6 @@ class ServingState:
             expect, self.max_message_bytes, pool=self.buffers, device=self.device, lanes=lanes,
             chunk_bytes=self.chunk_bytes,
         )
-
-
-def counted(frames: Iterable[wire_pb2.Frame], count: Callable[[int], None]) -> Iterator[wire_pb2.Frame]:
-    """Pass frames through, reporting the payload bytes of each chunk."""
-    for frame in frames:
-        if frame.WhichOneof("body") == "chunk":
-            count(len(frame.chunk))
-        yield frame
-
-
-def _counted_serialized(outgoing: Outgoing, count: Callable[[int], None]) -> Iterator[bytes]:
-    """The stream as serialized frames, reporting each chunk's payload bytes as it is handed to gRPC."""
-    yield outgoing.manifest_frame().SerializeToString()
-    for piece in outgoing.pieces(outgoing.chunk_bytes):
-        frame = chunk_frame(piece)
-        count(len(piece))
-        yield frame
-    yield outgoing.end_frame().SerializeToString()
 
 
 def _remaining(context: grpc.ServicerContext) -> float | None:
@@ -489,7 +471,7 @@ class PeerClient:
         outgoing = state.outgoing(message)
         lanes = self._lanes(state, timeout, stripes_for(outgoing.total))
         if not lanes:
-            self._push_call(_counted_serialized(outgoing, sent.inc), timeout=timeout)
+            self._push_call(counted(outgoing.serialized_frames(), sent.inc), timeout=timeout)
         else:
             request, lanes, deliver = self._plan_lanes(outgoing, lanes)
             # The call goes out first, then this thread writes the payload: the peer's handler is on its way while
@@ -551,7 +533,7 @@ class PeerClient:
         # tensor set, so the two payloads are alike in size).
         lanes = self._lanes(state, timeout, stripes_for(outgoing.total))
         if not lanes:
-            replies = self._exchange_call(_counted_serialized(outgoing, sent.inc), timeout=timeout)
+            replies = self._exchange_call(counted(outgoing.serialized_frames(), sent.inc), timeout=timeout)
             reply = self._incoming(state, replies, message.receiver, metrics)
         else:
             request, lanes, deliver = self._plan_lanes(outgoing, lanes)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from collections.abc import Iterable, Iterator
 
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc, wire_pb2
@@ -21,6 +20,7 @@ from nodeagent.metrics import Metrics
 from nodeagent.wire.decoder import decode
 from nodeagent.wire.encoder import encode
 from nodeagent.wire.errors import WireError
+from nodeagent.wire.frames import counted
 from nodeagent.wire.message import Encoding, Kind, Message
 
 SERVER_NODE = "coordinator"
@@ -56,19 +56,13 @@ class ServerClient:
         self.bytes_received += n
         self.metrics.edge_bytes_received.labels(SERVER_NODE, self.node_id).inc(n)
 
-    def _counted(self, frames: Iterable[wire_pb2.Frame], count) -> Iterator[wire_pb2.Frame]:
-        for frame in frames:
-            if frame.WhichOneof("body") == "chunk":
-                count(len(frame.chunk))
-            yield frame
-
     def push(self, message: Message, push_id: str, timeout: float) -> pb.PsPushReply:
         """Stream one update; returns once the server released this worker. Retry with the same `push_id`."""
         started = time.perf_counter()
         outgoing = dataclasses.replace(message, receiver=self.server_rank)
         frames = encode(outgoing, job_id=self.job_id, sender_id=self.node_id, encoding=self.encoding,
                         chunk_bytes=self.chunk_bytes)
-        reply = self.stub.PsPush(self._counted(frames, self._sent), timeout=timeout,
+        reply = self.stub.PsPush(counted(frames, self._sent), timeout=timeout,
                                  metadata=((PUSH_ID_HEADER, push_id),))
         self.metrics.edge_messages_sent.labels(self.node_id, SERVER_NODE).inc()
         self.metrics.exchange_seconds.labels(self.node_id, SERVER_NODE).observe(time.perf_counter() - started)
@@ -89,7 +83,7 @@ class ServerClient:
 
         replies = self.stub.PsPull(request, timeout=timeout)
         try:
-            message = decode(self._counted(replies, self._received), expect, self.max_message_bytes)
+            message = decode(counted(replies, self._received), expect, self.max_message_bytes)
             message = dataclasses.replace(message, sender=SERVER_RANK)
             worker.check_server_message(message)
         except WireError:
