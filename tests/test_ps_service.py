@@ -21,10 +21,10 @@ from nodeagent.algorithms.ps import PUSH_ID_HEADER, ReadyAnswer, StepReport, bui
 from nodeagent.jobspec import parse_job_spec
 from nodeagent.mesh.ps import ServerClient, new_push_id
 from nodeagent.metrics import Metrics
-from nodeagent.ps.adacomp import Codec, compress
 from nodeagent.training.models import build_model
 from nodeagent.wire.encoder import encode
 from nodeagent.wire.message import Kind, Message
+from nodeagent.wire.sparse import Codec, compress
 
 
 class Coordinator:
