@@ -142,7 +142,7 @@ def peer_server(conn: Connection, numel: int, chunk: int, lanes: bool) -> None:
     from nodeagent.algorithms.base import Snapshot
     from nodeagent.metrics import Metrics
     from nodeagent.runtime.peer_service import GRPC_OPTIONS, PeerServicer, ServingState
-    from nodeagent.wire.codec import WireError
+    from nodeagent.wire.errors import WireError
     from nodeagent.wire.message import Encoding, Kind, TensorSpec
 
     torch.set_num_threads(1)
@@ -198,7 +198,7 @@ def peer_client(conn: Connection, ports: tuple[int, int], numel: int, chunk: int
     from nodeagent.algorithms.base import Snapshot
     from nodeagent.metrics import Metrics
     from nodeagent.runtime.peer_service import PeerClient, ServingState
-    from nodeagent.wire.codec import WireError
+    from nodeagent.wire.errors import WireError
     from nodeagent.wire.message import Encoding, Kind, Message, TensorSpec
 
     torch.set_num_threads(1)

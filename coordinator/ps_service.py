@@ -29,7 +29,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,11 @@ from nodeagent.ps.messages import (
 )
 from nodeagent.ps.rules import ProtocolError, PushResult
 from nodeagent.ps.server import ServerHalf
-from nodeagent.wire.codec import WireError, decode, encode
+from nodeagent.rpc import grpc_code
+from nodeagent.wire.decoder import decode
+from nodeagent.wire.encoder import encode
+from nodeagent.wire.errors import Status, WireError
+from nodeagent.wire.frames import counted
 from nodeagent.wire.message import Encoding, Kind
 
 log = logging.getLogger("coordinator.ps")
@@ -71,7 +75,7 @@ WAIT_SLICE_S = 0.5  # a waiting push checks this often whether its caller is sti
 def status_of(failure: WireError | ProtocolError | JobClosed) -> tuple[grpc.StatusCode, str]:
     """The gRPC status a refused push, pull or report is answered with."""
     if isinstance(failure, WireError):
-        return failure.code, str(failure)
+        return grpc_code(failure.status), str(failure)
     if isinstance(failure, JobClosed):
         return grpc.StatusCode.FAILED_PRECONDITION, str(failure)
     return grpc.StatusCode.INVALID_ARGUMENT, str(failure)
@@ -91,13 +95,6 @@ def atomic_write(path: Path, state: Any, fsync: bool) -> None:
             out.flush()
             os.fsync(out.fileno())
     os.replace(tmp, path)
-
-
-def counted(frames: Iterable[wire_pb2.Frame], count: Callable[[int], None]) -> Iterator[wire_pb2.Frame]:
-    for frame in frames:
-        if frame.WhichOneof("body") == "chunk":
-            count(len(frame.chunk))
-        yield frame
 
 
 class PSJob:
@@ -242,11 +239,11 @@ class PSService:
                 return job
             row = self.store.job(job_id)
             if row is None or row.state != "RUNNING":
-                raise WireError("wrong_job", f"job {job_id!r} is not running", grpc.StatusCode.FAILED_PRECONDITION)
+                raise WireError("wrong_job", f"job {job_id!r} is not running", Status.FAILED_PRECONDITION)
             spec = JobSpec.from_json(row.spec_json)
             if lookup(spec.algorithm.name).family is not Family.SERVER:
                 raise WireError("no_server", f"job {job_id!r} runs {spec.algorithm.name}, which has no parameter "
-                                "server", grpc.StatusCode.FAILED_PRECONDITION)
+                                "server", Status.FAILED_PRECONDITION)
             members = {m.rank: m.node_id for m in self.store.members(job_id)}
             job = self._jobs[job_id] = PSJob(job_id, spec, Path(row.run_dir), members, self.metrics, self.fsync)
             return job
@@ -265,7 +262,7 @@ class PSService:
     def _check_member(job: PSJob, rank: int, node_id: str) -> None:
         if job.members.get(rank) != node_id:
             raise WireError("not_member", f"node {node_id!r} does not hold rank {rank} of job {job.job_id}",
-                            grpc.StatusCode.PERMISSION_DENIED)
+                            Status.PERMISSION_DENIED)
 
     def _count(self, job: PSJob, rank: int, up: int = 0, down: int = 0) -> None:
         node = job.members.get(rank, f"rank{rank}")
@@ -306,7 +303,7 @@ class PSService:
             message = decode(counted(request_iterator, count), expect)
         except WireError as error:
             self.metrics.stream_rejections.labels("unknown", SERVER_NAME, error.reason).inc()
-            context.abort(error.code, str(error))
+            context.abort(grpc_code(error.status), str(error))
         job = found["job"]
         rank = message.sender
         self._count(job, rank, up=received)

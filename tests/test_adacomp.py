@@ -7,19 +7,9 @@ import pytest
 import torch
 
 from nodeagent.jobspec import ModelSpec
-from nodeagent.ps import (
-    AdaCompServer,
-    Codec,
-    ProtocolError,
-    Residual,
-    compress,
-    decode_sparse,
-    densify,
-    encode_sparse,
-    select_topk,
-    traffic,
-)
+from nodeagent.ps import AdaCompServer, ProtocolError
 from nodeagent.training.models import build_model
+from nodeagent.wire.sparse import Codec, Residual, compress, decode_sparse, densify, encode_sparse, select_topk, traffic
 
 
 def vec(*values: float) -> torch.Tensor:

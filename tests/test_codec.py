@@ -11,13 +11,14 @@ import sys
 import tracemalloc
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-import grpc
 import numpy as np
 import pytest
 import torch
 
 from nodeagent._proto import wire_pb2
-from nodeagent.wire import DTYPES, Encoding, Kind, Message, TensorSpec, WireError, decode, encode, specs_of
+from nodeagent.wire import DTYPES, Encoding, Kind, Message, Status, TensorSpec, WireError, specs_of
+from nodeagent.wire.decoder import decode
+from nodeagent.wire.encoder import encode
 
 Frames = list[wire_pb2.Frame]
 
@@ -492,6 +493,8 @@ HOSTILE: list[tuple[str, Callable[[Frames], Frames], str, bool]] = [
     ("missing_tensor", _missing_tensor, "bad_manifest", True),
     ("extra_tensor", _extra_tensor, "bad_manifest", True),
     ("encoding_topk", _set_header(0, encoding=3), "bad_manifest", True),
+    ("encoding_topk_with_its_count", _set_header(0, encoding=3, topk_count=2, byte_length=16), "bad_manifest", True),
+    ("topk_count_on_raw", _set_header(0, topk_count=1), "bad_manifest", True),
     ("encoding_99", _set_header(0, encoding=99), "bad_manifest", True),
     ("encoding_fp16_on_int", _set_header(1, encoding=1, byte_length=6), "bad_manifest", True),
     ("encoding_bf16_on_int", _set_header(1, encoding=2, byte_length=6), "bad_manifest", True),
@@ -517,7 +520,7 @@ def test_hostile_stream_is_rejected_and_state_kept(build, reason: str, manifest_
         receive(state, stream, expect)
     error = excinfo.value
     assert error.reason == reason, str(error)
-    assert error.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.status == Status.INVALID_ARGUMENT
     assert error.detail and str(error).startswith(f"{reason}: ")
     assert len(calls) <= 1
     if manifest_only:
@@ -551,7 +554,7 @@ def test_max_bytes_limits_the_announced_stream(max_bytes: int, ok: bool) -> None
     with pytest.raises(WireError) as excinfo:
         receive(state, stream, expect_specs(SPECS), max_bytes=max_bytes)
     assert excinfo.value.reason == "too_large"
-    assert excinfo.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert excinfo.value.status == Status.INVALID_ARGUMENT
     assert stream.pulled == 1, "an oversized stream must be refused on its manifest"
     for name, tensor in state.items():
         assert_bit_equal(tensor, snapshot[name])
@@ -585,7 +588,7 @@ def test_unknown_kind_is_rejected_before_a_per_kind_expectation_sees_it() -> Non
         with pytest.raises(WireError) as excinfo:
             receive(state, frames, expect)
         assert excinfo.value.reason == "bad_manifest"
-        assert excinfo.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert excinfo.value.status == Status.INVALID_ARGUMENT
     for name, tensor in state.items():
         assert_bit_equal(tensor, snapshot[name])
 
@@ -594,7 +597,7 @@ def test_unknown_kind_is_rejected_before_a_per_kind_expectation_sees_it() -> Non
 
 
 def test_expectation_error_propagates_unchanged() -> None:
-    refusal = WireError("not_neighbour", "rank 1 is not a neighbour of rank 2", code=grpc.StatusCode.PERMISSION_DENIED)
+    refusal = WireError("not_neighbour", "rank 1 is not a neighbour of rank 2", status=Status.PERMISSION_DENIED)
     seen = []
 
     def expect(manifest: wire_pb2.Manifest) -> list[TensorSpec]:
@@ -608,7 +611,7 @@ def test_expectation_error_propagates_unchanged() -> None:
         receive(state, stream, expect)
     assert excinfo.value is refusal
     assert excinfo.value.reason == "not_neighbour"
-    assert excinfo.value.code == grpc.StatusCode.PERMISSION_DENIED
+    assert excinfo.value.status == Status.PERMISSION_DENIED
     assert seen == [(1, 2, "n1")]
     assert stream.pulled == 1
     for name, tensor in state.items():

@@ -13,8 +13,10 @@ from nodeagent._proto import peer_pb2, peer_pb2_grpc, wire_pb2
 from nodeagent.algorithms import Neighbor, NodeContext, build_algorithm
 from nodeagent.jobspec import AlgorithmSpec
 from nodeagent.metrics import Metrics
+from nodeagent.rpc import grpc_code
 from nodeagent.runtime.peer_service import GRPC_OPTIONS, PeerClient, PeerServicer, ServingState
-from nodeagent.wire import Encoding, Kind, Message, encode
+from nodeagent.wire import Encoding, Kind, Message, Status
+from nodeagent.wire.encoder import encode
 
 JOB = "job-1"
 
@@ -175,3 +177,8 @@ def test_node_without_a_job_refuses_exchanges():
         assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     finally:
         server.stop(grace=None)
+
+
+def test_every_wire_status_is_the_grpc_code_of_its_name():
+    for status in Status:
+        assert grpc_code(status).name == status.name

@@ -11,7 +11,7 @@ from nodeagent.jobspec import JobSpecError, parse_job_spec
 from nodeagent.ps import Decision, ProtocolError
 from nodeagent.ps.messages import SERVER_RANK, ReadyAnswer, ServerModel, ServerPull, ServerPush, StepReport
 from nodeagent.training.models import build_model
-from nodeagent.wire.codec import WireError
+from nodeagent.wire.errors import WireError
 from nodeagent.wire.message import Kind, Message
 
 

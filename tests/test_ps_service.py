@@ -19,13 +19,13 @@ from nodeagent._proto import coordinator_pb2_grpc
 from nodeagent.algorithms import REGISTRY, NodeContext, build_server
 from nodeagent.jobspec import parse_job_spec
 from nodeagent.metrics import Metrics
-from nodeagent.ps.adacomp import Codec, compress
 from nodeagent.ps.messages import PUSH_ID_HEADER, ReadyAnswer, ServerPull, ServerPush, StepReport
 from nodeagent.runtime.progress import Traffic
 from nodeagent.runtime.server_link import GrpcServerLink
 from nodeagent.training.models import build_model
-from nodeagent.wire.codec import encode
+from nodeagent.wire.encoder import encode
 from nodeagent.wire.message import Kind, Message
+from nodeagent.wire.sparse import Codec, compress
 
 
 class Coordinator:

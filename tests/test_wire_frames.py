@@ -13,8 +13,10 @@ import torch
 from test_codec import HOSTILE, SPECS, _good_frames, assert_bit_equal, finite_sample, sample
 
 from nodeagent._proto import wire_pb2
-from nodeagent.wire import BufferPool, Encoding, Kind, Message, Receiver, WireError, decode, encode, plan, specs_of
-from nodeagent.wire.codec import chunk_frame, frame_body, serialize
+from nodeagent.wire import BufferPool, Encoding, Kind, Message, WireError, specs_of
+from nodeagent.wire.decoder import Receiver, decode
+from nodeagent.wire.encoder import encode, plan
+from nodeagent.wire.frames import chunk_frame, counted, frame_body, serialize
 from nodeagent.wire.staging import RING, STAGE_MIN_BYTES, StagedSink, source_for
 
 
@@ -51,6 +53,15 @@ def test_serialized_frames_are_the_frames_serialized():
     outgoing = plan(Message(Kind.PARAMS, 0, 1, tensors, clock=4), job_id="j", chunk_bytes=16)
     assert list(outgoing.serialized_frames()) == [f.SerializeToString() for f in outgoing.frames()]
     assert serialize(b"as is") == b"as is"
+
+
+def test_counted_reports_the_chunk_bytes_of_frames_and_of_serialized_frames():
+    tensors = {"w": sample(torch.float32, (5, 7), seed=1), "b": sample(torch.int8, (9,), seed=2)}
+    outgoing = plan(Message(Kind.PARAMS, 0, 1, tensors), chunk_bytes=16)
+    for frames in (list(outgoing.frames()), list(outgoing.serialized_frames())):
+        seen: list[int] = []
+        assert list(counted(frames, seen.append)) == frames
+        assert seen == [16] * 8 + [12, 9]  # chunks of at most 16 bytes, tensor by tensor
 
 
 @pytest.mark.parametrize(("build", "reason"), [h[1:3] for h in HOSTILE], ids=[h[0] for h in HOSTILE])

@@ -21,8 +21,9 @@ from nodeagent._proto import peer_pb2, peer_pb2_grpc, wire_pb2
 from nodeagent.algorithms.base import Snapshot
 from nodeagent.metrics import Metrics
 from nodeagent.runtime.peer_service import GRPC_OPTIONS, PeerClient, PeerServicer, ServingState
-from nodeagent.wire import Encoding, Kind, Message, TensorSpec, TopK, WireError
-from nodeagent.wire.codec import LANE_HEADER, LANE_MAGIC, new_stream_id, plan
+from nodeagent.wire import Encoding, Kind, Message, TensorSpec, WireError, specs_of
+from nodeagent.wire.encoder import plan
+from nodeagent.wire.frames import LANE_HEADER, LANE_MAGIC, new_stream_id
 from nodeagent.wire.lane import READY, dial
 
 JOB = "job-lanes"
@@ -133,18 +134,6 @@ def test_lossy_encodings_on_a_lane(node, encoding):
     assert torch.equal(received, sent.tensors["w"].to(wire).to(torch.float32))
     assert node.sample("peertrain_edge_bytes_received_total", src="n0", dst="n1") == N * 2
     assert client._idle[(JOB, 0)], "the lane was used"
-    client.close()
-
-
-def test_topk_on_a_lane_arrives_dense_with_zeros_elsewhere(node):
-    client = PeerClient(node.address)
-    tensor = torch.randn(N, generator=torch.Generator().manual_seed(2))
-    sparse = TopK.rate(tensor, 0.01)
-    client.push(client_state(), Message(Kind.PARAMS, 0, 1, {"w": sparse}), timeout=10, metrics=Metrics())
-    received = node.inbox.get_nowait().tensors["w"]
-    assert torch.equal(received, sparse.dense())
-    assert int((received != 0).sum()) == sparse.count == N // 100
-    assert node.sample("peertrain_edge_bytes_received_total", src="n0", dst="n1") == sparse.count * 8
     client.close()
 
 
@@ -498,12 +487,25 @@ def test_a_large_payload_is_striped_over_several_lanes(node, striped, encoding):
     client.close()
 
 
-def test_a_striped_topk_and_a_mixed_message(node, striped):
+def test_a_striped_mixed_message(node, striped):
+    """Tensors of several dtypes, one converted on the way: the lane boundaries fall inside the converted tensor
+    and inside a raw one, and the tensors are read into their own buffers across them."""
+    generator = torch.Generator().manual_seed(13)
+    tensors = {
+        "w": torch.randn(N, generator=generator),  # 600 kB as fp16
+        "steps": torch.arange(N // 8),  # 300 kB of int64
+        "mask": torch.rand(N // 3, generator=generator) > 0.5,
+        "b": torch.randn(7, generator=generator),
+    }
+    node.state = make_state(1, node.inbox, node.served, {0: specs_of(tensors)})
     client = PeerClient(node.address)
-    tensor = torch.randn(N, generator=torch.Generator().manual_seed(13))
-    sparse = TopK.rate(tensor, 0.5)  # 1.2 MB of indices and values: striped too
-    client.push(client_state(), Message(Kind.PARAMS, 0, 1, {"w": sparse}), timeout=10, metrics=Metrics())
-    assert torch.equal(node.inbox.get_nowait().tensors["w"], sparse.dense())
+    client.push(client_state(encoding=Encoding.FP16), Message(Kind.PARAMS, 0, 1, tensors), timeout=10,
+                metrics=Metrics())
+    received = node.inbox.get_nowait().tensors
+    assert len(client._idle[(JOB, 0)]) == 3, "the payload was striped over three lanes"
+    assert torch.equal(received["w"], tensors["w"].half().float())
+    assert torch.equal(received["b"], tensors["b"].half().float())
+    assert torch.equal(received["steps"], tensors["steps"]) and torch.equal(received["mask"], tensors["mask"])
     client.close()
 
 

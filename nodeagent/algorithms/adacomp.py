@@ -1,7 +1,7 @@
 """AdaComp (ALGORITHMS.md, "AdaComp"): compressed asynchronous parameter server.
 
 Worker: per step, the gradient of one minibatch; per tensor only the k = max(1, floor(n * rate)) entries of
-largest magnitude travel, as one uint8 tensor "payload" in the compact encoding of nodeagent.ps.adacomp (varint
+largest magnitude travel, as one uint8 tensor "payload" in the compact encoding of nodeagent.wire.sparse (varint
 index gaps, values in fp32, fp16 or int8), tagged with the server version it was computed on. With `residual`
 the entries not sent (and the quantisation error) are added to the next gradient (error feedback; off by default,
 as in the paper).
@@ -25,13 +25,14 @@ from pydantic import Field
 from torch import nn
 
 from nodeagent.algorithms.base import AlgorithmOptions, NodeContext
-from nodeagent.ps.adacomp import AdaCompServer, Codec, Residual, Sparse, compress, decode_sparse, encode_sparse
+from nodeagent.ps.adacomp import AdaCompServer
 from nodeagent.ps.messages import ServerModel, ServerPush
 from nodeagent.ps.rules import ParameterServer, ProtocolError
 from nodeagent.ps.server import ServerHalf
 from nodeagent.ps.worker import PSWorker
-from nodeagent.wire.codec import WireError
+from nodeagent.wire.errors import WireError
 from nodeagent.wire.message import Kind, TensorSpec
+from nodeagent.wire.sparse import Codec, Residual, Sparse, compress, decode_sparse, encode_sparse
 
 PAYLOAD = "payload"
 CODECS = {"fp32": Codec.FP32, "fp16": Codec.FP16, "int8": Codec.INT8}

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from nodeagent.algorithms.base import ALLREDUCE_RANK, Algorithm, Family, NodeContext, Route, Send, Snapshot
-from nodeagent.wire.codec import WireError
+from nodeagent.wire.errors import WireError
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
 

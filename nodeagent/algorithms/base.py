@@ -37,7 +37,7 @@ from torch import nn
 
 from nodeagent.jobspec import AlgorithmSpec, JobSpec, JobSpecError, Mode, format_validation_error
 from nodeagent.ps.messages import ServerAnswer, ServerRequest
-from nodeagent.wire.codec import WireError
+from nodeagent.wire.errors import WireError
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
 

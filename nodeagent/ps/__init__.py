@@ -1,23 +1,10 @@
 """The parameter-server family's mathematics (ALGORITHMS.md, "Parameter-server algorithms"): the servers'
-update rules, AdaComp's selection and compact encoding, ESync's READY decision and aggregation. Pure,
-deterministic and I/O-free: the coordinator and the simulator drive them with explicit inputs and a clock value.
+update rules, ESync's READY decision and aggregation. Pure, deterministic and I/O-free: the coordinator and the
+simulator drive them with explicit inputs and a clock value. AdaComp's worker side and compact encoding are
+nodeagent.wire.sparse.
 """
 
-from nodeagent.ps.adacomp import (
-    AdaCompServer,
-    Codec,
-    DeltaPull,
-    Residual,
-    Sparse,
-    Traffic,
-    compress,
-    decode_sparse,
-    densify,
-    encode_sparse,
-    flat_indices,
-    select_topk,
-    traffic,
-)
+from nodeagent.ps.adacomp import AdaCompServer, DeltaPull
 from nodeagent.ps.esync import (
     Decision,
     ESyncRound,
@@ -32,7 +19,6 @@ from nodeagent.ps.rules import ASGDServer, DCASGDServer, ParameterServer, Protoc
 __all__ = [
     "ASGDServer",
     "AdaCompServer",
-    "Codec",
     "DCASGDServer",
     "Decision",
     "DeltaPull",
@@ -41,19 +27,9 @@ __all__ = [
     "ParameterServer",
     "ProtocolError",
     "PushResult",
-    "Residual",
     "RoundMetrics",
     "SSGDServer",
-    "Sparse",
-    "Traffic",
     "WorkerReport",
-    "compress",
-    "decode_sparse",
-    "densify",
-    "encode_sparse",
-    "flat_indices",
     "is_ready",
-    "select_topk",
     "steps_before_asking",
-    "traffic",
 ]

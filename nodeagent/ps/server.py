@@ -23,7 +23,7 @@ from nodeagent.ps.esync import Decision
 from nodeagent.ps.messages import ServerModel, ServerPush
 from nodeagent.ps.rules import ParameterServer, ProtocolError, PushResult, RoundServer
 from nodeagent.training.models import initial_model
-from nodeagent.wire.codec import WireError
+from nodeagent.wire.errors import WireError
 from nodeagent.wire.message import Kind, TensorSpec
 
 

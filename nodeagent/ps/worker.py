@@ -30,7 +30,7 @@ from nodeagent.algorithms.base import Algorithm, Family, NodeContext, Route, Sen
 from nodeagent.jobspec import JobSpec
 from nodeagent.ps.messages import SERVER_RANK, ServerAnswer, ServerModel, ServerPull, ServerPush
 from nodeagent.ps.server import ServerHalf, initial_parameters
-from nodeagent.wire.codec import WireError
+from nodeagent.wire.errors import WireError
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
 

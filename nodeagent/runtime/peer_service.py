@@ -29,20 +29,16 @@ import grpc.experimental
 from nodeagent._proto import peer_pb2, peer_pb2_grpc, wire_pb2
 from nodeagent.algorithms.base import SendFailed, Snapshot
 from nodeagent.metrics import Metrics
+from nodeagent.rpc import grpc_code
 from nodeagent.runtime.progress import Traffic
-from nodeagent.wire.codec import (
-    Outgoing,
-    Receiver,
-    WireError,
-    chunk_frame,
-    new_stream_id,
-    plan,
-    run_on_lanes,
-    serialize,
-)
+from nodeagent.wire.decoder import Receiver
+from nodeagent.wire.encoder import Outgoing, plan
+from nodeagent.wire.errors import Status, WireError
+from nodeagent.wire.frames import counted, new_stream_id, serialize
 from nodeagent.wire.lane import LaneHub, LaneSocket, dial, split_host, stripes_for
 from nodeagent.wire.message import DTYPE_NAMES, Encoding, Kind, Message, TensorSpec
 from nodeagent.wire.pool import BufferPool
+from nodeagent.wire.striping import run_on_lanes
 
 # gRPC's per-frame limit must hold the largest chunk a job may configure (jobspec.WireSpec.chunk_bytes) plus the
 # frame's own overhead; the size of a whole stream is limited by the decoder (max_message_bytes).
@@ -117,7 +113,7 @@ class ServingState:
         if manifest.job_id != self.job_id:
             raise WireError(
                 "wrong_job", f"stream for job {manifest.job_id!r}, this node runs {self.job_id!r}",
-                grpc.StatusCode.FAILED_PRECONDITION,
+                Status.FAILED_PRECONDITION,
             )
         if manifest.receiver_rank != self.rank:
             raise WireError("wrong_receiver", f"stream for rank {manifest.receiver_rank}, this node is {self.rank}")
@@ -133,24 +129,6 @@ class ServingState:
             expect, self.max_message_bytes, pool=self.buffers, device=self.device, lanes=lanes,
             chunk_bytes=self.chunk_bytes,
         )
-
-
-def counted(frames: Iterable[wire_pb2.Frame], count: Callable[[int], None]) -> Iterator[wire_pb2.Frame]:
-    """Pass frames through, reporting the payload bytes of each chunk."""
-    for frame in frames:
-        if frame.WhichOneof("body") == "chunk":
-            count(len(frame.chunk))
-        yield frame
-
-
-def _counted_serialized(outgoing: Outgoing, count: Callable[[int], None]) -> Iterator[bytes]:
-    """The stream as serialized frames, reporting each chunk's payload bytes as it is handed to gRPC."""
-    yield outgoing.manifest_frame().SerializeToString()
-    for piece in outgoing.pieces(outgoing.chunk_bytes):
-        frame = chunk_frame(piece)
-        count(len(piece))
-        yield frame
-    yield outgoing.end_frame().SerializeToString()
 
 
 def _remaining(context: grpc.ServicerContext) -> float | None:
@@ -237,7 +215,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             del receiver
             self._release(claimed, False)
             self._metrics.stream_rejections.labels("unknown", state.node_id, error.reason).inc()
-            context.abort(error.code, str(error))
+            context.abort(grpc_code(error.status), str(error))
         state.received_from(self._metrics, message.sender)(receiver.received)
         self._metrics.edge_messages_received.labels(state.name_of(message.sender), state.node_id).inc()
         return message, claimed
@@ -303,7 +281,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         try:
             state.expected(request.requester_rank, kind)
         except WireError as error:
-            context.abort(error.code, str(error))
+            context.abort(grpc_code(error.status), str(error))
         reply = state.snapshot().message_for(request.requester_rank, kind)
         if reply is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node serves no {kind.name.lower()}")
@@ -397,7 +375,7 @@ class PeerClient:
         options = [*GRPC_OPTIONS, (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
         self.channel = grpc.insecure_channel(address, options=options)
         self.stub = peer_pb2_grpc.PeerStub(self.channel)
-        # The same methods with frames as bytes: chunk frames are built and read by hand (codec.py).
+        # The same methods with frames as bytes: chunk frames are built and read by hand (wire/frames.py).
         self._exchange_call = self.channel.stream_stream(
             f"/{_SERVICE}/Exchange", request_serializer=serialize, response_deserializer=_identity
         )
@@ -522,7 +500,7 @@ class PeerClient:
         outgoing = state.outgoing(message)
         lanes = self._lanes(state, timeout, stripes_for(outgoing.total))
         if not lanes:
-            self._push_call(_counted_serialized(outgoing, sent), timeout=timeout)
+            self._push_call(counted(outgoing.serialized_frames(), sent), timeout=timeout)
         else:
             request, lanes, deliver = self._plan_lanes(outgoing, lanes)
             # The call goes out first, then this thread writes the payload: the peer's handler is on its way while
@@ -583,7 +561,7 @@ class PeerClient:
         # tensor set, so the two payloads are alike in size).
         lanes = self._lanes(state, timeout, stripes_for(outgoing.total))
         if not lanes:
-            replies = self._exchange_call(_counted_serialized(outgoing, sent), timeout=timeout)
+            replies = self._exchange_call(counted(outgoing.serialized_frames(), sent), timeout=timeout)
             reply = self._incoming(state, replies, message.receiver, metrics)
         else:
             request, lanes, deliver = self._plan_lanes(outgoing, lanes)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from concurrent import futures
 
 import grpc
@@ -42,7 +42,10 @@ from nodeagent.ps.messages import (
 )
 from nodeagent.runtime.peer_service import failure_reason
 from nodeagent.runtime.progress import Traffic
-from nodeagent.wire.codec import WireError, decode, encode
+from nodeagent.wire.decoder import decode
+from nodeagent.wire.encoder import encode
+from nodeagent.wire.errors import WireError
+from nodeagent.wire.frames import counted
 from nodeagent.wire.message import Encoding, Kind
 
 log = logging.getLogger("nodeagent")
@@ -50,13 +53,6 @@ log = logging.getLogger("nodeagent")
 # Failures of a call to the parameter server that a retry may cure (the coordinator restarts, a round is slow).
 TRANSIENT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
                    grpc.StatusCode.RESOURCE_EXHAUSTED)
-
-
-def _counted(frames: Iterable[wire_pb2.Frame], count: Callable[[int], None]) -> Iterator[wire_pb2.Frame]:
-    for frame in frames:
-        if frame.WhichOneof("body") == "chunk":
-            count(len(frame.chunk))
-        yield frame
 
 
 class GrpcServerLink(ServerLink):
@@ -125,7 +121,7 @@ class GrpcServerLink(ServerLink):
         started = time.perf_counter()
         frames = encode(push_message(push, self.rank, self.world_size), job_id=self.job_id, sender_id=self.node_id,
                         encoding=self.encoding, chunk_bytes=self.chunk_bytes)
-        reply = self.stub.PsPush(_counted(frames, self._sent), timeout=self.timeout_s,
+        reply = self.stub.PsPush(counted(frames, self._sent), timeout=self.timeout_s,
                                  metadata=((PUSH_ID_HEADER, push_id),))
         if reply.rejected:
             log.info("job %s: push rejected (%s); pulling the model", self.job_id, reply.rejected)
@@ -149,7 +145,7 @@ class GrpcServerLink(ServerLink):
 
         replies = self.stub.PsPull(request, timeout=self.timeout_s)
         try:
-            model = model_of(decode(_counted(replies, self._received), expect, self.max_message_bytes))
+            model = model_of(decode(counted(replies, self._received), expect, self.max_message_bytes))
             self.worker.check_server_message(model)
         except WireError:
             replies.cancel()

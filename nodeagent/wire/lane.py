@@ -27,7 +27,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from nodeagent.wire.codec import LaneReader, WireError
+from nodeagent.wire.decoder import LaneReader
+from nodeagent.wire.errors import WireError
 
 TOKEN_BYTES = 32
 READY = b"\x01"
