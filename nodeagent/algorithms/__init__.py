@@ -1,33 +1,37 @@
-"""Algorithms by name: the registry, the one list of them. Each is one module holding an I/O-free state machine
-(see base.py) with typed options and a `check()`; adding one is adding its module here."""
+"""Algorithms by name: the registry, the one list of them.
+
+Each algorithm is one module of this package holding an I/O-free state machine (see base.py) with typed options
+and a `check()`; every module here is imported and every concrete Algorithm subclass in it registered under its
+`name`, so adding an algorithm is adding its module (and its tests).
+"""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 from torch import nn
 
-from nodeagent.algorithms.adacomp import AdaComp
-from nodeagent.algorithms.adpsgd import ADPSGD
-from nodeagent.algorithms.allreduce import AllReduceSGD
-from nodeagent.algorithms.asgd import ASGD
 from nodeagent.algorithms.base import Algorithm, Family, Neighbor, NodeContext, Route, Send, Snapshot
-from nodeagent.algorithms.dcasgd import DCASGD
-from nodeagent.algorithms.dsgd import DSGD
-from nodeagent.algorithms.ecl import ADMMISVR, PDMMISVR
-from nodeagent.algorithms.esync import ESync
-from nodeagent.algorithms.gossip import PairwiseGossip
-from nodeagent.algorithms.sgp import SGP, OverlapSGP
-from nodeagent.algorithms.ssgd import SSGD
 from nodeagent.jobspec import JobSpec, JobSpecError
 from nodeagent.ps.server import ServerHalf
 from nodeagent.ps.worker import PSWorker
 
-REGISTRY: dict[str, type[Algorithm]] = {
-    cls.name: cls
-    for cls in (
-        DSGD, PDMMISVR, ADMMISVR, PairwiseGossip, SGP, OverlapSGP, ADPSGD, AllReduceSGD,
-        SSGD, ASGD, DCASGD, AdaComp, ESync,
-    )
-}
+
+def _algorithms(cls: type[Algorithm]) -> list[type[Algorithm]]:
+    """The registrable subclasses of `cls`, depth first: those that set their own name."""
+    found = []
+    for sub in cls.__subclasses__():
+        if "name" in vars(sub):
+            found.append(sub)
+        found.extend(_algorithms(sub))
+    return found
+
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
+
+REGISTRY: dict[str, type[Algorithm]] = {cls.name: cls for cls in _algorithms(Algorithm)}
 SERVER_ALGORITHMS: dict[str, type[PSWorker]] = {
     name: cls for name, cls in REGISTRY.items() if issubclass(cls, PSWorker)
 }
