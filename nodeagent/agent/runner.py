@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from typing import TYPE_CHECKING, cast
 
@@ -115,34 +116,13 @@ class JobRunner(threading.Thread):
         log.info("job %s: rank %d of %d, %s on %d samples, neighbours %s", self.job_id, self.rank, spec.nodes,
                  spec.algorithm.name, node.shard_size, sorted(self.addresses))
         self._wait_for_neighbours()
-        while not self.stop_event.is_set():
-            self._collect(driver)
-            for transmission in driver.due_retries():
-                dispatch.perform(transmission)
-            decision = driver.next()
-            for transmission in decision.sends:
-                dispatch.perform(transmission)
-            self._publish(decision.reports, node, checkpoint)
-            if decision.action is Action.DONE:
-                break
-            if decision.action is Action.WAIT:
-                self._collect(driver, block=True)
-                continue
-            duration = driver.step()
-            if self.slowdown > 1:
-                slept = time.perf_counter()
-                time.sleep(duration * (self.slowdown - 1))
-                duration += time.perf_counter() - slept
-            self._collect(driver)  # replies that came during the step free their edges for its sends
-            for transmission in driver.stepped(duration):
-                dispatch.perform(transmission)
-        log.info("job %s: finished at step %d, test accuracy %.4f", self.job_id, algorithm.clock, driver.accuracy)
-        # Keep serving until the coordinator ends the job: slower neighbours may still exchange with us, and our
-        # pushes that failed are retried until delivered.
-        while not self.stop_event.wait(SERVE_POLL_S):
-            self._collect(driver)
-            for transmission in driver.due_retries():
-                dispatch.perform(transmission)
+
+        def publish(report: Report) -> None:
+            if report.evaluated:
+                save_checkpoint(checkpoint, algorithm)
+            agent.report(to_report(report.progress))
+
+        NodeLoop(driver, dispatch, self.inbox, publish, self.stop_event, self.slowdown).run()
 
     def _server_link(self, node: Node, driver: NodeDriver) -> GrpcServerLink | None:
         if type(node.algorithm).family is not Family.SERVER:
@@ -167,25 +147,6 @@ class JobRunner(threading.Thread):
                                      driver.traffic)
         return self.collective
 
-    def _collect(self, driver: NodeDriver, block: bool = False) -> None:
-        """Hand the driver everything that arrived; with `block`, wait a little for the first item."""
-        try:
-            item = self.inbox.get(timeout=WAIT_POLL_S) if block else self.inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            driver.arrived(item)
-            try:
-                item = self.inbox.get_nowait()
-            except queue.Empty:
-                return
-
-    def _publish(self, reports: tuple[Report, ...], node: Node, checkpoint) -> None:
-        for report in reports:
-            if report.evaluated:
-                save_checkpoint(checkpoint, node.algorithm)
-            self.agent.report(to_report(report.progress))
-
     def _wait_for_neighbours(self) -> None:
         """Start together: wait until every neighbour serves this job (bounded), so that no node runs ahead
         mixing with neighbours that have not started. A neighbour that does not come keeps its copy stale."""
@@ -199,3 +160,65 @@ class JobRunner(threading.Thread):
         if waiting:
             log.warning("job %s: starting without neighbours %s, which do not serve it yet", self.job_id,
                         sorted(waiting))
+
+
+class NodeLoop:
+    """The work of one node on an agent: what the driver decides, performed in this thread (local steps, stretched
+    by `slowdown`), by `dispatch` (sends) and by `publish` (progress reports); everything that arrives comes
+    through `inbox` and goes to the driver. Runs until the node is done, then serves (and retries) until `stop`."""
+
+    def __init__(self, driver: NodeDriver, dispatch: Dispatch, inbox: queue.Queue[Arrival],
+                 publish: Callable[[Report], None], stop: threading.Event, slowdown: float = 1.0):
+        self.driver = driver
+        self.dispatch = dispatch
+        self.inbox = inbox
+        self.publish = publish
+        self.stop = stop
+        self.slowdown = slowdown
+
+    def run(self) -> None:
+        driver, dispatch = self.driver, self.dispatch
+        while not self.stop.is_set():
+            self._collect()
+            for transmission in driver.due_retries():
+                dispatch.perform(transmission)
+            decision = driver.next()
+            for transmission in decision.sends:
+                dispatch.perform(transmission)
+            for report in decision.reports:
+                self.publish(report)
+            if decision.action is Action.DONE:
+                break
+            if decision.action is Action.WAIT:
+                self._collect(block=True)
+                continue
+            duration = driver.step()
+            if self.slowdown > 1:
+                slept = time.perf_counter()
+                time.sleep(duration * (self.slowdown - 1))
+                duration += time.perf_counter() - slept
+            self._collect()  # replies that came during the step free their edges for its sends
+            for transmission in driver.stepped(duration):
+                dispatch.perform(transmission)
+        if driver.done:
+            log.info("job %s: finished at step %d, test accuracy %.4f", driver.job, driver.algorithm.clock,
+                     driver.accuracy)
+        # Keep serving until the job ends: slower neighbours may still exchange with this node, and its pushes that
+        # failed are retried until they are delivered.
+        while not self.stop.wait(SERVE_POLL_S):
+            self._collect()
+            for transmission in driver.due_retries():
+                dispatch.perform(transmission)
+
+    def _collect(self, block: bool = False) -> None:
+        """Hand the driver everything that arrived; with `block`, wait a little for the first item."""
+        try:
+            item = self.inbox.get(timeout=WAIT_POLL_S) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self.driver.arrived(item)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return

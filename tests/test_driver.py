@@ -1,0 +1,205 @@
+"""The node driver's rules, one at a time, on a scripted algorithm and a hand-moved clock: the order of work, the
+evaluation rule, flow control, retries, step-duration stamping and the accounting of compute and wait."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from nodeagent.algorithms.base import Route, Send
+from nodeagent.jobspec import parse_job_spec
+from nodeagent.metrics import Metrics
+from nodeagent.ps.messages import SERVER_RANK, ServerPull, StepReport
+from nodeagent.runtime import driver as driver_module
+from nodeagent.runtime.driver import Action, Failure, NodeDriver, Reply
+from nodeagent.training.loop import EvalResult
+from nodeagent.wire.message import Kind, Message
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class ScriptedAlgorithm:
+    """What the driver calls, recorded; `plan` gives the sends after each step, `waiting` makes it not ready."""
+
+    clock: int = 0
+    plan: list[list[Send]] = field(default_factory=list)
+    waiting: bool = False
+    sends_after_receive: bool = False
+    calls: list[tuple] = field(default_factory=list)
+    _outbox: list[Send] = field(default_factory=list)
+
+    def step(self, inputs, targets) -> float:
+        self.calls.append(("step", self.clock))
+        self.clock += 1
+        self._outbox = self.plan.pop(0) if self.plan else []
+        return 0.5
+
+    def sends(self) -> list[Send]:
+        outbox, self._outbox = self._outbox, []
+        return outbox
+
+    def receive(self, message) -> None:
+        self.calls.append(("receive", message))
+
+    def failed(self, send: Send, reason: str) -> None:
+        self.calls.append(("failed", send.peer, reason))
+
+    def ready(self) -> bool:
+        return not self.waiting
+
+
+class Batches:
+    def next(self):
+        return torch.zeros(2, 1), torch.zeros(2, dtype=torch.int64)
+
+
+@dataclass
+class ScriptedNode:
+    algorithm: ScriptedAlgorithm
+    clock: Clock
+    eval_s: float = 0.0
+    rank: int = 0
+    spec: object = field(default_factory=lambda: parse_job_spec({"nodes": 2, "steps": 4, "eval_every": 2}))
+    batches: Batches = field(default_factory=Batches)
+    evaluations: list[int] = field(default_factory=list)
+
+    def evaluate(self) -> EvalResult:
+        self.evaluations.append(self.algorithm.clock)
+        self.clock.now += self.eval_s
+        return EvalResult(accuracy=0.5, loss=1.0)
+
+
+def driver_for(algorithm: ScriptedAlgorithm, eval_s: float = 0.0, **options) -> tuple[NodeDriver, ScriptedNode]:
+    clock = Clock()
+    node = ScriptedNode(algorithm, clock, eval_s)
+    driver = NodeDriver(node, job="job", name="rank0", clock=clock, metrics=Metrics(), name_of=lambda r: f"rank{r}",
+                        **options)
+    return driver, node
+
+
+def message(sender: int = 1) -> Message:
+    return Message(Kind.PARAMS, sender, 0, {"w": torch.zeros(1)})
+
+
+def exchange(peer: int = 1) -> Send:
+    return Send(Route.EXCHANGE, peer, Kind.PARAMS, message(0))
+
+
+def test_the_initial_model_is_evaluated_before_anything_received_and_then_every_eval_every_steps():
+    algorithm = ScriptedAlgorithm()
+    driver, node = driver_for(algorithm)
+    driver.arrived(message())
+    decision = driver.next()
+    assert node.evaluations == [0] and algorithm.calls == [("receive", message())]
+    assert decision.action is Action.STEP and [r.evaluated for r in decision.reports] == [True]
+    steps = 0
+    while decision.action is Action.STEP:
+        driver.step()
+        driver.stepped(0.1)
+        steps += 1
+        decision = driver.next()
+    assert steps == 4 and node.evaluations == [0, 2, 4]  # eval_every 2, and the last step
+    assert decision.action is Action.DONE and decision.reports[-1].progress.finished
+    driver.arrived(message())  # a finished node absorbs nothing more
+    assert driver.next().action is Action.DONE and algorithm.calls.count(("receive", message())) == 1
+
+
+def test_one_exchange_per_edge_in_flight_and_the_skip_is_a_failure_of_no_call():
+    algorithm = ScriptedAlgorithm(plan=[[exchange(1)], [exchange(1), exchange(2)], [exchange(1)]])
+    driver, _ = driver_for(algorithm)
+    driver.next()
+    driver.step()
+    (first,) = driver.stepped(0.1)
+    driver.next()
+    driver.step()
+    second = driver.stepped(0.1)
+    assert [t.send.peer for t in second] == [2]  # the edge to 1 is busy: not called again
+    driver.next()
+    assert ("failed", 1, "in_flight") in algorithm.calls and driver.failures == 0
+    driver.arrived(Reply(first, message(1)))  # the reply frees the edge
+    driver.step()
+    (third,) = driver.stepped(0.1)
+    assert third.send.peer == 1 and driver.exchanges == 1
+
+
+def test_a_failed_push_is_retried_until_delivered_even_after_the_node_finished():
+    push = Send(Route.PUSH, 1, Kind.PARAMS, message(0))
+    algorithm = ScriptedAlgorithm(plan=[[push]])
+    driver, _ = driver_for(algorithm)
+    driver.next()
+    driver.step()
+    (sent,) = driver.stepped(0.1)
+    due = driver.arrived(Failure(sent, "unavailable"))
+    assert due == driver.clock() + driver_module.PUSH_RETRY_S and driver.due_retries() == []
+    driver.clock.now = due
+    assert driver.due_retries() == [sent]
+    driver.done = True
+    assert driver.arrived(Failure(sent, "unavailable")) is not None  # still retried
+    assert all(call[0] != "failed" for call in driver.algorithm.calls)  # the algorithm never hears of it
+
+
+def test_server_calls_carry_the_step_duration_and_transient_failures_are_retried_with_the_same_id():
+    report = Send(Route.SERVER, SERVER_RANK, Kind.DELTA, StepReport(version=0, round_step=1))
+    pull = Send(Route.SERVER, SERVER_RANK, Kind.PARAMS, ServerPull())
+    algorithm = ScriptedAlgorithm(plan=[[report], [pull]])
+    driver, _ = driver_for(algorithm)
+    driver.next()
+    driver.step()
+    (call,) = driver.stepped(0.25)
+    assert call.step_s == 0.25 and call.call_id
+    assert driver.arrived(Failure(call, "deadline_exceeded", transient=True)) == driver.clock()  # at once
+    assert driver.arrived(Failure(call, "unavailable", transient=True)) == driver.clock() + driver_module.SERVER_RETRY_S
+    assert driver.due_retries() == [call]  # the same call: its id names it to the server
+    driver.next()
+    driver.step()
+    (second,) = driver.stepped(0.1)
+    assert second.call_id != call.call_id
+    assert driver.arrived(Failure(second, "failed_precondition")) is None  # refused: the algorithm decides
+    driver.next()
+    assert ("failed", SERVER_RANK, "failed_precondition") in algorithm.calls
+
+
+def test_compute_is_the_executors_measure_and_wait_is_the_time_until_ready_less_evaluations():
+    algorithm = ScriptedAlgorithm()
+    driver, node = driver_for(algorithm, eval_s=3.0)
+    driver.next()  # evaluates for 3 s: not waiting
+    driver.step()
+    driver.stepped(0.5)  # the step (with its slow-down) took 0.5 s
+    algorithm.waiting = True
+    driver.clock.now += 0.5 + 2.0  # the step's end, then 2 s for its round
+    assert driver.next().action is Action.WAIT
+    driver.clock.now += 1.0
+    algorithm.waiting = False
+    assert driver.next().action is Action.STEP  # ready after 3 s
+    progress = driver.progress()
+    assert (progress.compute_s, progress.wait_s) == (0.5, 3.0)
+    assert math.isclose(progress.elapsed_s, 3.0 + 0.5 + 3.0)
+    assert driver.samples == 2 and node.evaluations == [0]
+
+
+def test_periodic_reports_between_evaluations_when_asked_for():
+    algorithm = ScriptedAlgorithm()
+    driver, _ = driver_for(algorithm, report_every_s=1.0)
+    assert len(driver.next().reports) == 1  # the initial evaluation
+    driver.step()
+    driver.stepped(0.1)
+    assert driver.next().reports == ()  # step 1: no evaluation due, and reported less than 1 s ago
+    driver.step()
+    driver.stepped(0.1)
+    driver.clock.now += 5.0
+    driver.next()  # step 2 evaluates
+    driver.step()
+    driver.stepped(0.1)
+    driver.clock.now += 1.5
+    (report,) = driver.next().reports
+    assert not report.evaluated and report.progress.step == 3
+
