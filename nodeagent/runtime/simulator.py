@@ -269,7 +269,7 @@ class VirtualMesh:
             self._give_up(sim, t, "deadline_exceeded", self.now + self.network.timeout_s)
             return
         message = t.send.message
-        size = message.payload_bytes if isinstance(message, Message) else REQUEST_BYTES
+        size = REQUEST_BYTES if message is None else message.payload_bytes
         self._count(sim, self.nodes[dst], size)
         self.at(self._arrival((src, dst), size), lambda: self._deliver(sim, t))
 
