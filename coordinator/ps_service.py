@@ -1,7 +1,7 @@
 """The parameter server inside the coordinator: the server half of every running centralised job (SSGD, ASGD,
 DC-ASGD, AdaComp, ESync), served over the PsPush, PsPull and PsReport calls of coordinator.proto.
 
-One `PSJob` per job holds the algorithm's server half (nodeagent.algorithms.ps) behind one lock: pushes from many
+One `PSJob` per job holds the algorithm's server half (nodeagent.ps.server) behind one lock: pushes from many
 workers are applied one at a time, in the order they take the lock, each exactly once (a push is named by the
 "peertrain-push-id" metadata, and a retry of a worker's last push is recognised and not applied again).
 

@@ -1,7 +1,11 @@
-"""The parameter-server family's mathematics (ALGORITHMS.md, "Parameter-server algorithms"): the servers'
-update rules, ESync's READY decision and aggregation. Pure, deterministic and I/O-free: the coordinator and the
-simulator drive them with explicit inputs and a clock value. AdaComp's worker side and compact encoding are
-nodeagent.wire.sparse.
+"""The parameter-server family, in one package (ALGORITHMS.md, "Parameter-server algorithms"):
+- the mathematics, pure and I/O-free: the servers' update rules (rules.py), AdaComp's staleness-aware server
+  (adacomp.py; its worker side and compact encoding are nodeagent.wire.sparse), ESync's READY decision and
+  aggregation (esync.py); the coordinator and the simulator drive them with explicit inputs and a clock value;
+- what a worker and its server say to each other (messages.py) and how a worker reaches it (link.py: one
+  ServerLink interface, with a gRPC and a simulated implementation in nodeagent.runtime);
+- the two halves every algorithm of the family binds: the server half (server.py) and the worker (worker.py).
+The package exports the mathematics; the rest is imported from its module.
 """
 
 from nodeagent.ps.adacomp import AdaCompServer, DeltaPull
