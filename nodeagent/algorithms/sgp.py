@@ -97,7 +97,9 @@ class SGP(Algorithm):
             received = self.shares.get(round_, {})
             if len(received) < len(self.context.out_peers(round_)):
                 break
-            for x_share, weight_share in received.values():
+            # In sender order, not arrival order: the float sums then do not depend on timing.
+            for sender in sorted(received):
+                x_share, weight_share = received[sender]
                 self._absorb(x_share, weight_share)
             self.shares.pop(round_, None)
             self.open_rounds.popleft()
