@@ -1,9 +1,10 @@
 """One job on one agent: the runner thread, the only thread that touches the node's algorithm.
 
-It builds the node, resumes it from its checkpoint, and drives it with the node driver (nodeagent.runtime.driver):
-whatever the network threads received, and the outcome of every call the dispatch made, comes through one queue
-and goes to the driver; what the driver decides is performed here (a local step, stretched by the slow-down),
-by the dispatch (sends) and by the agent (progress reports; a checkpoint after each evaluation).
+It builds the node, resumes it from its checkpoint, and runs its NodeLoop around the node driver
+(nodeagent.runtime.driver): whatever the network threads received, and the outcome of every call the dispatch
+made, comes through one queue and goes to the driver; what the driver decides is performed here (a local step,
+stretched by the slow-down), by the dispatch (sends) and by the agent (progress reports; a checkpoint after each
+evaluation).
 
 Slow devices: each local step is stretched by the product of the agent's `--slowdown` (the machine) and the job's
 `slowdown` of this rank (the experiment): after the step the runner sleeps (factor - 1) times the step's compute
@@ -18,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 from nodeagent._proto import coordinator_pb2
@@ -162,19 +164,18 @@ class JobRunner(threading.Thread):
                         sorted(waiting))
 
 
+@dataclass
 class NodeLoop:
     """The work of one node on an agent: what the driver decides, performed in this thread (local steps, stretched
     by `slowdown`), by `dispatch` (sends) and by `publish` (progress reports); everything that arrives comes
     through `inbox` and goes to the driver. Runs until the node is done, then serves (and retries) until `stop`."""
 
-    def __init__(self, driver: NodeDriver, dispatch: Dispatch, inbox: queue.Queue[Arrival],
-                 publish: Callable[[Report], None], stop: threading.Event, slowdown: float = 1.0):
-        self.driver = driver
-        self.dispatch = dispatch
-        self.inbox = inbox
-        self.publish = publish
-        self.stop = stop
-        self.slowdown = slowdown
+    driver: NodeDriver
+    dispatch: Dispatch
+    inbox: queue.Queue[Arrival]
+    publish: Callable[[Report], None]
+    stop: threading.Event
+    slowdown: float = 1.0
 
     def run(self) -> None:
         driver, dispatch = self.driver, self.dispatch
