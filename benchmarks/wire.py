@@ -22,7 +22,7 @@ Measures, in one run (TARGETS.md, "System performance"):
      the receiver keeps for the next message (its receive pool) count.
 2. the training step: two agent-like processes, each serving peers (lanes on) and training ECL-ISVR
    (pdmm-isvr; DSGD where it is not registered) with K = 8 local steps between two exchanges on their edge, on
-   the CNN, its exchanges in a thread pool as in nodeagent/agent.py; blocks of 16 steps with exchanges and
+   the CNN, its exchanges in a thread pool as in nodeagent/agent/dispatch.py; blocks of 16 steps with exchanges and
    without take turns, both nodes in the same block at once, and the medians of the blocks' wall time per step
    are compared (a block with exchanges lasts until its last exchange has completed).
 3. the encodings on a link of `--link-gbit` Gbit/s (default 10): Push raw, fp16 and bf16 and gloo of the 44 MB
@@ -141,7 +141,8 @@ def peer_server(conn: Connection, numel: int, chunk: int, lanes: bool) -> None:
     from nodeagent._proto import peer_pb2_grpc
     from nodeagent.algorithms.base import Snapshot
     from nodeagent.metrics import Metrics
-    from nodeagent.runtime.peer_service import GRPC_OPTIONS, PeerServicer, ServingState
+    from nodeagent.rpc import GRPC_OPTIONS
+    from nodeagent.runtime.peer_service import PeerServicer, ServingState
     from nodeagent.wire.errors import WireError
     from nodeagent.wire.message import Encoding, Kind, TensorSpec
 
@@ -160,7 +161,7 @@ def peer_server(conn: Connection, numel: int, chunk: int, lanes: bool) -> None:
         expected=expected, snapshot=lambda: served, inbox=DiscardingInbox(), encoding=Encoding.RAW,
         chunk_bytes=chunk, max_message_bytes=max(1 << 30, 4 * numel),
     )
-    # The agent's own server setup (nodeagent/agent.py): a 16-thread pool, GRPC_OPTIONS, the generated
+    # The agent's own server setup (nodeagent/agent/daemon.py): a 16-thread pool, GRPC_OPTIONS, the generated
     # registration; lanes on the host it listens on, or none.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="peer"), options=GRPC_OPTIONS)
     servicer = PeerServicer(lambda: state, Metrics(), "bench", lane_host="127.0.0.1" if lanes else None)
@@ -420,7 +421,8 @@ def step_agent(conn: Connection, rank: int, ports: list[int], config: Config) ->
     from nodeagent.algorithms import REGISTRY, Neighbor, NodeContext, build_algorithm
     from nodeagent.jobspec import AlgorithmSpec, ModelSpec
     from nodeagent.metrics import Metrics
-    from nodeagent.runtime.peer_service import GRPC_OPTIONS, PeerClient, PeerServicer, ServingState
+    from nodeagent.rpc import GRPC_OPTIONS
+    from nodeagent.runtime.peer_service import PeerClient, PeerServicer, ServingState
     from nodeagent.training.models import build_model
     from nodeagent.wire.message import Encoding
 

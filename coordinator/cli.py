@@ -1,4 +1,8 @@
-"""`coordinator`: the control plane's daemon and the operator's command line."""
+"""`coordinator`: the control plane's daemon and the operator's command line.
+
+The commands that validate, simulate or serve jobs import their modules when they run: those load torch, about
+2 s of start-up that `nodes`, `status` and `stop` should not pay.
+"""
 
 from __future__ import annotations
 
@@ -15,19 +19,13 @@ from pathlib import Path
 
 import grpc
 
-from coordinator.demo import run_demo
 from coordinator.display import format_status, state_name, status_text
-from coordinator.jobs import validate_job
-from coordinator.service import CoordinatorConfig, CoordinatorService
-from coordinator.simulate import SimulationProgress, simulate
 from nodeagent import __version__
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc
 from nodeagent.jobspec import DEFAULT_DATA_DIR, JobSpec, JobSpecError, load_job_file
 from nodeagent.metrics import Metrics
-from nodeagent.runtime.peer_service import GRPC_OPTIONS, split_address
-from nodeagent.training.data import load_dataset
-from nodeagent.training.splits import describe_split, format_split_table, split_indices
+from nodeagent.rpc import GRPC_OPTIONS, split_address
 
 DEFAULT_COORDINATOR = os.environ.get("PEERTRAIN_COORDINATOR", "127.0.0.1:7070")
 
@@ -130,6 +128,8 @@ def _stub(address: str) -> coordinator_pb2_grpc.CoordinatorStub:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from coordinator.service import CoordinatorConfig, CoordinatorService
+
     logging.basicConfig(level=args.log_level, format="%(asctime)s coordinator %(levelname)s: %(message)s")
     metrics = Metrics()
     service = CoordinatorService(
@@ -200,6 +200,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 def _load_job(path: Path) -> JobSpec:
     """The job of `path`, validated as the coordinator validates it (schema, algorithm, options, topology)."""
+    from coordinator.jobs import validate_job
+
     try:
         spec = load_job_file(path)
         validate_job(spec)
@@ -211,6 +213,8 @@ def _load_job(path: Path) -> JobSpec:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from coordinator.simulate import SimulationProgress, simulate
+
     spec = _load_job(args.job_file)
     job_id = f"sim-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = (args.runs / job_id).resolve()
@@ -225,6 +229,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from coordinator.jobs import validate_job
+    from nodeagent.training.data import load_dataset
+    from nodeagent.training.splits import describe_split, format_split_table, split_indices
+
     spec = _load_job(args.job_file)
     topology = validate_job(spec)
     degrees = [topology.degree(rank) for rank in range(spec.nodes)]
@@ -239,11 +247,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from coordinator.demo import run_demo
+
+    return run_demo(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {
         "serve": cmd_serve, "submit": cmd_submit, "nodes": cmd_nodes, "status": cmd_status, "stop": cmd_stop,
-        "simulate": cmd_simulate, "inspect": cmd_inspect, "demo": run_demo,
+        "simulate": cmd_simulate, "inspect": cmd_inspect, "demo": cmd_demo,
     }
     try:
         return handlers[args.command](args)

@@ -13,8 +13,8 @@ from nodeagent._proto import peer_pb2, peer_pb2_grpc, wire_pb2
 from nodeagent.algorithms import Neighbor, NodeContext, build_algorithm
 from nodeagent.jobspec import AlgorithmSpec
 from nodeagent.metrics import Metrics
-from nodeagent.rpc import grpc_code
-from nodeagent.runtime.peer_service import GRPC_OPTIONS, PeerClient, PeerServicer, ServingState
+from nodeagent.rpc import GRPC_OPTIONS, grpc_code
+from nodeagent.runtime.peer_service import PeerClient, PeerServicer, ServingState
 from nodeagent.wire import Encoding, Kind, Message, Status
 from nodeagent.wire.encoder import encode
 

@@ -15,7 +15,8 @@ from test_codec import assert_bit_equal, finite_sample
 from nodeagent._proto import peer_pb2_grpc
 from nodeagent.algorithms.base import Snapshot
 from nodeagent.metrics import Metrics
-from nodeagent.runtime.peer_service import GRPC_OPTIONS, PeerClient, PeerServicer, ServingState
+from nodeagent.rpc import GRPC_OPTIONS
+from nodeagent.runtime.peer_service import PeerClient, PeerServicer, ServingState
 from nodeagent.wire import Encoding, Kind, Message, TensorSpec, specs_of
 from nodeagent.wire.decoder import decode
 from nodeagent.wire.encoder import plan

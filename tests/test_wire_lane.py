@@ -20,7 +20,8 @@ import torch
 from nodeagent._proto import peer_pb2, peer_pb2_grpc, wire_pb2
 from nodeagent.algorithms.base import Snapshot
 from nodeagent.metrics import Metrics
-from nodeagent.runtime.peer_service import GRPC_OPTIONS, PeerClient, PeerServicer, ServingState
+from nodeagent.rpc import GRPC_OPTIONS
+from nodeagent.runtime.peer_service import PeerClient, PeerServicer, ServingState
 from nodeagent.wire import Encoding, Kind, Message, TensorSpec, WireError, specs_of
 from nodeagent.wire.encoder import plan
 from nodeagent.wire.frames import LANE_HEADER, LANE_MAGIC, new_stream_id

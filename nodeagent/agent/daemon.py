@@ -21,7 +21,8 @@ from nodeagent import __version__
 from nodeagent._proto import coordinator_pb2, coordinator_pb2_grpc, peer_pb2_grpc
 from nodeagent.agent.runner import JobRunner
 from nodeagent.metrics import Metrics
-from nodeagent.runtime.peer_service import GRPC_OPTIONS, PeerServicer, ServingState, failure_reason, split_address
+from nodeagent.rpc import GRPC_OPTIONS, failure_reason, split_address
+from nodeagent.runtime.peer_service import PeerServicer, ServingState
 
 log = logging.getLogger("nodeagent")
 

@@ -29,8 +29,9 @@ from nodeagent.agent.dispatch import Dispatch
 from nodeagent.algorithms import Family, Neighbor
 from nodeagent.jobspec import JobSpec
 from nodeagent.ps.link import ServerExpectation
+from nodeagent.rpc import split_address
 from nodeagent.runtime.driver import Action, Arrival, NodeDriver, Report
-from nodeagent.runtime.peer_service import GrpcPeers, ServingState, split_address
+from nodeagent.runtime.peer_service import GrpcPeers, ServingState
 from nodeagent.runtime.progress import to_report
 from nodeagent.runtime.server_link import GrpcServerLink
 from nodeagent.training.job import Node, build_node

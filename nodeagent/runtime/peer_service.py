@@ -29,7 +29,7 @@ import grpc.experimental
 from nodeagent._proto import peer_pb2, peer_pb2_grpc, wire_pb2
 from nodeagent.algorithms.base import SendFailed, Snapshot
 from nodeagent.metrics import Metrics
-from nodeagent.rpc import grpc_code
+from nodeagent.rpc import GRPC_OPTIONS, failure_reason, grpc_code
 from nodeagent.runtime.progress import Traffic
 from nodeagent.wire.decoder import Receiver
 from nodeagent.wire.encoder import Outgoing, plan
@@ -40,22 +40,8 @@ from nodeagent.wire.message import DTYPE_NAMES, Encoding, Kind, Message, TensorS
 from nodeagent.wire.pool import BufferPool
 from nodeagent.wire.striping import run_on_lanes
 
-# gRPC's per-frame limit must hold the largest chunk a job may configure (jobspec.WireSpec.chunk_bytes) plus the
-# frame's own overhead; the size of a whole stream is limited by the decoder (max_message_bytes).
-MAX_FRAME_BYTES = (64 << 20) + (1 << 16)
-GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_FRAME_BYTES),
-    ("grpc.max_send_message_length", MAX_FRAME_BYTES),
-]
-
 _SERVICE = "peertrain.v1.Peer"
 
-
-def split_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"address {address!r} must be HOST:PORT")
-    return host.strip("[]") or "0.0.0.0", int(port)
 
 LANE_RETRY_S = 30.0  # after a peer refused lanes (or could not be dialled), frames only for this long
 LANE_SETUP_TIMEOUT_S = 5.0
@@ -359,10 +345,6 @@ def _abort_on_failure(lanes: list[LaneSocket], call: grpc.Future) -> None:
 def _identity(data: bytes) -> bytes:
     return data
 
-
-def failure_reason(error: grpc.RpcError) -> str:
-    code = error.code() if hasattr(error, "code") else None
-    return code.name.lower() if code is not None else "error"
 
 
 class PeerClient:

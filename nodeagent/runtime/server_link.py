@@ -40,7 +40,7 @@ from nodeagent.ps.messages import (
     push_message,
     server_wire_rank,
 )
-from nodeagent.runtime.peer_service import failure_reason
+from nodeagent.rpc import failure_reason
 from nodeagent.runtime.progress import Traffic
 from nodeagent.wire.decoder import decode
 from nodeagent.wire.encoder import encode
