@@ -7,7 +7,6 @@ import yaml
 
 from coordinator.cluster import LocalCluster
 from nodeagent._proto import coordinator_pb2 as pb
-from nodeagent.algorithms import REGISTRY
 from nodeagent.runtime.progress import read_run_log
 
 pytestmark = pytest.mark.slow
@@ -33,8 +32,6 @@ def cluster(tmp_path_factory, fashion_mnist_dir):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_trains_over_grpc(cluster, fashion_mnist_dir, family):
     algorithm, topology = FAMILIES[family]
-    if algorithm["name"] not in REGISTRY:
-        pytest.skip(f"{algorithm['name']} is not registered")
     job = {
         "name": family, "nodes": 4, "steps": 200, "eval_every": 100,
         "algorithm": {"lr": 0.02, **algorithm},
