@@ -68,10 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("job_file", type=Path, metavar="JOB.yaml")
     _add_coordinator_option(submit)
 
-    nodes = commands.add_parser("nodes", help="list registered node agents")
+    nodes = commands.add_parser(
+        "nodes", help="list registered node agents; remove or drain one",
+        description="Without an action: every registered agent, up or down, draining or not, and its job. "
+        "`remove NODE` forgets a node that runs no job; `drain NODE` places no new job on it (`--undo`: again).",
+    )
+    nodes.add_argument("action", nargs="?", choices=["list", "remove", "drain"], default="list")
+    nodes.add_argument("node_id", nargs="?", metavar="NODE", help="the node of remove or drain")
+    nodes.add_argument("--undo", action="store_true", help="with drain: take the node back into service")
     _add_coordinator_option(nodes)
 
-    status = commands.add_parser("status", help="per-node step, loss and accuracy of a job (default: newest)")
+    status = commands.add_parser(
+        "status", help="a job's state, times and reason, and per node its state, step, rate, loss, accuracy and "
+        "traffic (default: the newest job)")
     status.add_argument("job_id", nargs="?", default="", metavar="JOB")
     _add_coordinator_option(status)
 
@@ -173,15 +182,30 @@ def cmd_submit(args: argparse.Namespace) -> int:
     reply = _stub(args.coordinator).SubmitJob(pb.SubmitJobRequest(spec_yaml=spec_yaml), timeout=30)
     print(reply.job_id)
     print(f"state: {state_name(reply.state)}; run dir: {reply.run_dir}", file=sys.stderr)
+    if reply.warning:
+        print(f"warning: {reply.warning}", file=sys.stderr)
     return 0
 
 
 def cmd_nodes(args: argparse.Namespace) -> int:
-    reply = _stub(args.coordinator).ListNodes(pb.ListNodesRequest(), timeout=10)
-    print(f"{'node':<14} {'name':<16} {'state':<5} {'peer address':<22} {'metrics':<22} {'job':<32} rank")
+    stub = _stub(args.coordinator)
+    if args.action != "list":
+        if not args.node_id:
+            raise SystemExit(f"coordinator: nodes {args.action} needs a NODE (see `coordinator nodes`)")
+        if args.action == "remove":
+            stub.RemoveNode(pb.NodeRequest(node_id=args.node_id), timeout=10)
+            print(f"{args.node_id}: removed")
+        else:
+            node = stub.DrainNode(pb.DrainRequest(node_id=args.node_id, drain=not args.undo), timeout=10)
+            job = f"; it finishes rank {node.rank} of job {node.job_id} first" if node.job_id and node.draining else ""
+            print(f"{args.node_id}: {'draining' if node.draining else 'in service'}{job}")
+        return 0
+    reply = stub.ListNodes(pb.ListNodesRequest(), timeout=10)
+    print(f"{'node':<14} {'name':<16} {'state':<8} {'peer address':<22} {'metrics':<22} {'job':<32} rank")
     for n in reply.nodes:
+        state = ("up" if n.up else "down") + (", drain" if n.draining else "")
         print(
-            f"{n.node_id:<14} {n.name:<16} {'up' if n.up else 'down':<5} {n.peer_address:<22} "
+            f"{n.node_id:<14} {n.name:<16} {state:<8} {n.peer_address:<22} "
             f"{n.metrics_address:<22} {n.job_id or '-':<32} {n.rank if n.job_id else '-'}"
         )
     return 0
@@ -222,8 +246,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     result = simulate(spec, run_dir, args.data_dir, on_progress=SimulationProgress(spec.steps))
     print()
     state = "finished" if result.mesh.finished else "running"
-    print(format_status(f"job {job_id} ({spec.name}): {state}, {spec.nodes} nodes, run dir {run_dir}",
-                        result.progress))
+    print(f"job {job_id} ({spec.name}): {state}, {spec.nodes} nodes, run dir {run_dir}")
+    print(format_status(result.progress))
     print(f"virtual time {result.mesh.now:.2f} s, wall time {result.wall_s:.1f} s; metrics log {run_dir}/metrics.jsonl")
     return 0
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 
 from nodeagent._proto import coordinator_pb2 as pb
@@ -18,11 +19,34 @@ def progress_of(status: pb.JobStatusReply) -> list[Progress]:
     return [from_node_progress(status.job_id, node) for node in status.nodes]
 
 
-def status_text(status: pb.JobStatusReply) -> str:
-    """`coordinator status` of a job."""
-    title = (f"job {status.job_id} ({status.name}): {state_name(status.state)}, {status.world_size} nodes, "
-             f"run dir {status.run_dir}")
-    return format_status(title, progress_of(status))
+def _duration(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def status_text(status: pb.JobStatusReply, now: float | None = None) -> str:
+    """`coordinator status` of a job: its state, times and reason, then a row per node."""
+    now = time.time() if now is None else now
+    lines = [f"job {status.job_id} ({status.name}): {state_name(status.state)}, {status.world_size} nodes, "
+             f"run dir {status.run_dir}"]
+    if status.started_unix:
+        end = status.ended_unix or now
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(status.started_unix))
+        lines.append(f"started {started}, {'ran' if status.ended_unix else 'running for'} "
+                     f"{_duration(end - status.started_unix)}")
+    if status.reason:
+        lines.append(("waits: " if status.state == pb.JOB_PENDING else "reason: ") + status.reason)
+    states = {node.rank: node.state for node in status.nodes}
+    ages = {node.rank: now - node.updated_unix if node.updated_unix else math.nan for node in status.nodes}
+    lines.append(format_status(progress_of(status), states, ages))
+    for node in status.nodes:
+        if node.failure:
+            lines.append(f"rank {node.rank} failed: {node.failure}")
+    return "\n".join(lines)
 
 
 def _fmt(value: float, pattern: str = "{:.4f}") -> str:
@@ -35,16 +59,24 @@ def mean_accuracy(nodes: Sequence[Progress]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def format_status(title: str, nodes: Sequence[Progress]) -> str:
-    """A title line, one row per node, and the mean test accuracy."""
+def format_status(nodes: Sequence[Progress], states: dict[int, str] | None = None,
+                  ages: dict[int, float] | None = None) -> str:
+    """A row per node (its state, from the coordinator, and the age of its last report when given), and the
+    mean test accuracy."""
+    states = states or {}
+    ages = ages or {}
     lines = [
-        title,
-        f"{'rank':>4}  {'node':<14} {'step':>7} {'loss':>8} {'test acc':>9} {'sent MB':>9} {'recv MB':>9}  done",
+        f"{'rank':>4}  {'node':<14} {'state':<8} {'step':>7} {'steps/s':>8} {'loss':>8} {'test acc':>9} "
+        f"{'sent MB':>9} {'recv MB':>9} {'report':>10}",
     ]
     for n in nodes:
+        state = states.get(n.rank) or ("finished" if n.finished else "running")
+        rate = n.step / n.elapsed_s if n.elapsed_s > 0 else math.nan
+        age = ages.get(n.rank, math.nan)
         lines.append(
-            f"{n.rank:>4}  {n.node:<14} {n.step:>7} {_fmt(n.loss):>8} {_fmt(n.test_accuracy):>9} "
-            f"{n.bytes_sent / 1e6:>9.2f} {n.bytes_received / 1e6:>9.2f}  {'yes' if n.finished else 'no'}"
+            f"{n.rank:>4}  {n.node:<14} {state:<8} {n.step:>7} {_fmt(rate, '{:.1f}'):>8} {_fmt(n.loss):>8} "
+            f"{_fmt(n.test_accuracy):>9} {n.bytes_sent / 1e6:>9.2f} {n.bytes_received / 1e6:>9.2f} "
+            f"{'-' if math.isnan(age) else _duration(age) + ' ago':>10}"
         )
     evaluated = [n for n in nodes if not math.isnan(n.test_accuracy)]
     if evaluated:

@@ -268,10 +268,10 @@ class PSService:
         node = job.members.get(rank, f"rank{rank}")
         if up:
             self.metrics.ps_bytes_upstream.labels(job.job_id, node).inc(up)
-            self.metrics.edge_bytes_received.labels(node, SERVER_NAME).inc(up)
+            self.metrics.edge_bytes_received.labels(job.job_id, node, SERVER_NAME).inc(up)
         if down:
             self.metrics.ps_bytes_downstream.labels(job.job_id, node).inc(down)
-            self.metrics.edge_bytes_sent.labels(SERVER_NAME, node).inc(down)
+            self.metrics.edge_bytes_sent.labels(job.job_id, SERVER_NAME, node).inc(down)
 
     # -- the calls ---------------------------------------------------------------------------------------------------
 

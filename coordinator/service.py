@@ -15,7 +15,7 @@ from torch.distributed import TCPStore
 
 from coordinator.jobs import plan_node, validate_job
 from coordinator.ps_service import PSService
-from coordinator.store import ACTIVE_STATES, JobRow, Store
+from coordinator.store import JobRow, NodeRow, Store
 from coordinator.topology import Topology, build_topology
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc
@@ -30,6 +30,7 @@ JOB_STATES = {
     name: pb.JobState.Value(f"JOB_{name}") for name in ("PENDING", "RUNNING", "FINISHED", "STOPPED", "FAILED")
 }
 WATCH_POLL_S = 1.0
+MAX_FAILURE_CHARS = 2000  # of a node's failure reason, as stored and shown
 
 
 @dataclass
@@ -76,6 +77,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._schedule_lock = threading.Lock()
         self.ps = PSService(self.store, metrics, fsync=config.ps_fsync)
         self._monitor = threading.Thread(target=self._monitor_loop, name="liveness", daemon=True)
+        # After a restart the agents' heartbeats need a timeout's time to come back: until then no node is marked
+        # down for silence (its last heartbeat went to the coordinator that stopped).
+        self._silence_counts_from = time.time() + config.heartbeat_timeout_s
 
     def start(self) -> None:
         self._monitor.start()
@@ -91,12 +95,34 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def _monitor_loop(self) -> None:
         while not self.stopping.wait(1.0):
-            down = self.store.mark_silent_nodes_down(self.config.heartbeat_timeout_s)
-            if down:
-                log.warning("no heartbeat from %s: marked down", ", ".join(down))
-                self.changes.bump()
+            if time.time() >= self._silence_counts_from:
+                down = self.store.mark_silent_nodes_down(self.config.heartbeat_timeout_s)
+                if down:
+                    log.warning("no heartbeat from %s: marked down", ", ".join(down))
+                    self.changes.bump()
+                self._fail_jobs_that_lost_nodes()
             self._schedule()
             self._update_gauges()
+
+    def _fail_jobs_that_lost_nodes(self) -> None:
+        """A synchronous job whose node has been silent for longer than the heartbeat timeout plus the job's grace
+        fails (its other nodes would wait forever); an asynchronous job goes on without the node."""
+        nodes = {n.node_id: n for n in self.store.nodes()}
+        now = time.time()
+        for job in self.store.jobs(("RUNNING",)):
+            spec = JobSpec.from_json(job.spec_json)
+            if not lookup(spec.algorithm.name).synchronous(spec.algorithm):
+                continue
+            for member in self.store.members(job.job_id):
+                node = nodes.get(member.node_id)
+                if node is None or node.up or member.progress.finished:
+                    continue
+                silent = now - node.last_seen_unix
+                if silent > self.config.heartbeat_timeout_s + spec.failure.lost_grace_s:
+                    self._end_job(job, "FAILED", f"rank {member.rank} (node {member.node_id}) lost: no heartbeat "
+                                  f"for {silent:.0f} s, longer than the heartbeat timeout and the job's "
+                                  f"failure.lost_grace_s ({spec.failure.lost_grace_s:g} s)")
+                    break
 
     def _update_gauges(self) -> None:
         nodes = self.store.nodes()
@@ -107,16 +133,48 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.metrics.coordinator_jobs.labels(state.lower()).set(len(self.store.jobs((state,))))
 
     def _schedule(self) -> None:
-        """Start pending jobs, oldest first, on idle nodes that are up (in registration order)."""
+        """Start pending jobs, oldest first, on idle nodes that are up and not draining (in registration order). A
+        job that does not fit waits, with the reason, and does not hold back a smaller one that fits."""
         with self._schedule_lock:
             for job in self.store.jobs(("PENDING",)):
-                busy = self.store.busy_node_ids()
-                idle = [n.node_id for n in self.store.nodes() if n.up and n.node_id not in busy]
+                nodes = self.store.nodes()
+                idle = self._idle(nodes)
                 if len(idle) < job.world_size:
-                    return
+                    reason = self._wait_reason(job.world_size, nodes)
+                    if reason != job.reason:
+                        self.store.set_pending_reason(job.job_id, reason)
+                    continue
                 self.store.start_job(job.job_id, idle[: job.world_size])
                 log.info("job %s started on %s", job.job_id, ", ".join(idle[: job.world_size]))
                 self.changes.bump()
+
+    def _idle(self, nodes: list[NodeRow]) -> list[str]:
+        busy = self.store.busy_node_ids()
+        return [n.node_id for n in nodes if n.up and not n.draining and n.node_id not in busy]
+
+    def _wait_reason(self, needed: int, nodes: list[NodeRow]) -> str:
+        """What a job of `needed` nodes waits for, or "" if it can start now."""
+        idle = len(self._idle(nodes))
+        if idle >= needed:
+            return ""
+        usable = sum(n.up and not n.draining for n in nodes)
+        if usable < needed:
+            return (f"needs {needed} agents; {usable} are up and not draining ({len(nodes)} registered): it starts "
+                    f"when {needed - usable} more join")
+        return f"needs {needed} idle agents; {idle} are idle now, the others run jobs: it starts when they end"
+
+    def _end_job(self, job: JobRow, state: str, reason: str = "") -> None:
+        """Finish, stop or fail an active job: its agents are freed (their assignment ends), and its rendezvous and
+        parameter server close."""
+        if not self.store.end_job(job.job_id, state, reason):
+            return
+        self._end_rendezvous(job.job_id)
+        self.ps.close(job.job_id)
+        self.metrics.forget_job(job.job_id)
+        log.log(logging.WARNING if state == "FAILED" else logging.INFO, "job %s %s%s", job.job_id, state.lower(),
+                f": {reason}" if reason else "")
+        self.changes.bump()
+        self._schedule()
 
     # -- assignments ---------------------------------------------------------------------------------------------
 
@@ -218,13 +276,25 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if request.finished and job.state == "RUNNING":
             members = self.store.members(job.job_id)
             if all(m.progress.finished for m in members):
-                self.store.set_job_state(job.job_id, "FINISHED")
-                self._end_rendezvous(job.job_id)
-                self.ps.close(job.job_id)
-                log.info("job %s finished", job.job_id)
-                self.changes.bump()
-                self._schedule()
-        return pb.MetricsReply(job_active=job.state == "RUNNING")
+                self._end_job(job, "FINISHED")
+        return pb.MetricsReply(job_active=self.store.job(job.job_id).state == "RUNNING")
+
+    def ReportFailure(self, request, context):
+        reason = request.reason[:MAX_FAILURE_CHARS] or "no reason given"
+        if not self.store.record_failure(request.job_id, request.rank, request.node_id, reason):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"node {request.node_id[:64]!r} does not hold rank "
+                          f"{request.rank} of job {request.job_id[:64]!r}")
+        job = self.store.job(request.job_id)
+        assert job is not None
+        # The default policy: a node that cannot build or continue its job fails the job.
+        self._end_job(job, "FAILED", f"rank {request.rank} (node {request.node_id}) failed: {reason}")
+        return pb.NodeFailureReply(job_state=JOB_STATES[self.store.job(job.job_id).state])
+
+    def Deregister(self, request, context):
+        if self.store.mark_down(request.node_id):
+            log.info("%s left", request.node_id)
+            self.changes.bump()
+        return pb.DeregisterReply()
 
     # -- parameter server (coordinator.ps_service) ----------------------------------------------------------------
 
@@ -245,6 +315,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             validate_job(spec)
         except JobSpecError as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid job spec: {error}")
+        warning = self._wait_reason(spec.nodes, self.store.nodes())
         job_id = f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
         run_dir = self.config.run_root / job_id
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -255,43 +326,69 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._schedule()
         job = self.store.job(job_id)
         assert job is not None
-        return pb.SubmitJobReply(job_id=job_id, state=JOB_STATES[job.state], run_dir=str(run_dir))
+        return pb.SubmitJobReply(job_id=job_id, state=JOB_STATES[job.state], run_dir=str(run_dir),
+                                 warning=warning and f"the job cannot start now: it {warning}")
 
     def StopJob(self, request, context):
         job = self.store.job(request.job_id)
         if job is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no job {request.job_id!r}")
-        if job.state in ACTIVE_STATES:
-            self.store.set_job_state(job.job_id, "STOPPED")
-            self._end_rendezvous(job.job_id)
-            self.ps.close(job.job_id)
-            log.info("job %s stopped by an operator", job.job_id)
-            self.changes.bump()
-            self._schedule()
+        self._end_job(job, "STOPPED", "stopped by an operator")
         return pb.StopJobReply(state=JOB_STATES[self.store.job(job.job_id).state])
 
     def ListNodes(self, request, context):
-        busy = {}
-        for job in self.store.jobs(("RUNNING",)):
-            for member in self.store.members(job.job_id):
-                busy[member.node_id] = (job.job_id, member.rank)
-        return pb.ListNodesReply(
-            nodes=[
-                pb.NodeInfo(
-                    node_id=n.node_id, name=n.name, peer_address=n.peer_address, metrics_address=n.metrics_address,
-                    up=n.up, last_seen_unix=n.last_seen_unix, job_id=busy.get(n.node_id, ("", 0))[0],
-                    rank=busy.get(n.node_id, ("", 0))[1], device=n.device,
-                )
-                for n in self.store.nodes()
-            ]
+        return pb.ListNodesReply(nodes=[self._node_info(n) for n in self.store.nodes()])
+
+    def _node_info(self, node: NodeRow) -> pb.NodeInfo:
+        membership = self.store.running_membership(node.node_id)
+        job_id, rank = (membership[0].job_id, membership[1]) if membership else ("", 0)
+        return pb.NodeInfo(
+            node_id=node.node_id, name=node.name, peer_address=node.peer_address,
+            metrics_address=node.metrics_address, up=node.up, last_seen_unix=node.last_seen_unix, job_id=job_id,
+            rank=rank, device=node.device, draining=node.draining,
         )
+
+    def RemoveNode(self, request, context):
+        node = self.store.node(request.node_id)
+        if node is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no node {request.node_id[:64]!r}")
+        info = self._node_info(node)
+        if info.job_id:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"node {node.node_id} runs rank {info.rank} of job {info.job_id}: stop the job or drain "
+                          "the node first")
+        self.store.remove_node(node.node_id)
+        log.info("%s removed by an operator", node.node_id)
+        self.changes.bump()
+        return info
+
+    def DrainNode(self, request, context):
+        if not self.store.set_draining(request.node_id, request.drain):
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no node {request.node_id[:64]!r}")
+        log.info("%s %s by an operator", request.node_id, "drained" if request.drain else "back in service")
+        self.changes.bump()
+        self._schedule()
+        node = self.store.node(request.node_id)
+        assert node is not None
+        return self._node_info(node)
 
     def JobStatus(self, request, context):
         job = self.store.job(request.job_id) if request.job_id else self.store.latest_job()
         if job is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no job {request.job_id!r}" if request.job_id else "no jobs yet")
+        nodes = {n.node_id: n for n in self.store.nodes()}
         return pb.JobStatusReply(
             job_id=job.job_id, name=job.name, state=JOB_STATES[job.state], world_size=job.world_size,
-            run_dir=job.run_dir, created_unix=job.created_unix, spec_yaml=job.spec_yaml,
-            nodes=[to_node_progress(m.progress) for m in self.store.members(job.job_id)],
+            run_dir=job.run_dir, created_unix=job.created_unix, spec_yaml=job.spec_yaml, reason=job.reason,
+            started_unix=job.started_unix, ended_unix=job.ended_unix,
+            nodes=[to_node_progress(m.progress, self._member_state(m, nodes.get(m.node_id)), m.failure)
+                   for m in self.store.members(job.job_id)],
         )
+
+    @staticmethod
+    def _member_state(member, node: NodeRow | None) -> str:
+        if member.failure:
+            return "failed"
+        if member.progress.finished:
+            return "finished"
+        return "up" if node is not None and node.up else "down"

@@ -54,18 +54,33 @@ CREATE TABLE IF NOT EXISTS members (
     PRIMARY KEY (job_id, rank)
 );
 """
-# Columns added to `members` since its first version: a database written before gets them when opened.
-MEMBER_COLUMNS_ADDED = {
-    "test_loss": "REAL",
-    "elapsed_s": "REAL NOT NULL DEFAULT 0",
-    "compute_s": "REAL NOT NULL DEFAULT 0",
-    "wait_s": "REAL NOT NULL DEFAULT 0",
-    "exchanges": "INTEGER NOT NULL DEFAULT 0",
-    "exchange_failures": "INTEGER NOT NULL DEFAULT 0",
+# Columns added since the tables' first version: a database written before gets them when it is opened.
+COLUMNS_ADDED = {
+    "nodes": {"draining": "INTEGER NOT NULL DEFAULT 0"},
+    "jobs": {
+        "reason": "TEXT NOT NULL DEFAULT ''",  # why it failed, or what a pending job waits for
+        "started_unix": "REAL NOT NULL DEFAULT 0",
+        "ended_unix": "REAL NOT NULL DEFAULT 0",
+    },
+    "members": {
+        "test_loss": "REAL",
+        "elapsed_s": "REAL NOT NULL DEFAULT 0",
+        "compute_s": "REAL NOT NULL DEFAULT 0",
+        "wait_s": "REAL NOT NULL DEFAULT 0",
+        "exchanges": "INTEGER NOT NULL DEFAULT 0",
+        "exchange_failures": "INTEGER NOT NULL DEFAULT 0",
+        "failure": "TEXT NOT NULL DEFAULT ''",
+        "local_steps": "INTEGER NOT NULL DEFAULT 0",
+    },
 }
-# The members' columns in the order `members()` reads them.
+# The columns in the order the rows below read them.
+_NODE_FIELDS = ("node_id", "name", "peer_address", "metrics_address", "device", "version", "registered_unix",
+                "last_seen_unix", "up", *COLUMNS_ADDED["nodes"])
+_JOB_FIELDS = ("job_id", "name", "spec_json", "spec_yaml", "state", "world_size", "created_unix", "run_dir",
+               *COLUMNS_ADDED["jobs"])
 _MEMBER_FIELDS = ("job_id", "rank", "node_id", "step", "loss", "test_accuracy", "finished", "updated_unix",
-                  "bytes_sent", "bytes_received", *MEMBER_COLUMNS_ADDED)
+                  "bytes_sent", "bytes_received", *COLUMNS_ADDED["members"])
+FINAL_STATES = ("FINISHED", "STOPPED", "FAILED")
 
 ACTIVE_STATES = ("PENDING", "RUNNING")
 
@@ -81,6 +96,7 @@ class NodeRow:
     registered_unix: float
     last_seen_unix: float
     up: bool
+    draining: bool = False
 
 
 @dataclass(frozen=True)
@@ -93,6 +109,9 @@ class JobRow:
     world_size: int
     created_unix: float
     run_dir: str
+    reason: str = ""
+    started_unix: float = 0.0
+    ended_unix: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -101,6 +120,7 @@ class MemberRow:
     rank: int
     node_id: str
     progress: Progress  # the last one the node reported (nothing measured before the first)
+    failure: str = ""  # why the node could not build or continue the job, in its words
 
 
 class Store:
@@ -110,10 +130,11 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
-        present = {row[1] for row in self._db.execute("PRAGMA table_info(members)")}
-        for column, definition in MEMBER_COLUMNS_ADDED.items():
-            if column not in present:
-                self._db.execute(f"ALTER TABLE members ADD COLUMN {column} {definition}")
+        for table, columns in COLUMNS_ADDED.items():
+            present = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+            for column, definition in columns.items():
+                if column not in present:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -153,7 +174,8 @@ class Store:
                 return node_id
             node_id = node_id or f"node-{uuid.uuid4().hex[:8]}"
             db.execute(
-                "INSERT INTO nodes VALUES (?, ?, ?, ?, ?, ?, ?, ?, 1)",
+                "INSERT INTO nodes (node_id, name, peer_address, metrics_address, device, version, registered_unix, "
+                "last_seen_unix, up) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 1)",
                 (node_id, name, peer_address, metrics_address, device, version, now, now),
             )
             return node_id
@@ -175,38 +197,64 @@ class Store:
         return [r[0] for r in rows]
 
     def nodes(self) -> list[NodeRow]:
-        rows = self._query("SELECT * FROM nodes ORDER BY registered_unix, node_id")
-        return [NodeRow(*r[:8], up=bool(r[8])) for r in rows]
+        rows = self._query(f"SELECT {', '.join(_NODE_FIELDS)} FROM nodes ORDER BY registered_unix, node_id")
+        return [_node_row(r) for r in rows]
 
     def node(self, node_id: str) -> NodeRow | None:
-        rows = self._query("SELECT * FROM nodes WHERE node_id = ?", (node_id,))
-        return NodeRow(*rows[0][:8], up=bool(rows[0][8])) if rows else None
+        rows = self._query(f"SELECT {', '.join(_NODE_FIELDS)} FROM nodes WHERE node_id = ?", (node_id,))
+        return _node_row(rows[0]) if rows else None
+
+    def mark_down(self, node_id: str) -> bool:
+        """A node that left cleanly; whether it was up."""
+        with self._tx() as db:
+            return db.execute("UPDATE nodes SET up=0 WHERE node_id=? AND up=1", (node_id,)).rowcount == 1
+
+    def set_draining(self, node_id: str, draining: bool) -> bool:
+        with self._tx() as db:
+            return db.execute("UPDATE nodes SET draining=? WHERE node_id=?", (int(draining), node_id)).rowcount == 1
+
+    def remove_node(self, node_id: str) -> None:
+        """Forget a node (not in a running job: the caller checks) and its memberships of ended jobs."""
+        with self._tx() as db:
+            db.execute("DELETE FROM members WHERE node_id=?", (node_id,))
+            db.execute("DELETE FROM nodes WHERE node_id=?", (node_id,))
 
     # -- jobs ----------------------------------------------------------------------------------------------------
 
     def add_job(self, job_id: str, name: str, spec_json: str, spec_yaml: str, world_size: int, run_dir: str) -> None:
         with self._tx() as db:
             db.execute(
-                "INSERT INTO jobs VALUES (?, ?, ?, ?, 'PENDING', ?, ?, ?)",
+                "INSERT INTO jobs (job_id, name, spec_json, spec_yaml, state, world_size, created_unix, run_dir) "
+                "VALUES (?, ?, ?, ?, 'PENDING', ?, ?, ?)",
                 (job_id, name, spec_json, spec_yaml, world_size, time.time(), run_dir),
             )
 
     def job(self, job_id: str) -> JobRow | None:
-        rows = self._query("SELECT * FROM jobs WHERE job_id = ?", (job_id,))
+        rows = self._query(f"SELECT {', '.join(_JOB_FIELDS)} FROM jobs WHERE job_id = ?", (job_id,))
         return JobRow(*rows[0]) if rows else None
 
     def latest_job(self) -> JobRow | None:
-        rows = self._query("SELECT * FROM jobs ORDER BY created_unix DESC LIMIT 1")
+        rows = self._query(f"SELECT {', '.join(_JOB_FIELDS)} FROM jobs ORDER BY created_unix DESC LIMIT 1")
         return JobRow(*rows[0]) if rows else None
 
     def jobs(self, states: tuple[str, ...]) -> list[JobRow]:
         marks = ",".join("?" * len(states))
-        rows = self._query(f"SELECT * FROM jobs WHERE state IN ({marks}) ORDER BY created_unix", states)
+        rows = self._query(f"SELECT {', '.join(_JOB_FIELDS)} FROM jobs WHERE state IN ({marks}) ORDER BY created_unix",
+                           states)
         return [JobRow(*r) for r in rows]
 
-    def set_job_state(self, job_id: str, state: str) -> None:
+    def end_job(self, job_id: str, state: str, reason: str = "") -> bool:
+        """Move a pending or running job to a final state; whether it was still active."""
         with self._tx() as db:
-            db.execute("UPDATE jobs SET state=? WHERE job_id=?", (state, job_id))
+            cursor = db.execute(
+                "UPDATE jobs SET state=?, reason=?, ended_unix=? WHERE job_id=? AND state IN ('PENDING', 'RUNNING')",
+                (state, reason, time.time(), job_id),
+            )
+            return cursor.rowcount == 1
+
+    def set_pending_reason(self, job_id: str, reason: str) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET reason=? WHERE job_id=? AND state='PENDING'", (reason, job_id))
 
     def start_job(self, job_id: str, node_ids: list[str]) -> None:
         """Give the job its ranks (in the order given) and mark it running."""
@@ -215,7 +263,15 @@ class Store:
                 "INSERT INTO members (job_id, rank, node_id) VALUES (?, ?, ?)",
                 [(job_id, rank, node_id) for rank, node_id in enumerate(node_ids)],
             )
-            db.execute("UPDATE jobs SET state='RUNNING' WHERE job_id=?", (job_id,))
+            db.execute("UPDATE jobs SET state='RUNNING', reason='', started_unix=? WHERE job_id=?",
+                       (time.time(), job_id))
+
+    def record_failure(self, job_id: str, rank: int, node_id: str, reason: str) -> bool:
+        """A node's failure in a job; False if that node does not hold that rank of that job."""
+        with self._tx() as db:
+            cursor = db.execute("UPDATE members SET failure=? WHERE job_id=? AND rank=? AND node_id=?",
+                                (reason, job_id, rank, node_id))
+            return cursor.rowcount == 1
 
     def busy_node_ids(self) -> set[str]:
         rows = self._query(
@@ -234,18 +290,19 @@ class Store:
                 test_accuracy=_float(f["test_accuracy"]), test_loss=_float(f["test_loss"]), elapsed_s=f["elapsed_s"],
                 finished=bool(f["finished"]), bytes_sent=f["bytes_sent"], bytes_received=f["bytes_received"],
                 compute_s=f["compute_s"], wait_s=f["wait_s"], exchanges=f["exchanges"],
-                exchange_failures=f["exchange_failures"], time=f["updated_unix"],
+                exchange_failures=f["exchange_failures"], time=f["updated_unix"], local_steps=f["local_steps"],
             )
-            members.append(MemberRow(job_id, f["rank"], f["node_id"], progress))
+            members.append(MemberRow(job_id, f["rank"], f["node_id"], progress, f["failure"]))
         return members
 
     def running_membership(self, node_id: str) -> tuple[JobRow, int] | None:
         rows = self._query(
-            "SELECT j.*, m.rank FROM members m JOIN jobs j ON j.job_id = m.job_id "
+            f"SELECT {', '.join('j.' + field for field in _JOB_FIELDS)}, m.rank FROM members m JOIN jobs j "
+            "ON j.job_id = m.job_id "
             "WHERE m.node_id = ? AND j.state = 'RUNNING'",
             (node_id,),
         )
-        return (JobRow(*rows[0][:8]), rows[0][8]) if rows else None
+        return (JobRow(*rows[0][:-1]), rows[0][-1]) if rows else None
 
     def record_progress(self, progress: Progress) -> bool:
         """Store a node's progress (an evaluation's figures stay until the next evaluation); returns False if
@@ -255,13 +312,18 @@ class Store:
             cursor = db.execute(
                 "UPDATE members SET step=?, loss=?, test_accuracy=COALESCE(?, test_accuracy), "
                 "test_loss=COALESCE(?, test_loss), finished=?, updated_unix=?, bytes_sent=?, bytes_received=?, "
-                "elapsed_s=?, compute_s=?, wait_s=?, exchanges=?, exchange_failures=? "
+                "elapsed_s=?, compute_s=?, wait_s=?, exchanges=?, exchange_failures=?, local_steps=? "
                 "WHERE job_id=? AND rank=? AND node_id=?",
                 (p.step, _null(p.loss), _null(p.test_accuracy), _null(p.test_loss), int(p.finished), p.time,
                  p.bytes_sent, p.bytes_received, p.elapsed_s, p.compute_s, p.wait_s, p.exchanges,
-                 p.exchange_failures, p.job, p.rank, p.node),
+                 p.exchange_failures, p.local_steps, p.job, p.rank, p.node),
             )
             return cursor.rowcount == 1
+
+
+def _node_row(row: tuple) -> NodeRow:
+    fields = dict(zip(_NODE_FIELDS, row, strict=True))
+    return NodeRow(**{**fields, "up": bool(fields["up"]), "draining": bool(fields["draining"])})
 
 
 def _null(value: float) -> float | None:

@@ -101,6 +101,15 @@ class SimulationSpec(_Strict):
     seed: int = Field(0, ge=0, description="seeds jitter and message loss")
 
 
+class FailureSpec(_Strict):
+    """What the coordinator does when a node of the job fails or is lost. A node that cannot build or continue its
+    job fails the job at once."""
+
+    lost_grace_s: float = Field(
+        60.0, gt=0, description="a node without heartbeat for this long fails a synchronous job (an asynchronous "
+        "job goes on without it); a node restarted within it rejoins")
+
+
 class JobSpec(_Strict):
     name: str = Field("job", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     nodes: int = Field(8, ge=1, le=4096, description="number of node agents in the job")
@@ -115,6 +124,7 @@ class JobSpec(_Strict):
     slowdown: dict[int, float] = Field(
         default_factory=dict, description="rank -> factor >= 1 that stretches each local step (heterogeneity)"
     )
+    failure: FailureSpec = Field(default_factory=FailureSpec)
 
     simulation: SimulationSpec = Field(default_factory=SimulationSpec, description="used by the simulator only")
 

@@ -1,7 +1,9 @@
 """Every Prometheus metric of peertrain, defined in one place (agents and the coordinator alike).
 
-Names carry the `peertrain_` prefix and Prometheus units; edges are labelled `src` and `dst` (node ids).
-Each process owns one `Metrics` object with its own registry, so tests can run several in one interpreter.
+Names carry the `peertrain_` prefix and Prometheus units. Series of a job carry `job_id` (not "job": Prometheus
+owns that label); edges are labelled `src` and `dst` (node ids), nodes `node`. When a job ends here its series are
+removed (`forget_job`). Each process owns one `Metrics` object with its own registry, so tests can run several in
+one interpreter.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ class Metrics:
 
     def __post_init__(self) -> None:
         r = self.registry
-        edge = ["src", "dst"]
-        node = ["job_id", "node"]  # not "job": Prometheus owns that label
+        edge = ["job_id", "src", "dst"]
+        node = ["job_id", "node"]
         self.edge_bytes_sent = Counter(
             "peertrain_edge_bytes_sent", "Bytes of tensor frames sent on an edge", edge, registry=r
         )
@@ -99,6 +101,30 @@ class Metrics:
             "peertrain_ps_staleness", "Delay of an applied push: updates between the worker's version and it",
             ["job_id"], buckets=STALENESS_BUCKETS, registry=r,
         )
+
+        # Every metric with series of a job, and its label names (for forget_job).
+        self._of_a_job = [
+            *((m, edge) for m in (self.edge_bytes_sent, self.edge_bytes_received, self.edge_messages_sent,
+                                  self.edge_messages_received, self.exchange_seconds)),
+            (self.exchange_failures, [*edge, "reason"]),
+            *((m, node) for m in (self.local_steps, self.training_loss, self.test_accuracy, self.test_loss,
+                                  self.step_seconds, self.wait_seconds, self.ps_bytes_upstream,
+                                  self.ps_bytes_downstream)),
+            (self.ps_pushes, ["job_id", "outcome"]),
+            (self.ps_version, ["job_id"]),
+            (self.ps_staleness, ["job_id"]),
+        ]
+
+    def forget_job(self, job_id: str) -> None:
+        """Remove every series of the job `job_id`: a finished job's figures stay in its run's log, not here."""
+        for metric, names in self._of_a_job:
+            found = {
+                tuple(sample.labels[name] for name in names)
+                for family in metric.collect() for sample in family.samples
+                if sample.labels.get("job_id") == job_id
+            }
+            for values in found:
+                metric.remove(*values)
 
     def serve_http(self, host: str, port: int) -> int:
         """Serve /metrics over HTTP in a daemon thread; returns the bound port (useful with port 0)."""

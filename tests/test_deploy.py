@@ -698,13 +698,13 @@ def feed(agent: Any, coordinator: Any, job: str, stop: threading.Event) -> None:
         step += 1
         coordinator.coordinator_heartbeats.inc()
         for src, dst in (("n0", "n1"), ("n1", "n0")):
-            agent.edge_bytes_sent.labels(src, dst).inc(4096)
-            agent.edge_bytes_received.labels(dst, src).inc(4096)
-            agent.edge_messages_sent.labels(src, dst).inc()
-            agent.edge_messages_received.labels(dst, src).inc()
-            agent.exchange_seconds.labels(src, dst).observe(0.004 * (1 + step % 5))
+            agent.edge_bytes_sent.labels(job, src, dst).inc(4096)
+            agent.edge_bytes_received.labels(job, dst, src).inc(4096)
+            agent.edge_messages_sent.labels(job, src, dst).inc()
+            agent.edge_messages_received.labels(job, dst, src).inc()
+            agent.exchange_seconds.labels(job, src, dst).observe(0.004 * (1 + step % 5))
             if step % 7 == 0:
-                agent.exchange_failures.labels(src, dst, "unavailable").inc()
+                agent.exchange_failures.labels(job, src, dst, "unavailable").inc()
                 agent.stream_rejections.labels(src, dst, "bad_manifest").inc()
         for node in ("n0", "n1"):
             agent.local_steps.labels(job, node).inc()

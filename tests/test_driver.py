@@ -138,10 +138,14 @@ def test_a_failed_push_is_retried_until_delivered_even_after_the_node_finished()
     driver.next()
     driver.step()
     (sent,) = driver.stepped(0.1)
-    due = driver.arrived(Failure(sent, "unavailable"))
-    assert due == driver.clock() + driver_module.PUSH_RETRY_S and driver.due_retries() == []
-    driver.clock.now = due
-    assert driver.due_retries() == [sent]
+    delays = []
+    for _ in range(8):  # each retry fails again: the delays double, up to the cap
+        due = driver.arrived(Failure(sent, "unavailable"))
+        delays.append(due - driver.clock())
+        assert driver.due_retries() == []
+        driver.clock.now = due
+        assert driver.due_retries() == [sent]
+    assert delays == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0]
     driver.done = True
     assert driver.arrived(Failure(sent, "unavailable")) is not None  # still retried
     assert all(call[0] != "failed" for call in driver.algorithm.calls)  # the algorithm never hears of it
@@ -157,7 +161,8 @@ def test_server_calls_carry_the_step_duration_and_transient_failures_are_retried
     (call,) = driver.stepped(0.25)
     assert call.step_s == 0.25 and call.call_id
     assert driver.arrived(Failure(call, "deadline_exceeded", transient=True)) == driver.clock()  # at once
-    assert driver.arrived(Failure(call, "unavailable", transient=True)) == driver.clock() + driver_module.SERVER_RETRY_S
+    second_try = driver.arrived(Failure(call, "unavailable", transient=True))
+    assert second_try == driver.clock() + 2 * driver_module.RETRY_FIRST_S  # its second failure: backed off
     assert driver.due_retries() == [call]  # the same call: its id names it to the server
     driver.next()
     driver.step()

@@ -110,7 +110,7 @@ def job(fashion_mnist_dir, algorithm: dict, steps: int = 30) -> dict:
 
 @pytest.mark.parametrize("failed_pushes", [0, 5])
 def test_synchronous_dsgd_in_node_loops_ends_as_in_the_simulator(fashion_mnist_dir, monkeypatch, failed_pushes):
-    monkeypatch.setattr(driver_module, "PUSH_RETRY_S", 0.01)
+    monkeypatch.setattr(driver_module, "RETRY_FIRST_S", 0.01)
     spec = parse_job_spec(job(fashion_mnist_dir, {"name": "dsgd", "mode": "sync"}))
     network = LoopbackNetwork(build_nodes(spec), fail_pushes=failed_pushes)
     drivers, reports = run_loops(spec, network, Metrics())

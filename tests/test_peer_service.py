@@ -82,9 +82,10 @@ def test_exchange_swaps_parameters_and_counts_bytes(node):
     assert torch.all(algorithm.last_copy[0] == 7.0)
     payload = algorithm.w.numel() * 4
     sample = metrics.registry.get_sample_value
-    assert sample("peertrain_edge_bytes_received_total", {"src": "n0", "dst": "n1"}) == payload
-    assert sample("peertrain_edge_bytes_sent_total", {"src": "n1", "dst": "n0"}) == payload
-    assert client_metrics.registry.get_sample_value("peertrain_exchange_seconds_count", {"src": "n0", "dst": "n1"}) == 1
+    assert sample("peertrain_edge_bytes_received_total", {"job_id": JOB, "src": "n0", "dst": "n1"}) == payload
+    assert sample("peertrain_edge_bytes_sent_total", {"job_id": JOB, "src": "n1", "dst": "n0"}) == payload
+    client_sample = client_metrics.registry.get_sample_value
+    assert client_sample("peertrain_exchange_seconds_count", {"job_id": JOB, "src": "n0", "dst": "n1"}) == 1
 
 
 def drop_end(frames):

@@ -6,7 +6,6 @@ round applied once. (That SSGD on agents ends with the simulator's model is in t
 import json
 import math
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -44,17 +43,6 @@ def job(name: str, fashion_mnist_dir, **overrides) -> dict:
     }
 
 
-def local_steps(cluster: LocalCluster, job_id: str) -> dict[str, float]:
-    """peertrain_local_steps_total of `job_id` on every agent, by node id."""
-    steps = {}
-    for node in cluster.nodes():
-        text = urllib.request.urlopen(f"http://{node.metrics_address}/metrics", timeout=5).read().decode()
-        for line in text.splitlines():
-            if line.startswith("peertrain_local_steps_total{") and f'job_id="{job_id}"' in line:
-                steps[node.node_id] = float(line.rsplit(" ", 1)[1])
-    return steps
-
-
 @pytest.mark.parametrize("name", list(ALGORITHMS))
 def test_algorithm_trains_through_the_coordinator(cluster, fashion_mnist_dir, name):
     spec = job(name, fashion_mnist_dir)
@@ -73,9 +61,8 @@ def test_algorithm_trains_through_the_coordinator(cluster, fashion_mnist_dir, na
         # Compressed pushes: upstream is far below a dense model per push (31,400 bytes for the logistic model).
         assert all(n.bytes_sent < spec["steps"] * 31_400 / 10 for n in status.nodes)
     if name == "esync":
-        steps = local_steps(cluster, job_id)
         rounds = spec["steps"]
-        by_rank = {n.rank: steps[n.node_id] for n in status.nodes}
+        by_rank = {n.rank: n.local_steps for n in status.nodes}
         assert by_rank[3] == rounds, by_rank  # the slowest worker: one local step per round
         assert all(by_rank[rank] >= 2 * rounds for rank in (0, 1, 2)), by_rank
 

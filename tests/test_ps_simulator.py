@@ -65,7 +65,8 @@ def test_the_servers_interface_is_shared_and_counts_both_directions(fashion_mnis
     # push (10 ms) and the four models (40 ms): 0.15 s.
     assert mesh.now == pytest.approx(0.18 + 4 * 0.15)
     for sim in mesh.nodes:
-        assert sim.driver.traffic.sent == sim.driver.traffic.received == 5 * 31_400
+        progress = sim.driver.progress()
+        assert progress.bytes_sent == progress.bytes_received == 5 * 31_400
     assert mesh.server.bytes_up == mesh.server.bytes_down == 4 * 5 * 31_400
 
 

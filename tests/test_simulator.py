@@ -46,7 +46,7 @@ def test_64_nodes_with_a_node_down_for_a_period(fashion_mnist_dir, tmp_path):
 
     def sample(mesh):
         victim = mesh.nodes[5]
-        trace.append((mesh.now, victim.node.algorithm.clock, victim.driver.traffic.sent))
+        trace.append((mesh.now, victim.node.algorithm.clock, victim.driver.progress().bytes_sent))
 
     result = simulate(job, tmp_path / "run", metrics=metrics, on_progress=sample)
     assert result.mesh.finished

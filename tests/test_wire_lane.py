@@ -112,15 +112,16 @@ def test_push_exchange_pull_travel_on_one_lane_and_count_as_before(node):
     # All three calls used one lane, granted once.
     assert len(client._idle[(JOB, 0)]) == 1 and node.open_lanes() == 1
     payload = N * 4
-    assert node.sample("peertrain_edge_bytes_received_total", src="n0", dst="n1") == 2 * payload
-    assert node.sample("peertrain_edge_messages_received_total", src="n0", dst="n1") == 2
-    assert node.sample("peertrain_edge_bytes_sent_total", src="n1", dst="n0") == 2 * payload
-    assert node.sample("peertrain_edge_messages_sent_total", src="n1", dst="n0") == 2
+    assert node.sample("peertrain_edge_bytes_received_total", job_id=JOB, src="n0", dst="n1") == 2 * payload
+    assert node.sample("peertrain_edge_messages_received_total", job_id=JOB, src="n0", dst="n1") == 2
+    assert node.sample("peertrain_edge_bytes_sent_total", job_id=JOB, src="n1", dst="n0") == 2 * payload
+    assert node.sample("peertrain_edge_messages_sent_total", job_id=JOB, src="n1", dst="n0") == 2
     client_sample = metrics.registry.get_sample_value
-    assert client_sample("peertrain_edge_bytes_sent_total", {"src": "n0", "dst": "n1"}) == 2 * payload
-    assert client_sample("peertrain_edge_bytes_received_total", {"src": "n1", "dst": "n0"}) == 2 * payload
-    assert client_sample("peertrain_edge_messages_sent_total", {"src": "n0", "dst": "n1"}) == 2
-    assert client_sample("peertrain_exchange_seconds_count", {"src": "n0", "dst": "n1"}) == 3
+    assert client_sample("peertrain_edge_bytes_sent_total", {"job_id": JOB, "src": "n0", "dst": "n1"}) == 2 * payload
+    received = client_sample("peertrain_edge_bytes_received_total", {"job_id": JOB, "src": "n1", "dst": "n0"})
+    assert received == 2 * payload
+    assert client_sample("peertrain_edge_messages_sent_total", {"job_id": JOB, "src": "n0", "dst": "n1"}) == 2
+    assert client_sample("peertrain_exchange_seconds_count", {"job_id": JOB, "src": "n0", "dst": "n1"}) == 3
     client.close()
 
 
@@ -133,7 +134,7 @@ def test_lossy_encodings_on_a_lane(node, encoding):
     received = node.inbox.get_nowait().tensors["w"]
     assert received.dtype == torch.float32
     assert torch.equal(received, sent.tensors["w"].to(wire).to(torch.float32))
-    assert node.sample("peertrain_edge_bytes_received_total", src="n0", dst="n1") == N * 2
+    assert node.sample("peertrain_edge_bytes_received_total", job_id=JOB, src="n0", dst="n1") == N * 2
     assert client._idle[(JOB, 0)], "the lane was used"
     client.close()
 
@@ -483,8 +484,8 @@ def test_a_large_payload_is_striped_over_several_lanes(node, striped, encoding):
     assert torch.equal(node.inbox.get_nowait().tensors["w"], sent.tensors["w"].to(wire).float())
     assert len(client._idle[(JOB, 0)]) == 3 and node.open_lanes() == 3
     wire_bytes = N * wire.itemsize
-    assert node.sample("peertrain_edge_bytes_received_total", src="n0", dst="n1") == 2 * wire_bytes
-    assert node.sample("peertrain_edge_bytes_sent_total", src="n1", dst="n0") == N * 4
+    assert node.sample("peertrain_edge_bytes_received_total", job_id=JOB, src="n0", dst="n1") == 2 * wire_bytes
+    assert node.sample("peertrain_edge_bytes_sent_total", job_id=JOB, src="n1", dst="n0") == N * 4
     client.close()
 
 

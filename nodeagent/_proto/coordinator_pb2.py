@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from . import wire_pb2 as peertrain_dot_v1_dot_wire__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epeertrain/v1/coordinator.proto\x12\x0cpeertrain.v1\x1a\x17peertrain/v1/wire.proto\"\x80\x01\n\x0fRegisterRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x14\n\x0cpeer_address\x18\x02 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\t\">\n\rRegisterReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\"#\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\";\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x1a\n\x12\x61ssignment_version\x18\x02 \x01(\x04\")\n\x16WatchAssignmentRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\x87\x01\n\x08Neighbor\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0c\n\x04sign\x18\x04 \x01(\x05\x12\r\n\x05phase\x18\x05 \x01(\r\x12\x0e\n\x06weight\x18\x06 \x01(\x01\x12\n\n\x02up\x18\x07 \x01(\x08\x12\x12\n\npeer_phase\x18\x08 \x01(\r\"\x18\n\x07PeerSet\x12\r\n\x05ranks\x18\x01 \x03(\r\"\xa5\x02\n\nAssignment\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12%\n\x05state\x18\x03 \x01(\x0e\x32\x16.peertrain.v1.JobState\x12\x15\n\rjob_spec_json\x18\x04 \x01(\t\x12\x0c\n\x04rank\x18\x05 \x01(\r\x12\x12\n\nworld_size\x18\x06 \x01(\r\x12)\n\tneighbors\x18\x07 \x03(\x0b\x32\x16.peertrain.v1.Neighbor\x12\x13\n\x0bself_weight\x18\x08 \x01(\x01\x12\x0f\n\x07run_dir\x18\t \x01(\t\x12,\n\rpeer_schedule\x18\n \x03(\x0b\x32\x15.peertrain.v1.PeerSet\x12\x17\n\x0frendezvous_port\x18\x0b \x01(\r\"\xa6\x02\n\rMetricsReport\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x0c\n\x04loss\x18\x05 \x01(\x01\x12\x15\n\rtest_accuracy\x18\x06 \x01(\x01\x12\x11\n\ttest_loss\x18\x07 \x01(\x01\x12\x11\n\telapsed_s\x18\x08 \x01(\x01\x12\x10\n\x08\x66inished\x18\t \x01(\x08\x12\x12\n\nbytes_sent\x18\n \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x0b \x01(\x04\x12\x11\n\tcompute_s\x18\x0c \x01(\x01\x12\x0e\n\x06wait_s\x18\r \x01(\x01\x12\x11\n\texchanges\x18\x0e \x01(\x04\x12\x19\n\x11\x65xchange_failures\x18\x0f \x01(\x04\"\"\n\x0cMetricsReply\x12\x12\n\njob_active\x18\x01 \x01(\x08\"%\n\x10SubmitJobRequest\x12\x11\n\tspec_yaml\x18\x01 \x01(\t\"X\n\x0eSubmitJobReply\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.peertrain.v1.JobState\x12\x0f\n\x07run_dir\x18\x03 \x01(\t\" \n\x0eStopJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"5\n\x0cStopJobReply\x12%\n\x05state\x18\x01 \x01(\x0e\x32\x16.peertrain.v1.JobState\"\x12\n\x10ListNodesRequest\"\xaa\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x14\n\x0cpeer_address\x18\x03 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x04 \x01(\t\x12\n\n\x02up\x18\x05 \x01(\x08\x12\x16\n\x0elast_seen_unix\x18\x06 \x01(\x01\x12\x0e\n\x06job_id\x18\x07 \x01(\t\x12\x0c\n\x04rank\x18\x08 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\"7\n\x0eListNodesReply\x12%\n\x05nodes\x18\x01 \x03(\x0b\x32\x16.peertrain.v1.NodeInfo\"\"\n\x10JobStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xab\x02\n\x0cNodeProgress\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x15\n\rtest_accuracy\x18\x05 \x01(\x01\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x14\n\x0cupdated_unix\x18\x07 \x01(\x01\x12\x12\n\nbytes_sent\x18\x08 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\t \x01(\x04\x12\x11\n\ttest_loss\x18\n \x01(\x01\x12\x11\n\telapsed_s\x18\x0b \x01(\x01\x12\x11\n\tcompute_s\x18\x0c \x01(\x01\x12\x0e\n\x06wait_s\x18\r \x01(\x01\x12\x11\n\texchanges\x18\x0e \x01(\x04\x12\x19\n\x11\x65xchange_failures\x18\x0f \x01(\x04\"\xce\x01\n\x0eJobStatusReply\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12%\n\x05state\x18\x03 \x01(\x0e\x32\x16.peertrain.v1.JobState\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12)\n\x05nodes\x18\x05 \x03(\x0b\x32\x1a.peertrain.v1.NodeProgress\x12\x0f\n\x07run_dir\x18\x06 \x01(\t\x12\x14\n\x0c\x63reated_unix\x18\x07 \x01(\x01\x12\x11\n\tspec_yaml\x18\x08 \x01(\t\"{\n\x0bPsPushReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\x12\x10\n\x08rejected\x18\x03 \x01(\t\x12\r\n\x05\x64\x65lay\x18\x04 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x05 \x01(\x04\x12\x11\n\tduplicate\x18\x06 \x01(\x08\"d\n\rPsPullRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x15\n\rsince_version\x18\x04 \x01(\x04\x12\r\n\x05\x64\x65lta\x18\x05 \x01(\x08\"y\n\x0fPsReportRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\x12\n\nround_step\x18\x05 \x01(\r\x12\x12\n\nduration_s\x18\x06 \x01(\x01\"L\n\rPsReportReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x1b\n\x13steps_before_asking\x18\x03 \x01(\r*z\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bJOB_PENDING\x10\x01\x12\x0f\n\x0bJOB_RUNNING\x10\x02\x12\x10\n\x0cJOB_FINISHED\x10\x03\x12\x0f\n\x0bJOB_STOPPED\x10\x04\x12\x0e\n\nJOB_FAILED\x10\x05\x32\xa7\x06\n\x0b\x43oordinator\x12\x46\n\x08Register\x12\x1d.peertrain.v1.RegisterRequest\x1a\x1b.peertrain.v1.RegisterReply\x12I\n\tHeartbeat\x12\x1e.peertrain.v1.HeartbeatRequest\x1a\x1c.peertrain.v1.HeartbeatReply\x12S\n\x0fWatchAssignment\x12$.peertrain.v1.WatchAssignmentRequest\x1a\x18.peertrain.v1.Assignment0\x01\x12H\n\rReportMetrics\x12\x1b.peertrain.v1.MetricsReport\x1a\x1a.peertrain.v1.MetricsReply\x12I\n\tSubmitJob\x12\x1e.peertrain.v1.SubmitJobRequest\x1a\x1c.peertrain.v1.SubmitJobReply\x12\x43\n\x07StopJob\x12\x1c.peertrain.v1.StopJobRequest\x1a\x1a.peertrain.v1.StopJobReply\x12I\n\tListNodes\x12\x1e.peertrain.v1.ListNodesRequest\x1a\x1c.peertrain.v1.ListNodesReply\x12I\n\tJobStatus\x12\x1e.peertrain.v1.JobStatusRequest\x1a\x1c.peertrain.v1.JobStatusReply\x12:\n\x06PsPush\x12\x13.peertrain.v1.Frame\x1a\x19.peertrain.v1.PsPushReply(\x01\x12<\n\x06PsPull\x12\x1b.peertrain.v1.PsPullRequest\x1a\x13.peertrain.v1.Frame0\x01\x12\x46\n\x08PsReport\x12\x1d.peertrain.v1.PsReportRequest\x1a\x1b.peertrain.v1.PsReportReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epeertrain/v1/coordinator.proto\x12\x0cpeertrain.v1\x1a\x17peertrain/v1/wire.proto\"\x80\x01\n\x0fRegisterRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x14\n\x0cpeer_address\x18\x02 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\t\">\n\rRegisterReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\"#\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\";\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x1a\n\x12\x61ssignment_version\x18\x02 \x01(\x04\")\n\x16WatchAssignmentRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\x87\x01\n\x08Neighbor\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0c\n\x04sign\x18\x04 \x01(\x05\x12\r\n\x05phase\x18\x05 \x01(\r\x12\x0e\n\x06weight\x18\x06 \x01(\x01\x12\n\n\x02up\x18\x07 \x01(\x08\x12\x12\n\npeer_phase\x18\x08 \x01(\r\"\x18\n\x07PeerSet\x12\r\n\x05ranks\x18\x01 \x03(\r\"\xa5\x02\n\nAssignment\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12%\n\x05state\x18\x03 \x01(\x0e\x32\x16.peertrain.v1.JobState\x12\x15\n\rjob_spec_json\x18\x04 \x01(\t\x12\x0c\n\x04rank\x18\x05 \x01(\r\x12\x12\n\nworld_size\x18\x06 \x01(\r\x12)\n\tneighbors\x18\x07 \x03(\x0b\x32\x16.peertrain.v1.Neighbor\x12\x13\n\x0bself_weight\x18\x08 \x01(\x01\x12\x0f\n\x07run_dir\x18\t \x01(\t\x12,\n\rpeer_schedule\x18\n \x03(\x0b\x32\x15.peertrain.v1.PeerSet\x12\x17\n\x0frendezvous_port\x18\x0b \x01(\r\"\xe5\x02\n\rMetricsReport\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x0c\n\x04loss\x18\x05 \x01(\x01\x12\x15\n\rtest_accuracy\x18\x06 \x01(\x01\x12\x11\n\ttest_loss\x18\x07 \x01(\x01\x12\x11\n\telapsed_s\x18\x08 \x01(\x01\x12\x10\n\x08\x66inished\x18\t \x01(\x08\x12\x12\n\nbytes_sent\x18\n \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x0b \x01(\x04\x12\x11\n\tcompute_s\x18\x0c \x01(\x01\x12\x0e\n\x06wait_s\x18\r \x01(\x01\x12\x11\n\texchanges\x18\x0e \x01(\x04\x12\x19\n\x11\x65xchange_failures\x18\x0f \x01(\x04\x12(\n\x05\x65\x64ges\x18\x10 \x03(\x0b\x32\x19.peertrain.v1.EdgeTraffic\x12\x13\n\x0blocal_steps\x18\x11 \x01(\x04\"l\n\x0b\x45\x64geTraffic\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\x12\n\nbytes_sent\x18\x02 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x04\x12\x11\n\texchanges\x18\x04 \x01(\x04\x12\x10\n\x08\x66\x61ilures\x18\x05 \x01(\x04\"L\n\x0bNodeFailure\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0e\n\x06reason\x18\x04 \x01(\t\"=\n\x10NodeFailureReply\x12)\n\tjob_state\x18\x01 \x01(\x0e\x32\x16.peertrain.v1.JobState\"$\n\x11\x44\x65registerRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\x11\n\x0f\x44\x65registerReply\"\x1e\n\x0bNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\".\n\x0c\x44rainRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\"\"\n\x0cMetricsReply\x12\x12\n\njob_active\x18\x01 \x01(\x08\"%\n\x10SubmitJobRequest\x12\x11\n\tspec_yaml\x18\x01 \x01(\t\"i\n\x0eSubmitJobReply\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.peertrain.v1.JobState\x12\x0f\n\x07run_dir\x18\x03 \x01(\t\x12\x0f\n\x07warning\x18\x04 \x01(\t\" \n\x0eStopJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"5\n\x0cStopJobReply\x12%\n\x05state\x18\x01 \x01(\x0e\x32\x16.peertrain.v1.JobState\"\x12\n\x10ListNodesRequest\"\xbc\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x14\n\x0cpeer_address\x18\x03 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x04 \x01(\t\x12\n\n\x02up\x18\x05 \x01(\x08\x12\x16\n\x0elast_seen_unix\x18\x06 \x01(\x01\x12\x0e\n\x06job_id\x18\x07 \x01(\t\x12\x0c\n\x04rank\x18\x08 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x10\n\x08\x64raining\x18\n \x01(\x08\"7\n\x0eListNodesReply\x12%\n\x05nodes\x18\x01 \x03(\x0b\x32\x16.peertrain.v1.NodeInfo\"\"\n\x10JobStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xe0\x02\n\x0cNodeProgress\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x15\n\rtest_accuracy\x18\x05 \x01(\x01\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x14\n\x0cupdated_unix\x18\x07 \x01(\x01\x12\x12\n\nbytes_sent\x18\x08 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\t \x01(\x04\x12\x11\n\ttest_loss\x18\n \x01(\x01\x12\x11\n\telapsed_s\x18\x0b \x01(\x01\x12\x11\n\tcompute_s\x18\x0c \x01(\x01\x12\x0e\n\x06wait_s\x18\r \x01(\x01\x12\x11\n\texchanges\x18\x0e \x01(\x04\x12\x19\n\x11\x65xchange_failures\x18\x0f \x01(\x04\x12\r\n\x05state\x18\x10 \x01(\t\x12\x0f\n\x07\x66\x61ilure\x18\x11 \x01(\t\x12\x13\n\x0blocal_steps\x18\x12 \x01(\x04\"\x88\x02\n\x0eJobStatusReply\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12%\n\x05state\x18\x03 \x01(\x0e\x32\x16.peertrain.v1.JobState\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12)\n\x05nodes\x18\x05 \x03(\x0b\x32\x1a.peertrain.v1.NodeProgress\x12\x0f\n\x07run_dir\x18\x06 \x01(\t\x12\x14\n\x0c\x63reated_unix\x18\x07 \x01(\x01\x12\x11\n\tspec_yaml\x18\x08 \x01(\t\x12\x0e\n\x06reason\x18\t \x01(\t\x12\x14\n\x0cstarted_unix\x18\n \x01(\x01\x12\x12\n\nended_unix\x18\x0b \x01(\x01\"{\n\x0bPsPushReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\x12\x10\n\x08rejected\x18\x03 \x01(\t\x12\r\n\x05\x64\x65lay\x18\x04 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x05 \x01(\x04\x12\x11\n\tduplicate\x18\x06 \x01(\x08\"d\n\rPsPullRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x15\n\rsince_version\x18\x04 \x01(\x04\x12\r\n\x05\x64\x65lta\x18\x05 \x01(\x08\"y\n\x0fPsReportRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\x12\n\nround_step\x18\x05 \x01(\r\x12\x12\n\nduration_s\x18\x06 \x01(\x01\"L\n\rPsReportReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x1b\n\x13steps_before_asking\x18\x03 \x01(\r*z\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bJOB_PENDING\x10\x01\x12\x0f\n\x0bJOB_RUNNING\x10\x02\x12\x10\n\x0cJOB_FINISHED\x10\x03\x12\x0f\n\x0bJOB_STOPPED\x10\x04\x12\x0e\n\nJOB_FAILED\x10\x05\x32\xc3\x08\n\x0b\x43oordinator\x12\x46\n\x08Register\x12\x1d.peertrain.v1.RegisterRequest\x1a\x1b.peertrain.v1.RegisterReply\x12I\n\tHeartbeat\x12\x1e.peertrain.v1.HeartbeatRequest\x1a\x1c.peertrain.v1.HeartbeatReply\x12S\n\x0fWatchAssignment\x12$.peertrain.v1.WatchAssignmentRequest\x1a\x18.peertrain.v1.Assignment0\x01\x12H\n\rReportMetrics\x12\x1b.peertrain.v1.MetricsReport\x1a\x1a.peertrain.v1.MetricsReply\x12J\n\rReportFailure\x12\x19.peertrain.v1.NodeFailure\x1a\x1e.peertrain.v1.NodeFailureReply\x12L\n\nDeregister\x12\x1f.peertrain.v1.DeregisterRequest\x1a\x1d.peertrain.v1.DeregisterReply\x12I\n\tSubmitJob\x12\x1e.peertrain.v1.SubmitJobRequest\x1a\x1c.peertrain.v1.SubmitJobReply\x12\x43\n\x07StopJob\x12\x1c.peertrain.v1.StopJobRequest\x1a\x1a.peertrain.v1.StopJobReply\x12I\n\tListNodes\x12\x1e.peertrain.v1.ListNodesRequest\x1a\x1c.peertrain.v1.ListNodesReply\x12I\n\tJobStatus\x12\x1e.peertrain.v1.JobStatusRequest\x1a\x1c.peertrain.v1.JobStatusReply\x12?\n\nRemoveNode\x12\x19.peertrain.v1.NodeRequest\x1a\x16.peertrain.v1.NodeInfo\x12?\n\tDrainNode\x12\x1a.peertrain.v1.DrainRequest\x1a\x16.peertrain.v1.NodeInfo\x12:\n\x06PsPush\x12\x13.peertrain.v1.Frame\x1a\x19.peertrain.v1.PsPushReply(\x01\x12<\n\x06PsPull\x12\x1b.peertrain.v1.PsPullRequest\x1a\x13.peertrain.v1.Frame0\x01\x12\x46\n\x08PsReport\x12\x1d.peertrain.v1.PsReportRequest\x1a\x1b.peertrain.v1.PsReportReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'peertrain.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOBSTATE']._serialized_start=2645
-  _globals['_JOBSTATE']._serialized_end=2767
+  _globals['_JOBSTATE']._serialized_start=3242
+  _globals['_JOBSTATE']._serialized_end=3364
   _globals['_REGISTERREQUEST']._serialized_start=74
   _globals['_REGISTERREQUEST']._serialized_end=202
   _globals['_REGISTERREPLY']._serialized_start=204
@@ -51,37 +51,51 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ASSIGNMENT']._serialized_start=574
   _globals['_ASSIGNMENT']._serialized_end=867
   _globals['_METRICSREPORT']._serialized_start=870
-  _globals['_METRICSREPORT']._serialized_end=1164
-  _globals['_METRICSREPLY']._serialized_start=1166
-  _globals['_METRICSREPLY']._serialized_end=1200
-  _globals['_SUBMITJOBREQUEST']._serialized_start=1202
-  _globals['_SUBMITJOBREQUEST']._serialized_end=1239
-  _globals['_SUBMITJOBREPLY']._serialized_start=1241
-  _globals['_SUBMITJOBREPLY']._serialized_end=1329
-  _globals['_STOPJOBREQUEST']._serialized_start=1331
-  _globals['_STOPJOBREQUEST']._serialized_end=1363
-  _globals['_STOPJOBREPLY']._serialized_start=1365
-  _globals['_STOPJOBREPLY']._serialized_end=1418
-  _globals['_LISTNODESREQUEST']._serialized_start=1420
-  _globals['_LISTNODESREQUEST']._serialized_end=1438
-  _globals['_NODEINFO']._serialized_start=1441
-  _globals['_NODEINFO']._serialized_end=1611
-  _globals['_LISTNODESREPLY']._serialized_start=1613
-  _globals['_LISTNODESREPLY']._serialized_end=1668
-  _globals['_JOBSTATUSREQUEST']._serialized_start=1670
-  _globals['_JOBSTATUSREQUEST']._serialized_end=1704
-  _globals['_NODEPROGRESS']._serialized_start=1707
-  _globals['_NODEPROGRESS']._serialized_end=2006
-  _globals['_JOBSTATUSREPLY']._serialized_start=2009
-  _globals['_JOBSTATUSREPLY']._serialized_end=2215
-  _globals['_PSPUSHREPLY']._serialized_start=2217
-  _globals['_PSPUSHREPLY']._serialized_end=2340
-  _globals['_PSPULLREQUEST']._serialized_start=2342
-  _globals['_PSPULLREQUEST']._serialized_end=2442
-  _globals['_PSREPORTREQUEST']._serialized_start=2444
-  _globals['_PSREPORTREQUEST']._serialized_end=2565
-  _globals['_PSREPORTREPLY']._serialized_start=2567
-  _globals['_PSREPORTREPLY']._serialized_end=2643
-  _globals['_COORDINATOR']._serialized_start=2770
-  _globals['_COORDINATOR']._serialized_end=3577
+  _globals['_METRICSREPORT']._serialized_end=1227
+  _globals['_EDGETRAFFIC']._serialized_start=1229
+  _globals['_EDGETRAFFIC']._serialized_end=1337
+  _globals['_NODEFAILURE']._serialized_start=1339
+  _globals['_NODEFAILURE']._serialized_end=1415
+  _globals['_NODEFAILUREREPLY']._serialized_start=1417
+  _globals['_NODEFAILUREREPLY']._serialized_end=1478
+  _globals['_DEREGISTERREQUEST']._serialized_start=1480
+  _globals['_DEREGISTERREQUEST']._serialized_end=1516
+  _globals['_DEREGISTERREPLY']._serialized_start=1518
+  _globals['_DEREGISTERREPLY']._serialized_end=1535
+  _globals['_NODEREQUEST']._serialized_start=1537
+  _globals['_NODEREQUEST']._serialized_end=1567
+  _globals['_DRAINREQUEST']._serialized_start=1569
+  _globals['_DRAINREQUEST']._serialized_end=1615
+  _globals['_METRICSREPLY']._serialized_start=1617
+  _globals['_METRICSREPLY']._serialized_end=1651
+  _globals['_SUBMITJOBREQUEST']._serialized_start=1653
+  _globals['_SUBMITJOBREQUEST']._serialized_end=1690
+  _globals['_SUBMITJOBREPLY']._serialized_start=1692
+  _globals['_SUBMITJOBREPLY']._serialized_end=1797
+  _globals['_STOPJOBREQUEST']._serialized_start=1799
+  _globals['_STOPJOBREQUEST']._serialized_end=1831
+  _globals['_STOPJOBREPLY']._serialized_start=1833
+  _globals['_STOPJOBREPLY']._serialized_end=1886
+  _globals['_LISTNODESREQUEST']._serialized_start=1888
+  _globals['_LISTNODESREQUEST']._serialized_end=1906
+  _globals['_NODEINFO']._serialized_start=1909
+  _globals['_NODEINFO']._serialized_end=2097
+  _globals['_LISTNODESREPLY']._serialized_start=2099
+  _globals['_LISTNODESREPLY']._serialized_end=2154
+  _globals['_JOBSTATUSREQUEST']._serialized_start=2156
+  _globals['_JOBSTATUSREQUEST']._serialized_end=2190
+  _globals['_NODEPROGRESS']._serialized_start=2193
+  _globals['_NODEPROGRESS']._serialized_end=2545
+  _globals['_JOBSTATUSREPLY']._serialized_start=2548
+  _globals['_JOBSTATUSREPLY']._serialized_end=2812
+  _globals['_PSPUSHREPLY']._serialized_start=2814
+  _globals['_PSPUSHREPLY']._serialized_end=2937
+  _globals['_PSPULLREQUEST']._serialized_start=2939
+  _globals['_PSPULLREQUEST']._serialized_end=3039
+  _globals['_PSREPORTREQUEST']._serialized_start=3041
+  _globals['_PSREPORTREQUEST']._serialized_end=3162
+  _globals['_PSREPORTREPLY']._serialized_start=3164
+  _globals['_PSREPORTREPLY']._serialized_end=3240
+  _globals['_COORDINATOR']._serialized_start=3367
+  _globals['_COORDINATOR']._serialized_end=4458
 # @@protoc_insertion_point(module_scope)

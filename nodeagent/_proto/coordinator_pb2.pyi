@@ -120,7 +120,7 @@ class Assignment(_message.Message):
     def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., job_spec_json: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., neighbors: _Optional[_Iterable[_Union[Neighbor, _Mapping]]] = ..., self_weight: _Optional[float] = ..., run_dir: _Optional[str] = ..., peer_schedule: _Optional[_Iterable[_Union[PeerSet, _Mapping]]] = ..., rendezvous_port: _Optional[int] = ...) -> None: ...
 
 class MetricsReport(_message.Message):
-    __slots__ = ("node_id", "job_id", "rank", "step", "loss", "test_accuracy", "test_loss", "elapsed_s", "finished", "bytes_sent", "bytes_received", "compute_s", "wait_s", "exchanges", "exchange_failures")
+    __slots__ = ("node_id", "job_id", "rank", "step", "loss", "test_accuracy", "test_loss", "elapsed_s", "finished", "bytes_sent", "bytes_received", "compute_s", "wait_s", "exchanges", "exchange_failures", "edges", "local_steps")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,8 @@ class MetricsReport(_message.Message):
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     EXCHANGES_FIELD_NUMBER: _ClassVar[int]
     EXCHANGE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    EDGES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     job_id: str
     rank: int
@@ -151,7 +153,65 @@ class MetricsReport(_message.Message):
     wait_s: float
     exchanges: int
     exchange_failures: int
-    def __init__(self, node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., finished: _Optional[bool] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., exchanges: _Optional[int] = ..., exchange_failures: _Optional[int] = ...) -> None: ...
+    edges: _containers.RepeatedCompositeFieldContainer[EdgeTraffic]
+    local_steps: int
+    def __init__(self, node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., finished: _Optional[bool] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., exchanges: _Optional[int] = ..., exchange_failures: _Optional[int] = ..., edges: _Optional[_Iterable[_Union[EdgeTraffic, _Mapping]]] = ..., local_steps: _Optional[int] = ...) -> None: ...
+
+class EdgeTraffic(_message.Message):
+    __slots__ = ("peer", "bytes_sent", "bytes_received", "exchanges", "failures")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGES_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    bytes_sent: int
+    bytes_received: int
+    exchanges: int
+    failures: int
+    def __init__(self, peer: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., exchanges: _Optional[int] = ..., failures: _Optional[int] = ...) -> None: ...
+
+class NodeFailure(_message.Message):
+    __slots__ = ("node_id", "job_id", "rank", "reason")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    job_id: str
+    rank: int
+    reason: str
+    def __init__(self, node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class NodeFailureReply(_message.Message):
+    __slots__ = ("job_state",)
+    JOB_STATE_FIELD_NUMBER: _ClassVar[int]
+    job_state: JobState
+    def __init__(self, job_state: _Optional[_Union[JobState, str]] = ...) -> None: ...
+
+class DeregisterRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class DeregisterReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("node_id", "drain")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    drain: bool
+    def __init__(self, node_id: _Optional[str] = ..., drain: _Optional[bool] = ...) -> None: ...
 
 class MetricsReply(_message.Message):
     __slots__ = ("job_active",)
@@ -166,14 +226,16 @@ class SubmitJobRequest(_message.Message):
     def __init__(self, spec_yaml: _Optional[str] = ...) -> None: ...
 
 class SubmitJobReply(_message.Message):
-    __slots__ = ("job_id", "state", "run_dir")
+    __slots__ = ("job_id", "state", "run_dir", "warning")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     RUN_DIR_FIELD_NUMBER: _ClassVar[int]
+    WARNING_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     run_dir: str
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., run_dir: _Optional[str] = ...) -> None: ...
+    warning: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., run_dir: _Optional[str] = ..., warning: _Optional[str] = ...) -> None: ...
 
 class StopJobRequest(_message.Message):
     __slots__ = ("job_id",)
@@ -192,7 +254,7 @@ class ListNodesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "name", "peer_address", "metrics_address", "up", "last_seen_unix", "job_id", "rank", "device")
+    __slots__ = ("node_id", "name", "peer_address", "metrics_address", "up", "last_seen_unix", "job_id", "rank", "device", "draining")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +264,7 @@ class NodeInfo(_message.Message):
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     name: str
     peer_address: str
@@ -211,7 +274,8 @@ class NodeInfo(_message.Message):
     job_id: str
     rank: int
     device: str
-    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., peer_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., up: _Optional[bool] = ..., last_seen_unix: _Optional[float] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    draining: bool
+    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., peer_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., up: _Optional[bool] = ..., last_seen_unix: _Optional[float] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class ListNodesReply(_message.Message):
     __slots__ = ("nodes",)
@@ -226,7 +290,7 @@ class JobStatusRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class NodeProgress(_message.Message):
-    __slots__ = ("rank", "node_id", "step", "loss", "test_accuracy", "finished", "updated_unix", "bytes_sent", "bytes_received", "test_loss", "elapsed_s", "compute_s", "wait_s", "exchanges", "exchange_failures")
+    __slots__ = ("rank", "node_id", "step", "loss", "test_accuracy", "finished", "updated_unix", "bytes_sent", "bytes_received", "test_loss", "elapsed_s", "compute_s", "wait_s", "exchanges", "exchange_failures", "state", "failure", "local_steps")
     RANK_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +306,9 @@ class NodeProgress(_message.Message):
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     EXCHANGES_FIELD_NUMBER: _ClassVar[int]
     EXCHANGE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     node_id: str
     step: int
@@ -257,10 +324,13 @@ class NodeProgress(_message.Message):
     wait_s: float
     exchanges: int
     exchange_failures: int
-    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., finished: _Optional[bool] = ..., updated_unix: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., test_loss: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., exchanges: _Optional[int] = ..., exchange_failures: _Optional[int] = ...) -> None: ...
+    state: str
+    failure: str
+    local_steps: int
+    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., finished: _Optional[bool] = ..., updated_unix: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., test_loss: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., exchanges: _Optional[int] = ..., exchange_failures: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ..., local_steps: _Optional[int] = ...) -> None: ...
 
 class JobStatusReply(_message.Message):
-    __slots__ = ("job_id", "name", "state", "world_size", "nodes", "run_dir", "created_unix", "spec_yaml")
+    __slots__ = ("job_id", "name", "state", "world_size", "nodes", "run_dir", "created_unix", "spec_yaml", "reason", "started_unix", "ended_unix")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +339,9 @@ class JobStatusReply(_message.Message):
     RUN_DIR_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     SPEC_YAML_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    STARTED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    ENDED_UNIX_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     state: JobState
@@ -277,7 +350,10 @@ class JobStatusReply(_message.Message):
     run_dir: str
     created_unix: float
     spec_yaml: str
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., world_size: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeProgress, _Mapping]]] = ..., run_dir: _Optional[str] = ..., created_unix: _Optional[float] = ..., spec_yaml: _Optional[str] = ...) -> None: ...
+    reason: str
+    started_unix: float
+    ended_unix: float
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., world_size: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeProgress, _Mapping]]] = ..., run_dir: _Optional[str] = ..., created_unix: _Optional[float] = ..., spec_yaml: _Optional[str] = ..., reason: _Optional[str] = ..., started_unix: _Optional[float] = ..., ended_unix: _Optional[float] = ...) -> None: ...
 
 class PsPushReply(_message.Message):
     __slots__ = ("version", "applied", "rejected", "delay", "bytes_received", "duplicate")

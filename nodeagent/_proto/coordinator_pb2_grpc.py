@@ -55,6 +55,16 @@ class CoordinatorStub:
                 request_serializer=peertrain_dot_v1_dot_coordinator__pb2.MetricsReport.SerializeToString,
                 response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.MetricsReply.FromString,
                 _registered_method=True)
+        self.ReportFailure = channel.unary_unary(
+                '/peertrain.v1.Coordinator/ReportFailure',
+                request_serializer=peertrain_dot_v1_dot_coordinator__pb2.NodeFailure.SerializeToString,
+                response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.NodeFailureReply.FromString,
+                _registered_method=True)
+        self.Deregister = channel.unary_unary(
+                '/peertrain.v1.Coordinator/Deregister',
+                request_serializer=peertrain_dot_v1_dot_coordinator__pb2.DeregisterRequest.SerializeToString,
+                response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.DeregisterReply.FromString,
+                _registered_method=True)
         self.SubmitJob = channel.unary_unary(
                 '/peertrain.v1.Coordinator/SubmitJob',
                 request_serializer=peertrain_dot_v1_dot_coordinator__pb2.SubmitJobRequest.SerializeToString,
@@ -74,6 +84,16 @@ class CoordinatorStub:
                 '/peertrain.v1.Coordinator/JobStatus',
                 request_serializer=peertrain_dot_v1_dot_coordinator__pb2.JobStatusRequest.SerializeToString,
                 response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.JobStatusReply.FromString,
+                _registered_method=True)
+        self.RemoveNode = channel.unary_unary(
+                '/peertrain.v1.Coordinator/RemoveNode',
+                request_serializer=peertrain_dot_v1_dot_coordinator__pb2.NodeRequest.SerializeToString,
+                response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.NodeInfo.FromString,
+                _registered_method=True)
+        self.DrainNode = channel.unary_unary(
+                '/peertrain.v1.Coordinator/DrainNode',
+                request_serializer=peertrain_dot_v1_dot_coordinator__pb2.DrainRequest.SerializeToString,
+                response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.NodeInfo.FromString,
                 _registered_method=True)
         self.PsPush = channel.stream_unary(
                 '/peertrain.v1.Coordinator/PsPush',
@@ -120,6 +140,20 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportFailure(self, request, context):
+        """A node cannot build or continue its job (its data, its device, a defect): the job's failure policy decides.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Deregister(self, request, context):
+        """A clean shutdown: the node is down at once, rather than after the heartbeat timeout.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SubmitJob(self, request, context):
         """Operator calls (the CLI).
         """
@@ -140,6 +174,19 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def JobStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveNode(self, request, context):
+        """Forget a node that is not in a running job; drain one: no new job is placed on it (drain false: undo).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DrainNode(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -195,6 +242,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.MetricsReport.FromString,
                     response_serializer=peertrain_dot_v1_dot_coordinator__pb2.MetricsReply.SerializeToString,
             ),
+            'ReportFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportFailure,
+                    request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.NodeFailure.FromString,
+                    response_serializer=peertrain_dot_v1_dot_coordinator__pb2.NodeFailureReply.SerializeToString,
+            ),
+            'Deregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.Deregister,
+                    request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.DeregisterRequest.FromString,
+                    response_serializer=peertrain_dot_v1_dot_coordinator__pb2.DeregisterReply.SerializeToString,
+            ),
             'SubmitJob': grpc.unary_unary_rpc_method_handler(
                     servicer.SubmitJob,
                     request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.SubmitJobRequest.FromString,
@@ -214,6 +271,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.JobStatus,
                     request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.JobStatusRequest.FromString,
                     response_serializer=peertrain_dot_v1_dot_coordinator__pb2.JobStatusReply.SerializeToString,
+            ),
+            'RemoveNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveNode,
+                    request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.NodeRequest.FromString,
+                    response_serializer=peertrain_dot_v1_dot_coordinator__pb2.NodeInfo.SerializeToString,
+            ),
+            'DrainNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainNode,
+                    request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.DrainRequest.FromString,
+                    response_serializer=peertrain_dot_v1_dot_coordinator__pb2.NodeInfo.SerializeToString,
             ),
             'PsPush': grpc.stream_unary_rpc_method_handler(
                     servicer.PsPush,
@@ -350,6 +417,60 @@ class Coordinator:
             _registered_method=True)
 
     @staticmethod
+    def ReportFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peertrain.v1.Coordinator/ReportFailure',
+            peertrain_dot_v1_dot_coordinator__pb2.NodeFailure.SerializeToString,
+            peertrain_dot_v1_dot_coordinator__pb2.NodeFailureReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Deregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peertrain.v1.Coordinator/Deregister',
+            peertrain_dot_v1_dot_coordinator__pb2.DeregisterRequest.SerializeToString,
+            peertrain_dot_v1_dot_coordinator__pb2.DeregisterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def SubmitJob(request,
             target,
             options=(),
@@ -447,6 +568,60 @@ class Coordinator:
             '/peertrain.v1.Coordinator/JobStatus',
             peertrain_dot_v1_dot_coordinator__pb2.JobStatusRequest.SerializeToString,
             peertrain_dot_v1_dot_coordinator__pb2.JobStatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peertrain.v1.Coordinator/RemoveNode',
+            peertrain_dot_v1_dot_coordinator__pb2.NodeRequest.SerializeToString,
+            peertrain_dot_v1_dot_coordinator__pb2.NodeInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peertrain.v1.Coordinator/DrainNode',
+            peertrain_dot_v1_dot_coordinator__pb2.DrainRequest.SerializeToString,
+            peertrain_dot_v1_dot_coordinator__pb2.NodeInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -18,14 +18,14 @@ from nodeagent.wire.message import Message
 
 class Collective:
     def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float, metrics: Metrics,
-                 node_id: str, traffic: Traffic):
+                 job_id: str, node_id: str, traffic: Traffic):
         if port == 0:
             raise RuntimeError("the assignment names no rendezvous for this all-reduce job")
         self.host, self.port = host, port
         self.rank = rank
         self.world_size = world_size
         self.timeout = timedelta(seconds=max(timeout_s, 30.0))
-        self.seconds = metrics.exchange_seconds.labels(node_id, ALLREDUCE_NAME)
+        self.seconds = metrics.exchange_seconds.labels(job_id, node_id, ALLREDUCE_NAME)
         self.traffic = traffic
         self._joined = False
 
@@ -47,8 +47,8 @@ class Collective:
             offset += tensor.numel()
         self.seconds.observe(time.perf_counter() - started)
         moved = ring_allreduce_bytes(flat.numel() * flat.element_size(), self.world_size)
-        self.traffic.add_sent(moved)
-        self.traffic.add_received(moved)
+        self.traffic.add_sent(ALLREDUCE_RANK, moved)
+        self.traffic.add_received(ALLREDUCE_RANK, moved)
         return Message(message.kind, ALLREDUCE_RANK, self.rank, out, clock=message.clock, loss=message.loss)
 
     def close(self) -> None:

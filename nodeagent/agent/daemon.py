@@ -183,14 +183,29 @@ class Agent:
         except grpc.RpcError as error:
             log.debug("metrics report failed: %s", failure_reason(error))
 
+    def report_failure(self, job_id: str, rank: int, reason: str) -> None:
+        """This node cannot build or continue its job: the coordinator applies the job's failure policy."""
+        assert self._stub is not None
+        try:
+            self._stub.ReportFailure(
+                coordinator_pb2.NodeFailure(node_id=self.node_id, job_id=job_id, rank=rank, reason=reason), timeout=5
+            )
+        except grpc.RpcError as error:
+            log.warning("the failure of job %s could not be reported: %s", job_id, failure_reason(error))
+
     def stop(self) -> None:
-        """Stop training, stop serving; idempotent. Checkpoints are already on disk."""
+        """Stop training, leave the cluster, stop serving; idempotent. Checkpoints are already on disk."""
         self.stopping.set()
         with self._runner_lock:
             if self._runner is not None:
                 self._runner.stop_event.set()
                 self._runner.join(timeout=30)
                 self._runner = None
+        if self._stub is not None and self.node_id:
+            try:  # down at once, rather than after the heartbeat timeout
+                self._stub.Deregister(coordinator_pb2.DeregisterRequest(node_id=self.node_id), timeout=2)
+            except grpc.RpcError as error:
+                log.info("could not tell the coordinator this node leaves: %s", failure_reason(error))
         if self._server is not None:
             self._server.stop(grace=2).wait()
         if self._servicer is not None:

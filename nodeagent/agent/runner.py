@@ -85,8 +85,10 @@ class JobRunner(threading.Thread):
     def run(self) -> None:
         try:
             self._train()
-        except Exception:
+        except Exception as error:
             log.exception("job %s failed on this node", self.job_id)
+            if not self.stop_event.is_set():  # a job that ended meanwhile has no failure to report
+                self.agent.report_failure(self.job_id, self.rank, f"{type(error).__name__}: {error}")
         finally:
             self.agent.set_serving(None)
             self.pool.shutdown(wait=False, cancel_futures=True)
@@ -94,6 +96,7 @@ class JobRunner(threading.Thread):
                 self.collective.close()
             if self.peers is not None:
                 self.peers.close()
+            self.agent.metrics.forget_job(self.job_id)
 
     def _train(self) -> None:
         spec, agent = self.spec, self.agent
@@ -146,8 +149,8 @@ class JobRunner(threading.Thread):
             return None
         host, _ = split_address(self.agent.config.coordinator)
         self.collective = Collective(host, self.rendezvous_port, self.rank, self.spec.nodes,
-                                     self.spec.wire.exchange_timeout_s, self.agent.metrics, self.agent.node_id,
-                                     driver.traffic)
+                                     self.spec.wire.exchange_timeout_s, self.agent.metrics, self.job_id,
+                                     self.agent.node_id, driver.traffic)
         return self.collective
 
     def _wait_for_neighbours(self) -> None:

@@ -64,6 +64,9 @@ class AllReduceSGD(Algorithm):
     def ready(self) -> bool:
         return not self.waiting
 
+    def waiting_for(self) -> str:
+        return f"the all-reduce of step {self.clock} (every rank's gradient)"
+
     def expected(self, peer: int, kind: Kind) -> list[TensorSpec]:
         if peer != ALLREDUCE_RANK:
             raise WireError("not_neighbor", f"{self.name} takes messages only from the all-reduce, not rank {peer}")

@@ -248,6 +248,12 @@ class Algorithm(ABC):
             raise JobSpecError(format_validation_error(error, "algorithm.options", unknown)) from None
 
     @classmethod
+    def synchronous(cls, spec: AlgorithmSpec) -> bool:
+        """Whether its nodes wait for each other (or for the server's rounds): a node lost for good then stops the
+        job, where an asynchronous job goes on without it."""
+        return (spec.mode or cls.modes[0]) == "sync"
+
+    @classmethod
     def check(cls, spec: JobSpec, topology: Graph) -> None:
         """Refuse a job this algorithm cannot run, with JobSpecError naming the field. It runs at validation,
         before any node exists, and refuses at least every job the constructor would; subclasses with
@@ -342,6 +348,10 @@ class Algorithm(ABC):
     def ready(self) -> bool:
         """Whether the next local step may start; asynchronous algorithms never wait."""
         return True
+
+    def waiting_for(self) -> str:
+        """What the node waits for while not ready, in words for the log."""
+        return "the messages it needs to go on"
 
     def failed(self, send: Send, reason: str) -> None:
         """A send could not be completed; `reason` is the failure label of the metrics (unavailable,

@@ -100,5 +100,10 @@ class DSGD(Algorithm):
     def ready(self) -> bool:
         return self._pending_direction is None
 
+    def waiting_for(self) -> str:
+        copies = self.round_copies.get(self.clock, {})
+        missing = [n.rank for n in self.context.neighbors if n.rank not in copies]
+        return f"the step-{self.clock} parameters of ranks {missing}"
+
     def expected(self, peer: int, kind: Kind) -> list[TensorSpec]:
         return self.neighbor_specs(peer, kind, Kind.PARAMS)

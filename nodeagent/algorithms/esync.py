@@ -137,6 +137,11 @@ class ESync(PSWorker):
     def ready(self) -> bool:
         return not self.waiting and not self.asking
 
+    def waiting_for(self) -> str:
+        if self.asking:
+            return f"the server's answer to its report of step {self.round_steps} of round {self.version}"
+        return super().waiting_for()
+
     def failed(self, send: Send, reason: str) -> None:
         if isinstance(send.message, StepReport):
             self.asking = False

@@ -188,6 +188,9 @@ class PairwiseGossip(Algorithm):
         # Answered fetches are mixed as soon as they are due, so a due fetch still listed is unanswered.
         return all(fetch.due > self.clock for fetch in self._fetches)
 
+    def waiting_for(self) -> str:
+        return f"the parameters of rank {self._fetches[0].peer}, fetched for step {self._fetches[0].due}"
+
     def expected(self, peer: int, kind: Kind) -> list[TensorSpec]:
         return self.neighbor_specs(peer, kind, Kind.PARAMS)
 

@@ -45,7 +45,7 @@ from pydantic import Field
 from torch import nn
 
 from nodeagent.algorithms.base import Algorithm, AlgorithmOptions, Graph, NodeContext, Route, Send, Snapshot
-from nodeagent.jobspec import JobSpec, JobSpecError
+from nodeagent.jobspec import AlgorithmSpec, JobSpec, JobSpecError
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
 
@@ -166,6 +166,12 @@ class SGP(Algorithm):
     def ready(self) -> bool:
         return not self.open_rounds or self.open_rounds[0] >= self.clock - self.rounds_in_flight
 
+    def waiting_for(self) -> str:
+        round_ = self.open_rounds[0]
+        received = sorted(self.shares.get(round_, {}))
+        expected = len(self.context.out_peers(round_))
+        return f"{expected - len(received)} more push-sum shares of round {round_} (from ranks so far: {received})"
+
     def expected(self, peer: int, kind: Kind) -> list[TensorSpec]:
         return self.neighbor_specs(peer, kind, Kind.PUSHSUM)
 
@@ -180,6 +186,10 @@ class OverlapSGP(SGP):
     modes = ("async",)
     Options = OverlapSGPOptions
     options: OverlapSGPOptions
+
+    @classmethod
+    def synchronous(cls, spec: AlgorithmSpec) -> bool:
+        return True  # overlapped, but a round still waits for every in-peer's share, synch_freq steps later
 
     def _rounds_in_flight(self) -> int:
         # The previous step's round is always allowed in flight (the overlap), plus synch_freq more.

@@ -105,6 +105,9 @@ class PSWorker(Algorithm):
     def ready(self) -> bool:
         return not self.waiting
 
+    def waiting_for(self) -> str:
+        return f"the parameter server's model (version {self.version} was the last)"
+
     def failed(self, send: Send, reason: str) -> None:
         # The server refused a call (after a restart of this worker from an older checkpoint, a push of a round
         # it already has, a report out of step): this update is lost, and the worker pulls the server's model and

@@ -18,14 +18,16 @@ The rules, each in one place:
   the algorithm is ready; evaluation is due every `eval_every` steps and at the last; then the next step.
 - Flow control: one exchange or pull per edge in flight; a due one on a busy edge is not sent, and the
   algorithm hears of it as a failure "in_flight" (no call was made, so it costs the peer nothing).
-- Retries: a push to a peer is retried every PUSH_RETRY_S until it is delivered (synchronous rounds rely on every
-  push, even after this node finished); a call to the parameter server that failed transiently is retried with
-  the same call id (applied once), at once after a deadline and after SERVER_RETRY_S otherwise. Any other failure
-  goes to the algorithm's `failed()`.
+- Retries: a push to a peer is retried until it is delivered (synchronous rounds rely on every push, even after
+  this node finished); a call to the parameter server that failed transiently is retried with the same call id
+  (applied once), at once after a deadline. Both back off: RETRY_FIRST_S, doubling up to RETRY_MAX_S; the first
+  failure of a send is logged, and its delivery after failures. Any other failure goes to the algorithm's
+  `failed()`.
 - Step reports: a call to the parameter server carries the duration of the step that made it.
 - Accounting: compute time is the executor's measure of each step; wait time is the time from the end of a
-  step (or the start) until the node is found ready again, less the time spent evaluating; traffic is what the
-  transports count where bytes are sent and received (`traffic`).
+  step (or the start) until the node is found ready again, less the time spent evaluating, counted as it passes;
+  traffic is what the transports count where bytes are sent and received (`traffic`), per peer. A node that waits
+  longer than WAIT_LOG_S says once what for (`Algorithm.waiting_for()`), and keeps reporting its progress.
 - After the last step the node absorbs nothing more: it serves its final snapshot and only finishes its retries.
 """
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+import logging
 import math
 import uuid
 from collections.abc import Callable
@@ -42,12 +45,15 @@ from dataclasses import dataclass
 from nodeagent.algorithms.base import ALLREDUCE_RANK, Route, Send
 from nodeagent.metrics import Metrics
 from nodeagent.ps.messages import SERVER_NAME, SERVER_RANK, ServerAnswer
-from nodeagent.runtime.progress import Progress, Traffic
+from nodeagent.runtime.progress import EdgeCounters, Progress, Traffic
 from nodeagent.training.job import Node
 from nodeagent.wire.message import Message
 
-PUSH_RETRY_S = 1.0
-SERVER_RETRY_S = 1.0
+log = logging.getLogger("nodeagent")
+
+RETRY_FIRST_S = 1.0  # the first retry of a failed push or server call comes this long after the failure,
+RETRY_MAX_S = 30.0  # and each next one twice as long after its failure, up to this
+WAIT_LOG_S = 10.0  # a wait longer than this is logged, once
 IN_FLIGHT = "in_flight"  # the failure reason of a send skipped by flow control
 ALLREDUCE_NAME = "allreduce"  # the all-reduce in edge metrics
 
@@ -128,15 +134,21 @@ class NodeDriver:
         self.exchanges = 0
         self.failures = 0
         self.samples = 0  # trained on, over all local steps
+        self.local_steps = 0
+        self._exchanges_with: dict[int, int] = {}
+        self._failures_with: dict[int, int] = {}
         self._started: float | None = None
         self._idle_since: float | None = None  # the end of the last step, until the node is found ready again
         self._evaluating_s = 0.0  # time spent evaluating since then
+        self._waited_in_gap = 0.0  # the part of the time since then already counted as waiting
+        self._wait_logged = False
         self._step_began = 0.0
         self._evaluated_at = -1
         self._reported = -math.inf
         self._in_flight: set[int] = set()
         self._arrived: list[Message | ServerAnswer | Failure] = []
         self._retries: list[tuple[float, int, Transmission]] = []
+        self._attempts: dict[int, int] = {}  # id of a transmission being retried -> its failed attempts
         self._sequence = itertools.count()
         self._calls = itertools.count()
         self._incarnation = uuid.uuid4().hex[:12]  # call ids stay unique across restarts of the node
@@ -163,27 +175,37 @@ class NodeDriver:
             self._in_flight.discard(send.peer)
         if isinstance(item, Reply):
             self.exchanges += 1
+            self._exchanges_with[send.peer] = self._exchanges_with.get(send.peer, 0) + 1
+            attempts = self._attempts.pop(id(item.transmission), 0)
+            if attempts:
+                log.info("job %s: %s to %s went through after %d failed tries", self.job, send.route,
+                         self.peer_name(send.peer), attempts)
             if item.answer is not None and not self.done:
                 self._arrived.append(item.answer)
             return None
         self._count_failure(send.peer, item.reason)
-        delay = self._retry_delay(item)
-        if delay is None:
+        if not self._retried(item):
             if not self.done:
                 self._arrived.append(item)
             return None
+        attempts = self._attempts.get(id(item.transmission), 0) + 1
+        self._attempts[id(item.transmission)] = attempts
+        if attempts == 1:
+            log.warning("job %s: %s to %s failed (%s); retrying with back-off", self.job, send.route,
+                        self.peer_name(send.peer), item.reason)
+        if item.reason == "deadline_exceeded" and send.route == Route.SERVER:
+            delay = 0.0  # a slow round, not a lost server: ask again at once, with the same id
+        else:
+            delay = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (attempts - 1))
         due = self.clock() + delay
         heapq.heappush(self._retries, (due, next(self._sequence), item.transmission))
         return due
 
-    def _retry_delay(self, failure: Failure) -> float | None:
-        """Seconds until a failed transmission is tried again, or None: the algorithm hears of the failure."""
+    @staticmethod
+    def _retried(failure: Failure) -> bool:
+        """Whether a failed transmission is tried again; otherwise the algorithm hears of the failure."""
         route = failure.transmission.send.route
-        if route == Route.PUSH:
-            return PUSH_RETRY_S
-        if route == Route.SERVER and failure.transient:
-            return 0.0 if failure.reason == "deadline_exceeded" else SERVER_RETRY_S
-        return None
+        return route == Route.PUSH or (route == Route.SERVER and failure.transient)
 
     def due_retries(self) -> list[Transmission]:
         now = self.clock()
@@ -220,6 +242,14 @@ class NodeDriver:
             if algorithm.sends_after_receive:
                 sends = self._transmissions(algorithm.sends(), math.nan)
         if not algorithm.ready():
+            now = self.clock()
+            self._count_wait(now)
+            if not self._wait_logged and self._waited_in_gap > WAIT_LOG_S:
+                self._wait_logged = True
+                log.warning("job %s: %s has waited %.0f s at step %d for %s", self.job, self.name,
+                            self._waited_in_gap, algorithm.clock, algorithm.waiting_for())
+            if self.report_every_s is not None and now - self._reported >= self.report_every_s:
+                reports.append(self._report(evaluated=False))
             return Decision(Action.WAIT, tuple(sends), tuple(reports))
         self._ready(self.clock())
         # A step is complete once the algorithm is ready again (synchronous modes finish it on receipt).
@@ -238,6 +268,7 @@ class NodeDriver:
         """One local step on the next minibatch; returns its compute time on the driver's clock."""
         inputs, targets = self.node.batches.next()
         self.samples += len(inputs)
+        self.local_steps += 1
         self._step_began = self.clock()
         self.loss = self.algorithm.step(inputs, targets)
         return self.clock() - self._step_began
@@ -247,7 +278,8 @@ class NodeDriver:
         returns its sends."""
         self.compute_s += duration_s
         self._idle_since = self._step_began + duration_s
-        self._evaluating_s = 0.0
+        self._evaluating_s = self._waited_in_gap = 0.0
+        self._wait_logged = False
         self._step_seconds.observe(duration_s)
         self._local_steps.inc()
         self._training_loss.set(self.loss)
@@ -260,7 +292,7 @@ class NodeDriver:
         for send in sends:
             if send.route in (Route.EXCHANGE, Route.PULL):
                 if send.peer in self._in_flight:
-                    self.metrics.exchange_failures.labels(self.name, self.name_of(send.peer), IN_FLIGHT).inc()
+                    self.metrics.exchange_failures.labels(self.job, self.name, self.name_of(send.peer), IN_FLIGHT).inc()
                     self._arrived.append(Failure(Transmission(send), IN_FLIGHT))
                     continue
                 self._in_flight.add(send.peer)
@@ -270,14 +302,22 @@ class NodeDriver:
                 out.append(Transmission(send))
         return out
 
-    def _ready(self, now: float) -> None:
-        """The node is ready to go on: the time since the last step ended, less evaluations, was waiting."""
+    def _count_wait(self, now: float) -> None:
+        """Count the time since the last step ended, less evaluations, as waiting, as far as it has not been."""
         if self._idle_since is None:
             return
         waited = max(0.0, now - self._idle_since - self._evaluating_s)
+        if waited > self._waited_in_gap:
+            self.wait_s += waited - self._waited_in_gap
+            self._wait_seconds.inc(waited - self._waited_in_gap)
+            self._waited_in_gap = waited
+
+    def _ready(self, now: float) -> None:
+        """The node is ready to go on: its wait (if any) is over."""
+        self._count_wait(now)
+        if self._wait_logged:
+            log.info("job %s: %s goes on after waiting %.0f s", self.job, self.name, self._waited_in_gap)
         self._idle_since = None
-        self.wait_s += waited
-        self._wait_seconds.inc(waited)
 
     def _evaluate(self) -> Report:
         began = self.clock()
@@ -295,7 +335,8 @@ class NodeDriver:
 
     def _count_failure(self, peer: int, reason: str) -> None:
         self.failures += 1
-        self.metrics.exchange_failures.labels(self.name, self.peer_name(peer), reason).inc()
+        self._failures_with[peer] = self._failures_with.get(peer, 0) + 1
+        self.metrics.exchange_failures.labels(self.job, self.name, self.peer_name(peer), reason).inc()
 
     def peer_name(self, rank: int) -> str:
         if rank == SERVER_RANK:
@@ -307,10 +348,18 @@ class NodeDriver:
     def progress(self) -> Progress:
         """The node's progress now; `finished` once its last step is done and evaluated."""
         now = self.clock()
+        sent, received = self.traffic.totals()
+        peers = {*self.traffic.sent, *self.traffic.received, *self._exchanges_with, *self._failures_with}
+        edges = sorted(
+            (EdgeCounters(self.peer_name(peer), self.traffic.sent.get(peer, 0), self.traffic.received.get(peer, 0),
+                          self._exchanges_with.get(peer, 0), self._failures_with.get(peer, 0)) for peer in peers),
+            key=lambda edge: edge.peer,
+        )
         return Progress(
             job=self.job, rank=self.node.rank, node=self.name, step=self.algorithm.clock, loss=self.loss,
             test_accuracy=self.accuracy, test_loss=self.test_loss,
             elapsed_s=now - (self._started if self._started is not None else now), finished=self.done,
-            bytes_sent=self.traffic.sent, bytes_received=self.traffic.received, compute_s=self.compute_s,
-            wait_s=self.wait_s, exchanges=self.exchanges, exchange_failures=self.failures, time=now,
+            bytes_sent=sent, bytes_received=received, compute_s=self.compute_s, wait_s=self.wait_s,
+            exchanges=self.exchanges, exchange_failures=self.failures, time=now, edges=tuple(edges),
+            local_steps=self.local_steps,
         )

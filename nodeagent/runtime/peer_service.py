@@ -77,21 +77,21 @@ class ServingState:
 
     def sent_to(self, metrics: Metrics, rank: int) -> Callable[[int], None]:
         """Counts payload bytes sent to `rank`, on the edge's metric and in this job's traffic."""
-        edge = metrics.edge_bytes_sent.labels(self.node_id, self.name_of(rank))
+        edge = metrics.edge_bytes_sent.labels(self.job_id, self.node_id, self.name_of(rank))
 
         def count(n: int) -> None:
             edge.inc(n)
-            self.traffic.add_sent(n)
+            self.traffic.add_sent(rank, n)
 
         return count
 
     def received_from(self, metrics: Metrics, rank: int) -> Callable[[int], None]:
         """Counts payload bytes received from `rank`, on the edge's metric and in this job's traffic."""
-        edge = metrics.edge_bytes_received.labels(self.name_of(rank), self.node_id)
+        edge = metrics.edge_bytes_received.labels(self.job_id, self.name_of(rank), self.node_id)
 
         def count(n: int) -> None:
             edge.inc(n)
-            self.traffic.add_received(n)
+            self.traffic.add_received(rank, n)
 
         return count
 
@@ -203,7 +203,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             self._metrics.stream_rejections.labels("unknown", state.node_id, error.reason).inc()
             context.abort(grpc_code(error.status), str(error))
         state.received_from(self._metrics, message.sender)(receiver.received)
-        self._metrics.edge_messages_received.labels(state.name_of(message.sender), state.node_id).inc()
+        self._metrics.edge_messages_received.labels(state.job_id, state.name_of(message.sender), state.node_id).inc()
         return message, claimed
 
     def _send(
@@ -234,7 +234,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                 yield wire_pb2.Frames(frames=[frame])
         else:
             yield from counted(outgoing.frames(), sent)
-        self._metrics.edge_messages_sent.labels(state.node_id, dst).inc()
+        self._metrics.edge_messages_sent.labels(state.job_id, state.node_id, dst).inc()
 
     def _release(self, lanes: list[LaneSocket], ok: bool) -> None:
         if self.lanes is not None:
@@ -498,8 +498,8 @@ class PeerClient:
                 ok = True
             finally:
                 self._finish(lanes, delivered, ok)
-        metrics.edge_messages_sent.labels(state.node_id, dst).inc()
-        metrics.exchange_seconds.labels(state.node_id, dst).observe(time.perf_counter() - started)
+        metrics.edge_messages_sent.labels(state.job_id, state.node_id, dst).inc()
+        metrics.exchange_seconds.labels(state.job_id, state.node_id, dst).observe(time.perf_counter() - started)
 
     @staticmethod
     def _incoming(state: ServingState, replies, peer: int, metrics: Metrics, lanes: list[LaneSocket] = (),
@@ -529,7 +529,7 @@ class PeerClient:
             replies.cancel()
             raise
         state.received_from(metrics, peer)(receiver.received)
-        metrics.edge_messages_received.labels(state.name_of(peer), state.node_id).inc()
+        metrics.edge_messages_received.labels(state.job_id, state.name_of(peer), state.node_id).inc()
         return reply
 
     def exchange(self, state: ServingState, message: Message, timeout: float, metrics: Metrics) -> Message:
@@ -557,8 +557,8 @@ class PeerClient:
                 ok = True
             finally:
                 self._finish(lanes, writing, ok)
-        metrics.edge_messages_sent.labels(state.node_id, dst).inc()
-        metrics.exchange_seconds.labels(state.node_id, dst).observe(time.perf_counter() - started)
+        metrics.edge_messages_sent.labels(state.job_id, state.node_id, dst).inc()
+        metrics.exchange_seconds.labels(state.job_id, state.node_id, dst).observe(time.perf_counter() - started)
         return reply
 
     def pull(self, state: ServingState, peer: int, kind: Kind, timeout: float, metrics: Metrics) -> Message:
@@ -577,7 +577,8 @@ class PeerClient:
             ok = True
         finally:
             self._finish(lanes, True, ok)
-        metrics.exchange_seconds.labels(state.node_id, state.name_of(peer)).observe(time.perf_counter() - started)
+        seconds = metrics.exchange_seconds.labels(state.job_id, state.node_id, state.name_of(peer))
+        seconds.observe(time.perf_counter() - started)
         return reply
 
 

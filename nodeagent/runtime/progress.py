@@ -21,6 +21,17 @@ LOG_FILE = "metrics.jsonl"
 
 
 @dataclass(frozen=True)
+class EdgeCounters:
+    """One edge's counters of a node in a job: the peer is a node id, SERVER_NAME or "allreduce"."""
+
+    peer: str
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    exchanges: int = 0  # calls to the peer that completed
+    failures: int = 0  # calls to the peer that failed
+
+
+@dataclass(frozen=True)
 class Progress:
     job: str
     rank: int
@@ -38,23 +49,31 @@ class Progress:
     exchanges: int = 0
     exchange_failures: int = 0
     time: float = 0.0  # when it was recorded: Unix time at the coordinator, virtual seconds in the simulator
+    edges: tuple[EdgeCounters, ...] = ()  # per peer, sorted by peer
+    local_steps: int = 0  # local steps taken here (`step` counts the job's steps: ESync's are rounds)
 
 
 class Traffic:
-    """Bytes a node sent and received in one job, added where they go out and come in (by network threads too)."""
+    """Bytes a node sent to and received from each peer (by rank) in one job, added where they go out and come in
+    (by network threads too)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.sent = 0
-        self.received = 0
+        self.sent: dict[int, int] = {}
+        self.received: dict[int, int] = {}
 
-    def add_sent(self, count: int) -> None:
+    def add_sent(self, peer: int, count: int) -> None:
         with self._lock:
-            self.sent += count
+            self.sent[peer] = self.sent.get(peer, 0) + count
 
-    def add_received(self, count: int) -> None:
+    def add_received(self, peer: int, count: int) -> None:
         with self._lock:
-            self.received += count
+            self.received[peer] = self.received.get(peer, 0) + count
+
+    def totals(self) -> tuple[int, int]:
+        """Bytes sent and received over all peers."""
+        with self._lock:
+            return sum(self.sent.values()), sum(self.received.values())
 
 
 def ring_allreduce_bytes(payload: int, ranks: int) -> int:
@@ -72,7 +91,9 @@ def to_report(progress: Progress) -> pb.MetricsReport:
         test_accuracy=progress.test_accuracy, test_loss=progress.test_loss, elapsed_s=progress.elapsed_s,
         finished=progress.finished, bytes_sent=progress.bytes_sent, bytes_received=progress.bytes_received,
         compute_s=progress.compute_s, wait_s=progress.wait_s, exchanges=progress.exchanges,
-        exchange_failures=progress.exchange_failures,
+        exchange_failures=progress.exchange_failures, local_steps=progress.local_steps,
+        edges=[pb.EdgeTraffic(peer=e.peer, bytes_sent=e.bytes_sent, bytes_received=e.bytes_received,
+                              exchanges=e.exchanges, failures=e.failures) for e in progress.edges],
     )
 
 
@@ -83,16 +104,20 @@ def from_report(report: pb.MetricsReport, time: float) -> Progress:
         finished=report.finished, bytes_sent=report.bytes_sent, bytes_received=report.bytes_received,
         compute_s=report.compute_s, wait_s=report.wait_s, exchanges=report.exchanges,
         exchange_failures=report.exchange_failures, time=time,
+        edges=tuple(EdgeCounters(e.peer, e.bytes_sent, e.bytes_received, e.exchanges, e.failures)
+                    for e in report.edges), local_steps=report.local_steps,
     )
 
 
-def to_node_progress(progress: Progress) -> pb.NodeProgress:
+def to_node_progress(progress: Progress, state: str = "", failure: str = "") -> pb.NodeProgress:
+    """`state` and `failure` are the coordinator's view of the node (up, down, failed, finished)."""
     return pb.NodeProgress(
+        state=state, failure=failure,
         rank=progress.rank, node_id=progress.node, step=progress.step, loss=progress.loss,
         test_accuracy=progress.test_accuracy, finished=progress.finished, updated_unix=progress.time,
         bytes_sent=progress.bytes_sent, bytes_received=progress.bytes_received, test_loss=progress.test_loss,
         elapsed_s=progress.elapsed_s, compute_s=progress.compute_s, wait_s=progress.wait_s,
-        exchanges=progress.exchanges, exchange_failures=progress.exchange_failures,
+        exchanges=progress.exchanges, exchange_failures=progress.exchange_failures, local_steps=progress.local_steps,
     )
 
 
@@ -101,7 +126,7 @@ def from_node_progress(job: str, node: pb.NodeProgress) -> Progress:
         job=job, rank=node.rank, node=node.node_id, step=node.step, loss=node.loss, test_accuracy=node.test_accuracy,
         test_loss=node.test_loss, elapsed_s=node.elapsed_s, finished=node.finished, bytes_sent=node.bytes_sent,
         bytes_received=node.bytes_received, compute_s=node.compute_s, wait_s=node.wait_s, exchanges=node.exchanges,
-        exchange_failures=node.exchange_failures, time=node.updated_unix,
+        exchange_failures=node.exchange_failures, time=node.updated_unix, local_steps=node.local_steps,
     )
 
 
@@ -117,7 +142,7 @@ class RunLog:
 
     def append(self, progress: Progress) -> None:
         fields = {key: None if isinstance(value, float) and math.isnan(value) else value
-                  for key, value in dataclasses.asdict(progress).items()}
+                  for key, value in dataclasses.asdict(progress).items()}  # edges become a list of dicts
         line = json.dumps(fields) + "\n"
         with self._lock, open(self.path, "a") as out:
             out.write(line)
@@ -128,5 +153,7 @@ def read_run_log(run_dir: str | Path) -> list[Progress]:
     for line in (Path(run_dir) / LOG_FILE).read_text().splitlines():
         if line.strip():
             fields = json.loads(line)
-            records.append(Progress(**{key: math.nan if value is None else value for key, value in fields.items()}))
+            edges = tuple(EdgeCounters(**edge) for edge in fields.pop("edges", ()))
+            values = {key: math.nan if value is None else value for key, value in fields.items()}
+            records.append(Progress(**values, edges=edges))
     return records

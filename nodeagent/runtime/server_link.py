@@ -31,6 +31,7 @@ from nodeagent.ps.link import Answered, ServerExpectation, ServerLink
 from nodeagent.ps.messages import (
     PUSH_ID_HEADER,
     SERVER_NAME,
+    SERVER_RANK,
     ReadyAnswer,
     ServerModel,
     ServerPull,
@@ -69,13 +70,18 @@ class GrpcServerLink(ServerLink):
         self.world_size = world_size
         self.server_rank = server_wire_rank(world_size)
         self.worker = worker
-        self.metrics = metrics
         self.traffic = traffic
         self.pool = pool
         self.timeout_s = timeout_s
         self.encoding = encoding
         self.chunk_bytes = chunk_bytes
         self.max_message_bytes = max_message_bytes
+        # This edge's series, looked up once.
+        self._bytes_up = metrics.edge_bytes_sent.labels(job_id, node_id, SERVER_NAME)
+        self._bytes_down = metrics.edge_bytes_received.labels(job_id, SERVER_NAME, node_id)
+        self._pushes = metrics.edge_messages_sent.labels(job_id, node_id, SERVER_NAME)
+        self._models = metrics.edge_messages_received.labels(job_id, SERVER_NAME, node_id)
+        self._seconds = metrics.exchange_seconds.labels(job_id, node_id, SERVER_NAME)
 
     # -- the interface ---------------------------------------------------------------------------------------------
 
@@ -109,12 +115,12 @@ class GrpcServerLink(ServerLink):
     # -- the calls, each blocking until its answer; grpc.RpcError or WireError when it fails ----------------------
 
     def _sent(self, n: int) -> None:
-        self.traffic.add_sent(n)
-        self.metrics.edge_bytes_sent.labels(self.node_id, SERVER_NAME).inc(n)
+        self.traffic.add_sent(SERVER_RANK, n)
+        self._bytes_up.inc(n)
 
     def _received(self, n: int) -> None:
-        self.traffic.add_received(n)
-        self.metrics.edge_bytes_received.labels(SERVER_NAME, self.node_id).inc(n)
+        self.traffic.add_received(SERVER_RANK, n)
+        self._bytes_down.inc(n)
 
     def push_update(self, push: ServerPush, push_id: str) -> pb.PsPushReply:
         """Stream one update; returns once the server released this worker. A retry carries the same id."""
@@ -125,8 +131,8 @@ class GrpcServerLink(ServerLink):
                                  metadata=((PUSH_ID_HEADER, push_id),))
         if reply.rejected:
             log.info("job %s: push rejected (%s); pulling the model", self.job_id, reply.rejected)
-        self.metrics.edge_messages_sent.labels(self.node_id, SERVER_NAME).inc()
-        self.metrics.exchange_seconds.labels(self.node_id, SERVER_NAME).observe(time.perf_counter() - started)
+        self._pushes.inc()
+        self._seconds.observe(time.perf_counter() - started)
         return reply
 
     def fetch_model(self, pull: ServerPull) -> ServerModel:
@@ -150,7 +156,7 @@ class GrpcServerLink(ServerLink):
         except WireError:
             replies.cancel()
             raise
-        self.metrics.edge_messages_received.labels(SERVER_NAME, self.node_id).inc()
+        self._models.inc()
         return model
 
     def ask(self, report: StepReport, step_s: float) -> ReadyAnswer:
@@ -159,7 +165,7 @@ class GrpcServerLink(ServerLink):
                                      version=report.version, round_step=report.round_step, duration_s=step_s)
         started = time.perf_counter()
         reply = self.stub.PsReport(request, timeout=self.timeout_s)
-        self.metrics.exchange_seconds.labels(self.node_id, SERVER_NAME).observe(time.perf_counter() - started)
+        self._seconds.observe(time.perf_counter() - started)
         self._sent(request.ByteSize())
         self._received(reply.ByteSize())
         return ReadyAnswer(reply.ready, max(1, reply.steps_before_asking), reply.version)

@@ -327,10 +327,10 @@ class VirtualMesh:
             self.at(self.now + duration, lambda node=node, result=result: self._arrive(node, result))
 
     def _count(self, src: SimNode, dst: SimNode, size: int) -> None:
-        src.driver.traffic.add_sent(size)
-        dst.driver.traffic.add_received(size)
-        self.metrics.edge_bytes_sent.labels(src.name, dst.name).inc(size)
-        self.metrics.edge_bytes_received.labels(src.name, dst.name).inc(size)
+        src.driver.traffic.add_sent(dst.rank, size)
+        dst.driver.traffic.add_received(src.rank, size)
+        self.metrics.edge_bytes_sent.labels(self.job, src.name, dst.name).inc(size)
+        self.metrics.edge_bytes_received.labels(self.job, src.name, dst.name).inc(size)
 
 
 class SimulatedServer:
@@ -348,19 +348,19 @@ class SimulatedServer:
         self._waiting: dict[int, tuple[SimNode, ServerPush, Answered]] = {}  # pushed, not yet released
 
     def count(self, sim: SimNode, up: int = 0, down: int = 0) -> None:
-        sim.driver.traffic.add_sent(up)
-        sim.driver.traffic.add_received(down)
+        sim.driver.traffic.add_sent(SERVER_RANK, up)
+        sim.driver.traffic.add_received(SERVER_RANK, down)
         sim.round.sent += up
         sim.round.received += down
         self.bytes_up += up
         self.bytes_down += down
         metrics = self.mesh.metrics
         if up:
-            metrics.edge_bytes_sent.labels(sim.name, SERVER_NAME).inc(up)
-            metrics.edge_bytes_received.labels(sim.name, SERVER_NAME).inc(up)
+            metrics.edge_bytes_sent.labels(self.mesh.job, sim.name, SERVER_NAME).inc(up)
+            metrics.edge_bytes_received.labels(self.mesh.job, sim.name, SERVER_NAME).inc(up)
         if down:
-            metrics.edge_bytes_sent.labels(SERVER_NAME, sim.name).inc(down)
-            metrics.edge_bytes_received.labels(SERVER_NAME, sim.name).inc(down)
+            metrics.edge_bytes_sent.labels(self.mesh.job, SERVER_NAME, sim.name).inc(down)
+            metrics.edge_bytes_received.labels(self.mesh.job, SERVER_NAME, sim.name).inc(down)
 
     def small_trip(self) -> float:
         """When a request without tensors sent now arrives (no queueing)."""
