@@ -4,6 +4,7 @@ the parameter server of the centralised algorithms (coordinator.ps_service)."""
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import threading
 import time
@@ -100,29 +101,34 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 if down:
                     log.warning("no heartbeat from %s: marked down", ", ".join(down))
                     self.changes.bump()
-                self._fail_jobs_that_lost_nodes()
+                self._review_running_jobs()
             self._schedule()
             self._update_gauges()
 
-    def _fail_jobs_that_lost_nodes(self) -> None:
-        """A synchronous job whose node has been silent for longer than the heartbeat timeout plus the job's grace
-        fails (its other nodes would wait forever); an asynchronous job goes on without the node."""
+    def _review_running_jobs(self) -> None:
+        """Apply each running job's failure policy to its lost nodes (silent for longer than the heartbeat timeout
+        plus the job's `failure.lost_grace_s`): a synchronous job fails, since its other nodes would wait forever; an
+        asynchronous job goes on without them, and finishes once every other node has."""
         nodes = {n.node_id: n for n in self.store.nodes()}
         now = time.time()
         for job in self.store.jobs(("RUNNING",)):
             spec = JobSpec.from_json(job.spec_json)
-            if not lookup(spec.algorithm.name).synchronous(spec.algorithm):
-                continue
-            for member in self.store.members(job.job_id):
+            members = self.store.members(job.job_id)
+            lost = []
+            for member in members:
                 node = nodes.get(member.node_id)
-                if node is None or node.up or member.progress.finished:
-                    continue
-                silent = now - node.last_seen_unix
-                if silent > self.config.heartbeat_timeout_s + spec.failure.lost_grace_s:
-                    self._end_job(job, "FAILED", f"rank {member.rank} (node {member.node_id}) lost: no heartbeat "
-                                  f"for {silent:.0f} s, longer than the heartbeat timeout and the job's "
-                                  f"failure.lost_grace_s ({spec.failure.lost_grace_s:g} s)")
-                    break
+                silent = now - node.last_seen_unix if node is not None else math.inf
+                if (node is None or not node.up) and not member.progress.finished and \
+                        silent > self.config.heartbeat_timeout_s + spec.failure.lost_grace_s:
+                    lost.append((member, silent))
+            if not lost:
+                continue
+            ranks = ", ".join(f"rank {m.rank} (node {m.node_id}, silent for {silent:.0f} s)" for m, silent in lost)
+            if lookup(spec.algorithm.name).synchronous(spec.algorithm):
+                self._end_job(job, "FAILED", f"lost {ranks}: longer than the heartbeat timeout and the job's "
+                              f"failure.lost_grace_s ({spec.failure.lost_grace_s:g} s) allow a synchronous job")
+            elif all(m.progress.finished or m.rank in {gone.rank for gone, _ in lost} for m in members):
+                self._end_job(job, "FINISHED", f"without the lost {ranks}")
 
     def _update_gauges(self) -> None:
         nodes = self.store.nodes()
@@ -191,7 +197,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         job, rank = membership
         spec = JobSpec.from_json(job.spec_json)
         plan = plan_node(spec, self._topology(job, spec), rank)
-        members = {m.rank: m.node_id for m in self.store.members(job.job_id)}
+        rows = self.store.members(job.job_id)
+        members = {m.rank: m.node_id for m in rows}
         neighbors = []
         for neighbor in plan.neighbors:
             peer = self.store.node(members[neighbor.rank])
@@ -206,7 +213,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             version=self.changes.version, job_id=job.job_id, state=pb.JOB_RUNNING, job_spec_json=job.spec_json,
             rank=rank, world_size=job.world_size, neighbors=neighbors, self_weight=plan.self_weight,
             run_dir=job.run_dir, peer_schedule=[pb.PeerSet(ranks=peers) for peers in plan.peer_schedule],
-            rendezvous_port=self._rendezvous_port(job, spec),
+            rendezvous_port=self._rendezvous_port(job, spec), rejoin=rows[rank].progress.time > 0,
         )
 
     def _rendezvous_port(self, job: JobRow, spec: JobSpec) -> int:

@@ -184,3 +184,94 @@ def test_stop_job(coordinator):
     with pytest.raises(grpc.RpcError) as error:
         stub.StopJob(pb.StopJobRequest(job_id="nope"), timeout=5)
     assert error.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_job_too_large_waits_with_its_reason_and_does_not_hold_back_a_smaller_one(coordinator):
+    start, _ = coordinator
+    _, stub = start()
+    ids = [register(stub, f"a{i}") for i in range(3)]
+    big = stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=job(name="big", nodes=5)), timeout=5)
+    assert big.state == pb.JOB_PENDING and "needs 5 agents; 3 are up" in big.warning
+    small = stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=job(name="small", nodes=3)), timeout=5)
+    assert small.state == pb.JOB_RUNNING and not small.warning
+    waiting = stub.JobStatus(pb.JobStatusRequest(job_id=big.job_id), timeout=5)
+    assert waiting.state == pb.JOB_PENDING and "needs 5 agents; 3 are up" in waiting.reason
+    third = stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=job(name="third", nodes=2)), timeout=5)
+    assert third.state == pb.JOB_PENDING and "needs 2 idle agents; 0 are idle" in third.warning
+    assert first_assignment(stub, ids[0]).job_id == small.job_id
+
+
+def test_a_node_failure_fails_the_job_with_its_reason_and_frees_the_agents(coordinator):
+    start, _ = coordinator
+    _, stub = start()
+    ids = [register(stub, f"a{i}") for i in range(3)]
+    job_id = stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=job()), timeout=5).job_id
+    waiting = stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=job(name="next")), timeout=5).job_id
+    with pytest.raises(grpc.RpcError) as forged:  # only the node that holds the rank may report its failure
+        stub.ReportFailure(pb.NodeFailure(node_id=ids[0], job_id=job_id, rank=1, reason="x"), timeout=5)
+    assert forged.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    reply = stub.ReportFailure(pb.NodeFailure(node_id=ids[1], job_id=job_id, rank=1,
+                                              reason="DataError: train-images-idx3-ubyte not found"), timeout=5)
+    assert reply.job_state == pb.JOB_FAILED
+    status = stub.JobStatus(pb.JobStatusRequest(job_id=job_id), timeout=5)
+    assert status.state == pb.JOB_FAILED and status.ended_unix >= status.started_unix > 0
+    assert status.reason == f"rank 1 (node {ids[1]}) failed: DataError: train-images-idx3-ubyte not found"
+    assert [n.state for n in status.nodes] == ["up", "failed", "up"]
+    # Its agents are free: the next job runs on them.
+    assert stub.JobStatus(pb.JobStatusRequest(job_id=waiting), timeout=5).state == pb.JOB_RUNNING
+    assert first_assignment(stub, ids[1]).job_id == waiting
+
+
+def test_drain_remove_and_deregister(coordinator):
+    start, _ = coordinator
+    _, stub = start()
+    ids = [register(stub, f"a{i}") for i in range(4)]
+    assert stub.DrainNode(pb.DrainRequest(node_id=ids[3], drain=True), timeout=5).draining
+    job_id = stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=job()), timeout=5).job_id
+    assert [n.node_id for n in stub.JobStatus(pb.JobStatusRequest(job_id=job_id), timeout=5).nodes] == ids[:3]
+    with pytest.raises(grpc.RpcError) as busy:
+        stub.RemoveNode(pb.NodeRequest(node_id=ids[0]), timeout=5)
+    assert busy.value.code() == grpc.StatusCode.FAILED_PRECONDITION and job_id in busy.value.details()
+    assert stub.RemoveNode(pb.NodeRequest(node_id=ids[3]), timeout=5).node_id == ids[3]
+    stub.Deregister(pb.DeregisterRequest(node_id=ids[2]), timeout=5)
+    nodes = {n.node_id: n for n in stub.ListNodes(pb.ListNodesRequest(), timeout=5).nodes}
+    assert set(nodes) == set(ids[:3]) and not nodes[ids[2]].up and nodes[ids[0]].up
+    states = [n.state for n in stub.JobStatus(pb.JobStatusRequest(job_id=job_id), timeout=5).nodes]
+    assert states == ["up", "up", "down"]
+
+
+@pytest.mark.parametrize(("algorithm", "outcome"), [({"name": "dsgd", "mode": "sync"}, pb.JOB_FAILED),
+                                                     ({"name": "pdmm-isvr"}, pb.JOB_FINISHED)])
+def test_a_lost_node_fails_a_synchronous_job_and_an_asynchronous_one_goes_on(coordinator, algorithm, outcome):
+    start, _ = coordinator
+    _, stub = start(heartbeat_timeout_s=1.0)
+    ids = [register(stub, f"a{i}") for i in range(3)]
+    spec = job(algorithm={"interval": 4, **algorithm}, failure={"lost_grace_s": 1.0})
+    job_id = stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=spec), timeout=5).job_id
+    for rank in (0, 1):  # the two that live finish; rank 2 never beats again
+        stub.ReportMetrics(pb.MetricsReport(node_id=ids[rank], job_id=job_id, rank=rank, step=10, loss=0.5,
+                                            test_accuracy=0.8, finished=True), timeout=5)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        for node_id in ids[:2]:
+            stub.Heartbeat(pb.HeartbeatRequest(node_id=node_id), timeout=5)
+        status = stub.JobStatus(pb.JobStatusRequest(job_id=job_id), timeout=5)
+        if status.state != pb.JOB_RUNNING:
+            break
+        time.sleep(0.2)
+    assert status.state == outcome
+    assert f"rank 2 (node {ids[2]}" in status.reason and "lost" in status.reason
+
+
+def test_a_restarted_coordinator_marks_no_node_down_before_a_heartbeat_timeout(coordinator):
+    start, stop_all = coordinator
+    _, stub = start(heartbeat_timeout_s=2.0)
+    ids = [register(stub, f"a{i}") for i in range(2)]
+    stop_all()
+    time.sleep(2.5)  # longer than the timeout: the nodes' last heartbeats are old when it comes back
+    _, stub = start(heartbeat_timeout_s=2.0)
+    time.sleep(1.5)  # the monitor runs every second; the agents beat again within their interval
+    assert all(n.up for n in stub.ListNodes(pb.ListNodesRequest(), timeout=5).nodes)
+    for node_id in ids:
+        stub.Heartbeat(pb.HeartbeatRequest(node_id=node_id), timeout=5)
+    assert all(n.up for n in stub.ListNodes(pb.ListNodesRequest(), timeout=5).nodes)

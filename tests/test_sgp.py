@@ -273,14 +273,15 @@ def test_options_are_checked():
         make(SGP, 0, 2, (), {1}, options={"synch_freq": 1})
 
 
-def test_expected_accepts_pushsum_from_neighbours_only():
+def test_expected_accepts_pushsum_and_rejoin_pulls_from_neighbours_only():
     node = make(SGP, 0, 3, ((1,),), {1, 2})
     assert [s.name for s in node.expected(2, Kind.PUSHSUM)] == ["weight", "bias"]
+    assert [s.name for s in node.expected(2, Kind.PARAMS)] == ["weight", "bias"]  # a restarted neighbour's pull
     with pytest.raises(WireError) as stranger:
         node.expected(5, Kind.PUSHSUM)
     assert stranger.value.reason == "not_neighbor"
     with pytest.raises(WireError) as kind:
-        node.expected(1, Kind.PARAMS)
+        node.expected(1, Kind.DUAL)
     assert kind.value.reason == "unexpected_kind"
 
 

@@ -64,6 +64,7 @@ class JobRunner(threading.Thread):
         self.self_weight = assignment.self_weight
         self.peer_schedule = tuple(tuple(peers.ranks) for peers in assignment.peer_schedule)
         self.rendezvous_port = assignment.rendezvous_port
+        self.rejoin = assignment.rejoin  # this rank ran before: a restart
         self.peers: GrpcPeers | None = None
         self.collective: Collective | None = None
         self.addresses: dict[int, str] = {}
@@ -108,6 +109,8 @@ class JobRunner(threading.Thread):
             log.info("resumed job %s at step %d from %s", self.job_id, algorithm.clock, checkpoint)
         driver = NodeDriver(node, job=self.job_id, name=agent.node_id, clock=time.perf_counter,
                             metrics=agent.metrics, name_of=self.name_of, report_every_s=REPORT_INTERVAL_S)
+        if self.rejoin:
+            driver.rejoin()
         encoding = Encoding.from_name(spec.wire.encoding)
         serving = ServingState(
             job_id=self.job_id, node_id=agent.node_id, rank=self.rank, algorithm_name=spec.algorithm.name,

@@ -353,6 +353,17 @@ class Algorithm(ABC):
         """What the node waits for while not ready, in words for the log."""
         return "the messages it needs to go on"
 
+    def rejoin_kind(self) -> Kind | None:
+        """What a restarted node pulls from each neighbour to rejoin its running job, or None when it needs nothing
+        (an asynchronous node goes on from its checkpoint, and its neighbours do not wait for it)."""
+        return None
+
+    def rejoin(self, states: Mapping[int, Message]) -> list[Send]:
+        """Take the job up where the neighbours are, from what they serve now (by rank). A restarted node lost the
+        messages of the rounds since its checkpoint, and its neighbours wait for its part of theirs: returns the
+        sends that give it to them."""
+        return []
+
     def failed(self, send: Send, reason: str) -> None:
         """A send could not be completed; `reason` is the failure label of the metrics (unavailable,
         deadline_exceeded, in_flight, rejected, ...). Algorithms that keep waiting for a reply must stop."""

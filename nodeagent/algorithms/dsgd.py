@@ -13,6 +13,7 @@ next-step copy can arrive early without harm.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -99,6 +100,30 @@ class DSGD(Algorithm):
 
     def ready(self) -> bool:
         return self._pending_direction is None
+
+    def rejoin_kind(self) -> Kind | None:
+        return Kind.PARAMS if self.synchronous else None
+
+    def rejoin(self, states: Mapping[int, Message]) -> list[Send]:
+        """Synchronous mode after a restart: the neighbours wait at their rounds (their snapshot's clock holds
+        each one's x_t of it) for this node's x_t. It starts again at the latest of their rounds R from their mean,
+        sends each neighbour still at an earlier round this x for every round up to R (its part of those rounds;
+        its own copies of them were lost), and keeps the copies of round R it pulled; the rest of round R's copies
+        come as the neighbours complete their rounds. What the node had learned since its checkpoint is lost."""
+        round_ = max(state.clock for state in states.values())
+        copies = {rank: self.params.flatten(state.tensors) for rank, state in states.items()}
+        with torch.no_grad():
+            self.w.copy_(torch.stack(list(copies.values())).mean(dim=0))
+        self.clock = round_
+        self._pending_direction = None
+        self._momentum_buffer = None
+        self.round_copies = defaultdict(dict, {round_: {r: c for r, c in copies.items() if states[r].clock == round_}})
+        self.republish()
+        tensors = self._published.served[(None, Kind.PARAMS)]
+        return [
+            Send(Route.PUSH, rank, Kind.PARAMS, Message(Kind.PARAMS, self.context.rank, rank, tensors, clock=t))
+            for rank, state in states.items() for t in range(state.clock, round_)
+        ]
 
     def waiting_for(self) -> str:
         copies = self.round_copies.get(self.clock, {})

@@ -124,8 +124,10 @@ class SGP(Algorithm):
         super().load_state_dict(state)
 
     def _publish(self) -> Snapshot:
-        # Push only: nothing is served to peers; the snapshot reports clock, loss and push-sum weight.
-        return Snapshot(self.context.rank, self.clock, self.last_loss, {}, weight=self.weight)
+        # Shares are pushed, never pulled; the de-biased model z is served only for a restarted neighbour to rejoin
+        # from (rejoin). The snapshot also reports clock, loss and push-sum weight.
+        served = {(None, Kind.PARAMS): self.params.views(self.w.detach().clone())}
+        return Snapshot(self.context.rank, self.clock, self.last_loss, served, weight=self.weight)
 
     # -- the interface -------------------------------------------------------------------------------------------
 
@@ -156,6 +158,8 @@ class SGP(Algorithm):
         return outbox
 
     def receive(self, message: Message) -> None:
+        if message.kind != Kind.PUSHSUM:
+            return  # a neighbour's model is only ever pulled, to rejoin, and the driver hands it to rejoin()
         round_ = message.clock
         if round_ < self.clock and round_ not in self.open_rounds:
             return  # a round absorbed already: a repeated delivery of a retried push
@@ -173,7 +177,39 @@ class SGP(Algorithm):
         return f"{expected - len(received)} more push-sum shares of round {round_} (from ranks so far: {received})"
 
     def expected(self, peer: int, kind: Kind) -> list[TensorSpec]:
+        if kind == Kind.PARAMS:  # a neighbour's pull to rejoin, or its answer to ours
+            return self.neighbor_specs(peer, kind, Kind.PARAMS)
         return self.neighbor_specs(peer, kind, Kind.PUSHSUM)
+
+    def rejoin_kind(self) -> Kind | None:
+        return Kind.PARAMS
+
+    def rejoin(self, states: Mapping[int, Message]) -> list[Send]:
+        """After a restart: the node lost its push-sum mass and the shares in flight to it. It starts again at the
+        latest round R of its neighbours (their snapshots' clocks) with the mean of their models as numerator and a
+        weight of 1, and sends each out-peer its share of every round from the oldest that out-peer may still wait
+        for up to R - 1 (shares it already has are dropped by it); shares to this node of rounds before R are
+        dropped. Push-sum's total weight then differs from the number of nodes: z stays an average of the models,
+        weighted slightly off uniform until the mixing evens it out."""
+        round_ = max(state.clock for state in states.values())
+        with torch.no_grad():
+            self.x.copy_(torch.stack([self.params.flatten(s.tensors) for s in states.values()]).mean(dim=0))
+        self.weight = 1.0
+        self.clock = round_
+        self.shares.clear()
+        self.open_rounds.clear()
+        self._momentum_buffer = None
+        self._debias()
+        sends = []
+        for t in range(max(0, min(s.clock for s in states.values()) - 1 - self.rounds_in_flight), round_):
+            peers = self.context.out_peers(t)
+            share = self.params.views((self.x / (len(peers) + 1)).clone())
+            for peer in peers:
+                if peer in states and t >= states[peer].clock - 1 - self.rounds_in_flight:
+                    message = Message(Kind.PUSHSUM, self.context.rank, peer, share, clock=t,
+                                      weight=self.weight / (len(peers) + 1))
+                    sends.append(Send(Route.PUSH, peer, Kind.PUSHSUM, message))
+        return sends
 
 
 class OverlapSGPOptions(AlgorithmOptions):

@@ -11,6 +11,7 @@ what it decides and tell it what happened:
     step()           run one local step (the executor then takes as long as the step takes)
     stepped(d)       the step took d seconds; the sends to perform now
     due_retries()    the sends to perform again now
+    rejoin()         (before the first next()) this node's rank ran before: take the job up where its neighbours are
 
 The rules, each in one place:
 - Order of work: the initial model is evaluated before anything received is mixed in; then what arrived is
@@ -28,6 +29,10 @@ The rules, each in one place:
   step (or the start) until the node is found ready again, less the time spent evaluating, counted as it passes;
   traffic is what the transports count where bytes are sent and received (`traffic`), per peer. A node that waits
   longer than WAIT_LOG_S says once what for (`Algorithm.waiting_for()`), and keeps reporting its progress.
+- Rejoining: a node restarted in a running job (its live state lost since its checkpoint) first pulls what each
+  neighbour serves (`Algorithm.rejoin_kind()`), holding back everything else that arrives, then hands the states to
+  `Algorithm.rejoin()`, whose sends let the neighbours finish the rounds they wait in; the pulls are retried like
+  pushes.
 - After the last step the node absorbs nothing more: it serves its final snapshot and only finishes its retries.
 """
 
@@ -149,6 +154,8 @@ class NodeDriver:
         self._arrived: list[Message | ServerAnswer | Failure] = []
         self._retries: list[tuple[float, int, Transmission]] = []
         self._attempts: dict[int, int] = {}  # id of a transmission being retried -> its failed attempts
+        self._joining: dict[int, Message | None] | None = None  # while rejoining: each neighbour's state, once pulled
+        self._join_pulls: set[int] = set()  # ids of the pulls of rejoining
         self._sequence = itertools.count()
         self._calls = itertools.count()
         self._incarnation = uuid.uuid4().hex[:12]  # call ids stay unique across restarts of the node
@@ -173,6 +180,12 @@ class NodeDriver:
         send = item.transmission.send
         if send.route in (Route.EXCHANGE, Route.PULL):
             self._in_flight.discard(send.peer)
+        if isinstance(item, Reply) and id(item.transmission) in self._join_pulls and self._joining is not None:
+            self._join_pulls.discard(id(item.transmission))
+            assert isinstance(item.answer, Message)
+            self._joining[send.peer] = item.answer
+            self.exchanges += 1
+            return None
         if isinstance(item, Reply):
             self.exchanges += 1
             self._exchanges_with[send.peer] = self._exchanges_with.get(send.peer, 0) + 1
@@ -201,11 +214,36 @@ class NodeDriver:
         heapq.heappush(self._retries, (due, next(self._sequence), item.transmission))
         return due
 
-    @staticmethod
-    def _retried(failure: Failure) -> bool:
+    def _retried(self, failure: Failure) -> bool:
         """Whether a failed transmission is tried again; otherwise the algorithm hears of the failure."""
         route = failure.transmission.send.route
+        if id(failure.transmission) in self._join_pulls:
+            return True
         return route == Route.PUSH or (route == Route.SERVER and failure.transient)
+
+    def rejoin(self) -> None:
+        """This node's rank ran before, and its live state since its checkpoint is lost (a restart): before its next
+        step it takes the job up where its neighbours are, if its algorithm needs to."""
+        if self.algorithm.rejoin_kind() is not None and self.algorithm.context.neighbors:
+            self._joining = dict.fromkeys(self.algorithm.context.neighbor_ranks)
+
+    def _join(self) -> tuple[bool, list[Transmission]]:
+        """While rejoining: whether the algorithm has taken the job up, and what to send (the pulls at first; the
+        algorithm's sends once every neighbour's state is in)."""
+        assert self._joining is not None
+        if any(state is None for state in self._joining.values()):
+            if self._join_pulls:
+                return False, []  # pulled already: waiting for the answers (or their retries)
+            kind = self.algorithm.rejoin_kind()
+            pulls = self._transmissions([Send(Route.PULL, peer, kind) for peer in self._joining], math.nan)
+            self._join_pulls = {id(t) for t in pulls}
+            return False, pulls
+        states = {rank: state for rank, state in self._joining.items() if state is not None}
+        self._joining = None
+        sends = self._transmissions(self.algorithm.rejoin(states), math.nan)
+        log.info("job %s: %s rejoined at step %d, where its neighbours are (%s)", self.job, self.name,
+                 self.algorithm.clock, ", ".join(f"rank {rank} at {state.clock}" for rank, state in states.items()))
+        return True, sends
 
     def due_retries(self) -> list[Transmission]:
         now = self.clock()
@@ -232,6 +270,10 @@ class NodeDriver:
             # The curve starts at the shared initial model, before anything received is mixed in.
             reports.append(self._evaluate())
         sends: list[Transmission] = []
+        if self._joining is not None:
+            joined, sends = self._join()
+            if not joined:  # what arrived meanwhile waits for the algorithm's new state
+                return Decision(Action.WAIT, tuple(sends), tuple(reports))
         if self._arrived:
             arrived, self._arrived = self._arrived, []
             for item in arrived:
@@ -240,7 +282,7 @@ class NodeDriver:
                 else:
                     algorithm.receive(item)
             if algorithm.sends_after_receive:
-                sends = self._transmissions(algorithm.sends(), math.nan)
+                sends.extend(self._transmissions(algorithm.sends(), math.nan))
         if not algorithm.ready():
             now = self.clock()
             self._count_wait(now)
