@@ -275,3 +275,23 @@ def test_a_restarted_coordinator_marks_no_node_down_before_a_heartbeat_timeout(c
     for node_id in ids:
         stub.Heartbeat(pb.HeartbeatRequest(node_id=node_id), timeout=5)
     assert all(n.up for n in stub.ListNodes(pb.ListNodesRequest(), timeout=5).nodes)
+
+
+def test_status_shows_the_jobs_times_reason_and_each_nodes_state_rate_and_report_age():
+    from coordinator.display import status_text
+
+    status = pb.JobStatusReply(
+        job_id="j-1", name="j", state=pb.JOB_FAILED, world_size=2, run_dir="/runs/j-1", started_unix=1000.0,
+        ended_unix=1090.0, reason="rank 1 (node n1) failed: DataError: no data",
+        nodes=[pb.NodeProgress(rank=0, node_id="n0", step=200, elapsed_s=50.0, loss=0.5, test_accuracy=0.8,
+                               updated_unix=1089.0, state="up"),
+               pb.NodeProgress(rank=1, node_id="n1", step=0, loss=math.nan, test_accuracy=math.nan,
+                               updated_unix=1001.0, state="failed", failure="DataError: no data")],
+    )
+    lines = status_text(status, now=1100.0).splitlines()
+    assert lines[0].startswith("job j-1 (j): failed, 2 nodes")
+    assert lines[1].endswith("ran 90 s") and lines[2] == "reason: rank 1 (node n1) failed: DataError: no data"
+    row0, row1 = lines[4].split(), lines[5].split()
+    assert row0[:5] == ["0", "n0", "up", "200", "4.0"] and row0[-3:] == ["11", "s", "ago"]
+    assert row1[:4] == ["1", "n1", "failed", "0"] and row1[-3:] == ["99", "s", "ago"]
+    assert lines[-1] == "rank 1 failed: DataError: no data"
