@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from coordinator.topology import Topology, build_topology, node_plan, peer_schedule
 from nodeagent.algorithms import Family, Neighbor, lookup
 from nodeagent.jobspec import JobSpec, JobSpecError
+from nodeagent.training.data import DATASETS
+from nodeagent.training.models import MODELS, check_model
 from nodeagent.training.splits import SPLITS
 
 
@@ -20,6 +22,12 @@ def validate_job(spec: JobSpec) -> Topology:
     algorithm = lookup(spec.algorithm.name)
     if spec.data.split not in SPLITS:
         raise JobSpecError(f"data.split: unknown split {spec.data.split!r}; known: {sorted(SPLITS)}")
+    info = DATASETS[spec.data.dataset]
+    try:
+        check_model(spec.model, info.input_shape, info.num_classes)
+    except ValueError as error:
+        field = "model.options" if spec.model.name in MODELS else "model.name"
+        raise JobSpecError(f"{field}: {error}") from None
     try:
         topology = build_topology(spec.topology, spec.nodes)
     except ValueError as error:

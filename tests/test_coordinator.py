@@ -99,6 +99,8 @@ def test_invalid_job_is_refused_with_the_field(coordinator):
         (job(topology={"kind": "hypercube"}), "topology"),
         (job(algorithm={"name": "x"}), "algorithm.name"),
         (job(nodes=4, algorithm={"name": "sgp"}, topology={"kind": "bipartite-exponential"}), "topology.kind"),
+        (job(model={"name": "resnet"}), "model.name: unknown model 'resnet'"),
+        (job(model={"name": "mlp", "options": {"hiden": [8]}}), "model.options: model 'mlp': options ['hiden']"),
     ):
         with pytest.raises(grpc.RpcError) as error:
             stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=text), timeout=5)

@@ -175,25 +175,8 @@ def build_model(spec: ModelSpec, input_shape: InputShape = (1, 28, 28), num_clas
     signature accepts them. Raises ValueError for an unknown name, an option the factory does not take, or
     an import that fails.
     """
-    if ":" in spec.name:
-        factory = _import_factory(spec.name)
-    elif spec.name in MODELS:
-        factory = MODELS[spec.name]
-    else:
-        known = ", ".join(MODELS)
-        raise ValueError(f"unknown model {spec.name!r}; known: {known}, or 'package.module:factory'")
-    signature = inspect.signature(factory)
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
-    kwargs = dict(spec.options)
-    for name, value in (("input_shape", tuple(input_shape)), ("num_classes", num_classes)):
-        if name in spec.options:
-            raise ValueError(f"model {spec.name!r}: {name} comes from the dataset and cannot be an option")
-        if takes_any or name in signature.parameters:
-            kwargs[name] = value
-    try:
-        signature.bind(**kwargs)
-    except TypeError as error:
-        raise ValueError(f"model {spec.name!r}: options {sorted(spec.options)} do not fit: {error}") from None
+    factory = _import_factory(spec.name) if ":" in spec.name else _registered(spec)
+    kwargs = _arguments(spec, factory, input_shape, num_classes)
     model = factory(**kwargs)
     if not isinstance(model, nn.Module):
         raise ValueError(f"model {spec.name!r}: the factory returned {type(model).__name__}, not a torch.nn.Module")
@@ -207,6 +190,38 @@ def initial_model(spec: JobSpec) -> nn.Module:
     info = DATASETS[spec.data.dataset]
     torch.manual_seed(spec.seed)
     return build_model(spec.model, info.input_shape, info.num_classes)
+
+
+def check_model(spec: ModelSpec, input_shape: InputShape, num_classes: int) -> None:
+    """What can be known of a job's model without building it, nor importing a user's code (an import path is
+    the agents' to check): a registry model's name and options. ValueError naming the problem."""
+    if ":" not in spec.name:
+        _arguments(spec, _registered(spec), input_shape, num_classes)
+
+
+def _registered(spec: ModelSpec) -> Callable[..., nn.Module]:
+    if spec.name not in MODELS:
+        known = ", ".join(MODELS)
+        raise ValueError(f"unknown model {spec.name!r}; known: {known}, or 'package.module:factory'")
+    return MODELS[spec.name]
+
+
+def _arguments(spec: ModelSpec, factory: Callable[..., nn.Module], input_shape: InputShape,
+               num_classes: int) -> dict[str, object]:
+    """The factory's keyword arguments: the job's options, and the data's shape and classes where it takes them."""
+    signature = inspect.signature(factory)
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+    kwargs = dict(spec.options)
+    for name, value in (("input_shape", tuple(input_shape)), ("num_classes", num_classes)):
+        if name in spec.options:
+            raise ValueError(f"model {spec.name!r}: {name} comes from the dataset and cannot be an option")
+        if takes_any or name in signature.parameters:
+            kwargs[name] = value
+    try:
+        signature.bind(**kwargs)
+    except TypeError as error:
+        raise ValueError(f"model {spec.name!r}: options {sorted(spec.options)} do not fit: {error}") from None
+    return kwargs
 
 
 def flat_parameters(model: nn.Module) -> torch.Tensor:
