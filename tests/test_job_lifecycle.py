@@ -112,3 +112,19 @@ def test_the_same_job_twice_reports_the_same_traffic(cluster, fashion_mnist_dir)
         sent.append([n.bytes_sent for n in status.nodes])
     for first, second in zip(*sent, strict=True):
         assert first > 0 and abs(second - first) <= 0.05 * first, sent
+
+
+def test_an_allreduce_job_whose_agent_is_killed_fails_at_once_with_the_collectives_words(cluster, fashion_mnist_dir):
+    # A collective cannot take a member back yet (a new rendezvous and a state broadcast): the survivors' gloo call
+    # fails, and they report it, rather than the job hanging.
+    job_id = cluster.submit(job(fashion_mnist_dir, "collective", {"name": "allreduce"}, steps=3000))
+    status = wait_until(cluster, job_id, lambda s: min((n.step for n in s.nodes), default=0) >= 50, 120)
+    victim = agent_of(cluster, status, 2)
+    cluster.kill(victim)
+    try:
+        status = wait_until(cluster, job_id, lambda s: s.state != pb.JOB_RUNNING, 60)
+        assert status.state == pb.JOB_FAILED
+        assert "failed: RuntimeError" in status.reason and "Connection" in status.reason, status.reason
+    finally:
+        cluster.start_agent(int(victim.split("-")[1]))
+        cluster.wait_for_nodes(4, time.monotonic() + 60)
