@@ -24,8 +24,9 @@ from nodeagent import __version__
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc
 from nodeagent.jobspec import DEFAULT_DATA_DIR, JobSpec, JobSpecError, load_job_file
+from nodeagent.listen import ListenError
 from nodeagent.metrics import Metrics
-from nodeagent.rpc import GRPC_OPTIONS, split_address
+from nodeagent.rpc import SERVER_OPTIONS, bind_grpc_server, split_address
 
 DEFAULT_COORDINATOR = os.environ.get("PEERTRAIN_COORDINATOR", "127.0.0.1:7070")
 
@@ -131,23 +132,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from coordinator.service import CoordinatorConfig, CoordinatorService
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s coordinator %(levelname)s: %(message)s")
-    metrics = Metrics()
-    service = CoordinatorService(
-        CoordinatorConfig(state_dir=args.state_dir, runs_dir=args.runs_dir, heartbeat_timeout_s=args.heartbeat_timeout),
-        metrics,
+    config = CoordinatorConfig(
+        state_dir=args.state_dir, runs_dir=args.runs_dir, heartbeat_timeout_s=args.heartbeat_timeout
     )
     # Every agent holds a thread with its assignment stream, and synchronous parameter-server pushes wait for
     # their round on one: size the pool for a few hundred agents. Frame limits as on the peer service.
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=512, thread_name_prefix="coordinator"), options=GRPC_OPTIONS
+        futures.ThreadPoolExecutor(max_workers=512, thread_name_prefix="coordinator"), options=SERVER_OPTIONS
     )
-    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
-    host, port = split_address(args.listen)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise SystemExit(f"coordinator: cannot listen on {args.listen}")
+    host, _port = split_address(args.listen)
+    bound = bind_grpc_server(server, args.listen)
+    metrics = Metrics()
     metrics_host, metrics_port = split_address(args.metrics_listen)
     metrics_bound = metrics.serve_http(metrics_host, metrics_port)
+    service = CoordinatorService(config, metrics)
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
     service.start()
     server.start()
     logging.info("serving on %s:%d, metrics on %s:%d, state in %s", host, bound, metrics_host, metrics_bound,
@@ -261,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         return handlers[args.command](args)
+    except ListenError as error:
+        print(f"coordinator: {error}", file=sys.stderr)
+        return 1
     except grpc.RpcError as error:
         print(f"coordinator: {error.code().name}: {error.details()}", file=sys.stderr)
         return 1

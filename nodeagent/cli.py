@@ -15,6 +15,7 @@ import torch
 
 from nodeagent import __version__
 from nodeagent.agent import Agent, AgentConfig
+from nodeagent.listen import ListenError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,17 +101,23 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(signum, on_signal)
     try:
         agent.start()
-        stop.wait()
-    finally:
-        logging.getLogger("nodeagent").info("shutting down")
+    except BaseException:  # a port in use: what did start (the peer server, the lanes) stops first
         agent.stop()
+        raise
+    stop.wait()
+    logging.getLogger("nodeagent").info("shutting down")
+    agent.stop()
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "serve":
-        return serve(args)
+    try:
+        if args.command == "serve":
+            return serve(args)
+    except ListenError as error:
+        print(f"nodeagent: {error}", file=sys.stderr)
+        return 1
     return 2
 
 

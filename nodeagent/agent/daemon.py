@@ -21,7 +21,7 @@ from nodeagent import __version__
 from nodeagent._proto import coordinator_pb2, coordinator_pb2_grpc, peer_pb2_grpc
 from nodeagent.agent.runner import JobRunner
 from nodeagent.metrics import Metrics
-from nodeagent.rpc import GRPC_OPTIONS, failure_reason, split_address
+from nodeagent.rpc import GRPC_OPTIONS, SERVER_OPTIONS, bind_grpc_server, failure_reason, split_address
 from nodeagent.runtime.peer_service import PeerServicer, ServingState
 
 log = logging.getLogger("nodeagent")
@@ -73,21 +73,21 @@ class Agent:
         return self._serving
 
     def start(self) -> None:
+        """Serve peers and metrics, register, then follow the assignment. Raises ListenError for an address that
+        cannot be had."""
         config = self.config
         config.state_dir.mkdir(parents=True, exist_ok=True)
         id_file = config.state_dir / "node_id"
         self.node_id = id_file.read_text().strip() if id_file.exists() else ""
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="peer"), options=GRPC_OPTIONS
+            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="peer"), options=SERVER_OPTIONS
         )
-        host, port = split_address(config.listen)
+        host, _port = split_address(config.listen)
         # Payload bytes of exchanges travel on lanes beside gRPC, on the same host as the peer service.
         self._servicer = PeerServicer(self.serving, self.metrics, __version__, lane_host=host,
                                       lane_port=config.lane_port)
         peer_pb2_grpc.add_PeerServicer_to_server(self._servicer, self._server)
-        bound = self._server.add_insecure_port(f"{host}:{port}")
-        if bound == 0:
-            raise OSError(f"cannot listen on {config.listen}")
+        bound = bind_grpc_server(self._server, config.listen)
         self._server.start()
         self.peer_address = config.advertise or f"{self._advertised_host(host)}:{bound}"
         if config.metrics_listen:
