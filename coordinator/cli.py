@@ -27,6 +27,7 @@ from nodeagent.jobspec import DEFAULT_DATA_DIR, JobSpec, JobSpecError, load_job_
 from nodeagent.listen import ListenError
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import SERVER_OPTIONS, bind_grpc_server, split_address
+from nodeagent.statedir import StateDirError, hold_state_dir, writable_directory
 
 DEFAULT_COORDINATOR = os.environ.get("PEERTRAIN_COORDINATOR", "127.0.0.1:7070")
 
@@ -135,34 +136,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = CoordinatorConfig(
         state_dir=args.state_dir, runs_dir=args.runs_dir, heartbeat_timeout_s=args.heartbeat_timeout
     )
-    # Every agent holds a thread with its assignment stream, and synchronous parameter-server pushes wait for
-    # their round on one: size the pool for a few hundred agents. Frame limits as on the peer service.
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=512, thread_name_prefix="coordinator"), options=SERVER_OPTIONS
-    )
-    host, _port = split_address(args.listen)
-    bound = bind_grpc_server(server, args.listen)
-    metrics = Metrics()
-    metrics_host, metrics_port = split_address(args.metrics_listen)
-    metrics_bound = metrics.serve_http(metrics_host, metrics_port)
-    service = CoordinatorService(config, metrics)
-    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
-    service.start()
-    server.start()
-    logging.info("serving on %s:%d, metrics on %s:%d, state in %s", host, bound, metrics_host, metrics_bound,
-                 args.state_dir)
-    logging.warning("control calls are not authenticated (insecure mode): run only on a trusted network")
-    if args.ready_file:
-        tmp = args.ready_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"listen": f"{host}:{bound}", "metrics": f"{metrics_host}:{metrics_bound}"}))
-        os.replace(tmp, args.ready_file)
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
-    stop.wait()
-    logging.info("shutting down")
-    service.stop()
-    server.stop(grace=2).wait()
+    with hold_state_dir(config.state_dir):
+        writable_directory(config.run_root, "runs directory")
+        # Every agent holds a thread with its assignment stream, and synchronous parameter-server pushes wait for
+        # their round on one: size the pool for a few hundred agents. Frame limits as on the peer service.
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=512, thread_name_prefix="coordinator"), options=SERVER_OPTIONS
+        )
+        host, _port = split_address(args.listen)
+        bound = bind_grpc_server(server, args.listen)
+        metrics = Metrics()
+        metrics_host, metrics_port = split_address(args.metrics_listen)
+        metrics_bound = metrics.serve_http(metrics_host, metrics_port)
+        service = CoordinatorService(config, metrics)
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
+        service.start()
+        server.start()
+        logging.info("serving on %s:%d, metrics on %s:%d, state in %s", host, bound, metrics_host, metrics_bound,
+                     args.state_dir)
+        logging.warning("control calls are not authenticated (insecure mode): run only on a trusted network")
+        if args.ready_file:
+            tmp = args.ready_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"listen": f"{host}:{bound}", "metrics": f"{metrics_host}:{metrics_bound}"}))
+            os.replace(tmp, args.ready_file)
+        stop = threading.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: stop.set())
+        stop.wait()
+        logging.info("shutting down")
+        service.stop()
+        server.stop(grace=2).wait()
     return 0
 
 
@@ -260,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         return handlers[args.command](args)
-    except ListenError as error:
+    except (ListenError, StateDirError) as error:
         print(f"coordinator: {error}", file=sys.stderr)
         return 1
     except grpc.RpcError as error:

@@ -16,6 +16,7 @@ import torch
 from nodeagent import __version__
 from nodeagent.agent import Agent, AgentConfig
 from nodeagent.listen import ListenError
+from nodeagent.statedir import StateDirError, hold_state_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,14 +100,15 @@ def serve(args: argparse.Namespace) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_signal)
-    try:
-        agent.start()
-    except BaseException:  # a port in use: what did start (the peer server, the lanes) stops first
+    with hold_state_dir(args.state_dir):
+        try:
+            agent.start()
+        except BaseException:  # a port in use: what did start (the peer server, the lanes) stops first
+            agent.stop()
+            raise
+        stop.wait()
+        logging.getLogger("nodeagent").info("shutting down")
         agent.stop()
-        raise
-    stop.wait()
-    logging.getLogger("nodeagent").info("shutting down")
-    agent.stop()
     return 0
 
 
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return serve(args)
-    except ListenError as error:
+    except (ListenError, StateDirError) as error:
         print(f"nodeagent: {error}", file=sys.stderr)
         return 1
     return 2

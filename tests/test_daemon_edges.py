@@ -1,5 +1,5 @@
-"""Daemons that refuse to share: a second agent or coordinator on a used port exits naming it while the first
-keeps working."""
+"""Daemons that refuse to share: a second agent or coordinator on a used port or a held state directory exits
+naming it while the first keeps working."""
 
 from __future__ import annotations
 
@@ -159,4 +159,26 @@ def test_a_second_coordinator_on_a_used_port_exits_naming_the_address(running, t
     listen, metrics = (used, free_port()) if port == "grpc" else (free_port(), used)
     result = run_to_exit(command("coordinator.cli", *coordinator_args(tmp_path / "second", listen, metrics)))
     assert_refused_in_one_line(result, f"coordinator: cannot listen on 127.0.0.1:{used}: address in use")
+    running.assert_still_working()
+
+
+@pytest.mark.slow
+def test_a_second_agent_on_a_held_state_dir_exits_naming_it(running):
+    pid = running.processes[1].pid
+    result = run_to_exit(command("nodeagent.cli", *agent_args(running.coordinator, running.agent_state, "second",
+                                                              free_port(), free_port(), free_port())))
+    assert_refused_in_one_line(
+        result, f"nodeagent: state directory {running.agent_state} is in use by another process (pid {pid})"
+    )
+    running.assert_still_working()
+
+
+@pytest.mark.slow
+def test_a_second_coordinator_on_a_held_state_dir_exits_naming_it(running):
+    pid = running.processes[0].pid
+    result = run_to_exit(command("coordinator.cli", *coordinator_args(running.coordinator_state, free_port(),
+                                                                      free_port())))
+    assert_refused_in_one_line(
+        result, f"coordinator: state directory {running.coordinator_state} is in use by another process (pid {pid})"
+    )
     running.assert_still_working()
