@@ -15,7 +15,9 @@ import torch
 
 from nodeagent import __version__
 from nodeagent.agent import Agent, AgentConfig
+from nodeagent.agent.daemon import RegistrationRefused
 from nodeagent.listen import ListenError
+from nodeagent.rpc import name_problem
 from nodeagent.statedir import StateDirError, hold_state_dir
 
 
@@ -80,6 +82,8 @@ def serve(args: argparse.Namespace) -> int:
         raise SystemExit("nodeagent: --slowdown must be >= 1")
     if args.torch_threads < 0:
         raise SystemExit("nodeagent: --torch-threads must be >= 0")
+    if problem := name_problem(args.name):
+        raise SystemExit(f"nodeagent: --name {problem}")
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     logging.basicConfig(
@@ -103,7 +107,7 @@ def serve(args: argparse.Namespace) -> int:
     with hold_state_dir(args.state_dir):
         try:
             agent.start()
-        except BaseException:  # a port in use: what did start (the peer server, the lanes) stops first
+        except BaseException:  # a port in use, a refusal: what did start (the peer server, the lanes) stops first
             agent.stop()
             raise
         stop.wait()
@@ -117,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return serve(args)
-    except (ListenError, StateDirError) as error:
+    except (ListenError, StateDirError, RegistrationRefused) as error:
         print(f"nodeagent: {error}", file=sys.stderr)
         return 1
     return 2

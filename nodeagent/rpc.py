@@ -1,8 +1,10 @@
 """The gRPC edge, shared by the agent, the coordinator and the command line: channel and server options, addresses,
-and what the I/O-free code's answers become in gRPC terms (and back). Light to import: no torch."""
+what a node may be called, and what the I/O-free code's answers become in gRPC terms (and back). Light to import:
+no torch."""
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 import grpc
@@ -35,6 +37,35 @@ def split_address(address: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise ValueError(f"address {address!r} must be HOST:PORT")
     return host.strip("[]") or "0.0.0.0", int(port)
+
+
+NODE_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+MAX_FIELD_CHARS = 64  # a node's name, device and version
+MAX_ADDRESS_CHARS = 255
+
+
+def node_id_problem(node_id: str) -> str | None:
+    """What is wrong with a node id (None: nothing)."""
+    if NODE_ID_PATTERN.fullmatch(node_id):
+        return None
+    return "must be 1 to 64 characters of A-Z a-z 0-9 _ . -"
+
+
+def name_problem(name: str) -> str | None:
+    """What is wrong with a node's human name (None: nothing); it is shown in tables, hence printable."""
+    if len(name) <= MAX_FIELD_CHARS and name.isprintable():
+        return None
+    return f"must be at most {MAX_FIELD_CHARS} printable characters"
+
+
+def address_problem(address: str) -> str | None:
+    """What is wrong with an address a node advertises (None: nothing): HOST:PORT, PORT in 1..65535."""
+    host, sep, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if (len(address) <= MAX_ADDRESS_CHARS and sep and host and host.isprintable() and " " not in host
+            and port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        return None
+    return f"must be HOST:PORT, at most {MAX_ADDRESS_CHARS} characters"
 
 
 def bind_grpc_server(server: grpc.Server, address: str) -> int:

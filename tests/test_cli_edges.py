@@ -1,5 +1,5 @@
 """Every expected error of the command lines is one line on stderr naming the file or address, and a non-zero exit:
-directories that cannot be written. Never a traceback."""
+directories that cannot be written, a name the coordinator would refuse. Never a traceback."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from nodeagent.cli import main as nodeagent_main
 
 TIMEOUT_S = 60.0
 # A directory nobody may create files in, root included (sysfs).
@@ -72,3 +74,14 @@ def test_the_agent_refuses_a_state_dir_it_cannot_use(tmp_path, case):
     result = run("nodeagent.cli", "serve", "--coordinator", nowhere(), "--listen", "127.0.0.1:0",
                  "--metrics-listen", "127.0.0.1:0", "--state-dir", str(state), "--device", "cpu")
     assert_one_line_error(result, f"nodeagent: {case} state directory {state}: {reason}")
+
+
+# -- the agent's name ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["tab\there", "line\nbreak", "n" * 65])
+def test_the_agent_refuses_a_name_the_coordinator_would_refuse(tmp_path, name):
+    with pytest.raises(SystemExit) as refusal:
+        nodeagent_main(["serve", "--name", name, "--coordinator", nowhere(), "--state-dir", str(tmp_path / "state"),
+                        "--device", "cpu"])
+    assert refusal.value.code == "nodeagent: --name must be at most 64 printable characters"
+    assert not (tmp_path / "state").exists()  # refused before anything started

@@ -1,23 +1,28 @@
 """Daemons that refuse to share: a second agent or coordinator on a used port or a held state directory exits
-naming it while the first keeps working."""
+naming it while the first keeps working; the coordinator refuses a node id that is live at another address, and
+fields out of bounds."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 
+from coordinator.service import CoordinatorConfig, CoordinatorService
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
+from nodeagent.metrics import Metrics
 
 START_TIMEOUT_S = 60.0
 EXIT_TIMEOUT_S = 60.0
@@ -87,7 +92,8 @@ class Running:
         node = self.node()
         assert node.up and node.peer_address == f"127.0.0.1:{self.peer}"
         with grpc.insecure_channel(node.peer_address) as channel:
-            peer_pb2_grpc.PeerStub(channel).Describe(peer_pb2.DescribeRequest(), timeout=5)
+            description = peer_pb2_grpc.PeerStub(channel).Describe(peer_pb2.DescribeRequest(), timeout=5)
+        assert description.node_id == node.node_id
 
 
 def _stop(processes: list[subprocess.Popen]) -> None:
@@ -182,3 +188,135 @@ def test_a_second_coordinator_on_a_held_state_dir_exits_naming_it(running):
         result, f"coordinator: state directory {running.coordinator_state} is in use by another process (pid {pid})"
     )
     running.assert_still_working()
+
+
+@pytest.mark.slow
+def test_an_agent_with_the_node_id_of_a_live_agent_is_refused(running, tmp_path):
+    """A state directory copied from a running agent (a cloned disk): the copy may not take the node over."""
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copy(running.agent_state / "node_id", copy / "node_id")
+    node = running.node()
+    result = run_to_exit(command("nodeagent.cli", *agent_args(running.coordinator, copy, "copy", free_port(),
+                                                              free_port(), free_port())))
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        f"nodeagent: coordinator {running.coordinator} refused this node: node {node.node_id} is up at "
+        f"127.0.0.1:{running.peer} and answers there; two agents share its node id (a copied state directory?)"
+    )
+    running.assert_still_working()
+    assert running.node().name == "first"
+
+
+# -- Register ------------------------------------------------------------------------------------------------------
+
+class FakePeer(peer_pb2_grpc.PeerServicer):
+    """An agent's peer service as the coordinator's probe sees it: Describe names a node."""
+
+    def __init__(self, node_id: str):
+        self.node_id = node_id
+
+    def Describe(self, request, context):
+        return peer_pb2.NodeDescription(node_id=self.node_id)
+
+
+@pytest.fixture
+def coordinator_stub(tmp_path) -> Iterator[coordinator_pb2_grpc.CoordinatorStub]:
+    service = CoordinatorService(CoordinatorConfig(state_dir=tmp_path), Metrics())
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    service.start()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield coordinator_pb2_grpc.CoordinatorStub(channel)
+    server.stop(grace=None)
+    service.stop()
+
+
+@pytest.fixture
+def fake_peer() -> Iterator[tuple[FakePeer, grpc.Server, str]]:
+    peer = FakePeer("")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    peer_pb2_grpc.add_PeerServicer_to_server(peer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield peer, server, f"127.0.0.1:{port}"
+    server.stop(grace=None)
+
+
+def register(stub, peer_address: str, node_id: str = "", **fields: str) -> str:
+    request = pb.RegisterRequest(**{"name": "n", "device": "cpu", "version": "1", **fields}, node_id=node_id,
+                                 peer_address=peer_address)
+    return stub.Register(request, timeout=10).node_id
+
+
+def peer_address_of(stub, node_id: str) -> str:
+    return next(n.peer_address for n in stub.ListNodes(pb.ListNodesRequest(), timeout=5).nodes if n.node_id == node_id)
+
+
+def test_a_node_id_live_at_another_address_is_refused_and_accepted_once_the_old_process_is_gone(
+    coordinator_stub, fake_peer
+):
+    peer, server, old_address = fake_peer
+    node_id = register(coordinator_stub, old_address)
+    peer.node_id = node_id
+    new_address = f"127.0.0.1:{free_port()}"
+    with pytest.raises(grpc.RpcError) as refusal:
+        register(coordinator_stub, new_address, node_id=node_id)
+    assert refusal.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert f"is up at {old_address} and answers there" in refusal.value.details()
+    assert peer_address_of(coordinator_stub, node_id) == old_address
+    # The same address again is the same agent registering again (the coordinator forgot it, say).
+    assert register(coordinator_stub, old_address, node_id=node_id) == node_id
+
+    server.stop(grace=None).wait()  # the old process died: a restart on a new port is accepted
+    assert register(coordinator_stub, new_address, node_id=node_id) == node_id
+    assert peer_address_of(coordinator_stub, node_id) == new_address
+
+
+def test_an_old_address_that_answers_as_another_node_does_not_block_a_restart(coordinator_stub, fake_peer):
+    peer, _server, old_address = fake_peer
+    node_id = register(coordinator_stub, old_address)
+    peer.node_id = "someone-else"  # the port went to another agent after this one died
+    new_address = f"127.0.0.1:{free_port()}"
+    assert register(coordinator_stub, new_address, node_id=node_id) == node_id
+    assert peer_address_of(coordinator_stub, node_id) == new_address
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("node_id", "has space"),
+        ("node_id", "n" * 65),
+        ("node_id", "semi;colon"),
+        ("name", "tab\there"),
+        ("name", "n" * 65),
+        ("name", "bell\x07"),
+        ("peer_address", ""),
+        ("peer_address", "no-port"),
+        ("peer_address", "127.0.0.1:99999"),
+        ("peer_address", ":7100"),
+        ("peer_address", "h" * 250 + ".com:7100"),
+        ("metrics_address", "127.0.0.1:http"),
+        ("device", "d" * 65),
+        ("version", "v" * 65),
+    ],
+)
+def test_register_refuses_a_field_out_of_bounds_naming_it(coordinator_stub, field, value):
+    fields = {"node_id": "", "name": "n", "peer_address": "127.0.0.1:7100", "metrics_address": "127.0.0.1:9401",
+              "device": "cpu", "version": "0.1.0", field: value}
+    with pytest.raises(grpc.RpcError) as refusal:
+        coordinator_stub.Register(pb.RegisterRequest(**fields), timeout=5)
+    assert refusal.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refusal.value.details().startswith(f"{field}: ")
+    assert not coordinator_stub.ListNodes(pb.ListNodesRequest(), timeout=5).nodes
+
+
+def test_register_accepts_fields_at_their_bounds(coordinator_stub):
+    """The control of the refusals above: the longest values allowed, an empty node id (a new node)."""
+    new_id = register(coordinator_stub, "h" * 245 + ".com:7100", name="n" * 64, device="d" * 64, version="v" * 64,
+                      metrics_address="[::1]:9401")
+    assert new_id
+    assert register(coordinator_stub, "127.0.0.1:7100", node_id="A-z_0.9" + "x" * 57) == "A-z_0.9" + "x" * 57

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,29 @@ from nodeagent.runtime.peer_service import PeerServicer, ServingState
 log = logging.getLogger("nodeagent")
 
 RECONNECT_DELAY_S = 1.0
+
+# Answers to Register that trying again will not change.
+REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS)
+
+
+class RegistrationRefused(Exception):
+    """The coordinator refused this node (a bad field, or its node id live elsewhere); the message says why."""
+
+
+class _AgentPeerServicer(PeerServicer):
+    """The agent's Peer service. Describe names the node even when no job runs, so that the coordinator can tell
+    whether a node still answers at the address it registered before (coordinator.service, Register)."""
+
+    def __init__(self, node_id: Callable[[], str], current: Callable[[], ServingState | None], metrics: Metrics,
+                 version: str, *, lane_host: str, lane_port: int):
+        super().__init__(current, metrics, version, lane_host=lane_host, lane_port=lane_port)
+        self._node_id = node_id
+
+    def Describe(self, request, context):
+        description = super().Describe(request, context)
+        if not description.node_id:
+            description.node_id = self._node_id()
+        return description
 
 
 @dataclass(frozen=True)
@@ -74,7 +98,7 @@ class Agent:
 
     def start(self) -> None:
         """Serve peers and metrics, register, then follow the assignment. Raises ListenError for an address that
-        cannot be had."""
+        cannot be had, RegistrationRefused if the coordinator refuses this node."""
         config = self.config
         config.state_dir.mkdir(parents=True, exist_ok=True)
         id_file = config.state_dir / "node_id"
@@ -84,8 +108,8 @@ class Agent:
         )
         host, _port = split_address(config.listen)
         # Payload bytes of exchanges travel on lanes beside gRPC, on the same host as the peer service.
-        self._servicer = PeerServicer(self.serving, self.metrics, __version__, lane_host=host,
-                                      lane_port=config.lane_port)
+        self._servicer = _AgentPeerServicer(lambda: self.node_id, self.serving, self.metrics, __version__,
+                                            lane_host=host, lane_port=config.lane_port)
         peer_pb2_grpc.add_PeerServicer_to_server(self._servicer, self._server)
         bound = bind_grpc_server(self._server, config.listen)
         self._server.start()
@@ -110,6 +134,8 @@ class Agent:
         return socket.gethostname() if host in ("0.0.0.0", "::", "") else host
 
     def _register(self) -> None:
+        """Register with the coordinator, retrying while it cannot be reached. Raises RegistrationRefused if the
+        coordinator refuses this node."""
         assert self._stub is not None
         while not self.stopping.is_set():
             try:
@@ -121,6 +147,10 @@ class Agent:
                     timeout=5,
                 )
             except grpc.RpcError as error:
+                if error.code() in REFUSALS:
+                    raise RegistrationRefused(
+                        f"coordinator {self.config.coordinator} refused this node: {error.details()}"
+                    ) from None
                 log.warning("coordinator %s unreachable (%s); retrying", self.config.coordinator, failure_reason(error))
                 self.stopping.wait(RECONNECT_DELAY_S)
                 continue
@@ -130,6 +160,14 @@ class Agent:
             self.heartbeat_interval = reply.heartbeat_interval_s or 2.0
             return
 
+    def _register_again(self) -> None:
+        """Register again from a loop thread, after the coordinator forgot this node. A refusal is logged: the node
+        then takes no part until it is restarted."""
+        try:
+            self._register()
+        except RegistrationRefused as refusal:
+            log.error("%s", refusal)
+
     def _heartbeat_loop(self) -> None:
         assert self._stub is not None
         while not self.stopping.wait(self.heartbeat_interval):
@@ -137,7 +175,7 @@ class Agent:
                 reply = self._stub.Heartbeat(coordinator_pb2.HeartbeatRequest(node_id=self.node_id), timeout=5)
                 if not reply.known:
                     log.warning("the coordinator forgot this node; registering again")
-                    self._register()
+                    self._register_again()
             except grpc.RpcError as error:
                 log.debug("heartbeat failed: %s", failure_reason(error))
 
@@ -156,7 +194,7 @@ class Agent:
                     return
                 log.warning("assignment stream lost (%s); reconnecting", failure_reason(error))
                 if failure_reason(error) == "not_found":
-                    self._register()
+                    self._register_again()
             self.stopping.wait(RECONNECT_DELAY_S)
 
     def _apply(self, assignment: coordinator_pb2.Assignment) -> None:
