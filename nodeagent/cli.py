@@ -106,11 +106,12 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(signum, on_signal)
     with hold_state_dir(args.state_dir):
         try:
-            agent.start()
+            registered = agent.start()
         except BaseException:  # a port in use, a refusal: what did start (the peer server, the lanes) stops first
             agent.stop()
             raise
-        stop.wait()
+        if registered:
+            stop.wait()
         logging.getLogger("nodeagent").info("shutting down")
         agent.stop()
     return 0

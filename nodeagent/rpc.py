@@ -1,10 +1,13 @@
 """The gRPC edge, shared by the agent, the coordinator and the command line: channel and server options, addresses,
-what a node may be called, and what the I/O-free code's answers become in gRPC terms (and back). Light to import:
-no torch."""
+what a node may be called, the back-off of retried calls, and what the I/O-free code's answers become in gRPC terms
+(and back). Light to import: no torch."""
 
 from __future__ import annotations
 
+import logging
 import re
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -84,3 +87,46 @@ def failure_reason(error: grpc.RpcError) -> str:
     code = error.code() if hasattr(error, "code") else None
     return code.name.lower() if code is not None else "error"
 
+
+class Backoff:
+    """The waits between the tries of a call that keeps failing, and what to log about them: 1 s, doubling up to
+    30 s; the first failure is logged, then a summary at most once a minute (not a line per try), and the recovery.
+    The caller waits; `clock` is injectable for tests."""
+
+    def __init__(
+        self, what: str, log: logging.Logger, *, first_s: float = 1.0, max_s: float = 30.0,
+        summary_every_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
+    ):
+        self.what = what  # the call, as the log lines name it: "registration with coordinator HOST:PORT"
+        self.log = log
+        self.first_s = first_s
+        self.max_s = max_s
+        self.summary_every_s = summary_every_s
+        self.clock = clock
+        self.failures = 0
+        self._next_delay_s = first_s
+        self._failing_since = 0.0
+        self._logged_at = 0.0
+
+    def failed(self, reason: str) -> float:
+        """Count a failed try; returns how long to wait before the next one."""
+        now = self.clock()
+        self.failures += 1
+        if self.failures == 1:
+            self._failing_since = self._logged_at = now
+            self._next_delay_s = self.first_s
+            self.log.warning("%s failed (%s); retrying with back-off", self.what, reason)
+        elif now - self._logged_at >= self.summary_every_s:
+            self._logged_at = now
+            self.log.warning("%s still failing after %d tries over %.0f s (%s)", self.what, self.failures,
+                             now - self._failing_since, reason)
+        delay = self._next_delay_s
+        self._next_delay_s = min(delay * 2, self.max_s)
+        return delay
+
+    def succeeded(self) -> None:
+        """Count a successful try: the next failure starts over at the first wait."""
+        if self.failures:
+            self.log.info("%s succeeded again after %d failed tries over %.0f s", self.what, self.failures,
+                             self.clock() - self._failing_since)
+            self.failures = 0

@@ -1,10 +1,12 @@
 """Daemons that refuse to share: a second agent or coordinator on a used port or a held state directory exits
 naming it while the first keeps working; the coordinator refuses a node id that is live at another address, and
-fields out of bounds."""
+fields out of bounds; the agent's retries back off and log a summary rather than a line per try."""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
 import signal
 import socket
@@ -23,6 +25,7 @@ from coordinator.service import CoordinatorConfig, CoordinatorService
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 from nodeagent.metrics import Metrics
+from nodeagent.rpc import Backoff
 
 START_TIMEOUT_S = 60.0
 EXIT_TIMEOUT_S = 60.0
@@ -320,3 +323,65 @@ def test_register_accepts_fields_at_their_bounds(coordinator_stub):
                       metrics_address="[::1]:9401")
     assert new_id
     assert register(coordinator_stub, "127.0.0.1:7100", node_id="A-z_0.9" + "x" * 57) == "A-z_0.9" + "x" * 57
+
+
+# -- back-off ------------------------------------------------------------------------------------------------------
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_backoff_doubles_from_1_s_to_at_most_30_s_and_starts_over_after_a_success():
+    backoff = Backoff("registration", logging.getLogger("test"), clock=FakeClock())
+    assert [backoff.failed("unavailable") for _ in range(8)] == [1, 2, 4, 8, 16, 30, 30, 30]
+    backoff.succeeded()
+    assert [backoff.failed("unavailable") for _ in range(3)] == [1, 2, 4]
+
+
+def test_backoff_logs_the_first_failure_then_a_summary_a_minute_and_the_recovery(caplog):
+    clock = FakeClock()
+    backoff = Backoff("registration with coordinator 127.0.0.1:7070", logging.getLogger("test.backoff"), clock=clock)
+    caplog.set_level(logging.INFO, logger="test.backoff")
+    for _ in range(12):  # tries at 0, 1, 3, 7, 15, 31, 61, 91, 121, 151, 181, 211 s
+        clock.now += backoff.failed("unavailable")
+    backoff.succeeded()
+    assert [record.getMessage() for record in caplog.records] == [
+        "registration with coordinator 127.0.0.1:7070 failed (unavailable); retrying with back-off",
+        "registration with coordinator 127.0.0.1:7070 still failing after 7 tries over 61 s (unavailable)",
+        "registration with coordinator 127.0.0.1:7070 still failing after 9 tries over 121 s (unavailable)",
+        "registration with coordinator 127.0.0.1:7070 still failing after 11 tries over 181 s (unavailable)",
+        "registration with coordinator 127.0.0.1:7070 succeeded again after 12 failed tries over 241 s",
+    ]
+
+
+@pytest.mark.slow
+def test_an_agent_stopped_while_it_cannot_register_exits_0_and_logs_the_failure_once(tmp_path):
+    nowhere = f"127.0.0.1:{free_port()}"  # nothing listens there
+    log_path = tmp_path / "agent.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            command("nodeagent.cli", *agent_args(nowhere, tmp_path / "agent", "lonely", 0, 0, 0)),
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while f"registration with coordinator {nowhere} failed" not in log_path.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+        time.sleep(4.0)  # tries at 0, 1 and 3 s: the old loop logged a line for each, once a second
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=20)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    text = log_path.read_text()
+    assert code == 0, text
+    assert "Traceback" not in text and "Exception in thread" not in text, text
+    assert text.count(nowhere) == 1, text
+    assert text.count("shutting down") == 1, text
+    assert os.path.isdir(tmp_path / "agent")
