@@ -262,13 +262,25 @@ def main(argv: list[str] | None = None) -> int:
         "simulate": cmd_simulate, "inspect": cmd_inspect, "demo": cmd_demo,
     }
     try:
-        return handlers[args.command](args)
+        exit_code = handlers[args.command](args)
+        sys.stdout.flush()  # a reader gone away (`| head`) shows here rather than as a warning at exit
+        return exit_code
+    except BrokenPipeError:
+        # Quiet, as a process killed by SIGPIPE; stdout goes to /dev/null so that Python's flush at exit is quiet too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except (ListenError, StateDirError) as error:
         print(f"coordinator: {error}", file=sys.stderr)
         return 1
     except grpc.RpcError as error:
-        print(f"coordinator: {error.code().name}: {error.details()}", file=sys.stderr)
+        print(f"coordinator: {rpc_error_line(error, getattr(args, 'coordinator', None))}", file=sys.stderr)
         return 1
+
+
+def rpc_error_line(error: grpc.RpcError, address: str | None) -> str:
+    """A failed call in one line: the coordinator's address (for the commands that call one), code and details."""
+    line = f"{error.code().name}: {' '.join((error.details() or '').split())}"
+    return f"{address}: {line}" if address else line
 
 
 if __name__ == "__main__":
