@@ -24,8 +24,10 @@ from nodeagent import __version__
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc
 from nodeagent.jobspec import DEFAULT_DATA_DIR, JobSpec, JobSpecError, load_job_file
+from nodeagent.listen import ListenError
 from nodeagent.metrics import Metrics
-from nodeagent.rpc import GRPC_OPTIONS, split_address
+from nodeagent.rpc import SERVER_OPTIONS, bind_grpc_server, split_address
+from nodeagent.statedir import StateDirError, hold_state_dir, writable_directory
 
 DEFAULT_COORDINATOR = os.environ.get("PEERTRAIN_COORDINATOR", "127.0.0.1:7070")
 
@@ -140,39 +142,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from coordinator.service import CoordinatorConfig, CoordinatorService
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s coordinator %(levelname)s: %(message)s")
-    metrics = Metrics()
-    service = CoordinatorService(
-        CoordinatorConfig(state_dir=args.state_dir, runs_dir=args.runs_dir, heartbeat_timeout_s=args.heartbeat_timeout),
-        metrics,
+    config = CoordinatorConfig(
+        state_dir=args.state_dir, runs_dir=args.runs_dir, heartbeat_timeout_s=args.heartbeat_timeout
     )
-    # Every agent holds a thread with its assignment stream, and synchronous parameter-server pushes wait for
-    # their round on one: size the pool for a few hundred agents. Frame limits as on the peer service.
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=512, thread_name_prefix="coordinator"), options=GRPC_OPTIONS
-    )
-    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
-    host, port = split_address(args.listen)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise SystemExit(f"coordinator: cannot listen on {args.listen}")
-    metrics_host, metrics_port = split_address(args.metrics_listen)
-    metrics_bound = metrics.serve_http(metrics_host, metrics_port)
-    service.start()
-    server.start()
-    logging.info("serving on %s:%d, metrics on %s:%d, state in %s", host, bound, metrics_host, metrics_bound,
-                 args.state_dir)
-    logging.warning("control calls are not authenticated (insecure mode): run only on a trusted network")
-    if args.ready_file:
-        tmp = args.ready_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"listen": f"{host}:{bound}", "metrics": f"{metrics_host}:{metrics_bound}"}))
-        os.replace(tmp, args.ready_file)
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
-    stop.wait()
-    logging.info("shutting down")
-    service.stop()
-    server.stop(grace=2).wait()
+    with hold_state_dir(config.state_dir):
+        writable_directory(config.run_root, "runs directory")
+        # Every agent holds a thread with its assignment stream, and synchronous parameter-server pushes wait for
+        # their round on one: size the pool for a few hundred agents. Frame limits as on the peer service.
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=512, thread_name_prefix="coordinator"), options=SERVER_OPTIONS
+        )
+        host, _port = split_address(args.listen)
+        bound = bind_grpc_server(server, args.listen)
+        metrics = Metrics()
+        metrics_host, metrics_port = split_address(args.metrics_listen)
+        metrics_bound = metrics.serve_http(metrics_host, metrics_port)
+        service = CoordinatorService(config, metrics)
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
+        service.start()
+        server.start()
+        logging.info("serving on %s:%d, metrics on %s:%d, state in %s", host, bound, metrics_host, metrics_bound,
+                     args.state_dir)
+        logging.warning("control calls are not authenticated (insecure mode): run only on a trusted network")
+        if args.ready_file:
+            tmp = args.ready_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"listen": f"{host}:{bound}", "metrics": f"{metrics_host}:{metrics_bound}"}))
+            os.replace(tmp, args.ready_file)
+        stop = threading.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: stop.set())
+        stop.wait()
+        logging.info("shutting down")
+        service.stop()
+        server.stop(grace=2).wait()
     return 0
 
 
@@ -284,10 +286,25 @@ def main(argv: list[str] | None = None) -> int:
         "simulate": cmd_simulate, "inspect": cmd_inspect, "demo": cmd_demo,
     }
     try:
-        return handlers[args.command](args)
-    except grpc.RpcError as error:
-        print(f"coordinator: {error.code().name}: {error.details()}", file=sys.stderr)
+        exit_code = handlers[args.command](args)
+        sys.stdout.flush()  # a reader gone away (`| head`) shows here rather than as a warning at exit
+        return exit_code
+    except BrokenPipeError:
+        # Quiet, as a process killed by SIGPIPE; stdout goes to /dev/null so that Python's flush at exit is quiet too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+    except (ListenError, StateDirError) as error:
+        print(f"coordinator: {error}", file=sys.stderr)
         return 1
+    except grpc.RpcError as error:
+        print(f"coordinator: {rpc_error_line(error, getattr(args, 'coordinator', None))}", file=sys.stderr)
+        return 1
+
+
+def rpc_error_line(error: grpc.RpcError, address: str | None) -> str:
+    """A failed call in one line: the coordinator's address (for the commands that call one), code and details."""
+    line = f"{error.code().name}: {' '.join((error.details() or '').split())}"
+    return f"{address}: {line}" if address else line
 
 
 if __name__ == "__main__":

@@ -19,13 +19,17 @@ from coordinator.ps_service import PSService
 from coordinator.store import JobRow, NodeRow, Store
 from coordinator.topology import Topology, build_topology
 from nodeagent._proto import coordinator_pb2 as pb
-from nodeagent._proto import coordinator_pb2_grpc
+from nodeagent._proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 from nodeagent.algorithms import Family, lookup
 from nodeagent.jobspec import JobSpec, JobSpecError, parse_job_yaml
 from nodeagent.metrics import Metrics
+from nodeagent.rpc import MAX_FIELD_CHARS, address_problem, name_problem, node_id_problem
 from nodeagent.runtime.progress import RunLog, from_report, to_node_progress
 
 log = logging.getLogger("coordinator")
+
+# How long Register waits for the old address of a node id to answer (see answers_as).
+PROBE_TIMEOUT_S = 1.0
 
 JOB_STATES = {
     name: pb.JobState.Value(f"JOB_{name}") for name in ("PENDING", "RUNNING", "FINISHED", "STOPPED", "FAILED")
@@ -63,6 +67,35 @@ class _Changes:
         with self.condition:
             self.condition.wait_for(lambda: self.version != version, timeout=timeout)
             return self.version
+
+
+def registration_problem(request: pb.RegisterRequest) -> str | None:
+    """What is wrong with a registration, naming the field (None: nothing). An empty node_id asks for a new one."""
+    problems = {
+        "node_id": node_id_problem(request.node_id) if request.node_id else None,
+        "name": name_problem(request.name),
+        "peer_address": address_problem(request.peer_address),
+        "metrics_address": address_problem(request.metrics_address) if request.metrics_address else None,
+        "device": _length_problem(request.device),
+        "version": _length_problem(request.version),
+    }
+    return next((f"{field}: {problem}" for field, problem in problems.items() if problem), None)
+
+
+def _length_problem(value: str) -> str | None:
+    return f"must be at most {MAX_FIELD_CHARS} characters" if len(value) > MAX_FIELD_CHARS else None
+
+
+def answers_as(address: str, node_id: str) -> bool:
+    """Whether the agent at `address` still answers as `node_id`: then a registration of that id from another address
+    is a second agent, not a restart. No answer in time, or another id, means the old process is gone."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            description = peer_pb2_grpc.PeerStub(channel).Describe(peer_pb2.DescribeRequest(),
+                                                                     timeout=PROBE_TIMEOUT_S)
+        except grpc.RpcError:
+            return False
+    return description.node_id == node_id
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
@@ -235,8 +268,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     # -- agent calls ---------------------------------------------------------------------------------------------
 
     def Register(self, request, context):
-        if not request.peer_address:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "peer_address is required")
+        problem = registration_problem(request)
+        if problem:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        known = self.store.node(request.node_id) if request.node_id else None
+        if (known is not None and known.up and known.peer_address != request.peer_address
+                and answers_as(known.peer_address, known.node_id)):
+            context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"node {known.node_id} is up at {known.peer_address} and answers there; two agents share its node id "
+                "(a copied state directory?)",
+            )
         node_id = self.store.register_node(
             request.node_id, request.name or request.peer_address, request.peer_address, request.metrics_address,
             request.device or "cpu", request.version,

@@ -15,6 +15,10 @@ import torch
 
 from nodeagent import __version__
 from nodeagent.agent import Agent, AgentConfig
+from nodeagent.agent.daemon import RegistrationRefused
+from nodeagent.listen import ListenError
+from nodeagent.rpc import name_problem
+from nodeagent.statedir import StateDirError, hold_state_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,6 +82,8 @@ def serve(args: argparse.Namespace) -> int:
         raise SystemExit("nodeagent: --slowdown must be >= 1")
     if args.torch_threads < 0:
         raise SystemExit("nodeagent: --torch-threads must be >= 0")
+    if problem := name_problem(args.name):
+        raise SystemExit(f"nodeagent: --name {problem}")
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     logging.basicConfig(
@@ -98,10 +104,14 @@ def serve(args: argparse.Namespace) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_signal)
-    try:
-        agent.start()
-        stop.wait()
-    finally:
+    with hold_state_dir(args.state_dir):
+        try:
+            registered = agent.start()
+        except BaseException:  # a port in use, a refusal: what did start (the peer server, the lanes) stops first
+            agent.stop()
+            raise
+        if registered:
+            stop.wait()
         logging.getLogger("nodeagent").info("shutting down")
         agent.stop()
     return 0
@@ -109,8 +119,12 @@ def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "serve":
-        return serve(args)
+    try:
+        if args.command == "serve":
+            return serve(args)
+    except (ListenError, StateDirError, RegistrationRefused) as error:
+        print(f"nodeagent: {error}", file=sys.stderr)
+        return 1
     return 2
 
 

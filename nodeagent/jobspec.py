@@ -189,11 +189,27 @@ def parse_job_yaml(text: str) -> JobSpec:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as error:
-        raise JobSpecError(f"not valid YAML: {error}") from None
-    if data is not None and not isinstance(data, dict):
+        raise JobSpecError(f"not valid YAML: {_yaml_problem(error)}") from None
+    if data is None:  # nothing but blanks and comments: a file cut short, not a request for the default job
+        raise JobSpecError("the job file is empty")
+    if not isinstance(data, dict):
         raise JobSpecError("the job file must be a YAML mapping")
     return parse_job_spec(data)
 
 
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's error in one line: the problem and where (its own message spans lines, a caret under the column)."""
+    if isinstance(error, yaml.MarkedYAMLError) and error.problem:
+        mark = error.problem_mark
+        return f"{error.problem}" + (f" (line {mark.line + 1}, column {mark.column + 1})" if mark else "")
+    return " ".join(str(error).split())
+
+
 def load_job_file(path: str | Path) -> JobSpec:
-    return parse_job_yaml(Path(path).read_text())
+    """The job of a YAML file. OSError if it cannot be read; JobSpecError if it is not a job (binary, empty, ...)."""
+    data = Path(path).read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise JobSpecError(f"not a text file (byte {error.start} is not UTF-8)") from None
+    return parse_job_yaml(text)

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from nodeagent.listen import ListenError
+
 EXCHANGE_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
@@ -127,6 +129,10 @@ class Metrics:
                 metric.remove(*values)
 
     def serve_http(self, host: str, port: int) -> int:
-        """Serve /metrics over HTTP in a daemon thread; returns the bound port (useful with port 0)."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        """Serve /metrics over HTTP in a daemon thread; returns the bound port (useful with port 0). Raises ListenError
+        naming the address when it cannot be had (the server sets SO_REUSEADDR only, so a used port is refused)."""
+        try:
+            server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as error:
+            raise ListenError.from_os_error(host, port, error) from None
         return int(server.server_port)

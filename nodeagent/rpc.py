@@ -1,11 +1,18 @@
-"""The gRPC edge, shared by the agent, the coordinator and the command line: channel options, addresses, and what
-the I/O-free code's answers become in gRPC terms (and back). Light to import: no torch."""
+"""The gRPC edge, shared by the agent, the coordinator and the command line: channel and server options, addresses,
+what a node may be called, the back-off of retried calls, and what the I/O-free code's answers become in gRPC terms
+(and back). Light to import: no torch."""
 
 from __future__ import annotations
 
+import logging
+import re
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import grpc
+
+from nodeagent.listen import ListenError, check_port_free, join_address
 
 if TYPE_CHECKING:  # importing the wire package would load torch, which the command line need not
     from nodeagent.wire.errors import Status
@@ -23,6 +30,9 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_FRAME_BYTES),
     ("grpc.max_send_message_length", MAX_FRAME_BYTES),
 ]
+# gRPC servers set SO_REUSEPORT by default: a second daemon on the same port would bind without an error, and the
+# kernel would share the connections between the two processes.
+SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -32,6 +42,91 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+NODE_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+MAX_FIELD_CHARS = 64  # a node's name, device and version
+MAX_ADDRESS_CHARS = 255
+
+
+def node_id_problem(node_id: str) -> str | None:
+    """What is wrong with a node id (None: nothing)."""
+    if NODE_ID_PATTERN.fullmatch(node_id):
+        return None
+    return "must be 1 to 64 characters of A-Z a-z 0-9 _ . -"
+
+
+def name_problem(name: str) -> str | None:
+    """What is wrong with a node's human name (None: nothing); it is shown in tables, hence printable."""
+    if len(name) <= MAX_FIELD_CHARS and name.isprintable():
+        return None
+    return f"must be at most {MAX_FIELD_CHARS} printable characters"
+
+
+def address_problem(address: str) -> str | None:
+    """What is wrong with an address a node advertises (None: nothing): HOST:PORT, PORT in 1..65535."""
+    host, sep, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if (len(address) <= MAX_ADDRESS_CHARS and sep and host and host.isprintable() and " " not in host
+            and port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        return None
+    return f"must be HOST:PORT, at most {MAX_ADDRESS_CHARS} characters"
+
+
+def bind_grpc_server(server: grpc.Server, address: str) -> int:
+    """Add `address` (HOST:PORT) to a server made with SERVER_OPTIONS; returns the bound port. Raises ListenError
+    naming the address when it cannot be had."""
+    host, port = split_address(address)
+    # gRPC reports only that the bind failed (and logs its own line); a probe first says why, in one line.
+    check_port_free(host, port)
+    try:
+        return server.add_insecure_port(join_address(host, port))
+    except RuntimeError:  # gRPC's "Failed to bind to address": a host it cannot resolve, a race for the port
+        raise ListenError(address, "cannot bind") from None
+
+
 def failure_reason(error: grpc.RpcError) -> str:
     code = error.code() if hasattr(error, "code") else None
     return code.name.lower() if code is not None else "error"
+
+
+class Backoff:
+    """The waits between the tries of a call that keeps failing, and what to log about them: 1 s, doubling up to
+    30 s; the first failure is logged, then a summary at most once a minute (not a line per try), and the recovery.
+    The caller waits; `clock` is injectable for tests."""
+
+    def __init__(
+        self, what: str, log: logging.Logger, *, first_s: float = 1.0, max_s: float = 30.0,
+        summary_every_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
+    ):
+        self.what = what  # the call, as the log lines name it: "registration with coordinator HOST:PORT"
+        self.log = log
+        self.first_s = first_s
+        self.max_s = max_s
+        self.summary_every_s = summary_every_s
+        self.clock = clock
+        self.failures = 0
+        self._next_delay_s = first_s
+        self._failing_since = 0.0
+        self._logged_at = 0.0
+
+    def failed(self, reason: str) -> float:
+        """Count a failed try; returns how long to wait before the next one."""
+        now = self.clock()
+        self.failures += 1
+        if self.failures == 1:
+            self._failing_since = self._logged_at = now
+            self._next_delay_s = self.first_s
+            self.log.warning("%s failed (%s); retrying with back-off", self.what, reason)
+        elif now - self._logged_at >= self.summary_every_s:
+            self._logged_at = now
+            self.log.warning("%s still failing after %d tries over %.0f s (%s)", self.what, self.failures,
+                             now - self._failing_since, reason)
+        delay = self._next_delay_s
+        self._next_delay_s = min(delay * 2, self.max_s)
+        return delay
+
+    def succeeded(self) -> None:
+        """Count a successful try: the next failure starts over at the first wait."""
+        if self.failures:
+            self.log.info("%s succeeded again after %d failed tries over %.0f s", self.what, self.failures,
+                             self.clock() - self._failing_since)
+            self.failures = 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,12 +22,33 @@ from nodeagent import __version__
 from nodeagent._proto import coordinator_pb2, coordinator_pb2_grpc, peer_pb2_grpc
 from nodeagent.agent.runner import JobRunner
 from nodeagent.metrics import Metrics
-from nodeagent.rpc import GRPC_OPTIONS, failure_reason, split_address
+from nodeagent.rpc import GRPC_OPTIONS, SERVER_OPTIONS, Backoff, bind_grpc_server, failure_reason, split_address
 from nodeagent.runtime.peer_service import PeerServicer, ServingState
 
 log = logging.getLogger("nodeagent")
 
-RECONNECT_DELAY_S = 1.0
+# Answers to Register that trying again will not change.
+REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS)
+
+
+class RegistrationRefused(Exception):
+    """The coordinator refused this node (a bad field, or its node id live elsewhere); the message says why."""
+
+
+class _AgentPeerServicer(PeerServicer):
+    """The agent's Peer service. Describe names the node even when no job runs, so that the coordinator can tell
+    whether a node still answers at the address it registered before (coordinator.service, Register)."""
+
+    def __init__(self, node_id: Callable[[], str], current: Callable[[], ServingState | None], metrics: Metrics,
+                 version: str, *, lane_host: str, lane_port: int):
+        super().__init__(current, metrics, version, lane_host=lane_host, lane_port=lane_port)
+        self._node_id = node_id
+
+    def Describe(self, request, context):
+        description = super().Describe(request, context)
+        if not description.node_id:
+            description.node_id = self._node_id()
+        return description
 
 
 @dataclass(frozen=True)
@@ -72,22 +94,22 @@ class Agent:
     def serving(self) -> ServingState | None:
         return self._serving
 
-    def start(self) -> None:
+    def start(self) -> bool:
+        """Serve peers and metrics, register, then follow the assignment; False if stopped before registering.
+        Raises ListenError for an address that cannot be had, RegistrationRefused if the coordinator refuses."""
         config = self.config
         config.state_dir.mkdir(parents=True, exist_ok=True)
         id_file = config.state_dir / "node_id"
         self.node_id = id_file.read_text().strip() if id_file.exists() else ""
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="peer"), options=GRPC_OPTIONS
+            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="peer"), options=SERVER_OPTIONS
         )
-        host, port = split_address(config.listen)
+        host, _port = split_address(config.listen)
         # Payload bytes of exchanges travel on lanes beside gRPC, on the same host as the peer service.
-        self._servicer = PeerServicer(self.serving, self.metrics, __version__, lane_host=host,
-                                      lane_port=config.lane_port)
+        self._servicer = _AgentPeerServicer(lambda: self.node_id, self.serving, self.metrics, __version__,
+                                            lane_host=host, lane_port=config.lane_port)
         peer_pb2_grpc.add_PeerServicer_to_server(self._servicer, self._server)
-        bound = self._server.add_insecure_port(f"{host}:{port}")
-        if bound == 0:
-            raise OSError(f"cannot listen on {config.listen}")
+        bound = bind_grpc_server(self._server, config.listen)
         self._server.start()
         self.peer_address = config.advertise or f"{self._advertised_host(host)}:{bound}"
         if config.metrics_listen:
@@ -97,20 +119,25 @@ class Agent:
         log.warning("peer links are not encrypted (insecure mode): run only on a trusted network")
         self._channel = grpc.insecure_channel(config.coordinator, options=GRPC_OPTIONS)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
-        self._register()
+        if not self._register():
+            return False
         self.metrics.agent_info.labels(self.node_id, config.device).set(1)
         for target, name in ((self._watch_loop, "watch"), (self._heartbeat_loop, "heartbeat")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
         log.info("agent %s serving peers on %s, metrics on %s", self.node_id, self.peer_address, self.metrics_address)
+        return True
 
     @staticmethod
     def _advertised_host(host: str) -> str:
         return socket.gethostname() if host in ("0.0.0.0", "::", "") else host
 
-    def _register(self) -> None:
+    def _register(self) -> bool:
+        """Register with the coordinator, retrying with back-off while it cannot be reached; False if stopped first.
+        Raises RegistrationRefused if the coordinator refuses this node."""
         assert self._stub is not None
+        backoff = Backoff(f"registration with coordinator {self.config.coordinator}", log)
         while not self.stopping.is_set():
             try:
                 reply = self._stub.Register(
@@ -121,43 +148,66 @@ class Agent:
                     timeout=5,
                 )
             except grpc.RpcError as error:
-                log.warning("coordinator %s unreachable (%s); retrying", self.config.coordinator, failure_reason(error))
-                self.stopping.wait(RECONNECT_DELAY_S)
+                if error.code() in REFUSALS:
+                    raise RegistrationRefused(
+                        f"coordinator {self.config.coordinator} refused this node: {error.details()}"
+                    ) from None
+                self.stopping.wait(backoff.failed(failure_reason(error)))
                 continue
+            backoff.succeeded()
             if reply.node_id != self.node_id:
                 self.node_id = reply.node_id
                 (self.config.state_dir / "node_id").write_text(self.node_id + "\n")
             self.heartbeat_interval = reply.heartbeat_interval_s or 2.0
-            return
+            return True
+        return False
+
+    def _register_again(self) -> None:
+        """Register again from a loop thread, after the coordinator forgot this node. A refusal is logged: the node
+        then takes no part until it is restarted."""
+        try:
+            self._register()
+        except RegistrationRefused as refusal:
+            log.error("%s", refusal)
 
     def _heartbeat_loop(self) -> None:
         assert self._stub is not None
-        while not self.stopping.wait(self.heartbeat_interval):
+        backoff = Backoff(f"heartbeats to coordinator {self.config.coordinator}", log)
+        delay = self.heartbeat_interval
+        while not self.stopping.wait(delay):
             try:
                 reply = self._stub.Heartbeat(coordinator_pb2.HeartbeatRequest(node_id=self.node_id), timeout=5)
-                if not reply.known:
-                    log.warning("the coordinator forgot this node; registering again")
-                    self._register()
             except grpc.RpcError as error:
-                log.debug("heartbeat failed: %s", failure_reason(error))
+                if self.stopping.is_set():  # the channel closed because this agent stops
+                    return
+                delay = backoff.failed(failure_reason(error))
+                continue
+            backoff.succeeded()
+            delay = self.heartbeat_interval
+            if not reply.known:
+                log.warning("the coordinator forgot this node; registering again")
+                self._register_again()
 
     def _watch_loop(self) -> None:
         assert self._stub is not None
+        backoff = Backoff(f"assignment stream from coordinator {self.config.coordinator}", log)
         while not self.stopping.is_set():
+            reason = "ended"
             try:
                 for assignment in self._stub.WatchAssignment(
                     coordinator_pb2.WatchAssignmentRequest(node_id=self.node_id)
                 ):
+                    backoff.succeeded()
                     self._apply(assignment)
                     if self.stopping.is_set():
                         return
             except grpc.RpcError as error:
-                if self.stopping.is_set():
-                    return
-                log.warning("assignment stream lost (%s); reconnecting", failure_reason(error))
-                if failure_reason(error) == "not_found":
-                    self._register()
-            self.stopping.wait(RECONNECT_DELAY_S)
+                reason = failure_reason(error)
+            if self.stopping.is_set():  # the stream ended because this agent stops
+                return
+            if reason == "not_found":
+                self._register_again()
+            self.stopping.wait(backoff.failed(reason))
 
     def _apply(self, assignment: coordinator_pb2.Assignment) -> None:
         with self._runner_lock:

@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from nodeagent.listen import listen_socket
 from nodeagent.wire.decoder import LaneReader
 from nodeagent.wire.errors import WireError
 
@@ -153,8 +154,7 @@ class LaneHub:
     """The receiving side: a listener on `host`, tokens granted per (job, rank), lanes by token."""
 
     def __init__(self, host: str, port: int = 0):
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.create_server((host, port), family=family, backlog=64)
+        self._listener = listen_socket(host, port, backlog=64)  # ListenError naming host:port if it cannot
         self.port = self._listener.getsockname()[1]
         self._grants: dict[bytes, _Grant] = {}
         self._lanes: dict[bytes, LaneSocket] = {}
