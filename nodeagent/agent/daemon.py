@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,22 +34,6 @@ class RegistrationRefused(Exception):
     """The coordinator refused this node (a bad field, or its node id live elsewhere); the message says why."""
 
 
-class _AgentPeerServicer(PeerServicer):
-    """The agent's Peer service. Describe names the node even when no job runs, so that the coordinator can tell
-    whether a node still answers at the address it registered before (coordinator.service, Register)."""
-
-    def __init__(self, node_id: Callable[[], str], current: Callable[[], ServingState | None], metrics: Metrics,
-                 version: str, *, lane_host: str, lane_port: int):
-        super().__init__(current, metrics, version, lane_host=lane_host, lane_port=lane_port)
-        self._node_id = node_id
-
-    def Describe(self, request, context):
-        description = super().Describe(request, context)
-        if not description.node_id:
-            description.node_id = self._node_id()
-        return description
-
-
 @dataclass(frozen=True)
 class AgentConfig:
     coordinator: str = "127.0.0.1:7070"
@@ -71,6 +54,7 @@ class Agent:
         self.metrics = Metrics()
         self.stopping = threading.Event()
         self.node_id = ""
+        self.registered = False  # the coordinator accepted this process as node_id (only then may it leave as it)
         self._serving: ServingState | None = None
         self._runner: JobRunner | None = None
         self._runner_lock = threading.Lock()
@@ -106,8 +90,8 @@ class Agent:
         )
         host, _port = split_address(config.listen)
         # Payload bytes of exchanges travel on lanes beside gRPC, on the same host as the peer service.
-        self._servicer = _AgentPeerServicer(lambda: self.node_id, self.serving, self.metrics, __version__,
-                                            lane_host=host, lane_port=config.lane_port)
+        self._servicer = PeerServicer(self.serving, self.metrics, __version__, node_id=lambda: self.node_id,
+                                      lane_host=host, lane_port=config.lane_port)
         peer_pb2_grpc.add_PeerServicer_to_server(self._servicer, self._server)
         bound = bind_grpc_server(self._server, config.listen)
         self._server.start()
@@ -159,6 +143,7 @@ class Agent:
                 self.node_id = reply.node_id
                 (self.config.state_dir / "node_id").write_text(self.node_id + "\n")
             self.heartbeat_interval = reply.heartbeat_interval_s or 2.0
+            self.registered = True
             return True
         return False
 
@@ -173,17 +158,17 @@ class Agent:
     def _heartbeat_loop(self) -> None:
         assert self._stub is not None
         backoff = Backoff(f"heartbeats to coordinator {self.config.coordinator}", log)
-        delay = self.heartbeat_interval
-        while not self.stopping.wait(delay):
+        while not self.stopping.wait(self.heartbeat_interval):
             try:
                 reply = self._stub.Heartbeat(coordinator_pb2.HeartbeatRequest(node_id=self.node_id), timeout=5)
             except grpc.RpcError as error:
                 if self.stopping.is_set():  # the channel closed because this agent stops
                     return
-                delay = backoff.failed(failure_reason(error))
+                # Logged with back-off, but beating on at the interval: the coordinator's liveness rests on it, and
+                # a longer pause after an outage would have it mark this node down.
+                backoff.failed(failure_reason(error))
                 continue
             backoff.succeeded()
-            delay = self.heartbeat_interval
             if not reply.known:
                 log.warning("the coordinator forgot this node; registering again")
                 self._register_again()
@@ -251,7 +236,7 @@ class Agent:
                 self._runner.stop_event.set()
                 self._runner.join(timeout=30)
                 self._runner = None
-        if self._stub is not None and self.node_id:
+        if self._stub is not None and self.registered:
             try:  # down at once, rather than after the heartbeat timeout
                 self._stub.Deregister(coordinator_pb2.DeregisterRequest(node_id=self.node_id), timeout=2)
             except grpc.RpcError as error:

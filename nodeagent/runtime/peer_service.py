@@ -143,7 +143,9 @@ def _write_shares(outgoing: Outgoing, lanes: list[LaneSocket], stream_id: bytes,
 
 class PeerServicer(peer_pb2_grpc.PeerServicer):
     """The Peer service. With `lane_host` it also listens for lanes there (port `lane_port`, 0: any free one);
-    the host must be one the node's peers can reach it on, normally the host of its gRPC listen address."""
+    the host must be one the node's peers can reach it on, normally the host of its gRPC listen address.
+    `node_id` names the node in `Describe` even when it runs no job, so that the coordinator can tell whether a
+    node still answers at the address it registered before."""
 
     def __init__(
         self,
@@ -151,12 +153,14 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         metrics: Metrics,
         version: str,
         *,
+        node_id: Callable[[], str] = str,
         lane_host: str | None = None,
         lane_port: int = 0,
     ):
         self._current = current
         self._metrics = metrics
         self._version = version
+        self._node_id = node_id
         self.lanes = LaneHub(lane_host, lane_port) if lane_host is not None else None
 
     def close(self) -> None:
@@ -319,7 +323,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
     def Describe(self, request, context):
         state = self._current()
         if state is None:
-            return peer_pb2.NodeDescription(version=self._version)
+            return peer_pb2.NodeDescription(node_id=self._node_id(), version=self._version)
         snapshot = state.snapshot()
         served = []
         for (_peer, kind), tensors in snapshot.served.items():
