@@ -56,6 +56,9 @@ class ScriptedAlgorithm:
     def ready(self) -> bool:
         return not self.waiting
 
+    def waiting_for(self) -> str:
+        return "the step-1 parameters of ranks [3]"
+
 
 class Batches:
     def next(self):
@@ -208,3 +211,44 @@ def test_periodic_reports_between_evaluations_when_asked_for():
     (report,) = driver.next().reports
     assert not report.evaluated and report.progress.step == 3
 
+
+
+def test_a_finished_node_reports_the_traffic_it_serves_afterwards_and_nothing_when_there_is_none():
+    algorithm = ScriptedAlgorithm()
+    driver, _ = driver_for(algorithm, report_every_s=1.0)
+    while (decision := driver.next()).action is not Action.DONE:
+        driver.step()
+        driver.stepped(0.1)
+    assert decision.reports[-1].progress.finished and decision.reports[-1].progress.bytes_received == 0
+    driver.clock.now += 5.0
+    assert driver.next().reports == ()  # nothing new: no report
+    driver.traffic.add_received(1, 300)  # a neighbour exchanged with it while it served
+    driver.traffic.add_sent(1, 200)
+    (report,) = driver.next().reports
+    assert report.progress.finished and (report.progress.bytes_sent, report.progress.bytes_received) == (200, 300)
+    driver.traffic.add_received(1, 300)
+    assert driver.next().reports == ()  # at most one report a second
+    driver.clock.now += 1.0
+    (report,) = driver.next().reports
+    assert report.progress.bytes_received == 600
+
+
+def test_a_long_wait_counts_as_it_passes_and_is_logged_once_with_what_it_waits_for(caplog):
+    algorithm = ScriptedAlgorithm()
+    driver, _ = driver_for(algorithm, report_every_s=1.0)
+    driver.next()
+    driver.step()
+    driver.stepped(0.5)
+    algorithm.waiting = True  # a neighbour is gone: its round never completes
+    driver.clock.now += 0.5
+    with caplog.at_level("INFO", logger="nodeagent"):
+        waits = []
+        for _ in range(4):
+            driver.clock.now += 6.0
+            decision = driver.next()
+            assert decision.action is Action.WAIT
+            (report,) = decision.reports  # the node keeps reporting while it waits
+            waits.append(report.progress.wait_s)
+    assert waits == [6.0, 12.0, 18.0, 24.0]
+    logged = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
+    assert logged == ["job job: rank0 has waited 12 s at step 1 for the step-1 parameters of ranks [3]"]

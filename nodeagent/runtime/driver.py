@@ -150,6 +150,7 @@ class NodeDriver:
         self._step_began = 0.0
         self._evaluated_at = -1
         self._reported = -math.inf
+        self._reported_counters: tuple[tuple[int, int], int, int] | None = None
         self._in_flight: set[int] = set()
         self._arrived: list[Message | ServerAnswer | Failure] = []
         self._retries: list[tuple[float, int, Transmission]] = []
@@ -263,6 +264,10 @@ class NodeDriver:
         if self._started is None:
             self._started = self._idle_since = now
         if self.done:
+            # A finished node still serves its neighbours' exchanges: what that adds to its traffic is reported too.
+            if self.report_every_s is not None and now - self._reported >= self.report_every_s \
+                    and self._counters() != self._reported_counters:
+                return Decision(Action.DONE, reports=(self._report(evaluated=False),))
             return Decision(Action.DONE)
         algorithm = self.algorithm
         reports: list[Report] = []
@@ -373,7 +378,11 @@ class NodeDriver:
 
     def _report(self, evaluated: bool) -> Report:
         self._reported = self.clock()
+        self._reported_counters = self._counters()
         return Report(self.progress(), evaluated)
+
+    def _counters(self) -> tuple[tuple[int, int], int, int]:
+        return self.traffic.totals(), self.exchanges, self.failures
 
     def _count_failure(self, peer: int, reason: str) -> None:
         self.failures += 1
