@@ -199,7 +199,8 @@ class Agent:
             runner = self._runner
             running = assignment.state == coordinator_pb2.JOB_RUNNING
             if runner is not None and (not running or runner.job_id != assignment.job_id):
-                log.info("job %s ended here (%s)", runner.job_id, coordinator_pb2.JobState.Name(assignment.state))
+                # An agent freed by its job's end is sent an empty assignment: the job's outcome is in `status`.
+                log.info("job %s ended here; this agent is free for the next job", runner.job_id)
                 runner.stop_event.set()
                 runner.join(timeout=30)
                 self._runner = runner = None
