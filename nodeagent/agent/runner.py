@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, cast
 
 from nodeagent._proto import coordinator_pb2
 from nodeagent.agent.checkpoint import checkpoint_path, restore_checkpoint, save_checkpoint
-from nodeagent.agent.collective import Collective
+from nodeagent.agent.collective import Collective, GroupMember
 from nodeagent.agent.dispatch import Dispatch
 from nodeagent.algorithms import Family, Neighbor
 from nodeagent.jobspec import JobSpec
@@ -151,9 +151,12 @@ class JobRunner(threading.Thread):
         if type(node.algorithm).family is not Family.COLLECTIVE:
             return None
         host, _ = split_address(self.agent.config.coordinator)
-        self.collective = Collective(host, self.rendezvous_port, self.rank, self.spec.nodes,
-                                     self.spec.wire.exchange_timeout_s, self.agent.metrics, self.job_id,
-                                     self.agent.node_id, driver.traffic)
+        spec = self.spec
+        # A lost rank has the job's failure grace to come back, and the gloo timeout to be noticed in.
+        self.collective = Collective(host, self.rendezvous_port, self.rank, spec.nodes, spec.wire.exchange_timeout_s,
+                                     self.agent.metrics, self.job_id, self.agent.node_id, driver.traffic,
+                                     member=cast(GroupMember, node.algorithm), stop=self.stop_event,
+                                     regroup_s=spec.failure.lost_grace_s + max(spec.wire.exchange_timeout_s, 30.0))
         return self.collective
 
     def _wait_for_neighbours(self) -> None:
@@ -211,12 +214,14 @@ class NodeLoop:
         if driver.done:
             log.info("job %s: finished at step %d, test accuracy %.4f", driver.job, driver.algorithm.clock,
                      driver.accuracy)
-        # Keep serving until the job ends: slower neighbours may still exchange with this node, and its pushes that
-        # failed are retried until they are delivered.
+        # Keep serving until the job ends: slower neighbours may still exchange with this node (the driver reports
+        # the traffic that adds), and its pushes that failed are retried until they are delivered.
         while not self.stop.wait(SERVE_POLL_S):
             self._collect()
             for transmission in driver.due_retries():
                 dispatch.perform(transmission)
+            for report in driver.next().reports:
+                self.publish(report)
 
     def _collect(self, block: bool = False) -> None:
         """Hand the driver everything that arrived; with `block`, wait a little for the first item."""

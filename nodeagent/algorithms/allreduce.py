@@ -6,6 +6,10 @@ arrives through `receive()`; then w <- w - lr * d(mean g), with momentum or Nest
 All nodes start from the same seeded model and apply the same mean with the same arithmetic, so they stay
 bit-identical, and equal to centralised SGD on the union of their batches (equal batch sizes). The all-reduce
 itself belongs to the runtime (torch.distributed in the agent), never to this state machine.
+
+A rank that is lost and restarted comes back at its checkpoint, steps behind, without its momentum: the runtime
+forms the group again and answers, instead of a mean, the group's state (`group_state()` of the rank furthest on:
+parameters, momentum, step) as a PARAMS message, which every rank takes up; they are identical again.
 """
 
 from __future__ import annotations
@@ -47,7 +51,27 @@ class AllReduceSGD(Algorithm):
         outbox, self._outbox = self._outbox, []
         return outbox
 
+    def group_state(self) -> Message:
+        """What the all-reduce hands from this rank to every other when the group is formed again: the parameters,
+        the momentum when there is one (zeros before the first step, which SGD's first step treats alike), and the
+        step they are at."""
+        tensors = {"w": self.w.detach().clone()}
+        if self.spec.momentum != 0:
+            buffer = self._momentum_buffer
+            tensors["momentum"] = buffer.clone() if buffer is not None else torch.zeros_like(self.w)
+        return Message(Kind.PARAMS, self.context.rank, ALLREDUCE_RANK, tensors, clock=self.clock)
+
     def receive(self, message: Message) -> None:
+        if message.kind == Kind.PARAMS:  # the group was formed again: take the job up from its state
+            with torch.no_grad():
+                self.w.copy_(message.tensors["w"])
+            momentum = message.tensors.get("momentum")
+            self._momentum_buffer = momentum.clone() if momentum is not None else None
+            self.clock = message.clock
+            self.waiting = False
+            self._outbox = []
+            self.republish()
+            return
         if not self.waiting or message.clock != self.clock:
             # Applying another step's mean would silently fork this node from the others.
             state = "waiting for its mean" if self.waiting else "with no gradient out"
