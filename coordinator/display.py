@@ -43,9 +43,12 @@ def status_text(status: pb.JobStatusReply, now: float | None = None) -> str:
     states = {node.rank: node.state for node in status.nodes}
     ages = {node.rank: now - node.updated_unix if node.updated_unix else math.nan for node in status.nodes}
     lines.append(format_status(progress_of(status), states, ages))
+    failed: dict[str, list[int]] = {}  # the nodes' own words, once for all the ranks that said the same
     for node in status.nodes:
         if node.failure:
-            lines.append(f"rank {node.rank} failed: {node.failure}")
+            failed.setdefault(node.failure, []).append(node.rank)
+    for failure, ranks in failed.items():
+        lines.append(f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))} failed: {failure}")
     return "\n".join(lines)
 
 
@@ -71,7 +74,8 @@ def format_status(nodes: Sequence[Progress], states: dict[int, str] | None = Non
     ]
     for n in nodes:
         state = states.get(n.rank) or ("finished" if n.finished else "running")
-        rate = n.step / n.elapsed_s if n.elapsed_s > 0 else math.nan
+        # The steps this run of the node made (a restarted node resumed, or rejoined, at a later step), per second.
+        rate = (n.local_steps or n.step) / n.elapsed_s if n.elapsed_s > 0 else math.nan
         age = ages.get(n.rank, math.nan)
         lines.append(
             f"{n.rank:>4}  {n.node:<14} {state:<8} {n.step:>7} {_fmt(rate, '{:.1f}'):>8} {_fmt(n.loss):>8} "

@@ -297,3 +297,16 @@ def test_status_shows_the_jobs_times_reason_and_each_nodes_state_rate_and_report
     assert row0[:5] == ["0", "n0", "up", "200", "4.0"] and row0[-3:] == ["11", "s", "ago"]
     assert row1[:4] == ["1", "n1", "failed", "0"] and row1[-3:] == ["99", "s", "ago"]
     assert lines[-1] == "rank 1 failed: DataError: no data"
+
+
+def test_status_counts_the_steps_of_a_restarted_nodes_run_and_says_each_failure_once():
+    from coordinator.display import status_text
+
+    nodes = [pb.NodeProgress(rank=0, node_id="n0", step=1200, local_steps=1000, elapsed_s=10.0, state="finished"),
+             # reported by an agent that does not count local steps: the job's step stands for them
+             pb.NodeProgress(rank=1, node_id="n1", step=1200, elapsed_s=24.0, state="finished")]
+    failed = [pb.NodeProgress(rank=r, node_id=f"n{r}", state="failed", failure="DataError: no data") for r in (0, 1)]
+    lines = status_text(pb.JobStatusReply(job_id="j-1", state=pb.JOB_FINISHED, nodes=nodes)).splitlines()
+    assert lines[2].split()[4] == "100.0" and lines[3].split()[4] == "50.0"
+    lines = status_text(pb.JobStatusReply(job_id="j-2", state=pb.JOB_FAILED, nodes=failed)).splitlines()
+    assert [line for line in lines if "failed:" in line] == ["ranks 0, 1 failed: DataError: no data"]
