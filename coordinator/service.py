@@ -198,9 +198,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             return ""
         usable = sum(n.up and not n.draining for n in nodes)
         if usable < needed:
-            return (f"needs {needed} agents; {usable} are up and not draining ({len(nodes)} registered): it starts "
-                    f"when {needed - usable} more join")
-        return f"needs {needed} idle agents; {idle} are idle now, the others run jobs: it starts when they end"
+            return (f"needs {needed} agents; {usable} {_are(usable)} up and not draining ({len(nodes)} registered): "
+                    f"it starts when {needed - usable} more join")
+        return (f"needs {needed} idle agents; {idle} {_are(idle)} idle now, the others run jobs: it starts when they "
+                "end")
 
     def _end_job(self, job: JobRow, state: str, reason: str = "") -> None:
         """Finish, stop or fail an active job: its agents are freed (their assignment ends), and its rendezvous and
@@ -441,3 +442,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if member.progress.finished:
             return "finished"
         return "up" if node is not None and node.up else "down"
+
+
+def _are(count: int) -> str:
+    return "is" if count == 1 else "are"
