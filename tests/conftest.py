@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import pytest
 
+from coordinator.service import CoordinatorConfig, CoordinatorService
+from nodeagent._proto import coordinator_pb2_grpc
 from nodeagent.jobspec import DEFAULT_DATA_DIR
+from nodeagent.metrics import Metrics
 
 _IDX_STEMS = (
     "train-images-idx3-ubyte",
@@ -30,3 +36,18 @@ def fashion_mnist_dir() -> Path:
             "dataset-fashion-mnist (make data) or set PEERTRAIN_DATA_DIR to a directory holding the IDX files"
         )
     return directory
+
+
+@pytest.fixture
+def coordinator_stub(tmp_path: Path) -> Iterator[coordinator_pb2_grpc.CoordinatorStub]:
+    """A coordinator service on loopback with a fresh state dir, and a stub to it."""
+    service = CoordinatorService(CoordinatorConfig(state_dir=tmp_path), Metrics())
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    service.start()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield coordinator_pb2_grpc.CoordinatorStub(channel)
+    server.stop(grace=None)
+    service.stop()

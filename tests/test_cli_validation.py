@@ -3,7 +3,6 @@ coordinator is contacted or any data is read; and by the coordinator itself, whi
 
 from __future__ import annotations
 
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +11,7 @@ import pytest
 import yaml
 
 from coordinator.cli import main as coordinator_main
-from coordinator.service import CoordinatorConfig, CoordinatorService
 from nodeagent._proto import coordinator_pb2 as pb
-from nodeagent._proto import coordinator_pb2_grpc
-from nodeagent.metrics import Metrics
 
 NOWHERE = "127.0.0.1:9"  # nothing listens there
 
@@ -64,20 +60,6 @@ def test_an_accepted_job_gets_past_validation_to_the_coordinator(tmp_path, capsy
     path = job_file(tmp_path, {"name": "dsgd"})
     assert coordinator_main(["submit", str(path), "--coordinator", NOWHERE]) == 1
     assert "UNAVAILABLE" in capsys.readouterr().err
-
-
-@pytest.fixture
-def coordinator_stub(tmp_path):
-    service = CoordinatorService(CoordinatorConfig(state_dir=tmp_path), Metrics())
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    service.start()
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        yield coordinator_pb2_grpc.CoordinatorStub(channel)
-    server.stop(grace=None)
-    service.stop()
 
 
 def test_the_coordinator_refuses_the_job_naming_the_field_and_keeps_no_job(coordinator_stub, tmp_path):

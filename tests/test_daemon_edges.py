@@ -21,10 +21,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.service import CoordinatorConfig, CoordinatorService
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
-from nodeagent.metrics import Metrics
 from nodeagent.rpc import Backoff
 
 START_TIMEOUT_S = 60.0
@@ -222,20 +220,6 @@ class FakePeer(peer_pb2_grpc.PeerServicer):
 
     def Describe(self, request, context):
         return peer_pb2.NodeDescription(node_id=self.node_id)
-
-
-@pytest.fixture
-def coordinator_stub(tmp_path) -> Iterator[coordinator_pb2_grpc.CoordinatorStub]:
-    service = CoordinatorService(CoordinatorConfig(state_dir=tmp_path), Metrics())
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    service.start()
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        yield coordinator_pb2_grpc.CoordinatorStub(channel)
-    server.stop(grace=None)
-    service.stop()
 
 
 @pytest.fixture
