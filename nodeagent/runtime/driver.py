@@ -253,10 +253,6 @@ class NodeDriver:
             due.append(heapq.heappop(self._retries)[2])
         return due
 
-    @property
-    def next_retry_at(self) -> float | None:
-        return self._retries[0][0] if self._retries else None
-
     # -- the order of work -----------------------------------------------------------------------------------------
 
     def next(self) -> Decision:
