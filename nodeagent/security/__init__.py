@@ -1,0 +1,1 @@
+"""Certificates, identities and the authorisation rules both daemons apply."""

@@ -1,0 +1,252 @@
+"""Mutual TLS for every link of a process: its credentials on disk, gRPC server and channel credentials, Python
+`ssl` contexts for the tensor lanes, and the identity of the caller of a gRPC call.
+
+A process's credentials are a directory holding `ca.crt` (the cluster CA), `tls.crt` and `tls.key` (its own
+certificate and key): the layout of a Kubernetes TLS Secret, so that one mounts as it is. Servers read the
+directory again when its files change, so that a rotated certificate serves new connections without a restart.
+`--insecure` (Transport.insecure()) is plaintext with no identities, for local experiments only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import ssl
+import tempfile
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from cryptography import x509
+
+from nodeagent.listen import ListenError, check_port_free, join_address
+from nodeagent.security.pki import (
+    COORDINATOR_NAME,
+    CertificateError,
+    Identity,
+    identity_of,
+    identity_of_pem,
+    load_certificate,
+    load_private_key,
+    signed_by,
+)
+
+log = logging.getLogger("peertrain.tls")
+
+CA_FILE = "ca.crt"
+CERT_FILE = "tls.crt"
+KEY_FILE = "tls.key"
+INSECURE_WARNING = ("INSECURE MODE: no TLS and no identities on any link; anyone who reaches a port can read and "
+                    "change everything. For local experiments only.")
+
+
+class TlsError(Exception):
+    """Credentials that are missing or unusable; the message names the file and says what to do."""
+
+
+@dataclass(frozen=True)
+class Credentials:
+    ca_pem: bytes
+    cert_pem: bytes
+    key_pem: bytes
+
+    @property
+    def certificate(self) -> x509.Certificate:
+        return load_certificate(self.cert_pem)
+
+    @property
+    def identity(self) -> Identity:
+        return identity_of(self.certificate)
+
+
+@dataclass(frozen=True)
+class TlsDir:
+    """A credentials directory (ca.crt, tls.crt, tls.key)."""
+
+    path: Path
+
+    @property
+    def ca(self) -> Path:
+        return self.path / CA_FILE
+
+    @property
+    def cert(self) -> Path:
+        return self.path / CERT_FILE
+
+    @property
+    def key(self) -> Path:
+        return self.path / KEY_FILE
+
+    def complete(self) -> bool:
+        return all(p.is_file() for p in (self.ca, self.cert, self.key))
+
+    def stamp(self) -> tuple[int, ...]:
+        """Changes whenever a file is replaced: servers reload on it."""
+        try:
+            return tuple(p.stat().st_mtime_ns for p in (self.ca, self.cert, self.key))
+        except OSError:
+            return ()
+
+    def load(self) -> Credentials:
+        """The credentials, checked: the key matches the certificate, which carries a peertrain identity and is
+        signed by the CA. Raises TlsError naming what is wrong."""
+        try:
+            credentials = Credentials(self.ca.read_bytes(), self.cert.read_bytes(), self.key.read_bytes())
+        except OSError as error:
+            raise TlsError(f"cannot read {error.filename}: {error.strerror}") from None
+        try:
+            cert = credentials.certificate
+            ca = load_certificate(credentials.ca_pem)
+            key = load_private_key(credentials.key_pem)
+            identity_of(cert)
+        except (CertificateError, ValueError) as error:
+            raise TlsError(f"{self.path}: {error}") from None
+        if key.public_key() != cert.public_key():
+            raise TlsError(f"{self.key} is not the key of {self.cert}")
+        if not signed_by(cert, ca):
+            raise TlsError(f"{self.cert} is not signed by the CA in {self.ca}")
+        return credentials
+
+    def save(self, credentials: Credentials) -> None:
+        """Write all three files, each atomically, the key readable by its owner only; the certificate last, so
+        that a crash leaves either the old pair or the new key beside the old certificate (`load` says so)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        for target, data, mode in ((self.ca, credentials.ca_pem, 0o644), (self.key, credentials.key_pem, 0o600),
+                                   (self.cert, credentials.cert_pem, 0o644)):
+            write_private_file(target, data, mode)
+
+
+def write_private_file(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Replace `path` atomically with `data`, created with `mode` (never readable by others in between)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class Transport:
+    """How one process serves and dials: mutual TLS with the credentials of a directory, or insecure."""
+
+    def __init__(self, tls_dir: TlsDir | None):
+        self.tls_dir = tls_dir
+        self._lock = threading.Lock()
+        self._stamp: tuple[int, ...] = ()
+        self._credentials: Credentials | None = None
+        if tls_dir is not None:
+            self.credentials()  # fails now, naming the file, rather than at the first handshake
+
+    @classmethod
+    def insecure(cls) -> Transport:
+        return cls(None)
+
+    @property
+    def secure(self) -> bool:
+        return self.tls_dir is not None
+
+    def credentials(self) -> Credentials:
+        """The current credentials, read again when the files changed (a rotation)."""
+        assert self.tls_dir is not None, "an insecure transport has no credentials"
+        with self._lock:
+            stamp = self.tls_dir.stamp()
+            if self._credentials is None or stamp != self._stamp:
+                self._credentials = self.tls_dir.load()
+                self._stamp = stamp
+            return self._credentials
+
+    @property
+    def identity(self) -> Identity | None:
+        return self.credentials().identity if self.secure else None
+
+    # -- gRPC ------------------------------------------------------------------------------------------------
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """Mutual TLS: a client without a certificate of the cluster CA fails the handshake. The credentials are
+        fetched again for each new connection when their files changed."""
+        first = self.credentials()
+
+        def fetch() -> grpc.ServerCertificateConfiguration | None:
+            try:
+                current = self.credentials()
+            except TlsError as error:  # a rotation half written: keep serving with what was loaded
+                log.warning("cannot reload TLS credentials: %s", error)
+                return None
+            return grpc.ssl_server_certificate_configuration([(current.key_pem, current.cert_pem)],
+                                                             root_certificates=current.ca_pem)
+
+        initial = grpc.ssl_server_certificate_configuration([(first.key_pem, first.cert_pem)],
+                                                            root_certificates=first.ca_pem)
+        return grpc.dynamic_ssl_server_credentials(initial, fetch, require_client_authentication=True)
+
+    def bind(self, server: grpc.Server, address: str) -> int:
+        """Add `address` (HOST:PORT) to `server`, with TLS unless insecure; returns the bound port. Raises
+        ListenError naming the address when it cannot be had."""
+        from nodeagent.rpc import split_address
+
+        host, port = split_address(address)
+        # gRPC reports only that the bind failed (and logs its own line); a probe first says why, in one line.
+        check_port_free(host, port)
+        target = join_address(host, port)
+        try:
+            if self.secure:
+                return server.add_secure_port(target, self.server_credentials())
+            return server.add_insecure_port(target)
+        except RuntimeError:  # gRPC's "Failed to bind to address": a host it cannot resolve, a race for the port
+            raise ListenError(address, "cannot bind") from None
+
+    def channel(self, address: str, server_name: str = COORDINATOR_NAME,
+                options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
+        """A channel to `address` whose server must prove to be `server_name` (a node id, or the coordinator)."""
+        if not self.secure:
+            return grpc.insecure_channel(address, options=list(options))
+        current = self.credentials()
+        credentials = grpc.ssl_channel_credentials(current.ca_pem, current.key_pem, current.cert_pem)
+        return grpc.secure_channel(address, credentials,
+                                   options=[*options, ("grpc.ssl_target_name_override", server_name)])
+
+    # -- lanes (Python ssl) ----------------------------------------------------------------------------------
+
+    def ssl_context(self, server_side: bool) -> ssl.SSLContext:
+        """A TLS 1.3 context for lanes: the peer must present a certificate of the cluster CA. Clients check the
+        server's name themselves (`server_hostname` when wrapping)."""
+        current = self.credentials()
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server_side else ssl.PROTOCOL_TLS_CLIENT)
+        context.minimum_version = ssl.TLSVersion.TLSv1_3
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(cadata=current.ca_pem.decode())
+        with tempfile.TemporaryDirectory() as scratch:  # ssl loads a key pair from files only
+            cert_file, key_file = Path(scratch) / "c", Path(scratch) / "k"
+            cert_file.write_bytes(current.cert_pem)
+            write_private_file(key_file, current.key_pem)
+            context.load_cert_chain(cert_file, key_file)
+        return context
+
+
+def caller(context: grpc.ServicerContext) -> Identity | None:
+    """The identity in the certificate the caller presented (None on an insecure server, or without one)."""
+    pems = context.auth_context().get("x509_pem_cert")
+    if not pems:
+        return None
+    try:
+        return identity_of_pem(pems[0])
+    except CertificateError:
+        return None
+
+
+def peer_identity(sock: ssl.SSLSocket) -> Identity | None:
+    """The identity in the certificate the other end of a TLS socket presented."""
+    der = sock.getpeercert(binary_form=True)
+    if not der:
+        return None
+    try:
+        return identity_of(x509.load_der_x509_certificate(der))
+    except (CertificateError, ValueError):
+        return None
