@@ -11,31 +11,58 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
+import tomllib
 from concurrent import futures
 from pathlib import Path
 
 import grpc
 
+from coordinator.ca import CAError
 from coordinator.display import format_status, state_name, status_text
 from nodeagent import __version__
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc
 from nodeagent.jobspec import DEFAULT_DATA_DIR, JobSpec, JobSpecError, load_job_file
-from nodeagent.listen import ListenError
+from nodeagent.listen import ListenError, check_port_free, join_address
 from nodeagent.metrics import Metrics
-from nodeagent.rpc import SERVER_OPTIONS, bind_grpc_server, split_address
+from nodeagent.rpc import SERVER_OPTIONS, split_address
+from nodeagent.security.pki import private_key_pem
 from nodeagent.statedir import StateDirError, hold_state_dir, writable_directory
 
-DEFAULT_COORDINATOR = os.environ.get("PEERTRAIN_COORDINATOR", "127.0.0.1:7070")
+DEFAULT_CONFIG = Path("~/.config/peertrain/cli.toml")
+DEFAULT_TLS_DIR = Path("~/.config/peertrain/tls")
+DEFAULT_STATE_DIR = Path(os.environ.get("PEERTRAIN_STATE_DIR", "/var/lib/peertrain/coordinator"))
 
 
 def _add_coordinator_option(parser: argparse.ArgumentParser) -> None:
+    """How a command reaches the coordinator. Each setting comes from its flag, else its environment variable, else
+    the config file (PEERTRAIN_CONFIG, default ~/.config/peertrain/cli.toml: keys coordinator, tls_dir, insecure),
+    else its default."""
     parser.add_argument(
-        "--coordinator", default=DEFAULT_COORDINATOR,
-        help="coordinator address HOST:PORT (env PEERTRAIN_COORDINATOR; default %(default)s)",
+        "--coordinator",
+        help="coordinator address HOST:PORT (env PEERTRAIN_COORDINATOR, config `coordinator`; default "
+        "127.0.0.1:7070)",
+    )
+    parser.add_argument(
+        "--tls-dir", type=Path,
+        help=f"the operator's credentials: ca.crt, tls.crt, tls.key (env PEERTRAIN_TLS_DIR, config `tls_dir`; "
+        f"default {DEFAULT_TLS_DIR}); `coordinator cert issue --operator NAME` makes them",
+    )
+    parser.add_argument(
+        "--insecure", action="store_true", default=None,
+        help="plaintext, no certificate: only for a coordinator serving with --insecure (env PEERTRAIN_INSECURE=1)",
+    )
+
+
+def _add_state_dir_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--state-dir", type=Path, default=DEFAULT_STATE_DIR,
+        help="the coordinator's state directory; the CA lives in STATE_DIR/ca (env PEERTRAIN_STATE_DIR; default "
+        "%(default)s)",
     )
 
 
@@ -48,15 +75,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"peertrain {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = commands.add_parser("serve", help="run the coordinator daemon")
+    serve = commands.add_parser(
+        "serve", help="run the coordinator daemon",
+        description="Serve agents and operators under mutual TLS with the cluster CA of STATE_DIR/ca (`coordinator "
+        "ca init` creates it), and new nodes' enrollment on --enroll-listen.",
+    )
     serve.add_argument("--listen", default="0.0.0.0:7070", help="gRPC address HOST:PORT (default %(default)s)")
+    serve.add_argument(
+        "--enroll-listen", default="0.0.0.0:7071",
+        help="enrollment address HOST:PORT, where nodes trade a join token for a certificate (default %(default)s)",
+    )
     serve.add_argument(
         "--metrics-listen", default="0.0.0.0:9400", help="Prometheus /metrics address (default %(default)s)"
     )
     serve.add_argument(
-        "--state-dir", type=Path,
-        default=Path(os.environ.get("PEERTRAIN_STATE_DIR", "/var/lib/peertrain/coordinator")),
-        help="SQLite state and, unless --runs-dir is given, run directories (default %(default)s)",
+        "--state-dir", type=Path, default=DEFAULT_STATE_DIR,
+        help="SQLite state, the CA and, unless --runs-dir is given, run directories (env PEERTRAIN_STATE_DIR; "
+        "default %(default)s)",
+    )
+    serve.add_argument(
+        "--insecure", action="store_true",
+        help="no TLS, no identities, no enrollment: anyone who reaches the port controls the cluster. Local "
+        "experiments only",
     )
     serve.add_argument("--runs-dir", type=Path, help="where run directories go (default STATE_DIR/runs)")
     serve.add_argument(
@@ -65,6 +105,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--ready-file", type=Path, help="write the bound addresses here as JSON once serving")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+    ca = commands.add_parser("ca", help="create or show the cluster CA (on the coordinator's machine)")
+    ca.add_argument("action", choices=["init", "show"],
+                    help="init: create the CA in STATE_DIR/ca; show: print its fingerprint")
+    _add_state_dir_option(ca)
+
+    token = commands.add_parser(
+        "token", help="create a one-time join token for a new node",
+        description="Prints a token and the CA fingerprint; a new node enrolls with `nodeagent serve --join-token "
+        "TOKEN --ca-fingerprint FINGERPRINT`.",
+    )
+    token.add_argument("action", choices=["create"])
+    token.add_argument("--ttl", type=float, default=3600.0, help="seconds the token stays valid (default %(default)s)")
+    _add_coordinator_option(token)
+
+    cert = commands.add_parser(
+        "cert", help="issue (offline), list or revoke certificates",
+        description="`issue` runs on the coordinator's machine with its CA (no daemon needed) and writes ca.crt, "
+        "tls.crt and tls.key into --out. `list` and `revoke` ask the running coordinator (operator certificate).",
+    )
+    cert.add_argument("action", choices=["issue", "list", "revoke"])
+    who = cert.add_mutually_exclusive_group()
+    who.add_argument("--node", metavar="NAME", help="issue: a node certificate, NAME its node id")
+    who.add_argument("--operator", metavar="NAME", help="issue: an operator certificate")
+    cert.add_argument("--out", type=Path, help="issue: the directory to write (default ./tls-NAME)")
+    cert.add_argument("--days", type=float, help="issue: lifetime (default: 30 for nodes, 90 for operators)")
+    cert.add_argument("--serial", help="revoke: the certificate's serial (hex, see `cert list`)")
+    cert.add_argument("--name", help="revoke: every certificate of this node or operator")
+    _add_state_dir_option(cert)
+    _add_coordinator_option(cert)
 
     submit = commands.add_parser("submit", help="submit a job spec (YAML); prints the job id")
     submit.add_argument("job_file", type=Path, metavar="JOB.yaml")
@@ -134,54 +204,200 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _stub(address: str) -> coordinator_pb2_grpc.CoordinatorStub:
-    return coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(address))
+def _client_settings(args: argparse.Namespace) -> tuple[str, Path | None]:
+    """The coordinator's address and the operator's credentials directory (None: insecure), from the flags, the
+    environment, the config file, the defaults, in that order."""
+    config_path = Path(os.environ.get("PEERTRAIN_CONFIG", DEFAULT_CONFIG)).expanduser()
+    config: dict = {}
+    if config_path.is_file():
+        try:
+            config = tomllib.loads(config_path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as error:
+            raise SystemExit(f"coordinator: cannot read the config file {config_path}: {error}") from None
+    address = args.coordinator or os.environ.get("PEERTRAIN_COORDINATOR") or config.get("coordinator") or \
+        "127.0.0.1:7070"
+    insecure = args.insecure or os.environ.get("PEERTRAIN_INSECURE", "") not in ("", "0") or \
+        bool(config.get("insecure"))
+    if insecure:
+        return str(address), None
+    tls_dir = args.tls_dir or os.environ.get("PEERTRAIN_TLS_DIR") or config.get("tls_dir") or DEFAULT_TLS_DIR
+    return str(address), Path(tls_dir).expanduser()
+
+
+def _channel(args: argparse.Namespace) -> grpc.Channel:
+    from nodeagent.security.tls import TlsDir, TlsError, Transport
+
+    address, tls_dir = _client_settings(args)
+    args.coordinator = address  # errors name it
+    if tls_dir is None:
+        return grpc.insecure_channel(address)
+    if not TlsDir(tls_dir).complete():
+        raise SystemExit(
+            f"coordinator: no operator credentials in {tls_dir} (ca.crt, tls.crt, tls.key). On the coordinator's "
+            f"machine `coordinator cert issue --operator NAME --out {tls_dir}` makes them; or give --tls-dir, "
+            "PEERTRAIN_TLS_DIR or tls_dir in the config file; --insecure only reaches a coordinator serving with "
+            "--insecure"
+        )
+    try:
+        return Transport(TlsDir(tls_dir)).channel(address)
+    except TlsError as error:
+        raise SystemExit(f"coordinator: {error}") from None
+
+
+def _stub(args: argparse.Namespace) -> coordinator_pb2_grpc.CoordinatorStub:
+    return coordinator_pb2_grpc.CoordinatorStub(_channel(args))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from coordinator.service import CoordinatorConfig, CoordinatorService
+    from coordinator.ca import CAError, ClusterCA
+    from coordinator.service import CoordinatorConfig, CoordinatorService, EnrollmentService
+    from nodeagent.security.tls import INSECURE_WARNING, TlsDir, Transport
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s coordinator %(levelname)s: %(message)s")
+    host, _port = split_address(args.listen)
     config = CoordinatorConfig(
-        state_dir=args.state_dir, runs_dir=args.runs_dir, heartbeat_timeout_s=args.heartbeat_timeout
+        state_dir=args.state_dir, runs_dir=args.runs_dir, heartbeat_timeout_s=args.heartbeat_timeout,
+        rendezvous_host=host if host not in ("", "0.0.0.0", "::") else socket.gethostname(),
     )
     with hold_state_dir(config.state_dir):
         writable_directory(config.run_root, "runs directory")
+        ca = None
+        transport = Transport.insecure()
+        if not args.insecure:
+            try:
+                ca = ClusterCA.load(config.state_dir)
+            except CAError as error:
+                raise StateDirError(str(error)) from None
+            tls_dir = TlsDir(config.state_dir / "tls")
+            ca.coordinator_credentials(tls_dir)
+            transport = Transport(tls_dir)
+        metrics = Metrics()
+        service = CoordinatorService(config, metrics, ca=ca, transport=transport)
+        authorizer = service.authorizer()
         # Every agent holds a thread with its assignment stream, and synchronous parameter-server pushes wait for
         # their round on one: size the pool for a few hundred agents. Frame limits as on the peer service.
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=512, thread_name_prefix="coordinator"), options=SERVER_OPTIONS
+            futures.ThreadPoolExecutor(max_workers=512, thread_name_prefix="coordinator"), options=SERVER_OPTIONS,
+            interceptors=[authorizer] if authorizer else None,
         )
-        host, _port = split_address(args.listen)
-        bound = bind_grpc_server(server, args.listen)
-        metrics = Metrics()
+        bound = transport.bind(server, args.listen)
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
+        enrollment = None
+        enroll_address = ""
+        if ca is not None:
+            # New nodes have no certificate yet: a server of its own, under TLS with the CA's own certificate
+            # (which they pin), serving only Enroll, with a small pool.
+            enrollment = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="enroll"),
+                                     options=SERVER_OPTIONS, maximum_concurrent_rpcs=16)
+            coordinator_pb2_grpc.add_EnrollmentServicer_to_server(EnrollmentService(ca), enrollment)
+            enroll_host, enroll_port = split_address(args.enroll_listen)
+            check_port_free(enroll_host, enroll_port)
+            try:
+                enroll_bound = enrollment.add_secure_port(
+                    join_address(enroll_host, enroll_port),
+                    grpc.ssl_server_credentials([(private_key_pem(ca.key), ca.cert_pem)]))
+            except RuntimeError:
+                raise ListenError(args.enroll_listen, "cannot bind") from None
+            enroll_address = f"{enroll_host}:{enroll_bound}"
         metrics_host, metrics_port = split_address(args.metrics_listen)
         metrics_bound = metrics.serve_http(metrics_host, metrics_port)
-        service = CoordinatorService(config, metrics)
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
+        metrics.insecure_mode.set(int(args.insecure))
         service.start()
         server.start()
+        if enrollment is not None:
+            enrollment.start()
         logging.info("serving on %s:%d, metrics on %s:%d, state in %s", host, bound, metrics_host, metrics_bound,
                      args.state_dir)
-        logging.warning("control calls are not authenticated (insecure mode): run only on a trusted network")
+        if ca is None:
+            logging.warning(INSECURE_WARNING)
+        else:
+            logging.info("mutual TLS with the cluster CA (fingerprint %s); enrollment on %s", ca.fingerprint,
+                         enroll_address)
         if args.ready_file:
             tmp = args.ready_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"listen": f"{host}:{bound}", "metrics": f"{metrics_host}:{metrics_bound}"}))
+            tmp.write_text(json.dumps({"listen": f"{host}:{bound}", "metrics": f"{metrics_host}:{metrics_bound}",
+                                       "enroll": enroll_address}))
             os.replace(tmp, args.ready_file)
         stop = threading.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: stop.set())
         stop.wait()
         logging.info("shutting down")
-        service.stop()
+        if enrollment is not None:
+            enrollment.stop(grace=1)
+        # Calls in flight (an agent leaving) finish before the store closes under them.
         server.stop(grace=2).wait()
+        service.stop()
+    return 0
+
+
+def cmd_ca(args: argparse.Namespace) -> int:
+    from coordinator.ca import ClusterCA
+
+    if args.action == "init":
+        ca = ClusterCA.init(args.state_dir)
+        print(f"created the cluster CA in {ca.directory}")
+    else:
+        ca = ClusterCA.load(args.state_dir)
+    print(f"CA fingerprint (sha256): {ca.fingerprint}")
+    return 0
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    reply = _stub(args).CreateJoinToken(pb.CreateJoinTokenRequest(ttl_s=args.ttl), timeout=10)
+    print(reply.token)
+    print(f"valid once, until {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(reply.expires_unix))}; on the new "
+          f"node:\n  nodeagent serve --coordinator {args.coordinator} --join-token TOKEN --ca-fingerprint "
+          f"{reply.ca_fingerprint}", file=sys.stderr)
+    return 0
+
+
+def cmd_cert(args: argparse.Namespace) -> int:
+    if args.action == "issue":
+        return _issue_offline(args)
+    stub = _stub(args)
+    if args.action == "revoke":
+        if bool(args.serial) == bool(args.name):
+            raise SystemExit("coordinator: cert revoke needs --serial SERIAL or --name NAME")
+        reply = stub.RevokeCertificate(pb.RevokeCertificateRequest(serial=args.serial or "", name=args.name or ""),
+                                       timeout=10)
+        print(f"revoked: {', '.join(reply.serials) or 'nothing new (already revoked)'}")
+        return 0
+    reply = stub.ListCertificates(pb.ListCertificatesRequest(), timeout=10)
+    print(f"{'serial':<42} {'role':<12} {'name':<24} {'expires':<17} revoked")
+    for c in reply.certificates:
+        expires = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.not_after_unix))
+        revoked = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.revoked_unix)) if c.revoked_unix else "-"
+        print(f"{c.serial:<42} {c.role:<12} {c.name:<24} {expires:<17} {revoked}")
+    return 0
+
+
+def _issue_offline(args: argparse.Namespace) -> int:
+    import datetime
+
+    from coordinator.ca import ClusterCA
+    from nodeagent.security.pki import CertificateError, Role
+    from nodeagent.security.tls import TlsDir
+
+    if not (args.node or args.operator):
+        raise SystemExit("coordinator: cert issue needs --node NAME or --operator NAME")
+    role, name = (Role.NODE, args.node) if args.node else (Role.OPERATOR, args.operator)
+    out = args.out or Path(f"tls-{name}")
+    lifetime = datetime.timedelta(days=args.days) if args.days else None
+    try:
+        identity = ClusterCA.load(args.state_dir).issue_files(TlsDir(out), role, name, lifetime)
+    except CertificateError as error:
+        raise SystemExit(f"coordinator: {error}") from None
+    expires = time.strftime("%Y-%m-%d", time.localtime(identity.not_after_unix))
+    print(f"{role} certificate for {name} (serial {identity.serial}, expires {expires}) in {out}: ca.crt, tls.crt, "
+          "tls.key")
     return 0
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
     _load_job(args.job_file)  # refused here, before anything reaches the coordinator
     spec_yaml = args.job_file.read_text()
-    reply = _stub(args.coordinator).SubmitJob(pb.SubmitJobRequest(spec_yaml=spec_yaml), timeout=30)
+    reply = _stub(args).SubmitJob(pb.SubmitJobRequest(spec_yaml=spec_yaml), timeout=30)
     print(reply.job_id)
     print(f"state: {state_name(reply.state)}; run dir: {reply.run_dir}", file=sys.stderr)
     if reply.warning:
@@ -190,7 +406,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_nodes(args: argparse.Namespace) -> int:
-    stub = _stub(args.coordinator)
+    stub = _stub(args)
     if args.action != "list":
         if not args.node_id:
             raise SystemExit(f"coordinator: nodes {args.action} needs a NODE (see `coordinator nodes`)")
@@ -214,12 +430,12 @@ def cmd_nodes(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    print(status_text(_stub(args.coordinator).JobStatus(pb.JobStatusRequest(job_id=args.job_id), timeout=10)))
+    print(status_text(_stub(args).JobStatus(pb.JobStatusRequest(job_id=args.job_id), timeout=10)))
     return 0
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    reply = _stub(args.coordinator).StopJob(pb.StopJobRequest(job_id=args.job_id), timeout=10)
+    reply = _stub(args).StopJob(pb.StopJobRequest(job_id=args.job_id), timeout=10)
     print(f"{args.job_id}: {state_name(reply.state)}")
     return 0
 
@@ -282,7 +498,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {
-        "serve": cmd_serve, "submit": cmd_submit, "nodes": cmd_nodes, "status": cmd_status, "stop": cmd_stop,
+        "serve": cmd_serve, "ca": cmd_ca, "token": cmd_token, "cert": cmd_cert,
+        "submit": cmd_submit, "nodes": cmd_nodes, "status": cmd_status, "stop": cmd_stop,
         "simulate": cmd_simulate, "inspect": cmd_inspect, "demo": cmd_demo,
     }
     try:
@@ -293,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         # Quiet, as a process killed by SIGPIPE; stdout goes to /dev/null so that Python's flush at exit is quiet too.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
-    except (ListenError, StateDirError) as error:
+    except (ListenError, StateDirError, CAError) as error:
         print(f"coordinator: {error}", file=sys.stderr)
         return 1
     except grpc.RpcError as error:

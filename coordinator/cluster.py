@@ -2,6 +2,10 @@
 
 This is what `coordinator demo` runs and what the integration tests start. Every process logs to
 ROOT/logs/NAME.log; `stop()` ends every process it started (SIGTERM, then SIGKILL after a grace period).
+
+With `tls` (the default) the cluster runs as a real one does: a CA in ROOT/coordinator/ca, each agent's
+certificate issued into its state directory's tls/, and an operator certificate in ROOT/operator-tls for the calls
+made from here. `insecure` agents run without (only beside an insecure coordinator).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import grpc
 
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc
+from nodeagent.security.pki import Role
+from nodeagent.security.tls import TlsDir, Transport
 
 FINAL_STATES = (pb.JOB_FINISHED, pb.JOB_STOPPED, pb.JOB_FAILED)
 
@@ -36,9 +42,12 @@ class LocalCluster:
     slowdown: dict[int, float] = field(default_factory=dict)
     heartbeat_timeout_s: float = 5.0
     log_level: str = "INFO"
+    tls: bool = True
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     address: str = ""
     metrics_address: str = ""
+    enroll_address: str = ""
+    _channel: grpc.Channel | None = None
 
     def __enter__(self) -> LocalCluster:
         self.start()
@@ -62,11 +71,39 @@ class LocalCluster:
         path = self.root / "logs" / f"{name}.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
+    @property
+    def operator_tls(self) -> Path:
+        return self.root / "operator-tls"
+
+    def state_dir(self, index: int) -> Path:
+        return self.root / f"agent-{index}"
+
+    def transport(self) -> Transport:
+        """The operator's transport: how this process reaches the coordinator."""
+        return Transport(TlsDir(self.operator_tls)) if self.tls else Transport.insecure()
+
     def stub(self) -> coordinator_pb2_grpc.CoordinatorStub:
-        return coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(self.address))
+        if self._channel is None:
+            self._channel = self.transport().channel(self.address)
+        return coordinator_pb2_grpc.CoordinatorStub(self._channel)
+
+    def _make_pki(self) -> None:
+        """The cluster CA, an operator certificate, and a node certificate per agent (kept across restarts)."""
+        from coordinator.ca import ClusterCA
+
+        state = self.root / "coordinator"
+        ca = ClusterCA.load(state) if (ClusterCA.directory_of(state) / "ca.key").exists() else ClusterCA.init(state)
+        if not TlsDir(self.operator_tls).complete():
+            ca.issue_files(TlsDir(self.operator_tls), Role.OPERATOR, "operator")
+        for index in range(self.agents):
+            tls_dir = TlsDir(self.state_dir(index) / "tls")
+            if not tls_dir.complete():
+                ca.issue_files(tls_dir, Role.NODE, f"agent-{index}")
 
     def start(self, timeout_s: float = 60.0) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
+        if self.tls:
+            self._make_pki()
         ready = self.root / "coordinator.ready.json"
         ready.unlink(missing_ok=True)
         self.start_coordinator(ready)
@@ -77,7 +114,7 @@ class LocalCluster:
                 raise ClusterError("the coordinator did not start in time:\n" + self.log_of("coordinator"))
             time.sleep(0.1)
         info = json.loads(ready.read_text())
-        self.address, self.metrics_address = info["listen"], info["metrics"]
+        self.address, self.metrics_address, self.enroll_address = info["listen"], info["metrics"], info["enroll"]
         for rank in range(self.agents):
             self.start_agent(rank)
         self.wait_for_nodes(self.agents, deadline)
@@ -89,7 +126,8 @@ class LocalCluster:
                 "coordinator.cli", "serve", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
                 "--state-dir", str(self.root / "coordinator"), "--runs-dir", str(self.root / "runs"),
                 "--heartbeat-timeout", str(self.heartbeat_timeout_s), "--ready-file", str(ready),
-                "--log-level", self.log_level,
+                "--log-level", self.log_level, "--enroll-listen", "127.0.0.1:0",
+                *([] if self.tls else ["--insecure"]),
             ],
         )
 
@@ -97,10 +135,11 @@ class LocalCluster:
         """Start (or restart, keeping its state dir and so its node id) agent number `index`."""
         args = [
             "nodeagent.cli", "serve", "--coordinator", self.address, "--listen", "127.0.0.1:0",
-            "--metrics-listen", "127.0.0.1:0", "--state-dir", str(self.root / f"agent-{index}"),
+            "--metrics-listen", "127.0.0.1:0", "--state-dir", str(self.state_dir(index)),
             "--name", f"agent-{index}", "--device", "cpu", "--log-level", self.log_level,
             # Agents share this machine's cores: one torch thread each avoids oversubscription.
             "--torch-threads", "1",
+            *([] if self.tls else ["--insecure"]),
         ]
         if self.data_dir:
             args += ["--data-dir", self.data_dir]
@@ -158,6 +197,9 @@ class LocalCluster:
         self.processes[name].wait()
 
     def stop(self, grace_s: float = 10.0) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
         for process in self.processes.values():
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)

@@ -55,6 +55,7 @@ from nodeagent.ps.messages import (
 from nodeagent.ps.rules import ProtocolError, PushResult
 from nodeagent.ps.server import ServerHalf
 from nodeagent.rpc import grpc_code
+from nodeagent.security.tls import caller
 from nodeagent.wire.decoder import decode
 from nodeagent.wire.encoder import encode
 from nodeagent.wire.errors import Status, WireError
@@ -259,9 +260,14 @@ class PSService:
             self.close(job_id)
 
     @staticmethod
-    def _check_member(job: PSJob, rank: int, node_id: str) -> None:
+    def _check_member(job: PSJob, rank: int, node_id: str, context: grpc.ServicerContext) -> None:
+        """The caller holds `rank` of the job and is `node_id`: under TLS its certificate must name that node."""
+        identity = caller(context)
+        if identity is not None and identity.name != node_id:
+            raise WireError("not_member", f"node {identity.name} cannot act as node {node_id[:64]!r}",
+                            Status.PERMISSION_DENIED)
         if job.members.get(rank) != node_id:
-            raise WireError("not_member", f"node {node_id!r} does not hold rank {rank} of job {job.job_id}",
+            raise WireError("not_member", f"node {node_id[:64]!r} does not hold rank {rank} of job {job.job_id}",
                             Status.PERMISSION_DENIED)
 
     def _count(self, job: PSJob, rank: int, up: int = 0, down: int = 0) -> None:
@@ -288,7 +294,7 @@ class PSService:
 
         def expect(manifest: wire_pb2.Manifest):
             job = self.job(manifest.job_id)
-            self._check_member(job, manifest.sender_rank, manifest.sender_id)
+            self._check_member(job, manifest.sender_rank, manifest.sender_id, context)
             server_rank = server_wire_rank(job.spec.nodes)
             if manifest.receiver_rank != server_rank:
                 raise WireError("wrong_receiver", f"a push to the server goes to rank {server_rank}")
@@ -323,7 +329,7 @@ class PSService:
         error: tuple[grpc.StatusCode, str] | None = None
         try:
             job = self.job(request.job_id)
-            self._check_member(job, request.rank, request.node_id)
+            self._check_member(job, request.rank, request.node_id, context)
             model = job.pull(request.rank, request.since_version, request.delta, context.is_active)
         except (WireError, ProtocolError, JobClosed) as failure:
             error = status_of(failure)
@@ -338,7 +344,7 @@ class PSService:
         error: tuple[grpc.StatusCode, str] | None = None
         try:
             job = self.job(request.job_id)
-            self._check_member(job, request.rank, request.node_id)
+            self._check_member(job, request.rank, request.node_id, context)
             decision, version = job.report(request.rank, request.version, request.round_step, request.duration_s)
         except (WireError, ProtocolError, JobClosed) as failure:
             error = status_of(failure)

@@ -8,12 +8,14 @@ import math
 import secrets
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from torch.distributed import TCPStore
 
+from coordinator.ca import DEFAULT_TOKEN_TTL_S, CAError, ClusterCA
 from coordinator.jobs import plan_node, validate_job
 from coordinator.ps_service import PSService
 from coordinator.store import JobRow, NodeRow, Store
@@ -25,6 +27,10 @@ from nodeagent.jobspec import JobSpec, JobSpecError, parse_job_yaml
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import MAX_FIELD_CHARS, address_problem, name_problem, node_id_problem
 from nodeagent.runtime.progress import RunLog, from_report, to_node_progress
+from nodeagent.security import pki
+from nodeagent.security.authz import Authorizer, rules_for
+from nodeagent.security.pki import CertificateError, Role
+from nodeagent.security.tls import Transport, caller
 
 log = logging.getLogger("coordinator")
 
@@ -36,6 +42,18 @@ JOB_STATES = {
 }
 WATCH_POLL_S = 1.0
 MAX_FAILURE_CHARS = 2000  # of a node's failure reason, as stored and shown
+MAX_WATCHES_PER_NODE = 2  # an agent holds one; a second covers a reconnect racing the old stream's end
+
+_NODE = frozenset({Role.NODE})
+_OPERATOR = frozenset({Role.OPERATOR})
+# Who may call what on the coordinator. A node acts only as itself (the handlers check the node id fields).
+COORDINATOR_RULES = rules_for("peertrain.v1.Coordinator", {
+    **dict.fromkeys(("Register", "Heartbeat", "WatchAssignment", "ReportMetrics", "ReportFailure", "Deregister",
+                     "PsPush", "PsPull", "PsReport"), _NODE),
+    **dict.fromkeys(("SubmitJob", "StopJob", "ListNodes", "JobStatus", "RemoveNode", "DrainNode", "CreateJoinToken",
+                     "RevokeCertificate", "ListCertificates"), _OPERATOR),
+    "RenewCertificate": _NODE | _OPERATOR,
+})
 
 
 @dataclass
@@ -45,6 +63,7 @@ class CoordinatorConfig:
     heartbeat_interval_s: float = 2.0
     heartbeat_timeout_s: float = 15.0
     ps_fsync: bool = False  # also fsync the parameter server's state before answering (survives a machine crash)
+    rendezvous_host: str = "127.0.0.1"  # where all-reduce rendezvous stores listen: the coordinator's listen host
 
     @property
     def run_root(self) -> Path:
@@ -86,10 +105,10 @@ def _length_problem(value: str) -> str | None:
     return f"must be at most {MAX_FIELD_CHARS} characters" if len(value) > MAX_FIELD_CHARS else None
 
 
-def answers_as(address: str, node_id: str) -> bool:
+def answers_as(transport: Transport, address: str, node_id: str) -> bool:
     """Whether the agent at `address` still answers as `node_id`: then a registration of that id from another address
     is a second agent, not a restart. No answer in time, or another id, means the old process is gone."""
-    with grpc.insecure_channel(address) as channel:
+    with transport.channel(address, server_name=node_id) as channel:
         try:
             description = peer_pb2_grpc.PeerStub(channel).Describe(peer_pb2.DescribeRequest(),
                                                                      timeout=PROBE_TIMEOUT_S)
@@ -99,9 +118,17 @@ def answers_as(address: str, node_id: str) -> bool:
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, config: CoordinatorConfig, metrics: Metrics):
+    """With a CA the service runs under mutual TLS (`transport` holds the coordinator's certificate): callers are
+    who their certificates say. Without one (insecure) the node id fields are taken at their word."""
+
+    def __init__(self, config: CoordinatorConfig, metrics: Metrics, ca: ClusterCA | None = None,
+                 transport: Transport | None = None):
         self.config = config
         self.metrics = metrics
+        self.ca = ca
+        self.transport = transport or Transport.insecure()
+        self._watches: dict[str, int] = {}
+        self._watches_lock = threading.Lock()
         self.store = Store(config.state_dir / "coordinator.db")
         self.changes = _Changes()
         self.stopping = threading.Event()
@@ -117,6 +144,21 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def start(self) -> None:
         self._monitor.start()
+
+    def authorizer(self) -> Authorizer | None:
+        """The interceptor that admits calls by certificate role (None when insecure)."""
+        return Authorizer(COORDINATOR_RULES, self.ca.is_revoked) if self.ca is not None else None
+
+    def _as_node(self, context: grpc.ServicerContext, claimed: str) -> str:
+        """The node id this call acts as: its certificate's (a claimed id must agree), or, when insecure, the id
+        the caller gives."""
+        identity = caller(context) if self.ca is not None else None
+        if identity is None:
+            return claimed
+        if claimed and claimed != identity.name:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"node {identity.name} cannot act as node {claimed[:64]!r}")
+        return identity.name
 
     def stop(self) -> None:
         self.stopping.set()
@@ -225,9 +267,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return topology
 
     def assignment_for(self, node_id: str) -> pb.Assignment:
+        revoked = self.ca.live_revocations() if self.ca is not None else []
         membership = self.store.running_membership(node_id)
         if membership is None:
-            return pb.Assignment(version=self.changes.version, state=pb.JOB_STATE_UNSPECIFIED)
+            return pb.Assignment(version=self.changes.version, state=pb.JOB_STATE_UNSPECIFIED,
+                                 revoked_serials=revoked)
         job, rank = membership
         spec = JobSpec.from_json(job.spec_json)
         plan = plan_node(spec, self._topology(job, spec), rank)
@@ -248,6 +292,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             rank=rank, world_size=job.world_size, neighbors=neighbors, self_weight=plan.self_weight,
             run_dir=job.run_dir, peer_schedule=[pb.PeerSet(ranks=peers) for peers in plan.peer_schedule],
             rendezvous_port=self._rendezvous_port(job, spec), rejoin=rows[rank].progress.time > 0,
+            revoked_serials=revoked,
         )
 
     def _rendezvous_port(self, job: JobRow, spec: JobSpec) -> int:
@@ -258,7 +303,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             store = self._rendezvous.get(job.job_id)
             if store is None:
                 store = self._rendezvous[job.job_id] = TCPStore(
-                    "0.0.0.0", 0, spec.nodes + 1, is_master=True, wait_for_workers=False
+                    self.config.rendezvous_host, 0, spec.nodes + 1, is_master=True, wait_for_workers=False
                 )
             return store.port
 
@@ -272,16 +317,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         problem = registration_problem(request)
         if problem:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        known = self.store.node(request.node_id) if request.node_id else None
+        node_id = self._as_node(context, request.node_id)
+        known = self.store.node(node_id) if node_id else None
         if (known is not None and known.up and known.peer_address != request.peer_address
-                and answers_as(known.peer_address, known.node_id)):
+                and answers_as(self.transport, known.peer_address, known.node_id)):
             context.abort(
                 grpc.StatusCode.ALREADY_EXISTS,
                 f"node {known.node_id} is up at {known.peer_address} and answers there; two agents share its node id "
                 "(a copied state directory?)",
             )
         node_id = self.store.register_node(
-            request.node_id, request.name or request.peer_address, request.peer_address, request.metrics_address,
+            node_id, request.name or request.peer_address, request.peer_address, request.metrics_address,
             request.device or "cpu", request.version,
         )
         log.info("registered %s (%s) at %s", node_id, request.name, request.peer_address)
@@ -291,19 +337,36 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def Heartbeat(self, request, context):
         self.metrics.coordinator_heartbeats.inc()
-        known, came_back = self.store.touch_node(request.node_id)
+        node_id = self._as_node(context, request.node_id)
+        known, came_back = self.store.touch_node(node_id)
         if came_back:
-            log.info("%s is up again", request.node_id)
+            log.info("%s is up again", node_id)
             self.changes.bump()
         return pb.HeartbeatReply(known=known, assignment_version=self.changes.version)
 
     def WatchAssignment(self, request, context):
-        if self.store.node(request.node_id) is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown node {request.node_id!r}; register first")
+        node_id = self._as_node(context, request.node_id)
+        if self.store.node(node_id) is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown node {node_id[:64]!r}; register first")
+        # Each stream holds a server thread for its life: a node may hold only a few.
+        with self._watches_lock:
+            if self._watches.get(node_id, 0) >= MAX_WATCHES_PER_NODE:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"node {node_id} already watches its assignment {MAX_WATCHES_PER_NODE} times")
+            self._watches[node_id] = self._watches.get(node_id, 0) + 1
+        try:
+            yield from self._watch(node_id, context)
+        finally:
+            with self._watches_lock:
+                self._watches[node_id] -= 1
+                if not self._watches[node_id]:
+                    del self._watches[node_id]
+
+    def _watch(self, node_id: str, context) -> Iterator[pb.Assignment]:
         last_sent: bytes | None = None
         version = self.changes.version
         while context.is_active() and not self.stopping.is_set():
-            assignment = self.assignment_for(request.node_id)
+            assignment = self.assignment_for(node_id)
             unversioned = pb.Assignment()
             unversioned.CopyFrom(assignment)
             unversioned.version = 0
@@ -314,6 +377,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             version = self.changes.wait_past(version, WATCH_POLL_S)
 
     def ReportMetrics(self, request, context):
+        request.node_id = self._as_node(context, request.node_id)
         progress = from_report(request, time=time.time())
         if not self.store.record_progress(progress):
             return pb.MetricsReply(job_active=False)
@@ -331,6 +395,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def ReportFailure(self, request, context):
         reason = request.reason[:MAX_FAILURE_CHARS] or "no reason given"
+        request.node_id = self._as_node(context, request.node_id)
         if not self.store.record_failure(request.job_id, request.rank, request.node_id, reason):
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"node {request.node_id[:64]!r} does not hold rank "
                           f"{request.rank} of job {request.job_id[:64]!r}")
@@ -341,8 +406,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return pb.NodeFailureReply(job_state=JOB_STATES[self.store.job(job.job_id).state])
 
     def Deregister(self, request, context):
-        if self.store.mark_down(request.node_id):
-            log.info("%s left", request.node_id)
+        node_id = self._as_node(context, request.node_id)
+        if self.store.mark_down(node_id):
+            log.info("%s left", node_id)
             self.changes.bump()
         return pb.DeregisterReply()
 
@@ -356,6 +422,60 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def PsReport(self, request, context):
         return self.ps.report(request, context)
+
+    # -- certificates --------------------------------------------------------------------------------------------
+
+    def _require_ca(self, context) -> ClusterCA:
+        if self.ca is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this coordinator runs without a CA (--insecure)")
+        return self.ca
+
+    def RenewCertificate(self, request, context):
+        ca = self._require_ca(context)
+        identity = caller(context)
+        assert identity is not None  # admitted by the authorizer
+        try:
+            public_key, _requested = pki.read_signing_request(request.csr_pem)
+            cert = ca.issue(public_key, identity.role, identity.name)
+        except CertificateError as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        renewed = pki.identity_of(cert)
+        log.info("renewed the certificate of %s: serial %s replaces %s", identity, renewed.serial, identity.serial)
+        return pb.CertificateReply(certificate_pem=pki.certificate_pem(cert), name=renewed.name,
+                                   serial=renewed.serial)
+
+    def CreateJoinToken(self, request, context):
+        ca = self._require_ca(context)
+        try:
+            token, expires = ca.create_token(request.ttl_s or DEFAULT_TOKEN_TTL_S)
+        except CAError as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        log.info("%s created a join token valid until %s", caller(context), time.ctime(expires))
+        return pb.CreateJoinTokenReply(token=token, expires_unix=expires, ca_fingerprint=ca.fingerprint)
+
+    def RevokeCertificate(self, request, context):
+        ca = self._require_ca(context)
+        if bool(request.serial) == bool(request.name):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "give a serial or a name, not both")
+        try:
+            serials = ca.revoke(serial=request.serial, name=request.name)
+        except CAError as error:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(error))
+        log.warning("%s revoked %s", caller(context), ", ".join(serials) or "nothing new")
+        # A node whose certificate is revoked is down at once: its calls are refused from now on.
+        for cert in ca.certificates():
+            if cert.serial in serials and cert.role == Role.NODE and self.store.mark_down(cert.name):
+                log.warning("%s is down: its certificate is revoked", cert.name)
+        self.changes.bump()  # agents learn the revocation with their next assignment
+        return pb.RevokeCertificateReply(serials=serials)
+
+    def ListCertificates(self, request, context):
+        ca = self._require_ca(context)
+        return pb.ListCertificatesReply(certificates=[
+            pb.CertificateInfo(serial=c.serial, role=c.role, name=c.name, issued_unix=c.issued_unix,
+                               not_after_unix=c.not_after_unix, revoked_unix=c.revoked_unix)
+            for c in ca.certificates()
+        ])
 
     # -- operator calls ------------------------------------------------------------------------------------------
 
@@ -442,6 +562,35 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if member.progress.finished:
             return "finished"
         return "up" if node is not None and node.up else "down"
+
+
+class EnrollmentService(coordinator_pb2_grpc.EnrollmentServicer):
+    """The enrollment port: a one-time join token and a signing request buy a node certificate whose name is the
+    node id the request asks for, if no valid certificate holds it."""
+
+    def __init__(self, ca: ClusterCA):
+        self.ca = ca
+
+    def Enroll(self, request, context):
+        try:
+            public_key, name = pki.read_signing_request(request.csr_pem)
+        except CertificateError as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        if problem := pki.name_problem(name):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"node id {name[:64]!r}: {problem}")
+        # The token is spent before the name is checked: a token is good for one try, so none can be used to
+        # probe which names exist.
+        if not self.ca.use_token(request.token[:256]):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "the join token is unknown, used or expired "
+                          "(`coordinator token create` makes one)")
+        if name in self.ca.names_in_use():
+            context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                          f"node id {name} holds a valid certificate; revoke it first (`coordinator cert revoke "
+                          f"--name {name}`) or enroll under another --name")
+        cert = self.ca.issue(public_key, Role.NODE, name)
+        identity = pki.identity_of(cert)
+        log.info("enrolled node %s (certificate %s)", name, identity.serial)
+        return pb.CertificateReply(certificate_pem=pki.certificate_pem(cert), name=name, serial=identity.serial)
 
 
 def _are(count: int) -> str:

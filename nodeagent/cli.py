@@ -65,6 +65,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--torch-threads", type=int, default=0,
         help="intra-op threads of torch (0: torch's default); use 1 when several agents share a machine",
     )
+    serve.add_argument(
+        "--tls-dir", type=Path,
+        help="this node's credentials: ca.crt, tls.crt, tls.key (env PEERTRAIN_TLS_DIR; default STATE_DIR/tls); "
+        "written by enrollment, or by `coordinator cert issue --node NAME`",
+    )
+    serve.add_argument(
+        "--join-token", default=os.environ.get("PEERTRAIN_JOIN_TOKEN", ""),
+        help="enroll with this one-time token when TLS_DIR holds no certificate (env PEERTRAIN_JOIN_TOKEN; "
+        "`coordinator token create` makes one)",
+    )
+    serve.add_argument(
+        "--ca-fingerprint", default=os.environ.get("PEERTRAIN_CA_FINGERPRINT", ""),
+        help="SHA-256 of the cluster CA, checked before enrolling (env PEERTRAIN_CA_FINGERPRINT)",
+    )
+    serve.add_argument(
+        "--enroll-address",
+        help="the coordinator's enrollment address HOST:PORT (default: the coordinator's host, port 7071)",
+    )
+    serve.add_argument(
+        "--insecure", action="store_true",
+        help="no TLS and no identities: anyone who reaches the ports can read and change this node. Local "
+        "experiments only",
+    )
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
 
@@ -94,6 +117,9 @@ def serve(args: argparse.Namespace) -> int:
             coordinator=args.coordinator, listen=args.listen, advertise=args.advertise,
             metrics_listen=args.metrics_listen or None, state_dir=args.state_dir, data_dir=args.data_dir,
             device=resolve_device(args.device), name=args.name, slowdown=args.slowdown, lane_port=args.lane_port,
+            tls_dir=None if args.insecure else args.tls_dir or Path(os.environ.get("PEERTRAIN_TLS_DIR") or
+                                                                    args.state_dir / "tls"),
+            join_token=args.join_token, ca_fingerprint=args.ca_fingerprint, enroll_address=args.enroll_address or "",
         )
     )
     stop = threading.Event()

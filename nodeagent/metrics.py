@@ -82,6 +82,11 @@ class Metrics:
         self.coordinator_nodes = Gauge(
             "peertrain_coordinator_nodes", "Registered node agents by liveness", ["state"], registry=r
         )
+        self.insecure_mode = Gauge(
+            "peertrain_insecure_mode",
+            "1 when this process runs without TLS and identities (--insecure): anyone who reaches it controls it",
+            registry=r,
+        )
         self.coordinator_jobs = Gauge("peertrain_coordinator_jobs", "Jobs by state", ["state"], registry=r)
         self.coordinator_heartbeats = Counter(
             "peertrain_coordinator_heartbeats", "Heartbeats received from node agents", registry=r

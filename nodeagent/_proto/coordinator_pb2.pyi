@@ -23,6 +23,86 @@ JOB_FINISHED: JobState
 JOB_STOPPED: JobState
 JOB_FAILED: JobState
 
+class EnrollRequest(_message.Message):
+    __slots__ = ("token", "csr_pem")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CSR_PEM_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    csr_pem: bytes
+    def __init__(self, token: _Optional[str] = ..., csr_pem: _Optional[bytes] = ...) -> None: ...
+
+class RenewCertificateRequest(_message.Message):
+    __slots__ = ("csr_pem",)
+    CSR_PEM_FIELD_NUMBER: _ClassVar[int]
+    csr_pem: bytes
+    def __init__(self, csr_pem: _Optional[bytes] = ...) -> None: ...
+
+class CertificateReply(_message.Message):
+    __slots__ = ("certificate_pem", "name", "serial")
+    CERTIFICATE_PEM_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SERIAL_FIELD_NUMBER: _ClassVar[int]
+    certificate_pem: bytes
+    name: str
+    serial: str
+    def __init__(self, certificate_pem: _Optional[bytes] = ..., name: _Optional[str] = ..., serial: _Optional[str] = ...) -> None: ...
+
+class CreateJoinTokenRequest(_message.Message):
+    __slots__ = ("ttl_s",)
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    ttl_s: float
+    def __init__(self, ttl_s: _Optional[float] = ...) -> None: ...
+
+class CreateJoinTokenReply(_message.Message):
+    __slots__ = ("token", "expires_unix", "ca_fingerprint")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_FIELD_NUMBER: _ClassVar[int]
+    CA_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    expires_unix: float
+    ca_fingerprint: str
+    def __init__(self, token: _Optional[str] = ..., expires_unix: _Optional[float] = ..., ca_fingerprint: _Optional[str] = ...) -> None: ...
+
+class RevokeCertificateRequest(_message.Message):
+    __slots__ = ("serial", "name")
+    SERIAL_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    serial: str
+    name: str
+    def __init__(self, serial: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class RevokeCertificateReply(_message.Message):
+    __slots__ = ("serials",)
+    SERIALS_FIELD_NUMBER: _ClassVar[int]
+    serials: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, serials: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ListCertificatesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CertificateInfo(_message.Message):
+    __slots__ = ("serial", "role", "name", "issued_unix", "not_after_unix", "revoked_unix")
+    SERIAL_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    NOT_AFTER_UNIX_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    serial: str
+    role: str
+    name: str
+    issued_unix: float
+    not_after_unix: float
+    revoked_unix: float
+    def __init__(self, serial: _Optional[str] = ..., role: _Optional[str] = ..., name: _Optional[str] = ..., issued_unix: _Optional[float] = ..., not_after_unix: _Optional[float] = ..., revoked_unix: _Optional[float] = ...) -> None: ...
+
+class ListCertificatesReply(_message.Message):
+    __slots__ = ("certificates",)
+    CERTIFICATES_FIELD_NUMBER: _ClassVar[int]
+    certificates: _containers.RepeatedCompositeFieldContainer[CertificateInfo]
+    def __init__(self, certificates: _Optional[_Iterable[_Union[CertificateInfo, _Mapping]]] = ...) -> None: ...
+
 class RegisterRequest(_message.Message):
     __slots__ = ("node_id", "peer_address", "metrics_address", "name", "device", "version")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -94,7 +174,7 @@ class PeerSet(_message.Message):
     def __init__(self, ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("version", "job_id", "state", "job_spec_json", "rank", "world_size", "neighbors", "self_weight", "run_dir", "peer_schedule", "rendezvous_port", "rejoin")
+    __slots__ = ("version", "job_id", "state", "job_spec_json", "rank", "world_size", "neighbors", "self_weight", "run_dir", "peer_schedule", "rendezvous_port", "rejoin", "revoked_serials")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +187,7 @@ class Assignment(_message.Message):
     PEER_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_PORT_FIELD_NUMBER: _ClassVar[int]
     REJOIN_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_SERIALS_FIELD_NUMBER: _ClassVar[int]
     version: int
     job_id: str
     state: JobState
@@ -119,7 +200,8 @@ class Assignment(_message.Message):
     peer_schedule: _containers.RepeatedCompositeFieldContainer[PeerSet]
     rendezvous_port: int
     rejoin: bool
-    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., job_spec_json: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., neighbors: _Optional[_Iterable[_Union[Neighbor, _Mapping]]] = ..., self_weight: _Optional[float] = ..., run_dir: _Optional[str] = ..., peer_schedule: _Optional[_Iterable[_Union[PeerSet, _Mapping]]] = ..., rendezvous_port: _Optional[int] = ..., rejoin: _Optional[bool] = ...) -> None: ...
+    revoked_serials: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., job_spec_json: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., neighbors: _Optional[_Iterable[_Union[Neighbor, _Mapping]]] = ..., self_weight: _Optional[float] = ..., run_dir: _Optional[str] = ..., peer_schedule: _Optional[_Iterable[_Union[PeerSet, _Mapping]]] = ..., rendezvous_port: _Optional[int] = ..., rejoin: _Optional[bool] = ..., revoked_serials: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class MetricsReport(_message.Message):
     __slots__ = ("node_id", "job_id", "rank", "step", "loss", "test_accuracy", "test_loss", "elapsed_s", "finished", "bytes_sent", "bytes_received", "compute_s", "wait_s", "exchanges", "exchange_failures", "edges", "local_steps")

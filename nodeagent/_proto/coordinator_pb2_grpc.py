@@ -110,6 +110,26 @@ class CoordinatorStub:
                 request_serializer=peertrain_dot_v1_dot_coordinator__pb2.PsReportRequest.SerializeToString,
                 response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.PsReportReply.FromString,
                 _registered_method=True)
+        self.RenewCertificate = channel.unary_unary(
+                '/peertrain.v1.Coordinator/RenewCertificate',
+                request_serializer=peertrain_dot_v1_dot_coordinator__pb2.RenewCertificateRequest.SerializeToString,
+                response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.CertificateReply.FromString,
+                _registered_method=True)
+        self.CreateJoinToken = channel.unary_unary(
+                '/peertrain.v1.Coordinator/CreateJoinToken',
+                request_serializer=peertrain_dot_v1_dot_coordinator__pb2.CreateJoinTokenRequest.SerializeToString,
+                response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.CreateJoinTokenReply.FromString,
+                _registered_method=True)
+        self.RevokeCertificate = channel.unary_unary(
+                '/peertrain.v1.Coordinator/RevokeCertificate',
+                request_serializer=peertrain_dot_v1_dot_coordinator__pb2.RevokeCertificateRequest.SerializeToString,
+                response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.RevokeCertificateReply.FromString,
+                _registered_method=True)
+        self.ListCertificates = channel.unary_unary(
+                '/peertrain.v1.Coordinator/ListCertificates',
+                request_serializer=peertrain_dot_v1_dot_coordinator__pb2.ListCertificatesRequest.SerializeToString,
+                response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.ListCertificatesReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -219,6 +239,33 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewCertificate(self, request, context):
+        """Certificates. A node or an operator: a new certificate for the caller's own identity, before the old one
+        expires (the old one stays valid until then). Operators: a one-time join token; revoke certificates (the
+        coordinator refuses them at once and tells agents, which refuse them too); list what the CA issued.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateJoinToken(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RevokeCertificate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListCertificates(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -296,6 +343,26 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.PsReport,
                     request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.PsReportRequest.FromString,
                     response_serializer=peertrain_dot_v1_dot_coordinator__pb2.PsReportReply.SerializeToString,
+            ),
+            'RenewCertificate': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewCertificate,
+                    request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.RenewCertificateRequest.FromString,
+                    response_serializer=peertrain_dot_v1_dot_coordinator__pb2.CertificateReply.SerializeToString,
+            ),
+            'CreateJoinToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateJoinToken,
+                    request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.CreateJoinTokenRequest.FromString,
+                    response_serializer=peertrain_dot_v1_dot_coordinator__pb2.CreateJoinTokenReply.SerializeToString,
+            ),
+            'RevokeCertificate': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeCertificate,
+                    request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.RevokeCertificateRequest.FromString,
+                    response_serializer=peertrain_dot_v1_dot_coordinator__pb2.RevokeCertificateReply.SerializeToString,
+            ),
+            'ListCertificates': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCertificates,
+                    request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.ListCertificatesRequest.FromString,
+                    response_serializer=peertrain_dot_v1_dot_coordinator__pb2.ListCertificatesReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -703,6 +770,195 @@ class Coordinator:
             '/peertrain.v1.Coordinator/PsReport',
             peertrain_dot_v1_dot_coordinator__pb2.PsReportRequest.SerializeToString,
             peertrain_dot_v1_dot_coordinator__pb2.PsReportReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewCertificate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peertrain.v1.Coordinator/RenewCertificate',
+            peertrain_dot_v1_dot_coordinator__pb2.RenewCertificateRequest.SerializeToString,
+            peertrain_dot_v1_dot_coordinator__pb2.CertificateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateJoinToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peertrain.v1.Coordinator/CreateJoinToken',
+            peertrain_dot_v1_dot_coordinator__pb2.CreateJoinTokenRequest.SerializeToString,
+            peertrain_dot_v1_dot_coordinator__pb2.CreateJoinTokenReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeCertificate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peertrain.v1.Coordinator/RevokeCertificate',
+            peertrain_dot_v1_dot_coordinator__pb2.RevokeCertificateRequest.SerializeToString,
+            peertrain_dot_v1_dot_coordinator__pb2.RevokeCertificateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCertificates(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peertrain.v1.Coordinator/ListCertificates',
+            peertrain_dot_v1_dot_coordinator__pb2.ListCertificatesRequest.SerializeToString,
+            peertrain_dot_v1_dot_coordinator__pb2.ListCertificatesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class EnrollmentStub:
+    """Served on the coordinator's enrollment port, under TLS with the cluster CA's own certificate and without client
+    certificates: a new node pins the CA's fingerprint, checks it there, and trades a one-time join token and a
+    signing request for its node certificate (its node id in it). Nothing else is served on that port.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Enroll = channel.unary_unary(
+                '/peertrain.v1.Enrollment/Enroll',
+                request_serializer=peertrain_dot_v1_dot_coordinator__pb2.EnrollRequest.SerializeToString,
+                response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.CertificateReply.FromString,
+                _registered_method=True)
+
+
+class EnrollmentServicer:
+    """Served on the coordinator's enrollment port, under TLS with the cluster CA's own certificate and without client
+    certificates: a new node pins the CA's fingerprint, checks it there, and trades a one-time join token and a
+    signing request for its node certificate (its node id in it). Nothing else is served on that port.
+    """
+
+    def Enroll(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_EnrollmentServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Enroll': grpc.unary_unary_rpc_method_handler(
+                    servicer.Enroll,
+                    request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.EnrollRequest.FromString,
+                    response_serializer=peertrain_dot_v1_dot_coordinator__pb2.CertificateReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'peertrain.v1.Enrollment', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('peertrain.v1.Enrollment', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Enrollment:
+    """Served on the coordinator's enrollment port, under TLS with the cluster CA's own certificate and without client
+    certificates: a new node pins the CA's fingerprint, checks it there, and trades a one-time join token and a
+    signing request for its node certificate (its node id in it). Nothing else is served on that port.
+    """
+
+    @staticmethod
+    def Enroll(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peertrain.v1.Enrollment/Enroll',
+            peertrain_dot_v1_dot_coordinator__pb2.EnrollRequest.SerializeToString,
+            peertrain_dot_v1_dot_coordinator__pb2.CertificateReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -19,10 +19,14 @@ import grpc
 
 from nodeagent import __version__
 from nodeagent._proto import coordinator_pb2, coordinator_pb2_grpc, peer_pb2_grpc
+from nodeagent.agent.enroll import EnrollmentError, enroll, needs_renewal, renew
 from nodeagent.agent.runner import JobRunner
 from nodeagent.metrics import Metrics
-from nodeagent.rpc import GRPC_OPTIONS, SERVER_OPTIONS, Backoff, bind_grpc_server, failure_reason, split_address
-from nodeagent.runtime.peer_service import PeerServicer, ServingState
+from nodeagent.rpc import GRPC_OPTIONS, SERVER_OPTIONS, Backoff, failure_reason, split_address
+from nodeagent.runtime.peer_service import PEER_RULES, PeerServicer, ServingState
+from nodeagent.security.authz import Authorizer
+from nodeagent.security.pki import Identity
+from nodeagent.security.tls import INSECURE_WARNING, TlsDir, TlsError, Transport
 
 log = logging.getLogger("nodeagent")
 
@@ -31,7 +35,8 @@ REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS)
 
 
 class RegistrationRefused(Exception):
-    """The coordinator refused this node (a bad field, or its node id live elsewhere); the message says why."""
+    """The coordinator refused this node (a bad field, its node id live elsewhere, its enrollment); the message
+    says why."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,10 @@ class AgentConfig:
     name: str = field(default_factory=socket.gethostname)
     slowdown: float = 1.0
     lane_port: int = 0  # TCP port of the tensor lanes beside the peer service (0: any free port)
+    tls_dir: Path | None = None  # this node's credentials (ca.crt, tls.crt, tls.key); None: insecure
+    join_token: str = ""  # enroll with it when tls_dir holds no credentials yet
+    ca_fingerprint: str = ""
+    enroll_address: str = ""  # the coordinator's enrollment port (default: its host, port 7071)
 
 
 class Agent:
@@ -65,6 +74,8 @@ class Agent:
         self.peer_address = ""
         self.metrics_address = ""
         self._threads: list[threading.Thread] = []
+        self.transport = Transport.insecure()
+        self.revoked: frozenset[str] = frozenset()  # serials the coordinator revoked: refused on every link
 
     @property
     def stub(self) -> coordinator_pb2_grpc.CoordinatorStub | None:
@@ -85,24 +96,32 @@ class Agent:
         config.state_dir.mkdir(parents=True, exist_ok=True)
         id_file = config.state_dir / "node_id"
         self.node_id = id_file.read_text().strip() if id_file.exists() else ""
+        interceptors = []
+        if config.tls_dir is not None:
+            if not self._credentials(TlsDir(config.tls_dir)):
+                return False
+            self.node_id = self.transport.credentials().identity.name  # who this node is: its certificate says
+            interceptors.append(Authorizer(PEER_RULES, self.is_revoked))
+        self.metrics.insecure_mode.set(int(not self.transport.secure))
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="peer"), options=SERVER_OPTIONS
+            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="peer"), options=SERVER_OPTIONS,
+            interceptors=interceptors,
         )
         host, _port = split_address(config.listen)
         # Payload bytes of exchanges travel on lanes beside gRPC, on the same host as the peer service.
         self._servicer = PeerServicer(self.serving, self.metrics, __version__, node_id=lambda: self.node_id,
                                       lane_host=host, lane_port=config.lane_port)
         peer_pb2_grpc.add_PeerServicer_to_server(self._servicer, self._server)
-        bound = bind_grpc_server(self._server, config.listen)
+        bound = self.transport.bind(self._server, config.listen)
         self._server.start()
         self.peer_address = config.advertise or f"{self._advertised_host(host)}:{bound}"
         if config.metrics_listen:
             metrics_host, metrics_port = split_address(config.metrics_listen)
             metrics_bound = self.metrics.serve_http(metrics_host, metrics_port)
             self.metrics_address = f"{self._advertised_host(metrics_host)}:{metrics_bound}"
-        log.warning("peer links are not encrypted (insecure mode): run only on a trusted network")
-        self._channel = grpc.insecure_channel(config.coordinator, options=GRPC_OPTIONS)
-        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        if not self.transport.secure:
+            log.warning(INSECURE_WARNING)
+        self._connect()
         if not self._register():
             return False
         self.metrics.agent_info.labels(self.node_id, config.device).set(1)
@@ -112,6 +131,61 @@ class Agent:
             self._threads.append(thread)
         log.info("agent %s serving peers on %s, metrics on %s", self.node_id, self.peer_address, self.metrics_address)
         return True
+
+    def _credentials(self, tls_dir: TlsDir) -> bool:
+        """Load this node's credentials, enrolling first when there are none (retrying while the coordinator
+        cannot be reached); False if stopped first. Raises RegistrationRefused when it cannot be done."""
+        config = self.config
+        if not tls_dir.complete():
+            if not (config.join_token and config.ca_fingerprint):
+                raise RegistrationRefused(
+                    f"no certificate in {tls_dir.path}: enroll with --join-token TOKEN --ca-fingerprint SHA256 (from "
+                    "`coordinator token create`), or put one there from `coordinator cert issue --node NAME`; "
+                    "--insecure runs without, for local experiments only")
+            host, _port = split_address(config.coordinator)
+            address = config.enroll_address or f"{host}:7071"
+            backoff = Backoff(f"enrollment at {address}", log)
+            while not self.stopping.is_set():
+                try:
+                    enroll(address, config.join_token, config.ca_fingerprint, config.name.lower(), tls_dir)
+                    break
+                except EnrollmentError as error:
+                    raise RegistrationRefused(str(error)) from None
+                except (OSError, grpc.RpcError) as error:
+                    reason = failure_reason(error) if isinstance(error, grpc.RpcError) else str(error)
+                    self.stopping.wait(backoff.failed(reason))
+            else:
+                return False
+        try:
+            self.transport = Transport(tls_dir)
+        except TlsError as error:
+            raise RegistrationRefused(str(error)) from None
+        return True
+
+    def is_revoked(self, identity: Identity) -> bool:
+        return identity.serial in self.revoked
+
+    def _connect(self) -> None:
+        """(Re)make the channel to the coordinator, with the current credentials."""
+        old = self._channel
+        self._channel = self.transport.channel(self.config.coordinator, options=GRPC_OPTIONS)
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        if old is not None:
+            old.close()
+
+    def _renew_if_due(self) -> None:
+        """Rotate this node's certificate once less than a third of its life is left (checked every heartbeat)."""
+        if not self.transport.secure or not needs_renewal(self.transport):
+            return
+        assert self._stub is not None
+        try:
+            serial = renew(self.transport, self._stub)
+        except (grpc.RpcError, EnrollmentError) as error:
+            log.warning("certificate renewal failed (retried at the next heartbeat): %s",
+                        error.details() if isinstance(error, grpc.RpcError) else error)
+            return
+        log.info("renewed this node's certificate: serial %s", serial)
+        self._connect()  # new connections present the new certificate; the peer server reloads it by itself
 
     @staticmethod
     def _advertised_host(host: str) -> str:
@@ -172,6 +246,7 @@ class Agent:
             if not reply.known:
                 log.warning("the coordinator forgot this node; registering again")
                 self._register_again()
+            self._renew_if_due()
 
     def _watch_loop(self) -> None:
         assert self._stub is not None
@@ -195,6 +270,7 @@ class Agent:
             self.stopping.wait(backoff.failed(reason))
 
     def _apply(self, assignment: coordinator_pb2.Assignment) -> None:
+        self.revoked = frozenset(assignment.revoked_serials)
         with self._runner_lock:
             runner = self._runner
             running = assignment.state == coordinator_pb2.JOB_RUNNING

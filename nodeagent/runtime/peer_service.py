@@ -31,6 +31,8 @@ from nodeagent.algorithms.base import SendFailed, Snapshot
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import GRPC_OPTIONS, failure_reason, grpc_code
 from nodeagent.runtime.progress import Traffic
+from nodeagent.security.authz import rules_for
+from nodeagent.security.pki import Role
 from nodeagent.wire.decoder import Receiver
 from nodeagent.wire.encoder import Outgoing, plan
 from nodeagent.wire.errors import Status, WireError
@@ -41,6 +43,11 @@ from nodeagent.wire.pool import BufferPool
 from nodeagent.wire.striping import run_on_lanes
 
 _SERVICE = "peertrain.v1.Peer"
+# Nodes call each other; the coordinator asks Describe whether an address still answers as a node id.
+PEER_RULES = rules_for(_SERVICE, {
+    **dict.fromkeys(("Exchange", "Pull", "Push", "OpenLane", "PushOnLane", "ExchangeOnLane"), frozenset({Role.NODE})),
+    "Describe": frozenset({Role.NODE, Role.COORDINATOR}),
+})
 
 
 LANE_RETRY_S = 30.0  # after a peer refused lanes (or could not be dialled), frames only for this long

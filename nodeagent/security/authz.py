@@ -33,8 +33,9 @@ class Authorizer(grpc.ServerInterceptor):
         roles = self.rules.get(method, frozenset())
         if identity.role not in roles:
             needed = " or ".join(sorted(roles)) or "no"
-            context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          f"{method.rsplit('/', 1)[-1]} needs a {needed} certificate; the caller is {identity}")
+            article = "an" if needed[0] in "aeiou" else "a"
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{method.rsplit('/', 1)[-1]} needs {article} {needed} "
+                          f"certificate; the caller is {identity}")
         return identity
 
     def intercept_service(self, continuation, handler_call_details):

@@ -9,7 +9,6 @@ directory again when its files change, so that a rotated certificate serves new 
 
 from __future__ import annotations
 
-import logging
 import os
 import ssl
 import tempfile
@@ -32,8 +31,6 @@ from nodeagent.security.pki import (
     load_private_key,
     signed_by,
 )
-
-log = logging.getLogger("peertrain.tls")
 
 CA_FILE = "ca.crt"
 CERT_FILE = "tls.crt"
@@ -104,18 +101,26 @@ class TlsDir:
         except (CertificateError, ValueError) as error:
             raise TlsError(f"{self.path}: {error}") from None
         if key.public_key() != cert.public_key():
-            raise TlsError(f"{self.key} is not the key of {self.cert}")
+            previous = self.path / (KEY_FILE + ".old")
+            if previous.is_file() and load_private_key(previous.read_bytes()).public_key() == cert.public_key():
+                credentials = Credentials(credentials.ca_pem, credentials.cert_pem, previous.read_bytes())
+            else:
+                raise TlsError(f"{self.key} is not the key of {self.cert}")
         if not signed_by(cert, ca):
             raise TlsError(f"{self.cert} is not signed by the CA in {self.ca}")
         return credentials
 
     def save(self, credentials: Credentials) -> None:
-        """Write all three files, each atomically, the key readable by its owner only; the certificate last, so
-        that a crash leaves either the old pair or the new key beside the old certificate (`load` says so)."""
+        """Write all three files, each atomically, the key readable by its owner only. A crash between the key and
+        the certificate leaves the old key in tls.key.old, which `load` then pairs with the old certificate."""
         self.path.mkdir(parents=True, exist_ok=True)
-        for target, data, mode in ((self.ca, credentials.ca_pem, 0o644), (self.key, credentials.key_pem, 0o600),
-                                   (self.cert, credentials.cert_pem, 0o644)):
-            write_private_file(target, data, mode)
+        previous = self.path / (KEY_FILE + ".old")
+        if self.key.is_file():
+            write_private_file(previous, self.key.read_bytes())
+        write_private_file(self.ca, credentials.ca_pem, 0o644)
+        write_private_file(self.key, credentials.key_pem)
+        write_private_file(self.cert, credentials.cert_pem, 0o644)
+        previous.unlink(missing_ok=True)
 
 
 def write_private_file(path: Path, data: bytes, mode: int = 0o600) -> None:
@@ -158,7 +163,13 @@ class Transport:
         with self._lock:
             stamp = self.tls_dir.stamp()
             if self._credentials is None or stamp != self._stamp:
-                self._credentials = self.tls_dir.load()
+                try:
+                    self._credentials = self.tls_dir.load()
+                except TlsError:
+                    if self._credentials is None:
+                        raise
+                    # A rotation caught between its writes: keep the loaded pair; the next call looks again.
+                    return self._credentials
                 self._stamp = stamp
             return self._credentials
 
@@ -171,19 +182,20 @@ class Transport:
     def server_credentials(self) -> grpc.ServerCredentials:
         """Mutual TLS: a client without a certificate of the cluster CA fails the handshake. The credentials are
         fetched again for each new connection when their files changed."""
-        first = self.credentials()
+        served = [self.credentials()]
 
-        def fetch() -> grpc.ServerCertificateConfiguration | None:
-            try:
-                current = self.credentials()
-            except TlsError as error:  # a rotation half written: keep serving with what was loaded
-                log.warning("cannot reload TLS credentials: %s", error)
+        def configuration(credentials: Credentials) -> grpc.ServerCertificateConfiguration:
+            return grpc.ssl_server_certificate_configuration([(credentials.key_pem, credentials.cert_pem)],
+                                                             root_certificates=credentials.ca_pem)
+
+        def fetch() -> grpc.ServerCertificateConfiguration | None:  # None: no change
+            current = self.credentials()
+            if current is served[0]:
                 return None
-            return grpc.ssl_server_certificate_configuration([(current.key_pem, current.cert_pem)],
-                                                             root_certificates=current.ca_pem)
+            served[0] = current
+            return configuration(current)
 
-        initial = grpc.ssl_server_certificate_configuration([(first.key_pem, first.cert_pem)],
-                                                            root_certificates=first.ca_pem)
+        initial = configuration(served[0])
         return grpc.dynamic_ssl_server_credentials(initial, fetch, require_client_authentication=True)
 
     def bind(self, server: grpc.Server, address: str) -> int:

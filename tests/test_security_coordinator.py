@@ -1,0 +1,272 @@
+"""The coordinator's trust boundary, tried as an attacker would: a client made from the generated proto modules and
+grpc alone (the `Attacker` below imports nothing else of the project), with certificates of every kind made by
+the test's CA. Each refusal is checked to leave the coordinator's state as it was."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+
+from coordinator.ca import ClusterCA
+from coordinator.service import CoordinatorConfig, CoordinatorService, EnrollmentService
+from nodeagent._proto import coordinator_pb2 as pb
+from nodeagent._proto import coordinator_pb2_grpc, wire_pb2
+from nodeagent.agent.enroll import EnrollmentError, enroll
+from nodeagent.metrics import Metrics
+from nodeagent.security import pki
+from nodeagent.security.pki import Role
+from nodeagent.security.tls import TlsDir, Transport
+
+SPEC = """
+name: t
+nodes: 2
+steps: 10
+algorithm: {name: ssgd}
+data: {dataset: fashion-mnist, split: iid}
+"""
+
+
+class Attacker:
+    """A client of the coordinator built from the proto modules: any certificate, any field."""
+
+    def __init__(self, address: str, ca_pem: bytes | None = None, cert_pem: bytes | None = None,
+                 key_pem: bytes | None = None, plaintext: bool = False):
+        if plaintext:
+            self.channel = grpc.insecure_channel(address)
+        else:
+            credentials = grpc.ssl_channel_credentials(ca_pem, key_pem, cert_pem)
+            self.channel = grpc.secure_channel(address, credentials,
+                                               options=[("grpc.ssl_target_name_override", "coordinator")])
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+
+    @classmethod
+    def with_dir(cls, address: str, directory: Path) -> Attacker:
+        return cls(address, (directory / "ca.crt").read_bytes(), (directory / "tls.crt").read_bytes(),
+                   (directory / "tls.key").read_bytes())
+
+    def code(self, method: str, request, **kwargs) -> grpc.StatusCode:
+        try:
+            reply = getattr(self.stub, method)(request, timeout=5, **kwargs)
+            if isinstance(reply, Iterator):  # a server stream: its first message, or its status
+                next(reply, None)
+        except grpc.RpcError as error:
+            return error.code()
+        return grpc.StatusCode.OK
+
+
+class SecureCoordinator:
+    def __init__(self, root: Path):
+        self.root = root
+        self.ca = ClusterCA.init(root / "state")
+        tls = TlsDir(root / "state" / "tls")
+        self.ca.coordinator_credentials(tls)
+        self.service = CoordinatorService(CoordinatorConfig(state_dir=root / "state"), Metrics(), ca=self.ca,
+                                          transport=Transport(tls))
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16),
+                                  interceptors=[self.service.authorizer()])
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.service, self.server)
+        self.address = f"127.0.0.1:{Transport(tls).bind(self.server, '127.0.0.1:0')}"
+        self.enrollment = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        coordinator_pb2_grpc.add_EnrollmentServicer_to_server(EnrollmentService(self.ca), self.enrollment)
+        port = self.enrollment.add_secure_port(
+            "127.0.0.1:0", grpc.ssl_server_credentials([(pki.private_key_pem(self.ca.key), self.ca.cert_pem)]))
+        self.enroll_address = f"127.0.0.1:{port}"
+        self.server.start()
+        self.enrollment.start()
+        self.service.start()
+
+    def credentials(self, role: Role, name: str) -> Path:
+        directory = self.root / f"{role}-{name}"
+        self.ca.issue_files(TlsDir(directory), role, name)
+        return directory
+
+    def client(self, role: Role, name: str) -> Attacker:
+        return Attacker.with_dir(self.address, self.credentials(role, name))
+
+    def stop(self) -> None:
+        self.server.stop(grace=None)
+        self.enrollment.stop(grace=None)
+        self.service.stop()
+
+
+@pytest.fixture
+def secure(tmp_path: Path) -> Iterator[SecureCoordinator]:
+    coordinator = SecureCoordinator(tmp_path)
+    yield coordinator
+    coordinator.stop()
+
+
+def _register(client: Attacker, node_id: str, port: int) -> pb.RegisterReply:
+    return client.stub.Register(pb.RegisterRequest(node_id=node_id, peer_address=f"127.0.0.1:{port}"), timeout=5)
+
+
+def test_handshake_fails_without_a_certificate_of_the_cluster(secure, tmp_path):
+    other_key, other_ca = pki.create_ca("another CA")
+    stranger_key = pki.new_private_key()
+    stranger = pki.issue(other_key, other_ca, stranger_key.public_key(), Role.OPERATOR, "mallory")
+    expired_key = pki.new_private_key()
+    expired = pki.issue(secure.ca.key, secure.ca.cert, expired_key.public_key(), Role.OPERATOR, "old",
+                        lifetime=datetime.timedelta(seconds=-60))
+    ca = secure.ca.cert_pem
+    clients = {
+        "plaintext": Attacker(secure.address, plaintext=True),
+        "no certificate": Attacker(secure.address, ca),
+        "another CA": Attacker(secure.address, ca, pki.certificate_pem(stranger), pki.private_key_pem(stranger_key)),
+        "expired": Attacker(secure.address, ca, pki.certificate_pem(expired), pki.private_key_pem(expired_key)),
+    }
+    for what, client in clients.items():
+        assert client.code("ListNodes", pb.ListNodesRequest()) is grpc.StatusCode.UNAVAILABLE, what
+        assert client.code("SubmitJob", pb.SubmitJobRequest(spec_yaml=SPEC)) is grpc.StatusCode.UNAVAILABLE, what
+    assert secure.service.store.jobs(("PENDING", "RUNNING")) == []
+
+
+def test_a_node_certificate_cannot_make_operator_calls(secure):
+    node = secure.client(Role.NODE, "node-a")
+    _register(node, "", 7001)
+    denied = {
+        "SubmitJob": pb.SubmitJobRequest(spec_yaml=SPEC), "StopJob": pb.StopJobRequest(job_id="x"),
+        "ListNodes": pb.ListNodesRequest(), "JobStatus": pb.JobStatusRequest(),
+        "RemoveNode": pb.NodeRequest(node_id="node-a"), "DrainNode": pb.DrainRequest(node_id="node-a", drain=True),
+        "CreateJoinToken": pb.CreateJoinTokenRequest(), "RevokeCertificate": pb.RevokeCertificateRequest(name="x"),
+        "ListCertificates": pb.ListCertificatesRequest(),
+    }
+    for method, request in denied.items():
+        assert node.code(method, request) is grpc.StatusCode.PERMISSION_DENIED, method
+    assert secure.service.store.jobs(("PENDING", "RUNNING")) == []
+    assert not secure.service.store.node("node-a").draining
+    assert secure.ca._live_tokens() == {}
+
+
+def test_an_operator_certificate_cannot_act_as_a_node(secure):
+    operator = secure.client(Role.OPERATOR, "alice")
+    for method, request in {
+        "Register": pb.RegisterRequest(node_id="alice", peer_address="127.0.0.1:7001"),
+        "Heartbeat": pb.HeartbeatRequest(node_id="alice"),
+        "WatchAssignment": pb.WatchAssignmentRequest(node_id="alice"),
+        "PsPull": pb.PsPullRequest(job_id="x"),
+    }.items():
+        assert operator.code(method, request) is grpc.StatusCode.PERMISSION_DENIED, method
+    assert secure.service.store.nodes() == []
+
+
+def test_a_node_acts_only_as_itself(secure):
+    a, b = secure.client(Role.NODE, "node-a"), secure.client(Role.NODE, "node-b")
+    assert _register(a, "", 7001).node_id == "node-a"  # the id comes from the certificate
+    assert _register(b, "node-b", 7002).node_id == "node-b"
+    # A man in the middle would re-point node-b's neighbours to its own address.
+    assert a.code("Register", pb.RegisterRequest(node_id="node-b", peer_address="127.0.0.1:6666")) is \
+        grpc.StatusCode.PERMISSION_DENIED
+    assert secure.service.store.node("node-b").peer_address == "127.0.0.1:7002"
+    for method, request in {
+        "Heartbeat": pb.HeartbeatRequest(node_id="node-b"),
+        "Deregister": pb.DeregisterRequest(node_id="node-b"),
+        "WatchAssignment": pb.WatchAssignmentRequest(node_id="node-b"),
+        "ReportMetrics": pb.MetricsReport(node_id="node-b", job_id="x", step=5, finished=True),
+        "ReportFailure": pb.NodeFailure(node_id="node-b", job_id="x", reason="fake"),
+    }.items():
+        assert a.code(method, request) is grpc.StatusCode.PERMISSION_DENIED, method
+    assert secure.service.store.node("node-b").up
+
+
+def test_parameter_server_calls_only_as_the_rank_the_node_holds(secure):
+    a, b = secure.client(Role.NODE, "node-a"), secure.client(Role.NODE, "node-b")
+    _register(a, "", 7001)
+    _register(b, "", 7002)
+    operator = secure.client(Role.OPERATOR, "alice")
+    job_id = operator.stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=SPEC), timeout=30).job_id
+    ranks = {m.node_id: m.rank for m in secure.service.store.members(job_id)}
+    b_rank = ranks["node-b"]
+    assert a.code("PsPull", pb.PsPullRequest(job_id=job_id, rank=b_rank, node_id="node-b")) is \
+        grpc.StatusCode.PERMISSION_DENIED
+    assert a.code("PsReport", pb.PsReportRequest(job_id=job_id, rank=b_rank, node_id="node-b")) is \
+        grpc.StatusCode.PERMISSION_DENIED
+    # A forged push: node-a's certificate, node-b's name and rank in the manifest.
+    manifest = wire_pb2.Manifest(job_id=job_id, sender_id="node-b", sender_rank=b_rank, receiver_rank=2,
+                                 kind=wire_pb2.KIND_GRADIENT)
+    frames = iter([wire_pb2.Frame(manifest=manifest), wire_pb2.Frame(end=wire_pb2.End())])
+    code = a.code("PsPush", frames, metadata=[("peertrain-push-id", "forged-1")])
+    assert code is grpc.StatusCode.PERMISSION_DENIED
+    # The honest pull of its own rank is served.
+    assert a.code("PsPull", pb.PsPullRequest(job_id=job_id, rank=ranks["node-a"], node_id="node-a")) is \
+        grpc.StatusCode.OK
+
+
+def test_enrollment_with_a_one_time_token_and_a_pinned_fingerprint(secure, tmp_path):
+    operator = secure.client(Role.OPERATOR, "alice")
+    token = operator.stub.CreateJoinToken(pb.CreateJoinTokenRequest(ttl_s=60), timeout=5)
+    assert token.ca_fingerprint == secure.ca.fingerprint
+    with pytest.raises(EnrollmentError, match="does not have the CA fingerprint"):
+        enroll(secure.enroll_address, token.token, "ab" * 32, "node-new", TlsDir(tmp_path / "wrong"))
+    assert not TlsDir(tmp_path / "wrong").complete()
+    tls_dir = TlsDir(tmp_path / "new")
+    assert enroll(secure.enroll_address, token.token, token.ca_fingerprint.upper(), "node-new", tls_dir) == "node-new"
+    assert Transport(tls_dir).identity.role is Role.NODE
+    node = Attacker.with_dir(secure.address, tls_dir.path)
+    assert _register(node, "", 7005).node_id == "node-new"
+    # The token was good once; a fresh token does not buy a name that holds a valid certificate.
+    with pytest.raises(EnrollmentError, match="join token is unknown, used or expired"):
+        enroll(secure.enroll_address, token.token, token.ca_fingerprint, "node-other", TlsDir(tmp_path / "again"))
+    second = operator.stub.CreateJoinToken(pb.CreateJoinTokenRequest(ttl_s=60), timeout=5)
+    with pytest.raises(EnrollmentError, match="holds a valid certificate"):
+        enroll(secure.enroll_address, second.token, second.ca_fingerprint, "node-new", TlsDir(tmp_path / "dup"))
+
+
+def test_the_enrollment_port_serves_nothing_else_and_refuses_garbage(secure):
+    channel = grpc.secure_channel(secure.enroll_address, grpc.ssl_channel_credentials(secure.ca.cert_pem),
+                                  options=[("grpc.ssl_target_name_override", "coordinator")])
+    stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.ListNodes(pb.ListNodesRequest(), timeout=5)
+    assert refused.value.code() is grpc.StatusCode.UNIMPLEMENTED
+    enrollment = coordinator_pb2_grpc.EnrollmentStub(channel)
+    for request, code in (
+        (pb.EnrollRequest(token="x", csr_pem=b"not a csr"), grpc.StatusCode.INVALID_ARGUMENT),
+        (pb.EnrollRequest(token="x" * 100_000, csr_pem=b"-" * 100_000), grpc.StatusCode.INVALID_ARGUMENT),
+        (pb.EnrollRequest(token="guess", csr_pem=pki.signing_request(pki.new_private_key(), Role.NODE, "n1")),
+         grpc.StatusCode.UNAUTHENTICATED),
+    ):
+        with pytest.raises(grpc.RpcError) as refused:
+            enrollment.Enroll(request, timeout=5)
+        assert refused.value.code() is code
+        assert len(refused.value.details()) < 300  # never echoes the input
+    assert secure.ca.certificates() == [c for c in secure.ca.certificates() if c.role == "coordinator"]
+
+
+def test_revocation_is_enforced_at_once_and_sent_to_agents(secure):
+    a, b = secure.client(Role.NODE, "node-a"), secure.client(Role.NODE, "node-b")
+    _register(a, "", 7001)
+    _register(b, "", 7002)
+    operator = secure.client(Role.OPERATOR, "alice")
+    revoked = operator.stub.RevokeCertificate(pb.RevokeCertificateRequest(name="node-a"), timeout=5).serials
+    assert len(revoked) == 1
+    assert a.code("Heartbeat", pb.HeartbeatRequest()) is grpc.StatusCode.UNAUTHENTICATED
+    assert not secure.service.store.node("node-a").up
+    assignment = next(iter(b.stub.WatchAssignment(pb.WatchAssignmentRequest(), timeout=5)))
+    assert list(assignment.revoked_serials) == revoked
+    listed = {c.serial: c for c in operator.stub.ListCertificates(pb.ListCertificatesRequest(), timeout=5).certificates}
+    assert listed[revoked[0]].revoked_unix > 0
+
+
+def test_renewal_keeps_the_identity_and_role(secure, tmp_path):
+    directory = secure.credentials(Role.NODE, "node-a")
+    transport = Transport(TlsDir(directory))
+    before = transport.identity
+    from nodeagent.agent.enroll import renew
+
+    stub = coordinator_pb2_grpc.CoordinatorStub(transport.channel(secure.address))
+    serial = renew(transport, stub)
+    after = transport.credentials().identity
+    assert (after.role, after.name) == (Role.NODE, "node-a")
+    assert serial == after.serial != before.serial
+    # An operator renewing asks for a node's name in its request: the certificate still names the operator.
+    operator_dir = secure.credentials(Role.OPERATOR, "alice")
+    operator = Attacker.with_dir(secure.address, operator_dir)
+    reply = operator.stub.RenewCertificate(pb.RenewCertificateRequest(
+        csr_pem=pki.signing_request(pki.new_private_key(), Role.NODE, "node-a")), timeout=5)
+    renewed = pki.identity_of(pki.load_certificate(reply.certificate_pem))
+    assert (renewed.role, renewed.name) == (Role.OPERATOR, "alice")
