@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -257,7 +256,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host, _port = split_address(args.listen)
     config = CoordinatorConfig(
         state_dir=args.state_dir, runs_dir=args.runs_dir, heartbeat_timeout_s=args.heartbeat_timeout,
-        rendezvous_host=host if host not in ("", "0.0.0.0", "::") else socket.gethostname(),
+        rendezvous_host=host,
     )
     with hold_state_dir(config.state_dir):
         writable_directory(config.run_root, "runs directory")

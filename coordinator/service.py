@@ -133,7 +133,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.changes = _Changes()
         self.stopping = threading.Event()
         self._topologies: dict[str, Topology] = {}
-        self._rendezvous: dict[str, TCPStore] = {}
+        self._rendezvous: dict[str, tuple[TCPStore, str]] = {}  # job -> its store and key prefix
         self._run_logs: dict[str, RunLog] = {}
         self._schedule_lock = threading.Lock()
         self.ps = PSService(self.store, metrics, fsync=config.ps_fsync)
@@ -291,21 +291,21 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             version=self.changes.version, job_id=job.job_id, state=pb.JOB_RUNNING, job_spec_json=job.spec_json,
             rank=rank, world_size=job.world_size, neighbors=neighbors, self_weight=plan.self_weight,
             run_dir=job.run_dir, peer_schedule=[pb.PeerSet(ranks=peers) for peers in plan.peer_schedule],
-            rendezvous_port=self._rendezvous_port(job, spec), rejoin=rows[rank].progress.time > 0,
-            revoked_serials=revoked,
+            rejoin=rows[rank].progress.time > 0, revoked_serials=revoked, **self._rendezvous_of(job, spec),
         )
 
-    def _rendezvous_port(self, job: JobRow, spec: JobSpec) -> int:
-        """All-reduce jobs meet at a torch.distributed store that the coordinator hosts for the job's life."""
+    def _rendezvous_of(self, job: JobRow, spec: JobSpec) -> dict[str, int | str]:
+        """All-reduce jobs meet at a torch.distributed store that the coordinator hosts for the job's life, on its
+        listen host, under a secret key prefix (the store has no credentials of its own)."""
         if lookup(spec.algorithm.name).family is not Family.COLLECTIVE:
-            return 0
+            return {}
         with self._schedule_lock:
-            store = self._rendezvous.get(job.job_id)
-            if store is None:
-                store = self._rendezvous[job.job_id] = TCPStore(
-                    self.config.rendezvous_host, 0, spec.nodes + 1, is_master=True, wait_for_workers=False
-                )
-            return store.port
+            if job.job_id not in self._rendezvous:
+                store = TCPStore(self.config.rendezvous_host, 0, spec.nodes + 1, is_master=True,
+                                 wait_for_workers=False)
+                self._rendezvous[job.job_id] = (store, secrets.token_hex(16))
+            store, key = self._rendezvous[job.job_id]
+            return {"rendezvous_port": store.port, "rendezvous_key": key}
 
     def _end_rendezvous(self, job_id: str) -> None:
         with self._schedule_lock:

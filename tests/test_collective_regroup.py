@@ -40,7 +40,7 @@ def run_rank(port: int, rank: int, start: int, dies_at: int | None, results) -> 
     from nodeagent.agent.collective import Collective
 
     member = Member(rank, start)
-    collective = Collective("127.0.0.1", port, rank, WORLD, 5.0, Metrics(), "job", f"node{rank}", Traffic(),
+    collective = Collective("127.0.0.1", port, "secret", rank, WORLD, 5.0, Metrics(), "job", f"node{rank}", Traffic(),
                             member=member, stop=threading.Event(), regroup_s=60.0)
     took_up = []
     while member.clock < STEPS:

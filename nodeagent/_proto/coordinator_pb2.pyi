@@ -174,7 +174,7 @@ class PeerSet(_message.Message):
     def __init__(self, ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("version", "job_id", "state", "job_spec_json", "rank", "world_size", "neighbors", "self_weight", "run_dir", "peer_schedule", "rendezvous_port", "rejoin", "revoked_serials")
+    __slots__ = ("version", "job_id", "state", "job_spec_json", "rank", "world_size", "neighbors", "self_weight", "run_dir", "peer_schedule", "rendezvous_port", "rejoin", "revoked_serials", "rendezvous_key")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +188,7 @@ class Assignment(_message.Message):
     RENDEZVOUS_PORT_FIELD_NUMBER: _ClassVar[int]
     REJOIN_FIELD_NUMBER: _ClassVar[int]
     REVOKED_SERIALS_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_KEY_FIELD_NUMBER: _ClassVar[int]
     version: int
     job_id: str
     state: JobState
@@ -201,7 +202,8 @@ class Assignment(_message.Message):
     rendezvous_port: int
     rejoin: bool
     revoked_serials: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., job_spec_json: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., neighbors: _Optional[_Iterable[_Union[Neighbor, _Mapping]]] = ..., self_weight: _Optional[float] = ..., run_dir: _Optional[str] = ..., peer_schedule: _Optional[_Iterable[_Union[PeerSet, _Mapping]]] = ..., rendezvous_port: _Optional[int] = ..., rejoin: _Optional[bool] = ..., revoked_serials: _Optional[_Iterable[str]] = ...) -> None: ...
+    rendezvous_key: str
+    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., job_spec_json: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., neighbors: _Optional[_Iterable[_Union[Neighbor, _Mapping]]] = ..., self_weight: _Optional[float] = ..., run_dir: _Optional[str] = ..., peer_schedule: _Optional[_Iterable[_Union[PeerSet, _Mapping]]] = ..., rendezvous_port: _Optional[int] = ..., rejoin: _Optional[bool] = ..., revoked_serials: _Optional[_Iterable[str]] = ..., rendezvous_key: _Optional[str] = ...) -> None: ...
 
 class MetricsReport(_message.Message):
     __slots__ = ("node_id", "job_id", "rank", "step", "loss", "test_accuracy", "test_loss", "elapsed_s", "finished", "bytes_sent", "bytes_received", "compute_s", "wait_s", "exchanges", "exchange_failures", "edges", "local_steps")

@@ -48,14 +48,15 @@ class GroupLost(RuntimeError):
 
 
 class Collective:
-    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float, metrics: Metrics,
+    def __init__(self, host: str, port: int, key: str, rank: int, world_size: int, timeout_s: float,
+                 metrics: Metrics,
                  job_id: str, node_id: str, traffic: Traffic, *, member: GroupMember,
                  stop: threading.Event, regroup_s: float):
         """`member`: the node's algorithm, whose state the group hands on; `regroup_s`: how long the ranks wait
         for a lost one to come back."""
         if port == 0:
             raise RuntimeError("the assignment names no rendezvous for this all-reduce job")
-        self.host, self.port = host, port
+        self.host, self.port, self.key = host, port, key
         self.rank = rank
         self.world_size = world_size
         self.timeout = timedelta(seconds=max(timeout_s, 30.0))
@@ -65,7 +66,7 @@ class Collective:
         self.member = member
         self.stop = stop
         self.regroup_s = regroup_s
-        self.store: dist.TCPStore | None = None
+        self.store: dist.Store | None = None
         self.generation = -1  # the group this rank is in; -1 before its first
 
     def mean(self, message: Message) -> Message:
@@ -113,8 +114,8 @@ class Collective:
         if dist.is_initialized():
             dist.destroy_process_group()
         if self.store is None:
-            self.store = dist.TCPStore(self.host, self.port, self.world_size + 1, is_master=False,
-                                       timeout=self.timeout)
+            server = dist.TCPStore(self.host, self.port, self.world_size + 1, is_master=False, timeout=self.timeout)
+            self.store = dist.PrefixStore(f"{self.key}/", server)
         store = self.store
         generation = int(store.add("generation", 0))
         if generation <= self.generation or store.check([f"formed/{generation}"]):

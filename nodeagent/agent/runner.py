@@ -63,7 +63,7 @@ class JobRunner(threading.Thread):
         )
         self.self_weight = assignment.self_weight
         self.peer_schedule = tuple(tuple(peers.ranks) for peers in assignment.peer_schedule)
-        self.rendezvous_port = assignment.rendezvous_port
+        self.rendezvous = (assignment.rendezvous_port, assignment.rendezvous_key)
         self.rejoin = assignment.rejoin  # this rank ran before: a restart
         self.peers: GrpcPeers | None = None
         self.collective: Collective | None = None
@@ -153,7 +153,7 @@ class JobRunner(threading.Thread):
         host, _ = split_address(self.agent.config.coordinator)
         spec = self.spec
         # A lost rank has the job's failure grace to come back, and the gloo timeout to be noticed in.
-        self.collective = Collective(host, self.rendezvous_port, self.rank, spec.nodes, spec.wire.exchange_timeout_s,
+        self.collective = Collective(host, *self.rendezvous, self.rank, spec.nodes, spec.wire.exchange_timeout_s,
                                      self.agent.metrics, self.job_id, self.agent.node_id, driver.traffic,
                                      member=cast(GroupMember, node.algorithm), stop=self.stop_event,
                                      regroup_s=spec.failure.lost_grace_s + max(spec.wire.exchange_timeout_s, 30.0))
