@@ -95,7 +95,7 @@ def test_a_binary_job_file_ends_the_process_with_one_line_and_no_traceback(tmp_p
 @pytest.mark.parametrize("command", [["nodes"], ["status"], ["status", "job-1"], ["stop", "job-1"]])
 def test_a_coordinator_that_is_not_there_is_one_line_with_its_address_and_the_code(command):
     address = nowhere()
-    result = run("coordinator.cli", *command, "--coordinator", address)
+    result = run("coordinator.cli", *command, "--coordinator", address, "--insecure")
     assert result.returncode == 1
     assert "Traceback" not in result.stderr and result.stdout == ""
     [line] = result.stderr.splitlines()
@@ -107,7 +107,7 @@ def test_submit_to_a_coordinator_that_is_not_there_is_one_line_with_its_address(
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump({"name": "edges", "nodes": 2, "steps": 5}))
     address = nowhere()
-    result = run("coordinator.cli", "submit", str(path), "--coordinator", address)
+    result = run("coordinator.cli", "submit", str(path), "--coordinator", address, "--insecure")
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     [line] = result.stderr.splitlines()
