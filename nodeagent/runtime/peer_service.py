@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import grpc
 import grpc.experimental
@@ -31,6 +32,9 @@ from nodeagent.algorithms.base import SendFailed, Snapshot
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import GRPC_OPTIONS, failure_reason, grpc_code
 from nodeagent.runtime.progress import Traffic
+from nodeagent.security.authz import rules_for
+from nodeagent.security.pki import Identity, Role
+from nodeagent.security.tls import caller
 from nodeagent.wire.decoder import Receiver
 from nodeagent.wire.encoder import Outgoing, plan
 from nodeagent.wire.errors import Status, WireError
@@ -42,6 +46,15 @@ from nodeagent.wire.striping import run_on_lanes
 
 _SERVICE = "peertrain.v1.Peer"
 
+# Who may call each method (the daemon installs `Authorizer(PEER_RULES, revoked)`); what a node may do on a call is
+# checked by the servicer: only its own edges, as itself.
+_NODES = frozenset({Role.NODE})
+PEER_RULES = rules_for(_SERVICE, {
+    "Exchange": _NODES, "Pull": _NODES, "Push": _NODES, "PushOnLane": _NODES, "ExchangeOnLane": _NODES,
+    "OpenLane": _NODES,
+    "Describe": frozenset({Role.NODE, Role.COORDINATOR}),  # the coordinator asks whether a node still answers
+})
+MAX_DETAIL_CHARS = 300  # of a refusal's details: they may quote what the caller sent, which has no bound
 
 LANE_RETRY_S = 30.0  # after a peer refused lanes (or could not be dialled), frames only for this long
 LANE_SETUP_TIMEOUT_S = 5.0
@@ -95,6 +108,21 @@ class ServingState:
 
         return count
 
+    def is_neighbor(self, node: str) -> bool:
+        return any(name == node for rank, name in self.names.items() if rank != self.rank)
+
+    def check_peer(self, rank: int, claimed_id: str, node: str | None) -> None:
+        """Refuse (PERMISSION_DENIED) a stream or request on the edge `rank` -> this node unless it comes from the
+        node assigned `rank` and names that node as its sender (`claimed_id`): `node` is the caller's name, from its
+        certificate. With None (an insecure server, where nothing proves who calls) nothing is checked here."""
+        if node is None:
+            return
+        if not self.is_neighbor(node):
+            raise WireError("not_neighbor", f"node {node} is no neighbour of {self.node_id}", Status.PERMISSION_DENIED)
+        if rank == self.rank or self.names.get(rank) != node or claimed_id != node:
+            raise WireError("wrong_identity", f"node {node} may send only as itself on its own edge, not as rank "
+                            f"{rank}", Status.PERMISSION_DENIED)
+
     def expectation(self, manifest: wire_pb2.Manifest) -> list[TensorSpec]:
         if manifest.job_id != self.job_id:
             raise WireError(
@@ -126,6 +154,10 @@ def _remaining(context: grpc.ServicerContext) -> float | None:
     return max(0.001, remaining - min(1.0, 0.1 * remaining))
 
 
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_DETAIL_CHARS else f"{text[:MAX_DETAIL_CHARS]}..."
+
+
 def _write_share(outgoing: Outgoing, lane: LaneSocket, stream_id: bytes, share: tuple[int, int],
                  seconds: float | None) -> None:
     lane.set_timeout(seconds)
@@ -145,7 +177,11 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
     """The Peer service. With `lane_host` it also listens for lanes there (port `lane_port`, 0: any free one);
     the host must be one the node's peers can reach it on, normally the host of its gRPC listen address.
     `node_id` names the node in `Describe` even when it runs no job, so that the coordinator can tell whether a
-    node still answers at the address it registered before."""
+    node still answers at the address it registered before.
+
+    On a `secure` server (mutual TLS) every call needs a node certificate, and a node acts only on its own edges as
+    itself: a stream or request naming rank r comes from the node assigned r, a neighbour of this node. Without
+    `secure`, a call without a certificate is served as before any TLS: for local experiments only."""
 
     def __init__(
         self,
@@ -156,11 +192,13 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         node_id: Callable[[], str] = str,
         lane_host: str | None = None,
         lane_port: int = 0,
+        secure: bool = False,
     ):
         self._current = current
         self._metrics = metrics
         self._version = version
         self._node_id = node_id
+        self.secure = secure
         self.lanes = LaneHub(lane_host, lane_port) if lane_host is not None else None
 
     def close(self) -> None:
@@ -174,11 +212,48 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node runs no job")
         return state
 
+    def _caller(self, context: grpc.ServicerContext, roles: frozenset[Role] = _NODES) -> Identity | None:
+        """The caller's identity, None on an insecure server. A secure server refuses a call without a usable
+        certificate (UNAUTHENTICATED) or of another role (PERMISSION_DENIED). The daemon's Authorizer refuses them
+        first, but the edge checks compare names only, so that an operator named like a node must never get here."""
+        identity = caller(context)
+        if identity is None:
+            if self.secure:
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, "no peertrain certificate")
+            return None
+        if identity.role not in roles:
+            needed = " or ".join(sorted(roles))
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"this call needs a {needed} certificate; the caller "
+                          f"is {identity}")
+        return identity
+
+    def _refuse(self, context: grpc.ServicerContext, identity: Identity | None, dst: str,
+                error: WireError) -> NoReturn:
+        """Count a refused call and end it with the error's status; the details are clipped."""
+        src = identity.name if identity is not None else "unknown"
+        self._metrics.stream_rejections.labels(src, dst, error.reason).inc()
+        context.abort(grpc_code(error.status), _clip(str(error)))
+
+    def _admit(self, context: grpc.ServicerContext, state: ServingState, identity: Identity | None, rank: int,
+               claimed_id: str) -> None:
+        """Refuse a request on the edge `rank` -> this node unless `identity` may make it (ServingState.check_peer)."""
+        try:
+            state.check_peer(rank, claimed_id, identity.name if identity is not None else None)
+        except WireError as error:
+            self._refuse(context, identity, state.node_id, error)
+
     def _receive(
-        self, state: ServingState, frames: Iterable[wire_pb2.Frame | bytes], context: grpc.ServicerContext
+        self, state: ServingState, identity: Identity | None, frames: Iterable[wire_pb2.Frame | bytes],
+        context: grpc.ServicerContext,
     ) -> tuple[Message, list[LaneSocket]]:
-        """Decode and validate a stream; returns the message and the lanes its payload came on (still claimed)."""
+        """Decode and validate a stream; returns the message and the lanes its payload came on (still claimed). The
+        sender is checked against the caller's certificate before anything else."""
         claimed: list[LaneSocket] = []
+        node = identity.name if identity is not None else None
+
+        def expect(manifest: wire_pb2.Manifest) -> list[TensorSpec]:
+            state.check_peer(manifest.sender_rank, manifest.sender_id, node)
+            return state.expectation(manifest)
 
         def resolve(lane: wire_pb2.Lane, manifest: wire_pb2.Manifest) -> LaneSocket:
             if self.lanes is None:
@@ -188,7 +263,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             socket.set_timeout(_remaining(context))
             return socket
 
-        receiver = state.receiver(state.expectation, resolve)
+        receiver = state.receiver(expect, resolve)
         error: WireError | None = None
         try:
             for frame in frames:
@@ -204,8 +279,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         if error is not None:
             del receiver
             self._release(claimed, False)
-            self._metrics.stream_rejections.labels("unknown", state.node_id, error.reason).inc()
-            context.abort(grpc_code(error.status), str(error))
+            self._refuse(context, identity, state.node_id, error)
         state.received_from(self._metrics, message.sender)(receiver.received)
         self._metrics.edge_messages_received.labels(state.job_id, state.name_of(message.sender), state.node_id).inc()
         return message, claimed
@@ -248,8 +322,9 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
     # -- the service ------------------------------------------------------------------------------------------
 
     def _exchange(self, request_iterator, context, batched: bool):
+        identity = self._caller(context)
         state = self._state(context)
-        message, lanes = self._receive(state, request_iterator, context)
+        message, lanes = self._receive(state, identity, request_iterator, context)
         ok = False
         try:
             reply = state.snapshot().message_for(message.sender, message.kind)
@@ -262,7 +337,9 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             self._release(lanes, ok)
 
     def _pull(self, request, context):
+        identity = self._caller(context)
         state = self._state(context)
+        self._admit(context, state, identity, request.requester_rank, request.requester_id)
         if request.job_id != state.job_id:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node runs job {state.job_id!r}")
         if request.kind not in Kind._value2member_map_:
@@ -271,7 +348,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         try:
             state.expected(request.requester_rank, kind)
         except WireError as error:
-            context.abort(grpc_code(error.status), str(error))
+            context.abort(grpc_code(error.status), _clip(str(error)))
         reply = state.snapshot().message_for(request.requester_rank, kind)
         if reply is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node serves no {kind.name.lower()}")
@@ -287,8 +364,9 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             self._release(lanes, ok)
 
     def _push(self, request_iterator, context):
+        identity = self._caller(context)
         state = self._state(context)
-        message, lanes = self._receive(state, request_iterator, context)
+        message, lanes = self._receive(state, identity, request_iterator, context)
         self._release(lanes, True)
         state.inbox.put(message)
         return peer_pb2.PushReply(bytes_received=message.payload_bytes)
@@ -309,9 +387,11 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         return self._exchange(request.frames, context, batched=True)
 
     def OpenLane(self, request, context):
+        identity = self._caller(context)
         if self.lanes is None:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "this node offers no lanes")
         state = self._state(context)
+        self._admit(context, state, identity, request.requester_rank, request.requester_id)
         if request.job_id != state.job_id:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node runs job {state.job_id!r}")
         if request.requester_rank == state.rank or request.requester_rank not in state.names:
@@ -321,9 +401,19 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         return peer_pb2.LaneGrant(port=self.lanes.port, token=token)
 
     def Describe(self, request, context):
+        """What this node is: to its neighbours all of it; to the coordinator, which asks whether a node still
+        answers at an address, its id and version only; to other nodes nothing."""
+        identity = self._caller(context, PEER_RULES[f"/{_SERVICE}/Describe"])
         state = self._current()
-        if state is None:
+        if identity is None:  # an insecure server: anyone may ask
+            if state is None:
+                return peer_pb2.NodeDescription(node_id=self._node_id(), version=self._version)
+        elif identity.role is Role.COORDINATOR:
             return peer_pb2.NodeDescription(node_id=self._node_id(), version=self._version)
+        elif state is None or not state.is_neighbor(identity.name):
+            dst = state.node_id if state is not None else self._node_id()
+            self._refuse(context, identity, dst, WireError(
+                "not_neighbor", f"node {identity.name} is no neighbour of {dst}", Status.PERMISSION_DENIED))
         snapshot = state.snapshot()
         served = []
         for (_peer, kind), tensors in snapshot.served.items():
