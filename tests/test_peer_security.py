@@ -1,5 +1,6 @@
 """The peer service under mutual TLS, attacked over real gRPC on loopback: a stream is accepted only from the
-certificate of the neighbour assigned its edge, requests and descriptions only for neighbours.
+certificate of the neighbour assigned its edge, requests and descriptions only for neighbours, and one caller's
+streams, however many and however slow, neither take every server thread nor hold one for long.
 
 Node n1 (rank 1) serves; n0 (rank 0) and n2 (rank 2) are its neighbours; n3 is a node of the cluster that is not.
 The attacking side speaks only gRPC and the generated proto modules: what an attacker with a certificate has.
@@ -10,6 +11,8 @@ from __future__ import annotations
 import math
 import queue
 import struct
+import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -25,6 +28,7 @@ from nodeagent.algorithms import Neighbor, NodeContext, build_algorithm
 from nodeagent.jobspec import AlgorithmSpec
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import SERVER_OPTIONS
+from nodeagent.runtime.limits import DEFAULT_LIMITS, PEER_SERVER_THREADS, StreamLimits
 from nodeagent.runtime.peer_service import MAX_DETAIL_CHARS, PEER_RULES, PeerServicer, ServingState
 from nodeagent.security.authz import Authorizer
 from nodeagent.security.pki import Role, certificate_pem, create_ca, issue, new_private_key, private_key_pem
@@ -56,10 +60,11 @@ class Node:
 
 @pytest.fixture
 def start_node(cluster_pki) -> Iterator[Callable[..., Node]]:
-    """`start()`: n1 served on loopback with TLS, the Authorizer and lanes, as the daemon serves it."""
+    """`start(limits, secure)`: n1 served on loopback as the daemon serves it (its thread pool and call limit, the
+    Authorizer, lanes), with TLS unless `secure` is False."""
     stops: list[Callable[[], None]] = []
 
-    def start() -> Node:
+    def start(limits: StreamLimits = DEFAULT_LIMITS, secure: bool = True) -> Node:
         torch.manual_seed(0)
         context = NodeContext(1, 3, (Neighbor(0, 1, 0, 1 / 3), Neighbor(2, -1, 0, 1 / 3)), AlgorithmSpec(name="dsgd"),
                               self_weight=1 / 3)
@@ -71,11 +76,14 @@ def start_node(cluster_pki) -> Iterator[Callable[..., Node]]:
             snapshot=algorithm.snapshot, inbox=inbox, encoding=Encoding.RAW, chunk_bytes=16,
             max_message_bytes=1 << 20,
         )
-        transport = Transport(cluster_pki(Role.NODE, "n1"))
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=SERVER_OPTIONS,
-                             interceptors=[Authorizer(PEER_RULES, lambda identity: False)])
+        transport = Transport(cluster_pki(Role.NODE, "n1")) if secure else Transport.insecure()
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=PEER_SERVER_THREADS), options=SERVER_OPTIONS,
+            interceptors=[Authorizer(PEER_RULES, lambda identity: False)] if secure else [],
+            maximum_concurrent_rpcs=PEER_SERVER_THREADS,
+        )
         servicer = PeerServicer(lambda: state, metrics, "test", node_id=lambda: "n1", lane_host="127.0.0.1",
-                                secure=True)
+                                secure=secure, limits=limits)
         peer_pb2_grpc.add_PeerServicer_to_server(servicer, server)
         port = transport.bind(server, "127.0.0.1:0")
         server.start()
@@ -138,6 +146,13 @@ def refusal(call: Callable[[], object]) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as error:
         call()
     return error.value
+
+
+def trickle(first: wire_pb2.Frame, stop: threading.Event, every_s: float) -> Iterator[wire_pb2.Frame]:
+    """`first`, then one payload byte every `every_s` until `stop`."""
+    yield first
+    while not stop.wait(every_s):
+        yield wire_pb2.Frame(chunk=b"\0")
 
 
 # -- who may send -------------------------------------------------------------------------------------------------
@@ -263,7 +278,95 @@ def test_every_peer_method_has_its_roles():
     assert set(PEER_RULES) == {f"/peertrain.v1.Peer/{method.name}" for method in methods}
 
 
-# -- what refusals say ----------------------------------------------------------------------------------------
+# -- limits ---------------------------------------------------------------------------------------------------------
+
+
+def test_one_neighbours_trickling_streams_are_capped_and_others_keep_exchanging(start_node, cluster_pki):
+    node = start_node()
+    n0, n2 = cluster_pki(Role.NODE, "n0").path, cluster_pki(Role.NODE, "n2").path
+    attacker = stub_as(node.address, n2, n2)
+    stop = threading.Event()
+    calls = [attacker.Exchange(trickle(manifest(2, "n2"), stop, 1.0), timeout=60) for _ in range(20)]
+    try:
+        held = DEFAULT_LIMITS.streams_per_peer
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while sum(call.done() for call in calls) < len(calls) - held and time.monotonic() < deadline:
+            time.sleep(0.05)
+        refused = [call for call in calls if call.done()]
+        assert len(refused) == len(calls) - held
+        assert all(call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for call in refused)
+        # Pulls share the cap of the caller's streams.
+        pull = peer_pb2.PullRequest(job_id=JOB, requester_rank=2, requester_id="n2", kind=wire_pb2.KIND_PARAMS)
+        error = refusal(lambda: list(attacker.Pull(pull, timeout=CALL_TIMEOUT_S)))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        honest = stub_as(node.address, n0, n0)
+        for _ in range(5):
+            reply = list(honest.Exchange(iter(params_stream(0, "n0", 7.0)), timeout=CALL_TIMEOUT_S))
+            assert reply[-1].WhichOneof("body") == "end"
+        assert node.inbox.qsize() == 5
+        assert node.rejections("n2", "too_many_streams") == len(calls) - held + 1
+    finally:
+        stop.set()
+        for call in calls:
+            call.cancel()
+
+
+def test_an_idle_stream_is_ended_and_its_place_freed(start_node, cluster_pki):
+    node = start_node(StreamLimits(streams_per_peer=1, idle_s=0.5))
+    n0 = cluster_pki(Role.NODE, "n0").path
+    stub = stub_as(node.address, n0, n0)
+    stop = threading.Event()
+    try:
+        # The manifest, then nothing: the first wait for a frame never ends.
+        error = refusal(lambda: list(stub.Exchange(trickle(manifest(0, "n0"), stop, 60.0), timeout=CALL_TIMEOUT_S)))
+    finally:
+        stop.set()
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "idle_timeout" in error.details()
+    assert node.rejections("n0", "idle_timeout") == 1
+    assert node.inbox.empty()
+    # The caller's one stream is free again (the handler let go once the call ended).
+    deadline = time.monotonic() + CALL_TIMEOUT_S
+    while True:
+        try:
+            list(stub.Exchange(iter(params_stream(0, "n0", 7.0)), timeout=CALL_TIMEOUT_S))
+            break
+        except grpc.RpcError as refused:
+            assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
+            time.sleep(0.05)
+    assert node.inbox.qsize() == 1
+
+
+def test_a_trickle_slower_than_the_minimum_rate_is_ended(start_node, cluster_pki):
+    """A byte every 0.1 s never leaves the stream idle for 0.5 s, but 60 bytes at 60 bytes/s have 1.5 s."""
+    node = start_node(StreamLimits(idle_s=0.5, min_bytes_per_s=60.0))
+    n0 = cluster_pki(Role.NODE, "n0").path
+    stop = threading.Event()
+    try:
+        error = refusal(lambda: stub_as(node.address, n0, n0).Push(trickle(manifest(0, "n0"), stop, 0.1),
+                                                                   timeout=CALL_TIMEOUT_S))
+    finally:
+        stop.set()
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "too_slow" in error.details()
+    assert node.inbox.empty()
+
+
+def test_an_insecure_server_caps_the_streams_of_one_connection(start_node):
+    node = start_node(secure=False)
+    stub = peer_pb2_grpc.PeerStub(grpc.insecure_channel(node.address))
+    stop = threading.Event()
+    calls = [stub.Exchange(trickle(manifest(0, "n0"), stop, 1.0), timeout=60)
+             for _ in range(DEFAULT_LIMITS.streams_per_peer + 1)]
+    try:
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while not any(call.done() for call in calls) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [call.code() for call in calls if call.done()] == [grpc.StatusCode.RESOURCE_EXHAUSTED]
+    finally:
+        stop.set()
+        for call in calls:
+            call.cancel()
 
 
 def test_refusals_do_not_echo_what_the_caller_sent(start_node, cluster_pki):

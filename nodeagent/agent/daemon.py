@@ -22,6 +22,7 @@ from nodeagent._proto import coordinator_pb2, coordinator_pb2_grpc, peer_pb2_grp
 from nodeagent.agent.runner import JobRunner
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import GRPC_OPTIONS, SERVER_OPTIONS, Backoff, bind_grpc_server, failure_reason, split_address
+from nodeagent.runtime.limits import PEER_SERVER_THREADS
 from nodeagent.runtime.peer_service import PeerServicer, ServingState
 
 log = logging.getLogger("nodeagent")
@@ -86,7 +87,8 @@ class Agent:
         id_file = config.state_dir / "node_id"
         self.node_id = id_file.read_text().strip() if id_file.exists() else ""
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="peer"), options=SERVER_OPTIONS
+            futures.ThreadPoolExecutor(max_workers=PEER_SERVER_THREADS, thread_name_prefix="peer"),
+            options=SERVER_OPTIONS, maximum_concurrent_rpcs=PEER_SERVER_THREADS,
         )
         host, _port = split_address(config.listen)
         # Payload bytes of exchanges travel on lanes beside gRPC, on the same host as the peer service.

@@ -31,6 +31,7 @@ from nodeagent._proto import peer_pb2, peer_pb2_grpc, wire_pb2
 from nodeagent.algorithms.base import SendFailed, Snapshot
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import GRPC_OPTIONS, failure_reason, grpc_code
+from nodeagent.runtime.limits import DEFAULT_LIMITS, Stream, StreamGuard, StreamLimits
 from nodeagent.runtime.progress import Traffic
 from nodeagent.security.authz import rules_for
 from nodeagent.security.pki import Identity, Role
@@ -145,13 +146,15 @@ class ServingState:
         )
 
 
-def _remaining(context: grpc.ServicerContext) -> float | None:
-    """Time left for lane I/O: a little less than the call's, so that a stalled lane ends in a clear status
-    (truncated) rather than in the caller's DEADLINE_EXCEEDED."""
+def _remaining(context: grpc.ServicerContext, stream: Stream) -> float:
+    """Time left for a stream's lane I/O: its budget (limits.py), or a little less than the call's when that ends
+    first, so that a stalled lane ends in a clear status (truncated) rather than in the caller's
+    DEADLINE_EXCEEDED."""
+    budget = stream.seconds_left()
     remaining = context.time_remaining()
-    if remaining is None or remaining > 1e8:
-        return None
-    return max(0.001, remaining - min(1.0, 0.1 * remaining))
+    if remaining is None:
+        return budget
+    return min(budget, max(0.001, remaining - min(1.0, 0.1 * remaining)))
 
 
 def _clip(text: str) -> str:
@@ -181,7 +184,8 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
 
     On a `secure` server (mutual TLS) every call needs a node certificate, and a node acts only on its own edges as
     itself: a stream or request naming rank r comes from the node assigned r, a neighbour of this node. Without
-    `secure`, a call without a certificate is served as before any TLS: for local experiments only."""
+    `secure`, a call without a certificate is served as before any TLS: for local experiments only. Either way a
+    caller has a few streams at once, and streams that stop moving are ended (`limits`, limits.py)."""
 
     def __init__(
         self,
@@ -193,6 +197,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         lane_host: str | None = None,
         lane_port: int = 0,
         secure: bool = False,
+        limits: StreamLimits = DEFAULT_LIMITS,
     ):
         self._current = current
         self._metrics = metrics
@@ -200,11 +205,14 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         self._node_id = node_id
         self.secure = secure
         self.lanes = LaneHub(lane_host, lane_port) if lane_host is not None else None
+        self._streams = StreamGuard(limits, metrics)
 
     def close(self) -> None:
-        """Stop listening for lanes and close the open ones (the gRPC server is the caller's to stop)."""
+        """Stop listening for lanes, close the open ones and stop the stream watchdog (the gRPC server is the
+        caller's to stop)."""
         if self.lanes is not None:
             self.lanes.close()
+        self._streams.stop()
 
     def _state(self, context: grpc.ServicerContext) -> ServingState:
         state = self._current()
@@ -242,9 +250,27 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         except WireError as error:
             self._refuse(context, identity, state.node_id, error)
 
+    @contextlib.contextmanager
+    def _stream(self, context: grpc.ServicerContext, identity: Identity | None,
+                state: ServingState) -> Iterator[Stream]:
+        """A stream of the caller's for the duration of the block, or RESOURCE_EXHAUSTED at once when it has as many
+        open as it may. The caller is its certificate's node, or on an insecure server its address and port (the
+        agents of one host share an address)."""
+        key = identity.name if identity is not None else context.peer()
+        src = identity.name if identity is not None else "unknown"
+        stream = self._streams.open(key, context, src, state.node_id)
+        if stream is None:
+            self._metrics.stream_rejections.labels(src, state.node_id, "too_many_streams").inc()
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"too_many_streams: at most {self._streams.limits.streams_per_peer} at once from one peer")
+        try:
+            yield stream
+        finally:
+            self._streams.close(stream)
+
     def _receive(
-        self, state: ServingState, identity: Identity | None, frames: Iterable[wire_pb2.Frame | bytes],
-        context: grpc.ServicerContext,
+        self, state: ServingState, identity: Identity | None, stream: Stream,
+        frames: Iterable[wire_pb2.Frame | bytes], context: grpc.ServicerContext,
     ) -> tuple[Message, list[LaneSocket]]:
         """Decode and validate a stream; returns the message and the lanes its payload came on (still claimed). The
         sender is checked against the caller's certificate before anything else."""
@@ -253,14 +279,16 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
 
         def expect(manifest: wire_pb2.Manifest) -> list[TensorSpec]:
             state.check_peer(manifest.sender_rank, manifest.sender_id, node)
-            return state.expectation(manifest)
+            specs = state.expectation(manifest)
+            stream.allow(sum(spec.numel * spec.dtype.itemsize for spec in specs))
+            return specs
 
         def resolve(lane: wire_pb2.Lane, manifest: wire_pb2.Manifest) -> LaneSocket:
             if self.lanes is None:
                 raise WireError("bad_lane", "this node offers no lanes")
             socket = self.lanes.claim(lane.token, state.job_id, manifest.sender_rank)
             claimed.append(socket)
-            socket.set_timeout(_remaining(context))
+            socket.set_timeout(_remaining(context, stream))
             return socket
 
         receiver = state.receiver(expect, resolve)
@@ -285,14 +313,15 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         return message, claimed
 
     def _send(
-        self, state: ServingState, message: Message, context: grpc.ServicerContext, lanes: list[LaneSocket],
-        batched: bool,
+        self, state: ServingState, stream: Stream, message: Message, context: grpc.ServicerContext,
+        lanes: list[LaneSocket], batched: bool,
     ) -> Iterator[wire_pb2.Frame | wire_pb2.Frames]:
         """The reply stream: Frame messages, or Frames messages when `batched`. On lanes, the Manifest, Lane and
         End frames go first and the payload follows on the lanes."""
         dst = state.name_of(message.receiver)
         sent = state.sent_to(self._metrics, message.receiver)
         outgoing = state.outgoing(message)
+        stream.allow(outgoing.total)
         if lanes:
             stream_id = new_stream_id()
             shares = outgoing.shares(len(lanes))
@@ -303,7 +332,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             else:
                 yield from frames
             try:
-                _write_shares(outgoing, used, stream_id, shares, _remaining(context))
+                _write_shares(outgoing, used, stream_id, shares, _remaining(context, stream))
             except OSError as error:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"lane_failed: {error}")
             sent(outgoing.total)
@@ -321,52 +350,60 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
 
     # -- the service ------------------------------------------------------------------------------------------
 
-    def _exchange(self, request_iterator, context, batched: bool):
+    def _exchange(self, frames, context, batched: bool):
         identity = self._caller(context)
         state = self._state(context)
-        message, lanes = self._receive(state, identity, request_iterator, context)
-        ok = False
-        try:
-            reply = state.snapshot().message_for(message.sender, message.kind)
-            if reply is None:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node serves no {message.kind.name.lower()}")
-            state.inbox.put(message)
-            yield from self._send(state, reply, context, lanes, batched)
-            ok = True
-        finally:
-            self._release(lanes, ok)
+        with self._stream(context, identity, state) as stream:
+            if not batched:  # a stream of frames: waits for the next one are timed
+                frames = stream.frames(frames)
+            message, lanes = self._receive(state, identity, stream, frames, context)
+            ok = False
+            try:
+                reply = state.snapshot().message_for(message.sender, message.kind)
+                if reply is None:
+                    context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"this node serves no {message.kind.name.lower()}")
+                state.inbox.put(message)
+                yield from self._send(state, stream, reply, context, lanes, batched)
+                ok = True
+            finally:
+                self._release(lanes, ok)
 
     def _pull(self, request, context):
         identity = self._caller(context)
         state = self._state(context)
-        self._admit(context, state, identity, request.requester_rank, request.requester_id)
-        if request.job_id != state.job_id:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node runs job {state.job_id!r}")
-        if request.kind not in Kind._value2member_map_:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown message kind {request.kind}")
-        kind = Kind(request.kind)
-        try:
-            state.expected(request.requester_rank, kind)
-        except WireError as error:
-            context.abort(grpc_code(error.status), _clip(str(error)))
-        reply = state.snapshot().message_for(request.requester_rank, kind)
-        if reply is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node serves no {kind.name.lower()}")
-        lanes = []
-        if request.lane_token and self.lanes is not None:
-            with contextlib.suppress(WireError):  # not a lane of the requester's: answer in frames
-                lanes.append(self.lanes.claim(request.lane_token, state.job_id, request.requester_rank))
-        ok = False
-        try:
-            yield from self._send(state, reply, context, lanes, batched=False)
-            ok = True
-        finally:
-            self._release(lanes, ok)
+        with self._stream(context, identity, state) as stream:
+            self._admit(context, state, identity, request.requester_rank, request.requester_id)
+            if request.job_id != state.job_id:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node runs job {state.job_id!r}")
+            if request.kind not in Kind._value2member_map_:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown message kind {request.kind}")
+            kind = Kind(request.kind)
+            try:
+                state.expected(request.requester_rank, kind)
+            except WireError as error:
+                context.abort(grpc_code(error.status), _clip(str(error)))
+            reply = state.snapshot().message_for(request.requester_rank, kind)
+            if reply is None:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node serves no {kind.name.lower()}")
+            lanes = []
+            if request.lane_token and self.lanes is not None:
+                with contextlib.suppress(WireError):  # not a lane of the requester's: answer in frames
+                    lanes.append(self.lanes.claim(request.lane_token, state.job_id, request.requester_rank))
+            ok = False
+            try:
+                yield from self._send(state, stream, reply, context, lanes, batched=False)
+                ok = True
+            finally:
+                self._release(lanes, ok)
 
-    def _push(self, request_iterator, context):
+    def _push(self, frames, context, batched: bool):
         identity = self._caller(context)
         state = self._state(context)
-        message, lanes = self._receive(state, identity, request_iterator, context)
+        with self._stream(context, identity, state) as stream:
+            if not batched:
+                frames = stream.frames(frames)
+            message, lanes = self._receive(state, identity, stream, frames, context)
         self._release(lanes, True)
         state.inbox.put(message)
         return peer_pb2.PushReply(bytes_received=message.payload_bytes)
@@ -378,10 +415,10 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         return self._pull(request, context)
 
     def Push(self, request_iterator, context):
-        return self._push(request_iterator, context)
+        return self._push(request_iterator, context, batched=False)
 
     def PushOnLane(self, request, context):
-        return self._push(request.frames, context)
+        return self._push(request.frames, context, batched=True)
 
     def ExchangeOnLane(self, request, context):
         return self._exchange(request.frames, context, batched=True)
