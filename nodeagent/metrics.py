@@ -56,7 +56,8 @@ class Metrics:
         )
         self.stream_rejections = Counter(
             "peertrain_stream_rejections",
-            "Received streams rejected before touching state (bad manifest, truncated, ...), by reason",
+            "Peer streams and requests refused or ended before touching state (bad manifest, truncated, not_neighbor, "
+            "too_many_streams, idle_timeout, ...), by reason; src is the caller's certificate name, or unknown",
             ["src", "dst", "reason"],
             registry=r,
         )

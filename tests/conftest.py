@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 
@@ -14,6 +14,8 @@ from coordinator.service import CoordinatorConfig, CoordinatorService
 from nodeagent._proto import coordinator_pb2_grpc
 from nodeagent.jobspec import DEFAULT_DATA_DIR
 from nodeagent.metrics import Metrics
+from nodeagent.security.pki import Role, certificate_pem, create_ca, issue, new_private_key, private_key_pem
+from nodeagent.security.tls import Credentials, TlsDir
 
 _IDX_STEMS = (
     "train-images-idx3-ubyte",
@@ -51,3 +53,19 @@ def coordinator_stub(tmp_path: Path) -> Iterator[coordinator_pb2_grpc.Coordinato
         yield coordinator_pb2_grpc.CoordinatorStub(channel)
     server.stop(grace=None)
     service.stop()
+
+
+@pytest.fixture
+def cluster_pki(tmp_path: Path) -> Callable[[Role, str], TlsDir]:
+    """A cluster CA made for the test. Returns `credentials(role, name)`: a certificate for `role` `name` issued by
+    that CA, written with its key and the CA certificate to a directory of its own under tmp_path."""
+    ca_key, ca_cert = create_ca()
+
+    def credentials(role: Role, name: str) -> TlsDir:
+        key = new_private_key()
+        cert = issue(ca_key, ca_cert, key.public_key(), role, name)
+        directory = TlsDir(tmp_path / "pki" / f"{role}-{name}")
+        directory.save(Credentials(certificate_pem(ca_cert), certificate_pem(cert), private_key_pem(key)))
+        return directory
+
+    return credentials

@@ -43,13 +43,13 @@ def agent_args(coordinator: str, state_dir: Path, name: str, peer: int, lanes: i
     return [
         "--coordinator", coordinator, "--listen", f"127.0.0.1:{peer}", "--lane-port", str(lanes),
         "--metrics-listen", f"127.0.0.1:{metrics}", "--state-dir", str(state_dir), "--name", name, "--device", "cpu",
-        "--torch-threads", "1",
+        "--torch-threads", "1", "--insecure",  # the ports and state directories are the point here, not TLS
     ]
 
 
 def coordinator_args(state_dir: Path, listen: int, metrics: int) -> list[str]:
     return ["--listen", f"127.0.0.1:{listen}", "--metrics-listen", f"127.0.0.1:{metrics}",
-            "--state-dir", str(state_dir)]
+            "--state-dir", str(state_dir), "--insecure"]
 
 
 def run_to_exit(argv: list[str]) -> subprocess.CompletedProcess[str]:

@@ -23,6 +23,7 @@ from nodeagent.agent.enroll import EnrollmentError, enroll, needs_renewal, renew
 from nodeagent.agent.runner import JobRunner
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import GRPC_OPTIONS, SERVER_OPTIONS, Backoff, failure_reason, split_address
+from nodeagent.runtime.limits import PEER_SERVER_THREADS
 from nodeagent.runtime.peer_service import PEER_RULES, PeerServicer, ServingState
 from nodeagent.security.authz import Authorizer
 from nodeagent.security.pki import Identity
@@ -104,13 +105,13 @@ class Agent:
             interceptors.append(Authorizer(PEER_RULES, self.is_revoked))
         self.metrics.insecure_mode.set(int(not self.transport.secure))
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="peer"), options=SERVER_OPTIONS,
-            interceptors=interceptors,
+            futures.ThreadPoolExecutor(max_workers=PEER_SERVER_THREADS, thread_name_prefix="peer"),
+            options=SERVER_OPTIONS, maximum_concurrent_rpcs=PEER_SERVER_THREADS, interceptors=interceptors,
         )
         host, _port = split_address(config.listen)
         # Payload bytes of exchanges travel on lanes beside gRPC, on the same host as the peer service.
         self._servicer = PeerServicer(self.serving, self.metrics, __version__, node_id=lambda: self.node_id,
-                                      lane_host=host, lane_port=config.lane_port)
+                                      lane_host=host, lane_port=config.lane_port, secure=self.transport.secure)
         peer_pb2_grpc.add_PeerServicer_to_server(self._servicer, self._server)
         bound = self.transport.bind(self._server, config.listen)
         self._server.start()

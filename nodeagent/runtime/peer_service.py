@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import grpc
 import grpc.experimental
@@ -30,9 +31,11 @@ from nodeagent._proto import peer_pb2, peer_pb2_grpc, wire_pb2
 from nodeagent.algorithms.base import SendFailed, Snapshot
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import GRPC_OPTIONS, failure_reason, grpc_code
+from nodeagent.runtime.limits import DEFAULT_LIMITS, Stream, StreamGuard, StreamLimits
 from nodeagent.runtime.progress import Traffic
 from nodeagent.security.authz import rules_for
-from nodeagent.security.pki import Role
+from nodeagent.security.pki import Identity, Role
+from nodeagent.security.tls import caller
 from nodeagent.wire.decoder import Receiver
 from nodeagent.wire.encoder import Outgoing, plan
 from nodeagent.wire.errors import Status, WireError
@@ -43,12 +46,15 @@ from nodeagent.wire.pool import BufferPool
 from nodeagent.wire.striping import run_on_lanes
 
 _SERVICE = "peertrain.v1.Peer"
-# Nodes call each other; the coordinator asks Describe whether an address still answers as a node id.
+# Who may call each method (the daemon installs `Authorizer(PEER_RULES, revoked)`); what a node may do on a call is
+# checked by the servicer: only its own edges, as itself.
+_NODES = frozenset({Role.NODE})
 PEER_RULES = rules_for(_SERVICE, {
-    **dict.fromkeys(("Exchange", "Pull", "Push", "OpenLane", "PushOnLane", "ExchangeOnLane"), frozenset({Role.NODE})),
-    "Describe": frozenset({Role.NODE, Role.COORDINATOR}),
+    "Exchange": _NODES, "Pull": _NODES, "Push": _NODES, "PushOnLane": _NODES, "ExchangeOnLane": _NODES,
+    "OpenLane": _NODES,
+    "Describe": frozenset({Role.NODE, Role.COORDINATOR}),  # the coordinator asks whether a node still answers
 })
-
+MAX_DETAIL_CHARS = 300  # of a refusal's details: they may quote what the caller sent, which has no bound
 
 LANE_RETRY_S = 30.0  # after a peer refused lanes (or could not be dialled), frames only for this long
 LANE_SETUP_TIMEOUT_S = 5.0
@@ -102,6 +108,21 @@ class ServingState:
 
         return count
 
+    def is_neighbor(self, node: str) -> bool:
+        return any(name == node for rank, name in self.names.items() if rank != self.rank)
+
+    def check_peer(self, rank: int, claimed_id: str, node: str | None) -> None:
+        """Refuse (PERMISSION_DENIED) a stream or request on the edge `rank` -> this node unless it comes from the
+        node assigned `rank` and names that node as its sender (`claimed_id`): `node` is the caller's name, from its
+        certificate. With None (an insecure server, where nothing proves who calls) nothing is checked here."""
+        if node is None:
+            return
+        if not self.is_neighbor(node):
+            raise WireError("not_neighbor", f"node {node} is no neighbour of {self.node_id}", Status.PERMISSION_DENIED)
+        if rank == self.rank or self.names.get(rank) != node or claimed_id != node:
+            raise WireError("wrong_identity", f"node {node} may send only as itself on its own edge, not as rank "
+                            f"{rank}", Status.PERMISSION_DENIED)
+
     def expectation(self, manifest: wire_pb2.Manifest) -> list[TensorSpec]:
         if manifest.job_id != self.job_id:
             raise WireError(
@@ -124,13 +145,19 @@ class ServingState:
         )
 
 
-def _remaining(context: grpc.ServicerContext) -> float | None:
-    """Time left for lane I/O: a little less than the call's, so that a stalled lane ends in a clear status
-    (truncated) rather than in the caller's DEADLINE_EXCEEDED."""
+def _remaining(context: grpc.ServicerContext, stream: Stream) -> float:
+    """Time left for a stream's lane I/O: its budget (limits.py), or a little less than the call's when that ends
+    first, so that a stalled lane ends in a clear status (truncated) rather than in the caller's
+    DEADLINE_EXCEEDED."""
+    budget = stream.seconds_left()
     remaining = context.time_remaining()
-    if remaining is None or remaining > 1e8:
-        return None
-    return max(0.001, remaining - min(1.0, 0.1 * remaining))
+    if remaining is None:
+        return budget
+    return min(budget, max(0.001, remaining - min(1.0, 0.1 * remaining)))
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_DETAIL_CHARS else f"{text[:MAX_DETAIL_CHARS]}..."
 
 
 def _write_share(outgoing: Outgoing, lane: LaneSocket, stream_id: bytes, share: tuple[int, int],
@@ -152,7 +179,12 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
     """The Peer service. With `lane_host` it also listens for lanes there (port `lane_port`, 0: any free one);
     the host must be one the node's peers can reach it on, normally the host of its gRPC listen address.
     `node_id` names the node in `Describe` even when it runs no job, so that the coordinator can tell whether a
-    node still answers at the address it registered before."""
+    node still answers at the address it registered before.
+
+    On a `secure` server (mutual TLS) every call needs a node certificate, and a node acts only on its own edges as
+    itself: a stream or request naming rank r comes from the node assigned r, a neighbour of this node. Without
+    `secure`, a call without a certificate is served as before any TLS: for local experiments only. Either way a
+    caller has a few streams at once, and streams that stop moving are ended (`limits`, limits.py)."""
 
     def __init__(
         self,
@@ -163,17 +195,23 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         node_id: Callable[[], str] = str,
         lane_host: str | None = None,
         lane_port: int = 0,
+        secure: bool = False,
+        limits: StreamLimits = DEFAULT_LIMITS,
     ):
         self._current = current
         self._metrics = metrics
         self._version = version
         self._node_id = node_id
+        self.secure = secure
         self.lanes = LaneHub(lane_host, lane_port) if lane_host is not None else None
+        self._streams = StreamGuard(limits, metrics)
 
     def close(self) -> None:
-        """Stop listening for lanes and close the open ones (the gRPC server is the caller's to stop)."""
+        """Stop listening for lanes, close the open ones and stop the stream watchdog (the gRPC server is the
+        caller's to stop)."""
         if self.lanes is not None:
             self.lanes.close()
+        self._streams.stop()
 
     def _state(self, context: grpc.ServicerContext) -> ServingState:
         state = self._current()
@@ -181,21 +219,78 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node runs no job")
         return state
 
+    def _caller(self, context: grpc.ServicerContext, roles: frozenset[Role] = _NODES) -> Identity | None:
+        """The caller's identity, None on an insecure server. A secure server refuses a call without a usable
+        certificate (UNAUTHENTICATED) or of another role (PERMISSION_DENIED). The daemon's Authorizer refuses them
+        first, but the edge checks compare names only, so that an operator named like a node must never get here."""
+        identity = caller(context)
+        if identity is None:
+            if self.secure:
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, "no peertrain certificate")
+            return None
+        if identity.role not in roles:
+            needed = " or ".join(sorted(roles))
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"this call needs a {needed} certificate; the caller "
+                          f"is {identity}")
+        return identity
+
+    def _refuse(self, context: grpc.ServicerContext, identity: Identity | None, dst: str,
+                error: WireError) -> NoReturn:
+        """Count a refused call and end it with the error's status; the details are clipped."""
+        src = identity.name if identity is not None else "unknown"
+        self._metrics.stream_rejections.labels(src, dst, error.reason).inc()
+        context.abort(grpc_code(error.status), _clip(str(error)))
+
+    def _admit(self, context: grpc.ServicerContext, state: ServingState, identity: Identity | None, rank: int,
+               claimed_id: str) -> None:
+        """Refuse a request on the edge `rank` -> this node unless `identity` may make it (ServingState.check_peer)."""
+        try:
+            state.check_peer(rank, claimed_id, identity.name if identity is not None else None)
+        except WireError as error:
+            self._refuse(context, identity, state.node_id, error)
+
+    @contextlib.contextmanager
+    def _stream(self, context: grpc.ServicerContext, identity: Identity | None,
+                state: ServingState) -> Iterator[Stream]:
+        """A stream of the caller's for the duration of the block, or RESOURCE_EXHAUSTED at once when it has as many
+        open as it may. The caller is its certificate's node, or on an insecure server its address and port (the
+        agents of one host share an address)."""
+        key = identity.name if identity is not None else context.peer()
+        src = identity.name if identity is not None else "unknown"
+        stream = self._streams.open(key, context, src, state.node_id)
+        if stream is None:
+            self._metrics.stream_rejections.labels(src, state.node_id, "too_many_streams").inc()
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"too_many_streams: at most {self._streams.limits.streams_per_peer} at once from one peer")
+        try:
+            yield stream
+        finally:
+            self._streams.close(stream)
+
     def _receive(
-        self, state: ServingState, frames: Iterable[wire_pb2.Frame | bytes], context: grpc.ServicerContext
+        self, state: ServingState, identity: Identity | None, stream: Stream,
+        frames: Iterable[wire_pb2.Frame | bytes], context: grpc.ServicerContext,
     ) -> tuple[Message, list[LaneSocket]]:
-        """Decode and validate a stream; returns the message and the lanes its payload came on (still claimed)."""
+        """Decode and validate a stream; returns the message and the lanes its payload came on (still claimed). The
+        sender is checked against the caller's certificate before anything else."""
         claimed: list[LaneSocket] = []
+        node = identity.name if identity is not None else None
+
+        def expect(manifest: wire_pb2.Manifest) -> list[TensorSpec]:
+            state.check_peer(manifest.sender_rank, manifest.sender_id, node)
+            specs = state.expectation(manifest)
+            stream.allow(sum(spec.numel * spec.dtype.itemsize for spec in specs))
+            return specs
 
         def resolve(lane: wire_pb2.Lane, manifest: wire_pb2.Manifest) -> LaneSocket:
             if self.lanes is None:
                 raise WireError("bad_lane", "this node offers no lanes")
             socket = self.lanes.claim(lane.token, state.job_id, manifest.sender_rank)
             claimed.append(socket)
-            socket.set_timeout(_remaining(context))
+            socket.set_timeout(_remaining(context, stream))
             return socket
 
-        receiver = state.receiver(state.expectation, resolve)
+        receiver = state.receiver(expect, resolve)
         error: WireError | None = None
         try:
             for frame in frames:
@@ -211,21 +306,21 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         if error is not None:
             del receiver
             self._release(claimed, False)
-            self._metrics.stream_rejections.labels("unknown", state.node_id, error.reason).inc()
-            context.abort(grpc_code(error.status), str(error))
+            self._refuse(context, identity, state.node_id, error)
         state.received_from(self._metrics, message.sender)(receiver.received)
         self._metrics.edge_messages_received.labels(state.job_id, state.name_of(message.sender), state.node_id).inc()
         return message, claimed
 
     def _send(
-        self, state: ServingState, message: Message, context: grpc.ServicerContext, lanes: list[LaneSocket],
-        batched: bool,
+        self, state: ServingState, stream: Stream, message: Message, context: grpc.ServicerContext,
+        lanes: list[LaneSocket], batched: bool,
     ) -> Iterator[wire_pb2.Frame | wire_pb2.Frames]:
         """The reply stream: Frame messages, or Frames messages when `batched`. On lanes, the Manifest, Lane and
         End frames go first and the payload follows on the lanes."""
         dst = state.name_of(message.receiver)
         sent = state.sent_to(self._metrics, message.receiver)
         outgoing = state.outgoing(message)
+        stream.allow(outgoing.total)
         if lanes:
             stream_id = new_stream_id()
             shares = outgoing.shares(len(lanes))
@@ -236,7 +331,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             else:
                 yield from frames
             try:
-                _write_shares(outgoing, used, stream_id, shares, _remaining(context))
+                _write_shares(outgoing, used, stream_id, shares, _remaining(context, stream))
             except OSError as error:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"lane_failed: {error}")
             sent(outgoing.total)
@@ -254,48 +349,60 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
 
     # -- the service ------------------------------------------------------------------------------------------
 
-    def _exchange(self, request_iterator, context, batched: bool):
+    def _exchange(self, frames, context, batched: bool):
+        identity = self._caller(context)
         state = self._state(context)
-        message, lanes = self._receive(state, request_iterator, context)
-        ok = False
-        try:
-            reply = state.snapshot().message_for(message.sender, message.kind)
-            if reply is None:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node serves no {message.kind.name.lower()}")
-            state.inbox.put(message)
-            yield from self._send(state, reply, context, lanes, batched)
-            ok = True
-        finally:
-            self._release(lanes, ok)
+        with self._stream(context, identity, state) as stream:
+            if not batched:  # a stream of frames: waits for the next one are timed
+                frames = stream.frames(frames)
+            message, lanes = self._receive(state, identity, stream, frames, context)
+            ok = False
+            try:
+                reply = state.snapshot().message_for(message.sender, message.kind)
+                if reply is None:
+                    context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"this node serves no {message.kind.name.lower()}")
+                state.inbox.put(message)
+                yield from self._send(state, stream, reply, context, lanes, batched)
+                ok = True
+            finally:
+                self._release(lanes, ok)
 
     def _pull(self, request, context):
+        identity = self._caller(context)
         state = self._state(context)
-        if request.job_id != state.job_id:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node runs job {state.job_id!r}")
-        if request.kind not in Kind._value2member_map_:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown message kind {request.kind}")
-        kind = Kind(request.kind)
-        try:
-            state.expected(request.requester_rank, kind)
-        except WireError as error:
-            context.abort(grpc_code(error.status), str(error))
-        reply = state.snapshot().message_for(request.requester_rank, kind)
-        if reply is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node serves no {kind.name.lower()}")
-        lanes = []
-        if request.lane_token and self.lanes is not None:
-            with contextlib.suppress(WireError):  # not a lane of the requester's: answer in frames
-                lanes.append(self.lanes.claim(request.lane_token, state.job_id, request.requester_rank))
-        ok = False
-        try:
-            yield from self._send(state, reply, context, lanes, batched=False)
-            ok = True
-        finally:
-            self._release(lanes, ok)
+        with self._stream(context, identity, state) as stream:
+            self._admit(context, state, identity, request.requester_rank, request.requester_id)
+            if request.job_id != state.job_id:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node runs job {state.job_id!r}")
+            if request.kind not in Kind._value2member_map_:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown message kind {request.kind}")
+            kind = Kind(request.kind)
+            try:
+                state.expected(request.requester_rank, kind)
+            except WireError as error:
+                context.abort(grpc_code(error.status), _clip(str(error)))
+            reply = state.snapshot().message_for(request.requester_rank, kind)
+            if reply is None:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node serves no {kind.name.lower()}")
+            lanes = []
+            if request.lane_token and self.lanes is not None:
+                with contextlib.suppress(WireError):  # not a lane of the requester's: answer in frames
+                    lanes.append(self.lanes.claim(request.lane_token, state.job_id, request.requester_rank))
+            ok = False
+            try:
+                yield from self._send(state, stream, reply, context, lanes, batched=False)
+                ok = True
+            finally:
+                self._release(lanes, ok)
 
-    def _push(self, request_iterator, context):
+    def _push(self, frames, context, batched: bool):
+        identity = self._caller(context)
         state = self._state(context)
-        message, lanes = self._receive(state, request_iterator, context)
+        with self._stream(context, identity, state) as stream:
+            if not batched:
+                frames = stream.frames(frames)
+            message, lanes = self._receive(state, identity, stream, frames, context)
         self._release(lanes, True)
         state.inbox.put(message)
         return peer_pb2.PushReply(bytes_received=message.payload_bytes)
@@ -307,18 +414,20 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         return self._pull(request, context)
 
     def Push(self, request_iterator, context):
-        return self._push(request_iterator, context)
+        return self._push(request_iterator, context, batched=False)
 
     def PushOnLane(self, request, context):
-        return self._push(request.frames, context)
+        return self._push(request.frames, context, batched=True)
 
     def ExchangeOnLane(self, request, context):
         return self._exchange(request.frames, context, batched=True)
 
     def OpenLane(self, request, context):
+        identity = self._caller(context)
         if self.lanes is None:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "this node offers no lanes")
         state = self._state(context)
+        self._admit(context, state, identity, request.requester_rank, request.requester_id)
         if request.job_id != state.job_id:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node runs job {state.job_id!r}")
         if request.requester_rank == state.rank or request.requester_rank not in state.names:
@@ -328,9 +437,19 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         return peer_pb2.LaneGrant(port=self.lanes.port, token=token)
 
     def Describe(self, request, context):
+        """What this node is: to its neighbours all of it; to the coordinator, which asks whether a node still
+        answers at an address, its id and version only; to other nodes nothing."""
+        identity = self._caller(context, PEER_RULES[f"/{_SERVICE}/Describe"])
         state = self._current()
-        if state is None:
+        if identity is None:  # an insecure server: anyone may ask
+            if state is None:
+                return peer_pb2.NodeDescription(node_id=self._node_id(), version=self._version)
+        elif identity.role is Role.COORDINATOR:
             return peer_pb2.NodeDescription(node_id=self._node_id(), version=self._version)
+        elif state is None or not state.is_neighbor(identity.name):
+            dst = state.node_id if state is not None else self._node_id()
+            self._refuse(context, identity, dst, WireError(
+                "not_neighbor", f"node {identity.name} is no neighbour of {dst}", Status.PERMISSION_DENIED))
         snapshot = state.snapshot()
         served = []
         for (_peer, kind), tensors in snapshot.served.items():
