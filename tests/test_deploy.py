@@ -435,16 +435,27 @@ def test_systemd_unit_exposure_is_low(unit: str, tmp_path: Path) -> None:
     assert result.returncode == 0 and float(exposure.group(1)) <= 3.0, result.stdout[-2000:]
 
 
+def read_from_environment(script: str, key: str, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Whether `script serve` takes a setting from the environment variable `key` (an argument's default)."""
+    marker = f"from-{key.lower()}"
+    with monkeypatch.context() as patch:
+        patch.setenv(key, marker)
+        args = cli_parser(script).parse_args(["serve"])
+    return marker in {str(value) for value in vars(args).values()}
+
+
 @pytest.mark.parametrize("unit", sorted(UNITS))
 @pytest.mark.parametrize("with_env_file", [True, False], ids=["env-example", "defaults"])
-def test_systemd_exec_start_parses(unit: str, with_env_file: bool) -> None:
+def test_systemd_exec_start_parses(unit: str, with_env_file: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     entries = read_unit(SYSTEMD / unit)
     script, env_example, state_dir = UNITS[unit]
     env = unit_environment(entries)
     example = read_env_file(SYSTEMD / env_example)
     exec_start = unit_value(entries, "ExecStart")
     used = set(re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", exec_start))
-    unused = {key for key in example if key not in used}
+    # Secrets (the join token) stay off the command line, where every local user can read them: the daemon
+    # reads those variables from its environment itself.
+    unused = {key for key in example if key not in used and not read_from_environment(script, key, monkeypatch)}
     assert not unused, f"{env_example} sets {sorted(unused)}, which {unit} never passes to {script}"
     missing_defaults = {key for key in used if key not in env}
     assert not missing_defaults, f"{unit}: no Environment= default for {sorted(missing_defaults)}"
@@ -454,10 +465,45 @@ def test_systemd_exec_start_parses(unit: str, with_env_file: bool) -> None:
     args = parse_cli(script, argv[1:], f"{unit} ExecStart")
     assert args.command == "serve"
     assert str(args.state_dir) == state_dir
+    assert not args.insecure, f"{unit} runs {script} with --insecure"
     if with_env_file:
         for key, value in example.items():
-            if not key.endswith("_ARGS"):
+            if key in used and not key.endswith("_ARGS"):
                 assert value in argv, f"{key}={value} did not reach the command line"
+
+
+def test_systemd_agent_keeps_its_credentials_in_its_state_directory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent's tls dir is under its StateDirectory (writable, kept across restarts, where renewal writes), and
+    the first start's enrollment settings come from the env file, never from the command line."""
+    entries = read_unit(SYSTEMD / "peertrain-agent.service")
+    script, env_example, state_dir = UNITS["peertrain-agent.service"]
+    example = read_env_file(SYSTEMD / env_example)
+    env = unit_environment(entries) | example
+    exec_start = unit_value(entries, "ExecStart")
+    args = parse_cli(script, expand_exec(exec_start, env)[1:], "peertrain-agent.service ExecStart")
+    tls_dir = Path(args.tls_dir or Path(args.state_dir) / "tls")
+    assert tls_dir == Path(state_dir) / "tls"
+    assert any(tls_dir.is_relative_to(path) for path in unit_value(entries, "ReadWritePaths").split())
+    for key in ("PEERTRAIN_JOIN_TOKEN", "PEERTRAIN_CA_FINGERPRINT"):
+        assert key in example, f"{env_example} does not show {key}"
+        assert example[key] == "", f"{env_example} ships a value for {key}"
+        assert key not in exec_start, f"{key} must not be on the command line"
+        assert read_from_environment(script, key, monkeypatch), f"{script} serve does not read {key}"
+
+
+def test_systemd_coordinator_creates_its_ca_once() -> None:
+    """ExecStartPre= creates the CA in the state directory serve uses, and can never replace one."""
+    entries = read_unit(SYSTEMD / "peertrain-coordinator.service")
+    script, env_example, state_dir = UNITS["peertrain-coordinator.service"]
+    [pre] = unit_values(entries, "ExecStartPre")
+    argv = shlex.split(pre)
+    assert argv[0] == f"/opt/peertrain/.venv/bin/{script}"
+    args = parse_cli(script, argv[1:], "peertrain-coordinator.service ExecStartPre")
+    assert (args.command, args.action, args.if_missing) == ("ca", "init", True)
+    assert str(args.state_dir) == state_dir
+    env = unit_environment(entries) | read_env_file(SYSTEMD / env_example)
+    serve = parse_cli(script, expand_exec(unit_value(entries, "ExecStart"), env)[1:], "ExecStart")
+    assert port_of(serve.enroll_listen) == 7071, "agents enroll at the coordinator's host on port 7071 by default"
 
 
 def test_sysusers_creates_the_service_user(tmp_path: Path) -> None:
