@@ -309,18 +309,51 @@ def compose() -> dict[str, Any]:
     return load_yaml(COMPOSE_FILE)
 
 
-def compose_command(name: str, service: dict[str, Any]) -> tuple[str, list[str]]:
-    """(console script, arguments) a compose service runs."""
+SHELLS = {"sh", "/bin/sh"}
+
+
+def console_scripts() -> set[str]:
+    return set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"])
+
+
+def shell_commands(script: str) -> list[tuple[str, list[str]]]:
+    """(console script, arguments) of every command of a shell script that runs one: each part of a line
+    between `||`, `&&` and `;` whose first word is a console script, after `exec` if any."""
+    commands = []
+    for line in script.splitlines():
+        for part in re.split(r"\|\||&&|;", line):
+            words = shlex.split(part, comments=True)
+            if words[:1] == ["exec"]:
+                words = words[1:]
+            if words and words[0] in console_scripts():
+                commands.append((words[0], words[1:]))
+    return commands
+
+
+def compose_entrypoint(name: str, service: dict[str, Any]) -> list[str]:
     if "entrypoint" in service:
         entrypoint = service["entrypoint"]
     else:
         assert "build" in service, f"{name}: neither entrypoint nor build"
         entrypoint = dockerfile_entrypoint(ROOT / service["build"]["dockerfile"])
-    entrypoint = shlex.split(entrypoint) if isinstance(entrypoint, str) else list(entrypoint)
+    return shlex.split(entrypoint) if isinstance(entrypoint, str) else list(entrypoint)
+
+
+def compose_command(name: str, service: dict[str, Any]) -> tuple[str, list[str]]:
+    """(console script, arguments) a compose service runs."""
+    entrypoint = compose_entrypoint(name, service)
     command = service.get("command", [])
     command = shlex.split(command) if isinstance(command, str) else list(command)
     assert len(entrypoint) == 1, f"{name}: entrypoint {entrypoint} is not one console script"
     return entrypoint[0], command
+
+
+def compose_shell_commands(name: str, service: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    """The console-script commands of a service whose entrypoint is `sh -c` (its command is the script)."""
+    entrypoint = compose_entrypoint(name, service)
+    assert entrypoint[0] in SHELLS and entrypoint[-1].startswith("-") and "c" in entrypoint[-1], entrypoint
+    [script] = service["command"]
+    return shell_commands(script)
 
 
 def compose_volume(volume: str) -> tuple[str, str]:
@@ -333,8 +366,30 @@ def compose_volume(volume: str) -> tuple[str, str]:
     return source, target
 
 
+def compose_volume_path(name: str, service: dict[str, Any], path: str | Path) -> tuple[str, str]:
+    """(volume, path inside it) of a path in a service's container: through the deepest mount that holds it."""
+    path = Path(path)
+    mounts = [(source, Path(target)) for source, target in map(compose_volume, service.get("volumes", []))]
+    holding = [(source, target) for source, target in mounts if path.is_relative_to(target)]
+    assert holding, f"{name}: {path} is on no volume, so it is lost with the container"
+    source, target = max(holding, key=lambda mount: len(mount[1].parts))
+    return source, str(path.relative_to(target))
+
+
+def compose_environment(service: dict[str, Any]) -> dict[str, str]:
+    environment = service.get("environment") or {}
+    if isinstance(environment, list):
+        environment = dict(item.split("=", 1) for item in environment)
+    return {key: str(value) for key, value in environment.items()}
+
+
 def peertrain_services(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {name: service for name, service in spec["services"].items() if "build" in service}
+    """The services of the peertrain image that run one console script (not the `pki` shell script)."""
+    return {
+        name: service
+        for name, service in spec["services"].items()
+        if "build" in service and compose_entrypoint(name, service)[0] not in SHELLS
+    }
 
 
 def k8s_documents() -> list[dict[str, Any]]:
@@ -1086,6 +1141,9 @@ def test_compose_commands_parse_with_the_cli() -> None:
         mounts = dict(compose_volume(v) for v in services[name]["volumes"])
         assert mounts[f"{name}-state"] == str(args.state_dir)
         assert args.data_dir in mounts.values(), f"{name}: --data-dir is not mounted"
+        # Its credentials live on its state volume, where pki puts them and where it writes its renewals.
+        tls_dir = args.tls_dir or Path(args.state_dir) / "tls"
+        assert compose_volume_path(name, services[name], tls_dir) == (f"{name}-state", "tls")
         health = " ".join(services[name]["healthcheck"]["test"])
         assert f":{port_of(args.metrics_listen)}/metrics" in health
     health = " ".join(services["coordinator"]["healthcheck"]["test"])
@@ -1103,19 +1161,21 @@ def test_compose_commands_parse_with_the_cli() -> None:
 def test_compose_ports_and_volumes() -> None:
     spec = compose()
     published: dict[tuple[str, int], str] = {}
+    daemons = peertrain_services(spec)
     for name, service in spec["services"].items():
         listens: set[int] = set()
-        if "build" in service:
+        if name in daemons:
             script, command = compose_command(name, service)
             args = parse_cli(script, command, name)
-            listens = {port_of(a) for a in (getattr(args, "listen", None), getattr(args, "metrics_listen", None)) if a}
+            flags = ("listen", "enroll_listen", "metrics_listen")
+            listens = {port_of(a) for a in (getattr(args, flag, None) for flag in flags) if a}
         for mapping in service.get("ports", []):
             parts = str(mapping).split(":")
             host_ip, host_port, container_port = ("0.0.0.0", *parts) if len(parts) == 2 else parts
             key = (host_ip, int(host_port))
             assert key not in published, f"{name} and {published.get(key)} both publish {key}"
             published[key] = name
-            assert host_ip == "127.0.0.1", f"{name}: publish on loopback only (no TLS): {mapping}"
+            assert host_ip == "127.0.0.1", f"{name}: publish on loopback only (metrics have no TLS): {mapping}"
             if listens:
                 assert int(container_port) in listens, f"{name} publishes {container_port}, listens on {listens}"
         declared = set(spec.get("volumes") or {})
@@ -1136,6 +1196,64 @@ def test_compose_ports_and_volumes() -> None:
         if compose_volume(volume)[1].startswith("/var/lib/peertrain")
     ]
     assert len(agent_volumes) == len(set(agent_volumes)) == 4
+
+
+def test_compose_pki_issues_every_credential_before_the_daemons() -> None:
+    """The one-shot `pki` creates the CA where the coordinator keeps it, a node certificate for each agent in that
+    agent's tls dir (named as the agent), and the operator certificate the CLI in the coordinator and `submit` use;
+    each only when missing; and every daemon starts only after it succeeded."""
+    spec = compose()
+    services = spec["services"]
+    pki = services["pki"]
+    assert pki["restart"] == "no" and pki["network_mode"] == "none", "pki is a one-shot that needs no network"
+    commands = [(script, parse_cli(script, args, f"compose pki: {shlex.join([script, *args])}"))
+                for script, args in compose_shell_commands("pki", pki)]
+    assert commands and {script for script, _ in commands} == {"coordinator"}
+    coordinator_service = services["coordinator"]
+    coordinator = parse_cli(*compose_command("coordinator", coordinator_service), "compose coordinator")
+    init = commands[0][1]
+    assert (init.command, init.action, init.if_missing) == ("ca", "init", True), "the CA first, never replaced"
+    ca_volume = compose_volume_path("pki", pki, init.state_dir)
+    assert ca_volume == compose_volume_path("coordinator", coordinator_service, coordinator.state_dir)
+    issued = [args for _, args in commands[1:]]
+    assert all(args.command == "cert" and args.action == "issue" for args in issued)
+    assert all(compose_volume_path("pki", pki, args.state_dir) == ca_volume for args in issued)
+    [script] = pki["command"]
+    for args in issued:
+        assert f"test -f {args.out}/tls.crt || " in script, f"pki re-issues {args.out} at every start"
+
+    agents = {name: service for name, service in peertrain_services(spec).items() if name.startswith("agent-")}
+    nodes = {args.node: args for args in issued if args.node}
+    assert set(nodes) == set(agents), "one node certificate per agent"
+    for name, service in agents.items():
+        agent = parse_cli(*compose_command(name, service), f"compose {name}")
+        assert agent.name == name, f"{name}: its --name differs from the node id in its certificate"
+        tls_dir = agent.tls_dir or Path(agent.state_dir) / "tls"
+        assert compose_volume_path("pki", pki, nodes[name].out) == compose_volume_path(name, service, tls_dir)
+
+    [operator] = [args for args in issued if args.operator]
+    operator_volume = compose_volume_path("pki", pki, operator.out)
+    for name in ("coordinator", "submit"):
+        service = services[name]
+        tls_dir = compose_environment(service)["PEERTRAIN_TLS_DIR"]
+        assert compose_volume_path(name, service, tls_dir) == operator_volume, f"{name}: no operator certificate"
+        [mount] = [v for v in service["volumes"] if compose_volume(v)[0] == operator_volume[0]]
+        assert mount.endswith(":ro"), f"{name} mounts the operator credentials writable"
+
+    for name in ("coordinator", "submit", *agents):
+        condition = services[name]["depends_on"].get("pki", {}).get("condition")
+        assert condition == "service_completed_successfully", f"{name} may start before pki has finished"
+
+
+def test_compose_never_runs_insecure() -> None:
+    spec = compose()
+    services = spec["services"]
+    commands = [(name, *compose_command(name, service)) for name, service in peertrain_services(spec).items()]
+    commands += [("pki", *command) for command in compose_shell_commands("pki", services["pki"])]
+    for name, script, args in commands:
+        assert not getattr(parse_cli(script, args, f"compose {name}"), "insecure", False), f"{name} runs --insecure"
+    for name, service in services.items():
+        assert compose_environment(service).get("PEERTRAIN_INSECURE", "") in {"", "0"}, name
 
 
 def test_compose_prometheus_and_grafana_mounts() -> None:
