@@ -411,9 +411,59 @@ def k8s_env(container: dict[str, Any], documents: list[dict[str, Any]], pod_name
     for item in container.get("env", []):
         if "value" in item:
             env[item["name"]] = item["value"]
+        elif "secretKeyRef" in item["valueFrom"]:
+            # Secrets are made by the commands of docs/operations.md, never shipped: a stand-in value.
+            ref = item["valueFrom"]["secretKeyRef"]
+            env[item["name"]] = f"secret-{ref['name']}-{ref['key']}"
         else:
             env[item["name"]] = fields[item["valueFrom"]["fieldRef"]["fieldPath"]]
     return env
+
+
+def k8s_command(container: dict[str, Any], env: dict[str, str]) -> tuple[str, list[str]]:
+    """(console script, arguments) a container runs: its command, or `sh -c SCRIPT NAME` whose script ends by
+    exec-ing one console script with the container's arguments ("$@")."""
+    command = container["command"]
+    args = [k8s_expand(arg, env) for arg in container.get("args", [])]
+    if command[0] not in SHELLS:
+        [script] = command
+        return script, args
+    flag, script, _name = command[1:]
+    assert flag == "-c", command
+    [(console_script, script_args)] = shell_commands(script)
+    assert script_args == ["$@"], f"the shell must pass the container's args on as they are: {script_args}"
+    assert script.rstrip().splitlines()[-1].startswith("exec "), "the daemon must replace the shell (signals)"
+    return console_script, args
+
+
+def k8s_pod_volumes(workload: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A workload's volumes by name, its volumeClaimTemplates included (as {"claimTemplate": ...})."""
+    volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"].get("volumes", [])}
+    for claim in workload["spec"].get("volumeClaimTemplates", []):
+        volumes[claim["metadata"]["name"]] = {"name": claim["metadata"]["name"], "claimTemplate": claim}
+    return volumes
+
+
+def k8s_mount(container: dict[str, Any], path: str | Path) -> tuple[str, str]:
+    """(volume name, path inside it) of a path in a container: through the deepest mount that holds it."""
+    path = Path(path)
+    holding = [m for m in container.get("volumeMounts", []) if path.is_relative_to(m["mountPath"])]
+    assert holding, f"{container['name']}: {path} is on no volume"
+    mount = max(holding, key=lambda m: len(Path(m["mountPath"]).parts))
+    return mount["name"], str(path.relative_to(mount["mountPath"]))
+
+
+def k8s_strings(value: Any) -> Iterator[str]:
+    """Every string in a manifest, keys and values."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from k8s_strings(key)
+            yield from k8s_strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from k8s_strings(item)
 
 
 def k8s_expand(arg: str, env: dict[str, str]) -> str:
@@ -1344,9 +1394,12 @@ def test_k8s_manifests() -> None:
             if "persistentVolumeClaim" in volume:
                 assert volume["persistentVolumeClaim"]["claimName"] in claims
         [container] = pod["containers"]
-        for mount in container.get("volumeMounts", []):
-            assert mount["name"] in volumes, f"{name}: volume {mount['name']} is not defined"
-        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        for each in [container, *pod.get("initContainers", [])]:
+            for mount in each.get("volumeMounts", []):
+                assert mount["name"] in volumes, f"{name}: volume {mount['name']} is not defined"
+            assert each["securityContext"]["allowPrivilegeEscalation"] is False
+            assert each["securityContext"]["readOnlyRootFilesystem"] is True
+            assert each["image"] == container["image"], f"{name}: {each['name']} runs another image"
         assert pod["securityContext"]["runAsNonRoot"] is True
         annotations = template["metadata"]["annotations"]
         assert annotations["prometheus.io/scrape"] == "true"
@@ -1373,8 +1426,7 @@ def test_k8s_args_parse_with_the_cli() -> None:
         [container] = workload["spec"]["template"]["spec"]["containers"]
         pod_name = f"{name}-0" if workload["kind"] == "StatefulSet" else name
         env = k8s_env(container, documents, pod_name)
-        [script] = container["command"]
-        args = [k8s_expand(arg, env) for arg in container["args"]]
+        script, args = k8s_command(container, env)
         parsed[workload["kind"]] = (workload, container, parse_cli(script, args, f"k8s {name}"))
     _, coordinator_container, coordinator = parsed["Deployment"]
     statefulset, agent_container, agent = parsed["StatefulSet"]
@@ -1393,6 +1445,96 @@ def test_k8s_args_parse_with_the_cli() -> None:
     mounts = {m["mountPath"] for m in agent_container["volumeMounts"]}
     assert str(agent.state_dir) in mounts and agent.data_dir in mounts
     assert str(coordinator.state_dir) in {m["mountPath"] for m in coordinator_container["volumeMounts"]}
+
+
+def test_k8s_daemons_carry_their_credentials() -> None:
+    """The coordinator's CA on its persistent volume (made there by its initContainer) and the operator Secret for
+    the CLI in its pod; each agent's credentials on its own persistent volume, enrolled with the join token the
+    Secret peertrain-join holds under its pod name, through the coordinator Service's enrollment port."""
+    documents = k8s_documents()
+    workloads = {doc["kind"]: doc for doc in documents if doc["kind"] in {"Deployment", "StatefulSet"}}
+    services = {doc["metadata"]["name"]: doc for doc in documents if doc["kind"] == "Service"}
+
+    deployment = workloads["Deployment"]
+    name = deployment["metadata"]["name"]
+    pod = deployment["spec"]["template"]["spec"]
+    volumes = k8s_pod_volumes(deployment)
+    [container] = pod["containers"]
+    env = k8s_env(container, documents, name)
+    coordinator = parse_cli(*k8s_command(container, env), f"k8s {name}")
+    state = k8s_mount(container, coordinator.state_dir)
+    assert "persistentVolumeClaim" in volumes[state[0]], "the CA and the database need a persistent volume"
+    [init] = pod["initContainers"]
+    ca = parse_cli(*k8s_command(init, k8s_env(init, documents, name)), f"k8s {name} initContainer")
+    assert (ca.command, ca.action, ca.if_missing) == ("ca", "init", True), "the CA: created once, never replaced"
+    assert k8s_mount(init, ca.state_dir) == state
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert port_of(coordinator.enroll_listen) == ports["enroll"]
+    operator = k8s_mount(container, env["PEERTRAIN_TLS_DIR"])
+    assert operator[1] == "." and volumes[operator[0]]["secret"]["secretName"] == "peertrain-operator-tls"
+
+    statefulset = workloads["StatefulSet"]
+    name = statefulset["metadata"]["name"]
+    volumes = k8s_pod_volumes(statefulset)
+    [container] = statefulset["spec"]["template"]["spec"]["containers"]
+    env = k8s_env(container, documents, f"{name}-0")
+    agent = parse_cli(*k8s_command(container, env), f"k8s {name}")
+    tls_dir = agent.tls_dir or Path(agent.state_dir) / "tls"
+    assert "claimTemplate" in volumes[k8s_mount(container, tls_dir)[0]], "an agent's credentials: on its own PVC"
+    # It enrolls at the coordinator's host, port 7071 unless --enroll-address: the Service's enrollment port.
+    enroll = agent.enroll_address or f"{host_of(agent.coordinator)}:7071"
+    ports = [p for p in services[host_of(enroll)]["spec"]["ports"] if p["port"] == port_of(enroll)]
+    assert len(ports) == 1 and ports[0]["targetPort"] == "enroll", f"agents cannot enroll at {enroll}"
+    # Its join token is the one stored under its pod name, which is also the node id it enrolls as.
+    assert agent.name == env["POD_NAME"]
+    script = container["command"][2]
+    token_file = re.search(r'token="([^"]+)"', script)
+    assert token_file and token_file.group(1) == "/etc/peertrain/join/$POD_NAME"
+    assert 'read -r PEERTRAIN_JOIN_TOKEN < "$token"' in script and "export PEERTRAIN_JOIN_TOKEN" in script
+    join = k8s_mount(container, "/etc/peertrain/join")
+    assert join[1] == "." and volumes[join[0]]["secret"]["secretName"] == "peertrain-join"
+    assert volumes[join[0]]["secret"]["optional"] is True, "enrolled pods must start once the Secret is deleted"
+    [fingerprint] = [e for e in container["env"] if e["name"] == "PEERTRAIN_CA_FINGERPRINT"]
+    assert fingerprint["valueFrom"]["secretKeyRef"] == {"name": "peertrain-join", "key": "ca-fingerprint",
+                                                        "optional": True}
+    # No secret in the manifests: Secrets are made by commands, never shipped.
+    assert "Secret" not in {doc["kind"] for doc in documents}
+
+
+@pytest.mark.parametrize("case", ["token", "token with newline", "no token"])
+def test_k8s_agent_shell_hands_the_pods_token_to_the_agent(case: str, tmp_path: Path) -> None:
+    """The agent container's shell, run here with a stand-in `nodeagent` that reports its environment and
+    arguments: the pod's token (the file named as the pod) reaches PEERTRAIN_JOIN_TOKEN, the arguments pass as
+    they are, and without a token file the agent starts without one (it then uses its certificate)."""
+    statefulset = next(doc for doc in k8s_documents() if doc["kind"] == "StatefulSet")
+    [container] = statefulset["spec"]["template"]["spec"]["containers"]
+    sh, flag, script, name = container["command"]
+    join = tmp_path / "join"
+    join.mkdir()
+    script = script.replace("/etc/peertrain/join", str(join))
+    (join / "peertrain-agent-1").write_text("not-this-pods-token")
+    if case != "no token":
+        (join / "peertrain-agent-0").write_text("tok-0" + ("\n" if case == "token with newline" else ""))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stand_in = bin_dir / name
+    stand_in.write_text('#!/bin/sh\nprintf "token=%s\\n" "${PEERTRAIN_JOIN_TOKEN-unset}"\nprintf "arg=%s\\n" "$@"\n')
+    stand_in.chmod(0o755)
+    args = ["serve", "--name=peertrain-agent-0", "--advertise=a b"]
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "POD_NAME": "peertrain-agent-0"}
+    result = subprocess.run([need(sh), flag, script, name, *args], env=env, capture_output=True, text=True,
+                            timeout=10, check=False)
+    assert result.returncode == 0, result.stderr
+    token = "unset" if case == "no token" else "tok-0"
+    assert result.stdout.splitlines() == [f"token={token}", *(f"arg={arg}" for arg in args)]
+
+
+def test_k8s_never_runs_insecure() -> None:
+    documents = k8s_documents()
+    for doc in documents:
+        strings = set(k8s_strings(doc))
+        assert not any("--insecure" in s for s in strings), f"{doc['metadata']['name']} passes --insecure"
+        assert "PEERTRAIN_INSECURE" not in strings, f"{doc['metadata']['name']} sets PEERTRAIN_INSECURE"
 
 
 def test_kubectl_kustomize_renders() -> None:
