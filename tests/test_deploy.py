@@ -1111,7 +1111,7 @@ def test_dockerfile(dockerfile: str) -> None:
     assert users and users[-1] not in {"root", "0"}
     assert dockerfile_entrypoint(path)[0] in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     exposed = {int(p) for keyword, rest in instructions if keyword == "EXPOSE" for p in rest.split()}
-    assert exposed == {7070, 7100, 9400, 9401}
+    assert exposed == {7070, 7071, 7100, 9400, 9401}
 
     ignore = (path.parent / f"{dockerfile}.dockerignore").read_text().split()
     assert ".venv" in ignore and ".git" in ignore
