@@ -108,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     ca = commands.add_parser("ca", help="create or show the cluster CA (on the coordinator's machine)")
     ca.add_argument("action", choices=["init", "show"],
                     help="init: create the CA in STATE_DIR/ca; show: print its fingerprint")
+    ca.add_argument(
+        "--if-missing", action="store_true",
+        help="init: keep the CA already there instead of refusing (for start-up scripts; it is never replaced)",
+    )
     _add_state_dir_option(ca)
 
     token = commands.add_parser(
@@ -333,11 +337,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_ca(args: argparse.Namespace) -> int:
     from coordinator.ca import ClusterCA
 
-    if args.action == "init":
+    exists = (ClusterCA.directory_of(args.state_dir) / "ca.key").exists()
+    if args.action == "show" or (args.if_missing and exists):
+        ca = ClusterCA.load(args.state_dir)
+        if args.action == "init":
+            print(f"kept the cluster CA in {ca.directory} (--if-missing)")
+    else:
         ca = ClusterCA.init(args.state_dir)
         print(f"created the cluster CA in {ca.directory}")
-    else:
-        ca = ClusterCA.load(args.state_dir)
     print(f"CA fingerprint (sha256): {ca.fingerprint}")
     return 0
 

@@ -178,3 +178,42 @@ def test_the_agent_refuses_a_name_the_coordinator_would_refuse(tmp_path, name):
                         "--device", "cpu"])
     assert refusal.value.code == "nodeagent: --name must be at most 64 printable characters"
     assert not (tmp_path / "state").exists()  # refused before anything started
+
+
+# -- the cluster CA ------------------------------------------------------------------------------------------------
+
+def test_ca_init_never_replaces_a_ca_and_if_missing_keeps_it(tmp_path, capsys):
+    """Start-up scripts (systemd ExecStartPre, the compose pki service, the Kubernetes initContainer) run `ca init
+    --if-missing` at every start: the first creates the CA, the others keep it; plain `ca init` refuses."""
+    state = tmp_path / "state"
+    assert coordinator_main(["ca", "init", "--if-missing", "--state-dir", str(state)]) == 0
+    created = capsys.readouterr().out.splitlines()
+    assert created[0] == f"created the cluster CA in {state / 'ca'}"
+    fingerprint = created[1]
+    assert fingerprint.startswith("CA fingerprint (sha256): ")
+    key = (state / "ca" / "ca.key").read_bytes()
+
+    assert coordinator_main(["ca", "init", "--if-missing", "--state-dir", str(state)]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"kept the cluster CA in {state / 'ca'} (--if-missing)",
+                                                   fingerprint]
+    assert coordinator_main(["ca", "init", "--state-dir", str(state)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [f"coordinator: {state / 'ca'} already holds a CA; its certificates would all "
+                                         "be lost with it"]
+    assert coordinator_main(["ca", "show", "--state-dir", str(state)]) == 0
+    assert capsys.readouterr().out.splitlines() == [fingerprint]
+    assert (state / "ca" / "ca.key").read_bytes() == key
+
+
+def test_ca_init_if_missing_refuses_a_ca_it_cannot_load(tmp_path, capsys):
+    """A key without its certificate is a damaged CA, not a missing one: nothing is created over it."""
+    state = tmp_path / "state"
+    assert coordinator_main(["ca", "init", "--state-dir", str(state)]) == 0
+    (state / "ca" / "ca.crt").unlink()
+    key = (state / "ca" / "ca.key").read_bytes()
+    capsys.readouterr()
+    assert coordinator_main(["ca", "init", "--if-missing", "--state-dir", str(state)]) == 1
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"coordinator: no cluster CA in {state / 'ca'}"), line
+    assert (state / "ca" / "ca.key").read_bytes() == key and not (state / "ca" / "ca.crt").exists()

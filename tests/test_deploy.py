@@ -309,18 +309,51 @@ def compose() -> dict[str, Any]:
     return load_yaml(COMPOSE_FILE)
 
 
-def compose_command(name: str, service: dict[str, Any]) -> tuple[str, list[str]]:
-    """(console script, arguments) a compose service runs."""
+SHELLS = {"sh", "/bin/sh"}
+
+
+def console_scripts() -> set[str]:
+    return set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"])
+
+
+def shell_commands(script: str) -> list[tuple[str, list[str]]]:
+    """(console script, arguments) of every command of a shell script that runs one: each part of a line
+    between `||`, `&&` and `;` whose first word is a console script, after `exec` if any."""
+    commands = []
+    for line in script.splitlines():
+        for part in re.split(r"\|\||&&|;", line):
+            words = shlex.split(part, comments=True)
+            if words[:1] == ["exec"]:
+                words = words[1:]
+            if words and words[0] in console_scripts():
+                commands.append((words[0], words[1:]))
+    return commands
+
+
+def compose_entrypoint(name: str, service: dict[str, Any]) -> list[str]:
     if "entrypoint" in service:
         entrypoint = service["entrypoint"]
     else:
         assert "build" in service, f"{name}: neither entrypoint nor build"
         entrypoint = dockerfile_entrypoint(ROOT / service["build"]["dockerfile"])
-    entrypoint = shlex.split(entrypoint) if isinstance(entrypoint, str) else list(entrypoint)
+    return shlex.split(entrypoint) if isinstance(entrypoint, str) else list(entrypoint)
+
+
+def compose_command(name: str, service: dict[str, Any]) -> tuple[str, list[str]]:
+    """(console script, arguments) a compose service runs."""
+    entrypoint = compose_entrypoint(name, service)
     command = service.get("command", [])
     command = shlex.split(command) if isinstance(command, str) else list(command)
     assert len(entrypoint) == 1, f"{name}: entrypoint {entrypoint} is not one console script"
     return entrypoint[0], command
+
+
+def compose_shell_commands(name: str, service: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    """The console-script commands of a service whose entrypoint is `sh -c` (its command is the script)."""
+    entrypoint = compose_entrypoint(name, service)
+    assert entrypoint[0] in SHELLS and entrypoint[-1].startswith("-") and "c" in entrypoint[-1], entrypoint
+    [script] = service["command"]
+    return shell_commands(script)
 
 
 def compose_volume(volume: str) -> tuple[str, str]:
@@ -333,8 +366,30 @@ def compose_volume(volume: str) -> tuple[str, str]:
     return source, target
 
 
+def compose_volume_path(name: str, service: dict[str, Any], path: str | Path) -> tuple[str, str]:
+    """(volume, path inside it) of a path in a service's container: through the deepest mount that holds it."""
+    path = Path(path)
+    mounts = [(source, Path(target)) for source, target in map(compose_volume, service.get("volumes", []))]
+    holding = [(source, target) for source, target in mounts if path.is_relative_to(target)]
+    assert holding, f"{name}: {path} is on no volume, so it is lost with the container"
+    source, target = max(holding, key=lambda mount: len(mount[1].parts))
+    return source, str(path.relative_to(target))
+
+
+def compose_environment(service: dict[str, Any]) -> dict[str, str]:
+    environment = service.get("environment") or {}
+    if isinstance(environment, list):
+        environment = dict(item.split("=", 1) for item in environment)
+    return {key: str(value) for key, value in environment.items()}
+
+
 def peertrain_services(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {name: service for name, service in spec["services"].items() if "build" in service}
+    """The services of the peertrain image that run one console script (not the `pki` shell script)."""
+    return {
+        name: service
+        for name, service in spec["services"].items()
+        if "build" in service and compose_entrypoint(name, service)[0] not in SHELLS
+    }
 
 
 def k8s_documents() -> list[dict[str, Any]]:
@@ -356,9 +411,59 @@ def k8s_env(container: dict[str, Any], documents: list[dict[str, Any]], pod_name
     for item in container.get("env", []):
         if "value" in item:
             env[item["name"]] = item["value"]
+        elif "secretKeyRef" in item["valueFrom"]:
+            # Secrets are made by the commands of docs/operations.md, never shipped: a stand-in value.
+            ref = item["valueFrom"]["secretKeyRef"]
+            env[item["name"]] = f"secret-{ref['name']}-{ref['key']}"
         else:
             env[item["name"]] = fields[item["valueFrom"]["fieldRef"]["fieldPath"]]
     return env
+
+
+def k8s_command(container: dict[str, Any], env: dict[str, str]) -> tuple[str, list[str]]:
+    """(console script, arguments) a container runs: its command, or `sh -c SCRIPT NAME` whose script ends by
+    exec-ing one console script with the container's arguments ("$@")."""
+    command = container["command"]
+    args = [k8s_expand(arg, env) for arg in container.get("args", [])]
+    if command[0] not in SHELLS:
+        [script] = command
+        return script, args
+    flag, script, _name = command[1:]
+    assert flag == "-c", command
+    [(console_script, script_args)] = shell_commands(script)
+    assert script_args == ["$@"], f"the shell must pass the container's args on as they are: {script_args}"
+    assert script.rstrip().splitlines()[-1].startswith("exec "), "the daemon must replace the shell (signals)"
+    return console_script, args
+
+
+def k8s_pod_volumes(workload: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A workload's volumes by name, its volumeClaimTemplates included (as {"claimTemplate": ...})."""
+    volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"].get("volumes", [])}
+    for claim in workload["spec"].get("volumeClaimTemplates", []):
+        volumes[claim["metadata"]["name"]] = {"name": claim["metadata"]["name"], "claimTemplate": claim}
+    return volumes
+
+
+def k8s_mount(container: dict[str, Any], path: str | Path) -> tuple[str, str]:
+    """(volume name, path inside it) of a path in a container: through the deepest mount that holds it."""
+    path = Path(path)
+    holding = [m for m in container.get("volumeMounts", []) if path.is_relative_to(m["mountPath"])]
+    assert holding, f"{container['name']}: {path} is on no volume"
+    mount = max(holding, key=lambda m: len(Path(m["mountPath"]).parts))
+    return mount["name"], str(path.relative_to(mount["mountPath"]))
+
+
+def k8s_strings(value: Any) -> Iterator[str]:
+    """Every string in a manifest, keys and values."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from k8s_strings(key)
+            yield from k8s_strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from k8s_strings(item)
 
 
 def k8s_expand(arg: str, env: dict[str, str]) -> str:
@@ -435,16 +540,27 @@ def test_systemd_unit_exposure_is_low(unit: str, tmp_path: Path) -> None:
     assert result.returncode == 0 and float(exposure.group(1)) <= 3.0, result.stdout[-2000:]
 
 
+def read_from_environment(script: str, key: str, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Whether `script serve` takes a setting from the environment variable `key` (an argument's default)."""
+    marker = f"from-{key.lower()}"
+    with monkeypatch.context() as patch:
+        patch.setenv(key, marker)
+        args = cli_parser(script).parse_args(["serve"])
+    return marker in {str(value) for value in vars(args).values()}
+
+
 @pytest.mark.parametrize("unit", sorted(UNITS))
 @pytest.mark.parametrize("with_env_file", [True, False], ids=["env-example", "defaults"])
-def test_systemd_exec_start_parses(unit: str, with_env_file: bool) -> None:
+def test_systemd_exec_start_parses(unit: str, with_env_file: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     entries = read_unit(SYSTEMD / unit)
     script, env_example, state_dir = UNITS[unit]
     env = unit_environment(entries)
     example = read_env_file(SYSTEMD / env_example)
     exec_start = unit_value(entries, "ExecStart")
     used = set(re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", exec_start))
-    unused = {key for key in example if key not in used}
+    # Secrets (the join token) stay off the command line, where every local user can read them: the daemon
+    # reads those variables from its environment itself.
+    unused = {key for key in example if key not in used and not read_from_environment(script, key, monkeypatch)}
     assert not unused, f"{env_example} sets {sorted(unused)}, which {unit} never passes to {script}"
     missing_defaults = {key for key in used if key not in env}
     assert not missing_defaults, f"{unit}: no Environment= default for {sorted(missing_defaults)}"
@@ -454,10 +570,45 @@ def test_systemd_exec_start_parses(unit: str, with_env_file: bool) -> None:
     args = parse_cli(script, argv[1:], f"{unit} ExecStart")
     assert args.command == "serve"
     assert str(args.state_dir) == state_dir
+    assert not args.insecure, f"{unit} runs {script} with --insecure"
     if with_env_file:
         for key, value in example.items():
-            if not key.endswith("_ARGS"):
+            if key in used and not key.endswith("_ARGS"):
                 assert value in argv, f"{key}={value} did not reach the command line"
+
+
+def test_systemd_agent_keeps_its_credentials_in_its_state_directory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent's tls dir is under its StateDirectory (writable, kept across restarts, where renewal writes), and
+    the first start's enrollment settings come from the env file, never from the command line."""
+    entries = read_unit(SYSTEMD / "peertrain-agent.service")
+    script, env_example, state_dir = UNITS["peertrain-agent.service"]
+    example = read_env_file(SYSTEMD / env_example)
+    env = unit_environment(entries) | example
+    exec_start = unit_value(entries, "ExecStart")
+    args = parse_cli(script, expand_exec(exec_start, env)[1:], "peertrain-agent.service ExecStart")
+    tls_dir = Path(args.tls_dir or Path(args.state_dir) / "tls")
+    assert tls_dir == Path(state_dir) / "tls"
+    assert any(tls_dir.is_relative_to(path) for path in unit_value(entries, "ReadWritePaths").split())
+    for key in ("PEERTRAIN_JOIN_TOKEN", "PEERTRAIN_CA_FINGERPRINT"):
+        assert key in example, f"{env_example} does not show {key}"
+        assert example[key] == "", f"{env_example} ships a value for {key}"
+        assert key not in exec_start, f"{key} must not be on the command line"
+        assert read_from_environment(script, key, monkeypatch), f"{script} serve does not read {key}"
+
+
+def test_systemd_coordinator_creates_its_ca_once() -> None:
+    """ExecStartPre= creates the CA in the state directory serve uses, and can never replace one."""
+    entries = read_unit(SYSTEMD / "peertrain-coordinator.service")
+    script, env_example, state_dir = UNITS["peertrain-coordinator.service"]
+    [pre] = unit_values(entries, "ExecStartPre")
+    argv = shlex.split(pre)
+    assert argv[0] == f"/opt/peertrain/.venv/bin/{script}"
+    args = parse_cli(script, argv[1:], "peertrain-coordinator.service ExecStartPre")
+    assert (args.command, args.action, args.if_missing) == ("ca", "init", True)
+    assert str(args.state_dir) == state_dir
+    env = unit_environment(entries) | read_env_file(SYSTEMD / env_example)
+    serve = parse_cli(script, expand_exec(unit_value(entries, "ExecStart"), env)[1:], "ExecStart")
+    assert port_of(serve.enroll_listen) == 7071, "agents enroll at the coordinator's host on port 7071 by default"
 
 
 def test_sysusers_creates_the_service_user(tmp_path: Path) -> None:
@@ -960,7 +1111,7 @@ def test_dockerfile(dockerfile: str) -> None:
     assert users and users[-1] not in {"root", "0"}
     assert dockerfile_entrypoint(path)[0] in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     exposed = {int(p) for keyword, rest in instructions if keyword == "EXPOSE" for p in rest.split()}
-    assert exposed == {7070, 7100, 9400, 9401}
+    assert exposed == {7070, 7071, 7100, 9400, 9401}
 
     ignore = (path.parent / f"{dockerfile}.dockerignore").read_text().split()
     assert ".venv" in ignore and ".git" in ignore
@@ -1040,6 +1191,9 @@ def test_compose_commands_parse_with_the_cli() -> None:
         mounts = dict(compose_volume(v) for v in services[name]["volumes"])
         assert mounts[f"{name}-state"] == str(args.state_dir)
         assert args.data_dir in mounts.values(), f"{name}: --data-dir is not mounted"
+        # Its credentials live on its state volume, where pki puts them and where it writes its renewals.
+        tls_dir = args.tls_dir or Path(args.state_dir) / "tls"
+        assert compose_volume_path(name, services[name], tls_dir) == (f"{name}-state", "tls")
         health = " ".join(services[name]["healthcheck"]["test"])
         assert f":{port_of(args.metrics_listen)}/metrics" in health
     health = " ".join(services["coordinator"]["healthcheck"]["test"])
@@ -1057,19 +1211,21 @@ def test_compose_commands_parse_with_the_cli() -> None:
 def test_compose_ports_and_volumes() -> None:
     spec = compose()
     published: dict[tuple[str, int], str] = {}
+    daemons = peertrain_services(spec)
     for name, service in spec["services"].items():
         listens: set[int] = set()
-        if "build" in service:
+        if name in daemons:
             script, command = compose_command(name, service)
             args = parse_cli(script, command, name)
-            listens = {port_of(a) for a in (getattr(args, "listen", None), getattr(args, "metrics_listen", None)) if a}
+            flags = ("listen", "enroll_listen", "metrics_listen")
+            listens = {port_of(a) for a in (getattr(args, flag, None) for flag in flags) if a}
         for mapping in service.get("ports", []):
             parts = str(mapping).split(":")
             host_ip, host_port, container_port = ("0.0.0.0", *parts) if len(parts) == 2 else parts
             key = (host_ip, int(host_port))
             assert key not in published, f"{name} and {published.get(key)} both publish {key}"
             published[key] = name
-            assert host_ip == "127.0.0.1", f"{name}: publish on loopback only (no TLS): {mapping}"
+            assert host_ip == "127.0.0.1", f"{name}: publish on loopback only (metrics have no TLS): {mapping}"
             if listens:
                 assert int(container_port) in listens, f"{name} publishes {container_port}, listens on {listens}"
         declared = set(spec.get("volumes") or {})
@@ -1090,6 +1246,64 @@ def test_compose_ports_and_volumes() -> None:
         if compose_volume(volume)[1].startswith("/var/lib/peertrain")
     ]
     assert len(agent_volumes) == len(set(agent_volumes)) == 4
+
+
+def test_compose_pki_issues_every_credential_before_the_daemons() -> None:
+    """The one-shot `pki` creates the CA where the coordinator keeps it, a node certificate for each agent in that
+    agent's tls dir (named as the agent), and the operator certificate the CLI in the coordinator and `submit` use;
+    each only when missing; and every daemon starts only after it succeeded."""
+    spec = compose()
+    services = spec["services"]
+    pki = services["pki"]
+    assert pki["restart"] == "no" and pki["network_mode"] == "none", "pki is a one-shot that needs no network"
+    commands = [(script, parse_cli(script, args, f"compose pki: {shlex.join([script, *args])}"))
+                for script, args in compose_shell_commands("pki", pki)]
+    assert commands and {script for script, _ in commands} == {"coordinator"}
+    coordinator_service = services["coordinator"]
+    coordinator = parse_cli(*compose_command("coordinator", coordinator_service), "compose coordinator")
+    init = commands[0][1]
+    assert (init.command, init.action, init.if_missing) == ("ca", "init", True), "the CA first, never replaced"
+    ca_volume = compose_volume_path("pki", pki, init.state_dir)
+    assert ca_volume == compose_volume_path("coordinator", coordinator_service, coordinator.state_dir)
+    issued = [args for _, args in commands[1:]]
+    assert all(args.command == "cert" and args.action == "issue" for args in issued)
+    assert all(compose_volume_path("pki", pki, args.state_dir) == ca_volume for args in issued)
+    [script] = pki["command"]
+    for args in issued:
+        assert f"test -f {args.out}/tls.crt || " in script, f"pki re-issues {args.out} at every start"
+
+    agents = {name: service for name, service in peertrain_services(spec).items() if name.startswith("agent-")}
+    nodes = {args.node: args for args in issued if args.node}
+    assert set(nodes) == set(agents), "one node certificate per agent"
+    for name, service in agents.items():
+        agent = parse_cli(*compose_command(name, service), f"compose {name}")
+        assert agent.name == name, f"{name}: its --name differs from the node id in its certificate"
+        tls_dir = agent.tls_dir or Path(agent.state_dir) / "tls"
+        assert compose_volume_path("pki", pki, nodes[name].out) == compose_volume_path(name, service, tls_dir)
+
+    [operator] = [args for args in issued if args.operator]
+    operator_volume = compose_volume_path("pki", pki, operator.out)
+    for name in ("coordinator", "submit"):
+        service = services[name]
+        tls_dir = compose_environment(service)["PEERTRAIN_TLS_DIR"]
+        assert compose_volume_path(name, service, tls_dir) == operator_volume, f"{name}: no operator certificate"
+        [mount] = [v for v in service["volumes"] if compose_volume(v)[0] == operator_volume[0]]
+        assert mount.endswith(":ro"), f"{name} mounts the operator credentials writable"
+
+    for name in ("coordinator", "submit", *agents):
+        condition = services[name]["depends_on"].get("pki", {}).get("condition")
+        assert condition == "service_completed_successfully", f"{name} may start before pki has finished"
+
+
+def test_compose_never_runs_insecure() -> None:
+    spec = compose()
+    services = spec["services"]
+    commands = [(name, *compose_command(name, service)) for name, service in peertrain_services(spec).items()]
+    commands += [("pki", *command) for command in compose_shell_commands("pki", services["pki"])]
+    for name, script, args in commands:
+        assert not getattr(parse_cli(script, args, f"compose {name}"), "insecure", False), f"{name} runs --insecure"
+    for name, service in services.items():
+        assert compose_environment(service).get("PEERTRAIN_INSECURE", "") in {"", "0"}, name
 
 
 def test_compose_prometheus_and_grafana_mounts() -> None:
@@ -1180,9 +1394,12 @@ def test_k8s_manifests() -> None:
             if "persistentVolumeClaim" in volume:
                 assert volume["persistentVolumeClaim"]["claimName"] in claims
         [container] = pod["containers"]
-        for mount in container.get("volumeMounts", []):
-            assert mount["name"] in volumes, f"{name}: volume {mount['name']} is not defined"
-        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        for each in [container, *pod.get("initContainers", [])]:
+            for mount in each.get("volumeMounts", []):
+                assert mount["name"] in volumes, f"{name}: volume {mount['name']} is not defined"
+            assert each["securityContext"]["allowPrivilegeEscalation"] is False
+            assert each["securityContext"]["readOnlyRootFilesystem"] is True
+            assert each["image"] == container["image"], f"{name}: {each['name']} runs another image"
         assert pod["securityContext"]["runAsNonRoot"] is True
         annotations = template["metadata"]["annotations"]
         assert annotations["prometheus.io/scrape"] == "true"
@@ -1209,8 +1426,7 @@ def test_k8s_args_parse_with_the_cli() -> None:
         [container] = workload["spec"]["template"]["spec"]["containers"]
         pod_name = f"{name}-0" if workload["kind"] == "StatefulSet" else name
         env = k8s_env(container, documents, pod_name)
-        [script] = container["command"]
-        args = [k8s_expand(arg, env) for arg in container["args"]]
+        script, args = k8s_command(container, env)
         parsed[workload["kind"]] = (workload, container, parse_cli(script, args, f"k8s {name}"))
     _, coordinator_container, coordinator = parsed["Deployment"]
     statefulset, agent_container, agent = parsed["StatefulSet"]
@@ -1229,6 +1445,96 @@ def test_k8s_args_parse_with_the_cli() -> None:
     mounts = {m["mountPath"] for m in agent_container["volumeMounts"]}
     assert str(agent.state_dir) in mounts and agent.data_dir in mounts
     assert str(coordinator.state_dir) in {m["mountPath"] for m in coordinator_container["volumeMounts"]}
+
+
+def test_k8s_daemons_carry_their_credentials() -> None:
+    """The coordinator's CA on its persistent volume (made there by its initContainer) and the operator Secret for
+    the CLI in its pod; each agent's credentials on its own persistent volume, enrolled with the join token the
+    Secret peertrain-join holds under its pod name, through the coordinator Service's enrollment port."""
+    documents = k8s_documents()
+    workloads = {doc["kind"]: doc for doc in documents if doc["kind"] in {"Deployment", "StatefulSet"}}
+    services = {doc["metadata"]["name"]: doc for doc in documents if doc["kind"] == "Service"}
+
+    deployment = workloads["Deployment"]
+    name = deployment["metadata"]["name"]
+    pod = deployment["spec"]["template"]["spec"]
+    volumes = k8s_pod_volumes(deployment)
+    [container] = pod["containers"]
+    env = k8s_env(container, documents, name)
+    coordinator = parse_cli(*k8s_command(container, env), f"k8s {name}")
+    state = k8s_mount(container, coordinator.state_dir)
+    assert "persistentVolumeClaim" in volumes[state[0]], "the CA and the database need a persistent volume"
+    [init] = pod["initContainers"]
+    ca = parse_cli(*k8s_command(init, k8s_env(init, documents, name)), f"k8s {name} initContainer")
+    assert (ca.command, ca.action, ca.if_missing) == ("ca", "init", True), "the CA: created once, never replaced"
+    assert k8s_mount(init, ca.state_dir) == state
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert port_of(coordinator.enroll_listen) == ports["enroll"]
+    operator = k8s_mount(container, env["PEERTRAIN_TLS_DIR"])
+    assert operator[1] == "." and volumes[operator[0]]["secret"]["secretName"] == "peertrain-operator-tls"
+
+    statefulset = workloads["StatefulSet"]
+    name = statefulset["metadata"]["name"]
+    volumes = k8s_pod_volumes(statefulset)
+    [container] = statefulset["spec"]["template"]["spec"]["containers"]
+    env = k8s_env(container, documents, f"{name}-0")
+    agent = parse_cli(*k8s_command(container, env), f"k8s {name}")
+    tls_dir = agent.tls_dir or Path(agent.state_dir) / "tls"
+    assert "claimTemplate" in volumes[k8s_mount(container, tls_dir)[0]], "an agent's credentials: on its own PVC"
+    # It enrolls at the coordinator's host, port 7071 unless --enroll-address: the Service's enrollment port.
+    enroll = agent.enroll_address or f"{host_of(agent.coordinator)}:7071"
+    ports = [p for p in services[host_of(enroll)]["spec"]["ports"] if p["port"] == port_of(enroll)]
+    assert len(ports) == 1 and ports[0]["targetPort"] == "enroll", f"agents cannot enroll at {enroll}"
+    # Its join token is the one stored under its pod name, which is also the node id it enrolls as.
+    assert agent.name == env["POD_NAME"]
+    script = container["command"][2]
+    token_file = re.search(r'token="([^"]+)"', script)
+    assert token_file and token_file.group(1) == "/etc/peertrain/join/$POD_NAME"
+    assert 'read -r PEERTRAIN_JOIN_TOKEN < "$token"' in script and "export PEERTRAIN_JOIN_TOKEN" in script
+    join = k8s_mount(container, "/etc/peertrain/join")
+    assert join[1] == "." and volumes[join[0]]["secret"]["secretName"] == "peertrain-join"
+    assert volumes[join[0]]["secret"]["optional"] is True, "enrolled pods must start once the Secret is deleted"
+    [fingerprint] = [e for e in container["env"] if e["name"] == "PEERTRAIN_CA_FINGERPRINT"]
+    assert fingerprint["valueFrom"]["secretKeyRef"] == {"name": "peertrain-join", "key": "ca-fingerprint",
+                                                        "optional": True}
+    # No secret in the manifests: Secrets are made by commands, never shipped.
+    assert "Secret" not in {doc["kind"] for doc in documents}
+
+
+@pytest.mark.parametrize("case", ["token", "token with newline", "no token"])
+def test_k8s_agent_shell_hands_the_pods_token_to_the_agent(case: str, tmp_path: Path) -> None:
+    """The agent container's shell, run here with a stand-in `nodeagent` that reports its environment and
+    arguments: the pod's token (the file named as the pod) reaches PEERTRAIN_JOIN_TOKEN, the arguments pass as
+    they are, and without a token file the agent starts without one (it then uses its certificate)."""
+    statefulset = next(doc for doc in k8s_documents() if doc["kind"] == "StatefulSet")
+    [container] = statefulset["spec"]["template"]["spec"]["containers"]
+    sh, flag, script, name = container["command"]
+    join = tmp_path / "join"
+    join.mkdir()
+    script = script.replace("/etc/peertrain/join", str(join))
+    (join / "peertrain-agent-1").write_text("not-this-pods-token")
+    if case != "no token":
+        (join / "peertrain-agent-0").write_text("tok-0" + ("\n" if case == "token with newline" else ""))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stand_in = bin_dir / name
+    stand_in.write_text('#!/bin/sh\nprintf "token=%s\\n" "${PEERTRAIN_JOIN_TOKEN-unset}"\nprintf "arg=%s\\n" "$@"\n')
+    stand_in.chmod(0o755)
+    args = ["serve", "--name=peertrain-agent-0", "--advertise=a b"]
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "POD_NAME": "peertrain-agent-0"}
+    result = subprocess.run([need(sh), flag, script, name, *args], env=env, capture_output=True, text=True,
+                            timeout=10, check=False)
+    assert result.returncode == 0, result.stderr
+    token = "unset" if case == "no token" else "tok-0"
+    assert result.stdout.splitlines() == [f"token={token}", *(f"arg={arg}" for arg in args)]
+
+
+def test_k8s_never_runs_insecure() -> None:
+    documents = k8s_documents()
+    for doc in documents:
+        strings = set(k8s_strings(doc))
+        assert not any("--insecure" in s for s in strings), f"{doc['metadata']['name']} passes --insecure"
+        assert "PEERTRAIN_INSECURE" not in strings, f"{doc['metadata']['name']} sets PEERTRAIN_INSECURE"
 
 
 def test_kubectl_kustomize_renders() -> None:
