@@ -144,7 +144,7 @@ class ClusterCA:
 
     def coordinator_credentials(self, tls_dir: TlsDir) -> Identity:
         """The coordinator's own certificate in `tls_dir`: issued when missing, from another CA, or past two
-        thirds of its life (checked at each start)."""
+        thirds of its life (checked at start and every few minutes while serving)."""
         if tls_dir.complete():
             try:
                 current = tls_dir.load()

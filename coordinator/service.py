@@ -42,6 +42,7 @@ JOB_STATES = {
 }
 WATCH_POLL_S = 1.0
 MAX_FAILURE_CHARS = 2000  # of a node's failure reason, as stored and shown
+CERTIFICATE_CHECK_S = 600.0  # how often the coordinator looks at its own certificate's expiry
 MAX_WATCHES_PER_NODE = 2  # an agent holds one; a second covers a reconnect racing the old stream's end
 
 _NODE = frozenset({Role.NODE})
@@ -170,7 +171,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     # -- background ----------------------------------------------------------------------------------------------
 
     def _monitor_loop(self) -> None:
+        renewal_checked = time.monotonic()
         while not self.stopping.wait(1.0):
+            if self.ca is not None and self.transport.tls_dir is not None and \
+                    time.monotonic() - renewal_checked >= CERTIFICATE_CHECK_S:
+                # The coordinator's own certificate is renewed at two thirds of its life, as agents renew theirs;
+                # the server presents the new one to new connections.
+                renewal_checked = time.monotonic()
+                self.ca.coordinator_credentials(self.transport.tls_dir)
             if time.time() >= self._silence_counts_from:
                 down = self.store.mark_silent_nodes_down(self.config.heartbeat_timeout_s)
                 if down:
