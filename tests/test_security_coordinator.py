@@ -270,3 +270,14 @@ def test_renewal_keeps_the_identity_and_role(secure, tmp_path):
         csr_pem=pki.signing_request(pki.new_private_key(), Role.NODE, "node-a")), timeout=5)
     renewed = pki.identity_of(pki.load_certificate(reply.certificate_pem))
     assert (renewed.role, renewed.name) == (Role.OPERATOR, "alice")
+
+
+def test_the_coordinator_renews_its_own_certificate_near_expiry(tmp_path):
+    ca = ClusterCA.init(tmp_path / "state")
+    tls = TlsDir(tmp_path / "tls")
+    first = ca.coordinator_credentials(tls)
+    assert ca.coordinator_credentials(tls).serial == first.serial  # far from expiry: kept
+    ca.issue_files(tls, Role.COORDINATOR, "coordinator", lifetime=datetime.timedelta(minutes=1))
+    short = Transport(tls).identity
+    renewed = ca.coordinator_credentials(tls)
+    assert renewed.serial != short.serial and renewed.not_after_unix > short.not_after_unix + 86400
