@@ -310,6 +310,9 @@ class PSService:
         error: tuple[grpc.StatusCode, str] | None = None
         try:
             result = job.push(rank, push_of(message), push_id, context.is_active)
+        except WireError as refused:  # a payload the decoder cannot see into (AdaComp's), refused on decoding
+            self.metrics.stream_rejections.labels("unknown", SERVER_NAME, refused.reason).inc()
+            error = status_of(refused)
         except (ProtocolError, JobClosed) as failure:
             error = status_of(failure)
         if error is not None:

@@ -358,7 +358,7 @@ def test_header_fields_survive(kind: Kind) -> None:
 
 def test_header_nonfinite_loss_and_defaults() -> None:
     # A node that has not trained yet reports a NaN loss; the push-sum weight is mixed into the model, so it must
-    # be finite (test_nonfinite_tensors_and_weight_are_refused).
+    # be finite (the hostile streams weight_nan and weight_inf).
     message = Message(Kind.PUSHSUM, 1, 0, {}, loss=math.nan, weight=2.5)
     _, decoded = roundtrip(message)
     assert math.isnan(decoded.loss)

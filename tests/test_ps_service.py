@@ -3,6 +3,7 @@ a recorded order, a restarted coordinator loses no applied update (nor a synchro
 reports, and streams the server must refuse."""
 
 import json
+import math
 import threading
 import uuid
 from concurrent import futures
@@ -305,3 +306,34 @@ def test_dcasgd_after_a_restart_rejects_a_push_whose_backup_was_not_kept_and_rec
     assert "last pulled version 0" in rejected.rejected and rejected.version == 1
     assert client.fetch_model(ServerPull(1)).version == 1
     assert push(1).version == 2
+
+
+def test_nonfinite_pushes_are_refused_counted_and_leave_the_model(coordinator):
+    raw = spec_of("adacomp", 2, options={"codec": "fp16"})
+    job_id, nodes, _ = coordinator.job(raw)
+    spec = parse_job_spec(raw)
+    alg = worker_of(spec, 0)
+    sizes = alg.params.sizes
+    # An fp16 payload whose one value is +inf: the decoder cannot see into it, the server's sparse decoding does.
+    payload = bytearray(compress(torch.ones(sum(sizes)), sizes, 0.01, Codec.FP16)[0])
+    payload[-2:] = b"\x00\x7c"  # the last value, a little-endian float16, becomes +inf
+    sparse = Message(Kind.GRADIENT, 0, 2, {"payload": torch.frombuffer(payload, dtype=torch.uint8)})
+    error = raw_push(coordinator, list(encode(sparse, job_id=job_id, sender_id=nodes[0])))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "non_finite" in error.details()
+    model = coordinator.client(job_id, nodes[0], 0, 2, alg).fetch_model(ServerPull())
+    assert model.version == 0 and torch.equal(alg.params.flatten(model.tensors), alg.w)
+    sample = coordinator.service.metrics.registry.get_sample_value
+    assert sample("peertrain_stream_rejections_total",
+                  {"src": "unknown", "dst": "coordinator", "reason": "non_finite"}) == 1
+
+    raw = spec_of("asgd", 2)
+    job_id, nodes, _ = coordinator.job(raw)
+    alg = worker_of(parse_job_spec(raw), 0)
+    for value in (math.nan, math.inf):
+        dense = Message(Kind.GRADIENT, 0, 2, alg.params.views(torch.full((alg.params.numel,), value)))
+        error = raw_push(coordinator, list(encode(dense, job_id=job_id, sender_id=nodes[0])))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "non_finite" in error.details()
+    assert sample("peertrain_stream_rejections_total",
+                  {"src": "unknown", "dst": "coordinator", "reason": "non_finite"}) == 3
+    model = coordinator.client(job_id, nodes[0], 0, 2, alg).fetch_model(ServerPull())
+    assert model.version == 0 and torch.equal(alg.params.flatten(model.tensors), alg.w)
