@@ -152,6 +152,8 @@ class PSJob:
             outcome = "duplicate" if result.duplicate else "rejected" if result.rejected else (
                 "applied" if result.applied else "pending")
             self.metrics.ps_pushes.labels(self.job_id, outcome).inc()
+            if result.clipped:
+                self.metrics.ps_updates_clipped.labels(self.job_id).inc()
             if not result.duplicate:
                 self._commit()
                 if result.applied and not self.half.synchronous:

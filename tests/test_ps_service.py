@@ -308,6 +308,24 @@ def test_dcasgd_after_a_restart_rejects_a_push_whose_backup_was_not_kept_and_rec
     assert push(1).version == 2
 
 
+def test_a_1e30_gradient_is_clipped_to_max_update_norm_and_counted(coordinator):
+    raw = spec_of("asgd", 2, options={"max_update_norm": 1.0})
+    job_id, nodes, run_dir = coordinator.job(raw)
+    spec = parse_job_spec(raw)
+    alg = worker_of(spec, 0)
+    client = coordinator.client(job_id, nodes[0], 0, 2, alg)
+    huge = torch.full((alg.params.numel,), 1e30)
+    reply = client.push_update(ServerPush(Kind.GRADIENT, alg.params.views(huge), 0), new_push_id())
+    assert reply.applied and reply.version == 1
+    model = alg.params.flatten(client.fetch_model(ServerPull()).tensors)
+    assert bool(torch.isfinite(model).all())
+    moved = float(torch.linalg.vector_norm((model - alg.w).double()))
+    assert math.isclose(moved, 0.05 * 1.0, rel_tol=1e-4)  # lr * max_update_norm
+    sample = coordinator.service.metrics.registry.get_sample_value
+    assert sample("peertrain_ps_updates_clipped_total", {"job_id": job_id}) == 1
+    assert [e["clipped"] for e in read_log(run_dir) if e["event"] == "push"] == [True]
+
+
 def test_nonfinite_pushes_are_refused_counted_and_leave_the_model(coordinator):
     raw = spec_of("adacomp", 2, options={"codec": "fp16"})
     job_id, nodes, _ = coordinator.job(raw)
