@@ -139,6 +139,7 @@ def _stub(address: str) -> coordinator_pb2_grpc.CoordinatorStub:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from coordinator.ps_service import add_coordinator_servicer
     from coordinator.service import CoordinatorConfig, CoordinatorService
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s coordinator %(levelname)s: %(message)s")
@@ -158,7 +159,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics_host, metrics_port = split_address(args.metrics_listen)
         metrics_bound = metrics.serve_http(metrics_host, metrics_port)
         service = CoordinatorService(config, metrics)
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
+        add_coordinator_servicer(service, server)
         service.start()
         server.start()
         logging.info("serving on %s:%d, metrics on %s:%d, state in %s", host, bound, metrics_host, metrics_bound,

@@ -701,7 +701,7 @@ def test_a_float32_beyond_float16s_range_is_refused_once_decoded_as_an_infinity(
     assert_bit_equal(decode(frames, expect_specs(specs_of({"t": tensor}))).tensors["t"], tensor.bfloat16().float())
 
 
-def _manifest_frame_bytes(megabytes: int) -> bytes:
+def manifest_frame_bytes(megabytes: int) -> bytes:
     """A serialized manifest frame of about `megabytes` MB: small tensor headers, many of them (built by hand, so
     that no protobuf object is made)."""
     header = wire_pb2.TensorHeader(name="layer.0.weight", dtype="float32", shape=[4, 5], byte_length=80)
@@ -715,7 +715,7 @@ def serialized_field(number: int, value: bytes) -> bytes:
 
 
 def test_a_manifest_of_100k_tensors_is_refused_before_protobuf_parses_it(monkeypatch) -> None:
-    frame = _manifest_frame_bytes(3)  # about 110 000 tensors
+    frame = manifest_frame_bytes(3)  # about 110 000 tensors
     parsed = []
     monkeypatch.setattr(wire_pb2.Frame, "FromString", lambda data: parsed.append(data))
     with pytest.raises(WireError) as excinfo:
@@ -729,10 +729,10 @@ def test_a_61mb_manifest_is_refused_without_growing_the_process() -> None:
     # grows the process by about 240 MiB, and walking its headers costs more.
     script = textwrap.dedent("""
         import resource
-        from test_codec import _manifest_frame_bytes
+        from test_codec import manifest_frame_bytes
         from nodeagent.wire import WireError
         from nodeagent.wire.decoder import decode
-        frame = _manifest_frame_bytes(61)
+        frame = manifest_frame_bytes(61)
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         try:
             decode([frame], lambda manifest: [])

@@ -13,7 +13,9 @@ import grpc
 import pytest
 import torch
 import yaml
+from test_codec import manifest_frame_bytes
 
+from coordinator.ps_service import add_coordinator_servicer
 from coordinator.service import CoordinatorConfig, CoordinatorService
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc
@@ -42,7 +44,7 @@ class Coordinator:
     def start(self) -> None:
         self.service = CoordinatorService(CoordinatorConfig(state_dir=self.root), Metrics())
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.service, self.server)
+        add_coordinator_servicer(self.service, self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
         self.service.start()
@@ -355,3 +357,16 @@ def test_nonfinite_pushes_are_refused_counted_and_leave_the_model(coordinator):
                   {"src": "unknown", "dst": "coordinator", "reason": "non_finite"}) == 3
     model = coordinator.client(job_id, nodes[0], 0, 2, alg).fetch_model(ServerPull())
     assert model.version == 0 and torch.equal(alg.params.flatten(model.tensors), alg.w)
+
+
+def test_an_oversized_push_manifest_is_refused_before_it_is_parsed_and_counted(coordinator):
+    coordinator.job(spec_of("asgd", 2))
+    identity = lambda data: data  # noqa: E731
+    push = coordinator.channel.stream_unary("/peertrain.v1.Coordinator/PsPush", request_serializer=identity,
+                                            response_deserializer=identity)
+    with pytest.raises(grpc.RpcError) as error:
+        # About 110 000 tensor headers in 3 MB (this test's server keeps gRPC's default limit of 4 MiB a message).
+        push(iter([manifest_frame_bytes(3)]), timeout=30, metadata=((PUSH_ID_HEADER, "x"),))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and error.value.details().startswith("too_large")
+    assert coordinator.service.metrics.registry.get_sample_value(
+        "peertrain_stream_rejections_total", {"src": "unknown", "dst": "coordinator", "reason": "too_large"}) == 1

@@ -25,16 +25,17 @@ from dataclasses import dataclass, field
 
 import grpc
 import grpc.experimental
+from google.protobuf.message import DecodeError
 
 from nodeagent._proto import peer_pb2, peer_pb2_grpc, wire_pb2
 from nodeagent.algorithms.base import SendFailed, Snapshot
 from nodeagent.metrics import Metrics
-from nodeagent.rpc import GRPC_OPTIONS, failure_reason, grpc_code
+from nodeagent.rpc import GRPC_OPTIONS, add_servicer, failure_reason, grpc_code
 from nodeagent.runtime.progress import Traffic
 from nodeagent.wire.decoder import Receiver
 from nodeagent.wire.encoder import Outgoing, plan
 from nodeagent.wire.errors import Status, WireError
-from nodeagent.wire.frames import counted, new_stream_id, serialize
+from nodeagent.wire.frames import MAX_CONTROL_FRAME_BYTES, counted, new_stream_id, serialize
 from nodeagent.wire.lane import LaneHub, LaneSocket, dial, split_host, stripes_for
 from nodeagent.wire.message import DTYPE_NAMES, Encoding, Kind, Message, TensorSpec
 from nodeagent.wire.pool import BufferPool
@@ -303,10 +304,10 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         return self._push(request_iterator, context)
 
     def PushOnLane(self, request, context):
-        return self._push(request.frames, context)
+        return self._push(_frames_of(request), context)
 
     def ExchangeOnLane(self, request, context):
-        return self._exchange(request.frames, context, batched=True)
+        return self._exchange(_frames_of(request), context, batched=True)
 
     def OpenLane(self, request, context):
         if self.lanes is None:
@@ -337,6 +338,24 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             clock=snapshot.clock, loss=snapshot.loss, neighbor_ranks=sorted(r for r in state.names if r != state.rank),
             served_tensors=served, version=self._version,
         )
+
+
+def add_peer_servicer(servicer: PeerServicer, server: grpc.Server) -> None:
+    """Register the Peer service with the requests of its tensor streams as bytes, which the decoder reads within
+    its limits (a manifest frame is refused above MAX_CONTROL_FRAME_BYTES before protobuf parses it)."""
+    add_servicer(peer_pb2_grpc.add_PeerServicer_to_server, servicer, server,
+                 raw_requests=("Exchange", "Push", "PushOnLane", "ExchangeOnLane"))
+
+
+def _frames_of(request: bytes) -> Iterator[wire_pb2.Frame]:
+    """The frames of a PushOnLane or ExchangeOnLane request: the manifest, lane and end frames of a stream whose
+    payload is on lanes (never chunks), parsed only within the decoder's limit of such frames."""
+    if len(request) > MAX_CONTROL_FRAME_BYTES:
+        raise WireError("too_large", f"a request of {len(request)} bytes on lanes, at most {MAX_CONTROL_FRAME_BYTES}")
+    try:
+        yield from wire_pb2.Frames.FromString(request).frames
+    except DecodeError:
+        raise WireError("bad_frame", "a request on lanes that does not parse") from None
 
 
 def _abort_on_failure(lanes: list[LaneSocket], call: grpc.Future) -> None:
