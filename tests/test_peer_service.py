@@ -284,3 +284,24 @@ def test_add_servicer_refuses_a_method_the_service_does_not_have():
     with pytest.raises(ValueError, match="Exchnage"):
         add_servicer(peer_pb2_grpc.add_PeerServicer_to_server, PeerServicer(lambda: None, Metrics(), "test"), server,
                      raw_requests=("Exchnage",))
+
+
+@pytest.mark.parametrize("method", ["exchange", "push"])
+def test_a_full_inbox_refuses_with_resource_exhausted_and_takes_again_once_drained(node, method):
+    algorithm, inbox, metrics, address = node
+    state = serving(algorithm, "n1", inbox)
+    waiting = [f"item {i}" for i in range(state.max_inbox)]
+    for item in waiting:
+        inbox.put(item)
+    rank0 = dsgd(0, 1)
+    message = Message(Kind.PARAMS, 0, 1, rank0.params.views(rank0.w.clone()), clock=3)
+    client, client_state = PeerClient(address), serving(rank0, "n0", queue.Queue())
+    send = getattr(client, method)
+    with pytest.raises(grpc.RpcError) as error:
+        send(client_state, message, timeout=10, metrics=Metrics())
+    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "inbox_full" in error.value.details()
+    assert rejections(metrics, "inbox_full") == 1 and inbox.qsize() == state.max_inbox == 16
+    inbox.get_nowait()  # the runner took one
+    send(client_state, message, timeout=10, metrics=Metrics())
+    assert list(inbox.queue)[:-1] == waiting[1:] and inbox.queue[-1].clock == 3
+    client.close()

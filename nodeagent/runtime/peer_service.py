@@ -44,6 +44,10 @@ from nodeagent.wire.striping import run_on_lanes
 _SERVICE = "peertrain.v1.Peer"
 
 
+# A peer's message waits in the node's inbox until the runner hands it over between steps: a few per peer (a
+# synchronous neighbour is at most a round or two ahead, an exchange or two in flight). Beyond, a stream is refused
+# with RESOURCE_EXHAUSTED rather than held (a flood, or a node too slow for its peers), and no server thread waits.
+INBOX_MESSAGES_PER_PEER = 8
 LANE_RETRY_S = 30.0  # after a peer refused lanes (or could not be dialled), frames only for this long
 LANE_SETUP_TIMEOUT_S = 5.0
 IDLE_LANES_PER_PEER = 8
@@ -75,6 +79,13 @@ class ServingState:
 
     def name_of(self, rank: int) -> str:
         return self.names.get(rank, f"rank{rank}")
+
+    @property
+    def max_inbox(self) -> int:
+        """Items the inbox may hold before a peer's message is refused: INBOX_MESSAGES_PER_PEER per rank in `names`
+        (the neighbours and this node). The runner also posts the outcomes of the node's own calls there, one per
+        call in flight, and concurrent streams may each pass the check: the bound holds within a server pool."""
+        return INBOX_MESSAGES_PER_PEER * len(self.names)
 
     def sent_to(self, metrics: Metrics, rank: int) -> Callable[[int], None]:
         """Counts payload bytes sent to `rank`, on the edge's metric and in this job's traffic."""
@@ -241,6 +252,14 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             yield from counted(outgoing.frames(), sent)
         self._metrics.edge_messages_sent.labels(state.job_id, state.node_id, dst).inc()
 
+    def _enqueue(self, state: ServingState, message: Message, context: grpc.ServicerContext) -> None:
+        """Put a received message on the node's inbox, or refuse its stream when the inbox is full."""
+        if state.inbox.qsize() >= state.max_inbox:
+            self._metrics.stream_rejections.labels("unknown", state.node_id, "inbox_full").inc()
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"inbox_full: {state.max_inbox} messages wait for this node already")
+        state.inbox.put(message)
+
     def _release(self, lanes: list[LaneSocket], ok: bool) -> None:
         if self.lanes is not None:
             for lane in lanes:
@@ -256,7 +275,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             reply = state.snapshot().message_for(message.sender, message.kind)
             if reply is None:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node serves no {message.kind.name.lower()}")
-            state.inbox.put(message)
+            self._enqueue(state, message, context)
             yield from self._send(state, reply, context, lanes, batched)
             ok = True
         finally:
@@ -291,7 +310,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         state = self._state(context)
         message, lanes = self._receive(state, request_iterator, context)
         self._release(lanes, True)
-        state.inbox.put(message)
+        self._enqueue(state, message, context)
         return peer_pb2.PushReply(bytes_received=message.payload_bytes)
 
     def Exchange(self, request_iterator, context):
