@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from nodeagent.ps.rules import ParameterServer, ProtocolError, PushResult, StateDict, state_int, state_tensor
+from nodeagent.wire.message import all_finite
 from nodeagent.wire.sparse import Sparse, check_sizes, flat_indices
 
 
@@ -106,6 +107,6 @@ class AdaCompServer(ParameterServer):
             ):
                 raise ProtocolError(f"tensor {t}: indices must be strictly increasing in [0, {n})")
         values = torch.cat([values for _, values in update]).to(self.w.dtype)
-        if not bool(torch.isfinite(values).all()):
+        if not all_finite(values):
             raise ProtocolError("update has non-finite values")
         return flat_indices(update, self.tensor_sizes), values

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nodeagent.wire.message import all_finite
+
 StateDict = dict[str, torch.Tensor | int]
 
 
@@ -78,7 +80,7 @@ class ParameterServer:
                 f"got {update.dtype} of shape {tuple(update.shape)}"
             )
         # One diverged worker must not poison the global model of everyone.
-        if not bool(torch.isfinite(update).all()):
+        if not all_finite(update):
             raise ProtocolError("update has non-finite entries")
 
     def bound(self, update: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from nodeagent.wire.errors import WireError
+from nodeagent.wire.message import all_finite
 from nodeagent.wire.varint import decode_varints, encode_varints
 
 Sparse = list[tuple[torch.Tensor, torch.Tensor]]  # per tensor: (indices int64 ascending, values float32)
@@ -60,7 +61,7 @@ def select_topk(grad: torch.Tensor, tensor_sizes: Sequence[int], rate: float) ->
     if not 0 < rate <= 1:
         raise ValueError(f"rate must be in (0, 1], got {rate}")
     check_sizes(tensor_sizes, grad.numel())
-    if not bool(torch.isfinite(grad).all()):
+    if not all_finite(grad):
         raise ValueError("gradient has non-finite entries")
     selected: Sparse = []
     offset = 0
