@@ -6,7 +6,8 @@ always from one thread (the agent's runner thread, or the simulator's loop):
 - `sends()`: the messages to send now (exchange, push, pull, all-reduce, or a request to the parameter server);
 - `receive(message)`: a message arrived (a peer's, a reply, an all-reduce mean, the parameter server's answer);
 - `ready()`: whether the next local step may start (synchronous modes wait for their round's messages);
-- `rounds_ahead()`: how far ahead of its clock a received message's may be (the driver drops one beyond);
+- `rounds_ahead()`: how many rounds ahead of the node's clock a received message may be (the driver drops one
+  beyond);
 - `failed(send, reason)`: a send of this node's could not be completed (the peer refused, timed out, ...);
 - `state_dict()` / `load_state_dict()`: checkpoints.
 

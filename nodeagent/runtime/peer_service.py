@@ -372,9 +372,10 @@ def _frames_of(request: bytes) -> Iterator[wire_pb2.Frame]:
     if len(request) > MAX_CONTROL_FRAME_BYTES:
         raise WireError("too_large", f"a request of {len(request)} bytes on lanes, at most {MAX_CONTROL_FRAME_BYTES}")
     try:
-        yield from wire_pb2.Frames.FromString(request).frames
+        frames = wire_pb2.Frames.FromString(request).frames
     except DecodeError:
         raise WireError("bad_frame", "a request on lanes that does not parse") from None
+    yield from frames
 
 
 def _abort_on_failure(lanes: list[LaneSocket], call: grpc.Future) -> None:
