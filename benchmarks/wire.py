@@ -138,11 +138,10 @@ def peer_server(conn: Connection, numel: int, chunk: int, lanes: bool) -> None:
     import grpc
     import torch
 
-    from nodeagent._proto import peer_pb2_grpc
     from nodeagent.algorithms.base import Snapshot
     from nodeagent.metrics import Metrics
     from nodeagent.rpc import GRPC_OPTIONS
-    from nodeagent.runtime.peer_service import PeerServicer, ServingState
+    from nodeagent.runtime.peer_service import PeerServicer, ServingState, add_peer_servicer
     from nodeagent.wire.errors import WireError
     from nodeagent.wire.message import Encoding, Kind, TensorSpec
 
@@ -165,7 +164,7 @@ def peer_server(conn: Connection, numel: int, chunk: int, lanes: bool) -> None:
     # registration; lanes on the host it listens on, or none.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="peer"), options=GRPC_OPTIONS)
     servicer = PeerServicer(lambda: state, Metrics(), "bench", lane_host="127.0.0.1" if lanes else None)
-    peer_pb2_grpc.add_PeerServicer_to_server(servicer, server)
+    add_peer_servicer(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     if port == 0:
         raise OSError("cannot listen on 127.0.0.1")
@@ -417,12 +416,11 @@ def step_agent(conn: Connection, rank: int, ports: list[int], config: Config) ->
     import grpc
     import torch
 
-    from nodeagent._proto import peer_pb2_grpc
     from nodeagent.algorithms import REGISTRY, Neighbor, NodeContext, build_algorithm
     from nodeagent.jobspec import AlgorithmSpec, ModelSpec
     from nodeagent.metrics import Metrics
     from nodeagent.rpc import GRPC_OPTIONS
-    from nodeagent.runtime.peer_service import PeerClient, PeerServicer, ServingState
+    from nodeagent.runtime.peer_service import PeerClient, PeerServicer, ServingState, add_peer_servicer
     from nodeagent.training.models import build_model
     from nodeagent.wire.message import Encoding
 
@@ -448,7 +446,7 @@ def step_agent(conn: Connection, rank: int, ports: list[int], config: Config) ->
     )
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="peer"), options=GRPC_OPTIONS)
     servicer = PeerServicer(lambda: state, metrics, "bench", lane_host="127.0.0.1")
-    peer_pb2_grpc.add_PeerServicer_to_server(servicer, server)
+    add_peer_servicer(servicer, server)
     server.add_insecure_port(f"127.0.0.1:{ports[rank]}")
     server.start()
     client = PeerClient(f"127.0.0.1:{ports[peer]}")

@@ -253,6 +253,7 @@ def _stub(args: argparse.Namespace) -> coordinator_pb2_grpc.CoordinatorStub:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from coordinator.ca import CAError, ClusterCA
+    from coordinator.ps_service import add_coordinator_servicer
     from coordinator.service import CoordinatorConfig, CoordinatorService, EnrollmentService
     from nodeagent.security.tls import INSECURE_WARNING, TlsDir, Transport
 
@@ -284,7 +285,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             interceptors=[authorizer] if authorizer else None,
         )
         bound = transport.bind(server, args.listen)
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
+        add_coordinator_servicer(service, server)
         enrollment = None
         enroll_address = ""
         if ca is not None:

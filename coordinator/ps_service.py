@@ -38,7 +38,7 @@ import torch
 
 from coordinator.store import Store
 from nodeagent._proto import coordinator_pb2 as pb
-from nodeagent._proto import wire_pb2
+from nodeagent._proto import coordinator_pb2_grpc, wire_pb2
 from nodeagent.algorithms import Family, build_server, lookup
 from nodeagent.jobspec import JobSpec
 from nodeagent.metrics import Metrics
@@ -54,7 +54,7 @@ from nodeagent.ps.messages import (
 )
 from nodeagent.ps.rules import ProtocolError, PushResult
 from nodeagent.ps.server import ServerHalf
-from nodeagent.rpc import grpc_code
+from nodeagent.rpc import add_servicer, grpc_code
 from nodeagent.security.tls import caller
 from nodeagent.wire.decoder import decode
 from nodeagent.wire.encoder import encode
@@ -71,6 +71,13 @@ TABLES_EVERY_S = 2.0
 LOG_FILE = "ps-log.jsonl"
 WAIT_SLICE_S = 0.5  # a waiting push checks this often whether its caller is still there
 
+
+
+def add_coordinator_servicer(servicer: object, server: grpc.Server) -> None:
+    """Register the coordinator's servicer with the frames of PsPush as bytes, which the decoder reads within its
+    limits (a manifest frame is refused above nodeagent.wire.frames.MAX_CONTROL_FRAME_BYTES before protobuf parses
+    it); the pushes are the only tensor streams a worker sends the coordinator."""
+    add_servicer(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, servicer, server, raw_requests=("PsPush",))
 
 
 def status_of(failure: WireError | ProtocolError | JobClosed) -> tuple[grpc.StatusCode, str]:
@@ -153,6 +160,8 @@ class PSJob:
             outcome = "duplicate" if result.duplicate else "rejected" if result.rejected else (
                 "applied" if result.applied else "pending")
             self.metrics.ps_pushes.labels(self.job_id, outcome).inc()
+            if result.clipped:
+                self.metrics.ps_updates_clipped.labels(self.job_id).inc()
             if not result.duplicate:
                 self._commit()
                 if result.applied and not self.half.synchronous:
@@ -316,6 +325,9 @@ class PSService:
         error: tuple[grpc.StatusCode, str] | None = None
         try:
             result = job.push(rank, push_of(message), push_id, context.is_active)
+        except WireError as refused:  # a payload the decoder cannot see into (AdaComp's), refused on decoding
+            self.metrics.stream_rejections.labels("unknown", SERVER_NAME, refused.reason).inc()
+            error = status_of(refused)
         except (ProtocolError, JobClosed) as failure:
             error = status_of(failure)
         if error is not None:

@@ -104,6 +104,10 @@ class Metrics:
             "peertrain_ps_pushes", "Pushes received by the parameter server, by outcome (applied, pending, "
             "rejected, duplicate)", ["job_id", "outcome"], registry=r,
         )
+        self.ps_updates_clipped = Counter(
+            "peertrain_ps_updates_clipped", "Pushed updates longer than the job's max_update_norm, scaled down to it",
+            ["job_id"], registry=r,
+        )
         self.ps_version = Gauge("peertrain_ps_version", "Model version of the parameter server", ["job_id"], registry=r)
         self.ps_staleness = Histogram(
             "peertrain_ps_staleness", "Delay of an applied push: updates between the worker's version and it",
@@ -119,6 +123,7 @@ class Metrics:
                                   self.step_seconds, self.wait_seconds, self.ps_bytes_upstream,
                                   self.ps_bytes_downstream)),
             (self.ps_pushes, ["job_id", "outcome"]),
+            (self.ps_updates_clipped, ["job_id"]),
             (self.ps_version, ["job_id"]),
             (self.ps_staleness, ["job_id"]),
         ]

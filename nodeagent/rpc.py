@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -69,6 +69,39 @@ def address_problem(address: str) -> str | None:
             and port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
         return None
     return f"must be HOST:PORT, at most {MAX_ADDRESS_CHARS} characters"
+
+
+def add_servicer(add_generated: Callable[[Any, Any], None], servicer: object, server: grpc.Server,
+                 raw_requests: Collection[str]) -> None:
+    """Register `servicer` as the generated `add_generated(servicer, server)` does, except that the requests of the
+    methods named in `raw_requests` reach it as serialized bytes: handlers that parse them within their own limits
+    (the tensor streams' frames: nodeagent.wire.frames) then never get a message protobuf parsed at any size up to
+    MAX_FRAME_BYTES, which costs several times that size before any check runs."""
+    registration = _Registration()
+    add_generated(servicer, registration)
+    unknown = set(raw_requests) - registration.handlers.keys()
+    if unknown:
+        raise ValueError(f"{registration.service} has no methods {sorted(unknown)}")
+    handlers = {
+        name: handler._replace(request_deserializer=None) if name in raw_requests else handler
+        for name, handler in registration.handlers.items()
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(registration.service, handlers),))
+    server.add_registered_method_handlers(registration.service, handlers)
+
+
+class _Registration:
+    """Stands in for a server to receive what generated code registers: the service's name and method handlers."""
+
+    def __init__(self) -> None:
+        self.service = ""
+        self.handlers: dict[str, Any] = {}
+
+    def add_generic_rpc_handlers(self, generic_handlers: object) -> None:
+        """The same methods as the registered ones, which add_servicer registers again in both ways."""
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        self.service, self.handlers = service, handlers
 
 
 def bind_grpc_server(server: grpc.Server, address: str) -> int:

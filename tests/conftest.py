@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from coordinator.ps_service import add_coordinator_servicer
 from coordinator.service import CoordinatorConfig, CoordinatorService
 from nodeagent._proto import coordinator_pb2_grpc
 from nodeagent.jobspec import DEFAULT_DATA_DIR
@@ -45,7 +46,7 @@ def coordinator_stub(tmp_path: Path) -> Iterator[coordinator_pb2_grpc.Coordinato
     """A coordinator service on loopback with a fresh state dir, and a stub to it."""
     service = CoordinatorService(CoordinatorConfig(state_dir=tmp_path), Metrics())
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
+    add_coordinator_servicer(service, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     service.start()

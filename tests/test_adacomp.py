@@ -9,6 +9,7 @@ import torch
 from nodeagent.jobspec import ModelSpec
 from nodeagent.ps import AdaCompServer, ProtocolError
 from nodeagent.training.models import build_model
+from nodeagent.wire import WireError
 from nodeagent.wire.sparse import Codec, Residual, compress, decode_sparse, densify, encode_sparse, select_topk, traffic
 
 
@@ -129,8 +130,6 @@ def test_the_format_is_the_documented_one():
         (payload(0, [([0, 0, 0, 0, 0], f32(*[1.0] * 5))]), "tensor 0: 5 entries for a tensor of 4"),
         (payload(0, [([1], f32(1.0))]) + b"\x00", "1 trailing bytes after the last tensor"),
         (payload(0, [([1], f32(1.0))], count=2), "payload has 2 tensors, the model 1"),
-        (payload(0, [([1], f32(float("nan")))]), "tensor 0: values have non-finite entries"),
-        (payload(1, [([1], struct.pack("<e", float("inf")))]), "tensor 0: values have non-finite entries"),
         (payload(2, [([1], b"\x01")], scale=f32(-1.0)), "tensor 0: scale -1.0 is not a finite non-negative number"),
         (b"\x00\x01\x01\x80\x00" + f32(1.0), "tensor 0 indices: non-canonical varint"),
         (b"\x00\x01\x01" + b"\xff" * 12, "tensor 0 indices: a varint at byte 3 or after is longer than 9 bytes"),
@@ -140,6 +139,21 @@ def test_the_format_is_the_documented_one():
 def test_decoder_rejects_hostile_payloads(data, message):
     with pytest.raises(ValueError, match=message):
         decode_sparse(data, [4])
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        payload(0, [([1], f32(float("nan")))]),
+        payload(1, [([1], struct.pack("<e", float("inf")))]),
+        payload(2, [([1], bytes([127]))], scale=f32(3e38)),  # 127 * 3e38 overflows float32
+    ],
+    ids=["fp32_nan", "fp16_inf", "int8_overflow"],
+)
+def test_decoder_refuses_nonfinite_values_as_any_stream(data):
+    with pytest.raises(WireError) as refused:
+        decode_sparse(data, [4])
+    assert refused.value.reason == "non_finite" and "tensor 0: values have non-finite entries" in str(refused.value)
 
 
 @pytest.mark.parametrize("codec", list(Codec))

@@ -7,9 +7,14 @@ stream must leave it bit-identical.
 from __future__ import annotations
 
 import math
+import os
+import struct
+import subprocess
 import sys
+import textwrap
 import tracemalloc
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,21 +22,25 @@ import torch
 
 from nodeagent._proto import wire_pb2
 from nodeagent.wire import DTYPES, Encoding, Kind, Message, Status, TensorSpec, WireError, specs_of
-from nodeagent.wire.decoder import decode
+from nodeagent.wire.decoder import MAX_TENSORS, decode
 from nodeagent.wire.encoder import encode
+from nodeagent.wire.frames import MAX_CONTROL_FRAME_BYTES
+from nodeagent.wire.varint import encode_varint
 
 Frames = list[wire_pb2.Frame]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
-# Bit patterns written at the front of random floating tensors: a signalling NaN with a payload, a quiet NaN
-# with a payload and the sign set, negative zero, the smallest subnormal and +inf.
+# Bit patterns written at the front of random floating tensors: negative zero, the smallest subnormal, the
+# largest finite value, its negative and the smallest normal. (NaN and infinities are refused by the decoder.)
 _SPECIAL_BITS = {
-    2: [0x7C01, 0xFE5A, 0x8000, 0x0001, 0x7C00],
-    4: [0x7F800001, 0xFFC12345, 0x80000000, 0x00000001, 0x7F800000],
-    8: [0x7FF0000000000001, 0xFFF8000000012345, 0x8000000000000000, 0x1, 0x7FF0000000000000],
+    2: [0x8000, 0x0001, 0x7BFF, 0xFBFF, 0x0400],
+    4: [0x80000000, 0x00000001, 0x7F7FFFFF, 0xFF7FFFFF, 0x00800000],
+    8: [0x8000000000000000, 0x1, 0x7FEFFFFFFFFFFFFF, 0xFFEFFFFFFFFFFFFF, 0x0010000000000000],
 }
-_BF16_SPECIAL_BITS = [0x7F81, 0xFFC5, 0x8000, 0x0001, 0x7F80]
+_BF16_SPECIAL_BITS = [0x8000, 0x0001, 0x7F7F, 0xFF7F, 0x0080]
+# The lowest exponent bit: flipping it in a NaN's or an infinity's all-ones exponent makes a finite value.
+_LOW_EXPONENT_BIT = {torch.float16: 1 << 10, torch.bfloat16: 1 << 7, torch.float32: 1 << 23, torch.float64: 1 << 52}
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -42,7 +51,7 @@ def _signed(value: int, bits: int) -> int:
 
 
 def sample(dtype: torch.dtype, shape: Sequence[int], seed: int = 0) -> torch.Tensor:
-    """A tensor of random bits of `dtype`; floating ones start with NaN payloads, -0, subnormals and inf."""
+    """A tensor of random bits of `dtype`; floating ones are finite and start with -0, subnormals and the extremes."""
     gen = torch.Generator().manual_seed(seed)
     shape = tuple(shape)
     if dtype == torch.bool:
@@ -56,17 +65,18 @@ def sample(dtype: torch.dtype, shape: Sequence[int], seed: int = 0) -> torch.Ten
     bits = torch.randint(info.min, info.max, shape, dtype=int_dtype, generator=gen)
     specials = _BF16_SPECIAL_BITS if dtype == torch.bfloat16 else _SPECIAL_BITS[size]
     flat = bits.reshape(-1)
+    flat[~torch.isfinite(flat.view(dtype))] ^= _LOW_EXPONENT_BIT[dtype]
     for i, pattern in enumerate(specials[: flat.numel()]):
         flat[i] = _signed(pattern, 8 * size)
     return bits.view(dtype)
 
 
 def finite_sample(dtype: torch.dtype, shape: Sequence[int], seed: int = 0) -> torch.Tensor:
-    """Ordinary floating values (plus a few that over- or underflow in half precision)."""
+    """Ordinary floating values (plus a few that round coarsely or underflow in half precision)."""
     gen = torch.Generator().manual_seed(seed)
     values = torch.randn(tuple(shape), dtype=torch.float64, generator=gen) * 3
     flat = values.reshape(-1)
-    for i, special in enumerate([1e6, -7e4, 1e-9, 0.1, -0.0, math.nan, math.inf][: flat.numel()]):
+    for i, special in enumerate([6e4, -6.5e4, 1e-9, 0.1, -0.0, 3e-8][: flat.numel()]):
         flat[i] = special
     return values.to(dtype)
 
@@ -347,10 +357,12 @@ def test_header_fields_survive(kind: Kind) -> None:
 
 
 def test_header_nonfinite_loss_and_defaults() -> None:
-    message = Message(Kind.PUSHSUM, 1, 0, {}, loss=math.nan, weight=math.inf)
+    # A node that has not trained yet reports a NaN loss; the push-sum weight is mixed into the model, so it must
+    # be finite (the hostile streams weight_nan and weight_inf).
+    message = Message(Kind.PUSHSUM, 1, 0, {}, loss=math.nan, weight=2.5)
     _, decoded = roundtrip(message)
     assert math.isnan(decoded.loss)
-    assert decoded.weight == math.inf
+    assert decoded.weight == 2.5
     _, plain = roundtrip(Message(Kind.PARAMS, 1, 0, {}))
     assert (plain.clock, plain.loss, plain.weight, plain.model_version) == (0, 0.0, 1.0, 0)
 
@@ -446,6 +458,24 @@ def _swapped_tensors(frames: Frames) -> Frames:
     return [first, *frames[6:8], *frames[1:6], frames[-1]]
 
 
+def _poison(value: float) -> Callable[[Frames], Frames]:
+    """The stream with the first element of "w" (float32, the first chunk's first 4 bytes) set to `value`."""
+
+    def build(frames: Frames) -> Frames:
+        chunk = struct.pack("<f", value) + frames[1].chunk[4:]
+        return [frames[0], wire_pb2.Frame(chunk=chunk), *frames[2:]]
+
+    return build
+
+
+def _many_tensors(count: int) -> Callable[[Frames], Frames]:
+    def mutate(manifest: wire_pb2.Manifest) -> None:
+        for index in range(count - len(manifest.tensors)):
+            manifest.tensors.add(name=f"t{index}", dtype="float32", shape=[1], byte_length=4)
+
+    return _manifest(mutate)
+
+
 EMPTY = wire_pb2.Frame()
 JUNK = wire_pb2.Frame(chunk=b"\x00")
 
@@ -501,6 +531,17 @@ HOSTILE: list[tuple[str, Callable[[Frames], Frames], str, bool]] = [
     ("fp16_header_raw_payload", _set_header(0, encoding=1, byte_length=40), "too_long", False),
     ("kind_unknown", _manifest(lambda m: setattr(m, "kind", 99)), "bad_manifest", True),
     ("kind_unspecified", _manifest(lambda m: setattr(m, "kind", 0)), "bad_manifest", True),
+    ("nan_in_a_tensor", _poison(math.nan), "non_finite", False),
+    ("inf_in_a_tensor", _poison(math.inf), "non_finite", False),
+    ("minus_inf_in_a_tensor", _poison(-math.inf), "non_finite", False),
+    ("weight_nan", _manifest(lambda m: setattr(m, "weight", math.nan)), "non_finite", False),
+    ("weight_inf", _manifest(lambda m: setattr(m, "weight", math.inf)), "non_finite", False),
+    ("tensors_over_the_limit", _many_tensors(MAX_TENSORS + 1), "manifest_limit", True),
+    ("name_of_300_chars", _set_header(0, name="w" * 300), "manifest_limit", True),
+    ("dtype_of_300_chars", _set_header(1, dtype="int64" * 60), "manifest_limit", True),
+    ("shape_of_33_dims", _set_header(0, shape=[1] * 33), "manifest_limit", True),
+    ("job_id_of_300_chars", _manifest(lambda m: setattr(m, "job_id", "j" * 300)), "manifest_limit", True),
+    ("sender_id_of_300_chars", _manifest(lambda m: setattr(m, "sender_id", "n" * 300)), "manifest_limit", True),
 ]
 
 
@@ -522,7 +563,10 @@ def test_hostile_stream_is_rejected_and_state_kept(build, reason: str, manifest_
     assert error.reason == reason, str(error)
     assert error.status == Status.INVALID_ARGUMENT
     assert error.detail and str(error).startswith(f"{reason}: ")
+    assert len(str(error)) < 300, "an error must not echo unbounded input"
     assert len(calls) <= 1
+    if reason == "manifest_limit":
+        assert not calls, "the limits are checked before the expectation sees the manifest"
     if manifest_only:
         assert stream.pulled == 1, "a bad manifest must be rejected before any chunk is read"
     assert state.keys() == snapshot.keys()
@@ -632,6 +676,85 @@ def test_expectation_sees_the_manifest_and_selects_the_specs() -> None:
     with pytest.raises(WireError) as excinfo:
         decode(other, expect)
     assert excinfo.value.reason == "bad_manifest"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("encoding", list(Encoding), ids=lambda e: e.name)
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=str)
+def test_a_nonfinite_value_is_refused_in_every_dtype_and_encoding(dtype, encoding, value) -> None:
+    tensor = finite_sample(dtype, (50,), seed=3)
+    tensor[37] = value
+    frames = list(encode(Message(Kind.PARAMS, 0, 1, {"t": tensor}), encoding=encoding, chunk_bytes=64))
+    with pytest.raises(WireError) as excinfo:
+        decode(frames, expect_specs(specs_of({"t": tensor})))
+    assert excinfo.value.reason == "non_finite" and excinfo.value.status == Status.INVALID_ARGUMENT
+    assert "'t'" in excinfo.value.detail
+
+
+def test_a_float32_beyond_float16s_range_is_refused_once_decoded_as_an_infinity() -> None:
+    tensor = torch.tensor([1.0, 7e4])
+    frames = list(encode(Message(Kind.PARAMS, 0, 1, {"t": tensor}), encoding=Encoding.FP16))
+    with pytest.raises(WireError) as excinfo:
+        decode(frames, expect_specs(specs_of({"t": tensor})))
+    assert excinfo.value.reason == "non_finite"
+    frames = list(encode(Message(Kind.PARAMS, 0, 1, {"t": tensor}), encoding=Encoding.BF16))  # float32's range
+    assert_bit_equal(decode(frames, expect_specs(specs_of({"t": tensor}))).tensors["t"], tensor.bfloat16().float())
+
+
+def manifest_frame_bytes(megabytes: int) -> bytes:
+    """A serialized manifest frame of about `megabytes` MB: small tensor headers, many of them (built by hand, so
+    that no protobuf object is made)."""
+    header = wire_pb2.TensorHeader(name="layer.0.weight", dtype="float32", shape=[4, 5], byte_length=80)
+    entry = serialized_field(10, header.SerializeToString())
+    return serialized_field(1, entry * (megabytes * 1_000_000 // len(entry)))
+
+
+def serialized_field(number: int, value: bytes) -> bytes:
+    """A length-delimited protobuf field."""
+    return encode_varint(number << 3 | 2) + encode_varint(len(value)) + value
+
+
+def test_a_manifest_of_100k_tensors_is_refused_before_protobuf_parses_it(monkeypatch) -> None:
+    frame = manifest_frame_bytes(3)  # about 110 000 tensors
+    parsed = []
+    monkeypatch.setattr(wire_pb2.Frame, "FromString", lambda data: parsed.append(data))
+    with pytest.raises(WireError) as excinfo:
+        decode([frame], expect_specs(SPECS))
+    assert excinfo.value.reason == "too_large" and not parsed
+    assert str(MAX_CONTROL_FRAME_BYTES) in excinfo.value.detail
+
+
+def test_a_61mb_manifest_is_refused_without_growing_the_process() -> None:
+    # In a fresh process, so that its peak resident size says what the refusal cost: parsed, the frame alone
+    # grows the process by about 240 MiB, and walking its headers costs more.
+    script = textwrap.dedent("""
+        import resource
+        from test_codec import manifest_frame_bytes
+        from nodeagent.wire import WireError
+        from nodeagent.wire.decoder import decode
+        frame = manifest_frame_bytes(61)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        try:
+            decode([frame], lambda manifest: [])
+        except WireError as error:
+            print(error.reason, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+    """)
+    tests = Path(__file__).parent
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True,
+                            env={**os.environ, "PYTHONPATH": f"{tests}{os.pathsep}{tests.parent}"})
+    reason, grown_kib = result.stdout.split()
+    assert reason == "too_large"
+    assert int(grown_kib) < 8 * 1024, f"the refusal grew the process by {grown_kib} KiB"
+
+
+def test_the_manifest_limits_hold_for_frames_already_parsed() -> None:
+    # Frame objects (made by a caller that parsed them) meet the same limits before the expectation sees them.
+    frames = _many_tensors(100_000)(_good_frames())
+    calls = []
+    with pytest.raises(WireError) as excinfo:
+        decode(frames, lambda manifest: calls.append(manifest) or list(SPECS))
+    assert excinfo.value.reason == "manifest_limit" and not calls
+    assert "100000 tensors" in excinfo.value.detail and len(str(excinfo.value)) < 100
 
 
 # ------------------------------------------------------------------------------------------------ memory

@@ -12,6 +12,7 @@ from nodeagent._proto import wire_pb2
 from nodeagent.wire import DTYPES, Encoding, Kind, Message, Status, TensorSpec, WireError, specs_of
 from nodeagent.wire.decoder import decode
 from nodeagent.wire.encoder import encode
+from nodeagent.wire.message import all_finite
 
 Frames = list[wire_pb2.Frame]
 
@@ -25,8 +26,11 @@ REASONS = {
     "bad_end",
     "second_manifest",
     "empty_frame",
+    "non_finite",
 }
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# The lowest exponent bit: flipping it in a NaN's or an infinity's all-ones exponent makes a finite value.
+_LOW_EXPONENT_BIT = {torch.float16: 1 << 10, torch.bfloat16: 1 << 7, torch.float32: 1 << 23, torch.float64: 1 << 52}
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -49,7 +53,8 @@ def _random_tensor(rng: random.Random, dtype: torch.dtype, shape: tuple[int, ...
     int_dtype = _INT_OF_SIZE[dtype.itemsize] if dtype.is_floating_point else dtype
     info = torch.iinfo(int_dtype)
     values = torch.randint(info.min, info.max, shape, dtype=int_dtype, generator=gen)
-    if dtype.is_floating_point:
+    if dtype.is_floating_point:  # random finite bits (the decoder refuses NaN and infinities)
+        values[~torch.isfinite(values.view(dtype))] ^= _LOW_EXPONENT_BIT[dtype]
         values = values.view(dtype)
     if rng.random() < 0.3 and values.dim() >= 2:
         values = values.transpose(0, 1)  # a non-contiguous input
@@ -89,6 +94,17 @@ def test_random_messages_roundtrip(seed: int) -> None:
     frames = list(encode(message, encoding=encoding, chunk_bytes=rng.choice([1, 3, 8, 64, 1 << 20])))
     if rng.random() < 0.5:
         frames = _rechunk(frames, rng)
+    lossy = {Encoding.FP16: torch.float16, Encoding.BF16: torch.bfloat16}.get(encoding)
+    expected = {
+        name: tensor.to(lossy).to(tensor.dtype)
+        if lossy is not None and tensor.dtype.is_floating_point and tensor.dtype != lossy else tensor
+        for name, tensor in message.tensors.items()
+    }
+    if not all(all_finite(tensor) for tensor in expected.values()):  # a value beyond float16's range
+        with pytest.raises(WireError) as refused:
+            decode(iter(frames), lambda manifest: specs_of(message.tensors))
+        assert refused.value.reason == "non_finite"
+        return
     decoded = decode(iter(frames), lambda manifest: specs_of(message.tensors))
     assert (decoded.kind, decoded.sender, decoded.receiver, decoded.clock) == (
         message.kind,
@@ -104,13 +120,9 @@ def test_random_messages_roundtrip(seed: int) -> None:
     assert list(decoded.tensors) == list(message.tensors)
     for name, tensor in message.tensors.items():
         result = decoded.tensors[name]
-        expected = tensor
-        lossy = {Encoding.FP16: torch.float16, Encoding.BF16: torch.bfloat16}.get(encoding)
-        if lossy is not None and tensor.dtype.is_floating_point and tensor.dtype != lossy:
-            expected = tensor.to(lossy).to(tensor.dtype)
         assert result.dtype == tensor.dtype, name
         assert result.shape == tensor.shape, name
-        assert torch.equal(_bits(result), _bits(expected)), name
+        assert torch.equal(_bits(result), _bits(expected[name])), name
 
 
 # ---------------------------------------------------------------------------------------- corruptions
@@ -268,7 +280,8 @@ def mutate_manifest(frames: Frames, rng: random.Random) -> bool:
     return False
 
 
-# Each returns True when the stream stays acceptable by construction (payload corruption is not detectable).
+# Each returns True when the stream stays acceptable by construction (payload corruption is not detectable,
+# unless it makes a NaN or an infinity).
 BENIGN: list[Callable[[Frames, random.Random], bool]] = [flip_byte, split_chunk, merge_chunks, header_only]
 STRUCTURAL: list[Callable[[Frames, random.Random], bool]] = [
     drop_frame,
@@ -298,7 +311,7 @@ def test_corrupted_streams_either_decode_to_the_expected_specs_or_raise_wire_err
         try:
             decoded = decode(iter(frames), lambda manifest, specs=specs: list(specs))
         except WireError as error:
-            assert not benign, f"{label}: an acceptable stream was rejected: {error}"
+            assert not benign or error.reason == "non_finite", f"{label}: an acceptable stream was rejected: {error}"
             assert error.reason in REASONS, label
             assert error.status == Status.INVALID_ARGUMENT, label
             outcomes["rejected"] += 1

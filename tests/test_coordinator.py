@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from coordinator.cli import main as coordinator_main
+from coordinator.ps_service import add_coordinator_servicer
 from coordinator.service import CoordinatorConfig, CoordinatorService
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc
@@ -63,7 +64,7 @@ def coordinator(tmp_path):
             CoordinatorConfig(state_dir=tmp_path, heartbeat_timeout_s=heartbeat_timeout_s), Metrics()
         )
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
+        add_coordinator_servicer(service, server)
         port = server.add_insecure_port("127.0.0.1:0")
         server.start()
         service.start()

@@ -867,6 +867,7 @@ def feed(agent: Any, coordinator: Any, job: str, stop: threading.Event) -> None:
             coordinator.ps_bytes_upstream.labels(job, node).inc(1024)
             coordinator.ps_bytes_downstream.labels(job, node).inc(4096)
         coordinator.ps_pushes.labels(job, "applied").inc(2)
+        coordinator.ps_updates_clipped.labels(job).inc()
         coordinator.ps_version.labels(job).set(2 * step)
         coordinator.ps_staleness.labels(job).observe(step % 3)
 

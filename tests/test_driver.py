@@ -7,9 +7,11 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
+from nodeagent.algorithms import Neighbor, NodeContext, build_algorithm
 from nodeagent.algorithms.base import Route, Send
-from nodeagent.jobspec import parse_job_spec
+from nodeagent.jobspec import AlgorithmSpec, parse_job_spec
 from nodeagent.metrics import Metrics
 from nodeagent.ps.messages import SERVER_RANK, ServerPull, StepReport
 from nodeagent.runtime import driver as driver_module
@@ -33,6 +35,7 @@ class ScriptedAlgorithm:
     clock: int = 0
     plan: list[list[Send]] = field(default_factory=list)
     waiting: bool = False
+    window: int | None = None  # rounds_ahead()
     sends_after_receive: bool = False
     calls: list[tuple] = field(default_factory=list)
     _outbox: list[Send] = field(default_factory=list)
@@ -55,6 +58,9 @@ class ScriptedAlgorithm:
 
     def ready(self) -> bool:
         return not self.waiting
+
+    def rounds_ahead(self) -> int | None:
+        return self.window
 
     def waiting_for(self) -> str:
         return "the step-1 parameters of ranks [3]"
@@ -89,8 +95,8 @@ def driver_for(algorithm: ScriptedAlgorithm, eval_s: float = 0.0, **options) -> 
     return driver, node
 
 
-def message(sender: int = 1) -> Message:
-    return Message(Kind.PARAMS, sender, 0, {"w": torch.zeros(1)})
+def message(sender: int = 1, clock: int = 0) -> Message:
+    return Message(Kind.PARAMS, sender, 0, {"w": torch.zeros(1)}, clock=clock)
 
 
 def exchange(peer: int = 1) -> Send:
@@ -252,3 +258,43 @@ def test_a_long_wait_counts_as_it_passes_and_is_logged_once_with_what_it_waits_f
     assert waits == [6.0, 12.0, 18.0, 24.0]
     logged = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
     assert logged == ["job job: rank0 has waited 12 s at step 1 for the step-1 parameters of ranks [3]"]
+
+
+def future_clock_rejections(driver: NodeDriver) -> float | None:
+    return driver.metrics.registry.get_sample_value(
+        "peertrain_stream_rejections_total", {"src": "rank1", "dst": "rank0", "reason": "future_clock"})
+
+
+def test_a_message_beyond_the_algorithms_window_is_dropped_and_counted():
+    algorithm = ScriptedAlgorithm(window=2)
+    driver, _ = driver_for(algorithm)
+    for clock in (0, 2, 3, 2**62):
+        driver.arrived(message(clock=clock))
+    driver.next()
+    assert [item.clock for call, item in algorithm.calls if call == "receive"] == [0, 2]
+    assert future_clock_rejections(driver) == 2
+    driver.step()  # the window moves with the node's clock
+    driver.stepped(0.1)
+    driver.arrived(message(clock=3))
+    driver.next()
+    assert [item.clock for call, item in algorithm.calls if call == "receive"] == [0, 2, 3]
+    unbounded = ScriptedAlgorithm()
+    driver, _ = driver_for(unbounded)
+    driver.arrived(message(clock=2**62))
+    driver.next()
+    assert unbounded.calls == [("receive", message(clock=2**62))] and future_clock_rejections(driver) is None
+
+
+def test_a_synchronous_dsgd_node_keeps_no_copy_of_a_far_future_round():
+    torch.manual_seed(0)
+    context = NodeContext(0, 3, (Neighbor(1, weight=0.25), Neighbor(2, weight=0.25)),
+                          AlgorithmSpec(name="dsgd", mode="sync"), self_weight=0.5)
+    dsgd = build_algorithm(nn.Linear(3, 2), context)
+    clock = Clock()
+    driver = NodeDriver(ScriptedNode(dsgd, clock), job="job", name="rank0", clock=clock, metrics=Metrics(),
+                        name_of=lambda rank: f"rank{rank}")
+    copy = dsgd.params.views(torch.ones_like(dsgd.w))
+    for round_ in [*range(1000), 2**62]:  # one neighbour's copies of 1001 rounds, forged or early
+        driver.arrived(Message(Kind.PARAMS, 1, 0, copy, clock=round_))
+    driver.next()
+    assert sorted(dsgd.round_copies) == [0, 1, 2] and future_clock_rejections(driver) == 998

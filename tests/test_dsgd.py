@@ -1,5 +1,7 @@
 """DSGD as a state machine, driven without any network."""
 
+import random
+
 import pytest
 import torch
 from torch import nn
@@ -175,3 +177,31 @@ def test_synchronous_step_pushes_even_when_the_round_completes_at_once():
     assert send.route == Route.PUSH and send.message.clock == 0
     assert torch.equal(node.params.flatten(send.message.tensors), x_0)
     assert node.sends() == []
+
+
+def test_synchronous_neighbours_race_at_most_one_round_ahead_within_rounds_ahead():
+    """Nodes of a ring step whenever they may and copies arrive in random order: a copy is never more than one
+    round ahead of its receiver (rounds_ahead allows two, for a neighbour that rejoined after a restart)."""
+    world = 4
+    nodes = []
+    for rank in range(world):
+        neighbors = tuple(Neighbor(peer, 1, 0, 1 / 3) for peer in ((rank - 1) % world, (rank + 1) % world))
+        spec = AlgorithmSpec(name="dsgd", mode="sync")
+        nodes.append(build_algorithm(linear_model(), NodeContext(rank, world, neighbors, spec, self_weight=1 / 3)))
+    rng = random.Random(0)
+    in_transit: list[Message] = []
+    leads = []
+    for tick in range(1500):
+        ready = [node for node in nodes if node.ready()]
+        if ready and rng.random() < 0.5:
+            node = min(ready, key=lambda node: (node.context.rank != 0, rng.random()))
+            node.step(*batch(tick % 7))
+            in_transit += [send.message for send in node.sends()]
+        elif in_transit:
+            copy = in_transit.pop(rng.randrange(len(in_transit)))
+            receiver = nodes[copy.receiver]
+            leads.append(copy.clock - receiver.clock)
+            assert copy.clock <= receiver.clock + receiver.rounds_ahead()
+            receiver.receive(copy)
+    assert max(leads) == 1 and nodes[0].rounds_ahead() == 2
+    assert make(0, (Neighbor(1, 1, 0, 0.5),), 0.5).rounds_ahead() is None  # asynchronous: keeps one copy each

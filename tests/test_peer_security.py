@@ -29,7 +29,7 @@ from nodeagent.jobspec import AlgorithmSpec
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import SERVER_OPTIONS
 from nodeagent.runtime.limits import DEFAULT_LIMITS, PEER_SERVER_THREADS, StreamLimits
-from nodeagent.runtime.peer_service import MAX_DETAIL_CHARS, PEER_RULES, PeerServicer, ServingState
+from nodeagent.runtime.peer_service import MAX_DETAIL_CHARS, PEER_RULES, PeerServicer, ServingState, add_peer_servicer
 from nodeagent.security.authz import Authorizer
 from nodeagent.security.pki import Role, certificate_pem, create_ca, issue, new_private_key, private_key_pem
 from nodeagent.security.tls import Credentials, TlsDir, Transport
@@ -84,7 +84,7 @@ def start_node(cluster_pki) -> Iterator[Callable[..., Node]]:
         )
         servicer = PeerServicer(lambda: state, metrics, "test", node_id=lambda: "n1", lane_host="127.0.0.1",
                                 secure=secure, limits=limits)
-        peer_pb2_grpc.add_PeerServicer_to_server(servicer, server)
+        add_peer_servicer(servicer, server)
         port = transport.bind(server, "127.0.0.1:0")
         server.start()
         stops.append(lambda: (server.stop(grace=None), servicer.close()))
@@ -375,7 +375,7 @@ def test_refusals_do_not_echo_what_the_caller_sent(start_node, cluster_pki):
     frames = params_stream(0, "n0", 7.0)
     frames[0].manifest.job_id = "x" * 100_000
     error = refusal(lambda: send(stub_as(node.address, n0, n0), "Exchange", frames))
-    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT  # beyond the manifest's limits, before anything else
     assert len(error.details()) <= MAX_DETAIL_CHARS + 3
     frames = params_stream(0, "n0", 7.0)
     frames[0].manifest.tensors.extend(wire_pb2.TensorHeader(name="y" * 1000) for _ in range(100))

@@ -7,15 +7,16 @@ from concurrent import futures
 import grpc
 import pytest
 import torch
+from test_codec import manifest_frame_bytes, serialized_field
 from torch import nn
 
 from nodeagent._proto import peer_pb2, peer_pb2_grpc, wire_pb2
 from nodeagent.algorithms import Neighbor, NodeContext, build_algorithm
 from nodeagent.jobspec import AlgorithmSpec
 from nodeagent.metrics import Metrics
-from nodeagent.rpc import GRPC_OPTIONS, grpc_code
-from nodeagent.runtime.peer_service import PeerClient, PeerServicer, ServingState
-from nodeagent.wire import Encoding, Kind, Message, Status
+from nodeagent.rpc import GRPC_OPTIONS, add_servicer, grpc_code
+from nodeagent.runtime.peer_service import PeerClient, PeerServicer, ServingState, add_peer_servicer
+from nodeagent.wire import Encoding, Kind, Message, Status, WireError
 from nodeagent.wire.encoder import encode
 
 JOB = "job-1"
@@ -44,7 +45,7 @@ def node():
     metrics = Metrics()
     state = serving(algorithm, "n1", inbox)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
-    peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(lambda: state, metrics, "test"), server)
+    add_peer_servicer(PeerServicer(lambda: state, metrics, "test"), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     yield algorithm, inbox, metrics, f"127.0.0.1:{port}"
@@ -169,7 +170,7 @@ def test_describe_and_pull(node):
 
 def test_node_without_a_job_refuses_exchanges():
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(lambda: None, Metrics(), "test"), server)
+    add_peer_servicer(PeerServicer(lambda: None, Metrics(), "test"), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
@@ -183,3 +184,124 @@ def test_node_without_a_job_refuses_exchanges():
 def test_every_wire_status_is_the_grpc_code_of_its_name():
     for status in Status:
         assert grpc_code(status).name == status.name
+
+
+def raw_call(address: str, method: str, request):
+    """Call a Peer method with requests sent as the bytes given (one for unary requests, an iterable otherwise)."""
+    channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+    identity = lambda data: data  # noqa: E731
+    if method in ("Exchange", "Push"):
+        call = channel.stream_stream(f"/peertrain.v1.Peer/{method}", request_serializer=identity,
+                                     response_deserializer=identity)
+        return list(call(iter(request), timeout=30))
+    call = channel.unary_unary(f"/peertrain.v1.Peer/{method}", request_serializer=identity,
+                               response_deserializer=identity)
+    return call(request, timeout=30)
+
+
+def rejections(metrics: Metrics, reason: str) -> float | None:
+    return metrics.registry.get_sample_value(
+        "peertrain_stream_rejections_total", {"src": "unknown", "dst": "n1", "reason": reason})
+
+
+@pytest.mark.parametrize("method", ["Exchange", "Push"])
+@pytest.mark.parametrize("megabytes", [3, 61], ids=["100k_tensors", "61MB"])
+def test_an_oversized_manifest_is_refused_before_it_is_parsed_and_counted(node, method, megabytes):
+    algorithm, inbox, metrics, address = node
+    before = state_of(algorithm)
+    frame = manifest_frame_bytes(megabytes)
+    with pytest.raises(grpc.RpcError) as error:
+        raw_call(address, method, [frame])
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.details().startswith("too_large") and len(error.value.details()) < 200
+    assert rejections(metrics, "too_large") == 1 and inbox.empty()
+    assert all(torch.equal(a, b) for a, b in zip(before, state_of(algorithm), strict=True))
+
+
+def test_an_oversized_request_on_lanes_is_refused_before_it_is_parsed(node):
+    _, inbox, metrics, address = node
+    request = serialized_field(1, manifest_frame_bytes(2))  # Frames{frames: [a 2 MB manifest frame]}
+    with pytest.raises(grpc.RpcError) as error:
+        raw_call(address, "PushOnLane", request)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and error.value.details().startswith("too_large")
+    assert rejections(metrics, "too_large") == 1 and inbox.empty()
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [lambda m: setattr(m.tensors[0], "name", "w" * 300),
+     lambda m: [m.tensors.add(name=f"t{i}", dtype="float32", shape=[1], byte_length=4) for i in range(5000)]],
+    ids=["name_of_300_chars", "5000_tensors"],
+)
+def test_a_manifest_beyond_the_limits_is_refused_before_the_expectation(node, corrupt):
+    _, inbox, metrics, address = node
+    frames = frames_from_rank0()
+    corrupt(frames[0].manifest)
+    with pytest.raises(grpc.RpcError) as error:
+        call_exchange(address, frames)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.details().startswith("manifest_limit") and len(error.value.details()) < 200
+    assert rejections(metrics, "manifest_limit") == 1 and inbox.empty()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("lanes", [False, True], ids=["frames", "lanes"])
+def test_a_nonfinite_exchange_is_refused_counted_and_changes_nothing(node, value, lanes):
+    algorithm, inbox, metrics, address = node
+    before = state_of(algorithm)
+    rank0 = dsgd(0, 1)
+    poisoned = rank0.w.clone()
+    poisoned[3] = value
+    message = Message(Kind.PARAMS, 0, 1, rank0.params.views(poisoned), clock=3)
+    client = PeerClient(address, lanes=lanes)
+    with pytest.raises(grpc.RpcError) as error:
+        client.exchange(serving(rank0, "n0", queue.Queue()), message, timeout=10, metrics=Metrics())
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "non_finite" in error.value.details()
+    assert rejections(metrics, "non_finite") == 1 and inbox.empty()
+    assert all(torch.equal(a, b) for a, b in zip(before, state_of(algorithm), strict=True))
+    client.close()
+
+
+def test_a_nonfinite_reply_is_refused_by_the_client(node):
+    algorithm, _, _, address = node
+    with torch.no_grad():
+        algorithm.w[0] = float("nan")  # rank 1 serves a NaN model
+    algorithm.republish()
+    rank0 = dsgd(0, 1)
+    message = Message(Kind.PARAMS, 0, 1, rank0.params.views(rank0.w.clone()), clock=3)
+    client = PeerClient(address, lanes=False)
+    with pytest.raises(WireError) as error:
+        client.exchange(serving(rank0, "n0", queue.Queue()), message, timeout=10, metrics=Metrics())
+    assert error.value.reason == "non_finite"
+    with pytest.raises(WireError) as error:
+        client.pull(serving(rank0, "n0", queue.Queue()), 1, Kind.PARAMS, timeout=10, metrics=Metrics())
+    assert error.value.reason == "non_finite"
+    client.close()
+
+
+def test_add_servicer_refuses_a_method_the_service_does_not_have():
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    with pytest.raises(ValueError, match="Exchnage"):
+        add_servicer(peer_pb2_grpc.add_PeerServicer_to_server, PeerServicer(lambda: None, Metrics(), "test"), server,
+                     raw_requests=("Exchnage",))
+
+
+@pytest.mark.parametrize("method", ["exchange", "push"])
+def test_a_full_inbox_refuses_with_resource_exhausted_and_takes_again_once_drained(node, method):
+    algorithm, inbox, metrics, address = node
+    state = serving(algorithm, "n1", inbox)
+    waiting = [f"item {i}" for i in range(state.max_inbox)]
+    for item in waiting:
+        inbox.put(item)
+    rank0 = dsgd(0, 1)
+    message = Message(Kind.PARAMS, 0, 1, rank0.params.views(rank0.w.clone()), clock=3)
+    client, client_state = PeerClient(address), serving(rank0, "n0", queue.Queue())
+    send = getattr(client, method)
+    with pytest.raises(grpc.RpcError) as error:
+        send(client_state, message, timeout=10, metrics=Metrics())
+    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "inbox_full" in error.value.details()
+    assert rejections(metrics, "inbox_full") == 1 and inbox.qsize() == state.max_inbox == 16
+    inbox.get_nowait()  # the runner took one
+    send(client_state, message, timeout=10, metrics=Metrics())
+    assert list(inbox.queue)[:-1] == waiting[1:] and inbox.queue[-1].clock == 3
+    client.close()

@@ -230,7 +230,13 @@ def test_an_esync_worker_rejoins_the_round_and_the_server_restarts_its_entry():
     ("algorithm", "message"),
     [
         ({"name": "asgd", "options": {"rate": 0.1}}, "algorithm.options.rate: unknown option of asgd, which takes "
-         "no options"),
+         "max_update_norm"),
+        ({"name": "ssgd", "options": {"max_update_norm": 0}}, "algorithm.options.max_update_norm: Input should be "
+         "greater than 0"),
+        ({"name": "esync", "options": {"max_update_norm": float("inf")}}, "algorithm.options.max_update_norm: "
+         "Input should be a finite number"),
+        ({"name": "adacomp", "options": {"max_update_norm": "big"}}, "algorithm.options.max_update_norm: Input "
+         "should be a valid number"),
         ({"name": "ssgd", "momentum": 0.9}, "algorithm.momentum: the workers push plain gradients"),
         ({"name": "adacomp", "options": {"codec": "int4"}}, "algorithm.options.codec: Input should be 'fp32', "
          "'fp16' or 'int8'"),

@@ -1,4 +1,5 @@
-"""SSGD, ASGD and DC-ASGD server halves on known vectors, and their state round trips."""
+"""SSGD, ASGD and DC-ASGD server halves on known vectors, their state round trips, and the bound on an update's norm
+that every rule applies."""
 
 import io
 import math
@@ -6,7 +7,7 @@ import math
 import pytest
 import torch
 
-from nodeagent.ps import ASGDServer, DCASGDServer, ProtocolError, SSGDServer
+from nodeagent.ps import AdaCompServer, ASGDServer, DCASGDServer, ESyncServer, ProtocolError, SSGDServer
 
 
 def vec(*values: float) -> torch.Tensor:
@@ -180,3 +181,68 @@ def test_load_state_dict_refuses_a_state_of_another_shape():
     assert target.w.tolist() == [1, 2, 3]  # a refused state changes nothing
     with pytest.raises(ValueError, match="backup"):
         DCASGDServer(vec(1, 2, 3), num_workers=3, lr=0.1).load_state_dict(server.state_dict())
+
+
+# -- the bound on an update's norm ----------------------------------------------------------------------------------
+
+
+def norm(tensor: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(tensor, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda bound: ASGDServer(vec(1, 1, 1, 1), num_workers=1, lr=0.5, max_update_norm=bound),
+        lambda bound: DCASGDServer(vec(1, 1, 1, 1), num_workers=1, lr=0.5, max_update_norm=bound),
+        lambda bound: DCASGDServer(vec(1, 1, 1, 1), num_workers=1, lr=0.5, adaptive=True, max_update_norm=bound),
+        lambda bound: SSGDServer(vec(1, 1, 1, 1), num_workers=1, lr=0.5, max_update_norm=bound),
+        lambda bound: ESyncServer(vec(1, 1, 1, 1), num_workers=1, global_lr=-0.5, max_update_norm=bound),
+    ],
+    ids=["asgd", "dcasgd", "dcasgd_adaptive", "ssgd", "esync"],
+)
+def test_a_1e30_update_is_scaled_down_to_max_update_norm_and_says_so(make):
+    def push(server, update: torch.Tensor):
+        if isinstance(server, ESyncServer):
+            server.report(0, duration=1.0, now=1.0)  # the only worker is READY at once
+            return server.push(0, update, 0, now=2.0)
+        return server.push(0, update, 0)
+
+    server = make(2.0)
+    result = push(server, vec(1e30, -1e30, 0, 0))
+    assert result.applied and result.clipped
+    # The direction is kept, the length is the bound: w moved by lr * 2 along (1, -1) / sqrt(2).
+    step = server.w - vec(1, 1, 1, 1)
+    assert math.isclose(norm(step), 0.5 * 2.0, rel_tol=1e-6)
+    assert torch.allclose(step, vec(-1, 1, 0, 0) * 0.5 * 2.0 / math.sqrt(2), rtol=1e-5)
+    within = make(2.0)
+    small = push(within, vec(0.3, 0.4, 0, 0))  # norm 0.5: applied as it is
+    assert small.applied and not small.clipped
+    assert torch.allclose(within.w - vec(1, 1, 1, 1), vec(-0.15, -0.2, 0, 0))
+
+
+def test_without_a_bound_a_large_update_is_applied_as_it_is():
+    server = ASGDServer(vec(0, 0), num_workers=1, lr=1.0)
+    result = server.push(0, vec(1e30, 0), 0)
+    assert not result.clipped and torch.equal(server.w, vec(-1e30, 0))
+
+
+def test_ssgd_bounds_each_workers_update_before_the_mean():
+    server = SSGDServer(vec(0, 0), num_workers=2, lr=1.0, max_update_norm=1.0)
+    forged = server.push(0, vec(0, 1e30), 0)
+    honest = server.push(1, vec(0.3, 0.4), 0)
+    assert (forged.clipped, forged.applied, honest.clipped, honest.applied) == (True, False, False, True)
+    assert torch.allclose(server.w, -(vec(0, 1) + vec(0.3, 0.4)) / 2)
+
+
+def test_adacomp_bounds_the_norm_of_a_sparse_update():
+    server = AdaCompServer(torch.zeros(6), num_workers=1, tensor_sizes=[4, 2], lr=1.0, max_delay=4, max_update_norm=5.0)
+    update = [(torch.tensor([1, 3]), vec(3e30, 4e30)), (torch.tensor([0]), vec(0))]
+    result = server.push(0, update, 0)
+    assert result.clipped and torch.allclose(server.w, vec(0, -3, 0, -4, 0, 0))
+
+
+def test_max_update_norm_must_be_a_finite_positive_number():
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="max_update_norm"):
+            ASGDServer(vec(0, 0), num_workers=1, lr=1.0, max_update_norm=bad)

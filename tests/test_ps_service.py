@@ -3,6 +3,7 @@ a recorded order, a restarted coordinator loses no applied update (nor a synchro
 reports, and streams the server must refuse."""
 
 import json
+import math
 import threading
 import uuid
 from concurrent import futures
@@ -12,7 +13,9 @@ import grpc
 import pytest
 import torch
 import yaml
+from test_codec import manifest_frame_bytes
 
+from coordinator.ps_service import add_coordinator_servicer
 from coordinator.service import CoordinatorConfig, CoordinatorService
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc
@@ -41,7 +44,7 @@ class Coordinator:
     def start(self) -> None:
         self.service = CoordinatorService(CoordinatorConfig(state_dir=self.root), Metrics())
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.service, self.server)
+        add_coordinator_servicer(self.service, self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
         self.service.start()
@@ -305,3 +308,65 @@ def test_dcasgd_after_a_restart_rejects_a_push_whose_backup_was_not_kept_and_rec
     assert "last pulled version 0" in rejected.rejected and rejected.version == 1
     assert client.fetch_model(ServerPull(1)).version == 1
     assert push(1).version == 2
+
+
+def test_a_1e30_gradient_is_clipped_to_max_update_norm_and_counted(coordinator):
+    raw = spec_of("asgd", 2, options={"max_update_norm": 1.0})
+    job_id, nodes, run_dir = coordinator.job(raw)
+    spec = parse_job_spec(raw)
+    alg = worker_of(spec, 0)
+    client = coordinator.client(job_id, nodes[0], 0, 2, alg)
+    huge = torch.full((alg.params.numel,), 1e30)
+    reply = client.push_update(ServerPush(Kind.GRADIENT, alg.params.views(huge), 0), new_push_id())
+    assert reply.applied and reply.version == 1
+    model = alg.params.flatten(client.fetch_model(ServerPull()).tensors)
+    assert bool(torch.isfinite(model).all())
+    moved = float(torch.linalg.vector_norm((model - alg.w).double()))
+    assert math.isclose(moved, 0.05 * 1.0, rel_tol=1e-4)  # lr * max_update_norm
+    sample = coordinator.service.metrics.registry.get_sample_value
+    assert sample("peertrain_ps_updates_clipped_total", {"job_id": job_id}) == 1
+    assert [e["clipped"] for e in read_log(run_dir) if e["event"] == "push"] == [True]
+
+
+def test_nonfinite_pushes_are_refused_counted_and_leave_the_model(coordinator):
+    raw = spec_of("adacomp", 2, options={"codec": "fp16"})
+    job_id, nodes, _ = coordinator.job(raw)
+    spec = parse_job_spec(raw)
+    alg = worker_of(spec, 0)
+    sizes = alg.params.sizes
+    # An fp16 payload whose one value is +inf: the decoder cannot see into it, the server's sparse decoding does.
+    payload = bytearray(compress(torch.ones(sum(sizes)), sizes, 0.01, Codec.FP16)[0])
+    payload[-2:] = b"\x00\x7c"  # the last value, a little-endian float16, becomes +inf
+    sparse = Message(Kind.GRADIENT, 0, 2, {"payload": torch.frombuffer(payload, dtype=torch.uint8)})
+    error = raw_push(coordinator, list(encode(sparse, job_id=job_id, sender_id=nodes[0])))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "non_finite" in error.details()
+    model = coordinator.client(job_id, nodes[0], 0, 2, alg).fetch_model(ServerPull())
+    assert model.version == 0 and torch.equal(alg.params.flatten(model.tensors), alg.w)
+    sample = coordinator.service.metrics.registry.get_sample_value
+    assert sample("peertrain_stream_rejections_total",
+                  {"src": "unknown", "dst": "coordinator", "reason": "non_finite"}) == 1
+
+    raw = spec_of("asgd", 2)
+    job_id, nodes, _ = coordinator.job(raw)
+    alg = worker_of(parse_job_spec(raw), 0)
+    for value in (math.nan, math.inf):
+        dense = Message(Kind.GRADIENT, 0, 2, alg.params.views(torch.full((alg.params.numel,), value)))
+        error = raw_push(coordinator, list(encode(dense, job_id=job_id, sender_id=nodes[0])))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "non_finite" in error.details()
+    assert sample("peertrain_stream_rejections_total",
+                  {"src": "unknown", "dst": "coordinator", "reason": "non_finite"}) == 3
+    model = coordinator.client(job_id, nodes[0], 0, 2, alg).fetch_model(ServerPull())
+    assert model.version == 0 and torch.equal(alg.params.flatten(model.tensors), alg.w)
+
+
+def test_an_oversized_push_manifest_is_refused_before_it_is_parsed_and_counted(coordinator):
+    coordinator.job(spec_of("asgd", 2))
+    identity = lambda data: data  # noqa: E731
+    push = coordinator.channel.stream_unary("/peertrain.v1.Coordinator/PsPush", request_serializer=identity,
+                                            response_deserializer=identity)
+    with pytest.raises(grpc.RpcError) as error:
+        # About 110 000 tensor headers in 3 MB (this test's server keeps gRPC's default limit of 4 MiB a message).
+        push(iter([manifest_frame_bytes(3)]), timeout=30, metadata=((PUSH_ID_HEADER, "x"),))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and error.value.details().startswith("too_large")
+    assert coordinator.service.metrics.registry.get_sample_value(
+        "peertrain_stream_rejections_total", {"src": "unknown", "dst": "coordinator", "reason": "too_large"}) == 1

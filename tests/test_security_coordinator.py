@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from coordinator.ca import ClusterCA
+from coordinator.ps_service import add_coordinator_servicer
 from coordinator.service import CoordinatorConfig, CoordinatorService, EnrollmentService
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc, wire_pb2
@@ -69,7 +70,7 @@ class SecureCoordinator:
                                           transport=Transport(tls))
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16),
                                   interceptors=[self.service.authorizer()])
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.service, self.server)
+        add_coordinator_servicer(self.service, self.server)
         self.address = f"127.0.0.1:{Transport(tls).bind(self.server, '127.0.0.1:0')}"
         self.enrollment = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         coordinator_pb2_grpc.add_EnrollmentServicer_to_server(EnrollmentService(self.ca), self.enrollment)

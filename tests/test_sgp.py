@@ -1,5 +1,6 @@
 """SGP and Overlap SGP as state machines, driven without any network: push-sum mixing and the round structure."""
 
+import random
 from collections import defaultdict
 
 import numpy as np
@@ -52,6 +53,13 @@ def exponential_schedule(nodes, rank, k):
     return tuple(tuple(schedule_out_peers("dynamic-exponential", nodes, rank, t, k)) for t in range(period))
 
 
+def deliver(nodes, message: Message) -> None:
+    """Hand a share to its receiver, which would keep it: never beyond the receiver's rounds_ahead()."""
+    receiver = nodes[message.receiver]
+    assert message.clock <= receiver.clock + receiver.rounds_ahead(), (message.clock, receiver.clock)
+    receiver.receive(message)
+
+
 def run_rounds(nodes, iterations, delay=0):
     """Every node steps once per iteration; the pushes of iteration t are delivered after iteration t + delay.
     Returns the senders of each (receiver, round)."""
@@ -68,9 +76,9 @@ def run_rounds(nodes, iterations, delay=0):
         due = [item for item in in_transit if item[0] <= t - delay]
         in_transit = [item for item in in_transit if item[0] > t - delay]
         for _, send in due:
-            nodes[send.peer].receive(send.message)
+            deliver(nodes, send.message)
     for _, send in in_transit:
-        nodes[send.peer].receive(send.message)
+        deliver(nodes, send.message)
     return senders
 
 
@@ -296,3 +304,35 @@ def test_checkpoint_keeps_the_push_sum_state():
     restored.load_state_dict(state)
     assert restored.weight == 1.5 and torch.equal(restored.x, original.x) and torch.equal(restored.w, original.w)
     assert torch.allclose(restored.w, torch.full_like(restored.w, 2.0))
+
+
+def test_rounds_ahead_bounds_the_rounds_a_node_keeps_shares_of():
+    static = graph(SGP, [((1,),), ((2,),), ((3,),), ((0,),)])  # a directed ring: rank 0 may run 3 rounds ahead of 1
+    assert static[0].rounds_ahead() == 4 * (0 + 1)
+    overlap = graph(OverlapSGP, [((1,),), ((2,),), ((3,),), ((0,),)], options={"synch_freq": 2})
+    assert overlap[0].rounds_ahead() == 4 * (1 + 2 + 1)
+    schedules = [exponential_schedule(8, rank, 1) for rank in range(8)]
+    assert graph(SGP, schedules)[0].rounds_ahead() == 8 * len(schedules[0])
+
+
+@pytest.mark.parametrize(("cls", "options", "lead"), [(SGP, {}, 2), (OverlapSGP, {"synch_freq": 1}, 8)],
+                         ids=["sgp", "osgp"])
+def test_a_node_racing_ahead_on_a_directed_ring_stays_within_its_receivers_rounds_ahead(cls, options, lead):
+    """Rank 0 steps whenever it may and shares arrive in random order: it runs up to (n - 1) * (rounds_in_flight + 1)
+    - 1 rounds ahead of rank 1, its out-peer, which it hears from only through the three others; `deliver` checks
+    that no share is ever beyond the window, which is n * (rounds_in_flight + 1)."""
+    nodes = graph(cls, [((1,),), ((2,),), ((3,),), ((0,),)], options=options)
+    rng = random.Random(0)
+    in_transit: list[Message] = []
+    leads = []
+    for tick in range(1500):
+        ready = [node for node in nodes if node.ready()]
+        if ready and rng.random() < 0.5:
+            node = min(ready, key=lambda node: (node.context.rank != 0, rng.random()))
+            node.step(*batch(tick % 7))
+            in_transit += [send.message for send in node.sends()]
+        elif in_transit:
+            share = in_transit.pop(rng.randrange(len(in_transit)))
+            leads.append(share.clock - nodes[share.receiver].clock)
+            deliver(nodes, share)
+    assert 2 <= max(leads) <= lead

@@ -12,11 +12,10 @@ import pytest
 import torch
 from test_codec import assert_bit_equal, finite_sample
 
-from nodeagent._proto import peer_pb2_grpc
 from nodeagent.algorithms.base import Snapshot
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import GRPC_OPTIONS
-from nodeagent.runtime.peer_service import PeerClient, PeerServicer, ServingState
+from nodeagent.runtime.peer_service import PeerClient, PeerServicer, ServingState, add_peer_servicer
 from nodeagent.wire import Encoding, Kind, Message, TensorSpec, specs_of
 from nodeagent.wire.decoder import decode
 from nodeagent.wire.encoder import plan
@@ -96,7 +95,7 @@ def test_a_push_between_devices_over_a_lane(device):
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
     served = state(1, inbox)
     servicer = PeerServicer(lambda: served, Metrics(), "test", lane_host="127.0.0.1")
-    peer_pb2_grpc.add_PeerServicer_to_server(servicer, server)
+    add_peer_servicer(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:

@@ -21,7 +21,7 @@ from nodeagent._proto import peer_pb2, peer_pb2_grpc, wire_pb2
 from nodeagent.algorithms.base import Snapshot
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import GRPC_OPTIONS
-from nodeagent.runtime.peer_service import PeerClient, PeerServicer, ServingState
+from nodeagent.runtime.peer_service import PeerClient, PeerServicer, ServingState, add_peer_servicer
 from nodeagent.wire import Encoding, Kind, Message, TensorSpec, WireError, specs_of
 from nodeagent.wire.encoder import plan
 from nodeagent.wire.frames import LANE_HEADER, LANE_MAGIC, new_stream_id
@@ -58,7 +58,7 @@ class Node:
         self.state = make_state(1, self.inbox, self.served, {0: specs, 2: specs})
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=GRPC_OPTIONS)
         self.servicer = PeerServicer(lambda: self.state, self.metrics, "test", lane_host="127.0.0.1" if lanes else None)
-        peer_pb2_grpc.add_PeerServicer_to_server(self.servicer, self.server)
+        add_peer_servicer(self.servicer, self.server)
         self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
         self.server.start()
 

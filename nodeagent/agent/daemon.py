@@ -18,13 +18,13 @@ from pathlib import Path
 import grpc
 
 from nodeagent import __version__
-from nodeagent._proto import coordinator_pb2, coordinator_pb2_grpc, peer_pb2_grpc
+from nodeagent._proto import coordinator_pb2, coordinator_pb2_grpc
 from nodeagent.agent.enroll import EnrollmentError, enroll, needs_renewal, renew
 from nodeagent.agent.runner import JobRunner
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import GRPC_OPTIONS, SERVER_OPTIONS, Backoff, failure_reason, split_address
 from nodeagent.runtime.limits import PEER_SERVER_THREADS
-from nodeagent.runtime.peer_service import PEER_RULES, PeerServicer, ServingState
+from nodeagent.runtime.peer_service import PEER_RULES, PeerServicer, ServingState, add_peer_servicer
 from nodeagent.security.authz import Authorizer
 from nodeagent.security.pki import Identity
 from nodeagent.security.tls import INSECURE_WARNING, TlsDir, TlsError, Transport
@@ -112,7 +112,7 @@ class Agent:
         # Payload bytes of exchanges travel on lanes beside gRPC, on the same host as the peer service.
         self._servicer = PeerServicer(self.serving, self.metrics, __version__, node_id=lambda: self.node_id,
                                       lane_host=host, lane_port=config.lane_port, secure=self.transport.secure)
-        peer_pb2_grpc.add_PeerServicer_to_server(self._servicer, self._server)
+        add_peer_servicer(self._servicer, self._server)
         bound = self.transport.bind(self._server, config.listen)
         self._server.start()
         self.peer_address = config.advertise or f"{self._advertised_host(host)}:{bound}"

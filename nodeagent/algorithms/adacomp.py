@@ -13,7 +13,7 @@ changed since the worker's version, in the same compact encoding with exact fp32
 worker is older than the window).
 
 Options (algorithm.options): rate (0.01), codec ("fp32", "fp16" or "int8"), residual (false), max_delay (0: 16 per
-worker, at least 64), pull ("full" or "delta").
+worker, at least 64), pull ("full" or "delta"), and max_update_norm (unset) as every parameter-server algorithm.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from nodeagent.algorithms.base import AlgorithmOptions, NodeContext
+from nodeagent.algorithms.base import NodeContext
 from nodeagent.ps.adacomp import AdaCompServer
 from nodeagent.ps.messages import ServerModel, ServerPush
 from nodeagent.ps.rules import ParameterServer, ProtocolError
-from nodeagent.ps.server import ServerHalf
+from nodeagent.ps.server import ServerHalf, ServerOptions
 from nodeagent.ps.worker import PSWorker
 from nodeagent.wire.errors import WireError
 from nodeagent.wire.message import Kind, TensorSpec
@@ -67,7 +67,7 @@ def split_flat(indices: torch.Tensor, values: torch.Tensor, tensor_sizes: list[i
     ]
 
 
-class AdaCompOptions(AlgorithmOptions):
+class AdaCompOptions(ServerOptions):
     rate: float = Field(0.01, gt=0, le=1)  # the share of each tensor's entries sent
     codec: Literal["fp32", "fp16", "int8"] = "fp32"  # how the values travel
     residual: bool = False  # error feedback: entries not sent are added to the next gradient
@@ -80,7 +80,8 @@ class AdaCompServerHalf(ServerHalf):
 
     def build_rule(self, w0: torch.Tensor) -> ParameterServer:
         max_delay = self.options.max_delay or max(64, 16 * self.num_workers)
-        return AdaCompServer(w0, self.num_workers, self.params.sizes, self.spec.algorithm.lr, max_delay)
+        return AdaCompServer(w0, self.num_workers, self.params.sizes, self.spec.algorithm.lr, max_delay,
+                             max_update_norm=self.options.max_update_norm)
 
     def push_specs(self, kind: Kind, shapes: list[tuple[str, tuple[int, ...]]]) -> list[TensorSpec]:
         if kind != Kind.GRADIENT:

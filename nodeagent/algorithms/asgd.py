@@ -15,7 +15,7 @@ from nodeagent.ps.worker import PSWorker
 
 class ASGDServerHalf(ServerHalf):
     def build_rule(self, w0: torch.Tensor) -> ParameterServer:
-        return ASGDServer(w0, self.num_workers, self.spec.algorithm.lr)
+        return ASGDServer(w0, self.num_workers, self.spec.algorithm.lr, max_update_norm=self.options.max_update_norm)
 
 
 class ASGD(PSWorker):

@@ -6,6 +6,8 @@ always from one thread (the agent's runner thread, or the simulator's loop):
 - `sends()`: the messages to send now (exchange, push, pull, all-reduce, or a request to the parameter server);
 - `receive(message)`: a message arrived (a peer's, a reply, an all-reduce mean, the parameter server's answer);
 - `ready()`: whether the next local step may start (synchronous modes wait for their round's messages);
+- `rounds_ahead()`: how many rounds ahead of the node's clock a received message may be (the driver drops one
+  beyond);
 - `failed(send, reason)`: a send of this node's could not be completed (the peer refused, timed out, ...);
 - `state_dict()` / `load_state_dict()`: checkpoints.
 
@@ -348,6 +350,12 @@ class Algorithm(ABC):
     def ready(self) -> bool:
         """Whether the next local step may start; asynchronous algorithms never wait."""
         return True
+
+    def rounds_ahead(self) -> int | None:
+        """How many rounds ahead of this node's clock a peer's message may be (None: any). Algorithms that keep the
+        messages of rounds to come bound it by what their protocol allows, so that a forged far-future clock cannot
+        make them hold messages without limit: the node driver drops, and counts, a message beyond it."""
+        return None
 
     def waiting_for(self) -> str:
         """What the node waits for while not ready, in words for the log."""

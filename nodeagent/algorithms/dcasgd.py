@@ -4,7 +4,8 @@ last pulled.
 
 Options (algorithm.options): `adaptive` (false: constant lambda; true: lambda_t = lambda0 / sqrt(MS_m + 1e-7)
 with MS_m <- mean_square_decay * MS_m + (1 - mean_square_decay) * g_m^2 per worker), `lambda` (0.04),
-`lambda0` (2.0), `mean_square_decay` (0.95, the paper's m).
+`lambda0` (2.0), `mean_square_decay` (0.95, the paper's m), and `max_update_norm` (unset) as every
+parameter-server algorithm: it bounds g_m before the compensation.
 
 Worker: `PSWorker`. Server: nodeagent.ps.DCASGDServer. A pull records the backup, so the server's state changes
 on pulls too. The backups and mean squares are "volatile" state: the coordinator writes them periodically, not
@@ -17,13 +18,12 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from nodeagent.algorithms.base import AlgorithmOptions
 from nodeagent.ps.rules import DCASGDServer, ParameterServer
-from nodeagent.ps.server import ServerHalf
+from nodeagent.ps.server import ServerHalf, ServerOptions
 from nodeagent.ps.worker import PSWorker
 
 
-class DCASGDOptions(AlgorithmOptions):
+class DCASGDOptions(ServerOptions):
     adaptive: bool = False  # lambda_t = lambda0 / sqrt(MS_m + 1e-7) instead of the constant lambda
     lambda_: float = Field(0.04, ge=0, alias="lambda")
     lambda0: float = Field(2.0, ge=0)
@@ -40,7 +40,7 @@ class DCASGDServerHalf(ServerHalf):
         o = self.options
         return DCASGDServer(
             w0, self.num_workers, self.spec.algorithm.lr, lam=o.lambda_, adaptive=o.adaptive, lam0=o.lambda0,
-            momentum=o.mean_square_decay,
+            momentum=o.mean_square_decay, max_update_norm=o.max_update_norm,
         )
 
 

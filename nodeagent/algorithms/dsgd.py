@@ -21,6 +21,11 @@ from torch import nn
 from nodeagent.algorithms.base import Algorithm, NodeContext, Route, Send, Snapshot
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
+# Synchronous mode: a neighbour runs at most one round ahead of this node (it completes a round only with this
+# node's copy of it); one that rejoined after a restart starts at the latest round of its own neighbours, which may
+# be two ahead of this node.
+SYNC_ROUNDS_AHEAD = 2
+
 
 class DSGD(Algorithm):
     name = "dsgd"
@@ -100,6 +105,9 @@ class DSGD(Algorithm):
 
     def ready(self) -> bool:
         return self._pending_direction is None
+
+    def rounds_ahead(self) -> int | None:
+        return SYNC_ROUNDS_AHEAD if self.synchronous else None  # asynchronous: one last copy per neighbour
 
     def rejoin_kind(self) -> Kind | None:
         return Kind.PARAMS if self.synchronous else None

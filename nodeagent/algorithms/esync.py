@@ -11,7 +11,8 @@ Server: nodeagent.ps.ESyncServer. READY is nodeagent.ps.is_ready, a pure functio
 durations and end times, epsilon and the time (`now`: the coordinator's monotonic clock, or the simulator's
 virtual clock); once every delta is in, w <- w + global_lr * mean(delta_i) and the next round starts.
 
-Options (algorithm.options): epsilon (0.5 s), global_lr (1.0).
+Options (algorithm.options): epsilon (0.5 s), global_lr (1.0), and max_update_norm (unset) as every
+parameter-server algorithm: it bounds each worker's delta.
 """
 
 from __future__ import annotations
@@ -20,16 +21,16 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from nodeagent.algorithms.base import AlgorithmOptions, NodeContext, Route, Send
+from nodeagent.algorithms.base import NodeContext, Route, Send
 from nodeagent.ps.esync import Decision, ESyncServer
 from nodeagent.ps.messages import SERVER_RANK, ReadyAnswer, ServerAnswer, ServerModel, ServerPush, StepReport
 from nodeagent.ps.rules import ParameterServer, ProtocolError, PushResult
-from nodeagent.ps.server import ServerHalf
+from nodeagent.ps.server import ServerHalf, ServerOptions
 from nodeagent.ps.worker import PSWorker
 from nodeagent.wire.message import Kind, Message
 
 
-class ESyncOptions(AlgorithmOptions):
+class ESyncOptions(ServerOptions):
     epsilon: float = Field(0.5, ge=0)  # seconds: READY when a step of the caller's would end within it
     global_lr: float = Field(1.0, gt=0)  # w <- w + global_lr * mean(delta_i)
 
@@ -40,7 +41,8 @@ class ESyncServerHalf(ServerHalf):
     options: ESyncOptions
 
     def build_rule(self, w0: torch.Tensor) -> ParameterServer:
-        return ESyncServer(w0, self.num_workers, global_lr=self.options.global_lr, epsilon=self.options.epsilon)
+        return ESyncServer(w0, self.num_workers, global_lr=self.options.global_lr, epsilon=self.options.epsilon,
+                           max_update_norm=self.options.max_update_norm)
 
     @property
     def esync(self) -> ESyncServer:

@@ -170,6 +170,13 @@ class SGP(Algorithm):
     def ready(self) -> bool:
         return not self.open_rounds or self.open_rounds[0] >= self.clock - self.rounds_in_flight
 
+    def rounds_ahead(self) -> int:
+        """A node runs at most rounds_in_flight + P rounds ahead of each of its in-peers of the last P rounds (P: the
+        period of a time-varying schedule, 1 for a static graph): it waits for their shares. A sender reaches this
+        node through at most world_size - 1 such links (a rejoined node adds less than one), hence the bound."""
+        period = max(1, len(self.context.peer_schedule))
+        return self.context.world_size * (self.rounds_in_flight + period)
+
     def waiting_for(self) -> str:
         round_ = self.open_rounds[0]
         received = sorted(self.shares.get(round_, {}))

@@ -18,7 +18,7 @@ class SSGDServerHalf(ServerHalf):
     synchronous = True
 
     def build_rule(self, w0: torch.Tensor) -> ParameterServer:
-        return SSGDServer(w0, self.num_workers, self.spec.algorithm.lr)
+        return SSGDServer(w0, self.num_workers, self.spec.algorithm.lr, max_update_norm=self.options.max_update_norm)
 
 
 class SSGD(PSWorker):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from nodeagent.ps.rules import ParameterServer, ProtocolError, PushResult, StateDict, state_int, state_tensor
+from nodeagent.wire.message import all_finite
 from nodeagent.wire.sparse import Sparse, check_sizes, flat_indices
 
 
@@ -32,8 +33,9 @@ class DeltaPull:
 
 
 class AdaCompServer(ParameterServer):
-    def __init__(self, w0: torch.Tensor, num_workers: int, tensor_sizes: Sequence[int], lr: float, max_delay: int):
-        super().__init__(w0, num_workers)
+    def __init__(self, w0: torch.Tensor, num_workers: int, tensor_sizes: Sequence[int], lr: float, max_delay: int,
+                 *, max_update_norm: float | None = None):
+        super().__init__(w0, num_workers, max_update_norm=max_update_norm)
         check_sizes(tensor_sizes, self.w.numel())
         if max_delay < 1:
             raise ValueError(f"max_delay must be >= 1, got {max_delay}")
@@ -50,11 +52,12 @@ class AdaCompServer(ParameterServer):
         if delay > self.max_delay:
             reason = f"delay {delay} exceeds the staleness window of {self.max_delay} pushes"
             return PushResult(applied=False, version=self.version, release=(worker,), delay=delay, rejected=reason)
+        values, clipped = self.bound(values)  # the sparse update's norm is its values' norm
         staleness = self._staleness(flat, delay)
         self.w.index_add_(0, flat, values / staleness.clamp(min=1).to(values.dtype), alpha=-self.lr)
         self.window.append(flat)
         self.version += 1
-        return PushResult(applied=True, version=self.version, release=(worker,), delay=delay)
+        return PushResult(applied=True, version=self.version, release=(worker,), delay=delay, clipped=clipped)
 
     def pull_delta(self, worker: int, since_version: int) -> DeltaPull:
         self.check_worker(worker)
@@ -104,6 +107,6 @@ class AdaCompServer(ParameterServer):
             ):
                 raise ProtocolError(f"tensor {t}: indices must be strictly increasing in [0, {n})")
         values = torch.cat([values for _, values in update]).to(self.w.dtype)
-        if not bool(torch.isfinite(values).all()):
+        if not all_finite(values):
             raise ProtocolError("update has non-finite values")
         return flat_indices(update, self.tensor_sizes), values

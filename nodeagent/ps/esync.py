@@ -145,9 +145,10 @@ class ESyncServer(RoundServer):
     """
 
     def __init__(
-        self, w0: torch.Tensor, num_workers: int, global_lr: float = 1.0, epsilon: float = 0.5, start: float = 0.0
+        self, w0: torch.Tensor, num_workers: int, global_lr: float = 1.0, epsilon: float = 0.5, start: float = 0.0,
+        *, max_update_norm: float | None = None,
     ):
-        super().__init__(w0, num_workers)
+        super().__init__(w0, num_workers, max_update_norm=max_update_norm)
         self.global_lr = global_lr
         self.round = ESyncRound(num_workers, epsilon, start)
 
@@ -158,13 +159,13 @@ class ESyncServer(RoundServer):
         self.check_round(worker, worker_version)
         if not self.round.ready[worker]:
             raise ProtocolError(f"worker {worker} pushed its delta before READY")
-        mean = self.gather(worker, update, worker_version)
+        mean, clipped = self.gather(worker, update, worker_version)
         if mean is None:
-            return PushResult(applied=False, version=self.version, release=())
+            return PushResult(applied=False, version=self.version, release=(), clipped=clipped)
         self.w.add_(mean, alpha=self.global_lr)
         self.version += 1
         self.round.reset(now)
-        return PushResult(applied=True, version=self.version, release=tuple(range(self.num_workers)))
+        return PushResult(applied=True, version=self.version, release=tuple(range(self.num_workers)), clipped=clipped)
 
     def state_dict(self) -> StateDict:
         reports = self.round.reports

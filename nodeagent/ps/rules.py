@@ -9,15 +9,19 @@ Each server holds the global model `w` (a flat float32 vector laid out like Flat
 - `state_dict()` / `load_state_dict(state)`: plain tensors and ints, read after every push so that a restarted
   coordinator loses no applied update (hyper-parameters come from the job spec, not from the state).
 
-A malformed or out-of-protocol call raises ProtocolError before any state changes.
+A malformed or out-of-protocol call raises ProtocolError before any state changes. With `max_update_norm`, an
+update longer than it (L2) is scaled down to it before it is applied (`bound`), and the result says so.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+
+from nodeagent.wire.message import all_finite
 
 StateDict = dict[str, torch.Tensor | int]
 
@@ -34,19 +38,23 @@ class PushResult:
     delay: int = 0  # updates applied since the version the worker computed on
     rejected: str = ""  # non-empty: the update was discarded (why); the worker must pull and recompute
     duplicate: bool = False  # a retry of a push the server already had (runtimes dedupe by push id)
+    clipped: bool = False  # the update was longer than max_update_norm and was scaled down to it
 
 
 class ParameterServer:
-    """What every server shares: the model, its version, the workers, pulls and validation."""
+    """What every server shares: the model, its version, the workers, pulls, validation and the norm bound."""
 
-    def __init__(self, w0: torch.Tensor, num_workers: int):
+    def __init__(self, w0: torch.Tensor, num_workers: int, *, max_update_norm: float | None = None):
         if w0.dim() != 1 or not w0.is_floating_point():
             raise ValueError(f"w0 must be a flat floating-point vector, got {w0.dtype} of shape {tuple(w0.shape)}")
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if max_update_norm is not None and not 0 < max_update_norm < math.inf:
+            raise ValueError(f"max_update_norm must be a finite number > 0, got {max_update_norm}")
         self.w = w0.detach().clone()
         self.version = 0
         self.num_workers = num_workers
+        self.max_update_norm = max_update_norm
 
     def pull(self, worker: int) -> tuple[torch.Tensor, int]:
         self.check_worker(worker)
@@ -72,8 +80,21 @@ class ParameterServer:
                 f"got {update.dtype} of shape {tuple(update.shape)}"
             )
         # One diverged worker must not poison the global model of everyone.
-        if not bool(torch.isfinite(update).all()):
+        if not all_finite(update):
             raise ProtocolError("update has non-finite entries")
+
+    def bound(self, update: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The update (a checked, finite one), scaled down to an L2 norm of max_update_norm when it is longer, and
+        whether it was: one worker's outlier or forged push then moves the model by a bounded step. Scaling keeps
+        its direction, and a synchronous round goes on; refusing it would stall the round while the worker
+        computed the same large update again."""
+        if self.max_update_norm is None:
+            return update, False
+        # In float64: squaring a float32 of 1e30 overflows float32 to an infinity, which would scale to zero.
+        norm = float(torch.linalg.vector_norm(update, dtype=torch.float64))
+        if norm <= self.max_update_norm:
+            return update, False
+        return update * (self.max_update_norm / norm), True
 
     def delay_of(self, worker_version: int) -> int:
         if not 0 <= worker_version <= self.version:
@@ -84,8 +105,8 @@ class ParameterServer:
 class RoundServer(ParameterServer):
     """A synchronous server: one update per worker per round, applied together once all have arrived."""
 
-    def __init__(self, w0: torch.Tensor, num_workers: int):
-        super().__init__(w0, num_workers)
+    def __init__(self, w0: torch.Tensor, num_workers: int, *, max_update_norm: float | None = None):
+        super().__init__(w0, num_workers, max_update_norm=max_update_norm)
         self.pending = torch.zeros_like(self.w)  # sum of this round's updates
         self.arrived = torch.zeros(num_workers, dtype=torch.bool)
 
@@ -100,19 +121,20 @@ class RoundServer(ParameterServer):
         """Whether this round already has `worker`'s update (it waits for the round to complete)."""
         return bool(self.arrived[worker])
 
-    def gather(self, worker: int, update: torch.Tensor, worker_version: int) -> torch.Tensor | None:
-        """Take this round's update of `worker`; once every worker's is in, returns their mean (and clears the
-        round), else None."""
+    def gather(self, worker: int, update: torch.Tensor, worker_version: int) -> tuple[torch.Tensor | None, bool]:
+        """Take this round's update of `worker` (bounded); once every worker's is in, returns their mean (and clears
+        the round), else None; and whether the update was clipped."""
         self.check_round(worker, worker_version)
         self.check_dense(update)
+        update, clipped = self.bound(update)
         self.pending.add_(update)
         self.arrived[worker] = True
         if not bool(self.arrived.all()):
-            return None
+            return None, clipped
         mean = self.pending.div(self.num_workers)
         self.pending.zero_()
         self.arrived.zero_()
-        return mean
+        return mean, clipped
 
     def state_dict(self) -> StateDict:
         return {**super().state_dict(), "pending": self.pending.clone(), "arrived": self.arrived.clone()}
@@ -128,33 +150,34 @@ class RoundServer(ParameterServer):
 class SSGDServer(RoundServer):
     """One gradient per worker per round; the last one applies w <- w - lr * mean(g) and releases everyone."""
 
-    def __init__(self, w0: torch.Tensor, num_workers: int, lr: float):
-        super().__init__(w0, num_workers)
+    def __init__(self, w0: torch.Tensor, num_workers: int, lr: float, *, max_update_norm: float | None = None):
+        super().__init__(w0, num_workers, max_update_norm=max_update_norm)
         self.lr = lr
 
     def push(self, worker: int, update: torch.Tensor, worker_version: int) -> PushResult:
-        mean = self.gather(worker, update, worker_version)
+        mean, clipped = self.gather(worker, update, worker_version)
         if mean is None:
-            return PushResult(applied=False, version=self.version, release=())
+            return PushResult(applied=False, version=self.version, release=(), clipped=clipped)
         self.w.sub_(mean, alpha=self.lr)
         self.version += 1
-        return PushResult(applied=True, version=self.version, release=tuple(range(self.num_workers)))
+        return PushResult(applied=True, version=self.version, release=tuple(range(self.num_workers)), clipped=clipped)
 
 
 class ASGDServer(ParameterServer):
     """Each gradient is applied on arrival: w <- w - lr * g."""
 
-    def __init__(self, w0: torch.Tensor, num_workers: int, lr: float):
-        super().__init__(w0, num_workers)
+    def __init__(self, w0: torch.Tensor, num_workers: int, lr: float, *, max_update_norm: float | None = None):
+        super().__init__(w0, num_workers, max_update_norm=max_update_norm)
         self.lr = lr
 
     def push(self, worker: int, update: torch.Tensor, worker_version: int) -> PushResult:
         self.check_worker(worker)
         delay = self.delay_of(worker_version)
         self.check_dense(update)
+        update, clipped = self.bound(update)
         self.w.sub_(update, alpha=self.lr)
         self.version += 1
-        return PushResult(applied=True, version=self.version, release=(worker,), delay=delay)
+        return PushResult(applied=True, version=self.version, release=(worker,), delay=delay, clipped=clipped)
 
 
 class DCASGDServer(ParameterServer):
@@ -174,8 +197,10 @@ class DCASGDServer(ParameterServer):
         adaptive: bool = False,
         lam0: float = 2.0,
         momentum: float = 0.95,
+        *,
+        max_update_norm: float | None = None,
     ):
-        super().__init__(w0, num_workers)
+        super().__init__(w0, num_workers, max_update_norm=max_update_norm)
         self.lr = lr
         self.lam = lam
         self.adaptive = adaptive
@@ -201,6 +226,7 @@ class DCASGDServer(ParameterServer):
             reason = f"computed on version {worker_version}, but worker {worker} last pulled version "
             reason += str(int(self.backup_version[worker]))
             return PushResult(applied=False, version=self.version, release=(worker,), delay=delay, rejected=reason)
+        update, clipped = self.bound(update)  # g itself: the compensation is computed from the bounded g
         square = update * update
         if self.mean_square is None:
             lam: torch.Tensor | float = self.lam
@@ -210,7 +236,7 @@ class DCASGDServer(ParameterServer):
         compensated = update + lam * square * (self.w - self.backup[worker])
         self.w.sub_(compensated, alpha=self.lr)
         self.version += 1
-        return PushResult(applied=True, version=self.version, release=(worker,), delay=delay)
+        return PushResult(applied=True, version=self.version, release=(worker,), delay=delay, clipped=clipped)
 
     def state_dict(self) -> StateDict:
         state = {**super().state_dict(), "backup": self.backup.clone(), "backup_version": self.backup_version.clone()}

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
+from pydantic import Field
 
 from nodeagent.algorithms.base import AlgorithmOptions, FlatParameters
 from nodeagent.jobspec import JobSpec
@@ -25,6 +26,17 @@ from nodeagent.ps.rules import ParameterServer, ProtocolError, PushResult, Round
 from nodeagent.training.models import initial_model
 from nodeagent.wire.errors import WireError
 from nodeagent.wire.message import Kind, TensorSpec
+
+
+class ServerOptions(AlgorithmOptions):
+    """The options every parameter-server algorithm takes (its own options extend these)."""
+
+    max_update_norm: float | None = Field(
+        None, gt=0,
+        description="largest L2 norm of one pushed update (a gradient; ESync's delta): a longer one is scaled down "
+        "to it before the server applies it, and counted (peertrain_ps_updates_clipped), so that one diverged or "
+        "forged worker moves the global model by a bounded step; unset: no bound",
+    )
 
 
 def initial_parameters(spec: JobSpec) -> FlatParameters:
@@ -44,7 +56,9 @@ class ServerHalf:
     volatile: ClassVar[tuple[str, ...]] = ()
     push_kind: ClassVar[Kind] = Kind.GRADIENT
 
-    def __init__(self, spec: JobSpec, params: FlatParameters, options: AlgorithmOptions):
+    options: ServerOptions
+
+    def __init__(self, spec: JobSpec, params: FlatParameters, options: ServerOptions):
         self.spec = spec
         self.params = params
         self.options = options
@@ -107,6 +121,7 @@ class ServerHalf:
         self.events.append({
             "event": "push", "time": now, "rank": rank, "push_id": push_id, "worker_version": push.version,
             "version": result.version, "applied": result.applied, "delay": result.delay, "rejected": result.rejected,
+            "clipped": result.clipped,
         })
         return result
 

@@ -26,10 +26,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from nodeagent.algorithms.base import Algorithm, Family, NodeContext, Route, Send, Snapshot
+from nodeagent.algorithms.base import Algorithm, AlgorithmOptions, Family, NodeContext, Route, Send, Snapshot
 from nodeagent.jobspec import JobSpec
 from nodeagent.ps.messages import SERVER_RANK, ServerAnswer, ServerModel, ServerPull, ServerPush
-from nodeagent.ps.server import ServerHalf, initial_parameters
+from nodeagent.ps.server import ServerHalf, ServerOptions, initial_parameters
 from nodeagent.wire.errors import WireError
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
@@ -39,6 +39,7 @@ class PSWorker(Algorithm):
     override the update they push and what they do with the answer)."""
 
     family = Family.SERVER
+    Options: ClassVar[type[AlgorithmOptions]] = ServerOptions
     server_half: ClassVar[type[ServerHalf]]
     sends_after_receive = True
     refuses_momentum = "the workers push plain gradients and the server applies its rule; set momentum to 0"

@@ -15,7 +15,8 @@ what it decides and tell it what happened:
 
 The rules, each in one place:
 - Order of work: the initial model is evaluated before anything received is mixed in; then what arrived is
-  handed to the algorithm (and, for algorithms whose answers make sends, those are sent); the node waits until
+  handed to the algorithm (a message of a round beyond `Algorithm.rounds_ahead()` is dropped and counted instead;
+  and, for algorithms whose answers make sends, those are sent); the node waits until
   the algorithm is ready; evaluation is due every `eval_every` steps and at the last; then the next step.
 - Flow control: one exchange or pull per edge in flight; a due one on a busy edge is not sent, and the
   algorithm hears of it as a failure "in_flight" (no call was made, so it costs the peer nothing).
@@ -60,6 +61,7 @@ RETRY_FIRST_S = 1.0  # the first retry of a failed push or server call comes thi
 RETRY_MAX_S = 30.0  # and each next one twice as long after its failure, up to this
 WAIT_LOG_S = 10.0  # a wait longer than this is logged, once
 IN_FLIGHT = "in_flight"  # the failure reason of a send skipped by flow control
+FUTURE_CLOCK = "future_clock"  # the rejection reason of a message beyond the algorithm's rounds_ahead()
 ALLREDUCE_NAME = "allreduce"  # the all-reduce in edge metrics
 
 
@@ -280,7 +282,7 @@ class NodeDriver:
             for item in arrived:
                 if isinstance(item, Failure):
                     algorithm.failed(item.transmission.send, item.reason)
-                else:
+                elif not (isinstance(item, Message) and self._too_far_ahead(item)):
                     algorithm.receive(item)
             if algorithm.sends_after_receive:
                 sends.extend(self._transmissions(algorithm.sends(), math.nan))
@@ -344,6 +346,15 @@ class NodeDriver:
             else:
                 out.append(Transmission(send))
         return out
+
+    def _too_far_ahead(self, message: Message) -> bool:
+        """Whether a peer's message is of a round beyond the algorithm's window (then it is counted, and dropped
+        rather than kept until that round). Checked as it is handed over, against the clock it meets there."""
+        window = self.algorithm.rounds_ahead()
+        if window is None or message.clock <= self.algorithm.clock + window:
+            return False
+        self.metrics.stream_rejections.labels(self.peer_name(message.sender), self.name, FUTURE_CLOCK).inc()
+        return True
 
     def _count_wait(self, now: float) -> None:
         """Count the time since the last step ended, less evaluations, as waiting, as far as it has not been."""

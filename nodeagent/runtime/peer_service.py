@@ -26,11 +26,12 @@ from typing import NoReturn
 
 import grpc
 import grpc.experimental
+from google.protobuf.message import DecodeError
 
 from nodeagent._proto import peer_pb2, peer_pb2_grpc, wire_pb2
 from nodeagent.algorithms.base import SendFailed, Snapshot
 from nodeagent.metrics import Metrics
-from nodeagent.rpc import GRPC_OPTIONS, failure_reason, grpc_code
+from nodeagent.rpc import GRPC_OPTIONS, add_servicer, failure_reason, grpc_code
 from nodeagent.runtime.limits import DEFAULT_LIMITS, Stream, StreamGuard, StreamLimits
 from nodeagent.runtime.progress import Traffic
 from nodeagent.security.authz import rules_for
@@ -39,7 +40,7 @@ from nodeagent.security.tls import caller
 from nodeagent.wire.decoder import Receiver
 from nodeagent.wire.encoder import Outgoing, plan
 from nodeagent.wire.errors import Status, WireError
-from nodeagent.wire.frames import counted, new_stream_id, serialize
+from nodeagent.wire.frames import MAX_CONTROL_FRAME_BYTES, counted, new_stream_id, serialize
 from nodeagent.wire.lane import LaneHub, LaneSocket, dial, split_host, stripes_for
 from nodeagent.wire.message import DTYPE_NAMES, Encoding, Kind, Message, TensorSpec
 from nodeagent.wire.pool import BufferPool
@@ -56,6 +57,10 @@ PEER_RULES = rules_for(_SERVICE, {
 })
 MAX_DETAIL_CHARS = 300  # of a refusal's details: they may quote what the caller sent, which has no bound
 
+# A peer's message waits in the node's inbox until the runner hands it over between steps: a few per peer (a
+# synchronous neighbour is at most a round or two ahead, an exchange or two in flight). Beyond, a stream is refused
+# with RESOURCE_EXHAUSTED rather than held (a flood, or a node too slow for its peers), and no server thread waits.
+INBOX_MESSAGES_PER_PEER = 8
 LANE_RETRY_S = 30.0  # after a peer refused lanes (or could not be dialled), frames only for this long
 LANE_SETUP_TIMEOUT_S = 5.0
 IDLE_LANES_PER_PEER = 8
@@ -87,6 +92,13 @@ class ServingState:
 
     def name_of(self, rank: int) -> str:
         return self.names.get(rank, f"rank{rank}")
+
+    @property
+    def max_inbox(self) -> int:
+        """Items the inbox may hold before a peer's message is refused: INBOX_MESSAGES_PER_PEER per rank in `names`
+        (the neighbours and this node). The runner also posts the outcomes of the node's own calls there, one per
+        call in flight, and concurrent streams may each pass the check: the bound holds within a server pool."""
+        return INBOX_MESSAGES_PER_PEER * len(self.names)
 
     def sent_to(self, metrics: Metrics, rank: int) -> Callable[[int], None]:
         """Counts payload bytes sent to `rank`, on the edge's metric and in this job's traffic."""
@@ -342,6 +354,14 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             yield from counted(outgoing.frames(), sent)
         self._metrics.edge_messages_sent.labels(state.job_id, state.node_id, dst).inc()
 
+    def _enqueue(self, state: ServingState, message: Message, context: grpc.ServicerContext) -> None:
+        """Put a received message on the node's inbox, or refuse its stream when the inbox is full."""
+        if state.inbox.qsize() >= state.max_inbox:
+            self._metrics.stream_rejections.labels("unknown", state.node_id, "inbox_full").inc()
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"inbox_full: {state.max_inbox} messages wait for this node already")
+        state.inbox.put(message)
+
     def _release(self, lanes: list[LaneSocket], ok: bool) -> None:
         if self.lanes is not None:
             for lane in lanes:
@@ -362,7 +382,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                 if reply is None:
                     context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"this node serves no {message.kind.name.lower()}")
-                state.inbox.put(message)
+                self._enqueue(state, message, context)
                 yield from self._send(state, stream, reply, context, lanes, batched)
                 ok = True
             finally:
@@ -404,7 +424,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                 frames = stream.frames(frames)
             message, lanes = self._receive(state, identity, stream, frames, context)
         self._release(lanes, True)
-        state.inbox.put(message)
+        self._enqueue(state, message, context)
         return peer_pb2.PushReply(bytes_received=message.payload_bytes)
 
     def Exchange(self, request_iterator, context):
@@ -417,10 +437,10 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         return self._push(request_iterator, context, batched=False)
 
     def PushOnLane(self, request, context):
-        return self._push(request.frames, context, batched=True)
+        return self._push(_frames_of(request), context, batched=True)
 
     def ExchangeOnLane(self, request, context):
-        return self._exchange(request.frames, context, batched=True)
+        return self._exchange(_frames_of(request), context, batched=True)
 
     def OpenLane(self, request, context):
         identity = self._caller(context)
@@ -463,6 +483,25 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             clock=snapshot.clock, loss=snapshot.loss, neighbor_ranks=sorted(r for r in state.names if r != state.rank),
             served_tensors=served, version=self._version,
         )
+
+
+def add_peer_servicer(servicer: PeerServicer, server: grpc.Server) -> None:
+    """Register the Peer service with the requests of its tensor streams as bytes, which the decoder reads within
+    its limits (a manifest frame is refused above MAX_CONTROL_FRAME_BYTES before protobuf parses it)."""
+    add_servicer(peer_pb2_grpc.add_PeerServicer_to_server, servicer, server,
+                 raw_requests=("Exchange", "Push", "PushOnLane", "ExchangeOnLane"))
+
+
+def _frames_of(request: bytes) -> Iterator[wire_pb2.Frame]:
+    """The frames of a PushOnLane or ExchangeOnLane request: the manifest, lane and end frames of a stream whose
+    payload is on lanes (never chunks), parsed only within the decoder's limit of such frames."""
+    if len(request) > MAX_CONTROL_FRAME_BYTES:
+        raise WireError("too_large", f"a request of {len(request)} bytes on lanes, at most {MAX_CONTROL_FRAME_BYTES}")
+    try:
+        frames = wire_pb2.Frames.FromString(request).frames
+    except DecodeError:
+        raise WireError("bad_frame", "a request on lanes that does not parse") from None
+    yield from frames
 
 
 def _abort_on_failure(lanes: list[LaneSocket], call: grpc.Future) -> None:

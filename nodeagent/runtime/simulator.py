@@ -377,6 +377,8 @@ class SimulatedServer:
     def _apply(self, sim: SimNode, push: ServerPush, call_id: str, answered: Answered) -> None:
         result = self.half.push(sim.rank, push, call_id, self.mesh.now)
         self.half.drain_events()
+        if result.clipped:
+            self.mesh.metrics.ps_updates_clipped.labels(self.mesh.job).inc()
         self._waiting[sim.rank] = (sim, push, answered)
         for rank in result.release:
             worker, released, reply = self._waiting.pop(rank)

@@ -1,15 +1,16 @@
 """Receiving: a stream of frames checked and read into a message of tensors.
 
-The receiver checks the manifest against what it expects for the edge and kind before it allocates anything,
-writes the bytes straight into the destination buffers (one per expected tensor, or one arena from a
-`BufferPool`), and only hands the tensors over once the End frame has confirmed the stream is complete. Any
-deviation raises `WireError`; nothing outside the decoder's own buffers has been touched at that point, so callers
-reject the stream and keep their state.
+The receiver checks the manifest within fixed limits (`check_limits`), then against what it expects for the edge
+and kind, before it allocates anything, writes the bytes straight into the destination buffers (one per expected
+tensor, or one arena from a `BufferPool`), and only hands the tensors over once the End frame has confirmed the
+stream is complete and every floating tensor is finite. Any deviation raises `WireError`; nothing outside the
+decoder's own buffers has been touched at that point, so callers reject the stream and keep their state.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 
@@ -19,7 +20,7 @@ from nodeagent._proto import wire_pb2
 from nodeagent.wire.encodings import wire_dtype, wire_encoding, wire_length
 from nodeagent.wire.errors import WireError
 from nodeagent.wire.frames import DEFAULT_CHUNK_BYTES, LANE_HEADER, LANE_MAGIC, STREAM_ID_BYTES, frame_body
-from nodeagent.wire.message import DTYPE_NAMES, DTYPES, Encoding, Kind, Message, TensorSpec
+from nodeagent.wire.message import DTYPE_NAMES, DTYPES, Encoding, Kind, Message, TensorSpec, all_finite
 from nodeagent.wire.pool import BufferPool, aligned
 from nodeagent.wire.staging import DirectSink, Sink, StagedSink, byte_view
 from nodeagent.wire.striping import overlaps, run_on_lanes
@@ -44,11 +45,34 @@ class LaneReader:
 LaneResolver = Callable[[wire_pb2.Lane, wire_pb2.Manifest], LaneReader]
 
 
+# What a manifest is held to before anything is built from it or compared with what the receiver expects, so
+# that walking it and the errors about it stay small (ARCHITECTURE.md, "Wire"). Its frame was parsed only once
+# its size was checked (frames.MAX_CONTROL_FRAME_BYTES).
+MAX_TENSORS = 4096  # the largest models peertrain runs have a few hundred parameter tensors
+MAX_DIMS = 32  # of one tensor's shape
+MAX_STRING_CHARS = 256  # a tensor's name and dtype, the job id, the sender's id
+
+
+def check_limits(manifest: wire_pb2.Manifest) -> None:
+    """Refuse a manifest beyond the limits above (reason "manifest_limit"), naming no unbounded field."""
+    if len(manifest.tensors) > MAX_TENSORS:
+        raise WireError("manifest_limit", f"a manifest of {len(manifest.tensors)} tensors, at most {MAX_TENSORS}")
+    if max(len(manifest.job_id), len(manifest.sender_id)) > MAX_STRING_CHARS:
+        raise WireError("manifest_limit", f"a job or sender id longer than {MAX_STRING_CHARS} characters")
+    for index, header in enumerate(manifest.tensors):
+        if max(len(header.name), len(header.dtype)) > MAX_STRING_CHARS:
+            raise WireError("manifest_limit", f"tensor {index}: a name or dtype longer than {MAX_STRING_CHARS} "
+                            "characters")
+        if len(header.shape) > MAX_DIMS:
+            raise WireError("manifest_limit", f"tensor {index}: a shape of {len(header.shape)} dimensions, at most "
+                            f"{MAX_DIMS}")
+
+
 def check_manifest(manifest: wire_pb2.Manifest, expected: Sequence[TensorSpec], max_bytes: int) -> list[Encoding]:
-    """Compare a manifest with the tensors the receiver expects; returns each tensor's encoding."""
+    """Compare a manifest (within the limits of `check_limits`) with the tensors the receiver expects; returns each
+    tensor's encoding."""
     if len(manifest.tensors) != len(expected):
-        names = [h.name for h in manifest.tensors]
-        raise WireError("bad_manifest", f"expected {len(expected)} tensors {[s.name for s in expected]}, got {names}")
+        raise WireError("bad_manifest", f"expected {len(expected)} tensors, got {len(manifest.tensors)}")
     encodings = []
     total = 0
     for header, spec in zip(manifest.tensors, expected, strict=True):
@@ -124,6 +148,7 @@ class Receiver:
     # -- the manifest ----------------------------------------------------------------------------------------
 
     def _open(self, manifest: wire_pb2.Manifest) -> None:
+        check_limits(manifest)
         # The kind is checked before `expect` sees the manifest, so expectations may rely on a valid kind.
         if manifest.kind not in Kind._value2member_map_:
             raise WireError("bad_manifest", f"unknown message kind {manifest.kind}")
@@ -278,6 +303,13 @@ class Receiver:
             )
         manifest = self.manifest
         assert manifest is not None
+        # One NaN or infinity mixed into a model spreads to every model of the job within a few exchanges. Lossy
+        # encodings are checked as decoded: a float32 beyond float16's range arrives as an infinity.
+        if not math.isfinite(manifest.weight):
+            raise WireError("non_finite", "the push-sum weight is not finite")
+        for spec, destination in zip(self.specs, self.destinations, strict=True):
+            if not all_finite(destination):
+                raise WireError("non_finite", f"tensor {spec.name!r} has non-finite values")
         tensors = {
             spec.name: destination.view(spec.shape)
             for spec, destination in zip(self.specs, self.destinations, strict=True)

@@ -22,6 +22,10 @@ from nodeagent.wire.varint import decode_varint, encode_varint
 # memory). On a lane the chunk size is the staging granularity of conversions and GPU copies.
 DEFAULT_CHUNK_BYTES = 1 << 20
 
+# A frame other than a chunk (a manifest, a lane, an end) is refused above this size before protobuf parses it:
+# parsed, a manifest costs several times its size, and an honest one (a few hundred tensors) takes tens of KiB.
+MAX_CONTROL_FRAME_BYTES = 1 << 20
+
 LANE_MAGIC = b"PTL1"
 LANE_HEADER = struct.Struct("<4s12sQ8x")  # magic, stream id, bytes of the part; 32 bytes
 STREAM_ID_BYTES = 12
@@ -54,7 +58,7 @@ def frame_body(frame: wire_pb2.Frame | bytes | bytearray | memoryview) -> tuple[
     """(which body, its value) of a frame object or of serialized frame bytes. A chunk's value is a buffer.
 
     Serialized chunk frames (exactly one field 2) are sliced, not parsed, so the payload is not copied; any other
-    bytes are parsed by protobuf with its full semantics.
+    bytes are parsed by protobuf with its full semantics, up to MAX_CONTROL_FRAME_BYTES.
     """
     if isinstance(frame, wire_pb2.Frame):
         body = frame.WhichOneof("body")
@@ -63,6 +67,9 @@ def frame_body(frame: wire_pb2.Frame | bytes | bytearray | memoryview) -> tuple[
     payload = _chunk_payload(data)
     if payload is not None:
         return "chunk", payload
+    if len(data) > MAX_CONTROL_FRAME_BYTES:
+        raise WireError("too_large", f"a frame of {len(data)} bytes that is not a chunk, at most "
+                        f"{MAX_CONTROL_FRAME_BYTES}")
     try:
         parsed = wire_pb2.Frame.FromString(bytes(data))
     except DecodeError as error:

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nodeagent.wire.errors import WireError
+from nodeagent.wire.message import all_finite
 from nodeagent.wire.varint import decode_varints, encode_varints
 
 Sparse = list[tuple[torch.Tensor, torch.Tensor]]  # per tensor: (indices int64 ascending, values float32)
@@ -59,7 +61,7 @@ def select_topk(grad: torch.Tensor, tensor_sizes: Sequence[int], rate: float) ->
     if not 0 < rate <= 1:
         raise ValueError(f"rate must be in (0, 1], got {rate}")
     check_sizes(tensor_sizes, grad.numel())
-    if not bool(torch.isfinite(grad).all()):
+    if not all_finite(grad):
         raise ValueError("gradient has non-finite entries")
     selected: Sparse = []
     offset = 0
@@ -168,7 +170,8 @@ def encode_sparse(sparse: Sparse, tensor_sizes: Sequence[int], codec: Codec) -> 
 
 
 def decode_sparse(payload: bytes, tensor_sizes: Sequence[int]) -> Sparse:
-    """Decode and validate a payload from the network; every malformation raises ValueError saying where."""
+    """Decode and validate a payload from the network; every malformation raises ValueError saying where, and a
+    NaN or an infinity among the values WireError("non_finite"), as in any other stream."""
     check_sizes(tensor_sizes)
     buf = np.frombuffer(payload, dtype=np.uint8)
     if buf.size == 0:
@@ -203,9 +206,12 @@ def decode_sparse(payload: bytes, tensor_sizes: Sequence[int]) -> Sparse:
         _need(buf, pos, c * dtype.itemsize, f"tensor {t} values")
         raw = np.frombuffer(payload, dtype=dtype, count=c, offset=pos)
         pos += c * dtype.itemsize
-        if not np.isfinite(raw).all():
-            raise ValueError(f"tensor {t}: values have non-finite entries")
-        values = raw.astype(np.float32) * scale if codec == Codec.INT8 else raw.astype(np.float32)
+        # Checked as decoded: a finite int8 scale near float32's maximum times 127 is an infinity (refused below,
+        # so numpy need not warn of it).
+        with np.errstate(over="ignore"):
+            values = raw.astype(np.float32) * scale if codec == Codec.INT8 else raw.astype(np.float32)
+        if not np.isfinite(values).all():
+            raise WireError("non_finite", f"tensor {t}: values have non-finite entries")
         sparse.append((torch.from_numpy(indices.astype(np.int64)), torch.from_numpy(values)))
     if pos != buf.size:
         raise ValueError(f"{buf.size - pos} trailing bytes after the last tensor")
