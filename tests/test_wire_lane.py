@@ -2,16 +2,20 @@
 
 Streams on lanes are validated exactly like streams in frames: a bad manifest, a lane of another rank or job, a
 stalled or truncated payload, a header out of step: each is rejected whole with INVALID_ARGUMENT, counted, and
-leaves the node's inbox and state untouched; the lane is closed and the next stream opens another.
+leaves the node's inbox and state untouched; the lane is closed and the next stream opens another. Beside a
+mutual-TLS channel the lanes are TLS, admitted only from the node the token was granted to.
 """
 
 from __future__ import annotations
 
 import queue
 import socket
+import ssl
 import threading
 import time
 from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import pytest
@@ -22,10 +26,13 @@ from nodeagent.algorithms.base import Snapshot
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import GRPC_OPTIONS
 from nodeagent.runtime.peer_service import PeerClient, PeerServicer, ServingState
+from nodeagent.security import pki
+from nodeagent.security.pki import Role
+from nodeagent.security.tls import Credentials, TlsDir, Transport
 from nodeagent.wire import Encoding, Kind, Message, TensorSpec, WireError, specs_of
 from nodeagent.wire.encoder import plan
 from nodeagent.wire.frames import LANE_HEADER, LANE_MAGIC, new_stream_id
-from nodeagent.wire.lane import READY, dial
+from nodeagent.wire.lane import READY, LaneHub, dial
 
 JOB = "job-lanes"
 N = 300_000  # 1.2 MB: several staging chunks, and more than a loopback socket buffers at once
@@ -613,3 +620,130 @@ def test_a_striped_stream_out_of_step_is_rejected_and_its_lanes_closed(node, cas
     if case not in ("reordered", "same_lane_twice"):
         assert node.open_lanes() == 0
     client.close()
+
+
+# ------------------------------------------------------------------------------------------------------ TLS
+
+
+@dataclass(frozen=True)
+class LaneCerts:
+    """Credentials directories: nodes n0, n1, n2 and an operator n0 of the cluster CA; a node n0 of another CA."""
+
+    root: Path
+
+    def transport(self, holder: str) -> Transport:
+        return Transport(TlsDir(self.root / holder))
+
+    def server(self, holder: str) -> ssl.SSLContext:
+        return self.transport(holder).ssl_context(server_side=True)
+
+    def client(self, holder: str) -> ssl.SSLContext:
+        return self.transport(holder).ssl_context(server_side=False)
+
+
+@pytest.fixture(scope="module")
+def lane_certs(tmp_path_factory) -> LaneCerts:
+    root = tmp_path_factory.mktemp("lane-certs")
+    holders = {"cluster": [("n0", Role.NODE, "n0"), ("n1", Role.NODE, "n1"), ("n2", Role.NODE, "n2"),
+                           ("operator-n0", Role.OPERATOR, "n0")],
+               "other": [("other-ca-n0", Role.NODE, "n0")]}
+    for ca_name, certificates in holders.items():
+        ca_key, ca = pki.create_ca(f"{ca_name} CA")
+        for holder, role, name in certificates:
+            key = pki.new_private_key()
+            cert = pki.issue(ca_key, ca, key.public_key(), role, name)
+            TlsDir(root / holder).save(Credentials(pki.certificate_pem(ca), pki.certificate_pem(cert),
+                                                   pki.private_key_pem(key)))
+    return LaneCerts(root)
+
+
+@pytest.fixture
+def hub(lane_certs):
+    """A TLS lane hub of node n1, without gRPC: tokens are granted by hand."""
+    lanes = LaneHub("127.0.0.1", tls=lane_certs.server("n1"))
+    yield lanes
+    lanes.close()
+
+
+def grant_and_dial(hub: LaneHub, context: ssl.SSLContext | None, grantee: str | None = "n0",
+                   server_name: str = "n1"):
+    token = hub.grant(JOB, 0, grantee)
+    return token, dial("127.0.0.1", hub.port, token, JOB, 0, 5, context, server_name)
+
+
+@pytest.mark.parametrize("holder", ["n2", "operator-n0"])
+def test_a_tls_lane_from_another_identity_than_the_grant_is_refused(hub, lane_certs, holder):
+    token = hub.grant(JOB, 0, "n0")
+    with pytest.raises(OSError):
+        dial("127.0.0.1", hub.port, token, JOB, 0, 5, lane_certs.client(holder), "n1")
+    assert not hub._lanes
+    # The token is spent: n0 itself cannot use it now, but a fresh grant works.
+    with pytest.raises(OSError):
+        dial("127.0.0.1", hub.port, token, JOB, 0, 5, lane_certs.client("n0"), "n1")
+    _, lane = grant_and_dial(hub, lane_certs.client("n0"))
+    assert next(iter(hub._lanes.values())).grantee == "n0"
+    lane.close()
+
+
+def no_certificate(lane_certs: LaneCerts) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.load_verify_locations(cadata=lane_certs.transport("n0").credentials().ca_pem.decode())
+    return context
+
+
+@pytest.mark.parametrize("case", ["no_certificate", "another_ca", "plaintext", "wrong_server_name"])
+def test_a_client_the_cluster_ca_does_not_vouch_for_gets_no_lane(hub, lane_certs, case):
+    context, server_name = {
+        "no_certificate": (no_certificate(lane_certs), "n1"),
+        "another_ca": (lane_certs.client("other-ca-n0"), "n1"),
+        "plaintext": (None, ""),
+        "wrong_server_name": (lane_certs.client("n0"), "n2"),  # the client refuses n1 posing as n2
+    }[case]
+    with pytest.raises(OSError):
+        grant_and_dial(hub, context, server_name=server_name)
+    assert not hub._lanes
+    deadline = time.monotonic() + 5
+    while hub._handshaking and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not hub._handshaking, "the failed handshake gave its slot back"
+
+
+def test_a_tls_lane_keeps_its_deadlines(hub, lane_certs):
+    token, dialled = grant_and_dial(hub, lane_certs.client("n0"))
+    accepted = hub.claim(token, JOB, 0)
+    accepted.set_timeout(0.3)
+    with pytest.raises(WireError) as stalled:
+        accepted.read_into(memoryview(bytearray(1000)))
+    assert stalled.value.reason == "truncated" and accepted.closed
+    hub.release(accepted, False)
+    # A write nobody reads ends at its deadline too (64 MB: far more than the sockets buffer).
+    _, unread = grant_and_dial(hub, lane_certs.client("n0"))
+    unread.set_timeout(0.3)
+    with pytest.raises(TimeoutError):
+        unread.send([bytes(64 << 20)])
+    assert unread.closed
+    # The hub closed the first lane: the dialling end sees it as gone.
+    deadline = time.monotonic() + 5
+    while dialled.alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not dialled.alive()
+    dialled.close()
+    unread.close()
+
+
+def test_open_lanes_are_bounded_per_node(hub, lane_certs, monkeypatch):
+    monkeypatch.setattr("nodeagent.wire.lane.LANES_PER_PEER", 2)
+    client = lane_certs.client("n0")
+    (first, a), (second, b) = grant_and_dial(hub, client), grant_and_dial(hub, client)
+    busy = [hub.claim(first, JOB, 0), hub.claim(second, JOB, 0)]
+    # Both in use: a third lane of n0's is refused, whatever rank it was granted for.
+    token = hub.grant(JOB, 2, "n0")
+    with pytest.raises(OSError):
+        dial("127.0.0.1", hub.port, token, JOB, 2, 5, client, "n1")
+    # Once one is idle, the oldest idle one makes room for a new one.
+    hub.release(busy[0], True)
+    _, c = grant_and_dial(hub, client)
+    assert first not in hub._lanes and second in hub._lanes and len(hub._lanes) == 2
+    hub.release(busy[1], True)
+    for lane in (a, b, c):
+        lane.close()
