@@ -104,7 +104,8 @@ class LaneSocket(LaneReader):
         """Deadline of the sends and receives that follow, `seconds` from now. A plain socket stays in blocking
         mode with kernel timeouts (SO_RCVTIMEO, SO_SNDTIMEO) set to the time left before each system call, so a
         whole payload moves in one call rather than in Python's poll-then-read loop of timeout mode. An SSL
-        socket is in timeout mode: OpenSSL retries a read or write that a kernel timeout ended."""
+        socket is in timeout mode instead: in blocking mode Python's ssl retries, without end, a read that a
+        kernel timeout ended."""
         self.deadline = time.monotonic() + (DEFAULT_TIMEOUT_S if seconds is None else max(seconds, 0.001))
 
     def _left(self) -> float:
