@@ -14,7 +14,8 @@ Measures, in one run (TARGETS.md, "System performance"):
      server validates and decodes the stream into its own buffer, then replies) with the job encoding raw,
      fp16 and bf16, `PeerClient.exchange` (the server answers with a tensor of the same size), and `push` to a
      second server that offers no lanes (payload in gRPC chunk frames: the fallback, and the agent's path until
-     it passes `lane_host`);
+     it passes `lane_host`), and `push` raw to a third server under mutual TLS, gRPC and lanes both (certificates
+     of a fresh cluster CA, made by that server in a temporary directory);
    - torch.distributed gloo send/recv of the same fp32 tensor between two other processes;
    - the CPU time of each transfer, sender's and receiver's processes together (time.process_time);
    - the peer server's peak extra memory during each transfer: its RSS high-water mark (VmHWM, reset before
@@ -25,15 +26,16 @@ Measures, in one run (TARGETS.md, "System performance"):
    the CNN, its exchanges in a thread pool as in nodeagent/agent/dispatch.py; blocks of 16 steps with exchanges and
    without take turns, both nodes in the same block at once, and the medians of the blocks' wall time per step
    are compared (a block with exchanges lasts until its last exchange has completed).
-3. the encodings on a link of `--link-gbit` Gbit/s (default 10): Push raw, fp16 and bf16 and gloo of the 44 MB
-   tensor again, in a private network namespace (`unshare --user --map-root-user --net`, nothing outside it is
-   touched) whose loopback is shaped with a tc token bucket (tbf). On this machine kind loopback is bound by the
-   two cores, not by a wire: every byte costs a kernel copy on each side, and converting to and from fp16 costs
-   about what halving the bytes saves there. On a link slower than the processors, as between machines, the
-   conversion runs in the shadow of the sending and halving the bytes halves the time. Skipped, with the reason,
-   where namespaces or tc are not available.
+3. the encodings on a link of `--link-gbit` Gbit/s (default 10): Push raw, fp16 and bf16, Push raw under mutual
+   TLS and gloo of the 44 MB tensor again, in a private network namespace (`unshare --user --map-root-user
+   --net`, nothing outside it is touched) whose loopback is shaped with a tc token bucket (tbf). On this machine
+   kind loopback is bound by the two cores, not by a wire: every byte costs a kernel copy on each side, and
+   converting to and from fp16 costs about what halving the bytes saves there. On a link slower than the
+   processors, as between machines, the conversion runs in the shadow of the sending and halving the bytes halves
+   the time. Skipped, with the reason, where namespaces or tc are not available.
 Rates: payload bytes per second (1 GB = 1e9 bytes), and parameters per second for the encodings. It prints the
-figures and whether each target is met; it asserts nothing.
+figures and whether each target is met (TLS Push against gloo's plaintext rate: >= 0.5 on loopback, >= 0.9 on
+the shaped link); it asserts nothing.
 
 Only the standard library is imported at module level, and torch and grpc in the children: VmHWM is the child's
 own, but where /proc/self/clear_refs cannot be written the figure falls back to `ru_maxrss` over the whole
@@ -53,13 +55,17 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nodeagent.security.tls import Transport
 
 MIB = 1 << 20
 MAX_CHUNK_BYTES = 64 << 20  # jobspec.WireSpec.chunk_bytes allows at most this; GRPC_OPTIONS is sized for it
@@ -131,8 +137,32 @@ def reset_peak() -> bool:
 # ------------------------------------------------------------------------------------------- transfers
 
 
-def peer_server(conn: Connection, numel: int, chunk: int, lanes: bool) -> None:
-    """Serve PeerServicer as rank 1 of a two-rank job; answer "reset", "peak" and "stop" on `conn`."""
+def make_certificates(directory: str) -> None:
+    """A fresh cluster CA and the credentials directories of nodes "server" and "client" under `directory`."""
+    from pathlib import Path
+
+    from nodeagent.security import pki
+    from nodeagent.security.tls import Credentials, TlsDir
+
+    ca_key, ca = pki.create_ca()
+    for name in ("server", "client"):
+        key = pki.new_private_key()
+        cert = pki.issue(ca_key, ca, key.public_key(), pki.Role.NODE, name)
+        TlsDir(Path(directory) / name).save(
+            Credentials(pki.certificate_pem(ca), pki.certificate_pem(cert), pki.private_key_pem(key)))
+
+
+def tls_transport(directory: str, name: str) -> Transport:
+    from pathlib import Path
+
+    from nodeagent.security.tls import TlsDir, Transport
+
+    return Transport(TlsDir(Path(directory) / name))
+
+
+def peer_server(conn: Connection, numel: int, chunk: int, lanes: bool, tls_dir: str | None) -> None:
+    """Serve PeerServicer as rank 1 of a two-rank job; answer "reset", "peak" and "stop" on `conn`. With `tls_dir`
+    it serves gRPC and lanes under mutual TLS, with certificates it makes there first."""
     from concurrent import futures
 
     import grpc
@@ -163,9 +193,14 @@ def peer_server(conn: Connection, numel: int, chunk: int, lanes: bool) -> None:
     # The agent's own server setup (nodeagent/agent/daemon.py): a 16-thread pool, GRPC_OPTIONS, the generated
     # registration; lanes on the host it listens on, or none.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="peer"), options=GRPC_OPTIONS)
-    servicer = PeerServicer(lambda: state, Metrics(), "bench", lane_host="127.0.0.1" if lanes else None)
+    transport = None
+    if tls_dir is not None:
+        make_certificates(tls_dir)
+        transport = tls_transport(tls_dir, "server")
+    servicer = PeerServicer(lambda: state, Metrics(), "bench", lane_host="127.0.0.1" if lanes else None,
+                            lane_tls=transport.ssl_context(server_side=True) if transport else None)
     add_peer_servicer(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = transport.bind(server, "127.0.0.1:0") if transport else server.add_insecure_port("127.0.0.1:0")
     if port == 0:
         raise OSError("cannot listen on 127.0.0.1")
     server.start()
@@ -190,7 +225,7 @@ def peer_server(conn: Connection, numel: int, chunk: int, lanes: bool) -> None:
         server.stop(grace=1.0)
 
 
-def peer_client(conn: Connection, ports: tuple[int, int], numel: int, chunk: int) -> None:
+def peer_client(conn: Connection, ports: tuple[int, int, int], numel: int, chunk: int, tls_dir: str) -> None:
     """Run the asked transfers one at a time and send back each one's seconds."""
     import grpc
     import torch
@@ -218,10 +253,12 @@ def peer_client(conn: Connection, ports: tuple[int, int], numel: int, chunk: int
         )
 
     states = {encoding: state(encoding) for encoding in ENCODINGS}
-    # The agent's client, to a server that offers lanes and to one that does not (it falls back to frames).
+    # The agent's client, to a server that offers lanes, to one that does not (it falls back to frames), and to
+    # one under mutual TLS.
     laned = PeerClient(f"127.0.0.1:{ports[0]}")
     framed = PeerClient(f"127.0.0.1:{ports[1]}")
-    for client in (laned, framed):
+    secure = PeerClient(f"127.0.0.1:{ports[2]}", transport=tls_transport(tls_dir, "client"), server_name="server")
+    for client in (laned, framed, secure):
         grpc.channel_ready_future(client.channel).result(timeout=CALL_TIMEOUT_S)
     metrics = Metrics()
     conn.send(("ready",))
@@ -236,6 +273,8 @@ def peer_client(conn: Connection, ports: tuple[int, int], numel: int, chunk: int
             laned.push(states[encoding], message, CALL_TIMEOUT_S, metrics)
         elif what == "push-frames":
             framed.push(states[encoding], message, CALL_TIMEOUT_S, metrics)
+        elif what == "push-tls":
+            secure.push(states[encoding], message, CALL_TIMEOUT_S, metrics)
         elif what == "exchange":
             answer = laned.exchange(states[encoding], message, CALL_TIMEOUT_S, metrics)
             if answer.payload_bytes != 4 * numel:
@@ -243,9 +282,12 @@ def peer_client(conn: Connection, ports: tuple[int, int], numel: int, chunk: int
             del answer
         conn.send(("seconds", time.perf_counter() - started, time.process_time() - cpu_start))
     lanes_used = bool(laned._idle) and not framed._idle
-    laned.close()
-    framed.close()
-    conn.send(("stopped", lanes_used))
+    tls_lanes = [lane for lanes in secure._idle.values() for lane in lanes]
+    # The TLS version and cipher suite the lanes negotiated, and how many lanes a TLS Push used.
+    tls_cipher = f"{tls_lanes[0].sock.version()} {tls_lanes[0].sock.cipher()[0]}" if tls_lanes else "no TLS lane"
+    for client in (laned, framed, secure):
+        client.close()
+    conn.send(("stopped", lanes_used, tls_cipher, len(tls_lanes)))
 
 
 def gloo_peer(conn: Connection, rank: int, port: int, numel: int) -> None:
@@ -331,8 +373,10 @@ def free_port() -> int:
 
 
 METHODS = [
-    ("push", "raw"), ("push", "fp16"), ("push", "bf16"), ("exchange", "raw"), ("push-frames", "raw"), ("gloo", "raw"),
+    ("push", "raw"), ("push", "fp16"), ("push", "bf16"), ("exchange", "raw"), ("push-frames", "raw"),
+    ("push-tls", "raw"), ("gloo", "raw"),
 ]
+SERVER_OF = {"push-frames": 1, "push-tls": 2}  # which peer server a method calls (else 0: plaintext with lanes)
 
 
 @dataclass
@@ -343,6 +387,8 @@ class SizeResult:
     extra_bytes: dict[tuple[str, str], int] = field(default_factory=dict)  # peak extra receiver memory per method
     per_transfer: bool = True  # False: one high-water mark over all transfers (no clear_refs here)
     lanes_used: bool = False
+    tls_cipher: str = ""
+    tls_lanes: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -354,16 +400,16 @@ def measure_size(
 ) -> SizeResult:
     result = SizeResult(numel)
     repeats = config.repeats if numel * 4 < 200e6 else max(3, config.repeats // 3)
-    with Stage(context) as stage:
-        # One server with lanes, one without: the frames path's allocations (gRPC's buffers, Python's heap) are
-        # its own and do not raise the other's high-water mark.
+    with Stage(context) as stage, tempfile.TemporaryDirectory(prefix="wire-bench-tls-") as tls_dir:
+        # One server with lanes, one without, one under TLS: the frames path's allocations (gRPC's buffers,
+        # Python's heap) are its own and do not raise the other's high-water mark.
         servers, ports, baselines = [], [], []
-        for lanes in (True, False):
-            servers.append(stage.start(peer_server, numel, config.chunk_bytes, lanes))
+        for lanes, tls in ((True, False), (False, False), (True, True)):
+            servers.append(stage.start(peer_server, numel, config.chunk_bytes, lanes, tls_dir if tls else None))
             _, port, baseline = stage.receive(servers[-1], "peer server start")
             ports.append(port)
             baselines.append(baseline)
-        client = stage.start(peer_client, tuple(ports), numel, config.chunk_bytes)
+        client = stage.start(peer_client, tuple(ports), numel, config.chunk_bytes, tls_dir)
         gloo_port = free_port()
         gloo = [stage.start(gloo_peer, rank, gloo_port, numel) for rank in (0, 1)]
         for conn, what in ((client, "peer client"), (gloo[0], "gloo rank 0"), (gloo[1], "gloo rank 1")):
@@ -377,7 +423,7 @@ def measure_size(
                     seconds = max(reply[1] for reply in replies)
                     cpu = sum(reply[2] for reply in replies)
                 else:
-                    which = 1 if method[0] == "push-frames" else 0
+                    which = SERVER_OF.get(method[0], 0)
                     server = servers[which]
                     server.send("reset")
                     result.per_transfer = stage.receive(server, "server peak reset")[1] and result.per_transfer
@@ -391,11 +437,13 @@ def measure_size(
                     result.seconds.setdefault(method, []).append(seconds)
                     result.cpu_seconds.setdefault(method, []).append(cpu)
         if not result.per_transfer:  # one high-water mark per server over all its transfers
-            for group in ([m for m in result.extra_bytes if m[0] != "push-frames"], [("push-frames", "raw")]):
-                overall = max(result.extra_bytes[m] for m in group)
-                result.extra_bytes.update(dict.fromkeys(group, overall))
+            for which in range(len(servers)):
+                group = [m for m in result.extra_bytes if SERVER_OF.get(m[0], 0) == which]
+                if group:
+                    overall = max(result.extra_bytes[m] for m in group)
+                    result.extra_bytes.update(dict.fromkeys(group, overall))
         client.send(("stop",))
-        result.lanes_used = stage.receive(client, "peer client stop")[1]
+        _, result.lanes_used, result.tls_cipher, result.tls_lanes = stage.receive(client, "peer client stop")
         for conn in gloo:
             conn.send("stop")
             stage.receive(conn, "gloo stop")
@@ -538,7 +586,8 @@ def measure_steps(
 # ------------------------------------------------------------------------------------------ shaped link
 
 LINK_SIZE = 11_000_000  # the 44 MB tensor
-LINK_METHODS = [("push", "raw"), ("push", "fp16"), ("push", "bf16"), ("gloo", "raw")]
+LINK_METHODS = [("push", "raw"), ("push", "fp16"), ("push", "bf16"), ("push-tls", "raw"), ("gloo", "raw")]
+TLS_TARGETS = {"loopback": 0.5, "link": 0.9}  # TLS Push over gloo's plaintext rate, at least
 
 
 def shaped_link(config: Config) -> dict[tuple[str, str], list[float]] | str:
@@ -632,14 +681,25 @@ def report_link(config: Config, link: dict[tuple[str, str], list[float]] | str) 
         return
     for method in LINK_METHODS:
         samples = link[method]
-        print(f"  {method[0]} {method[1]:<5} median {median(samples) * 1e3:8.2f} ms  "
+        print(f"  {method[0]:<8} {method[1]:<5} median {median(samples) * 1e3:8.2f} ms  "
               f"{4 * LINK_SIZE / median(samples) / 1e9:6.3f} GB/s  {LINK_SIZE / median(samples) / 1e6:6.0f} Mparam/s")
     raw = median(link[("push", "raw")])
     print(f"  peer Push raw / gloo = {median(link[('gloo', 'raw')]) / raw:.2f} on medians")
+    print("  " + tls_verdict(link, "link"))
     for encoding in ("fp16", "bf16"):
         speedup = raw / median(link[("push", encoding)])
         verdict = "target met" if speedup >= 1.8 else "below target"
         print(f"  {encoding} / raw in parameters per second = {speedup:.2f} -> {verdict} (TARGETS.md: >= 1.8)")
+
+
+def tls_verdict(seconds: dict[tuple[str, str], list[float]], where: str, goal: bool = True) -> str:
+    """TLS Push against gloo's plaintext rate (with its target where it has one) and against plaintext Push."""
+    tls = median(seconds[("push-tls", "raw")])
+    ratio = median(seconds[("gloo", "raw")]) / tls
+    target = TLS_TARGETS[where]
+    verdict = f" -> {'target met' if ratio >= target else 'below target'} (>= {target})" if goal else ""
+    return (f"peer Push raw under mutual TLS / gloo (plaintext) = {ratio:.2f} on medians{verdict}; "
+            f"/ plaintext Push = {median(seconds[('push', 'raw')]) / tls:.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -667,6 +727,7 @@ def main(argv: list[str] | None = None) -> int:
         ("push", "bf16"): "peer Push, bf16 on the wire (lane)",
         ("exchange", "raw"): "peer Exchange, raw, both ways (lane)",
         ("push-frames", "raw"): "peer Push, raw, chunk frames (peer without lanes)",
+        ("push-tls", "raw"): "peer Push, raw, mutual TLS (gRPC and lanes)",
         ("gloo", "raw"): "torch.distributed gloo send/recv",
     }
     for result in results:
@@ -682,6 +743,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         if not result.lanes_used:
             print(f"{'':>7}  (the client found no lane: the Push rows above went over frames)")
+        print(f"{'':>7}  (TLS lanes: {result.tls_cipher}, {result.tls_lanes} kept after the last TLS Push)")
     print()
     for result in results:
         label = size_label(result.nbytes)
@@ -690,6 +752,7 @@ def main(argv: list[str] | None = None) -> int:
         goal = result.nbytes == 44_000_000
         verdict = ("target met" if ratio >= 1.0 else "below target") + " (TARGETS.md: >= 1.0)" if goal else ""
         print(f"{label}: peer Push raw / gloo = {ratio:.2f} on medians {'-> ' + verdict if goal else ''}".rstrip())
+        print(f"{label}: {tls_verdict(result.seconds, 'loopback', goal)}")
         for encoding in ("fp16", "bf16"):
             speedup = raw / median(result.seconds[("push", encoding)])
             verdict = "target met" if speedup >= 1.8 else "below target"

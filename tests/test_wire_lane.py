@@ -2,30 +2,37 @@
 
 Streams on lanes are validated exactly like streams in frames: a bad manifest, a lane of another rank or job, a
 stalled or truncated payload, a header out of step: each is rejected whole with INVALID_ARGUMENT, counted, and
-leaves the node's inbox and state untouched; the lane is closed and the next stream opens another.
+leaves the node's inbox and state untouched; the lane is closed and the next stream opens another. Beside a
+mutual-TLS channel the lanes are TLS, admitted only from the node the token was granted to.
 """
 
 from __future__ import annotations
 
 import queue
 import socket
+import ssl
 import threading
 import time
 from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import pytest
 import torch
 
 from nodeagent._proto import peer_pb2, peer_pb2_grpc, wire_pb2
-from nodeagent.algorithms.base import Snapshot
+from nodeagent.algorithms.base import SendFailed, Snapshot
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import GRPC_OPTIONS
-from nodeagent.runtime.peer_service import PeerClient, PeerServicer, ServingState, add_peer_servicer
+from nodeagent.runtime.peer_service import GrpcPeers, PeerClient, PeerServicer, ServingState, add_peer_servicer
+from nodeagent.security import pki
+from nodeagent.security.pki import Role
+from nodeagent.security.tls import Credentials, TlsDir, Transport
 from nodeagent.wire import Encoding, Kind, Message, TensorSpec, WireError, specs_of
 from nodeagent.wire.encoder import plan
 from nodeagent.wire.frames import LANE_HEADER, LANE_MAGIC, new_stream_id
-from nodeagent.wire.lane import READY, dial
+from nodeagent.wire.lane import MAX_HANDSHAKES, MAX_HANDSHAKES_PER_SOURCE, READY, LaneHub, dial
 
 JOB = "job-lanes"
 N = 300_000  # 1.2 MB: several staging chunks, and more than a loopback socket buffers at once
@@ -48,18 +55,24 @@ def make_state(rank: int, inbox: queue.Queue, served: dict, specs: dict, **field
 
 
 class Node:
-    """Rank 1 serving on loopback with lanes (or without)."""
+    """Rank 1 serving on loopback with lanes (or without); with a `transport`, gRPC and lanes under its TLS."""
 
-    def __init__(self, lanes: bool = True):
+    def __init__(self, lanes: bool = True, transport: Transport | None = None):
         self.inbox: queue.Queue = queue.Queue()
         self.metrics = Metrics()
         self.served = {"w": torch.arange(N, dtype=torch.float32)}
         specs = [TensorSpec("w", torch.float32, (N,))]
         self.state = make_state(1, self.inbox, self.served, {0: specs, 2: specs})
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=GRPC_OPTIONS)
-        self.servicer = PeerServicer(lambda: self.state, self.metrics, "test", lane_host="127.0.0.1" if lanes else None)
+        lane_tls = transport.ssl_context(server_side=True) if transport is not None else None
+        self.servicer = PeerServicer(lambda: self.state, self.metrics, "test", lane_host="127.0.0.1" if lanes else None,
+                                     lane_tls=lane_tls)
         add_peer_servicer(self.servicer, self.server)
-        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        if transport is None:
+            port = self.server.add_insecure_port("127.0.0.1:0")
+        else:
+            port = transport.bind(self.server, "127.0.0.1:0")
+        self.address = f"127.0.0.1:{port}"
         self.server.start()
 
     def close(self) -> None:
@@ -469,6 +482,7 @@ def striped(monkeypatch):
     """Payloads of this module's size striped over three lanes."""
     monkeypatch.setattr("nodeagent.wire.lane.STRIPE_BYTES", 1 << 16)
     monkeypatch.setattr("nodeagent.wire.lane.MAX_STRIPES", 3)
+    monkeypatch.setattr("nodeagent.wire.lane.MAX_TLS_STRIPES", 3)
 
 
 @pytest.mark.parametrize("encoding", [Encoding.RAW, Encoding.FP16, Encoding.BF16], ids=lambda e: e.name)
@@ -612,4 +626,206 @@ def test_a_striped_stream_out_of_step_is_rejected_and_its_lanes_closed(node, cas
     assert lanes[0].token not in node.servicer.lanes._lanes
     if case not in ("reordered", "same_lane_twice"):
         assert node.open_lanes() == 0
+    client.close()
+
+
+# ------------------------------------------------------------------------------------------------------ TLS
+
+
+@dataclass(frozen=True)
+class LaneCerts:
+    """Credentials directories: nodes n0, n1, n2 and an operator n0 of the cluster CA; a node n0 of another CA."""
+
+    root: Path
+
+    def transport(self, holder: str) -> Transport:
+        return Transport(TlsDir(self.root / holder))
+
+    def server(self, holder: str) -> ssl.SSLContext:
+        return self.transport(holder).ssl_context(server_side=True)
+
+    def client(self, holder: str) -> ssl.SSLContext:
+        return self.transport(holder).ssl_context(server_side=False)
+
+
+@pytest.fixture(scope="module")
+def lane_certs(tmp_path_factory) -> LaneCerts:
+    root = tmp_path_factory.mktemp("lane-certs")
+    holders = {"cluster": [("n0", Role.NODE, "n0"), ("n1", Role.NODE, "n1"), ("n2", Role.NODE, "n2"),
+                           ("operator-n0", Role.OPERATOR, "n0")],
+               "other": [("other-ca-n0", Role.NODE, "n0")]}
+    for ca_name, certificates in holders.items():
+        ca_key, ca = pki.create_ca(f"{ca_name} CA")
+        for holder, role, name in certificates:
+            key = pki.new_private_key()
+            cert = pki.issue(ca_key, ca, key.public_key(), role, name)
+            TlsDir(root / holder).save(Credentials(pki.certificate_pem(ca), pki.certificate_pem(cert),
+                                                   pki.private_key_pem(key)))
+    return LaneCerts(root)
+
+
+@pytest.fixture
+def tls_node(lane_certs):
+    served = Node(transport=lane_certs.transport("n1"))
+    yield served
+    served.close()
+
+
+@pytest.fixture
+def hub(lane_certs):
+    """A TLS lane hub of node n1, without gRPC: tokens are granted by hand."""
+    lanes = LaneHub("127.0.0.1", tls=lane_certs.server("n1"))
+    yield lanes
+    lanes.close()
+
+
+def test_tls_lanes_move_payloads_byte_exact(tls_node, lane_certs, striped):
+    client = PeerClient(tls_node.address, transport=lane_certs.transport("n0"), server_name="n1")
+    state, metrics = client_state(), Metrics()
+    sent = message(seed=21)
+    client.push(state, sent, timeout=10, metrics=metrics)
+    assert torch.equal(tls_node.inbox.get_nowait().tensors["w"], sent.tensors["w"])
+    reply = client.exchange(state, sent, timeout=10, metrics=metrics)
+    assert torch.equal(reply.tensors["w"], tls_node.served["w"])
+    assert torch.equal(tls_node.inbox.get_nowait().tensors["w"], sent.tensors["w"])
+    pulled = client.pull(state, 1, Kind.PARAMS, timeout=10, metrics=metrics)
+    assert torch.equal(pulled.tensors["w"], tls_node.served["w"])
+    lanes = client._idle[(JOB, 0)]
+    assert len(lanes) == 3 and tls_node.open_lanes() == 3, "striped over three TLS lanes"
+    for lane in lanes:
+        assert isinstance(lane.sock, ssl.SSLSocket) and lane.sock.version() == "TLSv1.3"
+    assert {lane.grantee for lane in tls_node.servicer.lanes._lanes.values()} == {"n0"}
+    client.close()
+
+
+def test_grpc_peers_verify_the_neighbour_named_by_the_job(tls_node, lane_certs):
+    metrics = Metrics()
+    peers = GrpcPeers(client_state(), {1: tls_node.address}, metrics, 10, transport=lane_certs.transport("n0"))
+    sent = message(seed=22)
+    peers.push(sent)
+    assert torch.equal(tls_node.inbox.get_nowait().tensors["w"], sent.tensors["w"])
+    assert peers.client(1)._idle[(JOB, 0)], "the payload went on a lane"
+    peers.close()
+    # A job that says rank 1 is n2: the node at that address proves to be n1, and nothing is sent.
+    impostor = GrpcPeers(client_state(names={0: "n0", 1: "n2"}), {1: tls_node.address}, metrics, 5,
+                         transport=lane_certs.transport("n0"))
+    with pytest.raises(SendFailed):
+        impostor.push(sent)
+    assert tls_node.inbox.empty()
+    impostor.close()
+
+
+def grant_and_dial(hub: LaneHub, context: ssl.SSLContext | None, grantee: str | None = "n0",
+                   server_name: str = "n1"):
+    token = hub.grant(JOB, 0, grantee)
+    return token, dial("127.0.0.1", hub.port, token, JOB, 0, 5, context, server_name)
+
+
+@pytest.mark.parametrize("holder", ["n2", "operator-n0"])
+def test_a_tls_lane_from_another_identity_than_the_grant_is_refused(hub, lane_certs, holder):
+    token = hub.grant(JOB, 0, "n0")
+    with pytest.raises(OSError):
+        dial("127.0.0.1", hub.port, token, JOB, 0, 5, lane_certs.client(holder), "n1")
+    assert not hub._lanes
+    # The token is spent: n0 itself cannot use it now, but a fresh grant works.
+    with pytest.raises(OSError):
+        dial("127.0.0.1", hub.port, token, JOB, 0, 5, lane_certs.client("n0"), "n1")
+    _, lane = grant_and_dial(hub, lane_certs.client("n0"))
+    assert next(iter(hub._lanes.values())).grantee == "n0"
+    lane.close()
+
+
+def no_certificate(lane_certs: LaneCerts) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.load_verify_locations(cadata=lane_certs.transport("n0").credentials().ca_pem.decode())
+    return context
+
+
+@pytest.mark.parametrize("case", ["no_certificate", "another_ca", "plaintext", "wrong_server_name"])
+def test_a_client_the_cluster_ca_does_not_vouch_for_gets_no_lane(hub, lane_certs, case):
+    context, server_name = {
+        "no_certificate": (no_certificate(lane_certs), "n1"),
+        "another_ca": (lane_certs.client("other-ca-n0"), "n1"),
+        "plaintext": (None, ""),
+        "wrong_server_name": (lane_certs.client("n0"), "n2"),  # the client refuses n1 posing as n2
+    }[case]
+    with pytest.raises(OSError):
+        grant_and_dial(hub, context, server_name=server_name)
+    assert not hub._lanes
+    deadline = time.monotonic() + 5
+    while hub._handshaking and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not hub._handshaking, "the failed handshake gave its slot back"
+
+
+def test_a_tls_lane_keeps_its_deadlines(hub, lane_certs):
+    token, dialled = grant_and_dial(hub, lane_certs.client("n0"))
+    accepted = hub.claim(token, JOB, 0)
+    accepted.set_timeout(0.3)
+    with pytest.raises(WireError) as stalled:
+        accepted.read_into(memoryview(bytearray(1000)))
+    assert stalled.value.reason == "truncated" and accepted.closed
+    hub.release(accepted, False)
+    # A write nobody reads ends at its deadline too (64 MB: far more than the sockets buffer).
+    _, unread = grant_and_dial(hub, lane_certs.client("n0"))
+    unread.set_timeout(0.3)
+    with pytest.raises(TimeoutError):
+        unread.send([bytes(64 << 20)])
+    assert unread.closed
+    # The hub closed the first lane: the dialling end sees it as gone.
+    deadline = time.monotonic() + 5
+    while dialled.alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not dialled.alive()
+    dialled.close()
+    unread.close()
+
+
+def test_open_lanes_are_bounded_per_node(hub, lane_certs, monkeypatch):
+    monkeypatch.setattr("nodeagent.wire.lane.LANES_PER_PEER", 2)
+    client = lane_certs.client("n0")
+    (first, a), (second, b) = grant_and_dial(hub, client), grant_and_dial(hub, client)
+    busy = [hub.claim(first, JOB, 0), hub.claim(second, JOB, 0)]
+    # Both in use: a third lane of n0's is refused, whatever rank it was granted for.
+    token = hub.grant(JOB, 2, "n0")
+    with pytest.raises(OSError):
+        dial("127.0.0.1", hub.port, token, JOB, 2, 5, client, "n1")
+    # Once one is idle, the oldest idle one makes room for a new one.
+    hub.release(busy[0], True)
+    _, c = grant_and_dial(hub, client)
+    assert first not in hub._lanes and second in hub._lanes and len(hub._lanes) == 2
+    hub.release(busy[1], True)
+    for lane in (a, b, c):
+        lane.close()
+
+
+def test_idle_connections_from_one_address_leave_room_for_an_honest_lane(tls_node, lane_certs):
+    """Connections that never start their TLS handshake hold a slot for up to HANDSHAKE_TIMEOUT_S each. One source
+    address that tries to take every slot gets MAX_HANDSHAKES_PER_SOURCE; the others are closed at once."""
+    hub = tls_node.servicer.lanes
+    idle = [socket.create_connection(("127.0.0.1", hub.port), timeout=5, source_address=("127.0.0.2", 0))
+            for _ in range(MAX_HANDSHAKES)]
+
+    def closed_by_the_hub(sock: socket.socket) -> bool:
+        sock.setblocking(False)
+        try:
+            return sock.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            return False
+
+    refused = MAX_HANDSHAKES - MAX_HANDSHAKES_PER_SOURCE
+    deadline = time.monotonic() + 5
+    while sum(map(closed_by_the_hub, idle)) < refused and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sum(map(closed_by_the_hub, idle)) == refused
+    assert hub._handshaking == {"127.0.0.2": MAX_HANDSHAKES_PER_SOURCE}
+    client = PeerClient(tls_node.address, transport=lane_certs.transport("n0"), server_name="n1")
+    sent = message(seed=23)
+    client.push(client_state(), sent, timeout=10, metrics=Metrics())
+    assert torch.equal(tls_node.inbox.get_nowait().tensors["w"], sent.tensors["w"])
+    assert client._idle[(JOB, 0)], "the payload went on a lane, not in frames"
+    # It did not wait for the idle connections to time out: they still hold their slots.
+    assert hub._handshaking == {"127.0.0.2": MAX_HANDSHAKES_PER_SOURCE}
+    for sock in idle:
+        sock.close()
     client.close()

@@ -119,7 +119,8 @@ class JobRunner(threading.Thread):
             traffic=driver.traffic,
         )
         agent.set_serving(serving)
-        self.peers = GrpcPeers(serving, self.addresses, agent.metrics, spec.wire.exchange_timeout_s)
+        self.peers = GrpcPeers(serving, self.addresses, agent.metrics, spec.wire.exchange_timeout_s,
+                               transport=agent.transport)
         dispatch = Dispatch(self.inbox.put, self.pool, self.peers, self._server_link(node, driver),
                             self._collective(node, driver))
         log.info("job %s: rank %d of %d, %s on %d samples, neighbours %s", self.job_id, self.rank, spec.nodes,

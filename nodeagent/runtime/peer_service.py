@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import queue
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -36,7 +37,7 @@ from nodeagent.runtime.limits import DEFAULT_LIMITS, Stream, StreamGuard, Stream
 from nodeagent.runtime.progress import Traffic
 from nodeagent.security.authz import rules_for
 from nodeagent.security.pki import Identity, Role
-from nodeagent.security.tls import caller
+from nodeagent.security.tls import Transport, caller
 from nodeagent.wire.decoder import Receiver
 from nodeagent.wire.encoder import Outgoing, plan
 from nodeagent.wire.errors import Status, WireError
@@ -189,7 +190,8 @@ def _write_shares(outgoing: Outgoing, lanes: list[LaneSocket], stream_id: bytes,
 
 class PeerServicer(peer_pb2_grpc.PeerServicer):
     """The Peer service. With `lane_host` it also listens for lanes there (port `lane_port`, 0: any free one);
-    the host must be one the node's peers can reach it on, normally the host of its gRPC listen address.
+    the host must be one the node's peers can reach it on, normally the host of its gRPC listen address. With
+    `lane_tls` (the transport's server context) the lanes are TLS, each admitted from the caller that opened it.
     `node_id` names the node in `Describe` even when it runs no job, so that the coordinator can tell whether a
     node still answers at the address it registered before.
 
@@ -209,13 +211,14 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         lane_port: int = 0,
         secure: bool = False,
         limits: StreamLimits = DEFAULT_LIMITS,
+        lane_tls: ssl.SSLContext | None = None,
     ):
         self._current = current
         self._metrics = metrics
         self._version = version
         self._node_id = node_id
         self.secure = secure
-        self.lanes = LaneHub(lane_host, lane_port) if lane_host is not None else None
+        self.lanes = LaneHub(lane_host, lane_port, lane_tls) if lane_host is not None else None
         self._streams = StreamGuard(limits, metrics)
 
     def close(self) -> None:
@@ -453,7 +456,8 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         if request.requester_rank == state.rank or request.requester_rank not in state.names:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"rank {request.requester_rank} is not a peer here")
         self.lanes.forget_job(state.job_id)
-        token = self.lanes.grant(state.job_id, request.requester_rank)
+        # On TLS lanes only this caller's certificate can open the lane (None: an insecure server).
+        token = self.lanes.grant(state.job_id, request.requester_rank, identity.name if identity else None)
         return peer_pb2.LaneGrant(port=self.lanes.port, token=token)
 
     def Describe(self, request, context):
@@ -518,13 +522,23 @@ def _identity(data: bytes) -> bytes:
 
 class PeerClient:
     """Dials one neighbour. Every call validates what comes back before returning it. With `lanes` (the default)
-    payloads travel on lanes whenever the peer offers them."""
+    payloads travel on lanes whenever the peer offers them. With a `transport` the channel and the lanes are the
+    transport's (mutual TLS when it is secure), and the neighbour must prove to be `server_name`, its node id;
+    without one, both are plaintext."""
 
-    def __init__(self, address: str, *, lanes: bool = True):
+    def __init__(self, address: str, *, lanes: bool = True, transport: Transport | None = None,
+                 server_name: str = ""):
         self.address = address
         # Server-streaming calls are consumed by the calling thread rather than by a thread gRPC starts per call.
         options = [*GRPC_OPTIONS, (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
-        self.channel = grpc.insecure_channel(address, options=options)
+        self._server_name = server_name
+        self._lane_tls: ssl.SSLContext | None = None
+        if transport is None:
+            self.channel = grpc.insecure_channel(address, options=options)
+        else:
+            self.channel = transport.channel(address, server_name=server_name, options=options)
+            if transport.secure:
+                self._lane_tls = transport.ssl_context(server_side=False)
         self.stub = peer_pb2_grpc.PeerStub(self.channel)
         # The same methods with frames as bytes: chunk frames are built and read by hand (wire/frames.py).
         self._exchange_call = self.channel.stream_stream(
@@ -581,7 +595,8 @@ class PeerClient:
                     peer_pb2.LaneRequest(job_id=state.job_id, requester_rank=state.rank, requester_id=state.node_id),
                     timeout=setup,
                 )
-                lanes.append(dial(self._host, grant.port, grant.token, state.job_id, state.rank, setup))
+                lanes.append(dial(self._host, grant.port, grant.token, state.job_id, state.rank, setup,
+                                  self._lane_tls, self._server_name))
             except (grpc.RpcError, OSError):
                 # UNIMPLEMENTED: the peer offers no lanes; others (no job yet, an unreachable port): later again.
                 if not lanes:
@@ -649,7 +664,7 @@ class PeerClient:
         deadline = time.monotonic() + timeout
         sent = state.sent_to(metrics, message.receiver)
         outgoing = state.outgoing(message)
-        lanes = self._lanes(state, timeout, stripes_for(outgoing.total))
+        lanes = self._lanes(state, timeout, stripes_for(outgoing.total, tls=self._lane_tls is not None))
         if not lanes:
             self._push_call(counted(outgoing.serialized_frames(), sent), timeout=timeout)
         else:
@@ -710,7 +725,7 @@ class PeerClient:
         outgoing = state.outgoing(message)
         # The peer answers on the same lanes, striped as for our own payload (both ends of an edge send the same
         # tensor set, so the two payloads are alike in size).
-        lanes = self._lanes(state, timeout, stripes_for(outgoing.total))
+        lanes = self._lanes(state, timeout, stripes_for(outgoing.total, tls=self._lane_tls is not None))
         if not lanes:
             replies = self._exchange_call(counted(outgoing.serialized_frames(), sent), timeout=timeout)
             reply = self._incoming(state, replies, message.receiver, metrics)
@@ -753,14 +768,17 @@ class PeerClient:
 
 class GrpcPeers:
     """The agent's peer transport for one job: a PeerClient per neighbour address, calls that block until done and
-    raise SendFailed (with the gRPC status as reason) when they fail. Addresses change with the assignment."""
+    raise SendFailed (with the gRPC status as reason) when they fail. Addresses change with the assignment. With a
+    `transport` each neighbour must prove to be the node that `state.names` says its rank is."""
 
-    def __init__(self, state: ServingState, addresses: dict[int, str], metrics: Metrics, timeout_s: float):
+    def __init__(self, state: ServingState, addresses: dict[int, str], metrics: Metrics, timeout_s: float,
+                 transport: Transport | None = None):
         self.state = state
         self.addresses = addresses
         self.metrics = metrics
         self.timeout_s = timeout_s
-        self._clients: dict[str, PeerClient] = {}
+        self.transport = transport
+        self._clients: dict[tuple[str, str], PeerClient] = {}  # by address and node id
         self._lock = threading.Lock()
 
     def update(self, addresses: dict[int, str]) -> None:
@@ -770,10 +788,11 @@ class GrpcPeers:
         address = self.addresses.get(rank)
         if address is None:
             raise SendFailed("not_neighbor", f"rank {rank} is not a neighbour of rank {self.state.rank}, no address")
+        key = (address, self.state.name_of(rank))
         with self._lock:
-            client = self._clients.get(address)
+            client = self._clients.get(key)
             if client is None:
-                client = self._clients[address] = PeerClient(address)
+                client = self._clients[key] = PeerClient(address, transport=self.transport, server_name=key[1])
             return client
 
     def serving_job(self, rank: int) -> str | None:

@@ -234,12 +234,18 @@ class Transport:
         context.minimum_version = ssl.TLSVersion.TLSv1_3
         context.verify_mode = ssl.CERT_REQUIRED
         context.load_verify_locations(cadata=current.ca_pem.decode())
+        self.load_into(context)
+        return context
+
+    def load_into(self, context: ssl.SSLContext) -> None:
+        """Load the current certificate and key into `context`: after a rotation, its new connections present the
+        new certificate."""
+        current = self.credentials()
         with tempfile.TemporaryDirectory() as scratch:  # ssl loads a key pair from files only
             cert_file, key_file = Path(scratch) / "c", Path(scratch) / "k"
             cert_file.write_bytes(current.cert_pem)
             write_private_file(key_file, current.key_pem)
             context.load_cert_chain(cert_file, key_file)
-        return context
 
 
 def caller(context: grpc.ServicerContext) -> Identity | None:
