@@ -36,7 +36,7 @@ def job_file(directory: Path, algorithm: dict[str, Any]) -> Path:
 
 def argv(command: str, path: Path, runs: Path) -> list[str]:
     if command == "submit":
-        return ["submit", str(path), "--coordinator", NOWHERE]
+        return ["submit", str(path), "--coordinator", NOWHERE, "--insecure"]
     if command == "simulate":
         return ["simulate", str(path), "--runs", str(runs)]
     return ["inspect", str(path)]
@@ -58,7 +58,7 @@ def test_a_job_the_algorithm_refuses_is_refused_by_the_command_naming_the_field(
 def test_an_accepted_job_gets_past_validation_to_the_coordinator(tmp_path, capsys):
     """The control of the refusals above: without the error, submit goes on and finds no coordinator."""
     path = job_file(tmp_path, {"name": "dsgd"})
-    assert coordinator_main(["submit", str(path), "--coordinator", NOWHERE]) == 1
+    assert coordinator_main(["submit", str(path), "--coordinator", NOWHERE, "--insecure"]) == 1
     assert "UNAVAILABLE" in capsys.readouterr().err
 
 
