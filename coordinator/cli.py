@@ -101,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--runs", type=Path, default=Path("runs"), help="parent of the run directory")
     simulate.add_argument("--data-dir", default=os.environ.get("PEERTRAIN_DATA_DIR"),
                           help="directory of the IDX files, overriding the job's")
+    simulate.add_argument(
+        "--allow-import", action="append", default=[], metavar="PACKAGE.MODULE",
+        help="a module the job may name its model factory from ('PACKAGE.MODULE:factory'), as `nodeagent serve "
+        "--allow-import`; repeat for several",
+    )
 
     inspect = commands.add_parser(
         "inspect", help="show a job's topology and each node's data shard (counts and label histogram)"
@@ -240,12 +245,20 @@ def _load_job(path: Path) -> JobSpec:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from coordinator.simulate import SimulationProgress, simulate
+    from nodeagent.training.models import ModelError, module_problem
 
+    for module in args.allow_import:
+        if problem := module_problem(module):
+            raise SystemExit(f"coordinator: --allow-import {problem}")
     spec = _load_job(args.job_file)
     job_id = f"sim-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = (args.runs / job_id).resolve()
     print(f"simulating {spec.nodes} nodes of {spec.algorithm.name} for {spec.steps} steps; run dir {run_dir}")
-    result = simulate(spec, run_dir, args.data_dir, on_progress=SimulationProgress(spec.steps))
+    try:
+        result = simulate(spec, run_dir, args.data_dir, on_progress=SimulationProgress(spec.steps),
+                          allow_imports=tuple(args.allow_import))
+    except ModelError as error:  # an import path not allowed here, most likely
+        raise SystemExit(f"coordinator: {args.job_file}: {error}") from None
     print()
     state = "finished" if result.mesh.finished else "running"
     print(f"job {job_id} ({spec.name}): {state}, {spec.nodes} nodes, run dir {run_dir}")

@@ -19,6 +19,7 @@ from nodeagent.agent.daemon import RegistrationRefused
 from nodeagent.listen import ListenError
 from nodeagent.rpc import name_problem
 from nodeagent.statedir import StateDirError, hold_state_dir
+from nodeagent.training.models import module_problem
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--torch-threads", type=int, default=0,
         help="intra-op threads of torch (0: torch's default); use 1 when several agents share a machine",
     )
+    serve.add_argument(
+        "--allow-import", action="append", default=[], metavar="PACKAGE.MODULE",
+        help="a module that jobs may name their model factory from ('PACKAGE.MODULE:factory'); repeat for several. "
+        "Exactly that module: its package's other modules stay refused. Without it no job imports code here",
+    )
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
 
@@ -84,6 +90,9 @@ def serve(args: argparse.Namespace) -> int:
         raise SystemExit("nodeagent: --torch-threads must be >= 0")
     if problem := name_problem(args.name):
         raise SystemExit(f"nodeagent: --name {problem}")
+    for module in args.allow_import:
+        if problem := module_problem(module):
+            raise SystemExit(f"nodeagent: --allow-import {problem}")
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     logging.basicConfig(
@@ -94,6 +103,7 @@ def serve(args: argparse.Namespace) -> int:
             coordinator=args.coordinator, listen=args.listen, advertise=args.advertise,
             metrics_listen=args.metrics_listen or None, state_dir=args.state_dir, data_dir=args.data_dir,
             device=resolve_device(args.device), name=args.name, slowdown=args.slowdown, lane_port=args.lane_port,
+            allow_imports=tuple(args.allow_import),
         )
     )
     stop = threading.Event()

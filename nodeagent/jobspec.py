@@ -50,7 +50,8 @@ class AlgorithmSpec(_Strict):
 
 class ModelSpec(_Strict):
     name: str = Field(
-        "logistic", max_length=200, description="logistic, mlp, cnn, resnet-gn, or 'package.module:factory'")
+        "logistic", max_length=200, description="logistic, mlp, cnn, resnet-gn, or 'package.module:factory' (agents "
+        "import only modules their operator allowed: nodeagent serve --allow-import package.module)")
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the model factory")
 
 

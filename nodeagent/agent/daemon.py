@@ -46,6 +46,7 @@ class AgentConfig:
     name: str = field(default_factory=socket.gethostname)
     slowdown: float = 1.0
     lane_port: int = 0  # TCP port of the tensor lanes beside the peer service (0: any free port)
+    allow_imports: tuple[str, ...] = ()  # modules a job's model may be imported from (nodeagent.training.models)
 
 
 class Agent:
