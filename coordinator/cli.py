@@ -23,7 +23,7 @@ from coordinator.display import format_status, state_name, status_text
 from nodeagent import __version__
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc
-from nodeagent.jobspec import DEFAULT_DATA_DIR, JobSpec, JobSpecError, load_job_file
+from nodeagent.jobspec import DEFAULT_DATA_DIR, JobFile, JobSpecError, load_job_file
 from nodeagent.listen import ListenError
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import SERVER_OPTIONS, bind_grpc_server, split_address
@@ -184,9 +184,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    _load_job(args.job_file)  # refused here, before anything reaches the coordinator
-    spec_yaml = args.job_file.read_text()
-    reply = _stub(args.coordinator).SubmitJob(pb.SubmitJobRequest(spec_yaml=spec_yaml), timeout=30)
+    job = _load_job(args.job_file)  # refused here, before anything reaches the coordinator
+    # The text as loaded: an edge file the job names is inlined, since the coordinator reads no files.
+    reply = _stub(args.coordinator).SubmitJob(pb.SubmitJobRequest(spec_yaml=job.text), timeout=30)
     print(reply.job_id)
     print(f"state: {state_name(reply.state)}; run dir: {reply.run_dir}", file=sys.stderr)
     if reply.warning:
@@ -229,18 +229,18 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_job(path: Path) -> JobSpec:
+def _load_job(path: Path) -> JobFile:
     """The job of `path`, validated as the coordinator validates it (schema, algorithm, options, topology)."""
     from coordinator.jobs import validate_job
 
     try:
-        spec = load_job_file(path)
-        validate_job(spec)
+        job = load_job_file(path)
+        validate_job(job.spec)
     except OSError as error:
         raise SystemExit(f"coordinator: cannot read {path}: {error.strerror}") from None
     except JobSpecError as error:
         raise SystemExit(f"coordinator: {path}: {error}") from None
-    return spec
+    return job
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -250,7 +250,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     for module in args.allow_import:
         if problem := module_problem(module):
             raise SystemExit(f"coordinator: --allow-import {problem}")
-    spec = _load_job(args.job_file)
+    spec = _load_job(args.job_file).spec
     job_id = f"sim-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = (args.runs / job_id).resolve()
     print(f"simulating {spec.nodes} nodes of {spec.algorithm.name} for {spec.steps} steps; run dir {run_dir}")
@@ -272,7 +272,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from nodeagent.training.data import load_dataset
     from nodeagent.training.splits import describe_split, format_split_table, split_indices
 
-    spec = _load_job(args.job_file)
+    spec = _load_job(args.job_file).spec
     topology = validate_job(spec)
     degrees = [topology.degree(rank) for rank in range(spec.nodes)]
     print(f"topology {spec.topology.kind}: {spec.nodes} nodes, {len(topology.edges)} edges, "

@@ -33,6 +33,10 @@ def validate_job(spec: JobSpec) -> Topology:
             f"model.name: {spec.algorithm.name} keeps the model at the coordinator, which imports no user code: "
             f"name a registered model ({', '.join(MODELS)})"
         )
+    if spec.topology.kind == "edge-list" and "path" in spec.topology.options:
+        # The command line that loads a job file reads the edge file it names and sends its text (load_job_file).
+        raise JobSpecError("topology.options.path: topology edge-list: give the edges inline (option edges); the "
+                           "coordinator reads no files")
     try:
         topology = build_topology(spec.topology, spec.nodes)
     except ValueError as error:

@@ -19,12 +19,11 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from pathlib import Path
 from typing import Literal, get_args
 
 import numpy as np
 
-from nodeagent.jobspec import TopologySpec
+from nodeagent.jobspec import TopologySpec, cut, shown
 
 Edge = tuple[int, int]
 WeightKind = Literal["uniform", "metropolis-hastings"]
@@ -150,7 +149,7 @@ def _int_option(spec: TopologySpec, name: str) -> int:
         raise ValueError(f"topology {spec.kind!r}: option {name!r} is required")
     # bool is an int in Python; `degree: true` in YAML is a mistake, not 1.
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"topology {spec.kind!r}: option {name!r} must be an integer, got {value!r}")
+        raise ValueError(f"topology {spec.kind!r}: option {name!r} must be an integer, got {shown(value)}")
     return value
 
 
@@ -246,25 +245,24 @@ def _random_regular_attempt(nodes: int, degree: int, rng: np.random.Generator) -
 
 
 def _edge_list(spec: TopologySpec, nodes: int) -> Iterable[Edge]:
-    path = spec.options.get("path")
-    if not isinstance(path, str) or not path:
-        raise ValueError(f"topology 'edge-list': option 'path' must be a file path, got {path!r}")
-    try:
-        text = Path(path).read_text()
-    except OSError as error:
-        raise ValueError(f"topology 'edge-list': cannot read {path}: {error.strerror or error}") from None
+    """Option `edges`: the text of an edge file (the command line inlines the file a job file names), one pair of
+    ranks "a b" per line, '#' starting a comment. An error names the line and never repeats it."""
+    text = spec.options.get("edges")
+    if not isinstance(text, str):
+        raise ValueError("topology 'edge-list': option 'edges' must be the text of an edge file, a line 'a b' per "
+                         "edge")
     edges = []
     for number, line in enumerate(text.splitlines(), start=1):
         fields = line.split("#", 1)[0].split()
         if not fields:
             continue
-        where = f"topology 'edge-list': {path}:{number}"
+        where = f"topology 'edge-list': edges line {number}"
         try:
             a, b = (int(field) for field in fields)
         except ValueError:
-            raise ValueError(f"{where}: expected two ranks 'a b', got {line.strip()!r}") from None
+            raise ValueError(f"{where}: expected two ranks 'a b'") from None
         if not (0 <= a < nodes and 0 <= b < nodes):
-            raise ValueError(f"{where}: rank out of range 0..{nodes - 1} in {line.strip()!r}")
+            raise ValueError(f"{where}: a rank is not in 0..{nodes - 1}")
         if a == b:
             raise ValueError(f"{where}: self loop {a}-{b}")
         edges.append((a, b))
@@ -287,7 +285,7 @@ _BUILDERS: dict[str, tuple[frozenset[str], _Builder]] = {
     "torus": (frozenset({"rows", "cols"}), _torus),
     "random-regular": (frozenset({"degree"}), _random_regular),
     "random": (frozenset({"degree"}), _random_regular),
-    "edge-list": (frozenset({"path"}), _edge_list),
+    "edge-list": (frozenset({"edges"}), _edge_list),
     "ecl-random8": (frozenset(), _ecl_random8),
     "exponential": (frozenset(), _exponential),
 }
@@ -303,7 +301,7 @@ def build_topology(spec: TopologySpec, nodes: int) -> Topology:
       (a side of 2 wraps onto the same neighbour, so a 2 x m torus has degree 3, and 1 x m is a ring).
     - random-regular / random: option degree; a random simple degree-regular graph (Steger-Wormald), seeded by
       spec.seed, redrawn until connected.
-    - edge-list: option path to a text file of "a b" lines, '#' starts a comment; duplicates collapse.
+    - edge-list: option edges, the text of an edge file: "a b" lines, '#' starts a comment; duplicates collapse.
     - ecl-random8: the ECL-ISVR fixture, nodes must be 8.
     """
     if nodes < 1:
@@ -316,7 +314,7 @@ def build_topology(spec: TopologySpec, nodes: int) -> Topology:
     unknown = sorted(set(spec.options) - allowed)
     if unknown:
         raise ValueError(
-            f"topology {spec.kind!r}: unknown option(s) {', '.join(unknown)}; "
+            f"topology {spec.kind!r}: unknown option(s) {cut(', '.join(unknown))}; "
             f"allowed: {', '.join(sorted(allowed)) or 'none'}"
         )
     return Topology(nodes, _normalise(builder(spec, nodes)))
@@ -370,7 +368,7 @@ def _weights_of(topology: Topology, rank: int, kind: str) -> tuple[dict[int, flo
         own = len(peers)
         row = {peer: 1.0 / (1 + max(own, topology.degree(peer))) for peer in peers}
         return row, 1.0 - sum(row.values())
-    raise ValueError(f"unknown mixing weights {kind!r}; known: {', '.join(WEIGHT_KINDS)}")
+    raise ValueError(f"unknown mixing weights {shown(kind)}; known: {', '.join(WEIGHT_KINDS)}")
 
 
 def node_plan(

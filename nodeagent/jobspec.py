@@ -6,11 +6,14 @@ than MAX_SHOWN_CHARS characters of what they were given.
 
 Anyone who may submit a job is not trusted with the machines, so what a job costs is bounded before it is paid:
 the YAML text (MAX_JOB_BYTES, checked before parsing), its values and nesting (MAX_YAML_VALUES, MAX_YAML_DEPTH, no
-anchors or aliases, so that no value is ever expanded) and the nodes (MAX_NODES).
+anchors or aliases, so that no value is ever expanded) and the nodes (MAX_NODES). A job names no file the
+coordinator reads: an edge-list file is read by the command line that loads the job file (load_job_file) and sent
+inline.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 DEFAULT_DATA_DIR = "/usr/share/datasets/fashion-mnist"
 Mode = Literal["async", "sync"]
 
-MAX_JOB_BYTES = 1 << 20  # of the YAML text
+MAX_JOB_BYTES = 1 << 20  # of the YAML text; an inlined edge list counts
 MAX_YAML_VALUES = 65_536  # scalars, lists and mappings: a 4096-node job with per-rank speeds and slow-downs fits
 MAX_YAML_DEPTH = 32  # nested lists and mappings; a job needs 6 (simulation.partitions[].groups[])
 MAX_NODES = 4096
@@ -68,7 +71,9 @@ class DataSpec(_Strict):
 class TopologySpec(_Strict):
     kind: str = Field("ring", max_length=64, description="ring, multiplex-ring, ecl-random8, complete, ...")
     seed: int = Field(0, description="seed of the edge phases (and of random graphs)")
-    options: dict[str, Any] = Field(default_factory=dict)
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="the kind's own options; edge-list: edges, the text of an edge file (a "
+        "job file may name the file instead, as path, which the command line reads and inlines)")
 
 
 class WireSpec(_Strict):
@@ -279,10 +284,28 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
     return " ".join(str(error).split())
 
 
-def load_job_file(path: str | Path) -> JobSpec:
-    """The job of a YAML file. OSError if it cannot be read; JobSpecError if it is not a job (binary, empty, too
-    large, ...)."""
-    return parse_job_yaml(_read_text(Path(path), "the job file"))
+@dataclass(frozen=True)
+class JobFile:
+    """A job file as the command line loaded it."""
+
+    spec: JobSpec
+    text: str  # what `coordinator submit` sends: the file's own text, or with the edge file it names inlined
+
+
+def load_job_file(path: str | Path) -> JobFile:
+    """The job of a YAML file. An edge-list topology may name its edge file (`options.path`, relative to the job
+    file's directory): it is read here and inlined as `options.edges`, since the coordinator reads no files.
+    OSError if the job file cannot be read; JobSpecError if it is not a job (binary, empty, too large, ...) or its
+    edge file cannot be used."""
+    path = Path(path)
+    text = _read_text(path, "the job file")
+    data = _job_mapping(text)
+    edge_file = _inline_edge_file(data, path.parent)
+    if edge_file is None:
+        return JobFile(parse_job_spec(data), text)
+    text = yaml.dump(data, Dumper=_JobDumper, sort_keys=False, allow_unicode=True)
+    _check_size(text, f"with the edges of {shown(edge_file)} inlined, the job")
+    return JobFile(parse_job_yaml(text), text)  # parsed again: what submit sends is what was checked
 
 
 def _read_text(path: Path, what: str) -> str:
@@ -296,3 +319,37 @@ def _read_text(path: Path, what: str) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
         raise JobSpecError(f"not a text file (byte {error.start} is not UTF-8)") from None
+
+
+def _inline_edge_file(data: dict[str, Any], directory: Path) -> str | None:
+    """Replace the `path` option of an edge-list topology by `edges`, the text of that file; returns the file's
+    name as the job wrote it, None if the job names no edge file. The file's content is never repeated in an
+    error."""
+    topology = data.get("topology")
+    options = topology.get("options") if isinstance(topology, dict) and topology.get("kind") == "edge-list" else None
+    if not isinstance(options, dict) or "path" not in options:
+        return None
+    name = options.pop("path")
+    if not isinstance(name, str) or not name:
+        raise JobSpecError("topology.options.path: must be the name of an edge file")
+    if "edges" in options:
+        raise JobSpecError("topology.options: give the edges inline (edges) or as a file (path), not both")
+    try:
+        options["edges"] = _read_text(directory / name, "the edge file")
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise JobSpecError(f"topology.options.path: cannot read {shown(name)}: {reason}") from None
+    except JobSpecError as error:
+        raise JobSpecError(f"topology.options.path: {shown(name)}: {error}") from None
+    return name
+
+
+class _JobDumper(yaml.CSafeDumper):
+    """Writes a multi-line string (an inlined edge file) as a literal block, line for line as in the file."""
+
+
+def _represent_str(dumper: yaml.representer.SafeRepresenter, value: str) -> yaml.ScalarNode:
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None)
+
+
+_JobDumper.add_representer(str, _represent_str)

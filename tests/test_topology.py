@@ -161,10 +161,8 @@ def test_ecl_random8_exact() -> None:
         build("ecl-random8", 7)
 
 
-def test_edge_list_file(tmp_path: Path) -> None:
-    path = tmp_path / "graph.txt"
-    path.write_text("# a triangle and a tail\n0 1\n1 2  # trailing comment\n\n2 0\n1 0\n2 3\n")
-    graph = build("edge-list", 4, path=str(path))
+def test_edge_list_text() -> None:
+    graph = build("edge-list", 4, edges="# a triangle and a tail\n0 1\n1 2  # trailing comment\n\n2 0\n1 0\n2 3\n")
     assert graph.edges == ((0, 1), (0, 2), (1, 2), (2, 3))
     assert graph.is_connected()
 
@@ -172,29 +170,31 @@ def test_edge_list_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        ("0 1\n1 2 3\n", ":2: expected two ranks"),
-        ("0 1\n# x\n1 x\n", ":3: expected"),
-        ("0 4\n", ":1: rank out"),
+        ("0 1\n1 2 3\n", "edges line 2: expected two ranks 'a b'$"),
+        ("0 1\n# x\n1 secret\n", "edges line 3: expected two ranks 'a b'$"),
+        ("0 4\n", "edges line 1: a rank is not in 0..3$"),
+        ("2 2\n", "edges line 1: self loop 2-2$"),
     ],
 )
-def test_edge_list_bad_line_names_it(tmp_path: Path, body: str, message: str) -> None:
-    path = tmp_path / "graph.txt"
-    path.write_text(body)
+def test_edge_list_bad_line_names_it_and_does_not_repeat_it(body: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        build("edge-list", 4, path=str(path))
+        build("edge-list", 4, edges=body)
 
 
-def test_edge_list_missing_file_or_option(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="cannot read"):
-        build("edge-list", 4, path=str(tmp_path / "absent.txt"))
-    with pytest.raises(ValueError, match="'path'"):
-        build("edge-list", 4)
-
-
-def test_disconnected_graph_detected(tmp_path: Path) -> None:
+def test_edge_list_reads_no_file(tmp_path: Path) -> None:
+    """A path is the command line's to read (nodeagent.jobspec.load_job_file): here it is no option at all."""
     path = tmp_path / "graph.txt"
-    path.write_text("0 1\n2 3\n")
-    assert not build("edge-list", 4, path=str(path)).is_connected()
+    path.write_text("0 1\n1 2\n2 3\n")
+    with pytest.raises(ValueError, match="unknown option\\(s\\) path; allowed: edges"):
+        build("edge-list", 4, path=str(path))
+    with pytest.raises(ValueError, match="option 'edges' must be the text of an edge file"):
+        build("edge-list", 4)
+    with pytest.raises(ValueError, match="option 'edges' must be the text"):
+        build("edge-list", 4, edges=[[0, 1], [1, 2]])
+
+
+def test_disconnected_graph_detected() -> None:
+    assert not build("edge-list", 4, edges="0 1\n2 3\n").is_connected()
     assert not Topology(3, ((0, 1),)).is_connected()
 
 
