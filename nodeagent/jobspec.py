@@ -6,9 +6,9 @@ than MAX_SHOWN_CHARS characters of what they were given.
 
 Anyone who may submit a job is not trusted with the machines, so what a job costs is bounded before it is paid:
 the YAML text (MAX_JOB_BYTES, checked before parsing), its values and nesting (MAX_YAML_VALUES, MAX_YAML_DEPTH, no
-anchors or aliases, so that no value is ever expanded) and the nodes (MAX_NODES). A job names no file the
-coordinator reads: an edge-list file is read by the command line that loads the job file (load_job_file) and sent
-inline.
+anchors or aliases, so that no value is ever expanded), the nodes (MAX_NODES) and the edges of the topology
+(coordinator.topology.MAX_EDGES). A job names no file the coordinator reads: an edge-list file is read by the
+command line that loads the job file (load_job_file) and sent inline.
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ from coordinator.topology import (
     node_plan,
     offsets,
     out_peers,
+    peer_schedule,
+    schedule_period,
 )
 from nodeagent.jobspec import TopologySpec
 
@@ -122,6 +124,13 @@ def test_random_regular_connected(kind: str, nodes: int, degree: int) -> None:
     graph = build(kind, nodes, seed=5, degree=degree)
     assert degrees(graph) == [degree] * nodes
     assert graph.is_connected()
+
+
+def test_random_regular_of_degree_2_is_one_cycle_on_many_nodes() -> None:
+    """Drawn directly: redrawing whole graphs until one is a single cycle took dozens of tries on 4096 nodes."""
+    graph = build("random-regular", 4096, seed=3, degree=2)
+    assert degrees(graph) == [2] * 4096 and graph.is_connected()
+    assert graph != build("ring", 4096) and graph == build("random-regular", 4096, seed=3, degree=2)
 
 
 def test_random_regular_seeded() -> None:
@@ -360,6 +369,25 @@ def test_union_over_a_period_strongly_connected(kind: str, nodes: int, k: int) -
     if kind.startswith("bipartite-"):
         arcs |= {(p, r) for r, p in arcs}  # bilateral: the passive end answers on the same exchange
     assert strongly_connected(nodes, arcs)
+
+
+@pytest.mark.parametrize("kind", DYNAMIC_KINDS)
+@pytest.mark.parametrize(("nodes", "k"), [(6, 1), (8, 2), (12, 3), (16, 5), (20, 2)])
+def test_union_and_schedules_are_those_of_out_peers_over_a_period(kind: str, nodes: int, k: int) -> None:
+    spec = TopologySpec(kind=kind, options={"peers_per_iteration": k})
+    period = schedule_period(kind, nodes, k)
+    arcs = {(r, p) for t in range(period) for r in range(nodes) for p in out_peers(kind, nodes, r, t, k)}
+    assert build_topology(spec, nodes).edges == tuple(sorted({(min(a, b), max(a, b)) for a, b in arcs}))
+    for rank in range(nodes):
+        expected = tuple(tuple(out_peers(kind, nodes, rank, t, k)) for t in range(period))
+        assert peer_schedule(spec, nodes, rank) == expected
+
+
+def test_dynamic_mixing_weights_are_checked_with_the_graph() -> None:
+    """Not first when the coordinator plans a node, which would fail the assignment of a job it accepted."""
+    with pytest.raises(ValueError, match="option 'weights' must be one of uniform, metropolis-hastings, got 'x"):
+        build("dynamic-exponential", 8, weights="x" * 1000)
+    assert build("dynamic-exponential", 8, weights="metropolis-hastings").nodes == 8
 
 
 def test_single_iteration_not_strongly_connected_check_can_fail() -> None:
