@@ -25,7 +25,7 @@ from coordinator.display import format_status, state_name, status_text
 from nodeagent import __version__
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc
-from nodeagent.jobspec import DEFAULT_DATA_DIR, JobSpec, JobSpecError, load_job_file
+from nodeagent.jobspec import DEFAULT_DATA_DIR, JobFile, JobSpecError, load_job_file
 from nodeagent.listen import ListenError, check_port_free, join_address
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import SERVER_OPTIONS, split_address
@@ -174,6 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--runs", type=Path, default=Path("runs"), help="parent of the run directory")
     simulate.add_argument("--data-dir", default=os.environ.get("PEERTRAIN_DATA_DIR"),
                           help="directory of the IDX files, overriding the job's")
+    simulate.add_argument(
+        "--allow-import", action="append", default=[], metavar="PACKAGE.MODULE",
+        help="a module the job may name its model factory from ('PACKAGE.MODULE:factory'), as `nodeagent serve "
+        "--allow-import`; repeat for several",
+    )
 
     inspect = commands.add_parser(
         "inspect", help="show a job's topology and each node's data shard (counts and label histogram)"
@@ -402,9 +407,9 @@ def _issue_offline(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    _load_job(args.job_file)  # refused here, before anything reaches the coordinator
-    spec_yaml = args.job_file.read_text()
-    reply = _stub(args).SubmitJob(pb.SubmitJobRequest(spec_yaml=spec_yaml), timeout=30)
+    job = _load_job(args.job_file)  # refused here, before anything reaches the coordinator
+    # The text as loaded: an edge file the job names is inlined, since the coordinator reads no files.
+    reply = _stub(args).SubmitJob(pb.SubmitJobRequest(spec_yaml=job.text), timeout=30)
     print(reply.job_id)
     print(f"state: {state_name(reply.state)}; run dir: {reply.run_dir}", file=sys.stderr)
     if reply.warning:
@@ -447,28 +452,36 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_job(path: Path) -> JobSpec:
+def _load_job(path: Path) -> JobFile:
     """The job of `path`, validated as the coordinator validates it (schema, algorithm, options, topology)."""
     from coordinator.jobs import validate_job
 
     try:
-        spec = load_job_file(path)
-        validate_job(spec)
+        job = load_job_file(path)
+        validate_job(job.spec)
     except OSError as error:
         raise SystemExit(f"coordinator: cannot read {path}: {error.strerror}") from None
     except JobSpecError as error:
         raise SystemExit(f"coordinator: {path}: {error}") from None
-    return spec
+    return job
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from coordinator.simulate import SimulationProgress, simulate
+    from nodeagent.training.models import ModelError, module_problem
 
-    spec = _load_job(args.job_file)
+    for module in args.allow_import:
+        if problem := module_problem(module):
+            raise SystemExit(f"coordinator: --allow-import {problem}")
+    spec = _load_job(args.job_file).spec
     job_id = f"sim-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = (args.runs / job_id).resolve()
     print(f"simulating {spec.nodes} nodes of {spec.algorithm.name} for {spec.steps} steps; run dir {run_dir}")
-    result = simulate(spec, run_dir, args.data_dir, on_progress=SimulationProgress(spec.steps))
+    try:
+        result = simulate(spec, run_dir, args.data_dir, on_progress=SimulationProgress(spec.steps),
+                          allow_imports=tuple(args.allow_import))
+    except ModelError as error:  # an import path not allowed here, most likely
+        raise SystemExit(f"coordinator: {args.job_file}: {error}") from None
     print()
     state = "finished" if result.mesh.finished else "running"
     print(f"job {job_id} ({spec.name}): {state}, {spec.nodes} nodes, run dir {run_dir}")
@@ -482,7 +495,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from nodeagent.training.data import load_dataset
     from nodeagent.training.splits import describe_split, format_split_table, split_indices
 
-    spec = _load_job(args.job_file)
+    spec = _load_job(args.job_file).spec
     topology = validate_job(spec)
     degrees = [topology.degree(rank) for rank in range(spec.nodes)]
     print(f"topology {spec.topology.kind}: {spec.nodes} nodes, {len(topology.edges)} edges, "

@@ -13,7 +13,7 @@ from coordinator.topology import Topology, build_topology, node_plan, peer_sched
 from nodeagent.algorithms import Family, Neighbor, lookup
 from nodeagent.jobspec import JobSpec, JobSpecError
 from nodeagent.training.data import DATASETS
-from nodeagent.training.models import MODELS, check_model
+from nodeagent.training.models import MODELS, check_model, is_import_path
 from nodeagent.training.splits import SPLITS
 
 
@@ -28,6 +28,15 @@ def validate_job(spec: JobSpec) -> Topology:
     except ValueError as error:
         field = "model.options" if spec.model.name in MODELS else "model.name"
         raise JobSpecError(f"{field}: {error}") from None
+    if algorithm.family is Family.SERVER and is_import_path(spec.model.name):
+        raise JobSpecError(
+            f"model.name: {spec.algorithm.name} keeps the model at the coordinator, which imports no user code: "
+            f"name a registered model ({', '.join(MODELS)})"
+        )
+    if spec.topology.kind == "edge-list" and "path" in spec.topology.options:
+        # The command line that loads a job file reads the edge file it names and sends its text (load_job_file).
+        raise JobSpecError("topology.options.path: topology edge-list: give the edges inline (option edges); the "
+                           "coordinator reads no files")
     try:
         topology = build_topology(spec.topology, spec.nodes)
     except ValueError as error:

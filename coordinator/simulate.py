@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,13 +27,15 @@ from nodeagent.runtime.simulator import SimNode, VirtualMesh
 from nodeagent.training.job import Node, build_node
 
 
-def build_nodes(spec: JobSpec, data_dir: str | None = None) -> list[Node]:
-    """Every node of the job, placed in the topology exactly as the coordinator assigns agents."""
+def build_nodes(spec: JobSpec, data_dir: str | None = None, allow_imports: Collection[str] = ()) -> list[Node]:
+    """Every node of the job, placed in the topology exactly as the coordinator assigns agents. A model is imported
+    only from `allow_imports`, as on an agent (nodeagent.training.models)."""
     topology = validate_job(spec)
     nodes = []
     for rank in range(spec.nodes):
         plan = plan_node(spec, topology, rank)
-        nodes.append(build_node(spec, rank, plan.neighbors, plan.self_weight, data_dir, plan.peer_schedule))
+        nodes.append(build_node(spec, rank, plan.neighbors, plan.self_weight, data_dir, plan.peer_schedule,
+                                allow_imports))
     return nodes
 
 
@@ -58,11 +60,12 @@ def simulate(
     data_dir: str | None = None,
     metrics: Metrics | None = None,
     on_progress: Callable[[VirtualMesh], None] | None = None,
+    allow_imports: Collection[str] = (),
 ) -> SimulationResult:
     """Run `spec` to completion; writes the metrics log to `run_dir` when given."""
     torch.set_num_threads(1)  # one process steps every node in turn; extra threads only contend
     started = time.monotonic()
-    nodes = build_nodes(spec, data_dir)
+    nodes = build_nodes(spec, data_dir, allow_imports)
     run_log = None
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)

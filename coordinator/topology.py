@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
-from pathlib import Path
 from typing import Literal, get_args
 
 import numpy as np
 
-from nodeagent.jobspec import TopologySpec
+from nodeagent.jobspec import TopologySpec, cut, shown
 
 Edge = tuple[int, int]
 WeightKind = Literal["uniform", "metropolis-hastings"]
@@ -54,9 +53,17 @@ ECL_RANDOM8_EDGES: tuple[Edge, ...] = (
     (0, 1), (0, 4), (0, 6), (0, 7), (1, 6), (2, 4), (2, 5), (3, 6), (3, 7), (4, 5),
 )  # fmt: skip
 
-# A random d-regular graph with d >= 3 is connected with high probability; d = 2 on many nodes is the slow
-# case (a single Hamiltonian cycle is rare). The bound keeps a failure unlikely on thousands of nodes while
-# guaranteeing termination.
+# The most edges a job's graph may have (for the dynamic kinds: the union of one period), and the most sends one
+# period of a dynamic kind's schedule may hold over all nodes (nodes x iterations x peers per iteration), so that
+# building the graph and planning every node stays well under 2 s at the coordinator (benchmarks/planning.py). On
+# MAX_NODES nodes the circulant kinds, star and torus stay below them (exponential: 47,104 edges; SGP's dynamic
+# exponential graph with 2 peers per iteration: 188,416 sends); complete fits up to 362 nodes. The kinds that
+# could exceed them count before they build.
+MAX_EDGES = 65_536
+MAX_PERIOD_SENDS = 262_144
+
+# A random d-regular graph with d >= 3 is connected with high probability (d = 2 is drawn as one cycle). The bound
+# keeps a failure unlikely on thousands of nodes while guaranteeing termination.
 _RANDOM_ATTEMPTS = 1000
 
 
@@ -76,6 +83,8 @@ class Topology:
     nodes: int
     edges: tuple[Edge, ...]
     passive: frozenset[int] = frozenset()
+    # (interval, seed) -> phase draws (see phase_draws): drawn once, read by every node's plan.
+    _draws: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -90,12 +99,34 @@ class Topology:
 
     @cached_property
     def _adjacency(self) -> tuple[tuple[int, ...], ...]:
-        # Built once: neighbours are asked for often, and scanning the edge list each time is O(E).
+        # Built once: neighbours are asked for often, and scanning the edge list each time is O(E). The edges are
+        # sorted, so each rank meets its lower neighbours in order, then its higher ones: every list comes sorted.
         adjacent: list[list[int]] = [[] for _ in range(self.nodes)]
         for a, b in self.edges:
             adjacent[a].append(b)
             adjacent[b].append(a)
-        return tuple(tuple(sorted(peers)) for peers in adjacent)
+        return tuple(tuple(peers) for peers in adjacent)
+
+    @cached_property
+    def _edge_keys(self) -> np.ndarray:
+        # a * nodes + b of each edge, ascending since the edges are sorted: an edge's index by binary search.
+        return np.array([a * self.nodes + b for a, b in self.edges], dtype=np.int64).reshape(-1)
+
+    def edge_indices(self, rank: int, peers: Sequence[int]) -> np.ndarray:
+        """The index in `edges` of the edge between `rank` and each of `peers` (which must be its neighbours)."""
+        keys = [min(rank, peer) * self.nodes + max(rank, peer) for peer in peers]
+        return np.searchsorted(self._edge_keys, np.array(keys, dtype=np.int64))
+
+    def phase_draws(self, interval: int, seed: int) -> np.ndarray:
+        """Row i: the phases of edge i = (a, b), at which a and b start an exchange on it (see `edge_phases`).
+        Drawn once per interval and seed: a plan per node that drew them all would cost O(nodes x edges)."""
+        if interval < 1:
+            raise ValueError(f"interval must be >= 1, got {interval}")
+        draws = self._draws.get((interval, seed))
+        if draws is None:
+            draws = np.random.default_rng(seed).integers(0, interval, size=(len(self.edges), 2))
+            self._draws[(interval, seed)] = draws
+        return draws
 
     def neighbors(self, rank: int) -> list[int]:
         """The neighbours of `rank`, sorted."""
@@ -126,7 +157,7 @@ def _check_rank(rank: int, nodes: int) -> None:
 def _normalise(pairs: Iterable[Edge]) -> tuple[Edge, ...]:
     """Undirected, deduplicated, sorted edges; self loops dropped (small circulant graphs wrap onto
     themselves)."""
-    return tuple(sorted({(min(a, b), max(a, b)) for a, b in pairs if a != b}))
+    return tuple(sorted({(a, b) if a < b else (b, a) for a, b in pairs if a != b}))
 
 
 def _circulant(nodes: int, distances: Iterable[int]) -> list[Edge]:
@@ -150,8 +181,14 @@ def _int_option(spec: TopologySpec, name: str) -> int:
         raise ValueError(f"topology {spec.kind!r}: option {name!r} is required")
     # bool is an int in Python; `degree: true` in YAML is a mistake, not 1.
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"topology {spec.kind!r}: option {name!r} must be an integer, got {value!r}")
+        raise ValueError(f"topology {spec.kind!r}: option {name!r} must be an integer, got {shown(value)}")
     return value
+
+
+def _check_edge_count(spec: TopologySpec, count: int) -> None:
+    """Before a graph is built: refuse one of more than MAX_EDGES edges, which would cost the coordinator dearly."""
+    if count > MAX_EDGES:
+        raise ValueError(f"topology {spec.kind!r}: {count} edges; a job's graph may have at most {MAX_EDGES}")
 
 
 def _ring(spec: TopologySpec, nodes: int) -> Iterable[Edge]:
@@ -167,6 +204,7 @@ def _exponential(spec: TopologySpec, nodes: int) -> Iterable[Edge]:
 
 
 def _complete(spec: TopologySpec, nodes: int) -> Iterable[Edge]:
+    _check_edge_count(spec, nodes * (nodes - 1) // 2)
     return [(a, b) for a in range(nodes) for b in range(a + 1, nodes)]
 
 
@@ -210,7 +248,13 @@ def _random_regular(spec: TopologySpec, nodes: int) -> Iterable[Edge]:
         raise ValueError(f"topology {spec.kind!r}: nodes * degree must be even, got {nodes} * {degree}")
     if degree == 1 and nodes > 2:
         raise ValueError(f"topology {spec.kind!r}: degree 1 on {nodes} nodes can never be connected")
+    _check_edge_count(spec, nodes * degree // 2)
     rng = np.random.default_rng(spec.seed)
+    if degree == 2:
+        # A connected 2-regular graph is one cycle through every rank: draw the order of the cycle. Redrawing
+        # whole graphs until one is a single cycle took dozens of tries on 4096 nodes (about sqrt(nodes)).
+        order = rng.permutation(nodes).tolist()
+        return list(zip(order, order[1:] + order[:1], strict=True))
     for _ in range(_RANDOM_ATTEMPTS):
         edges = _random_regular_attempt(nodes, degree, rng)
         if edges is not None and Topology(nodes, _normalise(edges)).is_connected():
@@ -246,28 +290,28 @@ def _random_regular_attempt(nodes: int, degree: int, rng: np.random.Generator) -
 
 
 def _edge_list(spec: TopologySpec, nodes: int) -> Iterable[Edge]:
-    path = spec.options.get("path")
-    if not isinstance(path, str) or not path:
-        raise ValueError(f"topology 'edge-list': option 'path' must be a file path, got {path!r}")
-    try:
-        text = Path(path).read_text()
-    except OSError as error:
-        raise ValueError(f"topology 'edge-list': cannot read {path}: {error.strerror or error}") from None
+    """Option `edges`: the text of an edge file (the command line inlines the file a job file names), one pair of
+    ranks "a b" per line, '#' starting a comment. An error names the line and never repeats it."""
+    text = spec.options.get("edges")
+    if not isinstance(text, str):
+        raise ValueError("topology 'edge-list': option 'edges' must be the text of an edge file, a line 'a b' per "
+                         "edge")
     edges = []
     for number, line in enumerate(text.splitlines(), start=1):
         fields = line.split("#", 1)[0].split()
         if not fields:
             continue
-        where = f"topology 'edge-list': {path}:{number}"
+        where = f"topology 'edge-list': edges line {number}"
         try:
             a, b = (int(field) for field in fields)
         except ValueError:
-            raise ValueError(f"{where}: expected two ranks 'a b', got {line.strip()!r}") from None
+            raise ValueError(f"{where}: expected two ranks 'a b'") from None
         if not (0 <= a < nodes and 0 <= b < nodes):
-            raise ValueError(f"{where}: rank out of range 0..{nodes - 1} in {line.strip()!r}")
+            raise ValueError(f"{where}: a rank is not in 0..{nodes - 1}")
         if a == b:
             raise ValueError(f"{where}: self loop {a}-{b}")
         edges.append((a, b))
+    _check_edge_count(spec, len(edges))
     return edges
 
 
@@ -287,7 +331,7 @@ _BUILDERS: dict[str, tuple[frozenset[str], _Builder]] = {
     "torus": (frozenset({"rows", "cols"}), _torus),
     "random-regular": (frozenset({"degree"}), _random_regular),
     "random": (frozenset({"degree"}), _random_regular),
-    "edge-list": (frozenset({"path"}), _edge_list),
+    "edge-list": (frozenset({"edges"}), _edge_list),
     "ecl-random8": (frozenset(), _ecl_random8),
     "exponential": (frozenset(), _exponential),
 }
@@ -303,7 +347,7 @@ def build_topology(spec: TopologySpec, nodes: int) -> Topology:
       (a side of 2 wraps onto the same neighbour, so a 2 x m torus has degree 3, and 1 x m is a ring).
     - random-regular / random: option degree; a random simple degree-regular graph (Steger-Wormald), seeded by
       spec.seed, redrawn until connected.
-    - edge-list: option path to a text file of "a b" lines, '#' starts a comment; duplicates collapse.
+    - edge-list: option edges, the text of an edge file: "a b" lines, '#' starts a comment; duplicates collapse.
     - ecl-random8: the ECL-ISVR fixture, nodes must be 8.
     """
     if nodes < 1:
@@ -316,7 +360,7 @@ def build_topology(spec: TopologySpec, nodes: int) -> Topology:
     unknown = sorted(set(spec.options) - allowed)
     if unknown:
         raise ValueError(
-            f"topology {spec.kind!r}: unknown option(s) {', '.join(unknown)}; "
+            f"topology {spec.kind!r}: unknown option(s) {cut(', '.join(unknown))}; "
             f"allowed: {', '.join(sorted(allowed)) or 'none'}"
         )
     return Topology(nodes, _normalise(builder(spec, nodes)))
@@ -337,11 +381,8 @@ def edge_phases(topology: Topology, interval: int, seed: int) -> dict[Edge, int]
     """For each directed pair (i, j) of every edge, the phase in 0..interval-1 at which i starts an exchange
     on that edge. The two endpoints draw independently, so an edge is exchanged about twice per interval at
     random moments (the asynchronous model of ECL-ISVR). Draws go in edge order, (a, b) then (b, a)."""
-    if interval < 1:
-        raise ValueError(f"interval must be >= 1, got {interval}")
-    draws = np.random.default_rng(seed).integers(0, interval, size=(len(topology.edges), 2))
     phases: dict[Edge, int] = {}
-    for (a, b), (phase_a, phase_b) in zip(topology.edges, draws.tolist(), strict=True):
+    for (a, b), (phase_a, phase_b) in zip(topology.edges, topology.phase_draws(interval, seed).tolist(), strict=True):
         phases[(a, b)] = phase_a
         phases[(b, a)] = phase_b
     return phases
@@ -370,19 +411,21 @@ def _weights_of(topology: Topology, rank: int, kind: str) -> tuple[dict[int, flo
         own = len(peers)
         row = {peer: 1.0 / (1 + max(own, topology.degree(peer))) for peer in peers}
         return row, 1.0 - sum(row.values())
-    raise ValueError(f"unknown mixing weights {kind!r}; known: {', '.join(WEIGHT_KINDS)}")
+    raise ValueError(f"unknown mixing weights {shown(kind)}; known: {', '.join(WEIGHT_KINDS)}")
 
 
 def node_plan(
     topology: Topology, rank: int, interval: int, seed: int, weights: WeightKind = "uniform"
 ) -> tuple[list[NeighborPlan], float]:
-    """The neighbours of `rank` (sorted by rank) with sign, phase and weight, and the node's self weight."""
+    """The neighbours of `rank` (sorted by rank) with sign, phase and weight, and the node's self weight: the phases
+    of `edge_phases`, read from the topology's draws for the edges of `rank` only."""
     row, self_weight = _weights_of(topology, rank, weights)
-    phases = edge_phases(topology, interval, seed)
-    plan = [
-        NeighborPlan(peer, edge_sign(rank, peer), phases[(rank, peer)], row[peer], phases[(peer, rank)])
-        for peer in row
-    ]
+    peers = list(row)
+    draws = topology.phase_draws(interval, seed)[topology.edge_indices(rank, peers)].tolist()
+    plan = []
+    for peer, (lower, higher) in zip(peers, draws, strict=True):  # the phases of the edge's lower and higher rank
+        phase, peer_phase = (lower, higher) if rank < peer else (higher, lower)
+        plan.append(NeighborPlan(peer, edge_sign(rank, peer), phase, row[peer], peer_phase))
     return plan, self_weight
 
 
@@ -421,12 +464,12 @@ def is_doubly_stochastic(m: np.ndarray, tol: float = 1e-9) -> bool:
 
 def _dedupe_offsets(nodes: int, raw: Iterable[int]) -> list[int]:
     """Offsets reduced modulo nodes, first occurrence kept, offset 0 (the node itself) dropped."""
-    seen: list[int] = []
+    seen: dict[int, None] = {}  # keeps the order of first occurrences; a list's `in` made this quadratic
     for offset in raw:
         reduced = offset % nodes
-        if reduced and reduced not in seen:
-            seen.append(reduced)
-    return seen
+        if reduced:
+            seen.setdefault(reduced)
+    return list(seen)
 
 
 def _check_dynamic(kind: str, nodes: int, peers_per_iteration: int) -> None:
@@ -476,7 +519,11 @@ def offsets(kind: str, nodes: int, peers_per_iteration: int = 1) -> list[int]:
 
 
 def _offsets_at(kind: str, nodes: int, iteration: int, peers_per_iteration: int) -> list[int]:
-    sequence = offsets(kind, nodes, peers_per_iteration)
+    return _chosen(offsets(kind, nodes, peers_per_iteration), kind, nodes, iteration, peers_per_iteration)
+
+
+def _chosen(sequence: list[int], kind: str, nodes: int, iteration: int, peers_per_iteration: int) -> list[int]:
+    """The offsets of `iteration`: the next peers_per_iteration of the rotation `sequence`, cyclically."""
     if iteration < 0:
         raise ValueError(f"iteration must be >= 0, got {iteration}")
     if not sequence:  # a single node: nobody to talk to
@@ -545,30 +592,53 @@ def _peers_per_iteration(spec: TopologySpec) -> int:
 
 def schedule_period(kind: str, nodes: int, peers_per_iteration: int = 1) -> int:
     """Iterations after which the rotation of a dynamic kind repeats."""
-    count = len(offsets(kind, nodes, peers_per_iteration))
+    return _period(len(offsets(kind, nodes, peers_per_iteration)), peers_per_iteration)
+
+
+def _period(count: int, peers_per_iteration: int) -> int:
     return count // math.gcd(count, peers_per_iteration) if count else 1
 
 
 def peer_schedule(spec: TopologySpec, nodes: int, rank: int) -> tuple[tuple[int, ...], ...]:
-    """A dynamic kind's out-peers of `rank` at each iteration of one period; () for static kinds, whose nodes
-    talk to all their neighbours."""
+    """A dynamic kind's out-peers of `rank` at each iteration of one period (`out_peers`); () for static kinds,
+    whose nodes talk to all their neighbours."""
     if spec.kind not in DYNAMIC_KINDS:
         return ()
+    _check_rank(rank, nodes)
     k = _peers_per_iteration(spec)
-    return tuple(
-        tuple(out_peers(spec.kind, nodes, rank, t, k)) for t in range(schedule_period(spec.kind, nodes, k))
-    )
+    sequence = offsets(spec.kind, nodes, k)  # once, not once per iteration
+    passive = is_passive(spec.kind, rank)
+    schedule = []
+    for t in range(_period(len(sequence), k)):
+        chosen = _chosen(sequence, spec.kind, nodes, t, k)
+        schedule.append(() if passive else tuple((rank + offset) % nodes for offset in chosen))
+    return tuple(schedule)
 
 
 def _union_of_period(spec: TopologySpec, nodes: int) -> Topology:
     """The undirected graph of every pair that talks during one period of a dynamic kind: the neighbours a
-    node must accept messages from, whichever direction they flow."""
+    node must accept messages from, whichever direction they flow. A period ends where the rotation comes back
+    to its start, so it uses every offset: each active rank is joined to rank + offset for every offset."""
     k = _peers_per_iteration(spec)
+    weights = spec.options.get("weights", "uniform")
+    if weights not in WEIGHT_KINDS:  # checked here, with the job, rather than when the coordinator plans a node
+        raise ValueError(f"topology {spec.kind!r}: option 'weights' must be one of {', '.join(WEIGHT_KINDS)}, got "
+                         f"{shown(weights)}")
+    sequence = offsets(spec.kind, nodes, k)
+    _chosen(sequence, spec.kind, nodes, 0, k)  # refuses more peers per iteration than there are offsets
+    # Offsets d and nodes - d join the same pairs.
+    _check_edge_count(spec, nodes * len({min(offset, nodes - offset) for offset in sequence}))
+    period = _period(len(sequence), k)
+    if nodes * period * k > MAX_PERIOD_SENDS:  # what every node's plan (peer_schedule) holds
+        raise ValueError(
+            f"topology {spec.kind!r}: one period of its schedule has {nodes * period * k} sends ({nodes} nodes x "
+            f"{period} iterations x {k} peers per iteration); at most {MAX_PERIOD_SENDS} are allowed"
+        )
     edges = [
-        (rank, peer)
-        for t in range(schedule_period(spec.kind, nodes, k))
+        (rank, (rank + offset) % nodes)
         for rank in range(nodes)
-        for peer in out_peers(spec.kind, nodes, rank, t, k)
+        if not is_passive(spec.kind, rank)
+        for offset in sequence
     ]
     passive = frozenset(rank for rank in range(nodes) if is_passive(spec.kind, rank))
     return Topology(nodes, _normalise(edges), passive)

@@ -19,6 +19,7 @@ from nodeagent.agent.daemon import RegistrationRefused
 from nodeagent.listen import ListenError
 from nodeagent.rpc import name_problem
 from nodeagent.statedir import StateDirError, hold_state_dir
+from nodeagent.training.models import module_problem
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="no TLS and no identities: anyone who reaches the ports can read and change this node. Local "
         "experiments only",
     )
+    serve.add_argument(
+        "--allow-import", action="append", default=[], metavar="PACKAGE.MODULE",
+        help="a module that jobs may name their model factory from ('PACKAGE.MODULE:factory'); repeat for several. "
+        "Exactly that module: its package's other modules stay refused. Without it no job imports code here",
+    )
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
 
@@ -107,6 +113,9 @@ def serve(args: argparse.Namespace) -> int:
         raise SystemExit("nodeagent: --torch-threads must be >= 0")
     if problem := name_problem(args.name):
         raise SystemExit(f"nodeagent: --name {problem}")
+    for module in args.allow_import:
+        if problem := module_problem(module):
+            raise SystemExit(f"nodeagent: --allow-import {problem}")
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     logging.basicConfig(
@@ -120,6 +129,7 @@ def serve(args: argparse.Namespace) -> int:
             tls_dir=None if args.insecure else args.tls_dir or Path(os.environ.get("PEERTRAIN_TLS_DIR") or
                                                                     args.state_dir / "tls"),
             join_token=args.join_token, ca_fingerprint=args.ca_fingerprint, enroll_address=args.enroll_address or "",
+            allow_imports=tuple(args.allow_import),
         )
     )
     stop = threading.Event()

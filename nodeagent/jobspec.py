@@ -1,11 +1,19 @@
 """The job specification: one pydantic schema shared by the CLI, the coordinator, the agent and the simulator.
 
 A job is written as YAML by a person (`coordinator submit job.yaml`), validated here, stored by the coordinator
-and sent to every agent inside its assignment as JSON. Errors name the field that is wrong.
+and sent to every agent inside its assignment as JSON. Errors name the field that is wrong and never repeat more
+than MAX_SHOWN_CHARS characters of what they were given.
+
+Anyone who may submit a job is not trusted with the machines, so what a job costs is bounded before it is paid:
+the YAML text (MAX_JOB_BYTES, checked before parsing), its values and nesting (MAX_YAML_VALUES, MAX_YAML_DEPTH, no
+anchors or aliases, so that no value is ever expanded), the nodes (MAX_NODES) and the edges of the topology
+(coordinator.topology.MAX_EDGES). A job names no file the coordinator reads: an edge-list file is read by the
+command line that loads the job file (load_job_file) and sent inline.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,6 +23,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 DEFAULT_DATA_DIR = "/usr/share/datasets/fashion-mnist"
 Mode = Literal["async", "sync"]
 
+MAX_JOB_BYTES = 1 << 20  # of the YAML text; an inlined edge list counts
+MAX_YAML_VALUES = 65_536  # scalars, lists and mappings: a 4096-node job with per-rank speeds and slow-downs fits
+MAX_YAML_DEPTH = 32  # nested lists and mappings; a job needs 6 (simulation.partitions[].groups[])
+MAX_NODES = 4096
+MAX_SHOWN_CHARS = 100  # of what a job wrote, repeated in an error
+MAX_ERRORS_SHOWN = 10  # wrong fields named in one error
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -23,7 +38,7 @@ class _Strict(BaseModel):
 class AlgorithmSpec(_Strict):
     """Which algorithm every node runs, and its hyper-parameters."""
 
-    name: str = Field("dsgd", description="algorithm name in the registry (nodeagent.algorithms)")
+    name: str = Field("dsgd", max_length=64, description="algorithm name in the registry (nodeagent.algorithms)")
     mode: Mode | None = Field(
         None, description="async (exchanges on the edge-phase schedule) or sync (every step); unset: the algorithm's "
         "own (dsgd: async)")
@@ -37,14 +52,16 @@ class AlgorithmSpec(_Strict):
 
 
 class ModelSpec(_Strict):
-    name: str = Field("logistic", description="logistic, mlp, cnn, resnet-gn, or 'package.module:factory'")
+    name: str = Field(
+        "logistic", max_length=200, description="logistic, mlp, cnn, resnet-gn, or 'package.module:factory' (agents "
+        "import only modules their operator allowed: nodeagent serve --allow-import package.module)")
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the model factory")
 
 
 class DataSpec(_Strict):
     dataset: Literal["fashion-mnist", "mnist"] = "fashion-mnist"
     data_dir: str = Field(DEFAULT_DATA_DIR, description="directory holding the IDX files (plain or .gz)")
-    split: str = Field("iid", description="iid, class-window, by-class or dirichlet")
+    split: str = Field("iid", max_length=64, description="iid, class-window, by-class or dirichlet")
     split_options: dict[str, Any] = Field(default_factory=dict)
     batch_size: int = Field(100, ge=1)
     train_limit: int | None = Field(None, ge=1, description="use only the first N training samples")
@@ -52,9 +69,11 @@ class DataSpec(_Strict):
 
 
 class TopologySpec(_Strict):
-    kind: str = Field("ring", description="ring, multiplex-ring, ecl-random8, complete, ...")
+    kind: str = Field("ring", max_length=64, description="ring, multiplex-ring, ecl-random8, complete, ...")
     seed: int = Field(0, description="seed of the edge phases (and of random graphs)")
-    options: dict[str, Any] = Field(default_factory=dict)
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="the kind's own options; edge-list: edges, the text of an edge file (a "
+        "job file may name the file instead, as path, which the command line reads and inlines)")
 
 
 class WireSpec(_Strict):
@@ -112,7 +131,7 @@ class FailureSpec(_Strict):
 
 class JobSpec(_Strict):
     name: str = Field("job", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
-    nodes: int = Field(8, ge=1, le=4096, description="number of node agents in the job")
+    nodes: int = Field(8, ge=1, le=MAX_NODES, description="number of node agents in the job")
     steps: int = Field(1000, ge=1, description="local steps per node")
     eval_every: int = Field(200, ge=1, description="evaluate test accuracy every N steps (and at the end)")
     seed: int = Field(0, ge=0, description="seeds the initial model, the split and the batch orders")
@@ -167,14 +186,29 @@ class JobSpecError(ValueError):
     """A job specification that cannot be used; the message names the field."""
 
 
+def shown(value: object) -> str:
+    """`value` as an error repeats it: its repr, cut (a job may hold a megabyte in one string)."""
+    return cut(repr(value))
+
+
+def cut(text: str) -> str:
+    """At most MAX_SHOWN_CHARS of `text`, for an error that repeats what a job wrote."""
+    return text if len(text) <= MAX_SHOWN_CHARS else f"{text[:MAX_SHOWN_CHARS - 3]}..."
+
+
 def format_validation_error(error: ValidationError, prefix: str = "", unknown: str = "") -> str:
-    """One line naming each wrong field (`prefix.field: what is wrong`); `unknown` replaces pydantic's words for
-    a key the model does not know."""
+    """One line naming each wrong field (`prefix.field: what is wrong`), the first MAX_ERRORS_SHOWN of them; `unknown`
+    replaces pydantic's words for a key the model does not know. Keys the job wrote are cut (see `shown`)."""
+    items = error.errors()
     lines = []
-    for item in error.errors():
-        path = ([prefix] if prefix else []) + [str(part) for part in item["loc"]]
+    for item in items[:MAX_ERRORS_SHOWN]:
+        path = ([prefix] if prefix else []) + [
+            shown(part) if isinstance(part, str) and len(part) > MAX_SHOWN_CHARS else str(part) for part in item["loc"]
+        ]
         message = unknown if unknown and item["type"] == "extra_forbidden" else item["msg"]
         lines.append(f"{'.'.join(path) or '(top level)'}: {message}")
+    if len(items) > MAX_ERRORS_SHOWN:
+        lines.append(f"and {len(items) - MAX_ERRORS_SHOWN} more")
     return "; ".join(lines)
 
 
@@ -186,15 +220,60 @@ def parse_job_spec(data: dict[str, Any] | None) -> JobSpec:
 
 
 def parse_job_yaml(text: str) -> JobSpec:
+    return parse_job_spec(_job_mapping(text))
+
+
+def _job_mapping(text: str) -> dict[str, Any]:
+    """The mapping a job's YAML text holds, within the bounds of this module's docstring; JobSpecError otherwise.
+    libyaml parses (PyYAML's own parser takes 10 s of CPU for a megabyte)."""
+    _check_size(text, "the job")
+    _check_yaml_shape(text)
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=yaml.CSafeLoader)
     except yaml.YAMLError as error:
         raise JobSpecError(f"not valid YAML: {_yaml_problem(error)}") from None
+    except ValueError as error:  # a value the safe constructor refuses: an integer of 5000 digits, a 13th month
+        raise JobSpecError(f"not valid YAML: a value cannot be read: {cut(str(error))}") from None
     if data is None:  # nothing but blanks and comments: a file cut short, not a request for the default job
         raise JobSpecError("the job file is empty")
     if not isinstance(data, dict):
         raise JobSpecError("the job file must be a YAML mapping")
-    return parse_job_spec(data)
+    return data
+
+
+def _check_size(text: str, what: str) -> None:
+    size = len(text.encode("utf-8"))
+    if size > MAX_JOB_BYTES:
+        raise JobSpecError(f"{what} is {size} bytes; a job may be at most {MAX_JOB_BYTES} (1 MiB)")
+
+
+def _check_yaml_shape(text: str) -> None:
+    """Refuse, before any value is built, what would make building it costly: anchors and aliases (an alias repeats
+    a value without its text, so 500 bytes of them expand to gigabytes), nesting deeper than MAX_YAML_DEPTH (libyaml
+    slows quadratically with depth, and its loader recurses) and more than MAX_YAML_VALUES values. Reads the events
+    only up to the first of these."""
+    depth = values = 0
+    try:
+        for event in yaml.parse(text, Loader=yaml.CSafeLoader):
+            if isinstance(event, yaml.NodeEvent) and event.anchor is not None:  # an alias is a NodeEvent too
+                raise JobSpecError(f"YAML anchors and aliases (& and *) are not accepted{_line(event)}: write "
+                                   "values out")
+            if isinstance(event, yaml.ScalarEvent | yaml.CollectionStartEvent):
+                values += 1
+                if values > MAX_YAML_VALUES:
+                    raise JobSpecError(f"more than {MAX_YAML_VALUES} values{_line(event)}")
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > MAX_YAML_DEPTH:
+                    raise JobSpecError(f"lists and mappings nested deeper than {MAX_YAML_DEPTH} levels{_line(event)}")
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+    except yaml.YAMLError as error:
+        raise JobSpecError(f"not valid YAML: {_yaml_problem(error)}") from None
+
+
+def _line(event: yaml.Event) -> str:
+    return f" (line {event.start_mark.line + 1})" if event.start_mark else ""
 
 
 def _yaml_problem(error: yaml.YAMLError) -> str:
@@ -205,11 +284,72 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
     return " ".join(str(error).split())
 
 
-def load_job_file(path: str | Path) -> JobSpec:
-    """The job of a YAML file. OSError if it cannot be read; JobSpecError if it is not a job (binary, empty, ...)."""
-    data = Path(path).read_bytes()
+@dataclass(frozen=True)
+class JobFile:
+    """A job file as the command line loaded it."""
+
+    spec: JobSpec
+    text: str  # what `coordinator submit` sends: the file's own text, or with the edge file it names inlined
+
+
+def load_job_file(path: str | Path) -> JobFile:
+    """The job of a YAML file. An edge-list topology may name its edge file (`options.path`, relative to the job
+    file's directory): it is read here and inlined as `options.edges`, since the coordinator reads no files.
+    OSError if the job file cannot be read; JobSpecError if it is not a job (binary, empty, too large, ...) or its
+    edge file cannot be used."""
+    path = Path(path)
+    text = _read_text(path, "the job file")
+    data = _job_mapping(text)
+    edge_file = _inline_edge_file(data, path.parent)
+    if edge_file is None:
+        return JobFile(parse_job_spec(data), text)
+    text = yaml.dump(data, Dumper=_JobDumper, sort_keys=False, allow_unicode=True)
+    _check_size(text, f"with the edges of {shown(edge_file)} inlined, the job")
+    return JobFile(parse_job_yaml(text), text)  # parsed again: what submit sends is what was checked
+
+
+def _read_text(path: Path, what: str) -> str:
+    """A file's text, read no further than a job may be long (/dev/zero ends there too). OSError if it cannot be
+    read."""
+    with path.open("rb") as file:
+        data = file.read(MAX_JOB_BYTES + 1)
+    if len(data) > MAX_JOB_BYTES:
+        raise JobSpecError(f"{what} is larger than a job may be ({MAX_JOB_BYTES} bytes, 1 MiB)")
     try:
-        text = data.decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as error:
         raise JobSpecError(f"not a text file (byte {error.start} is not UTF-8)") from None
-    return parse_job_yaml(text)
+
+
+def _inline_edge_file(data: dict[str, Any], directory: Path) -> str | None:
+    """Replace the `path` option of an edge-list topology by `edges`, the text of that file; returns the file's
+    name as the job wrote it, None if the job names no edge file. The file's content is never repeated in an
+    error."""
+    topology = data.get("topology")
+    options = topology.get("options") if isinstance(topology, dict) and topology.get("kind") == "edge-list" else None
+    if not isinstance(options, dict) or "path" not in options:
+        return None
+    name = options.pop("path")
+    if not isinstance(name, str) or not name:
+        raise JobSpecError("topology.options.path: must be the name of an edge file")
+    if "edges" in options:
+        raise JobSpecError("topology.options: give the edges inline (edges) or as a file (path), not both")
+    try:
+        options["edges"] = _read_text(directory / name, "the edge file")
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise JobSpecError(f"topology.options.path: cannot read {shown(name)}: {reason}") from None
+    except JobSpecError as error:
+        raise JobSpecError(f"topology.options.path: {shown(name)}: {error}") from None
+    return name
+
+
+class _JobDumper(yaml.CSafeDumper):
+    """Writes a multi-line string (an inlined edge file) as a literal block, line for line as in the file."""
+
+
+def _represent_str(dumper: yaml.representer.SafeRepresenter, value: str) -> yaml.ScalarNode:
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None)
+
+
+_JobDumper.add_representer(str, _represent_str)

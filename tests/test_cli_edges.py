@@ -52,8 +52,7 @@ BAD_JOB_FILES = {
     "empty": (b"", "the job file is empty"),
     "only comments": (b"# a job, one day\n\n", "the job file is empty"),
     "NUL in the text": (b"name: a\x00b\n", "not valid YAML: unacceptable character #x0000"),
-    "unbalanced YAML": (b"name: [x\n", "not valid YAML: expected ',' or ']', but got '<stream end>' (line 2, "
-                                      "column 1)"),
+    "unbalanced YAML": (b"name: [x\n", "not valid YAML: did not find expected ',' or ']' (line 2, column 1)"),
 }
 
 

@@ -1332,7 +1332,7 @@ def test_job_spec_validates(path: Path) -> None:
     from nodeagent.jobspec import load_job_file
     from nodeagent.training.models import MODELS
 
-    spec = load_job_file(path)
+    spec = load_job_file(path).spec
     assert spec.name == path.stem
     assert spec.model.name in MODELS or ":" in spec.model.name
     assert spec.eval_every <= spec.steps
@@ -1343,7 +1343,7 @@ def test_job_spec_validates(path: Path) -> None:
 def test_demo_job_is_the_compose_demo() -> None:
     from nodeagent.jobspec import load_job_file
 
-    spec = load_job_file(DEPLOY / "jobs" / "demo.yaml")
+    spec = load_job_file(DEPLOY / "jobs" / "demo.yaml").spec
     assert (spec.nodes, spec.steps) == (4, 400)
     assert (spec.algorithm.name, spec.algorithm.mode) == ("dsgd", "async")
     assert (spec.model.name, spec.data.split, spec.topology.kind) == ("logistic", "class-window", "ring")

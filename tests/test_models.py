@@ -1,8 +1,10 @@
-"""The models a job can name, users' models by import path, and the parameter views nodes exchange."""
+"""The models a job can name, users' models by import path (only from modules the machine's operator allowed), and
+the parameter views nodes exchange."""
 
 from __future__ import annotations
 
-import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,13 +22,38 @@ SMALL_OPTIONS = {
 }
 
 
-# Factories a user could write, found through this module's import path.
-def tiny_factory(input_shape: tuple[int, ...], num_classes: int, hidden: int = 8) -> nn.Module:
+# A user's module of model factories, and a package holding another; written into a directory on sys.path.
+USER_MODULE = "peertrain_user_models"
+USER_PACKAGE = "peertrain_user_package"
+FACTORIES = """
+import math
+from subprocess import run  # imported into the module, so never a job's to call
+
+from torch import nn
+
+
+def tiny(input_shape, num_classes, hidden=8):
     return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), hidden), nn.Linear(hidden, num_classes))
 
 
-def not_a_module() -> str:
+def linear(in_features, out_features):
+    return nn.Linear(in_features, out_features)
+
+
+def not_a_module():
     return "a string"
+"""
+
+
+@pytest.fixture
+def user_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / f"{USER_MODULE}.py").write_text(FACTORIES)
+    (tmp_path / USER_PACKAGE).mkdir()
+    (tmp_path / USER_PACKAGE / "__init__.py").write_text("")
+    (tmp_path / USER_PACKAGE / "models.py").write_text(FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in (USER_MODULE, USER_PACKAGE, f"{USER_PACKAGE}.models"):  # imported afresh by each test
+        monkeypatch.delitem(sys.modules, name, raising=False)
 
 
 def forward_backward(model: nn.Module, batch: int = 4) -> torch.Tensor:
@@ -124,34 +151,77 @@ def test_resnet_gn_bad_options(options: dict, message: str) -> None:
         build_model(ModelSpec(name="resnet-gn", options=options))
 
 
+@pytest.mark.usefixtures("user_modules")
 def test_model_by_import_path_gets_options_and_shapes() -> None:
-    spec = ModelSpec(name=f"{__name__}:tiny_factory", options={"hidden": 5})
-    model = build_model(spec, input_shape=(1, 28, 28), num_classes=7)
+    spec = ModelSpec(name=f"{USER_MODULE}:tiny", options={"hidden": 5})
+    model = build_model(spec, input_shape=(1, 28, 28), num_classes=7, allow_imports=(USER_MODULE,))
     assert [shape for _, _, shape in parameter_specs(model)] == [(5, 784), (5,), (7, 5), (7,)]
 
 
+@pytest.mark.usefixtures("user_modules")
 def test_model_by_import_path_without_shape_parameters() -> None:
-    # nn.Linear takes neither input_shape nor num_classes: it gets only the options.
-    model = build_model(ModelSpec(name="torch.nn:Linear", options={"in_features": 3, "out_features": 2}))
+    # linear takes neither input_shape nor num_classes: it gets only the options.
+    spec = ModelSpec(name=f"{USER_MODULE}:linear", options={"in_features": 3, "out_features": 2})
+    model = build_model(spec, allow_imports=(USER_MODULE,))
     assert isinstance(model, nn.Linear) and model.weight.shape == (2, 3)
 
 
+@pytest.mark.usefixtures("user_modules")
+@pytest.mark.parametrize(
+    ("name", "allowed"),
+    [
+        (f"{USER_MODULE}:tiny", ()),  # nothing is allowed by default
+        (f"{USER_MODULE}:tiny", (USER_PACKAGE, f"{USER_MODULE}.tiny")),
+        (f"{USER_PACKAGE}.models:tiny", (USER_PACKAGE,)),  # a package allows none of its modules
+    ],
+)
+def test_a_module_not_allowed_is_refused_naming_the_flag_and_never_imported(name: str, allowed: tuple) -> None:
+    module = name.partition(":")[0]
+    with pytest.raises(ValueError, match=f"module {module} is not allowed on this machine; its operator allows it "
+                                         f"with --allow-import {module}"):
+        build_model(ModelSpec(name=name), allow_imports=allowed)
+    assert module not in sys.modules and USER_PACKAGE not in sys.modules
+
+
+@pytest.mark.usefixtures("user_modules")
+def test_a_submodule_allowed_exactly_is_imported() -> None:
+    model = build_model(ModelSpec(name=f"{USER_PACKAGE}.models:tiny"), allow_imports=(f"{USER_PACKAGE}.models",))
+    assert isinstance(model, nn.Sequential)
+
+
+@pytest.mark.usefixtures("user_modules")
+@pytest.mark.parametrize(
+    ("name", "allowed", "message"),
+    [
+        ("os:system", ("os",), "os is Python's standard library, never a model's module"),
+        ("subprocess:run", ("subprocess",), "standard library"),
+        (f"{USER_MODULE}:run", (USER_MODULE,), f"run is not defined in {USER_MODULE} but imported into it"),
+        ("os.path:join x", ("os.path",), "must read 'package.module:factory'"),
+    ],
+)
+def test_what_no_operator_can_allow_is_refused(name: str, allowed: tuple, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_model(ModelSpec(name=name), allow_imports=allowed)
+
+
+@pytest.mark.usefixtures("user_modules")
 @pytest.mark.parametrize(
     ("name", "options", "message"),
     [
         ("transformer", {}, "unknown model 'transformer'; known: logistic, mlp, cnn, resnet-gn"),
         ("no_such_package_xyz.models:build", {}, "cannot import no_such_package_xyz.models"),
-        ("torch.nn:NoSuchLayer", {}, "no callable named 'NoSuchLayer'"),
+        (f"{USER_MODULE}:NoSuchLayer", {}, "no callable named 'NoSuchLayer'"),
         (":factory", {}, "package.module:factory"),
-        (f"{__name__}:not_a_module", {}, "returned str, not a torch.nn.Module"),
-        (f"{__name__}:tiny_factory", {"depth": 3}, "depth"),
+        (f"{USER_MODULE}:not_a_module", {}, "returned str, not a torch.nn.Module"),
+        (f"{USER_MODULE}:tiny", {"depth": 3}, "depth"),
         ("mlp", {"hidden": "200"}, "hidden"),
         ("logistic", {"num_classes": 5}, "num_classes comes from the dataset"),
     ],
 )
 def test_bad_model_names_and_options(name: str, options: dict, message: str) -> None:
+    allowed = (USER_MODULE, "no_such_package_xyz.models")
     with pytest.raises(ValueError, match=message):
-        build_model(ModelSpec(name=name, options=options))
+        build_model(ModelSpec(name=name, options=options), allow_imports=allowed)
 
 
 def test_parameter_specs_and_flat_vector_cover_trainable_parameters_only() -> None:

@@ -26,6 +26,8 @@ from coordinator.topology import (
     node_plan,
     offsets,
     out_peers,
+    peer_schedule,
+    schedule_period,
 )
 from nodeagent.jobspec import TopologySpec
 
@@ -124,6 +126,13 @@ def test_random_regular_connected(kind: str, nodes: int, degree: int) -> None:
     assert graph.is_connected()
 
 
+def test_random_regular_of_degree_2_is_one_cycle_on_many_nodes() -> None:
+    """Drawn directly: redrawing whole graphs until one is a single cycle took dozens of tries on 4096 nodes."""
+    graph = build("random-regular", 4096, seed=3, degree=2)
+    assert degrees(graph) == [2] * 4096 and graph.is_connected()
+    assert graph != build("ring", 4096) and graph == build("random-regular", 4096, seed=3, degree=2)
+
+
 def test_random_regular_seeded() -> None:
     first = build("random", 20, seed=1, degree=3)
     assert build("random", 20, seed=1, degree=3) == first
@@ -161,10 +170,8 @@ def test_ecl_random8_exact() -> None:
         build("ecl-random8", 7)
 
 
-def test_edge_list_file(tmp_path: Path) -> None:
-    path = tmp_path / "graph.txt"
-    path.write_text("# a triangle and a tail\n0 1\n1 2  # trailing comment\n\n2 0\n1 0\n2 3\n")
-    graph = build("edge-list", 4, path=str(path))
+def test_edge_list_text() -> None:
+    graph = build("edge-list", 4, edges="# a triangle and a tail\n0 1\n1 2  # trailing comment\n\n2 0\n1 0\n2 3\n")
     assert graph.edges == ((0, 1), (0, 2), (1, 2), (2, 3))
     assert graph.is_connected()
 
@@ -172,29 +179,31 @@ def test_edge_list_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        ("0 1\n1 2 3\n", ":2: expected two ranks"),
-        ("0 1\n# x\n1 x\n", ":3: expected"),
-        ("0 4\n", ":1: rank out"),
+        ("0 1\n1 2 3\n", "edges line 2: expected two ranks 'a b'$"),
+        ("0 1\n# x\n1 secret\n", "edges line 3: expected two ranks 'a b'$"),
+        ("0 4\n", "edges line 1: a rank is not in 0..3$"),
+        ("2 2\n", "edges line 1: self loop 2-2$"),
     ],
 )
-def test_edge_list_bad_line_names_it(tmp_path: Path, body: str, message: str) -> None:
-    path = tmp_path / "graph.txt"
-    path.write_text(body)
+def test_edge_list_bad_line_names_it_and_does_not_repeat_it(body: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        build("edge-list", 4, path=str(path))
+        build("edge-list", 4, edges=body)
 
 
-def test_edge_list_missing_file_or_option(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="cannot read"):
-        build("edge-list", 4, path=str(tmp_path / "absent.txt"))
-    with pytest.raises(ValueError, match="'path'"):
-        build("edge-list", 4)
-
-
-def test_disconnected_graph_detected(tmp_path: Path) -> None:
+def test_edge_list_reads_no_file(tmp_path: Path) -> None:
+    """A path is the command line's to read (nodeagent.jobspec.load_job_file): here it is no option at all."""
     path = tmp_path / "graph.txt"
-    path.write_text("0 1\n2 3\n")
-    assert not build("edge-list", 4, path=str(path)).is_connected()
+    path.write_text("0 1\n1 2\n2 3\n")
+    with pytest.raises(ValueError, match="unknown option\\(s\\) path; allowed: edges"):
+        build("edge-list", 4, path=str(path))
+    with pytest.raises(ValueError, match="option 'edges' must be the text of an edge file"):
+        build("edge-list", 4)
+    with pytest.raises(ValueError, match="option 'edges' must be the text"):
+        build("edge-list", 4, edges=[[0, 1], [1, 2]])
+
+
+def test_disconnected_graph_detected() -> None:
+    assert not build("edge-list", 4, edges="0 1\n2 3\n").is_connected()
     assert not Topology(3, ((0, 1),)).is_connected()
 
 
@@ -360,6 +369,25 @@ def test_union_over_a_period_strongly_connected(kind: str, nodes: int, k: int) -
     if kind.startswith("bipartite-"):
         arcs |= {(p, r) for r, p in arcs}  # bilateral: the passive end answers on the same exchange
     assert strongly_connected(nodes, arcs)
+
+
+@pytest.mark.parametrize("kind", DYNAMIC_KINDS)
+@pytest.mark.parametrize(("nodes", "k"), [(6, 1), (8, 2), (12, 3), (16, 5), (20, 2)])
+def test_union_and_schedules_are_those_of_out_peers_over_a_period(kind: str, nodes: int, k: int) -> None:
+    spec = TopologySpec(kind=kind, options={"peers_per_iteration": k})
+    period = schedule_period(kind, nodes, k)
+    arcs = {(r, p) for t in range(period) for r in range(nodes) for p in out_peers(kind, nodes, r, t, k)}
+    assert build_topology(spec, nodes).edges == tuple(sorted({(min(a, b), max(a, b)) for a, b in arcs}))
+    for rank in range(nodes):
+        expected = tuple(tuple(out_peers(kind, nodes, rank, t, k)) for t in range(period))
+        assert peer_schedule(spec, nodes, rank) == expected
+
+
+def test_dynamic_mixing_weights_are_checked_with_the_graph() -> None:
+    """Not first when the coordinator plans a node, which would fail the assignment of a job it accepted."""
+    with pytest.raises(ValueError, match="option 'weights' must be one of uniform, metropolis-hastings, got 'x"):
+        build("dynamic-exponential", 8, weights="x" * 1000)
+    assert build("dynamic-exponential", 8, weights="metropolis-hastings").nodes == 8
 
 
 def test_single_iteration_not_strongly_connected_check_can_fail() -> None:

@@ -57,6 +57,7 @@ class AgentConfig:
     join_token: str = ""  # enroll with it when tls_dir holds no credentials yet
     ca_fingerprint: str = ""
     enroll_address: str = ""  # the coordinator's enrollment port (default: its host, port 7071)
+    allow_imports: tuple[str, ...] = ()  # modules a job's model may be imported from (nodeagent.training.models)
 
 
 class Agent:

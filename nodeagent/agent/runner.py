@@ -102,7 +102,7 @@ class JobRunner(threading.Thread):
     def _train(self) -> None:
         spec, agent = self.spec, self.agent
         node = build_node(spec, self.rank, self.neighbors, self.self_weight, agent.config.data_dir,
-                          self.peer_schedule)
+                          self.peer_schedule, allow_imports=agent.config.allow_imports)
         algorithm = node.algorithm
         checkpoint = checkpoint_path(agent.config.state_dir, self.job_id, self.rank)
         if restore_checkpoint(checkpoint, algorithm):

@@ -7,6 +7,7 @@ whichever runtime drives it: same seeded initial model on every node, same shard
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,16 +41,18 @@ def build_node(
     self_weight: float,
     data_dir: str | Path | None = None,
     peer_schedule: tuple[tuple[int, ...], ...] = (),
+    allow_imports: Collection[str] = (),
 ) -> Node:
     """The node of `rank`: model initialised from the job's seed (identical on every node), its data shard,
-    and its algorithm. `data_dir` overrides the job's data directory on this machine."""
+    and its algorithm. `data_dir` overrides the job's data directory on this machine; `allow_imports` are the
+    modules a model may be imported from on it (nodeagent.training.models)."""
     directory = data_dir or spec.data.data_dir
     train = load_dataset(spec.data.dataset, directory, "train", spec.data.train_limit)
     test = load_dataset(spec.data.dataset, directory, "test", spec.data.test_limit)
     shards = split_indices(
         train.labels.numpy(), spec.nodes, spec.data.split, spec.seed, dict(spec.data.split_options)
     )
-    model = initial_model(spec)
+    model = initial_model(spec, allow_imports)
     context = NodeContext(
         rank=rank,
         world_size=spec.nodes,

@@ -2,6 +2,11 @@
 
 build_model only constructs: the caller seeds torch (torch.manual_seed) beforehand, so that every node
 builds the same initial model.
+
+A job may name its own model factory as 'package.module:factory'. Since whoever submits a job is not trusted with
+the machines, such a module is imported only where its machine's operator allowed it (`--allow-import
+package.module` of `nodeagent serve` and `coordinator simulate`: the `allow_imports` of build_model). The
+coordinator never imports one: it checks the path's form only (check_model).
 """
 
 from __future__ import annotations
@@ -9,22 +14,27 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
-from collections.abc import Callable, Sequence
+import re
+import sys
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 from torch import nn
 
-from nodeagent.jobspec import JobSpec, ModelSpec
+from nodeagent.jobspec import JobSpec, ModelSpec, cut, shown
 from nodeagent.training.data import DATASETS
 
 __all__ = [
     "MODELS",
+    "ModelError",
     "build_model",
     "cnn",
     "flat_parameters",
     "initial_model",
+    "is_import_path",
     "logistic",
     "mlp",
+    "module_problem",
     "parameter_specs",
     "resnet_gn",
 ]
@@ -154,55 +164,105 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
 }
 
 
-def _import_factory(path: str) -> Callable[..., nn.Module]:
-    module_name, _, attribute = path.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"model {path!r}: an import path must read 'package.module:factory'")
+class ModelError(ValueError):
+    """A job's model that cannot be built here (not allowed, not importable, options that do not fit, ...); the
+    message says which and why."""
+
+
+_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
+_MODULE = re.compile(rf"{_IDENTIFIER}(?:\.{_IDENTIFIER})*")
+_IMPORT_PATH = re.compile(rf"(?P<module>{_MODULE.pattern}):(?P<factory>{_IDENTIFIER})")
+
+
+def is_import_path(name: str) -> bool:
+    """Whether a job's model name is a user's factory ('package.module:factory') rather than a registry name."""
+    return ":" in name
+
+
+def module_problem(module: str) -> str | None:
+    """Why a model can never come from `module` (None: it may, where an operator allows it): not a dotted name of
+    identifiers, or a module of Python's standard library, which holds no models but runs commands (os:system)."""
+    if not _MODULE.fullmatch(module):
+        return f"{module!r} is not a module name (identifiers joined by dots)"
+    if module.partition(".")[0] in sys.stdlib_module_names:
+        return f"{module} is Python's standard library, never a model's module"
+    return None
+
+
+def _split_import_path(path: str) -> tuple[str, str]:
+    """(module, factory) of 'package.module:factory', checked without importing anything; ModelError otherwise."""
+    match = _IMPORT_PATH.fullmatch(path)
+    if match is None:
+        raise ModelError(f"model {path!r}: an import path must read 'package.module:factory' (identifiers)")
+    problem = module_problem(match["module"])
+    if problem:
+        raise ModelError(f"model {path!r}: {problem}")
+    return match["module"], match["factory"]
+
+
+def _import_factory(path: str, allow_imports: Collection[str]) -> Callable[..., nn.Module]:
+    """The factory of an import path, imported only if its module is exactly one of `allow_imports`: allowing a
+    package allows none of its submodules, which its operator may never have read. The factory must be defined in
+    that module, so that what the module merely imports (`from subprocess import run`) cannot be called."""
+    module_name, attribute = _split_import_path(path)
+    if module_name not in allow_imports:
+        raise ModelError(
+            f"model {path!r}: module {module_name} is not allowed on this machine; its operator allows it with "
+            f"--allow-import {module_name} (nodeagent serve, coordinator simulate)"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        raise ValueError(f"model {path!r}: cannot import {module_name}: {error}") from error
+        raise ModelError(f"model {path!r}: cannot import {module_name}: {error}") from error
     factory = getattr(module, attribute, None)
     if not callable(factory):
-        raise ValueError(f"model {path!r}: {module_name} has no callable named {attribute!r}")
+        raise ModelError(f"model {path!r}: {module_name} has no callable named {attribute!r}")
+    if getattr(factory, "__module__", None) != module_name:
+        raise ModelError(f"model {path!r}: {attribute} is not defined in {module_name} but imported into it; name "
+                         "the module that defines it")
     return factory
 
 
-def build_model(spec: ModelSpec, input_shape: InputShape = (1, 28, 28), num_classes: int = 10) -> nn.Module:
-    """Builds the model a job names: a registry name, or a user's factory as 'package.module:factory'.
+def build_model(spec: ModelSpec, input_shape: InputShape = (1, 28, 28), num_classes: int = 10,
+                allow_imports: Collection[str] = ()) -> nn.Module:
+    """Builds the model a job names: a registry name, or a user's factory as 'package.module:factory' from one of
+    the modules in `allow_imports` (none by default: see the module's docstring).
 
     The factory is called with spec.options as keyword arguments, plus input_shape and num_classes when its
-    signature accepts them. Raises ValueError for an unknown name, an option the factory does not take, or
-    an import that fails.
+    signature accepts them. Raises ModelError for an unknown name, an option the factory does not take, a module
+    not allowed, or an import that fails; the factory itself may raise ValueError for an option's value.
     """
-    factory = _import_factory(spec.name) if ":" in spec.name else _registered(spec)
+    factory = _import_factory(spec.name, allow_imports) if is_import_path(spec.name) else _registered(spec)
     kwargs = _arguments(spec, factory, input_shape, num_classes)
     model = factory(**kwargs)
     if not isinstance(model, nn.Module):
-        raise ValueError(f"model {spec.name!r}: the factory returned {type(model).__name__}, not a torch.nn.Module")
+        raise ModelError(f"model {spec.name!r}: the factory returned {type(model).__name__}, not a torch.nn.Module")
     return model
 
 
-def initial_model(spec: JobSpec) -> nn.Module:
+def initial_model(spec: JobSpec, allow_imports: Collection[str] = ()) -> nn.Module:
     """The job's seeded initial model, identical on every node and at the parameter server, shaped for its
     dataset's samples. It seeds torch's global generator with the job's seed, so that what a node draws next
     (dropout) is the same on every run; a caller that must keep its own random state forks it first."""
     info = DATASETS[spec.data.dataset]
     torch.manual_seed(spec.seed)
-    return build_model(spec.model, info.input_shape, info.num_classes)
+    return build_model(spec.model, info.input_shape, info.num_classes, allow_imports)
 
 
 def check_model(spec: ModelSpec, input_shape: InputShape, num_classes: int) -> None:
-    """What can be known of a job's model without building it, nor importing a user's code (an import path is
-    the agents' to check): a registry model's name and options. ValueError naming the problem."""
-    if ":" not in spec.name:
+    """What can be known of a job's model without building it, nor importing a user's code (whether an import path
+    is allowed and fits is the agents' to check): a registry model's name and options, an import path's form.
+    ModelError naming the problem."""
+    if is_import_path(spec.name):
+        _split_import_path(spec.name)
+    else:
         _arguments(spec, _registered(spec), input_shape, num_classes)
 
 
 def _registered(spec: ModelSpec) -> Callable[..., nn.Module]:
     if spec.name not in MODELS:
         known = ", ".join(MODELS)
-        raise ValueError(f"unknown model {spec.name!r}; known: {known}, or 'package.module:factory'")
+        raise ModelError(f"unknown model {spec.name!r}; known: {known}, or 'package.module:factory'")
     return MODELS[spec.name]
 
 
@@ -214,13 +274,14 @@ def _arguments(spec: ModelSpec, factory: Callable[..., nn.Module], input_shape: 
     kwargs = dict(spec.options)
     for name, value in (("input_shape", tuple(input_shape)), ("num_classes", num_classes)):
         if name in spec.options:
-            raise ValueError(f"model {spec.name!r}: {name} comes from the dataset and cannot be an option")
+            raise ModelError(f"model {spec.name!r}: {name} comes from the dataset and cannot be an option")
         if takes_any or name in signature.parameters:
             kwargs[name] = value
     try:
         signature.bind(**kwargs)
     except TypeError as error:
-        raise ValueError(f"model {spec.name!r}: options {sorted(spec.options)} do not fit: {error}") from None
+        raise ModelError(f"model {spec.name!r}: options {shown(sorted(spec.options))} do not fit: "
+                         f"{cut(str(error))}") from None
     return kwargs
 
 
