@@ -6,9 +6,9 @@ second, from its /metrics) is measured for a window undisturbed, then while an a
 open on agent-0, re-opening each as soon as it ends:
 - `intruder`: a node certificate of the cluster that is not in the job; its streams send nothing (held until the
   idle timeout ends them);
-- `stolen neighbour`: agent-1's own certificate, as if its key were stolen; its streams send a valid manifest,
-  then one payload byte a second (held until the minimum rate ends them). The honest agent-1 shares that
-  identity's stream limit with the attacker.
+- `stolen neighbour`: the certificate of agent-0's neighbour on the ring, as if its key were stolen; its streams
+  send a valid manifest, then one payload byte a second (held until the minimum rate ends them). The honest
+  neighbour shares that identity's stream limit with the attacker.
 The attacking code speaks gRPC with the generated proto modules only.
 
     .venv/bin/python benchmarks/abuse.py [--window 20] [--streams 20]
@@ -128,8 +128,9 @@ def main() -> None:
             time.sleep(0.5)
         intruder_dir = root / "intruder"
         ClusterCA.load(root / "coordinator").issue_files(TlsDir(intruder_dir), Role.NODE, "intruder")
-        stolen_dir = cluster.state_dir(1) / "tls"
-        neighbour = nodes["agent-1"]
+        # On the ring, the node one rank on is a neighbour of agent-0.
+        neighbour = next(n for n in nodes.values() if n.rank == (victim.rank + 1) % 4)
+        stolen_dir = cluster.state_dir(int(neighbour.name.removeprefix("agent-"))) / "tls"
         description = peer_pb2_grpc.PeerStub(channel(victim.peer_address, stolen_dir, "agent-0")).Describe(
             peer_pb2.DescribeRequest(), timeout=10)
         headers = []
@@ -141,7 +142,7 @@ def main() -> None:
                     count *= size
                 headers.append(wire_pb2.TensorHeader(name=name, dtype=tensor.dtype, shape=tensor.shape,
                                                      byte_length=count * DTYPE_BYTES[tensor.dtype]))
-        manifest = wire_pb2.Manifest(job_id=victim.job_id, sender_id="agent-1", sender_rank=neighbour.rank,
+        manifest = wire_pb2.Manifest(job_id=victim.job_id, sender_id=neighbour.name, sender_rank=neighbour.rank,
                                      receiver_rank=victim.rank, kind=wire_pb2.KIND_PARAMS, clock=0, tensors=headers)
 
         baseline = rate(victim.metrics_address, args.window)
