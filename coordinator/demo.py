@@ -80,7 +80,8 @@ def run_demo(args: argparse.Namespace) -> int:
     results: list[tuple[str, pb.JobStatusReply]] = []
     try:
         cluster.start()
-        print(f"coordinator at {cluster.address}; {first.nodes} agents registered")
+        print(f"coordinator at {cluster.address}; {first.nodes} agents registered; every link under mutual TLS "
+              f"(cluster CA in {cluster.root / 'coordinator' / 'ca'})")
         for spec in specs:
             print(f"\n== {spec.algorithm.name}")
             job_id = cluster.submit(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
