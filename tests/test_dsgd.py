@@ -1,9 +1,9 @@
 """DSGD as a state machine, driven without any network."""
 
-import random
 
 import pytest
 import torch
+from exact_linear import race
 from torch import nn
 
 from nodeagent.algorithms import Neighbor, NodeContext, Route, build_algorithm
@@ -188,20 +188,12 @@ def test_synchronous_neighbours_race_at_most_one_round_ahead_within_rounds_ahead
         neighbors = tuple(Neighbor(peer, 1, 0, 1 / 3) for peer in ((rank - 1) % world, (rank + 1) % world))
         spec = AlgorithmSpec(name="dsgd", mode="sync")
         nodes.append(build_algorithm(linear_model(), NodeContext(rank, world, neighbors, spec, self_weight=1 / 3)))
-    rng = random.Random(0)
-    in_transit: list[Message] = []
-    leads = []
-    for tick in range(1500):
-        ready = [node for node in nodes if node.ready()]
-        if ready and rng.random() < 0.5:
-            node = min(ready, key=lambda node: (node.context.rank != 0, rng.random()))
-            node.step(*batch(tick % 7))
-            in_transit += [send.message for send in node.sends()]
-        elif in_transit:
-            copy = in_transit.pop(rng.randrange(len(in_transit)))
-            receiver = nodes[copy.receiver]
-            leads.append(copy.clock - receiver.clock)
-            assert copy.clock <= receiver.clock + receiver.rounds_ahead()
-            receiver.receive(copy)
+
+    def deliver(copy: Message) -> None:
+        receiver = nodes[copy.receiver]
+        assert copy.clock <= receiver.clock + receiver.rounds_ahead()
+        receiver.receive(copy)
+
+    leads = race(nodes, batch, deliver)
     assert max(leads) == 1 and nodes[0].rounds_ahead() == 2
     assert make(0, (Neighbor(1, 1, 0, 0.5),), 0.5).rounds_ahead() is None  # asynchronous: keeps one copy each

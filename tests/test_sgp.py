@@ -1,12 +1,11 @@
 """SGP and Overlap SGP as state machines, driven without any network: push-sum mixing and the round structure."""
 
-import random
 from collections import defaultdict
 
 import numpy as np
 import pytest
 import torch
-from exact_linear import ZeroLoss, batch, linear_model
+from exact_linear import ZeroLoss, batch, linear_model, race
 from torch import nn
 
 from coordinator.topology import directed_mixing_matrix, in_peers, is_column_stochastic, is_row_stochastic
@@ -322,17 +321,5 @@ def test_a_node_racing_ahead_on_a_directed_ring_stays_within_its_receivers_round
     - 1 rounds ahead of rank 1, its out-peer, which it hears from only through the three others; `deliver` checks
     that no share is ever beyond the window, which is n * (rounds_in_flight + 1)."""
     nodes = graph(cls, [((1,),), ((2,),), ((3,),), ((0,),)], options=options)
-    rng = random.Random(0)
-    in_transit: list[Message] = []
-    leads = []
-    for tick in range(1500):
-        ready = [node for node in nodes if node.ready()]
-        if ready and rng.random() < 0.5:
-            node = min(ready, key=lambda node: (node.context.rank != 0, rng.random()))
-            node.step(*batch(tick % 7))
-            in_transit += [send.message for send in node.sends()]
-        elif in_transit:
-            share = in_transit.pop(rng.randrange(len(in_transit)))
-            leads.append(share.clock - nodes[share.receiver].clock)
-            deliver(nodes, share)
+    leads = race(nodes, batch, lambda share: deliver(nodes, share))
     assert 2 <= max(leads) <= lead
