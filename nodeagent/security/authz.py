@@ -44,41 +44,19 @@ class Authorizer(grpc.ServerInterceptor):
             return None
         method = handler_call_details.method
         admit = self.admit
-        if handler.unary_unary:
-            inner = handler.unary_unary
+        kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k))
+        behavior = getattr(handler, kind)
 
-            def unary_unary(request, context):
-                admit(method, context)
-                return inner(request, context)
-
-            return grpc.unary_unary_rpc_method_handler(unary_unary, handler.request_deserializer,
-                                                       handler.response_serializer)
-        if handler.unary_stream:
-            inner = handler.unary_stream
-
-            def unary_stream(request, context):
-                admit(method, context)
-                yield from inner(request, context)
-
-            return grpc.unary_stream_rpc_method_handler(unary_stream, handler.request_deserializer,
-                                                        handler.response_serializer)
-        if handler.stream_unary:
-            inner = handler.stream_unary
-
-            def stream_unary(request_iterator, context):
-                admit(method, context)
-                return inner(request_iterator, context)
-
-            return grpc.stream_unary_rpc_method_handler(stream_unary, handler.request_deserializer,
-                                                        handler.response_serializer)
-        inner = handler.stream_stream
-
-        def stream_stream(request_iterator, context):
+        # A streaming response is a generator: the check runs when gRPC starts it, before the first message.
+        def admitted_stream(request, context):
             admit(method, context)
-            yield from inner(request_iterator, context)
+            yield from behavior(request, context)
 
-        return grpc.stream_stream_rpc_method_handler(stream_stream, handler.request_deserializer,
-                                                     handler.response_serializer)
+        def admitted(request, context):
+            admit(method, context)
+            return behavior(request, context)
+
+        return handler._replace(**{kind: admitted_stream if handler.response_streaming else admitted})
 
 
 def rules_for(service: str, roles_by_method: Mapping[str, frozenset[Role]]) -> Rules:
