@@ -14,8 +14,9 @@ Measures, in one run (TARGETS.md, "System performance"):
      server validates and decodes the stream into its own buffer, then replies) with the job encoding raw,
      fp16 and bf16, `PeerClient.exchange` (the server answers with a tensor of the same size), and `push` to a
      second server that offers no lanes (payload in gRPC chunk frames: the fallback, and the agent's path until
-     it passes `lane_host`), and `push` raw to a third server under mutual TLS, gRPC and lanes both (certificates
-     of a fresh cluster CA, made by that server in a temporary directory);
+     it passes `lane_host`), and `push` raw to a third server under mutual TLS with sealed lanes (AES-256-GCM
+     records, the key granted over the TLS channel; certificates of a fresh cluster CA, made by that server in a
+     temporary directory);
    - torch.distributed gloo send/recv of the same fp32 tensor between two other processes;
    - the CPU time of each transfer, sender's and receiver's processes together (time.process_time);
    - the peer server's peak extra memory during each transfer: its RSS high-water mark (VmHWM, reset before
@@ -27,15 +28,15 @@ Measures, in one run (TARGETS.md, "System performance"):
    without take turns, both nodes in the same block at once, and the medians of the blocks' wall time per step
    are compared (a block with exchanges lasts until its last exchange has completed).
 3. the encodings on a link of `--link-gbit` Gbit/s (default 10): Push raw, fp16 and bf16, Push raw under mutual
-   TLS and gloo of the 44 MB tensor again, in a private network namespace (`unshare --user --map-root-user
-   --net`, nothing outside it is touched) whose loopback is shaped with a tc token bucket (tbf). On this machine
-   kind loopback is bound by the two cores, not by a wire: every byte costs a kernel copy on each side, and
-   converting to and from fp16 costs about what halving the bytes saves there. On a link slower than the
+   TLS with sealed lanes and gloo of the 44 MB tensor again, in a private network namespace (`unshare --user
+   --map-root-user --net`, nothing outside it is touched) whose loopback is shaped with a tc token bucket (tbf). On
+   this machine kind loopback is bound by the two cores, not by a wire: every byte costs a kernel copy on each
+   side, and converting to and from fp16 costs about what halving the bytes saves there. On a link slower than the
    processors, as between machines, the conversion runs in the shadow of the sending and halving the bytes halves
    the time. Skipped, with the reason, where namespaces or tc are not available.
 Rates: payload bytes per second (1 GB = 1e9 bytes), and parameters per second for the encodings. It prints the
-figures and whether each target is met (TLS Push against gloo's plaintext rate: >= 0.5 on loopback, >= 0.9 on
-the shaped link); it asserts nothing.
+figures and whether each target is met (Push under mutual TLS with sealed lanes against gloo's plaintext rate:
+>= 0.5 on loopback, >= 0.9 on the shaped link); it asserts nothing.
 
 Only the standard library is imported at module level, and torch and grpc in the children: VmHWM is the child's
 own, but where /proc/self/clear_refs cannot be written the figure falls back to `ru_maxrss` over the whole
@@ -198,7 +199,7 @@ def peer_server(conn: Connection, numel: int, chunk: int, lanes: bool, tls_dir: 
         make_certificates(tls_dir)
         transport = tls_transport(tls_dir, "server")
     servicer = PeerServicer(lambda: state, Metrics(), "bench", lane_host="127.0.0.1" if lanes else None,
-                            lane_tls=transport.ssl_context(server_side=True) if transport else None)
+                            secure=transport is not None)
     add_peer_servicer(servicer, server)
     port = transport.bind(server, "127.0.0.1:0") if transport else server.add_insecure_port("127.0.0.1:0")
     if port == 0:
@@ -254,7 +255,7 @@ def peer_client(conn: Connection, ports: tuple[int, int, int], numel: int, chunk
 
     states = {encoding: state(encoding) for encoding in ENCODINGS}
     # The agent's client, to a server that offers lanes, to one that does not (it falls back to frames), and to
-    # one under mutual TLS.
+    # one under mutual TLS (its lanes sealed).
     laned = PeerClient(f"127.0.0.1:{ports[0]}")
     framed = PeerClient(f"127.0.0.1:{ports[1]}")
     secure = PeerClient(f"127.0.0.1:{ports[2]}", transport=tls_transport(tls_dir, "client"), server_name="server")
@@ -282,12 +283,12 @@ def peer_client(conn: Connection, ports: tuple[int, int, int], numel: int, chunk
             del answer
         conn.send(("seconds", time.perf_counter() - started, time.process_time() - cpu_start))
     lanes_used = bool(laned._idle) and not framed._idle
-    tls_lanes = [lane for lanes in secure._idle.values() for lane in lanes]
-    # The TLS version and cipher suite the lanes negotiated, and how many lanes a TLS Push used.
-    tls_cipher = f"{tls_lanes[0].sock.version()} {tls_lanes[0].sock.cipher()[0]}" if tls_lanes else "no TLS lane"
+    # How many lanes a Push under TLS used, and whether they were sealed.
+    secure_lanes = [lane for lanes in secure._idle.values() for lane in lanes]
+    sealed = bool(secure_lanes) and all(lane.sealed for lane in secure_lanes)
     for client in (laned, framed, secure):
         client.close()
-    conn.send(("stopped", lanes_used, tls_cipher, len(tls_lanes)))
+    conn.send(("stopped", lanes_used, sealed, len(secure_lanes)))
 
 
 def gloo_peer(conn: Connection, rank: int, port: int, numel: int) -> None:
@@ -387,8 +388,8 @@ class SizeResult:
     extra_bytes: dict[tuple[str, str], int] = field(default_factory=dict)  # peak extra receiver memory per method
     per_transfer: bool = True  # False: one high-water mark over all transfers (no clear_refs here)
     lanes_used: bool = False
-    tls_cipher: str = ""
-    tls_lanes: int = 0
+    sealed: bool = False  # the lanes of the Push under TLS were sealed
+    sealed_lanes: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -443,7 +444,7 @@ def measure_size(
                     overall = max(result.extra_bytes[m] for m in group)
                     result.extra_bytes.update(dict.fromkeys(group, overall))
         client.send(("stop",))
-        _, result.lanes_used, result.tls_cipher, result.tls_lanes = stage.receive(client, "peer client stop")
+        _, result.lanes_used, result.sealed, result.sealed_lanes = stage.receive(client, "peer client stop")
         for conn in gloo:
             conn.send("stop")
             stage.receive(conn, "gloo stop")
@@ -587,7 +588,7 @@ def measure_steps(
 
 LINK_SIZE = 11_000_000  # the 44 MB tensor
 LINK_METHODS = [("push", "raw"), ("push", "fp16"), ("push", "bf16"), ("push-tls", "raw"), ("gloo", "raw")]
-TLS_TARGETS = {"loopback": 0.5, "link": 0.9}  # TLS Push over gloo's plaintext rate, at least
+TLS_TARGETS = {"loopback": 0.5, "link": 0.9}  # Push under TLS (sealed lanes) over gloo's plaintext rate, at least
 
 
 def shaped_link(config: Config) -> dict[tuple[str, str], list[float]] | str:
@@ -693,12 +694,13 @@ def report_link(config: Config, link: dict[tuple[str, str], list[float]] | str) 
 
 
 def tls_verdict(seconds: dict[tuple[str, str], list[float]], where: str, goal: bool = True) -> str:
-    """TLS Push against gloo's plaintext rate (with its target where it has one) and against plaintext Push."""
+    """Push under TLS with sealed lanes against gloo's plaintext rate (with its target where it has one) and against
+    plaintext Push."""
     tls = median(seconds[("push-tls", "raw")])
     ratio = median(seconds[("gloo", "raw")]) / tls
     target = TLS_TARGETS[where]
     verdict = f" -> {'target met' if ratio >= target else 'below target'} (>= {target})" if goal else ""
-    return (f"peer Push raw under mutual TLS / gloo (plaintext) = {ratio:.2f} on medians{verdict}; "
+    return (f"peer Push raw, mutual TLS + sealed lanes / gloo (plaintext) = {ratio:.2f} on medians{verdict}; "
             f"/ plaintext Push = {median(seconds[('push', 'raw')]) / tls:.2f}")
 
 
@@ -719,7 +721,7 @@ def main(argv: list[str] | None = None) -> int:
     link = shaped_link(config) if config.link_gbit > 0 else None
 
     print()
-    print(f"{'size':>7}  {'method':<50} {'median ms':>10} {'GB/s':>7} {'Mparam/s':>9} {'best GB/s':>10} "
+    print(f"{'size':>7}  {'method':<64} {'median ms':>10} {'GB/s':>7} {'Mparam/s':>9} {'best GB/s':>10} "
           f"{'CPU ms':>7} {'recv extra':>11}")
     names = {
         ("push", "raw"): "peer Push, raw (lane)",
@@ -727,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
         ("push", "bf16"): "peer Push, bf16 on the wire (lane)",
         ("exchange", "raw"): "peer Exchange, raw, both ways (lane)",
         ("push-frames", "raw"): "peer Push, raw, chunk frames (peer without lanes)",
-        ("push-tls", "raw"): "peer Push, raw, mutual TLS (gRPC and lanes)",
+        ("push-tls", "raw"): "peer Push, raw, mutual TLS (gRPC) + sealed lanes (AES-256-GCM)",
         ("gloo", "raw"): "torch.distributed gloo send/recv",
     }
     for result in results:
@@ -736,14 +738,15 @@ def main(argv: list[str] | None = None) -> int:
             moved = result.nbytes * (2 if method[0] == "exchange" else 1)
             params = result.numel * (2 if method[0] == "exchange" else 1)
             print(
-                f"{size_label(result.nbytes):>7}  {names[method]:<50} {median(samples) * 1e3:>10.2f} "
+                f"{size_label(result.nbytes):>7}  {names[method]:<64} {median(samples) * 1e3:>10.2f} "
                 f"{moved / median(samples) / 1e9:>7.3f} {params / median(samples) / 1e6:>9.0f} "
                 f"{moved / min(samples) / 1e9:>10.3f} {median(result.cpu_seconds[method]) * 1e3:>7.1f} "
                 + (f"{result.extra_bytes[method] / result.nbytes:>10.2f}x" if method in result.extra_bytes else "")
             )
         if not result.lanes_used:
             print(f"{'':>7}  (the client found no lane: the Push rows above went over frames)")
-        print(f"{'':>7}  (TLS lanes: {result.tls_cipher}, {result.tls_lanes} kept after the last TLS Push)")
+        sealing = "sealed, AES-256-GCM" if result.sealed else "NOT sealed"
+        print(f"{'':>7}  (lanes beside TLS: {sealing}, {result.sealed_lanes} kept after the last Push under TLS)")
     print()
     for result in results:
         label = size_label(result.nbytes)

@@ -3,16 +3,19 @@
 Streams on lanes are validated exactly like streams in frames: a bad manifest, a lane of another rank or job, a
 stalled or truncated payload, a header out of step: each is rejected whole with INVALID_ARGUMENT, counted, and
 leaves the node's inbox and state untouched; the lane is closed and the next stream opens another. Beside a
-mutual-TLS channel the lanes are TLS, admitted only from the node the token was granted to.
+mutual-TLS channel the lanes are sealed (AES-256-GCM records, the key granted over the channel): a lane without
+the key, or a byte changed on the way, delivers nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
+import secrets
 import socket
-import ssl
 import threading
 import time
+import tracemalloc
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,9 +33,21 @@ from nodeagent.security import pki
 from nodeagent.security.pki import Role
 from nodeagent.security.tls import Credentials, TlsDir, Transport
 from nodeagent.wire import Encoding, Kind, Message, TensorSpec, WireError, specs_of
+from nodeagent.wire import lane as lane_module
 from nodeagent.wire.encoder import plan
 from nodeagent.wire.frames import LANE_HEADER, LANE_MAGIC, new_stream_id
-from nodeagent.wire.lane import MAX_HANDSHAKES, MAX_HANDSHAKES_PER_SOURCE, READY, LaneHub, dial
+from nodeagent.wire.lane import (
+    KEY_BYTES,
+    MAX_HANDSHAKES,
+    MAX_HANDSHAKES_PER_SOURCE,
+    READY,
+    RECORD_BYTES,
+    RECORD_LENGTH,
+    TOKEN_BYTES,
+    LaneHub,
+    LaneSocket,
+    dial,
+)
 
 JOB = "job-lanes"
 N = 300_000  # 1.2 MB: several staging chunks, and more than a loopback socket buffers at once
@@ -55,7 +70,8 @@ def make_state(rank: int, inbox: queue.Queue, served: dict, specs: dict, **field
 
 
 class Node:
-    """Rank 1 serving on loopback with lanes (or without); with a `transport`, gRPC and lanes under its TLS."""
+    """Rank 1 serving on loopback with lanes (or without); with a `transport`, gRPC under its mutual TLS and the
+    lanes sealed."""
 
     def __init__(self, lanes: bool = True, transport: Transport | None = None):
         self.inbox: queue.Queue = queue.Queue()
@@ -64,9 +80,8 @@ class Node:
         specs = [TensorSpec("w", torch.float32, (N,))]
         self.state = make_state(1, self.inbox, self.served, {0: specs, 2: specs})
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=GRPC_OPTIONS)
-        lane_tls = transport.ssl_context(server_side=True) if transport is not None else None
         self.servicer = PeerServicer(lambda: self.state, self.metrics, "test", lane_host="127.0.0.1" if lanes else None,
-                                     lane_tls=lane_tls)
+                                     secure=transport is not None)
         add_peer_servicer(self.servicer, self.server)
         if transport is None:
             port = self.server.add_insecure_port("127.0.0.1:0")
@@ -482,7 +497,7 @@ def striped(monkeypatch):
     """Payloads of this module's size striped over three lanes."""
     monkeypatch.setattr("nodeagent.wire.lane.STRIPE_BYTES", 1 << 16)
     monkeypatch.setattr("nodeagent.wire.lane.MAX_STRIPES", 3)
-    monkeypatch.setattr("nodeagent.wire.lane.MAX_TLS_STRIPES", 3)
+    monkeypatch.setattr("nodeagent.wire.lane.MAX_SEALED_STRIPES", 3)
 
 
 @pytest.mark.parametrize("encoding", [Encoding.RAW, Encoding.FP16, Encoding.BF16], ids=lambda e: e.name)
@@ -629,38 +644,28 @@ def test_a_striped_stream_out_of_step_is_rejected_and_its_lanes_closed(node, cas
     client.close()
 
 
-# ------------------------------------------------------------------------------------------------------ TLS
+# ---------------------------------------------------------------------------------------------- sealed lanes
 
 
 @dataclass(frozen=True)
 class LaneCerts:
-    """Credentials directories: nodes n0, n1, n2 and an operator n0 of the cluster CA; a node n0 of another CA."""
+    """Credentials directories: nodes n0, n1 and n2 of the cluster CA."""
 
     root: Path
 
     def transport(self, holder: str) -> Transport:
         return Transport(TlsDir(self.root / holder))
 
-    def server(self, holder: str) -> ssl.SSLContext:
-        return self.transport(holder).ssl_context(server_side=True)
-
-    def client(self, holder: str) -> ssl.SSLContext:
-        return self.transport(holder).ssl_context(server_side=False)
-
 
 @pytest.fixture(scope="module")
 def lane_certs(tmp_path_factory) -> LaneCerts:
     root = tmp_path_factory.mktemp("lane-certs")
-    holders = {"cluster": [("n0", Role.NODE, "n0"), ("n1", Role.NODE, "n1"), ("n2", Role.NODE, "n2"),
-                           ("operator-n0", Role.OPERATOR, "n0")],
-               "other": [("other-ca-n0", Role.NODE, "n0")]}
-    for ca_name, certificates in holders.items():
-        ca_key, ca = pki.create_ca(f"{ca_name} CA")
-        for holder, role, name in certificates:
-            key = pki.new_private_key()
-            cert = pki.issue(ca_key, ca, key.public_key(), role, name)
-            TlsDir(root / holder).save(Credentials(pki.certificate_pem(ca), pki.certificate_pem(cert),
-                                                   pki.private_key_pem(key)))
+    ca_key, ca = pki.create_ca("cluster CA")
+    for name in ("n0", "n1", "n2"):
+        key = pki.new_private_key()
+        cert = pki.issue(ca_key, ca, key.public_key(), Role.NODE, name)
+        TlsDir(root / name).save(Credentials(pki.certificate_pem(ca), pki.certificate_pem(cert),
+                                             pki.private_key_pem(key)))
     return LaneCerts(root)
 
 
@@ -672,29 +677,30 @@ def tls_node(lane_certs):
 
 
 @pytest.fixture
-def hub(lane_certs):
-    """A TLS lane hub of node n1, without gRPC: tokens are granted by hand."""
-    lanes = LaneHub("127.0.0.1", tls=lane_certs.server("n1"))
+def hub():
+    """A sealed lane hub, without gRPC: grants are made by hand."""
+    lanes = LaneHub("127.0.0.1", sealed=True)
     yield lanes
     lanes.close()
 
 
-def test_tls_lanes_move_payloads_byte_exact(tls_node, lane_certs, striped):
+def test_sealed_lanes_move_payloads_byte_exact(tls_node, lane_certs, striped):
     client = PeerClient(tls_node.address, transport=lane_certs.transport("n0"), server_name="n1")
     state, metrics = client_state(), Metrics()
     sent = message(seed=21)
     client.push(state, sent, timeout=10, metrics=metrics)
     assert torch.equal(tls_node.inbox.get_nowait().tensors["w"], sent.tensors["w"])
+    # The reply comes back on the same lanes, sealed the other way.
     reply = client.exchange(state, sent, timeout=10, metrics=metrics)
     assert torch.equal(reply.tensors["w"], tls_node.served["w"])
     assert torch.equal(tls_node.inbox.get_nowait().tensors["w"], sent.tensors["w"])
     pulled = client.pull(state, 1, Kind.PARAMS, timeout=10, metrics=metrics)
     assert torch.equal(pulled.tensors["w"], tls_node.served["w"])
     lanes = client._idle[(JOB, 0)]
-    assert len(lanes) == 3 and tls_node.open_lanes() == 3, "striped over three TLS lanes"
-    for lane in lanes:
-        assert isinstance(lane.sock, ssl.SSLSocket) and lane.sock.version() == "TLSv1.3"
-    assert {lane.grantee for lane in tls_node.servicer.lanes._lanes.values()} == {"n0"}
+    assert len(lanes) == 3 and tls_node.open_lanes() == 3, "striped over three sealed lanes"
+    assert all(lane.sealed for lane in lanes)
+    served = tls_node.servicer.lanes._lanes.values()
+    assert all(lane.sealed for lane in served) and {lane.grantee for lane in served} == {"n0"}
     client.close()
 
 
@@ -715,59 +721,224 @@ def test_grpc_peers_verify_the_neighbour_named_by_the_job(tls_node, lane_certs):
     impostor.close()
 
 
-def grant_and_dial(hub: LaneHub, context: ssl.SSLContext | None, grantee: str | None = "n0",
-                   server_name: str = "n1"):
-    token = hub.grant(JOB, 0, grantee)
-    return token, dial("127.0.0.1", hub.port, token, JOB, 0, 5, context, server_name)
+def test_a_plaintext_server_gets_no_lane_from_a_secure_client():
+    """A client under TLS never sends payload bytes on a lane without a key: a grant without one gets frames."""
+    client = PeerClient("127.0.0.1:1")
+    client._secure = True
+
+    class Unsealed:
+        def OpenLane(self, request, timeout):
+            return peer_pb2.LaneGrant(port=1, token=bytes(TOKEN_BYTES))
+
+    client.stub = Unsealed()
+    assert client._lanes(client_state(), timeout=1, count=1) == []
+    client.close()
 
 
-@pytest.mark.parametrize("holder", ["n2", "operator-n0"])
-def test_a_tls_lane_from_another_identity_than_the_grant_is_refused(hub, lane_certs, holder):
-    token = hub.grant(JOB, 0, "n0")
-    with pytest.raises(OSError):
-        dial("127.0.0.1", hub.port, token, JOB, 0, 5, lane_certs.client(holder), "n1")
-    assert not hub._lanes
-    # The token is spent: n0 itself cannot use it now, but a fresh grant works.
-    with pytest.raises(OSError):
-        dial("127.0.0.1", hub.port, token, JOB, 0, 5, lane_certs.client("n0"), "n1")
-    _, lane = grant_and_dial(hub, lane_certs.client("n0"))
-    assert next(iter(hub._lanes.values())).grantee == "n0"
-    lane.close()
+def _send_quietly(lane: LaneSocket, pieces) -> None:
+    with contextlib.suppress(OSError):
+        lane.send(pieces)
 
 
-def no_certificate(lane_certs: LaneCerts) -> ssl.SSLContext:
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.load_verify_locations(cadata=lane_certs.transport("n0").credentials().ca_pem.decode())
-    return context
+@pytest.mark.parametrize("key", ["none", "another"])
+def test_a_lane_opened_with_a_stolen_token_delivers_nothing(tls_node, lane_certs, key):
+    """A thief who saw a token on the wire opens the lane with it and writes a payload there, in plaintext or
+    sealed with a key of its own; even in a stream that n0 names, the receiver refuses it whole."""
+    client = PeerClient(tls_node.address, transport=lane_certs.transport("n0"), server_name="n1")
+    grant = client.stub.OpenLane(peer_pb2.LaneRequest(job_id=JOB, requester_rank=0, requester_id="n0"), timeout=5)
+    assert len(grant.key) == KEY_BYTES
+    thief = dial("127.0.0.1", grant.port, grant.token, JOB, 0, 5,
+                 None if key == "none" else secrets.token_bytes(KEY_BYTES))
+    tensor = torch.randn(N)
+    request, (payload,) = striped_request([thief], tensor, [(0, N * 4)])
+    writer = threading.Thread(target=_send_quietly, args=(thief, payload), daemon=True)
+    writer.start()
+    with pytest.raises(grpc.RpcError) as error:
+        client._push_on_lane(request, timeout=5)
+    thief.abort()
+    writer.join(timeout=10)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and error.value.details().startswith("bad_lane")
+    assert tls_node.inbox.empty() and tls_node.open_lanes() == 0
+    assert tls_node.sample("peertrain_stream_rejections_total", src="n0", dst="n1", reason="bad_lane") == 1
+    # The honest client's next stream goes through on a lane of its own.
+    sent = message(seed=24)
+    client.push(client_state(), sent, timeout=10, metrics=Metrics())
+    assert torch.equal(tls_node.inbox.get_nowait().tensors["w"], sent.tensors["w"])
+    thief.close()
+    client.close()
 
 
-@pytest.mark.parametrize("case", ["no_certificate", "another_ca", "plaintext", "wrong_server_name"])
-def test_a_client_the_cluster_ca_does_not_vouch_for_gets_no_lane(hub, lane_certs, case):
-    context, server_name = {
-        "no_certificate": (no_certificate(lane_certs), "n1"),
-        "another_ca": (lane_certs.client("other-ca-n0"), "n1"),
-        "plaintext": (None, ""),
-        "wrong_server_name": (lane_certs.client("n0"), "n2"),  # the client refuses n1 posing as n2
-    }[case]
-    with pytest.raises(OSError):
-        grant_and_dial(hub, context, server_name=server_name)
-    assert not hub._lanes
-    deadline = time.monotonic() + 5
-    while hub._handshaking and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not hub._handshaking, "the failed handshake gave its slot back"
+class FlippingRelay:
+    """A man in the middle on loopback: relays connections to `port`, flipping the byte at offset `flip` of what
+    the dialling side sends on its first connection (None: relays faithfully)."""
+
+    def __init__(self, port: int, flip: int | None):
+        self.port, self.flip = port, flip
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()
+        self.flipped = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        first = True
+        while True:
+            try:
+                near, _ = self.listener.accept()
+            except OSError:
+                return
+            far = socket.create_connection(("127.0.0.1", self.port))
+            flip, first = (self.flip if first else None), False
+            threading.Thread(target=self._pipe, args=(near, far, flip), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(far, near, None), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket, flip: int | None) -> None:
+        offset = 0
+        with contextlib.suppress(OSError):
+            while data := bytearray(source.recv(1 << 16)):
+                if flip is not None and offset <= flip < offset + len(data):
+                    data[flip - offset] ^= 0x01
+                    self.flipped.set()
+                offset += len(data)
+                sink.sendall(data)
+        for sock in (source, sink):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.listener.close()
 
 
-def test_a_tls_lane_keeps_its_deadlines(hub, lane_certs):
-    token, dialled = grant_and_dial(hub, lane_certs.client("n0"))
-    accepted = hub.claim(token, JOB, 0)
+@pytest.mark.parametrize("where", ["length", "ciphertext", "tag", "faithful"])
+def test_a_byte_flipped_on_the_way_fails_the_stream(tls_node, lane_certs, monkeypatch, where):
+    flip = {"length": TOKEN_BYTES + 3,  # the first record's length: its bound, or its additional data, fails
+            "ciphertext": TOKEN_BYTES + RECORD_LENGTH.size + 1000,
+            "tag": TOKEN_BYTES + RECORD_LENGTH.size + RECORD_BYTES + 5,  # the first record is a whole one
+            "faithful": None}[where]
+    relay = FlippingRelay(tls_node.servicer.lanes.port, flip)
+    dial_direct = lane_module.dial
+
+    def dial_through_relay(host, port, *args):
+        return dial_direct(host, relay.address[1], *args)
+
+    monkeypatch.setattr("nodeagent.runtime.peer_service.dial", dial_through_relay)
+    client = PeerClient(tls_node.address, transport=lane_certs.transport("n0"), server_name="n1")
+    sent = message(seed=25)
+    if where == "faithful":
+        client.push(client_state(), sent, timeout=10, metrics=Metrics())
+        assert torch.equal(tls_node.inbox.get_nowait().tensors["w"], sent.tensors["w"])
+    else:
+        with pytest.raises(grpc.RpcError) as error:
+            client.push(client_state(), sent, timeout=10, metrics=Metrics())
+        assert relay.flipped.is_set()
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "bad_lane" in error.value.details()
+        assert tls_node.inbox.empty() and tls_node.open_lanes() == 0
+    client.close()
+    relay.close()
+
+
+def raw_lane(hub: LaneHub) -> tuple[bytes, socket.socket]:
+    """A granted lane opened by hand: its token and the dialling end's bare socket."""
+    token = hub.grant(JOB, 0, "n0").token
+    sock = socket.create_connection(("127.0.0.1", hub.port), timeout=5)
+    sock.sendall(token)
+    assert sock.recv(1) == READY
+    return token, sock
+
+
+@pytest.mark.parametrize("length", [2**32 - 1, RECORD_BYTES + 17, 16, 0])
+def test_a_record_length_beyond_its_bounds_is_refused_before_anything_is_read(hub, length):
+    token, sock = raw_lane(hub)
+    sock.sendall(RECORD_LENGTH.pack(length))
+    lane = hub.claim(token, JOB, 0)
+    lane.set_timeout(5)
+    tracemalloc.start()
+    try:
+        with pytest.raises(WireError) as refused:
+            lane.read_into(memoryview(bytearray(64)))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert refused.value.reason == "bad_lane" and "sealed record" in refused.value.detail and lane.closed
+    assert peak < 4 * RECORD_BYTES, "no buffer of the claimed length was allocated"
+    hub.release(lane, False)
+    sock.close()
+
+
+def sealed_pair(hub: LaneHub) -> tuple[LaneSocket, LaneSocket]:
+    """Both ends of one sealed lane: the dialling one and the hub's (claimed)."""
+    grant = hub.grant(JOB, 0, "n0")
+    dialled = dial("127.0.0.1", hub.port, grant.token, JOB, 0, 5, grant.key)
+    accepted = hub.claim(grant.token, JOB, 0)
+    for end in (dialled, accepted):
+        end.set_timeout(5)
+    return dialled, accepted
+
+
+def test_each_direction_has_its_own_nonces(hub):
+    """Both ends start counting records at 0 under one key: a record sent one way and reflected back fails, and
+    so does one replayed in its own direction."""
+    dialled, accepted = sealed_pair(hub)
+    data = bytes(range(256)) * 40
+    dialled.send([data])
+    received = bytearray(len(data))
+    accepted.read_into(memoryview(received))
+    accepted.send([received])  # record 0 from the hub, after record 0 to it
+    echoed = bytearray(len(data))
+    dialled.read_into(memoryview(echoed))
+    assert bytes(received) == bytes(echoed) == data
+    # The hub's next record, captured on the way and reflected to the hub as if the dialling end had sent it.
+    capture_lane, hub_end = sealed_pair(hub)
+    hub_end.send([data])
+    record = bytearray(RECORD_LENGTH.size + len(data) + 16)
+    capture_lane.sock.recv_into(record, len(record), socket.MSG_WAITALL)
+    capture_lane.sock.sendall(record)
+    with pytest.raises(WireError) as reflected:
+        hub_end.read_into(memoryview(bytearray(len(data))))
+    assert reflected.value.reason == "bad_lane" and "authentication" in reflected.value.detail
+    # A record replayed in its own direction: its count is spent.
+    replay_lane, replay_hub = sealed_pair(hub)
+    replay_lane.send([data])
+    captured = bytearray(RECORD_LENGTH.size + len(data) + 16)
+    replay_hub.sock.recv_into(captured, len(captured), socket.MSG_WAITALL)
+    replay_lane.sock.sendall(captured)
+    replay_lane.sock.sendall(captured)
+    replay_hub.read_into(memoryview(bytearray(len(data))))
+    with pytest.raises(WireError):
+        replay_hub.read_into(memoryview(bytearray(len(data))))
+    for end in (dialled, capture_lane, replay_lane):
+        end.close()
+    for end in (accepted, hub_end, replay_hub):
+        hub.release(end, False)
+
+
+def test_reads_of_any_size_reassemble_the_records(hub):
+    """Records of up to RECORD_BYTES, read in pieces smaller and larger than a record."""
+    dialled, accepted = sealed_pair(hub)
+    data = torch.randint(0, 256, (3 * RECORD_BYTES + 12345,), dtype=torch.uint8).numpy().tobytes()
+    pieces = [data[:10], data[10:RECORD_BYTES + 7], data[RECORD_BYTES + 7 :]]
+    writer = threading.Thread(target=dialled.send, args=(pieces,), daemon=True)
+    writer.start()
+    received = bytearray(len(data))
+    view, offset = memoryview(received), 0
+    for size in (32, RECORD_BYTES - 32, 5, 2 * RECORD_BYTES, len(data)):
+        size = min(size, len(data) - offset)
+        accepted.read_into(view[offset : offset + size])
+        offset += size
+    writer.join(timeout=10)
+    assert offset == len(data) and bytes(received) == data
+    dialled.close()
+    hub.release(accepted, True)
+
+
+def test_a_sealed_lane_keeps_its_deadlines(hub):
+    dialled, accepted = sealed_pair(hub)
     accepted.set_timeout(0.3)
     with pytest.raises(WireError) as stalled:
         accepted.read_into(memoryview(bytearray(1000)))
     assert stalled.value.reason == "truncated" and accepted.closed
     hub.release(accepted, False)
     # A write nobody reads ends at its deadline too (64 MB: far more than the sockets buffer).
-    _, unread = grant_and_dial(hub, lane_certs.client("n0"))
+    unread, unread_hub = sealed_pair(hub)
     unread.set_timeout(0.3)
     with pytest.raises(TimeoutError):
         unread.send([bytes(64 << 20)])
@@ -779,20 +950,24 @@ def test_a_tls_lane_keeps_its_deadlines(hub, lane_certs):
     assert not dialled.alive()
     dialled.close()
     unread.close()
+    hub.release(unread_hub, True)
 
 
-def test_open_lanes_are_bounded_per_node(hub, lane_certs, monkeypatch):
+def test_open_lanes_are_bounded_per_node(hub, monkeypatch):
     monkeypatch.setattr("nodeagent.wire.lane.LANES_PER_PEER", 2)
-    client = lane_certs.client("n0")
-    (first, a), (second, b) = grant_and_dial(hub, client), grant_and_dial(hub, client)
+
+    def grant_and_dial(rank: int = 0) -> tuple[bytes, LaneSocket]:
+        grant = hub.grant(JOB, rank, "n0")
+        return grant.token, dial("127.0.0.1", hub.port, grant.token, JOB, rank, 5, grant.key)
+
+    (first, a), (second, b) = grant_and_dial(), grant_and_dial()
     busy = [hub.claim(first, JOB, 0), hub.claim(second, JOB, 0)]
     # Both in use: a third lane of n0's is refused, whatever rank it was granted for.
-    token = hub.grant(JOB, 2, "n0")
     with pytest.raises(OSError):
-        dial("127.0.0.1", hub.port, token, JOB, 2, 5, client, "n1")
+        grant_and_dial(rank=2)
     # Once one is idle, the oldest idle one makes room for a new one.
     hub.release(busy[0], True)
-    _, c = grant_and_dial(hub, client)
+    _, c = grant_and_dial()
     assert first not in hub._lanes and second in hub._lanes and len(hub._lanes) == 2
     hub.release(busy[1], True)
     for lane in (a, b, c):
@@ -800,7 +975,7 @@ def test_open_lanes_are_bounded_per_node(hub, lane_certs, monkeypatch):
 
 
 def test_idle_connections_from_one_address_leave_room_for_an_honest_lane(tls_node, lane_certs):
-    """Connections that never start their TLS handshake hold a slot for up to HANDSHAKE_TIMEOUT_S each. One source
+    """Connections that never present their token hold a slot for up to HANDSHAKE_TIMEOUT_S each. One source
     address that tries to take every slot gets MAX_HANDSHAKES_PER_SOURCE; the others are closed at once."""
     hub = tls_node.servicer.lanes
     idle = [socket.create_connection(("127.0.0.1", hub.port), timeout=5, source_address=("127.0.0.2", 0))

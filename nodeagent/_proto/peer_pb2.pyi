@@ -18,12 +18,14 @@ class LaneRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., requester_rank: _Optional[int] = ..., requester_id: _Optional[str] = ...) -> None: ...
 
 class LaneGrant(_message.Message):
-    __slots__ = ("port", "token")
+    __slots__ = ("port", "token", "key")
     PORT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
     port: int
     token: bytes
-    def __init__(self, port: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
+    key: bytes
+    def __init__(self, port: _Optional[int] = ..., token: _Optional[bytes] = ..., key: _Optional[bytes] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("job_id", "requester_rank", "requester_id", "kind", "lane_token")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import ssl
 import threading
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -79,7 +78,6 @@ class Agent:
         self._threads: list[threading.Thread] = []
         self.transport = Transport.insecure()
         self.revoked: frozenset[str] = frozenset()  # serials the coordinator revoked: refused on every link
-        self._lane_tls: ssl.SSLContext | None = None
 
     @property
     def stub(self) -> coordinator_pb2_grpc.CoordinatorStub | None:
@@ -107,7 +105,6 @@ class Agent:
             self.node_id = self.transport.credentials().identity.name  # who this node is: its certificate says
             interceptors.append(Authorizer(PEER_RULES, self.is_revoked))
         self.metrics.insecure_mode.set(int(not self.transport.secure))
-        self._lane_tls = self.transport.ssl_context(server_side=True) if self.transport.secure else None
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=PEER_SERVER_THREADS, thread_name_prefix="peer"),
             options=SERVER_OPTIONS, maximum_concurrent_rpcs=PEER_SERVER_THREADS, interceptors=interceptors,
@@ -115,8 +112,7 @@ class Agent:
         host, _port = split_address(config.listen)
         # Payload bytes of exchanges travel on lanes beside gRPC, on the same host as the peer service.
         self._servicer = PeerServicer(self.serving, self.metrics, __version__, node_id=lambda: self.node_id,
-                                      lane_host=host, lane_port=config.lane_port, secure=self.transport.secure,
-                                      lane_tls=self._lane_tls)
+                                      lane_host=host, lane_port=config.lane_port, secure=self.transport.secure)
         add_peer_servicer(self._servicer, self._server)
         bound = self.transport.bind(self._server, config.listen)
         self._server.start()
@@ -191,10 +187,8 @@ class Agent:
                         error.details() if isinstance(error, grpc.RpcError) else error)
             return
         log.info("renewed this node's certificate: serial %s", serial)
-        # New connections present the new certificate: the peer server reloads it by itself, lanes and the
-        # coordinator's channel are given it here.
-        if self._lane_tls is not None:
-            self.transport.load_into(self._lane_tls)
+        # New connections present the new certificate: the peer server reloads it by itself, the coordinator's
+        # channel is given it here.
         self._connect()
 
     @staticmethod

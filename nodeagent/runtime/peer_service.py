@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import queue
-import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -42,7 +41,7 @@ from nodeagent.wire.decoder import Receiver
 from nodeagent.wire.encoder import Outgoing, plan
 from nodeagent.wire.errors import Status, WireError
 from nodeagent.wire.frames import MAX_CONTROL_FRAME_BYTES, counted, new_stream_id, serialize
-from nodeagent.wire.lane import LaneHub, LaneSocket, dial, split_host, stripes_for
+from nodeagent.wire.lane import KEY_BYTES, LaneHub, LaneSocket, dial, split_host, stripes_for
 from nodeagent.wire.message import DTYPE_NAMES, Encoding, Kind, Message, TensorSpec
 from nodeagent.wire.pool import BufferPool
 from nodeagent.wire.striping import run_on_lanes
@@ -190,8 +189,8 @@ def _write_shares(outgoing: Outgoing, lanes: list[LaneSocket], stream_id: bytes,
 
 class PeerServicer(peer_pb2_grpc.PeerServicer):
     """The Peer service. With `lane_host` it also listens for lanes there (port `lane_port`, 0: any free one);
-    the host must be one the node's peers can reach it on, normally the host of its gRPC listen address. With
-    `lane_tls` (the transport's server context) the lanes are TLS, each admitted from the caller that opened it.
+    the host must be one the node's peers can reach it on, normally the host of its gRPC listen address. On a
+    `secure` server the lanes are sealed with a key that OpenLane gives its authenticated caller.
     `node_id` names the node in `Describe` even when it runs no job, so that the coordinator can tell whether a
     node still answers at the address it registered before.
 
@@ -211,14 +210,13 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         lane_port: int = 0,
         secure: bool = False,
         limits: StreamLimits = DEFAULT_LIMITS,
-        lane_tls: ssl.SSLContext | None = None,
     ):
         self._current = current
         self._metrics = metrics
         self._version = version
         self._node_id = node_id
         self.secure = secure
-        self.lanes = LaneHub(lane_host, lane_port, lane_tls) if lane_host is not None else None
+        self.lanes = LaneHub(lane_host, lane_port, sealed=secure) if lane_host is not None else None
         self._streams = StreamGuard(limits, metrics)
 
     def close(self) -> None:
@@ -456,9 +454,9 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         if request.requester_rank == state.rank or request.requester_rank not in state.names:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"rank {request.requester_rank} is not a peer here")
         self.lanes.forget_job(state.job_id)
-        # On TLS lanes only this caller's certificate can open the lane (None: an insecure server).
-        token = self.lanes.grant(state.job_id, request.requester_rank, identity.name if identity else None)
-        return peer_pb2.LaneGrant(port=self.lanes.port, token=token)
+        # On a secure server the grant's key, which only this reply carries, is what makes the lane this caller's.
+        grant = self.lanes.grant(state.job_id, request.requester_rank, identity.name if identity else None)
+        return peer_pb2.LaneGrant(port=self.lanes.port, token=grant.token, key=grant.key or b"")
 
     def Describe(self, request, context):
         """What this node is: to its neighbours all of it; to the coordinator, which asks whether a node still
@@ -522,23 +520,20 @@ def _identity(data: bytes) -> bytes:
 
 class PeerClient:
     """Dials one neighbour. Every call validates what comes back before returning it. With `lanes` (the default)
-    payloads travel on lanes whenever the peer offers them. With a `transport` the channel and the lanes are the
-    transport's (mutual TLS when it is secure), and the neighbour must prove to be `server_name`, its node id;
-    without one, both are plaintext."""
+    payloads travel on lanes whenever the peer offers them. With a `transport` the channel is the transport's
+    (mutual TLS when it is secure: the neighbour must prove to be `server_name`, its node id, and its lanes must be
+    sealed with the key it grants); without one, the channel and the lanes are plaintext."""
 
     def __init__(self, address: str, *, lanes: bool = True, transport: Transport | None = None,
                  server_name: str = ""):
         self.address = address
         # Server-streaming calls are consumed by the calling thread rather than by a thread gRPC starts per call.
         options = [*GRPC_OPTIONS, (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
-        self._server_name = server_name
-        self._lane_tls: ssl.SSLContext | None = None
+        self._secure = transport is not None and transport.secure
         if transport is None:
             self.channel = grpc.insecure_channel(address, options=options)
         else:
             self.channel = transport.channel(address, server_name=server_name, options=options)
-            if transport.secure:
-                self._lane_tls = transport.ssl_context(server_side=False)
         self.stub = peer_pb2_grpc.PeerStub(self.channel)
         # The same methods with frames as bytes: chunk frames are built and read by hand (wire/frames.py).
         self._exchange_call = self.channel.stream_stream(
@@ -595,8 +590,11 @@ class PeerClient:
                     peer_pb2.LaneRequest(job_id=state.job_id, requester_rank=state.rank, requester_id=state.node_id),
                     timeout=setup,
                 )
+                # Beside a TLS channel a lane must be sealed: no payload byte goes out in the clear.
+                if (self._secure or grant.key) and len(grant.key) != KEY_BYTES:
+                    raise OSError(f"the peer grants a lane with a key of {len(grant.key)} bytes")
                 lanes.append(dial(self._host, grant.port, grant.token, state.job_id, state.rank, setup,
-                                  self._lane_tls, self._server_name))
+                                  grant.key or None))
             except (grpc.RpcError, OSError):
                 # UNIMPLEMENTED: the peer offers no lanes; others (no job yet, an unreachable port): later again.
                 if not lanes:
@@ -664,7 +662,7 @@ class PeerClient:
         deadline = time.monotonic() + timeout
         sent = state.sent_to(metrics, message.receiver)
         outgoing = state.outgoing(message)
-        lanes = self._lanes(state, timeout, stripes_for(outgoing.total, tls=self._lane_tls is not None))
+        lanes = self._lanes(state, timeout, stripes_for(outgoing.total, sealed=self._secure))
         if not lanes:
             self._push_call(counted(outgoing.serialized_frames(), sent), timeout=timeout)
         else:
@@ -725,7 +723,7 @@ class PeerClient:
         outgoing = state.outgoing(message)
         # The peer answers on the same lanes, striped as for our own payload (both ends of an edge send the same
         # tensor set, so the two payloads are alike in size).
-        lanes = self._lanes(state, timeout, stripes_for(outgoing.total, tls=self._lane_tls is not None))
+        lanes = self._lanes(state, timeout, stripes_for(outgoing.total, sealed=self._secure))
         if not lanes:
             replies = self._exchange_call(counted(outgoing.serialized_frames(), sent), timeout=timeout)
             reply = self._incoming(state, replies, message.receiver, metrics)

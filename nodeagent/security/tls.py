@@ -10,7 +10,6 @@ directory again when its files change, so that a rotated certificate serves new 
 from __future__ import annotations
 
 import os
-import ssl
 import tempfile
 import threading
 from collections.abc import Sequence
@@ -224,29 +223,6 @@ class Transport:
         return grpc.secure_channel(address, credentials,
                                    options=[*options, ("grpc.ssl_target_name_override", server_name)])
 
-    # -- lanes (Python ssl) ----------------------------------------------------------------------------------
-
-    def ssl_context(self, server_side: bool) -> ssl.SSLContext:
-        """A TLS 1.3 context for lanes: the peer must present a certificate of the cluster CA. Clients check the
-        server's name themselves (`server_hostname` when wrapping)."""
-        current = self.credentials()
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server_side else ssl.PROTOCOL_TLS_CLIENT)
-        context.minimum_version = ssl.TLSVersion.TLSv1_3
-        context.verify_mode = ssl.CERT_REQUIRED
-        context.load_verify_locations(cadata=current.ca_pem.decode())
-        self.load_into(context)
-        return context
-
-    def load_into(self, context: ssl.SSLContext) -> None:
-        """Load the current certificate and key into `context`: after a rotation, its new connections present the
-        new certificate."""
-        current = self.credentials()
-        with tempfile.TemporaryDirectory() as scratch:  # ssl loads a key pair from files only
-            cert_file, key_file = Path(scratch) / "c", Path(scratch) / "k"
-            cert_file.write_bytes(current.cert_pem)
-            write_private_file(key_file, current.key_pem)
-            context.load_cert_chain(cert_file, key_file)
-
 
 def caller(context: grpc.ServicerContext) -> Identity | None:
     """The identity in the certificate the caller presented (None on an insecure server, or without one)."""
@@ -256,15 +232,4 @@ def caller(context: grpc.ServicerContext) -> Identity | None:
     try:
         return identity_of_pem(pems[0])
     except CertificateError:
-        return None
-
-
-def peer_identity(sock: ssl.SSLSocket) -> Identity | None:
-    """The identity in the certificate the other end of a TLS socket presented."""
-    der = sock.getpeercert(binary_form=True)
-    if not der:
-        return None
-    try:
-        return identity_of(x509.load_der_x509_certificate(der))
-    except (CertificateError, ValueError):
         return None

@@ -11,15 +11,25 @@ and a fresh stream id, the End frame, the call's status and deadline, and every 
 
 Trust: a lane is opened with a one-time random token that the receiver granted over gRPC (OpenLane) to one
 rank of one job; the receiver accepts a stream's payload on it only when the stream's manifest names that job
-and that rank as its sender. Beside a mutual-TLS gRPC channel the lane is TLS too (the contexts of
-nodeagent.security.tls): the client verifies the receiver's node name, and the receiver admits the lane only
-from the node whose certificate made the OpenLane call. Insecure mode keeps plain sockets, as fast as before.
-One stream at a time uses a lane; any error closes it (its byte stream may be out of step) and the next stream
-opens another.
+and that rank as its sender. Beside a mutual-TLS gRPC channel the grant also carries a fresh AES-256-GCM key, and
+the lane is sealed both ways with it after the token: only the caller that the receiver authenticated and
+authorised on OpenLane (the neighbour assigned that rank) has the key, so a lane opened with a token seen on the
+wire delivers nothing, and a changed, dropped, replayed or reordered byte fails authentication. Insecure mode
+keeps plain sockets, as fast as before. One stream at a time uses a lane; any error closes it (its byte stream
+may be out of step) and the next stream opens another.
 
-A connection holds a handshake slot until it has presented its token, at most HANDSHAKE_TIMEOUT_S: the TLS
-handshake comes first, so nothing is known of it yet but its source address, which is bounded on its own
-(MAX_HANDSHAKES_PER_SOURCE) so that idle connections from one place leave slots for everyone else.
+Sealed records, each way: a 4-byte big-endian length L of the ciphertext (17 <= L <= RECORD_BYTES + 16, checked
+before anything is read into a buffer), then L bytes: the AES-256-GCM ciphertext of L - 16 plaintext bytes and
+its 16-byte tag. The additional authenticated data is the 4 length bytes. The 12-byte nonce is a 4-byte
+direction tag (TO_HUB from the dialling end, FROM_HUB from the hub's: the two directions share the key, never a
+nonce) and the 8-byte big-endian count of the records sent that way on the lane so far, from 0. The lane closes
+rather than let a count wrap. Records carry the lane's byte stream as it was before: a stream's header and
+payload, coalesced into records of up to RECORD_BYTES (Python's ssl, with its 16 kB records and a Python call
+each, cost about four times the CPU; benchmarks/wire.py). Plaintext lanes carry the byte stream as it is.
+
+A connection holds a handshake slot until it has presented its token, at most HANDSHAKE_TIMEOUT_S: nothing is
+known of it yet but its source address, which is bounded on its own (MAX_HANDSHAKES_PER_SOURCE) so that idle
+connections from one place leave slots for everyone else.
 """
 
 from __future__ import annotations
@@ -28,40 +38,49 @@ import contextlib
 import ipaddress
 import secrets
 import socket
-import ssl
 import struct
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
 from nodeagent.listen import listen_socket
-from nodeagent.security.pki import Role
-from nodeagent.security.tls import peer_identity
 from nodeagent.wire.decoder import LaneReader
 from nodeagent.wire.errors import WireError
 
 TOKEN_BYTES = 32
+KEY_BYTES = 32  # AES-256
 READY = b"\x01"
 GRANT_TTL_S = 10.0  # a granted token must be presented within this
-HANDSHAKE_TIMEOUT_S = 5.0  # a connection's whole handshake: TLS, then its token
+HANDSHAKE_TIMEOUT_S = 5.0  # a connection's whole handshake: its token
 MAX_HANDSHAKES = 32  # connections still to present their token; more are closed at once
 MAX_HANDSHAKES_PER_SOURCE = 8  # of those, from one source address (an IPv6 /64: one host may hold all of it)
-LANES_PER_PEER = 16  # open lanes per node (TLS) or per (job, rank); the oldest idle one makes room, else refused
+LANES_PER_PEER = 16  # open lanes per node (under TLS) or per (job, rank); the oldest idle one makes room, else refused
 DEFAULT_TIMEOUT_S = 60.0  # lane I/O of a call without a deadline
 # A payload is striped over one lane per STRIPE_BYTES, at most MAX_STRIPES: one TCP connection on loopback stalls
 # on its own window and wake-ups; a few side by side overlap those stalls (measured: 44 MB in one lane 17 ms,
 # in two 11.5 ms, in four 11.5-12 ms on this machine kind).
 STRIPE_BYTES = 4 << 20
 MAX_STRIPES = 2
-# A TLS lane is bound by the processor, not the socket: per 44 MB, receiving costs about 50 ms of CPU and sending
-# 27 ms (AES-GCM, then OpenSSL's 16 kB records, a system call or two and a Python call each). More lanes use more
-# cores where the machine has them (measured, 44 MB on 2 busy cores: 1 lane 110 ms, 2 lanes 99, 4 lanes 82, 8 84).
-MAX_TLS_STRIPES = 4
+# A sealed lane costs AES-GCM at about 3-4 GB/s a core each way beside the copies. Measured, a 44 MB Push under TLS
+# on 2 busy cores (benchmarks/wire.py): 2 lanes 0.59-0.67x gloo on loopback and 0.76-0.80x on a 10 Gbit/s link, 4 lanes
+# 0.70-0.71x and 0.63-0.67x: more connections gain a little on loopback and lose more on a link.
+MAX_SEALED_STRIPES = 2
+
+RECORD_BYTES = 1 << 20  # of plaintext in one sealed record: few Python calls per payload, a small scratch
+TAG_BYTES = 16
+RECORD_LENGTH = struct.Struct(">I")  # a sealed record's ciphertext length, its additional authenticated data
+TO_HUB = b"lane"  # the direction tag of records from the dialling end
+FROM_HUB = b"hub "  # of records from the hub's end
+_RECORD_NONCE = struct.Struct(">4sQ")
+MAX_RECORDS = 1 << 64  # a direction's record count never wraps: the lane is closed first
 
 
-def stripes_for(nbytes: int, tls: bool = False) -> int:
-    return max(1, min(MAX_TLS_STRIPES if tls else MAX_STRIPES, nbytes // STRIPE_BYTES))
+def stripes_for(nbytes: int, sealed: bool = False) -> int:
+    return max(1, min(MAX_SEALED_STRIPES if sealed else MAX_STRIPES, nbytes // STRIPE_BYTES))
 
 
 def _tune(sock: socket.socket) -> None:
@@ -71,26 +90,50 @@ def _tune(sock: socket.socket) -> None:
 _TIMEVAL = struct.Struct("@ll")
 
 
+class _Sealer:
+    """One direction's records of a sealed lane: the key, the direction tag, the record count, and scratch
+    buffers allocated on first use (an idle lane holds none)."""
+
+    def __init__(self, cipher: AESGCM, direction: bytes):
+        self.cipher = cipher
+        self.direction = direction
+        self.count = 0
+        self.scratch = memoryview(b"")
+
+    def nonce(self) -> bytes:
+        if self.count >= MAX_RECORDS:
+            raise OSError("the lane has used up its record counter")
+        nonce = _RECORD_NONCE.pack(self.direction, self.count)
+        self.count += 1
+        return nonce
+
+    def buffer(self, nbytes: int) -> memoryview:
+        if not len(self.scratch):
+            self.scratch = memoryview(bytearray(nbytes))
+        return self.scratch
+
+
 class LaneSocket(LaneReader):
-    """One lane end: exact reads and whole writes with a deadline. The first error shuts it down (`abort`);
-    only its owner closes the socket, once no other thread can be using it (a closed descriptor's number may
-    be reused at once). `sock` is a plain socket or, on a TLS lane, an ssl.SSLSocket."""
+    """One lane end: exact reads and whole writes with a deadline, sealed with `key` when it has one (the end
+    that dialled is `dialled`: it sends TO_HUB records and reads FROM_HUB ones). The first error shuts it down
+    (`abort`); only its owner closes the socket, once no other thread can be using it (a closed descriptor's
+    number may be reused at once)."""
 
     def __init__(self, sock: socket.socket, job_id: str = "", rank: int = -1, token: bytes = b"",
-                 grantee: str | None = None):
+                 grantee: str | None = None, key: bytes | None = None, dialled: bool = False):
         _tune(sock)
-        self.tls = isinstance(sock, ssl.SSLSocket)
-        if not self.tls:
-            sock.settimeout(None)
+        sock.settimeout(None)
         self.sock = sock
         self.job_id = job_id
         self.rank = rank
         self.token = token
-        self.grantee = grantee  # the node a hub's TLS lane was granted to (None: plaintext, or the dialling end)
+        self.grantee = grantee  # the node a hub's lane was granted to (None: an insecure hub, or the dialling end)
+        self.sealed = key is not None
+        cipher = AESGCM(key) if key is not None else None
+        self._seal = _Sealer(cipher, TO_HUB if dialled else FROM_HUB) if cipher is not None else None
+        self._open = _Sealer(cipher, FROM_HUB if dialled else TO_HUB) if cipher is not None else None
+        self._plaintext = memoryview(b"")  # of the last record opened, not read yet
         self.lock = threading.Lock()
-        # One OpenSSL connection must not be used by two threads at once, and a lane carries one way at a time
-        # anyway (a reply's payload follows the request's): a TLS lane's reads and writes take turns.
-        self._turn = threading.Lock()
         self.closed = False
         self.last_used = time.monotonic()
         self.deadline = self.last_used + DEFAULT_TIMEOUT_S
@@ -101,58 +144,69 @@ class LaneSocket(LaneReader):
         return self.grantee if self.grantee is not None else (self.job_id, self.rank)
 
     def set_timeout(self, seconds: float | None) -> None:
-        """Deadline of the sends and receives that follow, `seconds` from now. A plain socket stays in blocking
-        mode with kernel timeouts (SO_RCVTIMEO, SO_SNDTIMEO) set to the time left before each system call, so a
-        whole payload moves in one call rather than in Python's poll-then-read loop of timeout mode. An SSL
-        socket is in timeout mode instead: in blocking mode Python's ssl retries, without end, a read that a
-        kernel timeout ended."""
+        """Deadline of the sends and receives that follow, `seconds` from now. The socket stays in blocking mode
+        with kernel timeouts (SO_RCVTIMEO, SO_SNDTIMEO) set to the time left before each system call, so a whole
+        payload moves in one call rather than in Python's poll-then-read loop of timeout mode."""
         self.deadline = time.monotonic() + (DEFAULT_TIMEOUT_S if seconds is None else max(seconds, 0.001))
 
-    def _left(self) -> float:
+    def _arm(self, option: int) -> None:
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("lane deadline passed")
-        return left
-
-    def _arm(self, option: int) -> None:
-        left = self._left()
         whole = int(left)
         self.sock.setsockopt(socket.SOL_SOCKET, option, _TIMEVAL.pack(whole, max(1, int((left - whole) * 1e6))))
 
-    @contextlib.contextmanager
-    def _taking_turns(self) -> Iterator[None]:
-        if not self.tls:
-            yield
-            return
-        if not self._turn.acquire(timeout=self._left()):
-            raise TimeoutError("the lane was busy until the deadline")
-        try:
-            yield
-        finally:
-            self._turn.release()
+    def _receive_exactly(self, view: memoryview) -> None:
+        while len(view):
+            self._arm(socket.SO_RCVTIMEO)
+            n = self.sock.recv_into(view, len(view), socket.MSG_WAITALL)
+            if n == 0:
+                raise WireError("truncated", "the lane closed before the stream's payload was complete")
+            view = view[n:]
 
-    def _receive_some(self, view: memoryview) -> int:
-        if self.tls:  # no flags on SSL sockets; one TLS record (16 kB at most) a call
-            self.sock.settimeout(self._left())
-            return self.sock.recv_into(view)
-        self._arm(socket.SO_RCVTIMEO)
-        return self.sock.recv_into(view, len(view), socket.MSG_WAITALL)
-
-    def _send_some(self, view: memoryview) -> int:
-        if self.tls:  # OpenSSL writes the whole view, record by record, within the timeout
-            self.sock.settimeout(self._left())
-        else:
+    def _send_exactly(self, view: memoryview) -> None:
+        while len(view):
             self._arm(socket.SO_SNDTIMEO)
-        return self.sock.send(view)
+            view = view[self.sock.send(view) :]
+
+    def _read_sealed(self, view: memoryview) -> None:
+        """Fill `view` from the lane's records: the rest of the last one first, then each next record opened
+        straight into `view` while it fits, else into scratch that the next read starts from."""
+        opener = self._open
+        assert opener is not None
+        while len(view):
+            if len(self._plaintext):
+                n = min(len(view), len(self._plaintext))
+                view[:n] = self._plaintext[:n]
+                view, self._plaintext = view[n:], self._plaintext[n:]
+                continue
+            # One buffer: the length, the ciphertext, then room for a record's plaintext that overflows `view`.
+            scratch = opener.buffer(RECORD_LENGTH.size + 2 * RECORD_BYTES + TAG_BYTES)
+            length_bytes = scratch[: RECORD_LENGTH.size]
+            self._receive_exactly(length_bytes)
+            (length,) = RECORD_LENGTH.unpack(length_bytes)
+            if not TAG_BYTES < length <= RECORD_BYTES + TAG_BYTES:
+                raise WireError("bad_lane", f"a sealed record of {length} bytes, at most {RECORD_BYTES + TAG_BYTES}")
+            ciphertext = scratch[RECORD_LENGTH.size : RECORD_LENGTH.size + length]
+            self._receive_exactly(ciphertext)
+            plaintext_bytes = length - TAG_BYTES
+            fits = plaintext_bytes <= len(view)
+            target = view[:plaintext_bytes] if fits else scratch[-RECORD_BYTES:][:plaintext_bytes]
+            try:
+                opener.cipher.decrypt_into(opener.nonce(), ciphertext, length_bytes, target)
+            except InvalidTag:
+                raise WireError("bad_lane", "a sealed lane record failed authentication") from None
+            if fits:
+                view = view[plaintext_bytes:]
+            else:
+                self._plaintext = target
 
     def read_into(self, view: memoryview) -> None:
         try:
-            with self._taking_turns():
-                while len(view):
-                    n = self._receive_some(view)
-                    if n == 0:
-                        raise WireError("truncated", "the lane closed before the stream's payload was complete")
-                    view = view[n:]
+            if self._open is not None:
+                self._read_sealed(view)
+            else:
+                self._receive_exactly(view)
         except (TimeoutError, BlockingIOError):
             self.abort()
             raise WireError("truncated", "the lane's payload did not arrive in time") from None
@@ -163,15 +217,47 @@ class LaneSocket(LaneReader):
             self.abort()
             raise
 
+    def _send_record(self, plaintext: memoryview) -> None:
+        sealer = self._seal
+        assert sealer is not None
+        scratch = sealer.buffer(RECORD_LENGTH.size + RECORD_BYTES + TAG_BYTES)
+        length = len(plaintext) + TAG_BYTES
+        RECORD_LENGTH.pack_into(scratch, 0, length)
+        record = scratch[: RECORD_LENGTH.size + length]
+        sealer.cipher.encrypt_into(sealer.nonce(), plaintext, record[: RECORD_LENGTH.size],
+                                   record[RECORD_LENGTH.size :])
+        self._send_exactly(record)
+
+    def _send_sealed(self, pieces: Iterable[memoryview | bytes]) -> None:
+        """Seal the pieces into records of RECORD_BYTES (the last one shorter): whole records straight from a
+        piece, the bytes around them gathered in a buffer first (a piece may be reused once the next is asked
+        for, so none is left in it)."""
+        gathered = bytearray()
+        for piece in pieces:
+            view = memoryview(piece)
+            if gathered:
+                taken = min(len(view), RECORD_BYTES - len(gathered))
+                gathered += view[:taken]
+                view = view[taken:]
+                if len(gathered) == RECORD_BYTES:
+                    self._send_record(memoryview(gathered))
+                    gathered.clear()
+            while len(view) >= RECORD_BYTES:
+                self._send_record(view[:RECORD_BYTES])
+                view = view[RECORD_BYTES:]
+            gathered += view
+        if gathered:
+            self._send_record(memoryview(gathered))
+
     def send(self, pieces: Iterable[memoryview | bytes]) -> None:
         """Write every piece (each is consumed before the next is asked for). Raises OSError (TimeoutError at
         the deadline)."""
         try:
-            with self._taking_turns():
+            if self._seal is not None:
+                self._send_sealed(pieces)
+            else:
                 for piece in pieces:
-                    view = memoryview(piece)
-                    while len(view):
-                        view = view[self._send_some(view) :]
+                    self._send_exactly(memoryview(piece))
         except BlockingIOError:
             self.abort()
             raise TimeoutError("the lane's peer did not read in time") from None
@@ -180,15 +266,11 @@ class LaneSocket(LaneReader):
             raise
 
     def alive(self) -> bool:
-        """Whether an idle lane is still open at the other end (it has sent nothing, and not closed). The socket's
-        own bytes are peeked, under TLS too: an idle TLS lane has no records to read but, at most, its peer's
-        session tickets."""
+        """Whether an idle lane is still open at the other end (it has sent nothing, and not closed)."""
         if self.closed:
             return False
         try:
-            if self.tls:
-                self.sock.settimeout(0.0)  # timeout mode would wait for a byte; every read and write sets its own
-            return socket.socket.recv(self.sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
         except BlockingIOError:
             return True
         except OSError:
@@ -198,8 +280,7 @@ class LaneSocket(LaneReader):
         """Unblock a send or receive in progress in another thread; the lane is finished."""
         self.closed = True
         with contextlib.suppress(OSError):
-            # socket.socket's own: SSLSocket.shutdown would also drop the SSL object from under a thread using it.
-            socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
+            self.sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         self.closed = True
@@ -208,10 +289,19 @@ class LaneSocket(LaneReader):
 
 
 @dataclass(frozen=True)
-class _Grant:
+class Grant:
+    """What OpenLane answers: the token that admits one lane and, on a sealed hub, the lane's key."""
+
+    token: bytes
+    key: bytes | None
+
+
+@dataclass(frozen=True)
+class _Granted:
     job_id: str
     rank: int
-    grantee: str | None  # the node whose certificate a TLS lane must carry (None: any node of the cluster)
+    grantee: str | None  # the node OpenLane's caller proved to be (None: an insecure hub)
+    key: bytes | None
     expires: float
 
 
@@ -244,22 +334,15 @@ def _read_token(conn: socket.socket, deadline: float) -> bytes:
     return bytes(token)
 
 
-def _is_grantee(conn: ssl.SSLSocket, grant: _Grant) -> bool:
-    """Whether a TLS lane's certificate is of the node its token was granted to."""
-    identity = peer_identity(conn)
-    return identity is not None and identity.role is Role.NODE and grant.grantee in (None, identity.name)
-
-
 class LaneHub:
-    """The receiving side: a listener on `host`, tokens granted per (job, rank), lanes by token. With `tls`, a
-    server context of nodeagent.security.tls, every lane is TLS; one granted to a node is admitted only from a
-    certificate of that node."""
+    """The receiving side: a listener on `host`, tokens granted per (job, rank), lanes by token. A `sealed` hub
+    (beside mutual TLS) grants a key with each token and seals every lane with it."""
 
-    def __init__(self, host: str, port: int = 0, tls: ssl.SSLContext | None = None):
+    def __init__(self, host: str, port: int = 0, sealed: bool = False):
         self._listener = listen_socket(host, port, backlog=64)  # ListenError naming host:port if it cannot
         self.port = self._listener.getsockname()[1]
-        self._tls = tls
-        self._grants: dict[bytes, _Grant] = {}
+        self.sealed = sealed
+        self._grants: dict[bytes, _Granted] = {}
         self._lanes: dict[bytes, LaneSocket] = {}
         self._handshaking: dict[str, int] = {}  # source -> its connections still in their handshake
         self._lock = threading.Lock()
@@ -267,15 +350,17 @@ class LaneHub:
         self._thread = threading.Thread(target=self._accept, name=f"lanes-{self.port}", daemon=True)
         self._thread.start()
 
-    def grant(self, job_id: str, rank: int, grantee: str | None = None) -> bytes:
-        """A one-time token for a lane of `rank` of `job_id`; on TLS lanes, for node `grantee` only."""
+    def grant(self, job_id: str, rank: int, grantee: str | None = None) -> Grant:
+        """A one-time token for a lane of `rank` of `job_id`, granted to node `grantee` (its lanes count against
+        LANES_PER_PEER together); on a sealed hub with the lane's key."""
         token = secrets.token_bytes(TOKEN_BYTES)
+        key = secrets.token_bytes(KEY_BYTES) if self.sealed else None
         now = time.monotonic()
         with self._lock:
             for stale in [t for t, g in self._grants.items() if g.expires < now]:
                 del self._grants[stale]
-            self._grants[token] = _Grant(job_id, rank, grantee, now + GRANT_TTL_S)
-        return token
+            self._grants[token] = _Granted(job_id, rank, grantee, key, now + GRANT_TTL_S)
+        return Grant(token, key)
 
     def _accept(self) -> None:
         while not self._closed:
@@ -313,17 +398,12 @@ class LaneHub:
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
         lane: LaneSocket | None = None
         try:
-            if self._tls is not None:
-                conn.settimeout(_time_left(deadline))
-                conn = self._tls.wrap_socket(conn, server_side=True)  # the TLS handshake, within the timeout
             token = _read_token(conn, deadline)
             with self._lock:
                 grant = self._grants.pop(token, None)
                 if grant is None or grant.expires < time.monotonic() or self._closed:
                     raise OSError("unknown or expired lane token")
-                if isinstance(conn, ssl.SSLSocket) and not _is_grantee(conn, grant):
-                    raise OSError("the lane's certificate is not of the node its token was granted to")
-                candidate = LaneSocket(conn, grant.job_id, grant.rank, token, grant.grantee if self._tls else None)
+                candidate = LaneSocket(conn, grant.job_id, grant.rank, token, grant.grantee, grant.key)
                 if not self._make_room(candidate):
                     raise OSError(f"{candidate.owner} has {LANES_PER_PEER} lanes in use")
                 lane = self._lanes[token] = candidate
@@ -416,15 +496,11 @@ def split_host(address: str) -> str | None:
 
 
 def dial(host: str, port: int, token: bytes, job_id: str, rank: int, timeout: float,
-         tls: ssl.SSLContext | None = None, server_name: str = "") -> LaneSocket:
-    """Open a lane with a granted token. With `tls`, a client context of nodeagent.security.tls, the lane is TLS
-    and the receiver must prove to be `server_name` (its node id). Raises OSError (ssl.SSLError when TLS fails:
-    a wrong name, another CA, a certificate the receiver refuses)."""
+         key: bytes | None = None) -> LaneSocket:
+    """Open a lane with a granted token; with the grant's `key` the lane is sealed. Raises OSError."""
     sock = socket.create_connection((host, port), timeout=timeout)
     try:
         _tune(sock)
-        if tls is not None:
-            sock = tls.wrap_socket(sock, server_hostname=server_name)  # the TLS handshake, within the timeout
         sock.sendall(token)
         answer = sock.recv(1)
         if answer != READY:
@@ -432,4 +508,4 @@ def dial(host: str, port: int, token: bytes, job_id: str, rank: int, timeout: fl
     except BaseException:
         sock.close()
         raise
-    return LaneSocket(sock, job_id, rank, token)
+    return LaneSocket(sock, job_id, rank, token, key=key, dialled=True)
