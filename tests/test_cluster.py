@@ -76,11 +76,14 @@ def test_four_agents_train_and_exchange_on_every_edge(cluster, fashion_mnist_dir
         assert all(edge.bytes_sent > 0 and edge.bytes_received > 0 for edge in edges.values())
         assert last[rank].bytes_sent == sum(edge.bytes_sent for edge in edges.values())
         assert status.nodes[rank].bytes_sent == last[rank].bytes_sent
-    # A finished job's series are gone from the agents' Prometheus endpoints (its figures stay in the log).
+    # A finished job's series are gone from the agents' Prometheus endpoints (its figures stay in the log); a
+    # neighbour's call still in flight at the end may bring some back until its deadline (30 s), and no longer.
     nodes = {n.node_id: n for n in cluster.nodes()}
+    deadline = time.monotonic() + 40
     for node_id in rank_of.values():
-        samples = scrape(nodes[node_id].metrics_address)
-        assert not [key for key in samples if ("job_id", job_id) in key[1]]
+        while [key for key in scrape(nodes[node_id].metrics_address) if ("job_id", job_id) in key[1]]:
+            assert time.monotonic() < deadline, f"{node_id} still has series of the finished job {job_id}"
+            time.sleep(0.5)
 
 
 def test_a_killed_peer_is_noticed_and_resumes_from_its_checkpoint(cluster, fashion_mnist_dir):

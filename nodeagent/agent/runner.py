@@ -98,6 +98,12 @@ class JobRunner(threading.Thread):
             if self.peers is not None:
                 self.peers.close()
             self.agent.metrics.forget_job(self.job_id)
+            # A neighbour's call that was in flight when the job ended here still counts its bytes until its
+            # deadline, which brings its series back: a second sweep after that removes them for good.
+            sweep = threading.Timer(self.spec.wire.exchange_timeout_s + 1.0, self.agent.metrics.forget_job,
+                                    (self.job_id,))
+            sweep.daemon = True
+            sweep.start()
 
     def _train(self) -> None:
         spec, agent = self.spec, self.agent
