@@ -72,6 +72,8 @@ class ClusterCA:
         self._lock = threading.Lock()
         self._revoked_stamp: int | None = None
         self._revoked: dict[str, float] = {}
+        self._live_stamp: tuple[int, int, int] | None = None
+        self._live: list[str] = []
 
     # -- files -----------------------------------------------------------------------------------------------
 
@@ -163,11 +165,7 @@ class ClusterCA:
 
     def revoked(self) -> dict[str, float]:
         """Serial -> when it was revoked; read again when the file changed (another process may revoke)."""
-        path = self.directory / "revoked.jsonl"
-        try:
-            stamp = path.stat().st_mtime_ns
-        except FileNotFoundError:
-            stamp = 0
+        stamp = self._stamp("revoked.jsonl")
         if stamp != self._revoked_stamp:
             self._revoked = {r["serial"]: r["revoked_unix"] for r in self._records("revoked.jsonl")}
             self._revoked_stamp = stamp
@@ -196,9 +194,20 @@ class ClusterCA:
         return fresh
 
     def live_revocations(self) -> list[str]:
-        """Revoked serials of certificates that have not expired: what agents must refuse."""
-        now = time.time()
-        return sorted(c.serial for c in self.certificates() if c.revoked_unix and c.not_after_unix > now)
+        """Revoked serials of certificates that have not expired: what agents must refuse. Every assignment carries
+        them, so the answer is kept until a file changes or a minute passes (expiry drops serials from it)."""
+        stamp = (self._stamp("issued.jsonl"), self._stamp("revoked.jsonl"), int(time.time() // 60))
+        if stamp != self._live_stamp:
+            now = time.time()
+            self._live = sorted(c.serial for c in self.certificates() if c.revoked_unix and c.not_after_unix > now)
+            self._live_stamp = stamp
+        return self._live
+
+    def _stamp(self, name: str) -> int:
+        try:
+            return (self.directory / name).stat().st_mtime_ns
+        except FileNotFoundError:
+            return 0
 
     # -- join tokens -----------------------------------------------------------------------------------------
 
@@ -221,7 +230,8 @@ class ClusterCA:
         with self._locked():
             tokens = self._live_tokens()
             expires = tokens.pop(_token_hash(token), None)
-            write_private_file(self.directory / "tokens.json", json.dumps(tokens).encode())
+            if expires is not None:  # a wrong guess writes nothing
+                write_private_file(self.directory / "tokens.json", json.dumps(tokens).encode())
         return expires is not None
 
     def _live_tokens(self) -> dict[str, float]:
