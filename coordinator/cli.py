@@ -26,9 +26,9 @@ from nodeagent import __version__
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc
 from nodeagent.jobspec import DEFAULT_DATA_DIR, JobFile, JobSpecError, load_job_file
-from nodeagent.listen import ListenError, check_port_free, join_address
+from nodeagent.listen import ListenError
 from nodeagent.metrics import Metrics
-from nodeagent.rpc import SERVER_OPTIONS, split_address
+from nodeagent.rpc import SERVER_OPTIONS, bind_grpc_server, split_address
 from nodeagent.security.pki import private_key_pem
 from nodeagent.statedir import StateDirError, hold_state_dir, writable_directory
 
@@ -299,15 +299,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             enrollment = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="enroll"),
                                      options=SERVER_OPTIONS, maximum_concurrent_rpcs=16)
             coordinator_pb2_grpc.add_EnrollmentServicer_to_server(EnrollmentService(ca), enrollment)
-            enroll_host, enroll_port = split_address(args.enroll_listen)
-            check_port_free(enroll_host, enroll_port)
-            try:
-                enroll_bound = enrollment.add_secure_port(
-                    join_address(enroll_host, enroll_port),
-                    grpc.ssl_server_credentials([(private_key_pem(ca.key), ca.cert_pem)]))
-            except RuntimeError:
-                raise ListenError(args.enroll_listen, "cannot bind") from None
-            enroll_address = f"{enroll_host}:{enroll_bound}"
+            enroll_bound = bind_grpc_server(enrollment, args.enroll_listen,
+                                            grpc.ssl_server_credentials([(private_key_pem(ca.key), ca.cert_pem)]))
+            enroll_address = f"{split_address(args.enroll_listen)[0]}:{enroll_bound}"
         metrics_host, metrics_port = split_address(args.metrics_listen)
         metrics_bound = metrics.serve_http(metrics_host, metrics_port)
         metrics.insecure_mode.set(int(args.insecure))

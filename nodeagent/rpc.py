@@ -104,14 +104,17 @@ class _Registration:
         self.service, self.handlers = service, handlers
 
 
-def bind_grpc_server(server: grpc.Server, address: str) -> int:
-    """Add `address` (HOST:PORT) to a server made with SERVER_OPTIONS; returns the bound port. Raises ListenError
-    naming the address when it cannot be had."""
+def bind_grpc_server(server: grpc.Server, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
+    """Add `address` (HOST:PORT) to a server made with SERVER_OPTIONS, with TLS when `credentials` are given;
+    returns the bound port. Raises ListenError naming the address when it cannot be had."""
     host, port = split_address(address)
     # gRPC reports only that the bind failed (and logs its own line); a probe first says why, in one line.
     check_port_free(host, port)
+    target = join_address(host, port)
     try:
-        return server.add_insecure_port(join_address(host, port))
+        if credentials is not None:
+            return server.add_secure_port(target, credentials)
+        return server.add_insecure_port(target)
     except RuntimeError:  # gRPC's "Failed to bind to address": a host it cannot resolve, a race for the port
         raise ListenError(address, "cannot bind") from None
 

@@ -1,5 +1,6 @@
-"""Mutual TLS for every link of a process: its credentials on disk, gRPC server and channel credentials, Python
-`ssl` contexts for the tensor lanes, and the identity of the caller of a gRPC call.
+"""Mutual TLS for every gRPC link of a process: its credentials on disk, gRPC server and channel credentials, and
+the identity of the caller of a gRPC call. (Tensor lanes are sealed with keys granted over these links:
+nodeagent/wire/lane.py.)
 
 A process's credentials are a directory holding `ca.crt` (the cluster CA), `tls.crt` and `tls.key` (its own
 certificate and key): the layout of a Kubernetes TLS Secret, so that one mounts as it is. Servers read the
@@ -19,7 +20,7 @@ from pathlib import Path
 import grpc
 from cryptography import x509
 
-from nodeagent.listen import ListenError, check_port_free, join_address
+from nodeagent.rpc import bind_grpc_server
 from nodeagent.security.pki import (
     COORDINATOR_NAME,
     CertificateError,
@@ -200,18 +201,7 @@ class Transport:
     def bind(self, server: grpc.Server, address: str) -> int:
         """Add `address` (HOST:PORT) to `server`, with TLS unless insecure; returns the bound port. Raises
         ListenError naming the address when it cannot be had."""
-        from nodeagent.rpc import split_address
-
-        host, port = split_address(address)
-        # gRPC reports only that the bind failed (and logs its own line); a probe first says why, in one line.
-        check_port_free(host, port)
-        target = join_address(host, port)
-        try:
-            if self.secure:
-                return server.add_secure_port(target, self.server_credentials())
-            return server.add_insecure_port(target)
-        except RuntimeError:  # gRPC's "Failed to bind to address": a host it cannot resolve, a race for the port
-            raise ListenError(address, "cannot bind") from None
+        return bind_grpc_server(server, address, self.server_credentials() if self.secure else None)
 
     def channel(self, address: str, server_name: str = COORDINATOR_NAME,
                 options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
