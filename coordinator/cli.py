@@ -153,14 +153,25 @@ def build_parser() -> argparse.ArgumentParser:
     nodes.add_argument("--undo", action="store_true", help="with drain: take the node back into service")
     _add_coordinator_option(nodes)
 
+    jobs = commands.add_parser(
+        "jobs", help="list jobs, newest first: id, name, state, nodes, times, duration, reason",
+        description="JOB, wherever a command takes one, is a job's id, a unique prefix of it, or its name (the "
+        "newest job of that name).",
+    )
+    jobs.add_argument("--limit", type=int, default=100, help="at most this many jobs (default %(default)s)")
+    jobs.add_argument("--json", action="store_true", help="one JSON object per job, a line each")
+    _add_coordinator_option(jobs)
+
     status = commands.add_parser(
         "status", help="a job's state, times and reason, and per node its state, step, rate, loss, accuracy and "
         "traffic (default: the newest job)")
-    status.add_argument("job_id", nargs="?", default="", metavar="JOB")
+    status.add_argument("job_id", nargs="?", default="", metavar="JOB",
+                        help="a job's id, a unique prefix of it, or its name (the newest of that name)")
     _add_coordinator_option(status)
 
     stop = commands.add_parser("stop", help="stop a job")
-    stop.add_argument("job_id", metavar="JOB")
+    stop.add_argument("job_id", metavar="JOB",
+                      help="a job's id, a unique prefix of it, or its name (the newest of that name)")
     _add_coordinator_option(stop)
 
     simulate = commands.add_parser(
@@ -435,6 +446,33 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_jobs(args: argparse.Namespace) -> int:
+    if args.limit < 1:
+        raise SystemExit("coordinator: --limit must be at least 1")
+    reply = _stub(args).ListJobs(pb.ListJobsRequest(limit=args.limit), timeout=10)
+    if args.json:
+        for job in reply.jobs:
+            print(json.dumps({
+                "job_id": job.job_id, "name": job.name, "state": state_name(job.state), "nodes": job.world_size,
+                "submitted_unix": job.created_unix, "started_unix": job.started_unix or None,
+                "ended_unix": job.ended_unix or None, "reason": job.reason,
+            }))
+        return 0
+    print(f"{'job':<40} {'name':<20} {'state':<9} {'nodes':>5}  {'submitted':<19}  {'started':<8}  {'ended':<8}  "
+          f"{'duration':>8}  reason")
+    for job in reply.jobs:
+        end = job.ended_unix or (time.time() if job.started_unix else 0.0)
+        duration = f"{end - job.started_unix:.0f} s" if job.started_unix else "-"
+        print(f"{job.job_id:<40} {job.name:<20} {state_name(job.state):<9} {job.world_size:>5}  "
+              f"{_clock(job.created_unix, '%Y-%m-%d %H:%M:%S'):<19}  {_clock(job.started_unix):<8}  "
+              f"{_clock(job.ended_unix):<8}  {duration:>8}  {' '.join(job.reason.split())[:80]}")
+    return 0
+
+
+def _clock(unix: float, layout: str = "%H:%M:%S") -> str:
+    return time.strftime(layout, time.localtime(unix)) if unix else "-"
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     print(status_text(_stub(args).JobStatus(pb.JobStatusRequest(job_id=args.job_id), timeout=10)))
     return 0
@@ -442,7 +480,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_stop(args: argparse.Namespace) -> int:
     reply = _stub(args).StopJob(pb.StopJobRequest(job_id=args.job_id), timeout=10)
-    print(f"{args.job_id}: {state_name(reply.state)}")
+    print(f"{reply.job_id}: {state_name(reply.state)}")
     return 0
 
 
@@ -513,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {
         "serve": cmd_serve, "ca": cmd_ca, "token": cmd_token, "cert": cmd_cert,
-        "submit": cmd_submit, "nodes": cmd_nodes, "status": cmd_status, "stop": cmd_stop,
+        "submit": cmd_submit, "jobs": cmd_jobs, "nodes": cmd_nodes, "status": cmd_status, "stop": cmd_stop,
         "simulate": cmd_simulate, "inspect": cmd_inspect, "demo": cmd_demo,
     }
     try:

@@ -44,6 +44,9 @@ WATCH_POLL_S = 1.0
 MAX_FAILURE_CHARS = 2000  # of a node's failure reason, as stored and shown
 CERTIFICATE_CHECK_S = 600.0  # how often the coordinator looks at its own certificate's expiry
 MAX_WATCHES_PER_NODE = 2  # an agent holds one; a second covers a reconnect racing the old stream's end
+DEFAULT_JOB_LIST = 100
+MAX_JOB_LIST = 10_000
+MAX_JOB_REFERENCE_CHARS = 128  # a job's id or name, as a person types it
 
 _NODE = frozenset({Role.NODE})
 _OPERATOR = frozenset({Role.OPERATOR})
@@ -51,8 +54,8 @@ _OPERATOR = frozenset({Role.OPERATOR})
 COORDINATOR_RULES = rules_for("peertrain.v1.Coordinator", {
     **dict.fromkeys(("Register", "Heartbeat", "WatchAssignment", "ReportMetrics", "ReportFailure", "Deregister",
                      "PsPush", "PsPull", "PsReport"), _NODE),
-    **dict.fromkeys(("SubmitJob", "StopJob", "ListNodes", "JobStatus", "RemoveNode", "DrainNode", "CreateJoinToken",
-                     "RevokeCertificate", "ListCertificates"), _OPERATOR),
+    **dict.fromkeys(("SubmitJob", "StopJob", "ListNodes", "JobStatus", "ListJobs", "RemoveNode", "DrainNode",
+                     "CreateJoinToken", "RevokeCertificate", "ListCertificates"), _OPERATOR),
     "RenewCertificate": _NODE | _OPERATOR,
 })
 
@@ -508,11 +511,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                                  warning=warning and f"the job cannot start now: it {warning}")
 
     def StopJob(self, request, context):
-        job = self.store.job(request.job_id)
+        job = self.store.find_job(request.job_id[:MAX_JOB_REFERENCE_CHARS])
         if job is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no job {request.job_id!r}")
+            context.abort(grpc.StatusCode.NOT_FOUND, _no_job(request.job_id))
         self._end_job(job, "STOPPED", "stopped by an operator")
-        return pb.StopJobReply(state=JOB_STATES[self.store.job(job.job_id).state])
+        return pb.StopJobReply(state=JOB_STATES[self.store.job(job.job_id).state], job_id=job.job_id)
 
     def ListNodes(self, request, context):
         return pb.ListNodesReply(nodes=[self._node_info(n) for n in self.store.nodes()])
@@ -551,9 +554,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return self._node_info(node)
 
     def JobStatus(self, request, context):
-        job = self.store.job(request.job_id) if request.job_id else self.store.latest_job()
+        reference = request.job_id[:MAX_JOB_REFERENCE_CHARS]
+        job = self.store.find_job(reference) if reference else self.store.latest_job()
         if job is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no job {request.job_id!r}" if request.job_id else "no jobs yet")
+            context.abort(grpc.StatusCode.NOT_FOUND, _no_job(reference) if reference else "no jobs yet")
         nodes = {n.node_id: n for n in self.store.nodes()}
         return pb.JobStatusReply(
             job_id=job.job_id, name=job.name, state=JOB_STATES[job.state], world_size=job.world_size,
@@ -562,6 +566,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             nodes=[to_node_progress(m.progress, self._member_state(m, nodes.get(m.node_id)), m.failure)
                    for m in self.store.members(job.job_id)],
         )
+
+    def ListJobs(self, request, context):
+        limit = min(request.limit or DEFAULT_JOB_LIST, MAX_JOB_LIST)
+        return pb.ListJobsReply(jobs=[
+            pb.JobInfo(job_id=job.job_id, name=job.name, state=JOB_STATES[job.state], world_size=job.world_size,
+                       created_unix=job.created_unix, started_unix=job.started_unix, ended_unix=job.ended_unix,
+                       reason=job.reason)
+            for job in self.store.all_jobs(limit)
+        ])
 
     @staticmethod
     def _member_state(member, node: NodeRow | None) -> str:
@@ -599,6 +612,11 @@ class EnrollmentService(coordinator_pb2_grpc.EnrollmentServicer):
         identity = pki.identity_of(cert)
         log.info("enrolled node %s (certificate %s)", name, identity.serial)
         return pb.CertificateReply(certificate_pem=pki.certificate_pem(cert), name=name, serial=identity.serial)
+
+
+def _no_job(reference: str) -> str:
+    return (f"no job {reference[:MAX_JOB_REFERENCE_CHARS]!r}: give a job's id, a unique prefix of it, or its name "
+            "(`coordinator jobs` lists them)")
 
 
 def _are(count: int) -> str:

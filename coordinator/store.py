@@ -237,6 +237,25 @@ class Store:
         rows = self._query(f"SELECT {', '.join(_JOB_FIELDS)} FROM jobs ORDER BY created_unix DESC LIMIT 1")
         return JobRow(*rows[0]) if rows else None
 
+    def find_job(self, reference: str) -> JobRow | None:
+        """The job a person names: its id, else the newest job of that name, else the only job whose id starts
+        with `reference` (None when none or several do)."""
+        fields = ", ".join(_JOB_FIELDS)
+        for query, argument in (
+            (f"SELECT {fields} FROM jobs WHERE job_id = ?", reference),
+            (f"SELECT {fields} FROM jobs WHERE name = ? ORDER BY created_unix DESC LIMIT 1", reference),
+            (f"SELECT {fields} FROM jobs WHERE substr(job_id, 1, ?) = ? LIMIT 2", None),
+        ):
+            rows = self._query(query, (len(reference), reference) if argument is None else (argument,))
+            if len(rows) == 1:
+                return JobRow(*rows[0])
+        return None
+
+    def all_jobs(self, limit: int) -> list[JobRow]:
+        """The newest `limit` jobs, newest first."""
+        rows = self._query(f"SELECT {', '.join(_JOB_FIELDS)} FROM jobs ORDER BY created_unix DESC LIMIT ?", (limit,))
+        return [JobRow(*r) for r in rows]
+
     def jobs(self, states: tuple[str, ...]) -> list[JobRow]:
         marks = ",".join("?" * len(states))
         rows = self._query(f"SELECT {', '.join(_JOB_FIELDS)} FROM jobs WHERE state IN ({marks}) ORDER BY created_unix",

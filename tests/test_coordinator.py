@@ -1,5 +1,6 @@
 """The coordinator in-process over real gRPC: job specs, scheduling, assignments, liveness, restarts."""
 
+import json
 import math
 import time
 from concurrent import futures
@@ -8,6 +9,7 @@ import grpc
 import pytest
 import yaml
 
+import coordinator.cli as cli
 from coordinator.cli import main as coordinator_main
 from coordinator.ps_service import add_coordinator_servicer
 from coordinator.service import CoordinatorConfig, CoordinatorService
@@ -189,6 +191,31 @@ def test_stop_job(coordinator):
     assert error.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_jobs_are_listed_newest_first_and_named_by_id_prefix_or_name(coordinator):
+    start, _ = coordinator
+    _, stub = start()
+    for i in range(2):
+        register(stub, f"a{i}")
+    first = stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=job(name="alpha", nodes=2)), timeout=5).job_id
+    stub.StopJob(pb.StopJobRequest(job_id="alpha"), timeout=5)  # by name
+    second = stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=job(name="alpha", nodes=2)), timeout=5).job_id
+    other = stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=job(name="beta", nodes=2)), timeout=5).job_id
+    listed = stub.ListJobs(pb.ListJobsRequest(), timeout=5).jobs
+    assert [j.job_id for j in listed] == [other, second, first]
+    assert [pb.JobState.Name(j.state) for j in listed] == ["JOB_PENDING", "JOB_RUNNING", "JOB_STOPPED"]
+    assert [j.job_id for j in stub.ListJobs(pb.ListJobsRequest(limit=1), timeout=5).jobs] == [other]
+    # A name means the newest job of that name; a prefix that only one id starts with means that job.
+    assert stub.JobStatus(pb.JobStatusRequest(job_id="alpha"), timeout=5).job_id == second
+    assert stub.JobStatus(pb.JobStatusRequest(job_id=other[:6]), timeout=5).job_id == other
+    stopped = stub.StopJob(pb.StopJobRequest(job_id="beta"), timeout=5)
+    assert (stopped.job_id, stopped.state) == (other, pb.JOB_STOPPED)
+    for unknown in (first[:3], "x" * 10_000):  # "alp" begins both alpha ids; no job is named or begins x...
+        with pytest.raises(grpc.RpcError) as error:
+            stub.JobStatus(pb.JobStatusRequest(job_id=unknown), timeout=5)
+        assert error.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "coordinator jobs" in error.value.details() and len(error.value.details()) < 300
+
+
 def test_a_job_too_large_waits_with_its_reason_and_does_not_hold_back_a_smaller_one(coordinator):
     start, _ = coordinator
     _, stub = start()
@@ -311,3 +338,23 @@ def test_status_counts_the_steps_of_a_restarted_nodes_run_and_says_each_failure_
     assert lines[2].split()[4] == "100.0" and lines[3].split()[4] == "50.0"
     lines = status_text(pb.JobStatusReply(job_id="j-2", state=pb.JOB_FAILED, nodes=failed)).splitlines()
     assert [line for line in lines if "failed:" in line] == ["ranks 0, 1 failed: DataError: no data"]
+
+
+def test_the_jobs_command_lists_jobs_as_a_table_or_json_lines(coordinator, monkeypatch, capsys):
+    start, _ = coordinator
+    _, stub = start()
+    for i in range(2):
+        register(stub, f"a{i}")
+    job_id = stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=job(name="alpha", nodes=2)), timeout=5).job_id
+    monkeypatch.setattr(cli, "_stub", lambda args: stub)
+    assert coordinator_main(["jobs", "--json"]) == 0
+    [line] = capsys.readouterr().out.splitlines()
+    record = json.loads(line)
+    assert (record["job_id"], record["name"], record["state"], record["nodes"]) == (job_id, "alpha", "running", 2)
+    assert record["started_unix"] and record["ended_unix"] is None
+    assert coordinator_main(["stop", "alpha"]) == 0
+    assert capsys.readouterr().out == f"{job_id}: stopped\n"
+    assert coordinator_main(["jobs"]) == 0
+    header, row = capsys.readouterr().out.splitlines()
+    assert header.split()[:4] == ["job", "name", "state", "nodes"]
+    assert row.split()[:4] == [job_id, "alpha", "stopped", "2"] and "stopped by an operator" in row

@@ -85,6 +85,11 @@ class CoordinatorStub:
                 request_serializer=peertrain_dot_v1_dot_coordinator__pb2.JobStatusRequest.SerializeToString,
                 response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.JobStatusReply.FromString,
                 _registered_method=True)
+        self.ListJobs = channel.unary_unary(
+                '/peertrain.v1.Coordinator/ListJobs',
+                request_serializer=peertrain_dot_v1_dot_coordinator__pb2.ListJobsRequest.SerializeToString,
+                response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.ListJobsReply.FromString,
+                _registered_method=True)
         self.RemoveNode = channel.unary_unary(
                 '/peertrain.v1.Coordinator/RemoveNode',
                 request_serializer=peertrain_dot_v1_dot_coordinator__pb2.NodeRequest.SerializeToString,
@@ -195,6 +200,13 @@ class CoordinatorServicer:
 
     def JobStatus(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListJobs(self, request, context):
+        """The newest jobs, newest first (a job's id, name and times; JobStatus has the rest).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -318,6 +330,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.JobStatus,
                     request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.JobStatusRequest.FromString,
                     response_serializer=peertrain_dot_v1_dot_coordinator__pb2.JobStatusReply.SerializeToString,
+            ),
+            'ListJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListJobs,
+                    request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.ListJobsRequest.FromString,
+                    response_serializer=peertrain_dot_v1_dot_coordinator__pb2.ListJobsReply.SerializeToString,
             ),
             'RemoveNode': grpc.unary_unary_rpc_method_handler(
                     servicer.RemoveNode,
@@ -635,6 +652,33 @@ class Coordinator:
             '/peertrain.v1.Coordinator/JobStatus',
             peertrain_dot_v1_dot_coordinator__pb2.JobStatusRequest.SerializeToString,
             peertrain_dot_v1_dot_coordinator__pb2.JobStatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peertrain.v1.Coordinator/ListJobs',
+            peertrain_dot_v1_dot_coordinator__pb2.ListJobsRequest.SerializeToString,
+            peertrain_dot_v1_dot_coordinator__pb2.ListJobsReply.FromString,
             options,
             channel_credentials,
             insecure,
