@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from hostile import channel_as
 from torch import nn
 
 from nodeagent._proto import peer_pb2, peer_pb2_grpc, wire_pb2
@@ -99,16 +100,8 @@ def start_node(cluster_pki) -> Iterator[Callable[..., Node]]:
 
 
 def stub_as(address: str, credentials: Path | None, ca: Path) -> peer_pb2_grpc.PeerStub:
-    """A stub dialling n1 with the certificate in `credentials` (a directory of ca.crt, tls.crt, tls.key; None:
-    no certificate), trusting the CA certificate `ca`."""
-    if credentials is None:
-        channel_credentials = grpc.ssl_channel_credentials((ca / "ca.crt").read_bytes())
-    else:
-        channel_credentials = grpc.ssl_channel_credentials(
-            (ca / "ca.crt").read_bytes(), (credentials / "tls.key").read_bytes(), (credentials / "tls.crt").read_bytes()
-        )
-    channel = grpc.secure_channel(address, channel_credentials, options=[("grpc.ssl_target_name_override", "n1")])
-    return peer_pb2_grpc.PeerStub(channel)
+    """A stub dialling n1 with the certificate in `credentials` (None: no certificate), trusting the CA of `ca`."""
+    return peer_pb2_grpc.PeerStub(channel_as(address, credentials, "n1", ca))
 
 
 def manifest(sender_rank: int, sender_id: str, job_id: str = JOB) -> wire_pb2.Frame:

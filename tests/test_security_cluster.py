@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import grpc
+from hostile import channel_as
 
 from coordinator.cluster import LocalCluster
 from nodeagent._proto import coordinator_pb2 as pb
@@ -15,11 +16,7 @@ from nodeagent._proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 
 
 def describe_as(address: str, credentials: Path, server_name: str) -> grpc.StatusCode:
-    channel_credentials = grpc.ssl_channel_credentials((credentials / "ca.crt").read_bytes(),
-                                                       (credentials / "tls.key").read_bytes(),
-                                                       (credentials / "tls.crt").read_bytes())
-    with grpc.secure_channel(address, channel_credentials,
-                             options=[("grpc.ssl_target_name_override", server_name)]) as channel:
+    with channel_as(address, credentials, server_name) as channel:
         try:
             peer_pb2_grpc.PeerStub(channel).Describe(peer_pb2.DescribeRequest(), timeout=5)
         except grpc.RpcError as error:
@@ -40,10 +37,7 @@ def test_a_revoked_node_is_refused_by_the_coordinator_and_by_the_other_agents(tm
         while describe_as(nodes["agent-0"].peer_address, stolen, "agent-0") is not grpc.StatusCode.UNAUTHENTICATED:
             assert time.monotonic() < deadline, "agent-0 still admits the revoked certificate"
             time.sleep(0.2)
-        heartbeat = grpc.secure_channel(cluster.address, grpc.ssl_channel_credentials(
-            (stolen / "ca.crt").read_bytes(), (stolen / "tls.key").read_bytes(), (stolen / "tls.crt").read_bytes()),
-            options=[("grpc.ssl_target_name_override", "coordinator")])
-        with heartbeat:
+        with channel_as(cluster.address, stolen, "coordinator") as heartbeat:
             try:
                 coordinator_pb2_grpc.CoordinatorStub(heartbeat).Heartbeat(pb.HeartbeatRequest(), timeout=5)
                 code = grpc.StatusCode.OK

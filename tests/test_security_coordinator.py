@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from hostile import channel_as
 
 from coordinator.ca import ClusterCA
 from coordinator.ps_service import add_coordinator_servicer
@@ -35,20 +36,20 @@ data: {dataset: fashion-mnist, split: iid}
 class Attacker:
     """A client of the coordinator built from the proto modules: any certificate, any field."""
 
-    def __init__(self, address: str, ca_pem: bytes | None = None, cert_pem: bytes | None = None,
-                 key_pem: bytes | None = None, plaintext: bool = False):
-        if plaintext:
-            self.channel = grpc.insecure_channel(address)
-        else:
-            credentials = grpc.ssl_channel_credentials(ca_pem, key_pem, cert_pem)
-            self.channel = grpc.secure_channel(address, credentials,
-                                               options=[("grpc.ssl_target_name_override", "coordinator")])
-        self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+    def __init__(self, channel: grpc.Channel):
+        self.channel = channel
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+
+    @classmethod
+    def with_pems(cls, address: str, ca_pem: bytes, cert_pem: bytes | None = None,
+                  key_pem: bytes | None = None) -> Attacker:
+        credentials = grpc.ssl_channel_credentials(ca_pem, key_pem, cert_pem)
+        return cls(grpc.secure_channel(address, credentials, options=[("grpc.ssl_target_name_override",
+                                                                       "coordinator")]))
 
     @classmethod
     def with_dir(cls, address: str, directory: Path) -> Attacker:
-        return cls(address, (directory / "ca.crt").read_bytes(), (directory / "tls.crt").read_bytes(),
-                   (directory / "tls.key").read_bytes())
+        return cls(channel_as(address, directory, "coordinator"))
 
     def code(self, method: str, request, **kwargs) -> grpc.StatusCode:
         try:
@@ -115,10 +116,12 @@ def test_handshake_fails_without_a_certificate_of_the_cluster(secure, tmp_path):
                         lifetime=datetime.timedelta(seconds=-60))
     ca = secure.ca.cert_pem
     clients = {
-        "plaintext": Attacker(secure.address, plaintext=True),
-        "no certificate": Attacker(secure.address, ca),
-        "another CA": Attacker(secure.address, ca, pki.certificate_pem(stranger), pki.private_key_pem(stranger_key)),
-        "expired": Attacker(secure.address, ca, pki.certificate_pem(expired), pki.private_key_pem(expired_key)),
+        "plaintext": Attacker(grpc.insecure_channel(secure.address)),
+        "no certificate": Attacker.with_pems(secure.address, ca),
+        "another CA": Attacker.with_pems(secure.address, ca, pki.certificate_pem(stranger),
+                                         pki.private_key_pem(stranger_key)),
+        "expired": Attacker.with_pems(secure.address, ca, pki.certificate_pem(expired),
+                                      pki.private_key_pem(expired_key)),
     }
     for what, client in clients.items():
         assert client.code("ListNodes", pb.ListNodesRequest()) is grpc.StatusCode.UNAVAILABLE, what
