@@ -1,0 +1,88 @@
+"""A job's events: what happened to it and on its nodes, in the words of the node or the coordinator.
+
+Agents forward their job events (started, resumed, rejoined, failed, finished) and their log lines of WARNING and
+above to the coordinator, which stamps them and appends them to `events.jsonl` in the job's run directory; the
+coordinator adds its own (submitted, running, topology changed, stopped, failed, finished). The simulator writes
+the same file with virtual times. `coordinator logs JOB` shows it and `coordinator report` marks it on the plots.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+EVENTS_FILE = "events.jsonl"
+MAX_MESSAGE_CHARS = 2000  # of one event's text: a node's words are cut there before they are stored or shown
+
+# The kinds of event. A node's log line is LOG; the others are the job's lifecycle.
+SUBMITTED = "submitted"
+STARTED = "started"
+RESUMED = "resumed"
+REJOINED = "rejoined"
+FAILED = "failed"
+FINISHED = "finished"
+STOPPED = "stopped"
+TOPOLOGY = "topology"
+LOG = "log"
+KINDS = (SUBMITTED, STARTED, RESUMED, REJOINED, FAILED, FINISHED, STOPPED, TOPOLOGY, LOG)
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+@dataclass(frozen=True)
+class Event:
+    time: float  # Unix time at the coordinator; virtual seconds in the simulator
+    job: str
+    kind: str  # one of KINDS
+    message: str
+    level: str = "INFO"  # one of LEVELS
+    rank: int = -1  # the node's rank in the job; -1: the job as a whole (the coordinator's events)
+    node: str = ""  # the node's id (agents) or name (simulated nodes); empty for the coordinator's events
+    step: int = -1  # the node's step when it happened; -1: unknown
+
+    def line(self) -> str:
+        """The event as a person reads it (`coordinator logs`)."""
+        stamp = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.time)) if self.time > 1e9
+                 else f"t={self.time:9.2f}s")
+        where = f"rank {self.rank} ({self.node})" if self.rank >= 0 else "coordinator"
+        at = f" step {self.step}" if self.step >= 0 else ""
+        return f"{stamp} {self.level:<7} {where}{at} [{self.kind}] {self.message}"
+
+
+def bounded(text: str) -> str:
+    """A node's words, cut to MAX_MESSAGE_CHARS and stripped of control characters other than newlines and tabs."""
+    cleaned = "".join(c if c.isprintable() or c in "\n\t" else "?" for c in text[:MAX_MESSAGE_CHARS])
+    return cleaned if len(text) <= MAX_MESSAGE_CHARS else cleaned + " [cut]"
+
+
+class EventLog:
+    """`events.jsonl` in a run directory: one JSON object per event, appended (thread-safe)."""
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / EVENTS_FILE
+        self._lock = threading.Lock()
+
+    def append(self, event: Event) -> None:
+        line = json.dumps(asdict(event)) + "\n"
+        with self._lock, open(self.path, "a") as out:
+            out.write(line)
+
+
+def read_events(run_dir: str | Path, offset: int = 0) -> tuple[list[Event], int]:
+    """The events of a run from byte `offset` of its log (0: all), and the offset after the last whole line read
+    (to read on from there). A run without events has none; a line being written is left for the next read."""
+    path = Path(run_dir) / EVENTS_FILE
+    try:
+        with open(path, "rb") as source:
+            source.seek(offset)
+            data = source.read()
+    except FileNotFoundError:
+        return [], offset
+    events = []
+    end = data.rfind(b"\n") + 1
+    for raw in data[:end].splitlines():
+        if raw.strip():
+            events.append(Event(**json.loads(raw)))
+    return events, offset + end
