@@ -42,9 +42,9 @@ class AlgorithmSpec(_Strict):
     mode: Mode | None = Field(
         None, description="async (exchanges on the edge-phase schedule) or sync (every step); unset: the algorithm's "
         "own (dsgd: async)")
-    lr: float = Field(0.02, gt=0, description="step size mu")
-    momentum: float = Field(0.0, ge=0, lt=1)
-    nesterov: bool = False
+    lr: float = Field(0.02, gt=0, description="step size mu of the local SGD step")
+    momentum: float = Field(0.0, ge=0, lt=1, description="heavy-ball momentum of the local SGD step; 0: plain SGD")
+    nesterov: bool = Field(False, description="Nesterov's form of the momentum (needs momentum > 0 to matter)")
     l2: float = Field(0.0, ge=0, description="L2 term added to the gradient: l2 * w")
     interval: int = Field(8, ge=1, description="K: local steps between two exchanges on an edge")
     options: dict[str, Any] = Field(
@@ -52,6 +52,8 @@ class AlgorithmSpec(_Strict):
 
 
 class ModelSpec(_Strict):
+    """The model every node trains, built from the same seed on every node."""
+
     name: str = Field(
         "logistic", max_length=200, description="logistic, mlp, cnn, resnet-gn, or 'package.module:factory' (agents "
         "import only modules their operator allowed: nodeagent serve --allow-import package.module)")
@@ -59,17 +61,26 @@ class ModelSpec(_Strict):
 
 
 class DataSpec(_Strict):
-    dataset: Literal["fashion-mnist", "mnist"] = "fashion-mnist"
-    data_dir: str = Field(DEFAULT_DATA_DIR, description="directory holding the IDX files (plain or .gz)")
-    split: str = Field("iid", max_length=64, description="iid, class-window, by-class or dirichlet")
-    split_options: dict[str, Any] = Field(default_factory=dict)
-    batch_size: int = Field(100, ge=1)
+    """The training and test data, and how the training set is divided among the nodes."""
+
+    dataset: Literal["fashion-mnist", "mnist"] = Field(
+        "fashion-mnist", description="the image set; both have 10 classes of 28 x 28 grey images")
+    data_dir: str = Field(
+        DEFAULT_DATA_DIR, description="directory holding the IDX files (plain or .gz) on every node; an agent's "
+        "--data-dir overrides it")
+    split: str = Field("iid", max_length=64, description="how the training set is divided among the nodes: iid, "
+                       "class-window, by-class or dirichlet")
+    split_options: dict[str, Any] = Field(default_factory=dict, description="the split's own options")
+    batch_size: int = Field(100, ge=1, description="samples in one local step's minibatch")
     train_limit: int | None = Field(None, ge=1, description="use only the first N training samples")
     test_limit: int | None = Field(None, ge=1, description="evaluate on the first N test samples")
 
 
 class TopologySpec(_Strict):
-    kind: str = Field("ring", max_length=64, description="ring, multiplex-ring, ecl-random8, complete, ...")
+    """The communication graph: which nodes exchange with which."""
+
+    kind: str = Field("ring", max_length=64, description="the graph: ring, multiplex-ring, ecl-random8, complete, "
+                      "...")
     seed: int = Field(0, description="seed of the edge phases (and of random graphs)")
     options: dict[str, Any] = Field(
         default_factory=dict, description="the kind's own options; edge-list: edges, the text of an edge file (a "
@@ -77,10 +88,14 @@ class TopologySpec(_Strict):
 
 
 class WireSpec(_Strict):
-    encoding: Literal["raw", "fp16", "bf16"] = "raw"
-    chunk_bytes: int = Field(1 << 20, ge=1024, le=64 << 20)
+    """How tensors travel between nodes."""
+
+    encoding: Literal["raw", "fp16", "bf16"] = Field(
+        "raw", description="the values on the wire: raw (the model's own dtype) or halved to fp16 or bf16")
+    chunk_bytes: int = Field(1 << 20, ge=1024, le=64 << 20, description="bytes of one chunk of a tensor stream")
     max_message_bytes: int = Field(1 << 30, ge=1 << 20, description="largest stream a node accepts")
-    exchange_timeout_s: float = Field(30.0, gt=0)
+    exchange_timeout_s: float = Field(30.0, gt=0, description="seconds a node waits for one exchange with a peer "
+                                      "(or one call to the parameter server) before it gives it up")
 
 
 class NetworkSpec(_Strict):
@@ -95,17 +110,18 @@ class NetworkSpec(_Strict):
 class FaultSpec(_Strict):
     """A node that is down (neither steps nor answers) between two virtual times."""
 
-    node: int = Field(ge=0)
-    down_from: float = Field(ge=0)
-    down_until: float = Field(gt=0)
+    node: int = Field(ge=0, description="rank of the node")
+    down_from: float = Field(ge=0, description="virtual time (s) at which it goes down")
+    down_until: float = Field(gt=0, description="virtual time (s) at which it comes back")
 
 
 class PartitionSpec(_Strict):
     """Groups of nodes that cannot reach each other between two virtual times."""
 
-    groups: list[list[int]] = Field(min_length=2)
-    start: float = Field(ge=0)
-    end: float = Field(gt=0)
+    groups: list[list[int]] = Field(min_length=2, description="lists of ranks; nodes of different groups cannot "
+                                    "reach each other")
+    start: float = Field(ge=0, description="virtual time (s) at which the partition begins")
+    end: float = Field(gt=0, description="virtual time (s) at which it heals")
 
 
 class SimulationSpec(_Strict):
@@ -114,9 +130,9 @@ class SimulationSpec(_Strict):
     step_time_s: float = Field(0.01, gt=0, description="virtual compute time of one local step at speed 1")
     speeds: list[float] = Field(default_factory=list, description="relative speed per rank (default 1 for all)")
     jitter: float = Field(0.0, ge=0, le=1, description="relative standard deviation of each step's time")
-    network: NetworkSpec = Field(default_factory=NetworkSpec)
-    faults: list[FaultSpec] = Field(default_factory=list)
-    partitions: list[PartitionSpec] = Field(default_factory=list)
+    network: NetworkSpec = Field(default_factory=NetworkSpec, description="the simulated network")
+    faults: list[FaultSpec] = Field(default_factory=list, description="nodes that are down for a while")
+    partitions: list[PartitionSpec] = Field(default_factory=list, description="network partitions")
     seed: int = Field(0, ge=0, description="seeds jitter and message loss")
 
 
@@ -130,20 +146,25 @@ class FailureSpec(_Strict):
 
 
 class JobSpec(_Strict):
-    name: str = Field("job", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    """A training job: what every node trains, on which data, over which graph, with which algorithm."""
+
+    name: str = Field("job", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
+                      description="the job's name; commands take it wherever they take a job (the newest of that "
+                      "name)")
     nodes: int = Field(8, ge=1, le=MAX_NODES, description="number of node agents in the job")
     steps: int = Field(1000, ge=1, description="local steps per node")
     eval_every: int = Field(200, ge=1, description="evaluate test accuracy every N steps (and at the end)")
     seed: int = Field(0, ge=0, description="seeds the initial model, the split and the batch orders")
-    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
-    model: ModelSpec = Field(default_factory=ModelSpec)
-    data: DataSpec = Field(default_factory=DataSpec)
-    topology: TopologySpec = Field(default_factory=TopologySpec)
-    wire: WireSpec = Field(default_factory=WireSpec)
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description="the training algorithm")
+    model: ModelSpec = Field(default_factory=ModelSpec, description="the model")
+    data: DataSpec = Field(default_factory=DataSpec, description="the data and its split")
+    topology: TopologySpec = Field(default_factory=TopologySpec, description="the communication graph")
+    wire: WireSpec = Field(default_factory=WireSpec, description="the transport of tensors")
     slowdown: dict[int, float] = Field(
         default_factory=dict, description="rank -> factor >= 1 that stretches each local step (heterogeneity)"
     )
-    failure: FailureSpec = Field(default_factory=FailureSpec)
+    failure: FailureSpec = Field(default_factory=FailureSpec, description="what a failed or lost node does to the "
+                                 "job")
 
     simulation: SimulationSpec = Field(default_factory=SimulationSpec, description="used by the simulator only")
 

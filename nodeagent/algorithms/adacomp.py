@@ -68,11 +68,12 @@ def split_flat(indices: torch.Tensor, values: torch.Tensor, tensor_sizes: list[i
 
 
 class AdaCompOptions(ServerOptions):
-    rate: float = Field(0.01, gt=0, le=1)  # the share of each tensor's entries sent
-    codec: Literal["fp32", "fp16", "int8"] = "fp32"  # how the values travel
-    residual: bool = False  # error feedback: entries not sent are added to the next gradient
-    max_delay: int = Field(0, ge=0)  # the staleness window in pushes (0: 16 per worker, at least 64)
-    pull: Literal["full", "delta"] = "full"  # the model back in full, or the entries changed since the push
+    rate: float = Field(0.01, gt=0, le=1, description="the share of each tensor's entries sent")
+    codec: Literal["fp32", "fp16", "int8"] = Field("fp32", description="how the values travel")
+    residual: bool = Field(False, description="error feedback: entries not sent are added to the next gradient")
+    max_delay: int = Field(0, ge=0, description="the staleness window in pushes; 0: 16 per worker, at least 64")
+    pull: Literal["full", "delta"] = Field(
+        "full", description="the model back in full, or only the entries changed since the worker's last pull")
 
 
 class AdaCompServerHalf(ServerHalf):
@@ -111,6 +112,8 @@ class AdaCompServerHalf(ServerHalf):
 
 
 class AdaComp(PSWorker):
+    """Asynchronous parameter server fed with compressed top-k gradients and a staleness-aware step (AdaComp)."""
+
     name = "adacomp"
     server_half = AdaCompServerHalf
     Options = AdaCompOptions

@@ -32,6 +32,8 @@ from nodeagent.wire.message import Kind, Message, TensorSpec
 
 
 class ADPSGD(Algorithm):
+    """Asynchronous bilateral averaging with active and passive nodes (AD-PSGD, Lian et al., ICML 2018)."""
+
     name = "ad-psgd"
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):

@@ -23,6 +23,8 @@ from nodeagent.wire.message import Kind, Message, TensorSpec
 
 
 class AllReduceSGD(Algorithm):
+    """All-reduce SGD, the baseline: every step averages the gradients of all nodes (torch.distributed, gloo)."""
+
     name = "allreduce"
     family = Family.COLLECTIVE
     modes = ("sync",)

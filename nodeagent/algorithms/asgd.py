@@ -19,5 +19,7 @@ class ASGDServerHalf(ServerHalf):
 
 
 class ASGD(PSWorker):
+    """Asynchronous parameter-server SGD: the server applies each pushed gradient on arrival."""
+
     name = "asgd"
     server_half = ASGDServerHalf

@@ -24,10 +24,12 @@ from nodeagent.ps.worker import PSWorker
 
 
 class DCASGDOptions(ServerOptions):
-    adaptive: bool = False  # lambda_t = lambda0 / sqrt(MS_m + 1e-7) instead of the constant lambda
-    lambda_: float = Field(0.04, ge=0, alias="lambda")
-    lambda0: float = Field(2.0, ge=0)
-    mean_square_decay: float = Field(0.95, ge=0, lt=1)  # the paper's m
+    adaptive: bool = Field(False, description="lambda_t = lambda0 / sqrt(MS_m + 1e-7) instead of the constant "
+                           "lambda")
+    lambda_: float = Field(0.04, ge=0, alias="lambda", description="the constant delay-compensation factor")
+    lambda0: float = Field(2.0, ge=0, description="the adaptive factor's scale")
+    mean_square_decay: float = Field(0.95, ge=0, lt=1, description="the paper's m: decay of the mean square MS_m "
+                                     "of the gradients (adaptive only)")
 
 
 class DCASGDServerHalf(ServerHalf):
@@ -45,6 +47,8 @@ class DCASGDServerHalf(ServerHalf):
 
 
 class DCASGD(PSWorker):
+    """ASGD with delay compensation (DC-ASGD): a stale gradient is corrected towards the current model."""
+
     name = "dc-asgd"
     server_half = DCASGDServerHalf
     Options = DCASGDOptions

@@ -28,6 +28,9 @@ SYNC_ROUNDS_AHEAD = 2
 
 
 class DSGD(Algorithm):
+    """D-PSGD: local SGD steps mixed with the neighbours' parameters, asynchronously on edge phases or in
+    synchronous rounds."""
+
     name = "dsgd"
     modes = ("async", "sync")
 

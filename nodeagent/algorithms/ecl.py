@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from typing import Literal
 
 import torch
+from pydantic import Field
 from torch import nn
 
 from nodeagent.algorithms.base import Algorithm, AlgorithmOptions, Graph, Neighbor, NodeContext, Route, Send, Snapshot
@@ -58,10 +59,15 @@ def optimal_eta(lr: float, degree: int, interval: int) -> float:
 
 
 class ECLOptions(AlgorithmOptions):
-    eta: Literal["released", "optimal"] = "released"  # see released_eta and optimal_eta
+    eta: Literal["released", "optimal"] = Field(
+        "released", description="the dual step eta: released, 1 / (mu (E_i (K - 1) + K)) as in the authors' code; "
+        "optimal, 1 / (mu E_i (K - 1)) as in the paper (needs interval >= 2)")
 
 
 class PDMMISVR(Algorithm):
+    """PDMM-ISVR (edge-consensus learning): asynchronous primal-dual updates; neighbours swap per-edge duals on
+    random edge phases."""
+
     name = "pdmm-isvr"
     Options = ECLOptions
     refuses_momentum = "pdmm-isvr and admm-isvr use the plain gradient g; set momentum to 0"
@@ -149,6 +155,8 @@ class PDMMISVR(Algorithm):
 
 
 class ADMMISVR(PDMMISVR):
+    """ADMM-ISVR: PDMM-ISVR whose dual update averages the received dual with its own (Douglas-Rachford)."""
+
     name = "admm-isvr"
 
     def merge(self, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

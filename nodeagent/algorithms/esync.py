@@ -31,8 +31,9 @@ from nodeagent.wire.message import Kind, Message
 
 
 class ESyncOptions(ServerOptions):
-    epsilon: float = Field(0.5, ge=0)  # seconds: READY when a step of the caller's would end within it
-    global_lr: float = Field(1.0, gt=0)  # w <- w + global_lr * mean(delta_i)
+    epsilon: float = Field(0.5, ge=0, description="seconds: a worker is READY when one more of its steps would "
+                           "end within epsilon of the round's end")
+    global_lr: float = Field(1.0, gt=0, description="the server's step: w <- w + global_lr * mean(delta_i)")
 
 
 class ESyncServerHalf(ServerHalf):
@@ -91,6 +92,9 @@ class ESyncServerHalf(ServerHalf):
 
 
 class ESync(PSWorker):
+    """Synchronous parameter-server rounds sized for heterogeneous workers: the server tells fast workers how many
+    local steps fit (ESync)."""
+
     name = "esync"
     modes = ("sync",)
     server_half = ESyncServerHalf

@@ -65,10 +65,13 @@ LOCAL_SKIP = "in_flight"
 class GossipOptions(AlgorithmOptions):
     """`algorithm.options` of the gossip algorithm."""
 
-    interpolation: Literal["constant", "clock", "loss"] = "constant"
-    factor: float = Field(0.5, ge=0, le=1)  # f of the constant interpolation
-    divergence_threshold: float = Field(0.0, ge=0)  # d: when the loss is below d, f <- f * loss / d; 0: off
-    fetch_probability: float = Field(1.0, ge=0, le=1)  # probability of a fetch before each batch
+    interpolation: Literal["constant", "clock", "loss"] = Field(
+        "constant", description="the peer's weight f: constant (factor), by the clocks (c_peer / (c + c_peer)) or "
+        "by the losses (l / (l + l_peer))")
+    factor: float = Field(0.5, ge=0, le=1, description="f of the constant interpolation")
+    divergence_threshold: float = Field(0.0, ge=0, description="d: when the loss is below d, f <- f * loss / d; "
+                                        "0: off")
+    fetch_probability: float = Field(1.0, ge=0, le=1, description="probability of a fetch before each batch")
 
 
 def _share(part: float, other: float) -> float:
@@ -133,6 +136,8 @@ class _Fetch:
 
 
 class PairwiseGossip(Algorithm):
+    """Pairwise gossip averaging (Dpwa): pull one neighbour's parameters and interpolate towards them."""
+
     name = "gossip"
     Options = GossipOptions
     options: GossipOptions

@@ -50,6 +50,9 @@ from nodeagent.wire.message import Kind, Message, TensorSpec
 
 
 class SGP(Algorithm):
+    """Stochastic Gradient Push: push-sum averaging on directed, time-varying graphs in synchronous rounds (Assran
+    et al., ICML 2019)."""
+
     name = "sgp"
     modes = ("sync",)
 
@@ -220,11 +223,13 @@ class SGP(Algorithm):
 
 
 class OverlapSGPOptions(AlgorithmOptions):
-    # Steps a node may run ahead of a round before it blocks for it, beyond the one overlapped round.
-    synch_freq: int = Field(0, ge=0)
+    synch_freq: int = Field(0, ge=0, description="steps a node may run ahead of a round before it blocks for it, "
+                            "beyond the one overlapped round")
 
 
 class OverlapSGP(SGP):
+    """Overlap SGP: SGP whose rounds overlap the next local steps."""
+
     name = "osgp"
     modes = ("async",)
     Options = OverlapSGPOptions

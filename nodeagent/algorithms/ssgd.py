@@ -22,6 +22,8 @@ class SSGDServerHalf(ServerHalf):
 
 
 class SSGD(PSWorker):
+    """Synchronous parameter-server SGD: the server averages every worker's gradient each step."""
+
     name = "ssgd"
     modes = ("sync",)
     server_half = SSGDServerHalf
