@@ -22,6 +22,7 @@ from functools import cached_property
 from typing import Literal, get_args
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 from nodeagent.jobspec import TopologySpec, cut, shown
 
@@ -322,19 +323,90 @@ def _ecl_random8(spec: TopologySpec, nodes: int) -> Iterable[Edge]:
 
 
 _Builder = Callable[[TopologySpec, int], Iterable[Edge]]
-# kind -> (allowed option names, builder); every kind of KINDS appears here.
-_BUILDERS: dict[str, tuple[frozenset[str], _Builder]] = {
-    "ring": (frozenset(), _ring),
-    "multiplex-ring": (frozenset(), _multiplex_ring),
-    "complete": (frozenset(), _complete),
-    "star": (frozenset(), _star),
-    "torus": (frozenset({"rows", "cols"}), _torus),
-    "random-regular": (frozenset({"degree"}), _random_regular),
-    "random": (frozenset({"degree"}), _random_regular),
-    "edge-list": (frozenset({"edges"}), _edge_list),
-    "ecl-random8": (frozenset(), _ecl_random8),
-    "exponential": (frozenset(), _exponential),
+# kind -> builder; every kind of KINDS appears here.
+_BUILDERS: dict[str, _Builder] = {
+    "ring": _ring,
+    "multiplex-ring": _multiplex_ring,
+    "complete": _complete,
+    "star": _star,
+    "torus": _torus,
+    "random-regular": _random_regular,
+    "random": _random_regular,
+    "edge-list": _edge_list,
+    "ecl-random8": _ecl_random8,
+    "exponential": _exponential,
 }
+
+
+# ----------------------------------------------------------------------------------------------------
+# What each kind means and which options it takes: the job file's schema and reference (coordinator.jobschema)
+# are generated from these, and the builders accept exactly the options named here (they check the values).
+
+
+class KindOptions(BaseModel):
+    """A kind's `topology.options`; a kind without options takes this one."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TorusOptions(KindOptions):
+    rows: int | None = Field(None, ge=1, description="rows of the grid; unset: nodes / cols, or with cols unset too "
+                             "the most square factorisation of nodes")
+    cols: int | None = Field(None, ge=1, description="columns of the grid; unset: nodes / rows")
+
+
+class RandomRegularOptions(KindOptions):
+    degree: int = Field(ge=1, description="every node's degree, in 1..nodes-1, with nodes * degree even")
+
+
+class EdgeListOptions(KindOptions):
+    edges: str = Field(description="the text of an edge file: a line 'a b' (two ranks) per edge, '#' starts a "
+                       "comment; duplicates collapse")
+
+
+class DynamicOptions(KindOptions):
+    peers_per_iteration: int = Field(1, ge=1, description="out-peers of a node at each iteration")
+    weights: WeightKind = Field("uniform", description="mixing weights of the union graph's neighbours (AD-PSGD)")
+
+
+KIND_OPTIONS: dict[str, type[KindOptions]] = {
+    "torus": TorusOptions, "random-regular": RandomRegularOptions, "random": RandomRegularOptions,
+    "edge-list": EdgeListOptions, **{kind: DynamicOptions for kind in DYNAMIC_KINDS},
+}
+KIND_MEANINGS: dict[str, str] = {
+    "ring": "every rank joined to the next, a cycle (degree 2)",
+    "multiplex-ring": "every rank joined to the ranks at distance 1 and 2 (degree 4)",
+    "complete": "every pair of ranks joined",
+    "star": "every rank joined to rank 0",
+    "torus": "a 2-D grid that wraps around (degree 4; a side of 2 wraps onto the same neighbour)",
+    "random-regular": "a random connected graph in which every rank has `degree` neighbours, seeded by "
+    "topology.seed",
+    "random": "the same as random-regular",
+    "edge-list": "the edges given, from an edge file",
+    "ecl-random8": "the fixed 8-node random graph of the ECL-ISVR experiments (nodes must be 8)",
+    "exponential": "every rank joined to the ranks at distances 1, 2, 4, ... below nodes",
+    "dynamic-exponential": "time-varying, directed (SGP): at iteration t a rank sends to one of +1, -1, +2, -2, "
+    "+4, ... in turn",
+    "npeer-exponential": "time-varying, directed (SGP): the n-peer forward exponential graph, each iteration one "
+    "scale (k+1)^i with k = peers_per_iteration",
+    "bipartite-exponential": "time-varying, bipartite (AD-PSGD): odd ranks initiate, even ranks answer, at odd "
+    "distances 1, 3, 5, 9, 17, ... in turn (nodes must be even)",
+    "bipartite-linear": "time-varying, bipartite (AD-PSGD): as bipartite-exponential over every odd distance",
+}
+
+
+def kind_options(kind: str) -> type[KindOptions]:
+    """The options model of a kind of KINDS or DYNAMIC_KINDS."""
+    return KIND_OPTIONS.get(kind, KindOptions)
+
+
+def _check_option_names(spec: TopologySpec) -> None:
+    """Refuse an option the kind does not take, naming those it does."""
+    allowed = sorted(kind_options(spec.kind).model_fields)
+    unknown = sorted(set(spec.options) - set(allowed))
+    if unknown:
+        raise ValueError(f"topology {spec.kind!r}: unknown option(s) {cut(', '.join(unknown))}; allowed: "
+                         f"{', '.join(allowed) or 'none'}")
 
 
 def build_topology(spec: TopologySpec, nodes: int) -> Topology:
@@ -356,14 +428,8 @@ def build_topology(spec: TopologySpec, nodes: int) -> Topology:
         return _union_of_period(spec, nodes)
     if spec.kind not in _BUILDERS:
         raise ValueError(f"unknown topology kind {spec.kind!r}; known kinds: {', '.join(KINDS + DYNAMIC_KINDS)}")
-    allowed, builder = _BUILDERS[spec.kind]
-    unknown = sorted(set(spec.options) - allowed)
-    if unknown:
-        raise ValueError(
-            f"topology {spec.kind!r}: unknown option(s) {cut(', '.join(unknown))}; "
-            f"allowed: {', '.join(sorted(allowed)) or 'none'}"
-        )
-    return Topology(nodes, _normalise(builder(spec, nodes)))
+    _check_option_names(spec)
+    return Topology(nodes, _normalise(_BUILDERS[spec.kind](spec, nodes)))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -582,11 +648,7 @@ def directed_mixing_matrix(nodes: int, out_peers_per_node: Sequence[Sequence[int
 
 
 def _peers_per_iteration(spec: TopologySpec) -> int:
-    unknown = sorted(set(spec.options) - {"peers_per_iteration", "weights"})
-    if unknown:
-        raise ValueError(
-            f"topology {spec.kind!r}: unknown option(s) {', '.join(unknown)}; allowed: peers_per_iteration, weights"
-        )
+    _check_option_names(spec)
     return _int_option(spec, "peers_per_iteration") if "peers_per_iteration" in spec.options else 1
 
 

@@ -12,8 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["SPLITS", "ShardStats", "describe_split", "format_split_table", "split_indices"]
+__all__ = [
+    "SPLITS", "SPLIT_MEANINGS", "SPLIT_OPTIONS", "ShardStats", "SplitOptions", "describe_split", "format_split_table",
+    "split_indices",
+]
 
 NUM_CLASSES = 10
 
@@ -32,7 +36,7 @@ def _by_class(labels: np.ndarray, nodes: int, rng: np.random.Generator) -> list[
 
 
 def _class_window(
-    labels: np.ndarray, nodes: int, rng: np.random.Generator, classes_per_node: int = 8, shift: int = 4
+    labels: np.ndarray, nodes: int, rng: np.random.Generator, classes_per_node: int, shift: int
 ) -> list[np.ndarray]:
     if not (isinstance(classes_per_node, int) and 1 <= classes_per_node <= NUM_CLASSES):
         raise ValueError(f"class-window: classes_per_node must be an integer in 1..10, got {classes_per_node!r}")
@@ -56,7 +60,7 @@ def _class_window(
     return [np.concatenate(pieces) for pieces in parts]
 
 
-def _dirichlet(labels: np.ndarray, nodes: int, rng: np.random.Generator, alpha: float = 0.5) -> list[np.ndarray]:
+def _dirichlet(labels: np.ndarray, nodes: int, rng: np.random.Generator, alpha: float) -> list[np.ndarray]:
     if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha > 0:
         raise ValueError(f"dirichlet: alpha must be a number > 0, got {alpha!r}")
     parts: list[list[int]] = [[] for _ in range(nodes)]
@@ -83,11 +87,36 @@ SPLITS: dict[str, Callable[..., list[np.ndarray]]] = {
     "dirichlet": _dirichlet,
 }
 
-_OPTIONS: dict[str, tuple[str, ...]] = {
-    "iid": (),
-    "class-window": ("classes_per_node", "shift"),
-    "by-class": (),
-    "dirichlet": ("alpha",),
+
+
+class SplitOptions(BaseModel):
+    """A split's `data.split_options` with their defaults; a split without options takes this one. The split
+    functions check the values; the job file's schema and reference (coordinator.jobschema) are generated from
+    these."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ClassWindowOptions(SplitOptions):
+    classes_per_node: int = Field(8, ge=1, le=NUM_CLASSES, description="classes each node holds")
+    shift: int = Field(4, description="how far the window of classes moves from one node to the next")
+
+
+class DirichletOptions(SplitOptions):
+    alpha: float = Field(0.5, gt=0, description="concentration: small values give each node few classes, large "
+                         "values approach iid")
+
+
+SPLIT_OPTIONS: dict[str, type[SplitOptions]] = {
+    "iid": SplitOptions, "class-window": ClassWindowOptions, "by-class": SplitOptions, "dirichlet": DirichletOptions,
+}
+SPLIT_MEANINGS: dict[str, str] = {
+    "iid": "shuffled, equal shares",
+    "class-window": "ECL-ISVR's heterogeneous split: node n holds classes_per_node classes, a window moved by "
+    "shift classes per node, each class shared unevenly among the nodes holding it",
+    "by-class": "sorted by label and cut into contiguous equal chunks (ignores the seed)",
+    "dirichlet": "per class, shares drawn from a Dirichlet(alpha) distribution; every node gets at least one "
+    "sample",
 }
 
 
@@ -103,11 +132,13 @@ def split_indices(
     """
     if kind not in SPLITS:
         raise ValueError(f"unknown split {kind!r}; known: {', '.join(SPLITS)}")
+    fields = SPLIT_OPTIONS[kind].model_fields
     options = dict(options or {})
-    unknown = sorted(set(options) - set(_OPTIONS[kind]))
+    unknown = sorted(set(options) - set(fields))
     if unknown:
-        accepted = ", ".join(_OPTIONS[kind]) or "none"
+        accepted = ", ".join(fields) or "none"
         raise ValueError(f"{kind}: unknown option(s) {', '.join(unknown)}; accepted: {accepted}")
+    options = {name: field.default for name, field in fields.items()} | options
     labels = np.asarray(labels)
     if labels.ndim != 1:
         raise ValueError(f"labels must be one-dimensional, got shape {labels.shape}")
