@@ -220,7 +220,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--runs", type=Path, default=Path("runs"), help="parent of the demo's run directory")
     demo.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
+    _add_job_file_commands(commands)
     return parser
+
+
+def _add_job_file_commands(commands: argparse._SubParsersAction) -> None:
+    """schema, init, validate: the job file described and checked, without a coordinator."""
+    schema = commands.add_parser(
+        "schema", help="print the JSON Schema of a job file (or, with --markdown, the reference docs/jobs.md)",
+        description="The JSON Schema (draft 2020-12) of a job file, every algorithm's, topology kind's and split's "
+        "options included, for editors that complete and check YAML. With --markdown, the job file reference "
+        "(the repository's docs/jobs.md is what it prints).",
+    )
+    schema.add_argument("--markdown", action="store_true", help="the reference in Markdown instead of the schema")
+
+    init = commands.add_parser(
+        "init", help="write a commented job file: every field at its default, the algorithm's options",
+        description="Write a job file for ALGORITHM with every field at its default, each under a comment giving its "
+        "meaning, and the algorithm's own options at their defaults. It validates as it is.",
+    )
+    init.add_argument("algorithm", nargs="?", default="dsgd", metavar="ALGORITHM",
+                      help="the algorithm, as `algorithm.name` in a job file (default %(default)s; "
+                      "`coordinator schema --markdown` lists them)")
+    init.add_argument("--out", type=Path, default=Path("job.yaml"), help="the file to write (default %(default)s)")
+    init.add_argument("--force", action="store_true", help="overwrite the file if it exists")
+
+    validate = commands.add_parser(
+        "validate", help="check job files as the coordinator would, without submitting them",
+        description="Check each job file as `submit` does before it sends it (schema, algorithm, options, topology, "
+        "model); exit 1 at the first that is refused, naming the field.",
+    )
+    validate.add_argument("job_files", type=Path, nargs="+", metavar="JOB.yaml")
 
 
 def _client_settings(args: argparse.Namespace) -> tuple[str, Path | None]:
@@ -541,6 +571,40 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_schema(args: argparse.Namespace) -> int:
+    from coordinator.jobschema import markdown_reference, schema_json
+
+    sys.stdout.write(markdown_reference() if args.markdown else schema_json())
+    return 0
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    from coordinator.jobschema import commented_job
+
+    try:
+        text = commented_job(args.algorithm)
+    except ValueError as error:
+        raise SystemExit(f"coordinator: {error}") from None
+    try:
+        with args.out.open("w" if args.force else "x", encoding="utf-8") as file:
+            file.write(text)
+    except FileExistsError:
+        raise SystemExit(f"coordinator: {args.out} exists; give --force to overwrite it") from None
+    except OSError as error:
+        raise SystemExit(f"coordinator: cannot write {args.out}: {error.strerror}") from None
+    print(f"wrote {args.out} (algorithm {args.algorithm}); `coordinator validate {args.out}` checks it after your "
+          "changes")
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    for path in args.job_files:
+        spec = _load_job(path).spec
+        print(f"{path}: valid: {spec.name}, {spec.nodes} nodes, {spec.algorithm.name} on {spec.topology.kind}, "
+              f"{spec.steps} steps")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from coordinator.demo import run_demo
 
@@ -553,6 +617,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve": cmd_serve, "ca": cmd_ca, "token": cmd_token, "cert": cmd_cert,
         "submit": cmd_submit, "jobs": cmd_jobs, "nodes": cmd_nodes, "status": cmd_status, "stop": cmd_stop,
         "simulate": cmd_simulate, "inspect": cmd_inspect, "demo": cmd_demo,
+        "schema": cmd_schema, "init": cmd_init, "validate": cmd_validate,
     }
     try:
         exit_code = handlers[args.command](args)
