@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds without a heartbeat after which a node is marked down (default %(default)s)",
     )
     serve.add_argument("--ready-file", type=Path, help="write the bound addresses here as JSON once serving")
-    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                       help="the least severe messages logged (default %(default)s)")
 
     ca = commands.add_parser("ca", help="create or show the cluster CA (on the coordinator's machine)")
     ca.add_argument("action", choices=["init", "show"],
@@ -148,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Without an action: every registered agent, up or down, draining or not, and its job. "
         "`remove NODE` forgets a node that runs no job; `drain NODE` places no new job on it (`--undo`: again).",
     )
-    nodes.add_argument("action", nargs="?", choices=["list", "remove", "drain"], default="list")
+    nodes.add_argument("action", nargs="?", choices=["list", "remove", "drain"], default="list",
+                       help="what to do (default %(default)s)")
     nodes.add_argument("node_id", nargs="?", metavar="NODE", help="the node of remove or drain")
     nodes.add_argument("--undo", action="store_true", help="with drain: take the node back into service")
     _add_coordinator_option(nodes)
@@ -166,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
         "status", help="a job's state, times and reason, and per node its state, step, rate, loss, accuracy and "
         "traffic (default: the newest job)")
     status.add_argument("job_id", nargs="?", default="", metavar="JOB",
-                        help="a job's id, a unique prefix of it, or its name (the newest of that name)")
+                        help="a job's id, a unique prefix of it, or its name (the newest of that name); default: the "
+                        "newest job")
     _add_coordinator_option(status)
 
     stop = commands.add_parser("stop", help="stop a job")
@@ -182,9 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
         "faults, partitions). Writes the same metrics log as a real run.",
     )
     simulate.add_argument("job_file", type=Path, metavar="JOB.yaml")
-    simulate.add_argument("--runs", type=Path, default=Path("runs"), help="parent of the run directory")
+    simulate.add_argument("--runs", type=Path, default=Path("runs"),
+                          help="parent of the run directory (default %(default)s)")
     simulate.add_argument("--data-dir", default=os.environ.get("PEERTRAIN_DATA_DIR"),
-                          help="directory of the IDX files, overriding the job's")
+                          help="directory of the IDX files, overriding the job's (env PEERTRAIN_DATA_DIR; default: "
+                          "the job's data.data_dir)")
     simulate.add_argument(
         "--allow-import", action="append", default=[], metavar="PACKAGE.MODULE",
         help="a module the job may name its model factory from ('PACKAGE.MODULE:factory'), as `nodeagent serve "
@@ -196,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("job_file", type=Path, metavar="JOB.yaml")
     inspect.add_argument("--data-dir", default=os.environ.get("PEERTRAIN_DATA_DIR"),
-                         help="directory of the IDX files, overriding the job's")
+                         help="directory of the IDX files, overriding the job's (env PEERTRAIN_DATA_DIR; default: "
+                         "the job's data.data_dir)")
 
     demo = commands.add_parser(
         "demo",
@@ -216,10 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--l2", type=float, default=0.01, help="L2 term (default %(default)s)")
     demo.add_argument(
         "--data-dir", default=os.environ.get("PEERTRAIN_DATA_DIR", DEFAULT_DATA_DIR),
-        help="directory of the Fashion-MNIST IDX files (default %(default)s)",
+        help="directory of the Fashion-MNIST IDX files (env PEERTRAIN_DATA_DIR; default %(default)s)",
     )
-    demo.add_argument("--runs", type=Path, default=Path("runs"), help="parent of the demo's run directory")
-    demo.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
+    demo.add_argument("--runs", type=Path, default=Path("runs"),
+                      help="parent of the demo's run directory (default %(default)s)")
+    demo.add_argument("--timeout", type=float, default=600.0,
+                      help="give up after this many seconds (default %(default)s)")
     _add_job_file_commands(commands)
     return parser
 

@@ -61,8 +61,8 @@ fields are refused, and an error names the field that is wrong.
   comment, and the algorithm's own options;
 - `coordinator validate JOB.yaml` checks a job file as the coordinator would (schema, algorithm, options, topology)
   without submitting it; `coordinator inspect JOB.yaml` also shows its graph and each node's data shard;
-- `coordinator schema` prints the JSON Schema of a job file, for editors that complete and check YAML against a
-  schema (with VS Code's YAML extension: `# yaml-language-server: $schema=job.schema.json` as the first line).
+- `coordinator schema > job.schema.json` writes the JSON Schema of a job file, for editors that complete and check
+  YAML against a schema (VS Code's YAML extension reads a first line `# yaml-language-server: $schema=job.schema.json`).
 
 Examples: [deploy/jobs/demo.yaml](../deploy/jobs/demo.yaml) (DSGD on a ring, the container demo) and
 [deploy/jobs/ecl-multiplex-ring.yaml](../deploy/jobs/ecl-multiplex-ring.yaml) (the ECL-ISVR comparison of
@@ -186,7 +186,8 @@ def markdown_reference() -> str:
         for branch in defs[section]["allOf"]:
             name = branch["if"]["properties"][field]["const"]
             then = branch["then"]
-            lines += [f"### `{name}`", "", then["description"], ""]
+            meaning = then["description"]
+            lines += [f"### `{name}`", "", meaning[:1].upper() + meaning[1:].removesuffix(".") + ".", ""]
             if "mode" in then["properties"]:
                 modes = [mode for mode in then["properties"]["mode"]["enum"] if mode is not None]
                 lines += [f"Modes: {', '.join(f'`{mode}`' for mode in modes)} (default `{modes[0]}`).", ""]
@@ -254,7 +255,9 @@ def _type_text(prop: Schema, section: str = "", name: str = "") -> str:
 def _default_text(prop: Schema, required: bool) -> str:
     if "default" in prop:
         return f"`{_yaml_value(prop['default'])}`"
-    return "required" if required else "see below"
+    if "$ref" in prop:
+        return "see below"
+    return "required" if required else "-"
 
 
 def _escape(text: str) -> str:

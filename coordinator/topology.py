@@ -366,7 +366,8 @@ class EdgeListOptions(KindOptions):
 
 class DynamicOptions(KindOptions):
     peers_per_iteration: int = Field(1, ge=1, description="out-peers of a node at each iteration")
-    weights: WeightKind = Field("uniform", description="mixing weights of the union graph's neighbours (AD-PSGD)")
+    weights: WeightKind = Field("uniform", description="mixing weights of the neighbours in the union of one "
+                                "period's graphs, for algorithms that mix with fixed weights (dsgd)")
 
 
 KIND_OPTIONS: dict[str, type[KindOptions]] = {

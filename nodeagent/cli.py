@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--coordinator", default=os.environ.get("PEERTRAIN_COORDINATOR", "127.0.0.1:7070"),
         help="coordinator address HOST:PORT (env PEERTRAIN_COORDINATOR; default %(default)s)",
     )
-    serve.add_argument("--listen", default="0.0.0.0:7100", help="peer service address HOST:PORT; port 0 picks one")
+    serve.add_argument("--listen", default="0.0.0.0:7100",
+                       help="peer service address HOST:PORT; port 0 picks one (default %(default)s)")
     serve.add_argument(
         "--lane-port", type=int, default=0,
         help="TCP port of the tensor lanes that carry exchange payloads beside gRPC (default 0: any free port)",
@@ -54,17 +55,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--data-dir", default=os.environ.get("PEERTRAIN_DATA_DIR"),
-        help="directory of the IDX files on this machine, overriding the job's (env PEERTRAIN_DATA_DIR)",
+        help="directory of the IDX files on this machine, overriding the job's (env PEERTRAIN_DATA_DIR; default: "
+        "the job's data.data_dir)",
     )
-    serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="training device")
-    serve.add_argument("--name", default=socket.gethostname(), help="human name shown by `coordinator nodes`")
+    serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                       help="training device; auto: cuda where there is one, else cpu (default %(default)s)")
+    serve.add_argument("--name", default=socket.gethostname(),
+                       help="human name shown by `coordinator nodes` (default: this machine's hostname)")
     serve.add_argument(
         "--slowdown", type=float, default=1.0,
-        help="stretch each local step by this factor (>= 1) to emulate a slower device",
+        help="stretch each local step by this factor (>= 1) to emulate a slower device (default %(default)s)",
     )
     serve.add_argument(
         "--torch-threads", type=int, default=0,
-        help="intra-op threads of torch (0: torch's default); use 1 when several agents share a machine",
+        help="intra-op threads of torch, 0: torch's own choice; use 1 when several agents share a machine "
+        "(default %(default)s)",
     )
     serve.add_argument(
         "--tls-dir", type=Path,
@@ -74,11 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--join-token", default=os.environ.get("PEERTRAIN_JOIN_TOKEN", ""),
         help="enroll with this one-time token when TLS_DIR holds no certificate (env PEERTRAIN_JOIN_TOKEN; "
-        "`coordinator token create` makes one)",
+        "`coordinator token create` makes one; default: none)",
     )
     serve.add_argument(
         "--ca-fingerprint", default=os.environ.get("PEERTRAIN_CA_FINGERPRINT", ""),
-        help="SHA-256 of the cluster CA, checked before enrolling (env PEERTRAIN_CA_FINGERPRINT)",
+        help="SHA-256 of the cluster CA, checked before enrolling (env PEERTRAIN_CA_FINGERPRINT; default: none)",
     )
     serve.add_argument(
         "--enroll-address",
@@ -94,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="a module that jobs may name their model factory from ('PACKAGE.MODULE:factory'); repeat for several. "
         "Exactly that module: its package's other modules stay refused. Without it no job imports code here",
     )
-    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                       help="the least severe messages logged (default %(default)s)")
     return parser
 
 

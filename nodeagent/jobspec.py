@@ -38,7 +38,7 @@ class _Strict(BaseModel):
 class AlgorithmSpec(_Strict):
     """Which algorithm every node runs, and its hyper-parameters."""
 
-    name: str = Field("dsgd", max_length=64, description="algorithm name in the registry (nodeagent.algorithms)")
+    name: str = Field("dsgd", max_length=64, description="the algorithm every node runs (see nodeagent.algorithms)")
     mode: Mode | None = Field(
         None, description="async (exchanges on the edge-phase schedule) or sync (every step); unset: the algorithm's "
         "own (dsgd: async)")
