@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pydantic import ValidationError
+
 from coordinator.topology import Topology, build_topology, node_plan, peer_schedule
 from nodeagent.algorithms import Family, Neighbor, lookup
-from nodeagent.jobspec import JobSpec, JobSpecError
+from nodeagent.jobspec import JobSpec, JobSpecError, format_validation_error
 from nodeagent.training.data import DATASETS
 from nodeagent.training.models import MODELS, check_model, is_import_path
-from nodeagent.training.splits import SPLITS
+from nodeagent.training.splits import SPLIT_OPTIONS, SPLITS
 
 
 def validate_job(spec: JobSpec) -> Topology:
@@ -22,6 +24,11 @@ def validate_job(spec: JobSpec) -> Topology:
     algorithm = lookup(spec.algorithm.name)
     if spec.data.split not in SPLITS:
         raise JobSpecError(f"data.split: unknown split {spec.data.split!r}; known: {sorted(SPLITS)}")
+    try:  # here, not first at the agents that split the data
+        SPLIT_OPTIONS[spec.data.split].model_validate(spec.data.split_options)
+    except ValidationError as error:
+        unknown = f"unknown option of the {spec.data.split} split"
+        raise JobSpecError(format_validation_error(error, "data.split_options", unknown)) from None
     info = DATASETS[spec.data.dataset]
     try:
         check_model(spec.model, info.input_shape, info.num_classes)

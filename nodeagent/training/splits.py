@@ -90,11 +90,11 @@ SPLITS: dict[str, Callable[..., list[np.ndarray]]] = {
 
 
 class SplitOptions(BaseModel):
-    """A split's `data.split_options` with their defaults; a split without options takes this one. The split
-    functions check the values; the job file's schema and reference (coordinator.jobschema) are generated from
-    these."""
+    """A split's `data.split_options` with their defaults; a split without options takes this one. The
+    coordinator checks a job's options with it (coordinator.jobs.validate_job), and the job file's schema and
+    reference (coordinator.jobschema) are generated from these; the split functions check the values too."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class ClassWindowOptions(SplitOptions):
