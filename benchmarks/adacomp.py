@@ -1,4 +1,4 @@
-"""AdaComp against ASGD (TARGETS.md, "AdaComp"): worker-to-server bytes for the same number of applied updates,
+"""AdaComp against ASGD (docs/results.md): worker-to-server bytes for the same number of applied updates,
 and the test accuracy of the server's model, on Fashion-MNIST with the cnn model.
 
 Every run is the simulator (coordinator simulate: the same worker and server halves as real agents and the

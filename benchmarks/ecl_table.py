@@ -1,4 +1,4 @@
-"""The ECL-ISVR table (TARGETS.md): 8 nodes, class-window split of Fashion-MNIST (8 of 10 classes per node),
+"""The ECL-ISVR table (docs/results.md): 8 nodes, class-window split of Fashion-MNIST (8 of 10 classes per node),
 K = 8, random edge phases, logistic model, batch 100, l2 0.01. Mean test accuracy over the nodes for PDMM-ISVR,
 ADMM-ISVR and DSGD beside the single-node reference trained on all data for the same number of steps, on the
 multiplex ring and on the ECL 8-node random graph, in the simulator; then a shorter run of the same on real

@@ -1,4 +1,5 @@
-"""ESync against SSGD, ASGD and DC-ASGD on heterogeneous workers (TARGETS.md, "ESync").
+"""ESync against SSGD, ASGD and DC-ASGD on heterogeneous workers (docs/results.md, "ESync against SSGD, ASGD and
+DC-ASGD").
 
 Simulator (coordinator simulate: the worker and server halves that real agents and the coordinator run): 6 workers
 of relative speeds 100, 100, 100, 100, 1, 1 on an iid split of Fashion-MNIST, mlp model, batch 64, the same step

@@ -6,7 +6,7 @@ builds its own copy), and plan_node for every rank. The jobs are the largest of 
 (nodeagent.jobspec.MAX_NODES, coordinator.topology.MAX_EDGES and MAX_PERIOD_SENDS), and jobs beyond them, which
 must be refused at once. Wall and CPU seconds are the best of --repeats runs (CPU time shows the work when other
 processes share the machine); peak memory is traced in a separate run.
-Target (TARGETS.md): planning a 4096-node job at the coordinator in under 2 s, memory bounded.
+Target: planning a 4096-node job at the coordinator in under 2 s, memory bounded.
 
     .venv/bin/python benchmarks/planning.py [--repeats 3]
 """

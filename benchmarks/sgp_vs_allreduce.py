@@ -1,4 +1,4 @@
-"""SGP against AllReduce SGD (TARGETS.md): 32 simulated nodes on a 1 Gbit/s network model, iid Fashion-MNIST,
+"""SGP against AllReduce SGD (docs/results.md): 32 simulated nodes on a 1 Gbit/s network model, iid Fashion-MNIST,
 the cnn model. Prints the virtual time per epoch and the final test accuracy of SGP and Overlap SGP on the
 dynamic directed exponential graph, and of AllReduce SGD (exact averaging at the cost of a ring all-reduce:
 2 (n - 1) / n of the model through each link and 2 (n - 1) latencies per step).

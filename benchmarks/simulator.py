@@ -3,7 +3,7 @@
 The bare step is what one node would do alone: fetch a minibatch, forward, backward, SGD update (torch.optim).
 The simulated step is the whole simulator's work per node step: the algorithm (DSGD, asynchronous, on a
 multiplex ring), its messages, the event queue, the network model and the evaluations at the start and the end.
-Target (TARGETS.md): at least 0.5x the bare rate (overhead at most 2x).
+Target: at least 0.5x the bare rate (overhead at most 2x).
 
     .venv/bin/python benchmarks/simulator.py [--nodes 256] [--steps 40]
 """

@@ -5,7 +5,7 @@ exchanges in a training step.
                                         [--step-model cnn] [--steps 96] [--skip-steps]
                                         [--link-gbit 10]
 
-Measures, in one run (TARGETS.md, "System performance"):
+Measures, in one run (the targets and the figures: docs/results.md, "Wire"):
 1. transfers, for each tensor size (1 MB, 44 MB, 400 MB of fp32 by default): four processes live side by side,
    and the measurements take turns, repeat by repeat, so that whatever else the machine does weighs on all
    of them alike:
@@ -475,7 +475,7 @@ def step_agent(conn: Connection, rank: int, ports: list[int], config: Config) ->
 
     torch.set_num_threads(1)
     name = config.step_algorithm
-    if name == "auto":  # ECL-ISVR (TARGETS.md) where it is registered, else DSGD
+    if name == "auto":  # ECL-ISVR where it is registered, else DSGD
         name = "pdmm-isvr" if "pdmm-isvr" in REGISTRY else "dsgd"
     if name not in REGISTRY:
         raise ValueError(f"unknown algorithm {name!r}; known: {sorted(REGISTRY)}")
@@ -690,7 +690,7 @@ def report_link(config: Config, link: dict[tuple[str, str], list[float]] | str) 
     for encoding in ("fp16", "bf16"):
         speedup = raw / median(link[("push", encoding)])
         verdict = "target met" if speedup >= 1.8 else "below target"
-        print(f"  {encoding} / raw in parameters per second = {speedup:.2f} -> {verdict} (TARGETS.md: >= 1.8)")
+        print(f"  {encoding} / raw in parameters per second = {speedup:.2f} -> {verdict} (target: >= 1.8)")
 
 
 def tls_verdict(seconds: dict[tuple[str, str], list[float]], where: str, goal: bool = True) -> str:
@@ -753,14 +753,14 @@ def main(argv: list[str] | None = None) -> int:
         raw = median(result.seconds[("push", "raw")])
         ratio = median(result.seconds[("gloo", "raw")]) / raw
         goal = result.nbytes == 44_000_000
-        verdict = ("target met" if ratio >= 1.0 else "below target") + " (TARGETS.md: >= 1.0)" if goal else ""
+        verdict = ("target met" if ratio >= 1.0 else "below target") + " (target: >= 1.0)" if goal else ""
         print(f"{label}: peer Push raw / gloo = {ratio:.2f} on medians {'-> ' + verdict if goal else ''}".rstrip())
         print(f"{label}: {tls_verdict(result.seconds, 'loopback', goal)}")
         for encoding in ("fp16", "bf16"):
             speedup = raw / median(result.seconds[("push", encoding)])
             verdict = "target met" if speedup >= 1.8 else "below target"
             print(f"{label}: {encoding} / raw in parameters per second = {speedup:.2f} -> {verdict} "
-                  "(TARGETS.md: >= 1.8)")
+                  "(target: >= 1.8)")
         cpu = {encoding: median(result.cpu_seconds[("push", encoding)]) for encoding in ENCODINGS}
         cores = os.cpu_count() or 1
         # Sender and receiver share the machine's cores: a transfer takes at least its CPU time over their count.
@@ -772,7 +772,7 @@ def main(argv: list[str] | None = None) -> int:
         multiple = extra / result.nbytes
         scope = "in a raw Push" if result.per_transfer else "over all transfers (no per-transfer reset here)"
         big = result.nbytes >= 44_000_000
-        verdict = ("target met" if multiple <= 2.0 else "above target") + " (TARGETS.md: <= 2x)"
+        verdict = ("target met" if multiple <= 2.0 else "above target") + " (target: <= 2x)"
         print(
             f"{label}: receiver peak extra memory {scope} = {extra / 1e6:.1f} MB = {multiple:.2f}x the tensor"
             + (f" -> {verdict}" if big else " (fixed costs of the process dominate a small tensor)")
@@ -790,7 +790,7 @@ def main(argv: list[str] | None = None) -> int:
         verdict = "target met" if overhead <= 0.10 else "above target"
         print(f"step without exchanges: {alone * 1e3:.1f} ms; with exchanges: {together * 1e3:.1f} ms (medians of "
               f"{len(alone_blocks)} blocks of 16 steps each, taking turns; {exchanges} exchanges, {failures} failed)")
-        print(f"exchange overhead of a training step = {overhead * 100:+.1f}% -> {verdict} (TARGETS.md: <= 10%)")
+        print(f"exchange overhead of a training step = {overhead * 100:+.1f}% -> {verdict} (target: <= 10%)")
     print(f"(took {time.monotonic() - began:.1f} s)")
     return 0
 

@@ -9,7 +9,7 @@ and the CLI build the same graph for the same job:
 - Time-varying graphs for SGP and AD-PSGD (`DYNAMIC_KINDS`): circulant graphs whose offsets rotate, one
   group per iteration (`offsets`, `out_peers`, `in_peers`, `is_passive`).
 
-Conventions follow docs ALGORITHMS.md "Notation" and "Topologies and mixing". Mixing matrices act as
+Ranks are 0..nodes-1 and an edge (a, b) has a < b. Mixing matrices act as
 x_new = W @ x, so W[i, j] is the weight node i gives to node j's value.
 """
 

@@ -1,4 +1,4 @@
-"""AdaComp (ALGORITHMS.md, "AdaComp"): compressed asynchronous parameter server.
+"""AdaComp (Chen et al., AAAI 2018): compressed asynchronous parameter server.
 
 Worker: per step, the gradient of one minibatch; per tensor only the k = max(1, floor(n * rate)) entries of
 largest magnitude travel, as one uint8 tensor "payload" in the compact encoding of nodeagent.wire.sparse (varint

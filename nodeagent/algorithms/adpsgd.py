@@ -1,4 +1,4 @@
-"""AD-PSGD: asynchronous bilateral gossip (ALGORITHMS.md, "AD-PSGD"; Lian et al., ICML 2018).
+"""AD-PSGD: asynchronous bilateral gossip (Lian et al., ICML 2018).
 
 Training never waits for gossip. Each step is plain SGD (optional momentum) on the node's model. Active nodes
 (odd ranks) initiate exchanges; passive nodes (even ranks) only answer, so two nodes never start an exchange

@@ -1,4 +1,4 @@
-"""AllReduce SGD, the baseline (ALGORITHMS.md, "AllReduce SGD"; also called parallel SGD).
+"""AllReduce SGD, the baseline (also called parallel SGD).
 
 Every step averages the gradients of all nodes: step t computes g_i (with the L2 term) at w, hands it to the
 runtime's all-reduce (Route.ALLREDUCE, Kind.GRADIENT, clock t), and waits (`ready()` is False) until the mean

@@ -1,4 +1,4 @@
-"""ASGD (ALGORITHMS.md, "ASGD"): the server applies each pushed gradient on arrival, w <- w - lr * g; the worker
+"""ASGD: the server applies each pushed gradient on arrival, w <- w - lr * g; the worker
 pulls the new w before its next step.
 
 Worker: `PSWorker`. Server: nodeagent.ps.ASGDServer; a push is answered at once, whatever its staleness.

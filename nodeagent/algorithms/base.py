@@ -21,7 +21,7 @@ Each algorithm also declares, without a model, what it needs and accepts: its `f
 constructor would refuse, naming the field. The registry (nodeagent.algorithms) is the only list of them.
 
 The node's trainable parameters live in one flat vector `w` that the model's parameters are views of, so the
-mathematics of ALGORITHMS.md (w_i, g_i) is plain vector arithmetic and messages are zero-copy views.
+mathematics of the papers (w_i, g_i) is plain vector arithmetic and messages are zero-copy views.
 """
 
 from __future__ import annotations

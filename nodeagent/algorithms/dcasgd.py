@@ -1,4 +1,4 @@
-"""DC-ASGD (ALGORITHMS.md, "DC-ASGD"): ASGD with delay compensation,
+"""DC-ASGD (Zheng et al., ICML 2017): ASGD with delay compensation,
 w <- w - lr * (g_m + lambda * g_m * g_m * (w - w_bak(m))), with one backup w_bak(m) per worker: the model it
 last pulled.
 

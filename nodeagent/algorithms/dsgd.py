@@ -1,4 +1,4 @@
-"""DSGD (D-PSGD): local SGD steps mixed with the neighbours' parameters (ALGORITHMS.md, "DSGD").
+"""DSGD (D-PSGD): local SGD steps mixed with the neighbours' parameters (Lian et al., NeurIPS 2017).
 
 Asynchronous mode: an edge is exchanged (a symmetric swap of parameters) when the step counter meets the
 edge's phase, and every step mixes with the last copy received from each neighbour, however stale. Before a

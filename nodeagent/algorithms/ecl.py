@@ -1,5 +1,4 @@
-"""PDMM-ISVR and ADMM-ISVR: edge-consensus learning with implicit variance reduction (ALGORITHMS.md,
-"PDMM-ISVR and ADMM-ISVR").
+"""PDMM-ISVR and ADMM-ISVR: edge-consensus learning with implicit variance reduction (Niwa et al., KDD 2020).
 
 Per edge (i, j) the node keeps the sign A_ij (+1 at the lower rank, so A_ij = -A_ji) and the received dual z_ij
 (starts at 0). Each local step is one primal update

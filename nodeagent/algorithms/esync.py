@@ -1,4 +1,4 @@
-"""ESync (ALGORITHMS.md, "ESync"): synchronous rounds sized for heterogeneous workers.
+"""ESync: synchronous rounds sized for heterogeneous workers.
 
 Worker: each round starts from the global model; the worker runs local SGD steps (lr is the local lr; momentum
 and Nesterov apply to the local steps), reports the first one (a `StepReport`; the node driver stamps the step's

@@ -1,4 +1,4 @@
-"""Pairwise gossip averaging, the Dpwa family (ALGORITHMS.md, "Pairwise gossip averaging").
+"""Pairwise gossip averaging, the Dpwa family.
 
 Pull only: a node fetches the latest published parameters of one neighbour and interpolates towards them,
 w <- f * w_peer + (1 - f) * w; the peer is not changed by it. The peer is chosen by score (flow control):
@@ -47,7 +47,7 @@ from torch import nn
 from nodeagent.algorithms.base import Algorithm, AlgorithmOptions, NodeContext, Route, Send, Snapshot
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
-# Flow control of ALGORITHMS.md: the score range, the start, the random term and the rewards.
+# Flow control: the score range, the start, the random term and the rewards.
 SCORE_MIN = 10
 SCORE_MAX = 1000
 SCORE_START = 1000

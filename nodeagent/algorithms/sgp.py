@@ -1,5 +1,4 @@
-"""Stochastic Gradient Push (SGP) and Overlap SGP (ALGORITHMS.md, "Stochastic Gradient Push (SGP) and Overlap
-SGP"; Assran et al., ICML 2019).
+"""Stochastic Gradient Push (SGP) and Overlap SGP (Assran et al., ICML 2019).
 
 State: the push-sum numerator `x` and the push-sum `weight` (starts at 1). The model's parameters (the flat
 vector `w` of the base class) hold the de-biased z = x / weight between steps, so the gradient, the L2 term

@@ -1,4 +1,4 @@
-"""SSGD (ALGORITHMS.md, "SSGD"): every step each worker pushes its gradient; the server waits for all of them,
+"""SSGD: every step each worker pushes its gradient; the server waits for all of them,
 applies w <- w - lr * mean(g), and every worker pulls w.
 
 Worker: `PSWorker` (push the gradient, wait for the model). Server: nodeagent.ps.SSGDServer, one round at a time;

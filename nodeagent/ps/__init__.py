@@ -1,4 +1,4 @@
-"""The parameter-server family, in one package (ALGORITHMS.md, "Parameter-server algorithms"):
+"""The parameter-server family, in one package:
 - the mathematics, pure and I/O-free: the servers' update rules (rules.py), AdaComp's staleness-aware server
   (adacomp.py; its worker side and compact encoding are nodeagent.wire.sparse), ESync's READY decision and
   aggregation (esync.py); the coordinator and the simulator drive them with explicit inputs and a clock value;

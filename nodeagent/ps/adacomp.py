@@ -1,4 +1,4 @@
-"""AdaComp (ALGORITHMS.md, "AdaComp"): top-k sparse pushes with staleness-scaled application on the server.
+"""AdaComp (Chen et al., AAAI 2018): top-k sparse pushes with staleness-scaled application on the server.
 
 The worker side (top-k selection, error feedback, the compact encoding) is nodeagent.wire.sparse.
 

@@ -1,4 +1,4 @@
-"""ESync (ALGORITHMS.md, "ESync"): rounds of local steps sized so that fast workers fill the slowest one's step.
+"""ESync: rounds of local steps sized so that fast workers fill the slowest one's step.
 
 `is_ready` is the coordinator's answer to "may I stop this round?", a pure function of the reported numbers and
 the time, so the simulator and the tests drive it with a virtual or fake clock. `ESyncRound` keeps the reports

@@ -1,4 +1,4 @@
-"""Server halves of SSGD, ASGD and DC-ASGD (ALGORITHMS.md, "Parameter-server algorithms").
+"""Server halves of SSGD, ASGD and DC-ASGD (DC-ASGD: Zheng et al., ICML 2017).
 
 Each server holds the global model `w` (a flat float32 vector laid out like FlatParameters) and `version`
 (+1 per applied update). Its runtime (the coordinator's gRPC service, or the simulator) calls, from one thread:

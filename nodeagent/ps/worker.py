@@ -1,4 +1,4 @@
-"""The worker half of the parameter-server family (ALGORITHMS.md, "Parameter-server algorithms").
+"""The worker half of the parameter-server family.
 
 Each algorithm is one module binding a worker (a `PSWorker`, an I/O-free Algorithm) to its server half (a
 `ServerHalf` around an update rule of nodeagent.ps): ssgd.py, asgd.py, dcasgd.py, adacomp.py, esync.py in

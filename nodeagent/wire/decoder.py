@@ -46,7 +46,7 @@ LaneResolver = Callable[[wire_pb2.Lane, wire_pb2.Manifest], LaneReader]
 
 
 # What a manifest is held to before anything is built from it or compared with what the receiver expects, so
-# that walking it and the errors about it stay small (ARCHITECTURE.md, "Wire"). Its frame was parsed only once
+# that walking it and the errors about it stay small. Its frame was parsed only once
 # its size was checked (frames.MAX_CONTROL_FRAME_BYTES).
 MAX_TENSORS = 4096  # the largest models peertrain runs have a few hundred parameter tensors
 MAX_DIMS = 32  # of one tensor's shape

@@ -1,4 +1,4 @@
-"""AdaComp's sparse updates (ALGORITHMS.md, "AdaComp"): the worker's top-k selection and error feedback, and the
+"""AdaComp's sparse updates: the worker's top-k selection and error feedback, and the
 compact encoding that pushes and delta pulls travel in, as one uint8 tensor of a wire message. The server's rule
 is nodeagent.ps.adacomp.
 
