@@ -100,7 +100,7 @@ def job_schema() -> Schema:
             options_schema = _edge_list_options() if options_model is EdgeListOptions else _options_ref(
                 options_model, defs)
             then: Schema = {"description": " ".join(meaning.split()), "properties": {options_field: options_schema}}
-            if any(field.is_required() for field in options_model.model_fields.values()):
+            if any(option.is_required() for option in options_model.model_fields.values()):
                 then["required"] = [options_field]  # left out, the options would be {}, which lacks them
             if modes is not None:
                 then["properties"]["mode"] = {"enum": [*modes, None], "default": modes[0]}
