@@ -151,6 +151,16 @@ def test_the_schema_refuses_what_the_coordinator_refuses(schema: dict[str, Any],
         validate_job(parse_job_spec(job))
 
 
+def test_an_edge_list_job_may_name_its_edge_file(schema: dict[str, Any], tmp_path: Path) -> None:
+    (tmp_path / "ring.edges").write_text("0 1\n1 2\n2 3\n3 0\n")
+    job = {"nodes": 4, "topology": {"kind": "edge-list", "options": {"path": "ring.edges"}}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    assert conforms(job, schema, schema)
+    assert len(validate_job(load_job_file(tmp_path / "job.yaml").spec).edges) == 4
+    assert not conforms({**job, "topology": {"kind": "edge-list", "options": {"path": "a", "edges": "0 1"}}},
+                        schema, schema)
+
+
 @pytest.mark.parametrize("name", sorted(REGISTRY))
 def test_init_writes_a_commented_job_that_validates(
     schema: dict[str, Any], tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]
