@@ -7,6 +7,7 @@ import math
 import time
 from collections.abc import Sequence
 
+from coordinator.progress_view import ProgressView
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.runtime.progress import Progress, from_node_progress
 
@@ -17,6 +18,12 @@ def state_name(state: int) -> str:
 
 def progress_of(status: pb.JobStatusReply) -> list[Progress]:
     return [from_node_progress(status.job_id, node) for node in status.nodes]
+
+
+def show_progress(view: ProgressView, status: pb.JobStatusReply) -> None:
+    """A job's status on a live progress view: its nodes' steps by rank, mean accuracy and state."""
+    steps = [node.step for node in sorted(status.nodes, key=lambda node: node.rank)]
+    view.update(steps, mean_accuracy(progress_of(status)), state_name(status.state))
 
 
 def _duration(seconds: float) -> str:

@@ -9,7 +9,6 @@ virtual time stamps.
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import torch
 
 from coordinator.display import mean_accuracy
 from coordinator.jobs import plan_node, validate_job
+from coordinator.progress_view import ProgressView
 from nodeagent.jobspec import JobSpec
 from nodeagent.metrics import Metrics
 from nodeagent.runtime.driver import Report
@@ -82,27 +82,22 @@ def simulate(
 
 
 class SimulationProgress:
-    """A status line every few wall seconds: virtual time, steps, mean accuracy."""
+    """Shows a simulation on a live progress view, every `every_s` wall seconds at most: the nodes' steps, their
+    mean accuracy and the virtual time."""
 
-    def __init__(self, steps: int, every_s: float = 2.0):
-        self.steps = steps
+    def __init__(self, view: ProgressView, every_s: float = 0.5):
+        self.view = view
         self.every_s = every_s
-        self.started = time.monotonic()
-        self.last = self.started
-        self.tty = sys.stdout.isatty()
+        self.last = -math.inf
 
     def __call__(self, mesh: VirtualMesh) -> None:
         now = time.monotonic()
         if now - self.last < self.every_s:
             return
         self.last = now
-        clocks = [sim.node.algorithm.clock for sim in mesh.nodes]
+        steps = [sim.node.algorithm.clock for sim in mesh.nodes]
         accuracy = mean_accuracy([sim.driver.progress() for sim in mesh.nodes])
-        line = (
-            f"[{now - self.started:5.0f} s wall] virtual {mesh.now:9.2f} s  steps {min(clocks)}..{max(clocks)} "
-            f"of {self.steps}  mean test accuracy {'-' if math.isnan(accuracy) else f'{accuracy:.4f}'}"
-        )
-        print(f"\r{line}   " if self.tty else line, end="" if self.tty else "\n", flush=True)
+        self.view.update(steps, accuracy, note=f"virtual {mesh.now:.1f} s")
 
 
 def reference_spec(spec: JobSpec) -> JobSpec:

@@ -269,6 +269,64 @@ class NodeFailure(_message.Message):
     reason: str
     def __init__(self, node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class JobEvent(_message.Message):
+    __slots__ = ("time_unix", "kind", "level", "message", "rank", "node_id", "step")
+    TIME_UNIX_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    time_unix: float
+    kind: str
+    level: str
+    message: str
+    rank: int
+    node_id: str
+    step: int
+    def __init__(self, time_unix: _Optional[float] = ..., kind: _Optional[str] = ..., level: _Optional[str] = ..., message: _Optional[str] = ..., rank: _Optional[int] = ..., node_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class EventReport(_message.Message):
+    __slots__ = ("node_id", "job_id", "events")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    job_id: str
+    events: _containers.RepeatedCompositeFieldContainer[JobEvent]
+    def __init__(self, node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[JobEvent, _Mapping]]] = ...) -> None: ...
+
+class EventReportReply(_message.Message):
+    __slots__ = ("dropped",)
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    dropped: int
+    def __init__(self, dropped: _Optional[int] = ...) -> None: ...
+
+class JobEventsRequest(_message.Message):
+    __slots__ = ("job_id", "offset", "rank", "min_level")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    MIN_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    offset: int
+    rank: int
+    min_level: str
+    def __init__(self, job_id: _Optional[str] = ..., offset: _Optional[int] = ..., rank: _Optional[int] = ..., min_level: _Optional[str] = ...) -> None: ...
+
+class JobEventsReply(_message.Message):
+    __slots__ = ("job_id", "events", "next_offset", "state")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    events: _containers.RepeatedCompositeFieldContainer[JobEvent]
+    next_offset: int
+    state: JobState
+    def __init__(self, job_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[JobEvent, _Mapping]]] = ..., next_offset: _Optional[int] = ..., state: _Optional[_Union[JobState, str]] = ...) -> None: ...
+
 class NodeFailureReply(_message.Message):
     __slots__ = ("job_state",)
     JOB_STATE_FIELD_NUMBER: _ClassVar[int]
