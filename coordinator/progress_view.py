@@ -43,7 +43,8 @@ class ProgressView:
         self.started = time.monotonic()
         self._printed = -math.inf
         self._first: tuple[float, float] | None = None  # (time, mean step) when first seen, for the plain rate
-        self._line = ""
+        self._line = ""  # the latest figures
+        self._shown = ""  # the figures last printed
         self.live = self.out.isatty()
         self._progress: Progress | None = None
         self._job: TaskID | None = None
@@ -66,7 +67,7 @@ class ProgressView:
     def __exit__(self, *exc: object) -> None:
         if self._progress is not None:
             self._progress.stop()
-        elif self._line:
+        elif self._line != self._shown:
             print(self._line, file=self.out, flush=True)  # the last figures, whenever the last line was printed
 
     def log(self, line: str) -> None:
@@ -102,4 +103,4 @@ class ProgressView:
         if now - self._printed >= self.plain_every_s:
             self._printed = now
             print(self._line, file=self.out, flush=True)
-            self._line = ""
+            self._shown = self._line

@@ -279,7 +279,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.metrics.forget_job(job.job_id)
         log.log(logging.WARNING if state == "FAILED" else logging.INFO, "job %s %s%s", job.job_id, state.lower(),
                 f": {reason}" if reason else "")
-        self._event(job, state.lower(), reason or state.lower(), "ERROR" if state == "FAILED" else "INFO")
+        self._event(job, state.lower(), reason or f"job {state.lower()}", "ERROR" if state == "FAILED" else "INFO")
         self.changes.bump()
         self._schedule()
 

@@ -69,7 +69,7 @@ def test_nodes_report_events_that_logs_reads_back_by_offset_rank_and_level(stub)
     warnings = stub.JobEvents(pb.JobEventsRequest(job_id=job_id, min_level="WARNING"), timeout=5)
     assert [e.kind for e in warnings.events] == ["log"]
     inside_a_line = stub.JobEvents(pb.JobEventsRequest(job_id=job_id, offset=5), timeout=5)  # skipped, not a crash
-    assert [e.kind for e in inside_a_line.events][0] == "started"
+    assert inside_a_line.events[0].kind == "started"
 
 
 @pytest.mark.parametrize(("batch", "code"), [
@@ -118,7 +118,7 @@ class FakeStub:
         self.failures = failures
         self.reports: list[pb.EventReport] = []
 
-    def ReportEvents(self, request, timeout):  # noqa: N802 (the stub's method name)
+    def ReportEvents(self, request, timeout):
         if self.failures:
             raise _RpcError(self.failures.pop(0))
         self.reports.append(request)

@@ -268,9 +268,11 @@ class Agent:
             self.events.send(self._stub, self.node_id)
 
     def event(self, job_id: str, kind: str, message: str, level: str = "INFO", step: int = -1) -> None:
-        """A job event of this node, for the coordinator (and this node's log, at `level`)."""
+        """A job event of this node, sent to the coordinator now (events are few, and their order across nodes is
+        the coordinator's time of receipt), and logged here at `level`."""
         log.log(logging.getLevelName(level), "job %s: %s", job_id, message, extra={FORWARDED: True})
         self.events.add(job_id, kind, message, level, step)
+        self.send_events()
 
     def _current_job(self) -> tuple[str, int] | None:
         runner = self._runner

@@ -99,7 +99,6 @@ class JobRunner(threading.Thread):
             if not self.stop_event.is_set():  # a job that ended meanwhile has no failure to report
                 reason = f"{type(error).__name__}: {error}"
                 self.agent.event(self.job_id, events.FAILED, f"failed: {reason}", "ERROR", self.step())
-                self.agent.send_events()  # before the failure ends the job
                 self.agent.report_failure(self.job_id, self.rank, reason)
         finally:
             self.agent.set_serving(None)
@@ -161,7 +160,6 @@ class JobRunner(threading.Thread):
                 agent.event(self.job_id, events.FINISHED, f"rank {self.rank} finished at step "
                             f"{report.progress.step}, test accuracy {report.progress.test_accuracy:.4f}",
                             step=report.progress.step)
-                agent.send_events()
             agent.report(to_report(report.progress))
 
         NodeLoop(driver, dispatch, self.inbox, publish, self.stop_event, self.slowdown).run()
