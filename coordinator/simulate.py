@@ -21,7 +21,9 @@ from coordinator.jobs import plan_node, validate_job
 from coordinator.progress_view import ProgressView
 from nodeagent.jobspec import JobSpec
 from nodeagent.metrics import Metrics
+from nodeagent.runtime import events
 from nodeagent.runtime.driver import Report
+from nodeagent.runtime.events import Event, EventLog
 from nodeagent.runtime.progress import Progress, RunLog
 from nodeagent.runtime.simulator import SimNode, VirtualMesh
 from nodeagent.training.job import Node, build_node
@@ -62,22 +64,34 @@ def simulate(
     on_progress: Callable[[VirtualMesh], None] | None = None,
     allow_imports: Collection[str] = (),
 ) -> SimulationResult:
-    """Run `spec` to completion; writes the metrics log to `run_dir` when given."""
+    """Run `spec` to completion; writes the metrics log and the events (virtual times) to `run_dir` when given."""
     torch.set_num_threads(1)  # one process steps every node in turn; extra threads only contend
     started = time.monotonic()
     nodes = build_nodes(spec, data_dir, allow_imports)
-    run_log = None
+    run_log = event_log = None
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "job.json").write_text(spec.model_dump_json(indent=2))
-        run_log = RunLog(run_dir)
+        run_log, event_log = RunLog(run_dir), EventLog(run_dir)
+        event_log.append(Event(0.0, spec.name, events.STARTED, f"simulating {spec.algorithm.name} on {spec.nodes} "
+                               f"nodes, {spec.steps} steps"))
+    finished: set[int] = set()
 
     def observe(mesh: VirtualMesh, sim: SimNode, report: Report) -> None:
+        progress = report.progress
         if run_log is not None:
-            run_log.append(report.progress)
+            run_log.append(progress)
+        if event_log is not None and progress.finished and progress.rank not in finished:
+            finished.add(progress.rank)
+            event_log.append(Event(mesh.now, spec.name, events.FINISHED, f"rank {progress.rank} finished at step "
+                                   f"{progress.step}, test accuracy {progress.test_accuracy:.4f}", rank=progress.rank,
+                                   node=progress.node, step=progress.step))
 
     mesh = VirtualMesh(nodes, spec.name, spec.simulation, metrics or Metrics(), observe)
     mesh.run(on_event=on_progress)
+    if event_log is not None:
+        event_log.append(Event(mesh.now, spec.name, events.FINISHED if mesh.finished else events.STOPPED,
+                               "job finished" if mesh.finished else "the simulation ended before every node finished"))
     return SimulationResult(mesh, run_dir, time.monotonic() - started)
 
 

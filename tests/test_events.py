@@ -176,3 +176,18 @@ def test_the_forwarder_queue_is_bounded_and_counts_what_it_drops():
     sent = [e.message for r in stub.reports for e in r.events]
     assert forwarder.dropped == 5 and sent == [str(i) for i in range(5, MAX_PENDING + 5)]
     assert max(len(r.events) for r in stub.reports) <= 64
+
+
+def test_a_simulated_run_writes_its_events_in_virtual_time(tmp_path, fashion_mnist_dir):
+    from coordinator.simulate import simulate
+    from nodeagent.jobspec import parse_job_spec
+
+    spec = parse_job_spec({"name": "sim", "nodes": 3, "steps": 20, "eval_every": 10,
+                           "data": {"data_dir": str(fashion_mnist_dir), "train_limit": 300, "test_limit": 100},
+                           "topology": {"kind": "ring"}})
+    result = simulate(spec, tmp_path / "run")
+    found, _ = read_events(tmp_path / "run")
+    assert (found[0].kind, found[0].rank, found[0].time) == ("started", -1, 0.0)
+    assert sorted(e.rank for e in found if e.kind == "finished") == [-1, 0, 1, 2]
+    assert found[-1].kind == "finished" and found[-1].time == pytest.approx(result.mesh.now)
+    assert all(e.step == 20 for e in found if e.kind == "finished" and e.rank >= 0)
