@@ -841,8 +841,8 @@ def feed(agent: Any, coordinator: Any, job: str, stop: threading.Event) -> None:
     coordinator.coordinator_nodes.labels("up").set(2)
     coordinator.coordinator_nodes.labels("down").set(0)
     coordinator.coordinator_jobs.labels("running").set(1)
-    for node in ("n0", "n1"):
-        agent.agent_info.labels(node, "cpu").set(1)
+    for index, node in enumerate(("n0", "n1")):
+        agent.agent_info.labels(node, node, "0.1.0", f"127.0.0.1:{7100 + index}", "cpu").set(1)
     step = 0
     while not stop.wait(0.05):
         step += 1
@@ -853,6 +853,11 @@ def feed(agent: Any, coordinator: Any, job: str, stop: threading.Event) -> None:
             agent.edge_messages_sent.labels(job, src, dst).inc()
             agent.edge_messages_received.labels(job, dst, src).inc()
             agent.exchange_seconds.labels(job, src, dst).observe(0.004 * (1 + step % 5))
+            agent.edge_last_message.labels(job, src, dst).set(time.time() - 0.05 * (step % 3))
+            agent.edge_message_interval.labels(job, src, dst).set(0.05)
+            agent.edge_in_flight_since.labels(job, src, dst).set(time.time() - 0.01 if step % 2 else 0)
+            agent.neighbor_staleness.labels(job, src, dst).set(step % 4)
+            agent.consensus_distance.labels(job, src, dst).set(1.0 / step)
             if step % 7 == 0:
                 agent.exchange_failures.labels(job, src, dst, "unavailable").inc()
                 agent.stream_rejections.labels(src, dst, "bad_manifest").inc()

@@ -126,7 +126,7 @@ class Agent:
         self._connect()
         if not self._register():
             return False
-        self.metrics.agent_info.labels(self.node_id, config.device).set(1)
+        self.metrics.agent_info.labels(self.node_id, config.name, __version__, self.peer_address, config.device).set(1)
         for target, name in ((self._watch_loop, "watch"), (self._heartbeat_loop, "heartbeat")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()

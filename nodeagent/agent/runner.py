@@ -136,6 +136,8 @@ class JobRunner(threading.Thread):
         def publish(report: Report) -> None:
             if report.evaluated:
                 save_checkpoint(checkpoint, algorithm)
+            # The driver's ages count back from the report, made just now: Unix time for the edge gauges.
+            agent.metrics.observe_edges(self.job_id, agent.node_id, report.progress.edges, time.time())
             agent.report(to_report(report.progress))
 
         NodeLoop(driver, dispatch, self.inbox, publish, self.stop_event, self.slowdown).run()
