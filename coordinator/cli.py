@@ -21,11 +21,21 @@ from pathlib import Path
 import grpc
 
 from coordinator.ca import CAError
-from coordinator.display import format_status, state_name, status_text
+from coordinator.display import (
+    FAILING_WINDOW_S,
+    STALE_STEPS,
+    STALL_INTERVALS,
+    STALL_MIN_S,
+    edges_json,
+    edges_text,
+    format_status,
+    state_name,
+    status_text,
+)
 from nodeagent import __version__
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc
-from nodeagent.jobspec import DEFAULT_DATA_DIR, JobFile, JobSpecError, load_job_file
+from nodeagent.jobspec import DEFAULT_DATA_DIR, JobFile, JobSpecError, load_job_file, parse_job_yaml
 from nodeagent.listen import ListenError
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import SERVER_OPTIONS, bind_grpc_server, split_address
@@ -168,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("job_id", nargs="?", default="", metavar="JOB",
                         help="a job's id, a unique prefix of it, or its name (the newest of that name)")
     _add_coordinator_option(status)
+
+    _add_edges_command(commands)
 
     stop = commands.add_parser("stop", help="stop a job")
     stop.add_argument("job_id", metavar="JOB",
@@ -478,6 +490,38 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- coordinator edges: per-edge debugging ------------------------------------------------------------------------
+
+
+def _add_edges_command(commands: argparse._SubParsersAction) -> None:
+    edges = commands.add_parser(
+        "edges", help="a running job's edges, the troubled first: last message, in flight, messages, bytes, "
+        "failures by reason, staleness, consensus distance",
+        description="Every edge of the job's nodes from their last reports (about once a second), sorted by trouble: "
+        f"stalled (no message for {STALL_INTERVALS} of the edge's message intervals, and at least {STALL_MIN_S:g} s), "
+        f"failing (a call failed in the last {FAILING_WINDOW_S:g} s), stale (the neighbour more than {STALE_STEPS} "
+        "steps behind), then ok; and what a job that does not move waits on.",
+    )
+    edges.add_argument("job_id", nargs="?", default="", metavar="JOB",
+                       help="a job's id, a unique prefix of it, or its name (the newest of that name; default: the "
+                       "newest job)")
+    edges.add_argument("--json", action="store_true", help="one JSON object: the edges and what the job waits on")
+    _add_coordinator_option(edges)
+
+
+def cmd_edges(args: argparse.Namespace) -> int:
+    status = _stub(args).JobStatus(pb.JobStatusRequest(job_id=args.job_id), timeout=10)
+    try:
+        interval = parse_job_yaml(status.spec_yaml).algorithm.interval  # the expected edge interval, in steps
+    except JobSpecError:
+        interval = 1
+    if args.json:
+        print(json.dumps(edges_json(status, interval)))
+    else:
+        print(edges_text(status, interval))
+    return 0
+
+
 def cmd_stop(args: argparse.Namespace) -> int:
     reply = _stub(args).StopJob(pb.StopJobRequest(job_id=args.job_id), timeout=10)
     print(f"{reply.job_id}: {state_name(reply.state)}")
@@ -552,6 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {
         "serve": cmd_serve, "ca": cmd_ca, "token": cmd_token, "cert": cmd_cert,
         "submit": cmd_submit, "jobs": cmd_jobs, "nodes": cmd_nodes, "status": cmd_status, "stop": cmd_stop,
+        "edges": cmd_edges,
         "simulate": cmd_simulate, "inspect": cmd_inspect, "demo": cmd_demo,
     }
     try:
