@@ -256,9 +256,13 @@ def test_a_long_wait_counts_as_it_passes_and_is_logged_once_with_what_it_waits_f
             driver.clock.now += 6.0
             decision = driver.next()
             assert decision.action is Action.WAIT
-            (report,) = decision.reports  # the node keeps reporting while it waits
+            (report,) = decision.reports  # the node keeps reporting while it waits, and what for
             waits.append(report.progress.wait_s)
+            assert report.progress.waiting_for == "the step-1 parameters of ranks [3]"
     assert waits == [6.0, 12.0, 18.0, 24.0]
+    algorithm.waiting = False
+    driver.clock.now += 1.0
+    assert driver.next().reports[-1].progress.waiting_for == ""  # ready again: it waits for nothing
     logged = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
     assert logged == ["job job: rank0 has waited 12 s at step 1 for the step-1 parameters of ranks [3]"]
 
