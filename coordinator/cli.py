@@ -25,12 +25,23 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
 from coordinator.ca import CAError
-from coordinator.display import format_status, show_progress, state_name, status_text
+from coordinator.display import (
+    FAILING_WINDOW_S,
+    STALE_STEPS,
+    STALL_INTERVALS,
+    STALL_MIN_S,
+    edges_json,
+    edges_text,
+    format_status,
+    show_progress,
+    state_name,
+    status_text,
+)
 from coordinator.progress_view import PLAIN_EVERY_S, ProgressView
 from nodeagent import __version__
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc
-from nodeagent.jobspec import DEFAULT_DATA_DIR, JobFile, JobSpecError, load_job_file
+from nodeagent.jobspec import DEFAULT_DATA_DIR, JobFile, JobSpecError, load_job_file, parse_job_yaml
 from nodeagent.listen import ListenError
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import SERVER_OPTIONS, bind_grpc_server, split_address
@@ -213,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a job's id, a unique prefix of it, or its name (the newest of that name)")
     status.add_argument("--json", action="store_true", help="the status as one JSON object")
     _add_coordinator_option(status)
+
+    _add_edges_command(commands)
 
     stop = commands.add_parser("stop", help="stop a job")
     stop.add_argument("job_id", metavar="JOB",
@@ -605,6 +618,36 @@ def _as_json(message: Message) -> dict:
 def _print_json_lines(messages: Iterable[Message]) -> None:
     for message in messages:
         print(json.dumps(_as_json(message)))
+# -- coordinator edges: per-edge debugging ------------------------------------------------------------------------
+
+
+def _add_edges_command(commands: argparse._SubParsersAction) -> None:
+    edges = commands.add_parser(
+        "edges", help="a running job's edges, the troubled first: last message, in flight, messages, bytes, "
+        "failures by reason, staleness, consensus distance",
+        description="Every edge of the job's nodes from their last reports (about once a second), sorted by trouble: "
+        f"stalled (no message for {STALL_INTERVALS} of the edge's message intervals, and at least {STALL_MIN_S:g} s), "
+        f"failing (a call failed in the last {FAILING_WINDOW_S:g} s), stale (the neighbour more than {STALE_STEPS} "
+        "steps behind), then ok; and what a job that does not move waits on.",
+    )
+    edges.add_argument("job_id", nargs="?", default="", metavar="JOB",
+                       help="a job's id, a unique prefix of it, or its name (the newest of that name; default: the "
+                       "newest job)")
+    edges.add_argument("--json", action="store_true", help="one JSON object: the edges and what the job waits on")
+    _add_coordinator_option(edges)
+
+
+def cmd_edges(args: argparse.Namespace) -> int:
+    status = _stub(args).JobStatus(pb.JobStatusRequest(job_id=args.job_id), timeout=10)
+    try:
+        interval = parse_job_yaml(status.spec_yaml).algorithm.interval  # the expected edge interval, in steps
+    except JobSpecError:
+        interval = 1
+    if args.json:
+        print(json.dumps(edges_json(status, interval)))
+    else:
+        print(edges_text(status, interval))
+    return 0
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
@@ -681,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {
         "serve": cmd_serve, "ca": cmd_ca, "token": cmd_token, "cert": cmd_cert,
         "submit": cmd_submit, "follow": cmd_follow, "logs": cmd_logs, "jobs": cmd_jobs, "nodes": cmd_nodes,
-        "status": cmd_status, "stop": cmd_stop,
+        "status": cmd_status, "stop": cmd_stop, "edges": cmd_edges,
         "simulate": cmd_simulate, "inspect": cmd_inspect, "demo": cmd_demo,
     }
     try:

@@ -3,6 +3,7 @@ the parameter server of the centralised algorithms (coordinator.ps_service)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import secrets
@@ -23,12 +24,13 @@ from coordinator.topology import Topology, build_topology
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 from nodeagent.algorithms import Family, lookup
-from nodeagent.jobspec import JobSpec, JobSpecError, parse_job_yaml
+from nodeagent.jobspec import MAX_NODES, JobSpec, JobSpecError, parse_job_yaml
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import MAX_FIELD_CHARS, address_problem, name_problem, node_id_problem
 from nodeagent.runtime import events
+from nodeagent.runtime.driver import IN_FLIGHT
 from nodeagent.runtime.events import Event, EventLog
-from nodeagent.runtime.progress import RunLog, from_report, to_node_progress
+from nodeagent.runtime.progress import EdgeCounters, Progress, RunLog, from_report, to_node_progress
 from nodeagent.security import pki
 from nodeagent.security.authz import Authorizer, rules_for
 from nodeagent.security.pki import CertificateError, Role
@@ -54,6 +56,15 @@ MAX_EVENTS_PER_REPORT = 64
 # neither the disk nor `coordinator logs`; what it sends beyond is dropped and counted.
 EVENT_BURST = 200
 EVENT_RATE_PER_S = 2.0
+# What a node's report may hold of its edges (per-edge debugging): a node has at most MAX_NODES - 1 neighbours,
+# plus the parameter server or the all-reduce; what it waits for is a line of the log.
+MAX_REPORTED_EDGES = MAX_NODES + 1
+MAX_WAITING_CHARS = 500
+# Failure reasons are a small known set (gRPC status codes, and the driver's and transports' own); anything else
+# an agent sends is counted as OTHER_REASON, so that a report cannot grow the set.
+KNOWN_FAILURE_REASONS = frozenset({code.name.lower() for code in grpc.StatusCode} |
+                                  {"rejected", "not_neighbor", "error", IN_FLIGHT})
+OTHER_REASON = "other"
 
 _NODE = frozenset({Role.NODE})
 _OPERATOR = frozenset({Role.OPERATOR})
@@ -150,6 +161,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._event_logs: dict[str, EventLog] = {}
         self._event_allowance: dict[str, tuple[float, float]] = {}  # node -> (events it may add, when counted)
         self._events_lock = threading.Lock()
+        # Per running job and rank, the node's last edges and what it waits for (JobStatus shows them): live
+        # debugging figures, refreshed every second, kept in memory only and dropped when the job ends.
+        self._live_edges: dict[str, dict[int, Progress]] = {}
+        self._live_edges_lock = threading.Lock()  # a report racing its job's end leaves nothing behind
         self._schedule_lock = threading.Lock()
         self.ps = PSService(self.store, metrics, fsync=config.ps_fsync)
         self._monitor = threading.Thread(target=self._monitor_loop, name="liveness", daemon=True)
@@ -277,6 +292,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._end_rendezvous(job.job_id)
         self.ps.close(job.job_id)
         self.metrics.forget_job(job.job_id)
+        with self._live_edges_lock:
+            self._live_edges.pop(job.job_id, None)
         log.log(logging.WARNING if state == "FAILED" else logging.INFO, "job %s %s%s", job.job_id, state.lower(),
                 f": {reason}" if reason else "")
         self._event(job, state.lower(), reason or f"job {state.lower()}", "ERROR" if state == "FAILED" else "INFO")
@@ -403,7 +420,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def ReportMetrics(self, request, context):
         request.node_id = self._as_node(context, request.node_id)
-        progress = from_report(request, time=time.time())
+        progress = bounded_report(from_report(request, time=time.time()))
         if not self.store.record_progress(progress):
             return pb.MetricsReply(job_active=False)
         job = self.store.job(request.job_id)
@@ -412,6 +429,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if run_log is None:
             run_log = self._run_logs[job.job_id] = RunLog(job.run_dir)
         run_log.append(progress)
+        with self._live_edges_lock:
+            if self.store.job(job.job_id).state == "RUNNING":
+                self._live_edges.setdefault(job.job_id, {})[progress.rank] = progress
         if request.finished and job.state == "RUNNING":
             members = self.store.members(job.job_id)
             if all(m.progress.finished for m in members):
@@ -629,9 +649,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             job_id=job.job_id, name=job.name, state=JOB_STATES[job.state], world_size=job.world_size,
             run_dir=job.run_dir, created_unix=job.created_unix, spec_yaml=job.spec_yaml, reason=job.reason,
             started_unix=job.started_unix, ended_unix=job.ended_unix,
-            nodes=[to_node_progress(m.progress, self._member_state(m, nodes.get(m.node_id)), m.failure)
+            nodes=[to_node_progress(self._with_edges(m.progress), self._member_state(m, nodes.get(m.node_id)),
+                                    m.failure)
                    for m in self.store.members(job.job_id)],
         )
+
+    def _with_edges(self, progress: Progress) -> Progress:
+        """The stored progress of a node with its live edges, when its last report had them (a running job)."""
+        live = self._live_edges.get(progress.job, {}).get(progress.rank)
+        if live is None or live.node != progress.node:
+            return progress
+        return dataclasses.replace(progress, edges=live.edges, waiting_for=live.waiting_for)
 
     def ListJobs(self, request, context):
         limit = min(request.limit or DEFAULT_JOB_LIST, MAX_JOB_LIST)
@@ -693,6 +721,35 @@ class EnrollmentService(coordinator_pb2_grpc.EnrollmentServicer):
         identity = pki.identity_of(cert)
         log.info("enrolled node %s (certificate %s)", name, identity.serial)
         return pb.CertificateReply(certificate_pem=pki.certificate_pem(cert), name=name, serial=identity.serial)
+
+
+def bounded_report(progress: Progress) -> Progress:
+    """A node's report as the coordinator keeps, logs and shows it: at most MAX_REPORTED_EDGES edges, names and
+    texts cut, failure reasons from the known set, and no number that is not one (an age that is not a finite,
+    non-negative number is unknown: NaN)."""
+    return dataclasses.replace(
+        progress, waiting_for=progress.waiting_for[:MAX_WAITING_CHARS],
+        edges=tuple(_bounded_edge(edge) for edge in progress.edges[:MAX_REPORTED_EDGES]),
+    )
+
+
+def _bounded_edge(edge: EdgeCounters) -> EdgeCounters:
+    reasons: dict[str, int] = {}
+    for reason, count in edge.failure_reasons.items():
+        key = reason if reason in KNOWN_FAILURE_REASONS else OTHER_REASON
+        reasons[key] = reasons.get(key, 0) + count
+    return dataclasses.replace(
+        edge, peer=edge.peer[:MAX_FIELD_CHARS], failure_reasons=reasons,
+        last_message_age_s=_age(edge.last_message_age_s), message_interval_s=_age(edge.message_interval_s),
+        in_flight_s=_age(edge.in_flight_s) if edge.in_flight_s > 0 else 0.0,
+        last_failure_age_s=_age(edge.last_failure_age_s), consensus_distance=_age(edge.consensus_distance),
+        staleness_steps=edge.staleness_steps if math.isfinite(edge.staleness_steps) else math.nan,
+    )
+
+
+def _age(value: float) -> float:
+    """A duration or a norm: a finite, non-negative number, or NaN (unknown)."""
+    return value if math.isfinite(value) and value >= 0 else math.nan
 
 
 def _no_job(reference: str) -> str:

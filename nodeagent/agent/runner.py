@@ -160,6 +160,8 @@ class JobRunner(threading.Thread):
                 agent.event(self.job_id, events.FINISHED, f"rank {self.rank} finished at step "
                             f"{report.progress.step}, test accuracy {report.progress.test_accuracy:.4f}",
                             step=report.progress.step)
+            # The driver's ages count back from the report, made just now: Unix time for the edge gauges.
+            agent.metrics.observe_edges(self.job_id, agent.node_id, report.progress.edges, time.time())
             agent.report(to_report(report.progress))
 
         NodeLoop(driver, dispatch, self.inbox, publish, self.stop_event, self.slowdown).run()
