@@ -5,34 +5,21 @@ tried again)."""
 from __future__ import annotations
 
 import logging
-from concurrent import futures
 
 import grpc
 import pytest
 import yaml
 
-from coordinator.ps_service import add_coordinator_servicer
-from coordinator.service import EVENT_BURST, CoordinatorConfig, CoordinatorService
+from coordinator.service import EVENT_BURST
 from nodeagent._proto import coordinator_pb2 as pb
-from nodeagent._proto import coordinator_pb2_grpc
 from nodeagent.agent.forward import MAX_PENDING, EventForwarder
-from nodeagent.metrics import Metrics
 from nodeagent.runtime import events
 from nodeagent.runtime.events import Event, EventLog, read_events
 
 
 @pytest.fixture
-def stub(tmp_path):
-    service = CoordinatorService(CoordinatorConfig(state_dir=tmp_path), Metrics())
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    add_coordinator_servicer(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    service.start()
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        yield coordinator_pb2_grpc.CoordinatorStub(channel)
-    server.stop(grace=None)
-    service.stop()
+def stub(coordinator_stub):
+    return coordinator_stub
 
 
 def running_job(stub) -> tuple[str, list[str]]:

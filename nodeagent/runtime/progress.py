@@ -146,25 +146,13 @@ def from_node_progress(job: str, node: pb.NodeProgress) -> Progress:
 
 
 def _edge_to_pb(edge: EdgeCounters) -> pb.EdgeTraffic:
-    return pb.EdgeTraffic(
-        peer=edge.peer, bytes_sent=edge.bytes_sent, bytes_received=edge.bytes_received, exchanges=edge.exchanges,
-        failures=edge.failures, messages_sent=edge.messages_sent, messages_received=edge.messages_received,
-        last_message_age_s=edge.last_message_age_s, message_interval_s=edge.message_interval_s,
-        in_flight_s=edge.in_flight_s, failure_reasons=dict(edge.failure_reasons),
-        last_failure_age_s=edge.last_failure_age_s, staleness_steps=edge.staleness_steps,
-        consensus_distance=edge.consensus_distance,
-    )
+    # EdgeTraffic has EdgeCounters' fields, by the same names.
+    return pb.EdgeTraffic(**{f.name: getattr(edge, f.name) for f in dataclasses.fields(EdgeCounters)})
 
 
 def _edge_from_pb(edge: pb.EdgeTraffic) -> EdgeCounters:
-    return EdgeCounters(
-        peer=edge.peer, bytes_sent=edge.bytes_sent, bytes_received=edge.bytes_received, exchanges=edge.exchanges,
-        failures=edge.failures, messages_sent=edge.messages_sent, messages_received=edge.messages_received,
-        last_message_age_s=edge.last_message_age_s, message_interval_s=edge.message_interval_s,
-        in_flight_s=edge.in_flight_s, failure_reasons=dict(edge.failure_reasons),
-        last_failure_age_s=edge.last_failure_age_s, staleness_steps=edge.staleness_steps,
-        consensus_distance=edge.consensus_distance,
-    )
+    return EdgeCounters(**{f.name: getattr(edge, f.name) for f in dataclasses.fields(EdgeCounters)}
+                        | {"failure_reasons": dict(edge.failure_reasons)})
 
 
 # -- the metrics log of a run -------------------------------------------------------------------------------------
