@@ -98,8 +98,8 @@ class DSGD(Algorithm):
 
     def receive(self, message: Message) -> None:
         copy = self.params.flatten(message.tensors)
+        self.last_copy[message.sender] = copy  # asynchronous: what is mixed; synchronous: for consensus_distance()
         if not self.synchronous:
-            self.last_copy[message.sender] = copy
             return
         if message.clock < self.clock:
             return  # a step this node has completed already (a duplicate delivery)
@@ -135,6 +135,10 @@ class DSGD(Algorithm):
             Send(Route.PUSH, rank, Kind.PARAMS, Message(Kind.PARAMS, self.context.rank, rank, tensors, clock=t))
             for rank, state in states.items() for t in range(state.clock, round_)
         ]
+
+    def consensus_distance(self, peer: int) -> float | None:
+        copy = self.last_copy.get(peer)
+        return None if copy is None else float(torch.linalg.vector_norm(self.w - copy))
 
     def waiting_for(self) -> str:
         copies = self.round_copies.get(self.clock, {})
