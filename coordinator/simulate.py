@@ -4,6 +4,11 @@ The job schema is the one real runs use, plus its `simulation:` section (speeds,
 built by `nodeagent.training.job.build_node` with the neighbours the coordinator would assign, so a simulated
 node is the same object an agent trains. The run directory gets the same metrics log as a real run, with
 virtual time stamps.
+
+`simulation.topology_changes` switches the job's topology while it runs, through the node driver's path of a
+real change (`NodeDriver.change_topology`): every node learns of every change at the start, so none is late, and
+switches just before the change's step. Each change is written to the run's events log, at the virtual time of
+the first node's switch.
 """
 
 from __future__ import annotations
@@ -18,10 +23,11 @@ from pathlib import Path
 import torch
 
 from coordinator.display import mean_accuracy
-from coordinator.jobs import plan_node, validate_job
+from coordinator.jobs import plan_node, validate_job, validate_topology_change, with_topology
 from nodeagent.jobspec import JobSpec
 from nodeagent.metrics import Metrics
-from nodeagent.runtime.driver import Report
+from nodeagent.runtime.driver import Report, TopologyChange
+from nodeagent.runtime.events import TOPOLOGY, Event, EventLog
 from nodeagent.runtime.progress import Progress, RunLog
 from nodeagent.runtime.simulator import SimNode, VirtualMesh
 from nodeagent.training.job import Node, build_node
@@ -77,8 +83,39 @@ def simulate(
             run_log.append(report.progress)
 
     mesh = VirtualMesh(nodes, spec.name, spec.simulation, metrics or Metrics(), observe)
+    schedule_topology_changes(mesh, spec)
     mesh.run(on_event=on_progress)
+    if run_dir is not None:
+        log_topology_changes(mesh, EventLog(run_dir))
     return SimulationResult(mesh, run_dir, time.monotonic() - started)
+
+
+def schedule_topology_changes(mesh: VirtualMesh, spec: JobSpec) -> None:
+    """Tell every node of `mesh` of the job's `simulation.topology_changes`, planned as the coordinator plans a
+    change (`coordinator topology`)."""
+    previous = spec.topology
+    for version, change in enumerate(spec.simulation.topology_changes, start=2):
+        topology_spec = change.topology()
+        topology = validate_topology_change(spec, topology_spec)
+        changed = with_topology(spec, topology_spec)
+        description = f"{previous.kind} -> {topology_spec.kind} (version {version})"
+        for sim in mesh.nodes:
+            plan = plan_node(changed, topology, sim.rank)
+            sim.driver.change_topology(
+                TopologyChange(change.at_step, plan.neighbors, plan.self_weight, plan.peer_schedule, description)
+            )
+        previous = topology_spec
+
+
+def log_topology_changes(mesh: VirtualMesh, events: EventLog) -> None:
+    """One event per change the nodes applied, at the virtual time the first of them switched."""
+    first: dict[str, tuple[float, int]] = {}
+    for sim in mesh.nodes:
+        for switch in sim.driver.switches:
+            description = switch.change.description
+            first[description] = min(first.get(description, (switch.time, switch.step)), (switch.time, switch.step))
+    for description, (when, step) in sorted(first.items(), key=lambda item: item[1]):
+        events.append(Event(when, mesh.job, TOPOLOGY, f"topology {description} at step {step}", step=step))
 
 
 class SimulationProgress:
