@@ -72,13 +72,18 @@ def validate_topology_change(spec: JobSpec, topology: TopologySpec) -> Topology:
     """Whether a running job of `spec` may switch to `topology`: its algorithm talks to neighbours and can change
     them between two steps, and the new graph fits the job (its nodes, the algorithm's `check`). Returns the new
     graph; JobSpecError naming the field otherwise (`topology...` for the new graph)."""
+    check_topology_changes(spec)
+    return _checked_topology(with_topology(spec, topology))
+
+
+def check_topology_changes(spec: JobSpec) -> None:
+    """Whether a job of `spec` can change its topology at all (JobSpecError on algorithm.name if not)."""
     algorithm = lookup(spec.algorithm.name)
     if algorithm.family is not Family.PEER:
         raise JobSpecError(f"algorithm.name: {spec.algorithm.name} has no topology to change (its nodes talk "
                            f"{'to the parameter server' if algorithm.family is Family.SERVER else 'all at once'})")
     if not algorithm.changes_topology:
         raise JobSpecError(f"algorithm.name: {spec.algorithm.name} cannot change its topology while it runs")
-    return _checked_topology(with_topology(spec, topology))
 
 
 @dataclass(frozen=True)
