@@ -336,6 +336,8 @@ class NodeDriver:
     def _admitted(self, message: Message) -> bool:
         """Whether a peer's message goes to the algorithm now, across topology changes (see the module's rules);
         a message of a neighbour to come is held."""
+        if not self._changes and not self._former:
+            return True  # no topology change under way or behind
         sender = message.sender
         if sender in self.algorithm.context.neighbor_ranks or sender in (ALLREDUCE_RANK, SERVER_RANK):
             return True
