@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 # Six agents rather than the eight of the issue: the machine that runs the tests has 2 CPUs, and on a ring of six
 # the distance-2 edges are still new edges (a multiplex ring of six has degree 4, not the complete graph).
 AGENTS = 6
-STEPS = 1200
+STEPS = 4000  # about 20 s at the 200 steps/s a node takes here: the switch comes some 5 s of steps later
 # The two runs differ in the order their asynchronous exchanges happen to take, and accuracy is measured on 2000
 # test images (a standard error of about 0.009 at 80 %): the changed job may be this much below the kept ring.
 ACCURACY_TOLERANCE = 0.02
@@ -28,7 +28,7 @@ ACCURACY_TOLERANCE = 0.02
 
 def job_yaml(data_dir, name: str) -> str:
     return yaml.safe_dump({
-        "name": name, "nodes": AGENTS, "steps": STEPS, "eval_every": 300, "seed": 1,
+        "name": name, "nodes": AGENTS, "steps": STEPS, "eval_every": 1000, "seed": 1,
         "algorithm": {"name": "dsgd", "lr": 0.02, "interval": 2},
         "model": {"name": "logistic"},
         "data": {"data_dir": str(data_dir), "split": "class-window", "batch_size": 50, "test_limit": 2000},
@@ -56,6 +56,7 @@ def test_a_ring_changed_to_a_multiplex_ring_mid_job_moves_traffic_onto_the_new_e
             assert time.monotonic() < deadline, "the job did not reach step 100"
             time.sleep(0.2)
         address = ["--coordinator", cluster.address, "--tls-dir", str(cluster.operator_tls)]
+        requested = time.time()
         assert coordinator_main(["topology", "changed-ring", "--kind", "multiplex-ring", *address]) == 0
         printed = capsys.readouterr().out
         switch_step = int(printed.split("just before step ")[1])
@@ -72,8 +73,11 @@ def test_a_ring_changed_to_a_multiplex_ring_mid_job_moves_traffic_onto_the_new_e
         return sum(e.bytes_sent + e.bytes_received for e in record.edges
                    if e.peer in rank_of and distance(record.rank, rank_of[e.peer]) == 2)
 
-    # Before the switch no distance-2 edge carried a byte; after it every node's distance-2 edges did.
-    assert not any(far_bytes(r) for r in records if r.step < switch_step)
+    # Before the change no distance-2 edge carried a byte; after it every node's distance-2 edges did. (Around the
+    # switch a node still before it answers a new neighbour that has switched: the edge's first bytes may be counted
+    # at a step just below the switch step, hence the time of the request rather than the step.)
+    before = [r for r in records if r.time < requested]
+    assert before and not any(far_bytes(r) for r in before)
     last = {r.rank: r for r in records}
     assert sorted(last) == list(range(AGENTS))
     for record in last.values():

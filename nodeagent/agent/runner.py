@@ -125,7 +125,9 @@ class JobRunner(threading.Thread):
             if not self.stop_event.is_set():  # a job that ended meanwhile has no failure to report
                 self.agent.report_failure(self.job_id, self.rank, f"{type(error).__name__}: {error}")
         finally:
-            self.agent.set_serving(None)
+            with self._lock:  # an assignment that comes now must not serve the job again
+                self.serving = None
+                self.agent.set_serving(None)
             self.pool.shutdown(wait=False, cancel_futures=True)
             if self.collective is not None:
                 self.collective.close()
