@@ -186,6 +186,21 @@ def test_a_change_to_multiplex_ring_moves_traffic_onto_the_distance_two_edges(tm
     assert 0.9 < events[0].time < min(sim.driver.switches[0].time for sim in mesh.nodes) + 1e-9
 
 
+@pytest.mark.parametrize("at_step", [1, 37])
+def test_synchronous_dsgd_goes_through_a_change_without_waiting_for_ever(at_step):
+    """Its rounds from the switch on wait for the new neighbours' copies, which may come before the receiver has
+    switched (they are held until it does): every node completes every round."""
+    spec = job("dsgd", steps=80, at_step=at_step, lr=0.1, mode="sync")
+    mesh = mesh_of(spec, linear_model, nn.CrossEntropyLoss(), Batches)
+    mesh.run()
+    assert mesh.finished
+    for sim in mesh.nodes:
+        assert sim.node.algorithm.clock == 80
+        assert [(s.step, s.late) for s in sim.driver.switches] == [(at_step, False)]
+        assert sorted(sim.node.algorithm.last_copy) == sorted(sim.node.algorithm.context.neighbor_ranks)
+        assert len(sim.node.algorithm.context.neighbors) == 4
+
+
 def test_a_node_that_learns_of_a_change_past_its_step_switches_at_once_and_says_so(caplog):
     spec = job("dsgd", steps=50, at_step=10)
     topology = validate_job(spec)
