@@ -21,9 +21,11 @@ pytestmark = pytest.mark.slow
 # the distance-2 edges are still new edges (a multiplex ring of six has degree 4, not the complete graph).
 AGENTS = 6
 STEPS = 4000  # about 20 s at the 200 steps/s a node takes here: the switch comes some 5 s of steps later
-# The two runs differ in the order their asynchronous exchanges happen to take, and accuracy is measured on 2000
-# test images (a standard error of about 0.009 at 80 %): the changed job may be this much below the kept ring.
-ACCURACY_TOLERANCE = 0.02
+# The change itself neither helps nor hurts this job much: simulated (deterministic), the kept ring ends at 0.838
+# and the change to a multiplex ring at step 870 at 0.836. On the cluster the two runs also differ in the order
+# their asynchronous exchanges happen to take on a loaded machine (measured: 0.820 kept, 0.807 changed), so the
+# changed job may be this much below the kept ring.
+ACCURACY_TOLERANCE = 0.03
 
 
 def job_yaml(data_dir, name: str) -> str:
