@@ -223,6 +223,49 @@ def test_a_node_that_learns_of_a_change_past_its_step_switches_at_once_and_says_
     assert "late: the job switched at step 10" in caplog.text
 
 
+def test_messages_of_a_neighbour_to_come_wait_for_the_switch_and_a_former_neighbours_later_ones_are_dropped():
+    spec = job("dsgd", steps=50, at_step=5, lr=0.1)
+    metrics = Metrics()
+    plan = plan_node(spec, validate_job(spec), 0)
+    algorithm = build_algorithm(linear_model(), NodeContext(0, NODES, plan.neighbors, spec.algorithm,
+                                                            plan.self_weight))
+    driver = NodeDriver(Node(spec, 0, algorithm, Batches(0), None, SAMPLES), job="held", name="rank0",
+                        clock=lambda: 0.0, metrics=metrics, name_of=lambda rank: f"rank{rank}")
+    changed = with_topology(spec, TopologySpec(kind="multiplex-ring"))
+    new = plan_node(changed, validate_topology_change(spec, changed.topology), 0)
+    driver.change_topology(TopologyChange(5, new.neighbors, new.self_weight, new.peer_schedule, "ring -> x"))
+    assert algorithm.expected(2, Kind.PARAMS)  # accepted on the wire from now on
+
+    def params(sender: int, value: float, clock: int) -> Message:
+        return Message(Kind.PARAMS, sender, 0, algorithm.params.views(torch.full_like(algorithm.w, value)),
+                       clock=clock)
+
+    for value in range(20):  # rank 2, a neighbour from step 5 on, has switched and exchanges already
+        driver.arrived(params(2, float(value), clock=6))
+    driver.next()
+    assert 2 not in algorithm.last_copy  # held: this node has not switched
+    rejections = metrics.stream_rejections.labels("rank2", "rank0", "held_overflow")
+    assert rejections._value.get() == 20 - 16
+    while algorithm.clock < 5:
+        driver.step()
+        driver.stepped(0.01)
+        driver.next()
+    assert [s.step for s in driver.switches] == [5]
+    assert torch.equal(algorithm.last_copy[2], torch.full_like(algorithm.w, 19.0))  # the newest held one
+
+    # Back to the ring: rank 2 is a former neighbour, whose messages of steps from the switch on are dropped.
+    ring = plan_node(spec, validate_job(spec), 0)
+    driver.change_topology(TopologyChange(8, ring.neighbors, ring.self_weight, ring.peer_schedule, "x -> ring"))
+    while algorithm.clock < 8:
+        driver.step()
+        driver.stepped(0.01)
+        driver.next()
+    driver.arrived(params(2, 7.0, clock=8))
+    driver.next()
+    assert 2 not in algorithm.last_copy
+    assert metrics.stream_rejections.labels("rank2", "rank0", "former_neighbor")._value.get() == 1
+
+
 # -- the job file ----------------------------------------------------------------------------------------------------
 
 

@@ -71,6 +71,11 @@ WAIT_LOG_S = 10.0  # a wait longer than this is logged, once
 IN_FLIGHT = "in_flight"  # the failure reason of a send skipped by flow control
 FUTURE_CLOCK = "future_clock"  # the rejection reason of a message beyond the algorithm's rounds_ahead()
 FORMER_NEIGHBOR = "former_neighbor"  # the rejection reason of a message of a dropped edge after the switch
+# Messages of a neighbour to come are held until this node switches, at most this many per neighbour: beyond, its
+# oldest is dropped (counted as HELD_OVERFLOW). An asynchronous algorithm's newer message supersedes an older one,
+# and a synchronous neighbour runs at most its `rounds_ahead()` ahead, far fewer.
+HELD_PER_PEER = 16
+HELD_OVERFLOW = "held_overflow"
 ALLREDUCE_NAME = "allreduce"  # the all-reduce in edge metrics
 
 
@@ -342,6 +347,10 @@ class NodeDriver:
         if sender in self.algorithm.context.neighbor_ranks or sender in (ALLREDUCE_RANK, SERVER_RANK):
             return True
         if any(sender in (n.rank for n in change.neighbors) for change in self._changes):
+            held = [index for index, kept in enumerate(self._held) if kept.sender == sender]
+            if len(held) >= HELD_PER_PEER:
+                del self._held[held[0]]
+                self.metrics.stream_rejections.labels(self.peer_name(sender), self.name, HELD_OVERFLOW).inc()
             self._held.append(message)
             return False
         if sender in self._former and message.clock >= self._switched_at:
