@@ -7,6 +7,7 @@ The commands that validate, simulate or serve jobs import their modules when the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -15,26 +16,47 @@ import sys
 import threading
 import time
 import tomllib
+from collections.abc import Iterable
 from concurrent import futures
 from pathlib import Path
 
 import grpc
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
 
 from coordinator.ca import CAError
-from coordinator.display import format_status, state_name, status_text
+from coordinator.display import (
+    FAILING_WINDOW_S,
+    STALE_STEPS,
+    STALL_INTERVALS,
+    STALL_MIN_S,
+    edges_json,
+    edges_text,
+    format_status,
+    show_progress,
+    state_name,
+    status_text,
+)
+from coordinator.progress_view import PLAIN_EVERY_S, ProgressView
 from nodeagent import __version__
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc
-from nodeagent.jobspec import DEFAULT_DATA_DIR, JobFile, JobSpecError, load_job_file
+from nodeagent.jobspec import DEFAULT_DATA_DIR, JobFile, JobSpecError, load_job_file, parse_job_yaml
 from nodeagent.listen import ListenError
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import SERVER_OPTIONS, bind_grpc_server, split_address
+from nodeagent.runtime import events
 from nodeagent.security.pki import private_key_pem
 from nodeagent.statedir import StateDirError, hold_state_dir, writable_directory
 
 DEFAULT_CONFIG = Path("~/.config/peertrain/cli.toml")
 DEFAULT_TLS_DIR = Path("~/.config/peertrain/tls")
 DEFAULT_STATE_DIR = Path(os.environ.get("PEERTRAIN_STATE_DIR", "/var/lib/peertrain/coordinator"))
+# `follow` and `submit --follow` exit with the job's outcome.
+EXIT_FINISHED, EXIT_FAILED, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 3, 130
+FOLLOW_EXIT_HELP = "0 finished, 1 failed (or the coordinator lost), 3 stopped, 130 interrupted (the job goes on)"
+FOLLOW_POLL_S = 1.0
+FOLLOW_RECONNECT_S = 60.0  # how long `follow` keeps trying to reach a coordinator that went away
 
 
 def _add_coordinator_option(parser: argparse.ArgumentParser) -> None:
@@ -136,12 +158,44 @@ def build_parser() -> argparse.ArgumentParser:
     cert.add_argument("--days", type=float, help="issue: lifetime (default: 30 for nodes, 90 for operators)")
     cert.add_argument("--serial", help="revoke: the certificate's serial (hex, see `cert list`)")
     cert.add_argument("--name", help="revoke: every certificate of this node or operator")
+    cert.add_argument("--json", action="store_true", help="list: one JSON object per certificate, a line each")
     _add_state_dir_option(cert)
     _add_coordinator_option(cert)
 
-    submit = commands.add_parser("submit", help="submit a job spec (YAML); prints the job id")
+    submit = commands.add_parser(
+        "submit", help="submit a job spec (YAML); prints the job id, or follows the job with --follow",
+        description="Validate JOB.yaml here, submit it and print the job's id. With --follow, then show its "
+        f"progress and events until it ends, and exit with its outcome: {FOLLOW_EXIT_HELP}.",
+    )
     submit.add_argument("job_file", type=Path, metavar="JOB.yaml")
+    submit.add_argument("--follow", action="store_true", help="follow the job until it ends (as `follow JOB`)")
     _add_coordinator_option(submit)
+
+    follow = commands.add_parser(
+        "follow", help="show a job's live progress and events until it ends; the exit code is its outcome",
+        description="Progress bars on a terminal (steps, steps/s, ETA, mean test accuracy; a bar per node for up to "
+        f"16 nodes), a line every {PLAIN_EVERY_S:.0f} s otherwise; the job's events as they come; the per-node "
+        f"table at the end. Exit code: {FOLLOW_EXIT_HELP}. Ctrl-C stops following, not the job.",
+    )
+    follow.add_argument("job_id", nargs="?", default="", metavar="JOB",
+                        help="a job's id, a unique prefix of it, or its name (the newest of that name); default: "
+                        "the newest job")
+    _add_coordinator_option(follow)
+
+    logs = commands.add_parser(
+        "logs", help="a job's events: the coordinator's, and its nodes' job events and warnings",
+        description="Shows the job's events from its run directory: submitted, started, topology changes, the end "
+        "(the coordinator's), and each node's started, resumed, rejoined, failed and finished, with the lines it "
+        "logged at WARNING and above.",
+    )
+    logs.add_argument("job_id", metavar="JOB",
+                      help="a job's id, a unique prefix of it, or its name (the newest of that name)")
+    logs.add_argument("--rank", type=int, help="only this rank's events (and the job's own)")
+    logs.add_argument("--level", choices=["INFO", "WARNING", "ERROR"], default="INFO",
+                      help="only events of this level and above (default %(default)s)")
+    logs.add_argument("--follow", "-f", action="store_true", help="keep showing new events until the job ends")
+    logs.add_argument("--json", action="store_true", help="one JSON object per event, a line each")
+    _add_coordinator_option(logs)
 
     nodes = commands.add_parser(
         "nodes", help="list registered node agents; remove or drain one",
@@ -151,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     nodes.add_argument("action", nargs="?", choices=["list", "remove", "drain"], default="list")
     nodes.add_argument("node_id", nargs="?", metavar="NODE", help="the node of remove or drain")
     nodes.add_argument("--undo", action="store_true", help="with drain: take the node back into service")
+    nodes.add_argument("--json", action="store_true", help="list: one JSON object per node, a line each")
     _add_coordinator_option(nodes)
 
     jobs = commands.add_parser(
@@ -167,7 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
         "traffic (default: the newest job)")
     status.add_argument("job_id", nargs="?", default="", metavar="JOB",
                         help="a job's id, a unique prefix of it, or its name (the newest of that name)")
+    status.add_argument("--json", action="store_true", help="the status as one JSON object")
     _add_coordinator_option(status)
+
+    _add_edges_command(commands)
 
     stop = commands.add_parser("stop", help="stop a job")
     stop.add_argument("job_id", metavar="JOB",
@@ -433,6 +491,9 @@ def cmd_cert(args: argparse.Namespace) -> int:
         print(f"revoked: {', '.join(reply.serials) or 'nothing new (already revoked)'}")
         return 0
     reply = stub.ListCertificates(pb.ListCertificatesRequest(), timeout=10)
+    if args.json:
+        _print_json_lines(reply.certificates)
+        return 0
     print(f"{'serial':<42} {'role':<12} {'name':<24} {'expires':<17} revoked")
     for c in reply.certificates:
         expires = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.not_after_unix))
@@ -466,12 +527,79 @@ def _issue_offline(args: argparse.Namespace) -> int:
 def cmd_submit(args: argparse.Namespace) -> int:
     job = _load_job(args.job_file)  # refused here, before anything reaches the coordinator
     # The text as loaded: an edge file the job names is inlined, since the coordinator reads no files.
-    reply = _stub(args).SubmitJob(pb.SubmitJobRequest(spec_yaml=job.text), timeout=30)
-    print(reply.job_id)
+    stub = _stub(args)
+    reply = stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=job.text), timeout=30)
+    print(reply.job_id, flush=True)
     print(f"state: {state_name(reply.state)}; run dir: {reply.run_dir}", file=sys.stderr)
     if reply.warning:
         print(f"warning: {reply.warning}", file=sys.stderr)
-    return 0
+    return follow_job(stub, reply.job_id, args.coordinator) if args.follow else 0
+
+
+def cmd_follow(args: argparse.Namespace) -> int:
+    return follow_job(_stub(args), args.job_id, args.coordinator)
+
+
+def follow_job(stub: coordinator_pb2_grpc.CoordinatorStub, reference: str, address: str) -> int:
+    """Show a job's progress and events until it ends; its outcome as the exit code (FOLLOW_EXIT_HELP)."""
+    from nodeagent.jobspec import parse_job_yaml
+
+    status = stub.JobStatus(pb.JobStatusRequest(job_id=reference), timeout=10)
+    job_id = status.job_id
+    steps = parse_job_yaml(status.spec_yaml).steps
+    offset = 0
+    lost_since: float | None = None
+    try:
+        with ProgressView(f"{job_id}", steps, status.world_size) as view:
+            while True:
+                try:
+                    reply = stub.JobEvents(pb.JobEventsRequest(job_id=job_id, offset=offset), timeout=10)
+                    status = stub.JobStatus(pb.JobStatusRequest(job_id=job_id), timeout=10)
+                except grpc.RpcError as error:
+                    if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        raise
+                    lost_since = lost_since or time.monotonic()
+                    if time.monotonic() - lost_since > FOLLOW_RECONNECT_S:
+                        raise
+                    view.log(f"coordinator {address}: {rpc_error_line(error, None)}; trying again")
+                    time.sleep(FOLLOW_POLL_S * 5)
+                    continue
+                lost_since = None
+                for event in reply.events:
+                    view.log(events.from_proto(job_id, event).line())
+                offset = reply.next_offset
+                final = status.state in (pb.JOB_FINISHED, pb.JOB_FAILED, pb.JOB_STOPPED)
+                show_progress(view, status)
+                if final and not reply.events:  # the events of the end are shown: done
+                    break
+                if not final:
+                    time.sleep(FOLLOW_POLL_S)
+    except KeyboardInterrupt:
+        print(f"\nstopped following; job {job_id} goes on (`coordinator follow {job_id}` again, `coordinator stop "
+              f"{job_id}` to stop it)", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print(status_text(status))
+    return {pb.JOB_FINISHED: EXIT_FINISHED, pb.JOB_STOPPED: EXIT_STOPPED}.get(status.state, EXIT_FAILED)
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    stub = _stub(args)
+    request = pb.JobEventsRequest(job_id=args.job_id, min_level=args.level)
+    if args.rank is not None:
+        request.rank = args.rank
+    while True:
+        reply = stub.JobEvents(request, timeout=10)
+        for proto in reply.events:
+            event = events.from_proto(reply.job_id, proto)
+            print(json.dumps(dataclasses.asdict(event)) if args.json else event.line(), flush=True)
+        request.job_id = reply.job_id  # the job first named, even if a newer one takes its name
+        request.offset = reply.next_offset
+        final = reply.state in (pb.JOB_FINISHED, pb.JOB_FAILED, pb.JOB_STOPPED)
+        if reply.events:
+            continue  # more may be there already
+        if not args.follow or final:
+            return 0
+        time.sleep(FOLLOW_POLL_S)
 
 
 def cmd_nodes(args: argparse.Namespace) -> int:
@@ -488,6 +616,9 @@ def cmd_nodes(args: argparse.Namespace) -> int:
             print(f"{args.node_id}: {'draining' if node.draining else 'in service'}{job}")
         return 0
     reply = stub.ListNodes(pb.ListNodesRequest(), timeout=10)
+    if args.json:
+        _print_json_lines(reply.nodes)
+        return 0
     print(f"{'node':<14} {'name':<16} {'state':<8} {'peer address':<22} {'metrics':<22} {'job':<32} rank")
     for n in reply.nodes:
         state = ("up" if n.up else "down") + (", drain" if n.draining else "")
@@ -526,7 +657,48 @@ def _clock(unix: float, layout: str = "%H:%M:%S") -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    print(status_text(_stub(args).JobStatus(pb.JobStatusRequest(job_id=args.job_id), timeout=10)))
+    status = _stub(args).JobStatus(pb.JobStatusRequest(job_id=args.job_id), timeout=10)
+    print(json.dumps(_as_json(status)) if args.json else status_text(status))
+    return 0
+
+
+def _as_json(message: Message) -> dict:
+    """A reply as JSON: proto field names, every field present; states as their names."""
+    return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def _print_json_lines(messages: Iterable[Message]) -> None:
+    for message in messages:
+        print(json.dumps(_as_json(message)))
+# -- coordinator edges: per-edge debugging ------------------------------------------------------------------------
+
+
+def _add_edges_command(commands: argparse._SubParsersAction) -> None:
+    edges = commands.add_parser(
+        "edges", help="a running job's edges, the troubled first: last message, in flight, messages, bytes, "
+        "failures by reason, staleness, consensus distance",
+        description="Every edge of the job's nodes from their last reports (about once a second), sorted by trouble: "
+        f"stalled (no message for {STALL_INTERVALS} of the edge's message intervals, and at least {STALL_MIN_S:g} s), "
+        f"failing (a call failed in the last {FAILING_WINDOW_S:g} s), stale (the neighbour more than {STALE_STEPS} "
+        "steps behind), then ok; and what a job that does not move waits on.",
+    )
+    edges.add_argument("job_id", nargs="?", default="", metavar="JOB",
+                       help="a job's id, a unique prefix of it, or its name (the newest of that name; default: the "
+                       "newest job)")
+    edges.add_argument("--json", action="store_true", help="one JSON object: the edges and what the job waits on")
+    _add_coordinator_option(edges)
+
+
+def cmd_edges(args: argparse.Namespace) -> int:
+    status = _stub(args).JobStatus(pb.JobStatusRequest(job_id=args.job_id), timeout=10)
+    try:
+        interval = parse_job_yaml(status.spec_yaml).algorithm.interval  # the expected edge interval, in steps
+    except JobSpecError:
+        interval = 1
+    if args.json:
+        print(json.dumps(edges_json(status, interval)))
+    else:
+        print(edges_text(status, interval))
     return 0
 
 
@@ -562,11 +734,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     run_dir = (args.runs / job_id).resolve()
     print(f"simulating {spec.nodes} nodes of {spec.algorithm.name} for {spec.steps} steps; run dir {run_dir}")
     try:
-        result = simulate(spec, run_dir, args.data_dir, on_progress=SimulationProgress(spec.steps),
-                          allow_imports=tuple(args.allow_import))
+        with ProgressView(spec.name, spec.steps, spec.nodes) as view:
+            result = simulate(spec, run_dir, args.data_dir, on_progress=SimulationProgress(view),
+                              allow_imports=tuple(args.allow_import))
     except ModelError as error:  # an import path not allowed here, most likely
         raise SystemExit(f"coordinator: {args.job_file}: {error}") from None
-    print()
     state = "finished" if result.mesh.finished else "running"
     print(f"job {job_id} ({spec.name}): {state}, {spec.nodes} nodes, run dir {run_dir}")
     print(format_status(result.progress))
@@ -603,8 +775,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {
         "serve": cmd_serve, "ca": cmd_ca, "token": cmd_token, "cert": cmd_cert,
-        "submit": cmd_submit, "jobs": cmd_jobs, "nodes": cmd_nodes, "status": cmd_status, "stop": cmd_stop,
-        "topology": cmd_topology,
+        "submit": cmd_submit, "follow": cmd_follow, "logs": cmd_logs, "jobs": cmd_jobs, "nodes": cmd_nodes,
+        "status": cmd_status, "stop": cmd_stop, "edges": cmd_edges, "topology": cmd_topology,
         "simulate": cmd_simulate, "inspect": cmd_inspect, "demo": cmd_demo,
     }
     try:

@@ -4,7 +4,6 @@ beside the single-node reference (one node trained on all the data for the same 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -12,8 +11,9 @@ from pathlib import Path
 import yaml
 
 from coordinator.cluster import ClusterError, LocalCluster
-from coordinator.display import mean_accuracy, progress_of, state_name, status_text
+from coordinator.display import mean_accuracy, progress_of, show_progress, status_text
 from coordinator.jobs import validate_job
+from coordinator.progress_view import ProgressView
 from coordinator.simulate import reference_spec, simulate
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.jobspec import JobSpecError, parse_job_spec
@@ -33,30 +33,6 @@ def demo_job(args: argparse.Namespace, algorithm: str) -> dict:
                  "batch_size": 100},
         "topology": {"kind": args.topology, "seed": 1},
     }
-
-
-class Progress:
-    """One status line, rewritten in place on a terminal and printed every few seconds otherwise."""
-
-    def __init__(self, steps: int):
-        self.steps = steps
-        self.started = time.monotonic()
-        self.last_print = 0.0
-        self.tty = sys.stdout.isatty()
-
-    def __call__(self, status: pb.JobStatusReply) -> None:
-        now = time.monotonic()
-        if not self.tty and now - self.last_print < 5 and status.state == pb.JOB_RUNNING:
-            return
-        self.last_print = now
-        steps = [n.step for n in status.nodes] or [0]
-        state = state_name(status.state)
-        accuracy = mean_accuracy(progress_of(status))
-        line = (
-            f"[{now - self.started:5.0f} s] {state:<8} steps {min(steps)}..{max(steps)} of {self.steps}"
-            f"  mean test accuracy {'-' if math.isnan(accuracy) else f'{accuracy:.4f}'}"
-        )
-        print(f"\r{line}   " if self.tty else line, end="" if self.tty else "\n", flush=True)
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -85,8 +61,8 @@ def run_demo(args: argparse.Namespace) -> int:
         for spec in specs:
             print(f"\n== {spec.algorithm.name}")
             job_id = cluster.submit(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
-            status = cluster.wait(job_id, args.timeout, Progress(spec.steps))
-            print()
+            with ProgressView(spec.algorithm.name, spec.steps, spec.nodes) as view:
+                status = cluster.wait(job_id, args.timeout, lambda status: show_progress(view, status))
             print(status_text(status))
             results.append((spec.algorithm.name, status))
             if status.state != pb.JOB_FINISHED:

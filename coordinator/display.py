@@ -1,14 +1,23 @@
 """What the command line prints about jobs: one formatting of a job's per-node progress, shared by `status`,
-`simulate` and `demo`."""
+`simulate` and `demo`; and the per-edge table of `edges`."""
 
 from __future__ import annotations
 
+import enum
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
+from coordinator.progress_view import ProgressView
 from nodeagent._proto import coordinator_pb2 as pb
-from nodeagent.runtime.progress import Progress, from_node_progress
+from nodeagent.runtime.progress import EdgeCounters, Progress, from_node_progress
+
+# When an edge is in trouble (`coordinator edges`; docs/operations.md, "Per-edge debugging"):
+STALL_INTERVALS = 10  # stalled: no message for this many of the edge's message intervals (the alert's too),
+STALL_MIN_S = 5.0  # and for at least this long (nodes report once a second: a younger age says nothing)
+FAILING_WINDOW_S = 60.0  # failing: a call on the edge failed this recently
+STALE_STEPS = 100  # stale: the neighbour is more than this many steps behind
 
 
 def state_name(state: int) -> str:
@@ -17,6 +26,12 @@ def state_name(state: int) -> str:
 
 def progress_of(status: pb.JobStatusReply) -> list[Progress]:
     return [from_node_progress(status.job_id, node) for node in status.nodes]
+
+
+def show_progress(view: ProgressView, status: pb.JobStatusReply) -> None:
+    """A job's status on a live progress view: its nodes' steps by rank, mean accuracy and state."""
+    steps = [node.step for node in sorted(status.nodes, key=lambda node: node.rank)]
+    view.update(steps, mean_accuracy(progress_of(status)), state_name(status.state))
 
 
 def _duration(seconds: float) -> str:
@@ -86,3 +101,121 @@ def format_status(nodes: Sequence[Progress], states: dict[int, str] | None = Non
     if evaluated:
         lines.append(f"mean test accuracy over {len(evaluated)} nodes: {mean_accuracy(evaluated):.4f}")
     return "\n".join(lines)
+
+
+class Trouble(enum.IntEnum):
+    """An edge's state in `coordinator edges`, worst first."""
+
+    STALLED = 0
+    FAILING = 1
+    STALE = 2
+    OK = 3
+
+
+@dataclass(frozen=True)
+class EdgeRow:
+    """One edge of a node as `coordinator edges` shows it; ages are counted to the time of the call."""
+
+    src: str
+    rank: int
+    edge: EdgeCounters
+    last_message_s: float  # since the last message; for an edge that never had one, since the node started
+    in_flight_s: float
+    interval_s: float  # the edge's expected time between messages
+    trouble: Trouble
+
+
+def edge_rows(nodes: Sequence[Progress], now: float, interval_steps: int = 1) -> list[EdgeRow]:
+    """Every edge of the running nodes, worst first (stalled, failing, stale, ok; then the oldest last message).
+    An edge's expected interval is its mean time between messages so far, or, before it has one, `interval_steps`
+    steps of the node (the job's interval K) at the node's step rate. Finished nodes' edges are not judged."""
+    rows = []
+    for node in nodes:
+        lag = max(0.0, now - node.time) if node.time else 0.0  # the report's age: the node's figures are that old
+        steps = node.local_steps or node.step
+        rate = steps / node.elapsed_s if node.elapsed_s > 0 and steps > 0 else math.nan
+        for edge in node.edges:
+            age = edge.last_message_age_s if not math.isnan(edge.last_message_age_s) else node.elapsed_s
+            interval = edge.message_interval_s if not math.isnan(edge.message_interval_s) else interval_steps / rate
+            row = EdgeRow(node.node, node.rank, edge, age + lag, edge.in_flight_s + lag if edge.in_flight_s else 0.0,
+                          interval, Trouble.OK)
+            rows.append(row if node.finished else _judged(row, lag))
+    return sorted(rows, key=lambda r: (r.trouble, -r.last_message_s, r.src, r.edge.peer))
+
+
+def _judged(row: EdgeRow, lag: float) -> EdgeRow:
+    edge = row.edge
+    threshold = max(STALL_INTERVALS * row.interval_s, STALL_MIN_S) if not math.isnan(row.interval_s) else STALL_MIN_S
+    if row.last_message_s > threshold:
+        trouble = Trouble.STALLED
+    elif edge.last_failure_age_s + lag <= FAILING_WINDOW_S:  # NaN (never failed) compares False
+        trouble = Trouble.FAILING
+    elif edge.staleness_steps > STALE_STEPS:
+        trouble = Trouble.STALE
+    else:
+        return row
+    return EdgeRow(row.src, row.rank, edge, row.last_message_s, row.in_flight_s, row.interval_s, trouble)
+
+
+def waits_on(nodes: Sequence[Progress], rows: Sequence[EdgeRow]) -> list[str]:
+    """What a job that does not move waits on: its stalled edges, and each node that waits with what for."""
+    lines = [f"edge {r.src} -> {r.edge.peer} is stalled: no message for {_duration(r.last_message_s)}"
+             + (f", a call in flight for {_duration(r.in_flight_s)}" if r.in_flight_s else "")
+             for r in rows if r.trouble is Trouble.STALLED]
+    lines += [f"rank {n.rank} ({n.node}) waits for {n.waiting_for}" for n in nodes if n.waiting_for and not n.finished]
+    return lines
+
+
+def _reasons(reasons: Mapping[str, int]) -> str:
+    return ",".join(f"{reason}:{count}" for reason, count in sorted(reasons.items())) or "-"
+
+
+def edges_text(status: pb.JobStatusReply, interval_steps: int = 1, now: float | None = None) -> str:
+    """`coordinator edges` of a job: a row per edge of its nodes, worst first, and what it waits on."""
+    now = time.time() if now is None else now
+    nodes = progress_of(status)
+    rows = edge_rows(nodes, now, interval_steps)
+    lines = [f"job {status.job_id} ({status.name}): {state_name(status.state)}, {len(rows)} edges"]
+    if not rows:
+        lines.append("no edge reported" + ("" if status.state == pb.JOB_RUNNING else " (only a running job has them)"))
+        return "\n".join(lines)
+    lines.append(f"{'trouble':<8} {'src':<14} {'dst':<14} {'last msg':>9} {'in flight':>9} {'sent':>7} "
+                 f"{'recv':>7} {'MB out':>8} {'MB in':>8} {'stale':>6} {'distance':>9}  failures")
+    for r in rows:
+        e = r.edge
+        lines.append(
+            f"{r.trouble.name.lower():<8} {r.src:<14} {e.peer:<14} {_fmt(r.last_message_s, '{:.1f} s'):>9} "
+            f"{_fmt(r.in_flight_s, '{:.1f} s') if r.in_flight_s else '-':>9} {e.messages_sent:>7} "
+            f"{e.messages_received:>7} {e.bytes_sent / 1e6:>8.2f} {e.bytes_received / 1e6:>8.2f} "
+            f"{_fmt(e.staleness_steps, '{:.0f}'):>6} {_fmt(e.consensus_distance, '{:.4g}'):>9}  "
+            f"{_reasons(e.failure_reasons)}"
+        )
+    waits = waits_on(nodes, rows)
+    if waits:
+        lines.append("waits on: " + "; ".join(waits))
+    return "\n".join(lines)
+
+
+def edges_json(status: pb.JobStatusReply, interval_steps: int = 1, now: float | None = None) -> dict:
+    """`coordinator edges --json`: the same rows and waits; unknown numbers are null."""
+    now = time.time() if now is None else now
+    nodes = progress_of(status)
+    rows = edge_rows(nodes, now, interval_steps)
+
+    def number(value: float) -> float | None:
+        return None if math.isnan(value) else value
+
+    return {
+        "job_id": status.job_id, "name": status.name, "state": state_name(status.state),
+        "edges": [
+            {"src": r.src, "rank": r.rank, "dst": r.edge.peer, "trouble": r.trouble.name.lower(),
+             "last_message_s": number(r.last_message_s), "in_flight_s": r.in_flight_s,
+             "interval_s": number(r.interval_s), "messages_sent": r.edge.messages_sent,
+             "messages_received": r.edge.messages_received, "bytes_sent": r.edge.bytes_sent,
+             "bytes_received": r.edge.bytes_received, "failures": dict(r.edge.failure_reasons),
+             "staleness_steps": number(r.edge.staleness_steps),
+             "consensus_distance": number(r.edge.consensus_distance)}
+            for r in rows
+        ],
+        "waits_on": waits_on(nodes, rows),
+    }

@@ -3,6 +3,7 @@ the parameter server of the centralised algorithms (coordinator.ps_service)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -25,11 +26,20 @@ from coordinator.topology import Topology, build_topology
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 from nodeagent.algorithms import Family, lookup
-from nodeagent.jobspec import JobSpec, JobSpecError, TopologySpec, format_validation_error, parse_job_yaml
+from nodeagent.jobspec import (
+    MAX_NODES,
+    JobSpec,
+    JobSpecError,
+    TopologySpec,
+    format_validation_error,
+    parse_job_yaml,
+)
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import MAX_FIELD_CHARS, address_problem, name_problem, node_id_problem
-from nodeagent.runtime.events import TOPOLOGY, Event, EventLog
-from nodeagent.runtime.progress import RunLog, from_report, to_node_progress
+from nodeagent.runtime import events
+from nodeagent.runtime.driver import IN_FLIGHT
+from nodeagent.runtime.events import Event, EventLog
+from nodeagent.runtime.progress import EdgeCounters, Progress, RunLog, from_report, to_node_progress
 from nodeagent.security import pki
 from nodeagent.security.authz import Authorizer, rules_for
 from nodeagent.security.pki import CertificateError, Role
@@ -57,14 +67,29 @@ MAX_JOB_REFERENCE_CHARS = 128  # a job's id or name, as a person types it
 SWITCH_LEAD_S = 5.0
 MIN_SWITCH_MARGIN_STEPS = 10
 MAX_TOPOLOGY_OPTIONS_CHARS = 65_536  # of a change's options as JSON (an edge list of a few thousand edges)
+MAX_EVENTS_PER_REPORT = 64
+# Each node may add EVENT_BURST events at once and EVENT_RATE_PER_S on average: a node that logs in a loop fills
+# neither the disk nor `coordinator logs`; what it sends beyond is dropped and counted.
+EVENT_BURST = 200
+EVENT_RATE_PER_S = 2.0
+# What a node's report may hold of its edges (per-edge debugging): a node has at most MAX_NODES - 1 neighbours,
+# plus the parameter server or the all-reduce; what it waits for is a line of the log.
+MAX_REPORTED_EDGES = MAX_NODES + 1
+MAX_WAITING_CHARS = 500
+# Failure reasons are a small known set (gRPC status codes, and the driver's and transports' own); anything else
+# an agent sends is counted as OTHER_REASON, so that a report cannot grow the set.
+KNOWN_FAILURE_REASONS = frozenset({code.name.lower() for code in grpc.StatusCode} |
+                                  {"rejected", "not_neighbor", "error", IN_FLIGHT})
+OTHER_REASON = "other"
 
 _NODE = frozenset({Role.NODE})
 _OPERATOR = frozenset({Role.OPERATOR})
 # Who may call what on the coordinator. A node acts only as itself (the handlers check the node id fields).
 COORDINATOR_RULES = rules_for("peertrain.v1.Coordinator", {
     **dict.fromkeys(("Register", "Heartbeat", "WatchAssignment", "ReportMetrics", "ReportFailure", "Deregister",
-                     "PsPush", "PsPull", "PsReport"), _NODE),
-    **dict.fromkeys(("SubmitJob", "StopJob", "ListNodes", "JobStatus", "ListJobs", "RemoveNode", "DrainNode",
+                     "ReportEvents", "PsPush", "PsPull", "PsReport"), _NODE),
+    **dict.fromkeys(("SubmitJob", "StopJob", "ListNodes", "JobStatus", "ListJobs", "JobEvents", "RemoveNode",
+                     "DrainNode",
                      "CreateJoinToken", "RevokeCertificate", "ListCertificates", "ChangeTopology"), _OPERATOR),
     "RenewCertificate": _NODE | _OPERATOR,
 })
@@ -149,6 +174,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._topologies: dict[tuple[str, int], Topology] = {}  # by job and topology version
         self._rendezvous: dict[str, tuple[TCPStore, str]] = {}  # job -> its store and key prefix
         self._run_logs: dict[str, RunLog] = {}
+        self._event_logs: dict[str, EventLog] = {}
+        self._event_allowance: dict[str, tuple[float, float]] = {}  # node -> (events it may add, when counted)
+        self._events_lock = threading.Lock()
+        # Per running job and rank, the node's last edges and what it waits for (JobStatus shows them): live
+        # debugging figures, refreshed every second, kept in memory only and dropped when the job ends.
+        self._live_edges: dict[str, dict[int, Progress]] = {}
+        self._live_edges_lock = threading.Lock()  # a report racing its job's end leaves nothing behind
         self._schedule_lock = threading.Lock()
         self.ps = PSService(self.store, metrics, fsync=config.ps_fsync)
         self._monitor = threading.Thread(target=self._monitor_loop, name="liveness", daemon=True)
@@ -248,6 +280,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     continue
                 self.store.start_job(job.job_id, idle[: job.world_size])
                 log.info("job %s started on %s", job.job_id, ", ".join(idle[: job.world_size]))
+                self._event(job, events.STARTED, "running on " + ", ".join(
+                    f"rank {rank} {node}" for rank, node in enumerate(idle[: job.world_size])))
                 self.changes.bump()
 
     def _idle(self, nodes: list[NodeRow]) -> list[str]:
@@ -274,8 +308,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._end_rendezvous(job.job_id)
         self.ps.close(job.job_id)
         self.metrics.forget_job(job.job_id)
+        with self._live_edges_lock:
+            self._live_edges.pop(job.job_id, None)
         log.log(logging.WARNING if state == "FAILED" else logging.INFO, "job %s %s%s", job.job_id, state.lower(),
                 f": {reason}" if reason else "")
+        self._event(job, state.lower(), reason or f"job {state.lower()}", "ERROR" if state == "FAILED" else "INFO")
         self.changes.bump()
         self._schedule()
 
@@ -410,7 +447,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def ReportMetrics(self, request, context):
         request.node_id = self._as_node(context, request.node_id)
-        progress = from_report(request, time=time.time())
+        progress = bounded_report(from_report(request, time=time.time()))
         if not self.store.record_progress(progress):
             return pb.MetricsReply(job_active=False)
         job = self.store.job(request.job_id)
@@ -419,6 +456,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if run_log is None:
             run_log = self._run_logs[job.job_id] = RunLog(job.run_dir)
         run_log.append(progress)
+        with self._live_edges_lock:
+            if self.store.job(job.job_id).state == "RUNNING":
+                self._live_edges.setdefault(job.job_id, {})[progress.rank] = progress
         if request.finished and job.state == "RUNNING":
             members = self.store.members(job.job_id)
             if all(m.progress.finished for m in members):
@@ -443,6 +483,53 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             log.info("%s left", node_id)
             self.changes.bump()
         return pb.DeregisterReply()
+
+    def ReportEvents(self, request, context):
+        node_id = self._as_node(context, request.node_id)
+        if len(request.events) > MAX_EVENTS_PER_REPORT:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{len(request.events)} events in one report; at most {MAX_EVENTS_PER_REPORT}")
+        for event in request.events:
+            if event.kind not in events.NODE_KINDS or event.level not in events.LEVELS:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"event kind {event.kind[:32]!r} or level {event.level[:32]!r} is not one a node may "
+                              f"report (kinds {', '.join(events.NODE_KINDS)}; levels {', '.join(events.LEVELS)})")
+        job = self.store.job(request.job_id[:MAX_JOB_REFERENCE_CHARS])
+        ranks = [m.rank for m in self.store.members(job.job_id) if m.node_id == node_id] if job is not None else []
+        if not ranks:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"node {node_id} holds no rank of job {request.job_id[:MAX_JOB_REFERENCE_CHARS]!r}")
+        assert job is not None
+        kept = self._admit_events(node_id, len(request.events))
+        now = time.time()
+        for event in request.events[:kept]:
+            self._record(job, Event(now, job.job_id, event.kind, events.bounded(event.message), event.level,
+                                    ranks[0], node_id, max(-1, event.step)))
+        return pb.EventReportReply(dropped=len(request.events) - kept)
+
+    def _admit_events(self, node_id: str, count: int) -> int:
+        """How many of `count` events of a node are kept under its rate limit."""
+        with self._events_lock:
+            now = time.monotonic()
+            allowance, counted = self._event_allowance.get(node_id, (float(EVENT_BURST), now))
+            allowance = min(float(EVENT_BURST), allowance + (now - counted) * EVENT_RATE_PER_S)
+            kept = min(count, int(allowance))
+            self._event_allowance[node_id] = (allowance - kept, now)
+            return kept
+
+    def _event(self, job: JobRow, kind: str, message: str, level: str = "INFO") -> None:
+        """One of the coordinator's own events of a job."""
+        self._record(job, Event(time.time(), job.job_id, kind, events.bounded(message), level))
+
+    def _record(self, job: JobRow, event: Event) -> None:
+        with self._events_lock:
+            event_log = self._event_logs.get(job.job_id)
+            if event_log is None:
+                event_log = self._event_logs[job.job_id] = EventLog(job.run_dir)
+        try:
+            event_log.append(event)
+        except OSError as error:  # a full or missing run directory loses the event, not the call
+            log.warning("job %s: could not record an event in %s: %s", job.job_id, job.run_dir, error)
 
     # -- parameter server (coordinator.ps_service) ----------------------------------------------------------------
 
@@ -525,6 +612,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         (run_dir / "job.json").write_text(spec.model_dump_json(indent=2))
         self.store.add_job(job_id, spec.name, spec.to_json(), request.spec_yaml, spec.nodes, str(run_dir))
         log.info("job %s submitted: %s on %d nodes", job_id, spec.algorithm.name, spec.nodes)
+        job = self.store.job(job_id)
+        assert job is not None
+        operator = caller(context) if self.ca is not None else None
+        self._event(job, events.SUBMITTED, f"{spec.algorithm.name} on {spec.nodes} nodes, {spec.steps} steps"
+                    + (f", by operator {operator.name}" if operator is not None else ""))
         self._schedule()
         job = self.store.job(job_id)
         assert job is not None
@@ -570,7 +662,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if not self.store.change_topology(job.job_id, topology_spec.model_dump_json(), version, switch_step):
             context.abort(grpc.StatusCode.ABORTED, f"job {job.job_id} ended or changed meanwhile; try again")
         message = f"topology {spec.topology.kind} -> {topology_spec.kind} (version {version}) at step {switch_step}"
-        EventLog(job.run_dir).append(Event(time.time(), job.job_id, TOPOLOGY, message, level="INFO"))
+        self._event(job, events.TOPOLOGY, message)
         log.info("job %s: %s, by an operator", job.job_id, message)
         self.changes.bump()
         return pb.ChangeTopologyReply(job_id=job.job_id, topology_version=version, switch_step=switch_step,
@@ -647,9 +739,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             job_id=job.job_id, name=job.name, state=JOB_STATES[job.state], world_size=job.world_size,
             run_dir=job.run_dir, created_unix=job.created_unix, spec_yaml=job.spec_yaml, reason=job.reason,
             started_unix=job.started_unix, ended_unix=job.ended_unix,
-            nodes=[to_node_progress(m.progress, self._member_state(m, nodes.get(m.node_id)), m.failure)
+            nodes=[to_node_progress(self._with_edges(m.progress), self._member_state(m, nodes.get(m.node_id)),
+                                    m.failure)
                    for m in self.store.members(job.job_id)],
         )
+
+    def _with_edges(self, progress: Progress) -> Progress:
+        """The stored progress of a node with its live edges, when its last report had them (a running job)."""
+        live = self._live_edges.get(progress.job, {}).get(progress.rank)
+        if live is None or live.node != progress.node:
+            return progress
+        return dataclasses.replace(progress, edges=live.edges, waiting_for=live.waiting_for)
 
     def ListJobs(self, request, context):
         limit = min(request.limit or DEFAULT_JOB_LIST, MAX_JOB_LIST)
@@ -659,6 +759,21 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                        reason=job.reason)
             for job in self.store.all_jobs(limit)
         ])
+
+    def JobEvents(self, request, context):
+        reference = request.job_id[:MAX_JOB_REFERENCE_CHARS]
+        job = self.store.find_job(reference)
+        if job is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, _no_job(reference))
+        if request.min_level and request.min_level not in events.LEVELS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"min_level {request.min_level[:32]!r} is not one of "
+                          f"{', '.join(events.LEVELS)}")
+        found, next_offset = events.read_events(job.run_dir, request.offset, events.READ_BYTES)
+        rank = request.rank if request.HasField("rank") else None
+        shown = [events.to_proto(e) for e in found
+                 if (rank is None or e.rank in (-1, rank)) and events.level_at_least(e.level, request.min_level)]
+        return pb.JobEventsReply(job_id=job.job_id, events=shown, next_offset=next_offset,
+                                 state=JOB_STATES[job.state])
 
     @staticmethod
     def _member_state(member, node: NodeRow | None) -> str:
@@ -696,6 +811,35 @@ class EnrollmentService(coordinator_pb2_grpc.EnrollmentServicer):
         identity = pki.identity_of(cert)
         log.info("enrolled node %s (certificate %s)", name, identity.serial)
         return pb.CertificateReply(certificate_pem=pki.certificate_pem(cert), name=name, serial=identity.serial)
+
+
+def bounded_report(progress: Progress) -> Progress:
+    """A node's report as the coordinator keeps, logs and shows it: at most MAX_REPORTED_EDGES edges, names and
+    texts cut, failure reasons from the known set, and no number that is not one (an age that is not a finite,
+    non-negative number is unknown: NaN)."""
+    return dataclasses.replace(
+        progress, waiting_for=progress.waiting_for[:MAX_WAITING_CHARS],
+        edges=tuple(_bounded_edge(edge) for edge in progress.edges[:MAX_REPORTED_EDGES]),
+    )
+
+
+def _bounded_edge(edge: EdgeCounters) -> EdgeCounters:
+    reasons: dict[str, int] = {}
+    for reason, count in edge.failure_reasons.items():
+        key = reason if reason in KNOWN_FAILURE_REASONS else OTHER_REASON
+        reasons[key] = reasons.get(key, 0) + count
+    return dataclasses.replace(
+        edge, peer=edge.peer[:MAX_FIELD_CHARS], failure_reasons=reasons,
+        last_message_age_s=_age(edge.last_message_age_s), message_interval_s=_age(edge.message_interval_s),
+        in_flight_s=_age(edge.in_flight_s) if edge.in_flight_s > 0 else 0.0,
+        last_failure_age_s=_age(edge.last_failure_age_s), consensus_distance=_age(edge.consensus_distance),
+        staleness_steps=edge.staleness_steps if math.isfinite(edge.staleness_steps) else math.nan,
+    )
+
+
+def _age(value: float) -> float:
+    """A duration or a norm: a finite, non-negative number, or NaN (unknown)."""
+    return value if math.isfinite(value) and value >= 0 else math.nan
 
 
 def _no_job(reference: str) -> str:

@@ -14,7 +14,6 @@ the first node's switch.
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -24,10 +23,12 @@ import torch
 
 from coordinator.display import mean_accuracy
 from coordinator.jobs import plan_node, validate_job, validate_topology_change, with_topology
+from coordinator.progress_view import ProgressView
 from nodeagent.jobspec import JobSpec
 from nodeagent.metrics import Metrics
-from nodeagent.runtime.driver import Report, TopologyChange
-from nodeagent.runtime.events import TOPOLOGY, Event, EventLog
+from nodeagent.runtime import events
+from nodeagent.runtime.driver import Report, Switch, TopologyChange
+from nodeagent.runtime.events import Event, EventLog
 from nodeagent.runtime.progress import Progress, RunLog
 from nodeagent.runtime.simulator import SimNode, VirtualMesh
 from nodeagent.training.job import Node, build_node
@@ -68,25 +69,36 @@ def simulate(
     on_progress: Callable[[VirtualMesh], None] | None = None,
     allow_imports: Collection[str] = (),
 ) -> SimulationResult:
-    """Run `spec` to completion; writes the metrics log to `run_dir` when given."""
+    """Run `spec` to completion; writes the metrics log and the events (virtual times) to `run_dir` when given."""
     torch.set_num_threads(1)  # one process steps every node in turn; extra threads only contend
     started = time.monotonic()
     nodes = build_nodes(spec, data_dir, allow_imports)
-    run_log = None
+    run_log = event_log = None
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "job.json").write_text(spec.model_dump_json(indent=2))
-        run_log = RunLog(run_dir)
+        run_log, event_log = RunLog(run_dir), EventLog(run_dir)
+        event_log.append(Event(0.0, spec.name, events.STARTED, f"simulating {spec.algorithm.name} on {spec.nodes} "
+                               f"nodes, {spec.steps} steps"))
+    finished: set[int] = set()
 
     def observe(mesh: VirtualMesh, sim: SimNode, report: Report) -> None:
+        progress = report.progress
         if run_log is not None:
-            run_log.append(report.progress)
+            run_log.append(progress)
+        if event_log is not None and progress.finished and progress.rank not in finished:
+            finished.add(progress.rank)
+            event_log.append(Event(mesh.now, spec.name, events.FINISHED, f"rank {progress.rank} finished at step "
+                                   f"{progress.step}, test accuracy {progress.test_accuracy:.4f}", rank=progress.rank,
+                                   node=progress.node, step=progress.step))
 
-    mesh = VirtualMesh(nodes, spec.name, spec.simulation, metrics or Metrics(), observe)
+    mesh = VirtualMesh(nodes, spec.name, spec.simulation, metrics or Metrics(), observe,
+                       on_switch=topology_events(event_log) if event_log is not None else None)
     schedule_topology_changes(mesh, spec)
     mesh.run(on_event=on_progress)
-    if run_dir is not None:
-        log_topology_changes(mesh, EventLog(run_dir))
+    if event_log is not None:
+        event_log.append(Event(mesh.now, spec.name, events.FINISHED if mesh.finished else events.STOPPED,
+                               "job finished" if mesh.finished else "the simulation ended before every node finished"))
     return SimulationResult(mesh, run_dir, time.monotonic() - started)
 
 
@@ -107,39 +119,37 @@ def schedule_topology_changes(mesh: VirtualMesh, spec: JobSpec) -> None:
         previous = topology_spec
 
 
-def log_topology_changes(mesh: VirtualMesh, events: EventLog) -> None:
-    """One event per change the nodes applied, at the virtual time the first of them switched."""
-    first: dict[str, tuple[float, int]] = {}
-    for sim in mesh.nodes:
-        for switch in sim.driver.switches:
-            description = switch.change.description
-            first[description] = min(first.get(description, (switch.time, switch.step)), (switch.time, switch.step))
-    for description, (when, step) in sorted(first.items(), key=lambda item: item[1]):
-        events.append(Event(when, mesh.job, TOPOLOGY, f"topology {description} at step {step}", step=step))
+def topology_events(event_log: EventLog) -> Callable[[VirtualMesh, SimNode, Switch], None]:
+    """A mesh's `on_switch`: writes each topology change once, at the virtual time its first node switches."""
+    logged: set[str] = set()
+
+    def on_switch(mesh: VirtualMesh, sim: SimNode, switch: Switch) -> None:
+        description = switch.change.description
+        if description not in logged:
+            logged.add(description)
+            event_log.append(Event(mesh.now, mesh.job, events.TOPOLOGY, f"topology {description} at step "
+                                   f"{switch.step}", step=switch.step))
+
+    return on_switch
 
 
 class SimulationProgress:
-    """A status line every few wall seconds: virtual time, steps, mean accuracy."""
+    """Shows a simulation on a live progress view, every `every_s` wall seconds at most: the nodes' steps, their
+    mean accuracy and the virtual time."""
 
-    def __init__(self, steps: int, every_s: float = 2.0):
-        self.steps = steps
+    def __init__(self, view: ProgressView, every_s: float = 0.5):
+        self.view = view
         self.every_s = every_s
-        self.started = time.monotonic()
-        self.last = self.started
-        self.tty = sys.stdout.isatty()
+        self.last = -math.inf
 
     def __call__(self, mesh: VirtualMesh) -> None:
         now = time.monotonic()
         if now - self.last < self.every_s:
             return
         self.last = now
-        clocks = [sim.node.algorithm.clock for sim in mesh.nodes]
+        steps = [sim.node.algorithm.clock for sim in mesh.nodes]
         accuracy = mean_accuracy([sim.driver.progress() for sim in mesh.nodes])
-        line = (
-            f"[{now - self.started:5.0f} s wall] virtual {mesh.now:9.2f} s  steps {min(clocks)}..{max(clocks)} "
-            f"of {self.steps}  mean test accuracy {'-' if math.isnan(accuracy) else f'{accuracy:.4f}'}"
-        )
-        print(f"\r{line}   " if self.tty else line, end="" if self.tty else "\n", flush=True)
+        self.view.update(steps, accuracy, note=f"virtual {mesh.now:.1f} s")
 
 
 def reference_spec(spec: JobSpec) -> JobSpec:

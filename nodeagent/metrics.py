@@ -3,16 +3,26 @@
 Names carry the `peertrain_` prefix and Prometheus units. Series of a job carry `job_id` (not "job": Prometheus
 owns that label); edges are labelled `src` and `dst` (node ids), nodes `node`. When a job ends here its series are
 removed (`forget_job`). Each process owns one `Metrics` object with its own registry, so tests can run several in
-one interpreter.
+one interpreter. No `_created` series: they double every counter's series and no query uses them.
+
+Per-edge debugging: the edge gauges (last message, in flight since, message interval, neighbour staleness,
+consensus distance) come from the node driver's per-edge accounting, set at each progress report
+(`observe_edges`). The driver counts time on its own clock (monotonic on agents, virtual in the simulator) and
+reports ages; the agent turns them into Unix timestamps here, so that `time() - gauge` is an age in PromQL.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
 
 from nodeagent.listen import ListenError
+from nodeagent.runtime.progress import EdgeCounters
+
+disable_created_metrics()
 
 EXCHANGE_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -54,6 +64,29 @@ class Metrics:
             [*edge, "reason"],
             registry=r,
         )
+        self.edge_last_message = Gauge(
+            "peertrain_edge_last_message_timestamp_seconds",
+            "Unix time of the last message on an edge: one received from dst, or a call to it that completed",
+            edge, registry=r,
+        )
+        self.edge_message_interval = Gauge(
+            "peertrain_edge_message_interval_seconds",
+            "Mean time between two messages on an edge so far (the edge's exchange interval)", edge, registry=r,
+        )
+        self.edge_in_flight_since = Gauge(
+            "peertrain_edge_in_flight_since_timestamp_seconds",
+            "Unix time since which src's exchange or pull to dst is in flight; 0 when none is", edge, registry=r,
+        )
+        self.neighbor_staleness = Gauge(
+            "peertrain_neighbor_staleness_steps",
+            "Steps src is ahead of the clock of the last message it received from dst (negative: behind)",
+            edge, registry=r,
+        )
+        self.consensus_distance = Gauge(
+            "peertrain_edge_consensus_distance",
+            "Norm of src's parameters minus its copy of dst's (algorithms that keep copies of neighbours only)",
+            edge, registry=r,
+        )
         self.stream_rejections = Counter(
             "peertrain_stream_rejections",
             "Peer streams and requests refused or ended before touching state (bad manifest, truncated, not_neighbor, "
@@ -78,7 +111,9 @@ class Metrics:
             "peertrain_wait_seconds", "Time spent waiting for messages before a step", node, registry=r
         )
         self.agent_info = Gauge(
-            "peertrain_agent_info", "Constant 1, labelled with the agent's identity", ["node", "device"], registry=r
+            "peertrain_agent_info",
+            "Constant 1, labelled with the agent's identity: node id, name, package version, peer address, device",
+            ["node", "name", "version", "address", "device"], registry=r,
         )
         self.coordinator_nodes = Gauge(
             "peertrain_coordinator_nodes", "Registered node agents by liveness", ["state"], registry=r
@@ -110,14 +145,16 @@ class Metrics:
         )
         self.ps_version = Gauge("peertrain_ps_version", "Model version of the parameter server", ["job_id"], registry=r)
         self.ps_staleness = Histogram(
-            "peertrain_ps_staleness", "Delay of an applied push: updates between the worker's version and it",
+            "peertrain_ps_staleness_updates", "Delay of an applied push: updates between the worker's version and it",
             ["job_id"], buckets=STALENESS_BUCKETS, registry=r,
         )
 
         # Every metric with series of a job, and its label names (for forget_job).
         self._of_a_job = [
             *((m, edge) for m in (self.edge_bytes_sent, self.edge_bytes_received, self.edge_messages_sent,
-                                  self.edge_messages_received, self.exchange_seconds)),
+                                  self.edge_messages_received, self.exchange_seconds, self.edge_last_message,
+                                  self.edge_message_interval, self.edge_in_flight_since, self.neighbor_staleness,
+                                  self.consensus_distance)),
             (self.exchange_failures, [*edge, "reason"]),
             *((m, node) for m in (self.local_steps, self.training_loss, self.test_accuracy, self.test_loss,
                                   self.step_seconds, self.wait_seconds, self.ps_bytes_upstream,
@@ -127,6 +164,21 @@ class Metrics:
             (self.ps_version, ["job_id"]),
             (self.ps_staleness, ["job_id"]),
         ]
+
+    def observe_edges(self, job_id: str, node: str, edges: Iterable[EdgeCounters], now_unix: float) -> None:
+        """Set the edge gauges of `node` from its progress record, whose ages count back from `now_unix`. What is
+        not known yet (no message on an edge, no copy of the neighbour) is left unset."""
+        for edge in edges:
+            labels = (job_id, node, edge.peer)
+            if math.isfinite(edge.last_message_age_s):
+                self.edge_last_message.labels(*labels).set(now_unix - edge.last_message_age_s)
+            if math.isfinite(edge.message_interval_s):
+                self.edge_message_interval.labels(*labels).set(edge.message_interval_s)
+            self.edge_in_flight_since.labels(*labels).set(now_unix - edge.in_flight_s if edge.in_flight_s > 0 else 0)
+            if math.isfinite(edge.staleness_steps):
+                self.neighbor_staleness.labels(*labels).set(edge.staleness_steps)
+            if math.isfinite(edge.consensus_distance):
+                self.consensus_distance.labels(*labels).set(edge.consensus_distance)
 
     def forget_job(self, job_id: str) -> None:
         """Remove every series of the job `job_id`: a finished job's figures stay in its run's log, not here."""

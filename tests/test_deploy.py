@@ -841,8 +841,8 @@ def feed(agent: Any, coordinator: Any, job: str, stop: threading.Event) -> None:
     coordinator.coordinator_nodes.labels("up").set(2)
     coordinator.coordinator_nodes.labels("down").set(0)
     coordinator.coordinator_jobs.labels("running").set(1)
-    for node in ("n0", "n1"):
-        agent.agent_info.labels(node, "cpu").set(1)
+    for index, node in enumerate(("n0", "n1")):
+        agent.agent_info.labels(node, node, "0.1.0", f"127.0.0.1:{7100 + index}", "cpu").set(1)
     step = 0
     while not stop.wait(0.05):
         step += 1
@@ -853,6 +853,11 @@ def feed(agent: Any, coordinator: Any, job: str, stop: threading.Event) -> None:
             agent.edge_messages_sent.labels(job, src, dst).inc()
             agent.edge_messages_received.labels(job, dst, src).inc()
             agent.exchange_seconds.labels(job, src, dst).observe(0.004 * (1 + step % 5))
+            agent.edge_last_message.labels(job, src, dst).set(time.time() - 0.05 * (step % 3))
+            agent.edge_message_interval.labels(job, src, dst).set(0.05)
+            agent.edge_in_flight_since.labels(job, src, dst).set(time.time() - 0.01)
+            agent.neighbor_staleness.labels(job, src, dst).set(step % 4)
+            agent.consensus_distance.labels(job, src, dst).set(1.0 / step)
             if step % 7 == 0:
                 agent.exchange_failures.labels(job, src, dst, "unavailable").inc()
                 agent.stream_rejections.labels(src, dst, "bad_manifest").inc()
@@ -1012,6 +1017,11 @@ def stop_process(process: Any) -> None:
         process.wait()
 
 
+# The dashboard's panels of per-edge debugging, whose series come from the agents' progress reports.
+EDGE_DEBUGGING_PANELS = ("Edge last message age and call in flight", "Neighbour staleness",
+                         "Consensus distance per edge", "Edge message interval")
+
+
 @pytest.mark.slow
 def test_prometheus_scrapes_a_local_cluster(tmp_path: Path, fashion_mnist_dir: Path) -> None:
     """The real server scrapes a coordinator and 4 agents on loopback while they train."""
@@ -1054,6 +1064,16 @@ def test_prometheus_scrapes_a_local_cluster(tmp_path: Path, fashion_mnist_dir: P
 
             wait_for(edges_seen, 90, "traffic on every edge of the ring")
             wait_for(cluster_seen, 30, "every target up, accuracy of every node, the coordinator's node count")
+            # The per-edge debugging panels answer from the agents' own gauges, for every edge of the ring.
+            dashboard = json.loads(DASHBOARD.read_text())
+            for title in EDGE_DEBUGGING_PANELS:
+                expr = next(t["expr"] for panel_title, t in dashboard_queries(dashboard) if panel_title == title)
+
+                def answered(expr: str = expr) -> bool:
+                    rows = prometheus_query(base, grafana_substitute(expr, job_id))
+                    return {(r["metric"]["src"], r["metric"]["dst"]) for r in rows} == ring
+
+                wait_for(answered, 30, f"the panel {title!r} on every edge")
             cluster.stub().StopJob(coordinator_pb2.StopJobRequest(job_id=job_id), timeout=10)
         finally:
             stop_process(process)

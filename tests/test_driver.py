@@ -65,6 +65,9 @@ class ScriptedAlgorithm:
     def waiting_for(self) -> str:
         return "the step-1 parameters of ranks [3]"
 
+    def consensus_distance(self, peer: int) -> float | None:
+        return 0.25 * peer if peer == 1 else None
+
 
 class Batches:
     def next(self):
@@ -253,9 +256,13 @@ def test_a_long_wait_counts_as_it_passes_and_is_logged_once_with_what_it_waits_f
             driver.clock.now += 6.0
             decision = driver.next()
             assert decision.action is Action.WAIT
-            (report,) = decision.reports  # the node keeps reporting while it waits
+            (report,) = decision.reports  # the node keeps reporting while it waits, and what for
             waits.append(report.progress.wait_s)
+            assert report.progress.waiting_for == "the step-1 parameters of ranks [3]"
     assert waits == [6.0, 12.0, 18.0, 24.0]
+    algorithm.waiting = False
+    driver.clock.now += 1.0
+    assert driver.next().reports[-1].progress.waiting_for == ""  # ready again: it waits for nothing
     logged = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
     assert logged == ["job job: rank0 has waited 12 s at step 1 for the step-1 parameters of ranks [3]"]
 
@@ -298,3 +305,44 @@ def test_a_synchronous_dsgd_node_keeps_no_copy_of_a_far_future_round():
         driver.arrived(Message(Kind.PARAMS, 1, 0, copy, clock=round_))
     driver.next()
     assert sorted(dsgd.round_copies) == [0, 1, 2] and future_clock_rejections(driver) == 998
+
+
+def edge(report_or_driver, peer: str):
+    progress = report_or_driver.progress() if isinstance(report_or_driver, NodeDriver) else report_or_driver
+    return next(e for e in progress.edges if e.peer == peer)
+
+
+def test_per_edge_accounting_last_message_in_flight_staleness_and_failures_by_reason():
+    algorithm = ScriptedAlgorithm(plan=[[exchange(1), exchange(2)], [exchange(1)], [exchange(1)]])
+    driver, _ = driver_for(algorithm, report_every_s=1.0)
+    driver.next()
+    driver.step()
+    to_1, to_2 = driver.stepped(0.1)
+    assert math.isnan(edge(driver, "rank1").last_message_age_s)  # nothing on the edge yet
+    driver.clock.now += 2.0
+    assert edge(driver, "rank1").in_flight_s == 2.0
+    driver.arrived(Reply(to_1, message(1, clock=0)))  # the call completed, with the peer's step-0 message
+    driver.arrived(Failure(to_2, "deadline_exceeded"))
+    driver.next()
+    driver.clock.now += 3.0
+    one, two = edge(driver, "rank1"), edge(driver, "rank2")
+    assert (one.last_message_age_s, one.in_flight_s, one.messages_sent, one.messages_received) == (3.0, 0.0, 1, 1)
+    assert one.staleness_steps == 1 and one.consensus_distance == 0.25  # this node is at step 1, the peer at 0
+    assert two.failure_reasons == {"deadline_exceeded": 1} and two.last_failure_age_s == 3.0
+    assert math.isnan(two.last_message_age_s) and math.isnan(two.staleness_steps)
+    assert math.isnan(two.consensus_distance)  # the algorithm keeps no copy of rank 2
+    driver.arrived(message(2, clock=0))  # the peer's own message counts on the edge too
+    driver.clock.now += 1.0
+    assert edge(driver, "rank2").last_message_age_s == 1.0 and edge(driver, "rank2").messages_received == 1
+    driver.arrived(message(1, clock=1))
+    driver.step()
+    driver.stepped(0.1)  # the exchange with rank 1 is in flight again
+    decision = driver.next()
+    driver.step()
+    assert driver.stepped(0.1) == []  # and stays so: the third is skipped
+    driver.clock.now += 5.0
+    decision = driver.next()
+    one = edge(decision.reports[-1].progress, "rank1")
+    assert one.failure_reasons == {"in_flight": 1} and math.isnan(one.last_failure_age_s)  # a skip is no call
+    assert one.in_flight_s == 5.0 and one.last_message_age_s == 5.0 and one.staleness_steps == 2
+    assert one.message_interval_s == 4.0  # two messages, 4 s apart

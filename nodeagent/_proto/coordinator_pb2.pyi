@@ -212,7 +212,7 @@ class Assignment(_message.Message):
     def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., job_spec_json: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., neighbors: _Optional[_Iterable[_Union[Neighbor, _Mapping]]] = ..., self_weight: _Optional[float] = ..., run_dir: _Optional[str] = ..., peer_schedule: _Optional[_Iterable[_Union[PeerSet, _Mapping]]] = ..., rendezvous_port: _Optional[int] = ..., rejoin: _Optional[bool] = ..., revoked_serials: _Optional[_Iterable[str]] = ..., rendezvous_key: _Optional[str] = ..., topology_version: _Optional[int] = ..., switch_step: _Optional[int] = ..., topology_kind: _Optional[str] = ...) -> None: ...
 
 class MetricsReport(_message.Message):
-    __slots__ = ("node_id", "job_id", "rank", "step", "loss", "test_accuracy", "test_loss", "elapsed_s", "finished", "bytes_sent", "bytes_received", "compute_s", "wait_s", "exchanges", "exchange_failures", "edges", "local_steps")
+    __slots__ = ("node_id", "job_id", "rank", "step", "loss", "test_accuracy", "test_loss", "elapsed_s", "finished", "bytes_sent", "bytes_received", "compute_s", "wait_s", "exchanges", "exchange_failures", "edges", "local_steps", "waiting_for")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +230,7 @@ class MetricsReport(_message.Message):
     EXCHANGE_FAILURES_FIELD_NUMBER: _ClassVar[int]
     EDGES_FIELD_NUMBER: _ClassVar[int]
     LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     job_id: str
     rank: int
@@ -247,21 +248,47 @@ class MetricsReport(_message.Message):
     exchange_failures: int
     edges: _containers.RepeatedCompositeFieldContainer[EdgeTraffic]
     local_steps: int
-    def __init__(self, node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., finished: _Optional[bool] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., exchanges: _Optional[int] = ..., exchange_failures: _Optional[int] = ..., edges: _Optional[_Iterable[_Union[EdgeTraffic, _Mapping]]] = ..., local_steps: _Optional[int] = ...) -> None: ...
+    waiting_for: str
+    def __init__(self, node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., finished: _Optional[bool] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., exchanges: _Optional[int] = ..., exchange_failures: _Optional[int] = ..., edges: _Optional[_Iterable[_Union[EdgeTraffic, _Mapping]]] = ..., local_steps: _Optional[int] = ..., waiting_for: _Optional[str] = ...) -> None: ...
 
 class EdgeTraffic(_message.Message):
-    __slots__ = ("peer", "bytes_sent", "bytes_received", "exchanges", "failures")
+    __slots__ = ("peer", "bytes_sent", "bytes_received", "exchanges", "failures", "messages_sent", "messages_received", "last_message_age_s", "message_interval_s", "in_flight_s", "failure_reasons", "last_failure_age_s", "staleness_steps", "consensus_distance")
+    class FailureReasonsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     PEER_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     EXCHANGES_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_SENT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    LAST_MESSAGE_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_S_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_REASONS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FAILURE_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CONSENSUS_DISTANCE_FIELD_NUMBER: _ClassVar[int]
     peer: str
     bytes_sent: int
     bytes_received: int
     exchanges: int
     failures: int
-    def __init__(self, peer: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., exchanges: _Optional[int] = ..., failures: _Optional[int] = ...) -> None: ...
+    messages_sent: int
+    messages_received: int
+    last_message_age_s: float
+    message_interval_s: float
+    in_flight_s: float
+    failure_reasons: _containers.ScalarMap[str, int]
+    last_failure_age_s: float
+    staleness_steps: float
+    consensus_distance: float
+    def __init__(self, peer: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., exchanges: _Optional[int] = ..., failures: _Optional[int] = ..., messages_sent: _Optional[int] = ..., messages_received: _Optional[int] = ..., last_message_age_s: _Optional[float] = ..., message_interval_s: _Optional[float] = ..., in_flight_s: _Optional[float] = ..., failure_reasons: _Optional[_Mapping[str, int]] = ..., last_failure_age_s: _Optional[float] = ..., staleness_steps: _Optional[float] = ..., consensus_distance: _Optional[float] = ...) -> None: ...
 
 class NodeFailure(_message.Message):
     __slots__ = ("node_id", "job_id", "rank", "reason")
@@ -274,6 +301,64 @@ class NodeFailure(_message.Message):
     rank: int
     reason: str
     def __init__(self, node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class JobEvent(_message.Message):
+    __slots__ = ("time_unix", "kind", "level", "message", "rank", "node_id", "step")
+    TIME_UNIX_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    time_unix: float
+    kind: str
+    level: str
+    message: str
+    rank: int
+    node_id: str
+    step: int
+    def __init__(self, time_unix: _Optional[float] = ..., kind: _Optional[str] = ..., level: _Optional[str] = ..., message: _Optional[str] = ..., rank: _Optional[int] = ..., node_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class EventReport(_message.Message):
+    __slots__ = ("node_id", "job_id", "events")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    job_id: str
+    events: _containers.RepeatedCompositeFieldContainer[JobEvent]
+    def __init__(self, node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[JobEvent, _Mapping]]] = ...) -> None: ...
+
+class EventReportReply(_message.Message):
+    __slots__ = ("dropped",)
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    dropped: int
+    def __init__(self, dropped: _Optional[int] = ...) -> None: ...
+
+class JobEventsRequest(_message.Message):
+    __slots__ = ("job_id", "offset", "rank", "min_level")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    MIN_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    offset: int
+    rank: int
+    min_level: str
+    def __init__(self, job_id: _Optional[str] = ..., offset: _Optional[int] = ..., rank: _Optional[int] = ..., min_level: _Optional[str] = ...) -> None: ...
+
+class JobEventsReply(_message.Message):
+    __slots__ = ("job_id", "events", "next_offset", "state")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    events: _containers.RepeatedCompositeFieldContainer[JobEvent]
+    next_offset: int
+    state: JobState
+    def __init__(self, job_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[JobEvent, _Mapping]]] = ..., next_offset: _Optional[int] = ..., state: _Optional[_Union[JobState, str]] = ...) -> None: ...
 
 class NodeFailureReply(_message.Message):
     __slots__ = ("job_state",)
@@ -440,7 +525,7 @@ class ListJobsReply(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[JobInfo, _Mapping]]] = ...) -> None: ...
 
 class NodeProgress(_message.Message):
-    __slots__ = ("rank", "node_id", "step", "loss", "test_accuracy", "finished", "updated_unix", "bytes_sent", "bytes_received", "test_loss", "elapsed_s", "compute_s", "wait_s", "exchanges", "exchange_failures", "state", "failure", "local_steps")
+    __slots__ = ("rank", "node_id", "step", "loss", "test_accuracy", "finished", "updated_unix", "bytes_sent", "bytes_received", "test_loss", "elapsed_s", "compute_s", "wait_s", "exchanges", "exchange_failures", "state", "failure", "local_steps", "edges", "waiting_for")
     RANK_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -459,6 +544,8 @@ class NodeProgress(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    EDGES_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
     rank: int
     node_id: str
     step: int
@@ -477,7 +564,9 @@ class NodeProgress(_message.Message):
     state: str
     failure: str
     local_steps: int
-    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., finished: _Optional[bool] = ..., updated_unix: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., test_loss: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., exchanges: _Optional[int] = ..., exchange_failures: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ..., local_steps: _Optional[int] = ...) -> None: ...
+    edges: _containers.RepeatedCompositeFieldContainer[EdgeTraffic]
+    waiting_for: str
+    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., finished: _Optional[bool] = ..., updated_unix: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., test_loss: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., exchanges: _Optional[int] = ..., exchange_failures: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ..., local_steps: _Optional[int] = ..., edges: _Optional[_Iterable[_Union[EdgeTraffic, _Mapping]]] = ..., waiting_for: _Optional[str] = ...) -> None: ...
 
 class JobStatusReply(_message.Message):
     __slots__ = ("job_id", "name", "state", "world_size", "nodes", "run_dir", "created_unix", "spec_yaml", "reason", "started_unix", "ended_unix")

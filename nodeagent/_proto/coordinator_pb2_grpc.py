@@ -65,6 +65,11 @@ class CoordinatorStub:
                 request_serializer=peertrain_dot_v1_dot_coordinator__pb2.DeregisterRequest.SerializeToString,
                 response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.DeregisterReply.FromString,
                 _registered_method=True)
+        self.ReportEvents = channel.unary_unary(
+                '/peertrain.v1.Coordinator/ReportEvents',
+                request_serializer=peertrain_dot_v1_dot_coordinator__pb2.EventReport.SerializeToString,
+                response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.EventReportReply.FromString,
+                _registered_method=True)
         self.SubmitJob = channel.unary_unary(
                 '/peertrain.v1.Coordinator/SubmitJob',
                 request_serializer=peertrain_dot_v1_dot_coordinator__pb2.SubmitJobRequest.SerializeToString,
@@ -89,6 +94,11 @@ class CoordinatorStub:
                 '/peertrain.v1.Coordinator/ListJobs',
                 request_serializer=peertrain_dot_v1_dot_coordinator__pb2.ListJobsRequest.SerializeToString,
                 response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.ListJobsReply.FromString,
+                _registered_method=True)
+        self.JobEvents = channel.unary_unary(
+                '/peertrain.v1.Coordinator/JobEvents',
+                request_serializer=peertrain_dot_v1_dot_coordinator__pb2.JobEventsRequest.SerializeToString,
+                response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.JobEventsReply.FromString,
                 _registered_method=True)
         self.RemoveNode = channel.unary_unary(
                 '/peertrain.v1.Coordinator/RemoveNode',
@@ -184,6 +194,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportEvents(self, request, context):
+        """A node's job events (started, resumed, rejoined, failed, finished) and its log lines of WARNING and above, for
+        one job the node holds or held a rank of; the coordinator stamps them and keeps them in the run directory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SubmitJob(self, request, context):
         """Operator calls (the CLI).
         """
@@ -211,6 +229,13 @@ class CoordinatorServicer:
 
     def ListJobs(self, request, context):
         """The newest jobs, newest first (a job's id, name and times; JobStatus has the rest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def JobEvents(self, request, context):
+        """A job's events from its run directory, from a byte offset on (follow a job by asking again from next_offset).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -325,6 +350,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.DeregisterRequest.FromString,
                     response_serializer=peertrain_dot_v1_dot_coordinator__pb2.DeregisterReply.SerializeToString,
             ),
+            'ReportEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportEvents,
+                    request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.EventReport.FromString,
+                    response_serializer=peertrain_dot_v1_dot_coordinator__pb2.EventReportReply.SerializeToString,
+            ),
             'SubmitJob': grpc.unary_unary_rpc_method_handler(
                     servicer.SubmitJob,
                     request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.SubmitJobRequest.FromString,
@@ -349,6 +379,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ListJobs,
                     request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.ListJobsRequest.FromString,
                     response_serializer=peertrain_dot_v1_dot_coordinator__pb2.ListJobsReply.SerializeToString,
+            ),
+            'JobEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.JobEvents,
+                    request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.JobEventsRequest.FromString,
+                    response_serializer=peertrain_dot_v1_dot_coordinator__pb2.JobEventsReply.SerializeToString,
             ),
             'RemoveNode': grpc.unary_unary_rpc_method_handler(
                     servicer.RemoveNode,
@@ -574,6 +609,33 @@ class Coordinator:
             _registered_method=True)
 
     @staticmethod
+    def ReportEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peertrain.v1.Coordinator/ReportEvents',
+            peertrain_dot_v1_dot_coordinator__pb2.EventReport.SerializeToString,
+            peertrain_dot_v1_dot_coordinator__pb2.EventReportReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def SubmitJob(request,
             target,
             options=(),
@@ -698,6 +760,33 @@ class Coordinator:
             '/peertrain.v1.Coordinator/ListJobs',
             peertrain_dot_v1_dot_coordinator__pb2.ListJobsRequest.SerializeToString,
             peertrain_dot_v1_dot_coordinator__pb2.ListJobsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JobEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peertrain.v1.Coordinator/JobEvents',
+            peertrain_dot_v1_dot_coordinator__pb2.JobEventsRequest.SerializeToString,
+            peertrain_dot_v1_dot_coordinator__pb2.JobEventsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -2,7 +2,8 @@
 each assigned job in a runner thread (nodeagent.agent.runner).
 
 Threads: gRPC server threads serve peers (they only read the published snapshot and enqueue messages); one
-watch thread follows the assignment stream; one heartbeat thread; one runner thread per job (the only thread
+watch thread follows the assignment stream; one heartbeat thread; one events thread forwards job events and
+warnings to the coordinator (nodeagent.agent.forward); one runner thread per job (the only thread
 that calls into the algorithm), with a small pool for its outgoing calls.
 """
 
@@ -20,6 +21,7 @@ import grpc
 from nodeagent import __version__
 from nodeagent._proto import coordinator_pb2, coordinator_pb2_grpc
 from nodeagent.agent.enroll import EnrollmentError, enroll, needs_renewal, renew
+from nodeagent.agent.forward import FORWARDED, EventForwarder
 from nodeagent.agent.runner import JobRunner
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import GRPC_OPTIONS, SERVER_OPTIONS, Backoff, failure_reason, split_address
@@ -30,6 +32,8 @@ from nodeagent.security.pki import Identity
 from nodeagent.security.tls import INSECURE_WARNING, TlsDir, TlsError, Transport
 
 log = logging.getLogger("nodeagent")
+
+EVENTS_EVERY_S = 1.0  # how often queued events go to the coordinator
 
 # Answers to Register that trying again will not change.
 REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS)
@@ -78,6 +82,7 @@ class Agent:
         self._threads: list[threading.Thread] = []
         self.transport = Transport.insecure()
         self.revoked: frozenset[str] = frozenset()  # serials the coordinator revoked: refused on every link
+        self.events = EventForwarder(self._current_job)
 
     @property
     def stub(self) -> coordinator_pb2_grpc.CoordinatorStub | None:
@@ -126,8 +131,10 @@ class Agent:
         self._connect()
         if not self._register():
             return False
-        self.metrics.agent_info.labels(self.node_id, config.device).set(1)
-        for target, name in ((self._watch_loop, "watch"), (self._heartbeat_loop, "heartbeat")):
+        self.metrics.agent_info.labels(self.node_id, config.name, __version__, self.peer_address, config.device).set(1)
+        logging.getLogger("nodeagent").addHandler(self.events)
+        for target, name in ((self._watch_loop, "watch"), (self._heartbeat_loop, "heartbeat"),
+                             (self._events_loop, "events")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -252,6 +259,25 @@ class Agent:
                 self._register_again()
             self._renew_if_due()
 
+    def _events_loop(self) -> None:
+        while not self.stopping.wait(EVENTS_EVERY_S):
+            self.send_events()
+
+    def send_events(self) -> None:
+        if self._stub is not None:
+            self.events.send(self._stub, self.node_id)
+
+    def event(self, job_id: str, kind: str, message: str, level: str = "INFO", step: int = -1) -> None:
+        """A job event of this node, sent to the coordinator now (events are few, and their order across nodes is
+        the coordinator's time of receipt), and logged here at `level`."""
+        log.log(logging.getLevelName(level), "job %s: %s", job_id, message, extra={FORWARDED: True})
+        self.events.add(job_id, kind, message, level, step)
+        self.send_events()
+
+    def _current_job(self) -> tuple[str, int] | None:
+        runner = self._runner
+        return (runner.job_id, runner.step()) if runner is not None else None
+
     def _watch_loop(self) -> None:
         assert self._stub is not None
         backoff = Backoff(f"assignment stream from coordinator {self.config.coordinator}", log)
@@ -317,6 +343,8 @@ class Agent:
                 self._runner.stop_event.set()
                 self._runner.join(timeout=30)
                 self._runner = None
+        logging.getLogger("nodeagent").removeHandler(self.events)
+        self.send_events()
         if self._stub is not None and self.registered:
             try:  # down at once, rather than after the heartbeat timeout
                 self._stub.Deregister(coordinator_pb2.DeregisterRequest(node_id=self.node_id), timeout=2)

@@ -31,10 +31,12 @@ from nodeagent._proto import coordinator_pb2
 from nodeagent.agent.checkpoint import checkpoint_path, restore_checkpoint, save_checkpoint
 from nodeagent.agent.collective import Collective, GroupMember
 from nodeagent.agent.dispatch import Dispatch
+from nodeagent.agent.forward import FORWARDED
 from nodeagent.algorithms import Family, Neighbor
 from nodeagent.jobspec import JobSpec
 from nodeagent.ps.link import ServerExpectation
 from nodeagent.rpc import split_address
+from nodeagent.runtime import events
 from nodeagent.runtime.driver import Action, Arrival, NodeDriver, Report, TopologyChange
 from nodeagent.runtime.peer_service import GrpcPeers, ServingState
 from nodeagent.runtime.progress import to_report
@@ -77,6 +79,7 @@ class JobRunner(threading.Thread):
         self.peers: GrpcPeers | None = None
         self.serving: ServingState | None = None
         self.collective: Collective | None = None
+        self.driver: NodeDriver | None = None
         self.addresses: dict[int, str] = {}
         self.names: dict[int, str] = {}
         self._lock = threading.Lock()  # between the watch thread's updates and the runner's serving state
@@ -117,13 +120,20 @@ class JobRunner(threading.Thread):
     def name_of(self, rank: int) -> str:
         return self.names.get(rank, f"rank{rank}")
 
+    def step(self) -> int:
+        """The node's step now (-1 before it is built); read from other threads, for the events they log."""
+        driver = self.driver
+        return driver.algorithm.clock if driver is not None else -1
+
     def run(self) -> None:
         try:
             self._train()
         except Exception as error:
-            log.exception("job %s failed on this node", self.job_id)
+            log.exception("job %s failed on this node", self.job_id, extra={FORWARDED: True})
             if not self.stop_event.is_set():  # a job that ended meanwhile has no failure to report
-                self.agent.report_failure(self.job_id, self.rank, f"{type(error).__name__}: {error}")
+                reason = f"{type(error).__name__}: {error}"
+                self.agent.event(self.job_id, events.FAILED, f"failed: {reason}", "ERROR", self.step())
+                self.agent.report_failure(self.job_id, self.rank, reason)
         finally:
             with self._lock:  # an assignment that comes now must not serve the job again
                 self.serving = None
@@ -147,12 +157,21 @@ class JobRunner(threading.Thread):
                           self.peer_schedule, allow_imports=agent.config.allow_imports)
         algorithm = node.algorithm
         checkpoint = checkpoint_path(agent.config.state_dir, self.job_id, self.rank)
-        if restore_checkpoint(checkpoint, algorithm):
-            log.info("resumed job %s at step %d from %s", self.job_id, algorithm.clock, checkpoint)
-        driver = NodeDriver(node, job=self.job_id, name=agent.node_id, clock=time.perf_counter,
-                            metrics=agent.metrics, name_of=self.name_of, report_every_s=REPORT_INTERVAL_S)
+        resumed = restore_checkpoint(checkpoint, algorithm)
+        driver = self.driver = NodeDriver(node, job=self.job_id, name=agent.node_id, clock=time.perf_counter,
+                                          metrics=agent.metrics, name_of=self.name_of,
+                                          report_every_s=REPORT_INTERVAL_S)
+        if resumed:
+            agent.event(self.job_id, events.RESUMED, f"rank {self.rank} resumed at step {algorithm.clock} from its "
+                        f"checkpoint {checkpoint}", step=algorithm.clock)
+        else:
+            agent.event(self.job_id, events.STARTED, f"rank {self.rank} of {spec.nodes} started: "
+                        f"{spec.algorithm.name} on {node.shard_size} samples, neighbours {sorted(self.addresses)}",
+                        step=algorithm.clock)
         if self.rejoin:
             driver.rejoin()
+            agent.event(self.job_id, events.REJOINED, f"rank {self.rank} restarted in the running job: it takes the "
+                        "job up where its neighbours are", step=algorithm.clock)
         encoding = Encoding.from_name(spec.wire.encoding)
         with self._lock:
             self.serving = ServingState(
@@ -166,13 +185,20 @@ class JobRunner(threading.Thread):
                                    transport=agent.transport)
         dispatch = Dispatch(self.inbox.put, self.pool, self.peers, self._server_link(node, driver),
                             self._collective(node, driver))
-        log.info("job %s: rank %d of %d, %s on %d samples, neighbours %s", self.job_id, self.rank, spec.nodes,
-                 spec.algorithm.name, node.shard_size, sorted(self.addresses))
         self._wait_for_neighbours()
+        finished = False
 
         def publish(report: Report) -> None:
+            nonlocal finished
             if report.evaluated:
                 save_checkpoint(checkpoint, algorithm)
+            if report.progress.finished and not finished:  # told before the report that may end the job
+                finished = True
+                agent.event(self.job_id, events.FINISHED, f"rank {self.rank} finished at step "
+                            f"{report.progress.step}, test accuracy {report.progress.test_accuracy:.4f}",
+                            step=report.progress.step)
+            # The driver's ages count back from the report, made just now: Unix time for the edge gauges.
+            agent.metrics.observe_edges(self.job_id, agent.node_id, report.progress.edges, time.time())
             agent.report(to_report(report.progress))
 
         NodeLoop(driver, dispatch, self.inbox, publish, self.stop_event, self.slowdown, self.topology_changes).run()
@@ -258,9 +284,6 @@ class NodeLoop:
             self._collect()  # replies that came during the step free their edges for its sends
             for transmission in driver.stepped(duration):
                 dispatch.perform(transmission)
-        if driver.done:
-            log.info("job %s: finished at step %d, test accuracy %.4f", driver.job, driver.algorithm.clock,
-                     driver.accuracy)
         # Keep serving until the job ends: slower neighbours may still exchange with this node (the driver reports
         # the traffic that adds), and its pushes that failed are retried until they are delivered.
         while not self.stop.wait(SERVE_POLL_S):

@@ -9,6 +9,8 @@ always from one thread (the agent's runner thread, or the simulator's loop):
 - `rounds_ahead()`: how many rounds ahead of the node's clock a received message may be (the driver drops one
   beyond);
 - `failed(send, reason)`: a send of this node's could not be completed (the peer refused, timed out, ...);
+- `consensus_distance(peer)`: for the edge metrics, at report time, how far this node is from its copy of a
+  neighbour's parameters (algorithms that keep no such copy answer None);
 - `state_dict()` / `load_state_dict()`: checkpoints.
 
 Network threads call only two methods, which must read immutable state alone: `expected(peer, kind)` (what a
@@ -365,6 +367,11 @@ class Algorithm(ABC):
     def waiting_for(self) -> str:
         """What the node waits for while not ready, in words for the log."""
         return "the messages it needs to go on"
+
+    def consensus_distance(self, peer: int) -> float | None:
+        """||w - this node's last copy of the neighbour `peer`'s w||, or None where the algorithm keeps no copy of a
+        neighbour's parameters (only duals, shares, or nothing). Pure: it reads state and changes none."""
+        return None
 
     def rejoin_kind(self) -> Kind | None:
         """What a restarted node pulls from each neighbour to rejoin its running job, or None when it needs nothing

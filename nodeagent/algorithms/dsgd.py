@@ -106,10 +106,11 @@ class DSGD(Algorithm):
         ]
 
     def receive(self, message: Message) -> None:
+        if message.sender not in self.last_copy:
+            return  # a neighbour that a topology change dropped: the rounds it took part in are complete
         copy = self.params.flatten(message.tensors)
+        self.last_copy[message.sender] = copy  # asynchronous: what is mixed; synchronous: for consensus_distance()
         if not self.synchronous:
-            if message.sender in self.last_copy:  # not a neighbour that a topology change dropped
-                self.last_copy[message.sender] = copy
             return
         if message.clock < self.clock:
             return  # a step this node has completed already (a duplicate delivery)
@@ -145,6 +146,10 @@ class DSGD(Algorithm):
             Send(Route.PUSH, rank, Kind.PARAMS, Message(Kind.PARAMS, self.context.rank, rank, tensors, clock=t))
             for rank, state in states.items() for t in range(state.clock, round_)
         ]
+
+    def consensus_distance(self, peer: int) -> float | None:
+        copy = self.last_copy.get(peer)
+        return None if copy is None else float(torch.linalg.vector_norm(self.w - copy))
 
     def waiting_for(self) -> str:
         copies = self.round_copies.get(self.clock, {})

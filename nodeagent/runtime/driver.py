@@ -30,6 +30,10 @@ The rules, each in one place:
   step (or the start) until the node is found ready again, less the time spent evaluating, counted as it passes;
   traffic is what the transports count where bytes are sent and received (`traffic`), per peer. A node that waits
   longer than WAIT_LOG_S says once what for (`Algorithm.waiting_for()`), and keeps reporting its progress.
+- Per-edge accounting (what `coordinator edges` and the edge gauges show): per peer, the messages sent and
+  received, the time of the last message (one received, or a call that completed), the mean time between them,
+  since when an exchange or pull is in flight, failures by reason, the clock of the peer's last message (its
+  staleness is this node's clock minus it) and, at report time only, the algorithm's `consensus_distance()`.
 - Rejoining: a node restarted in a running job (its live state lost since its checkpoint) first pulls what each
   neighbour serves (`Algorithm.rejoin_kind()`), holding back everything else that arrives, then hands the states to
   `Algorithm.rejoin()`, whose sends let the neighbours finish the rounds they wait in; the pulls are retried like
@@ -54,7 +58,7 @@ import logging
 import math
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from nodeagent.algorithms.base import ALLREDUCE_RANK, Neighbor, Route, Send
 from nodeagent.metrics import Metrics
@@ -77,6 +81,44 @@ FORMER_NEIGHBOR = "former_neighbor"  # the rejection reason of a message of a dr
 HELD_PER_PEER = 16
 HELD_OVERFLOW = "held_overflow"
 ALLREDUCE_NAME = "allreduce"  # the all-reduce in edge metrics
+
+
+@dataclass
+class EdgeLog:
+    """What the driver keeps about one edge between reports (times on the driver's clock)."""
+
+    messages_sent: int = 0
+    messages_received: int = 0
+    first_message: float = math.nan
+    last_message: float = math.nan
+    messages: int = 0  # the messages whose times are kept: received ones and completed calls
+    failure_reasons: dict[str, int] = field(default_factory=dict)
+    last_failure: float = math.nan
+    peer_clock: int | None = None  # the clock of the peer's last message
+
+    def message(self, now: float) -> None:
+        if self.messages == 0:
+            self.first_message = now
+        self.last_message = now
+        self.messages += 1
+
+    def failure(self, reason: str, now: float | None) -> None:
+        """`now`: when a call failed; None for a send that was never made (an in_flight skip)."""
+        self.failure_reasons[reason] = self.failure_reasons.get(reason, 0) + 1
+        if now is not None:
+            self.last_failure = now
+
+    def counters(self, peer: str, now: float, traffic: tuple[int, int], exchanges: int, failures: int,
+                 in_flight_since: float | None, clock: int, consensus_distance: float | None) -> EdgeCounters:
+        interval = (self.last_message - self.first_message) / (self.messages - 1) if self.messages > 1 else math.nan
+        return EdgeCounters(
+            peer, traffic[0], traffic[1], exchanges, failures, messages_sent=self.messages_sent,
+            messages_received=self.messages_received, last_message_age_s=now - self.last_message,
+            message_interval_s=interval, in_flight_s=0.0 if in_flight_since is None else now - in_flight_since,
+            failure_reasons=dict(self.failure_reasons), last_failure_age_s=now - self.last_failure,
+            staleness_steps=math.nan if self.peer_clock is None else float(clock - self.peer_clock),
+            consensus_distance=math.nan if consensus_distance is None else consensus_distance,
+        )
 
 
 @dataclass(frozen=True)
@@ -191,7 +233,9 @@ class NodeDriver:
         self._evaluated_at = -1
         self._reported = -math.inf
         self._reported_counters: tuple[tuple[int, int], int, int] | None = None
-        self._in_flight: set[int] = set()
+        self._in_flight: dict[int, float] = {}  # peer -> since when its exchange or pull is in flight
+        self._edges: dict[int, EdgeLog] = {}
+        self._waiting = False  # the algorithm is not ready: the node waits
         self._arrived: list[Message | ServerAnswer | Failure] = []
         self._retries: list[tuple[float, int, Transmission]] = []
         self._attempts: dict[int, int] = {}  # id of a transmission being retried -> its failed attempts
@@ -220,12 +264,15 @@ class NodeDriver:
         """Something arrived for this node; it is handed to the algorithm at the next `next()`. Returns the time
         at which a retry this failure calls for is due (`due_retries()` then returns it), or None."""
         if isinstance(item, Message):
+            self._edge_message(item.sender, item)
             if not self.done:
                 self._arrived.append(item)
             return None
         send = item.transmission.send
         if send.route in (Route.EXCHANGE, Route.PULL):
-            self._in_flight.discard(send.peer)
+            self._in_flight.pop(send.peer, None)
+        if isinstance(item, Reply):
+            self._edge_message(send.peer, item.answer if isinstance(item.answer, Message) else None)
         if isinstance(item, Reply) and id(item.transmission) in self._join_pulls and self._joining is not None:
             self._join_pulls.discard(id(item.transmission))
             assert isinstance(item.answer, Message)
@@ -363,6 +410,8 @@ class NodeDriver:
         due = []
         while self._retries and self._retries[0][0] <= now:
             due.append(heapq.heappop(self._retries)[2])
+        for transmission in due:
+            self._edge(transmission.send.peer).messages_sent += 1
         return due
 
     # -- the order of work -----------------------------------------------------------------------------------------
@@ -393,6 +442,7 @@ class NodeDriver:
             self._hand_over(sends)
         if not algorithm.ready():
             now = self.clock()
+            self._waiting = True
             self._count_wait(now)
             if not self._wait_logged and self._waited_in_gap > WAIT_LOG_S:
                 self._wait_logged = True
@@ -443,9 +493,11 @@ class NodeDriver:
             if send.route in (Route.EXCHANGE, Route.PULL):
                 if send.peer in self._in_flight:
                     self.metrics.exchange_failures.labels(self.job, self.name, self.name_of(send.peer), IN_FLIGHT).inc()
+                    self._edge(send.peer).failure(IN_FLIGHT, None)
                     self._arrived.append(Failure(Transmission(send), IN_FLIGHT))
                     continue
-                self._in_flight.add(send.peer)
+                self._in_flight[send.peer] = self.clock()
+            self._edge(send.peer).messages_sent += 1
             if send.route == Route.SERVER:
                 out.append(Transmission(send, step_s, f"{self._incarnation}-{next(self._calls)}"))
             else:
@@ -474,6 +526,7 @@ class NodeDriver:
     def _ready(self, now: float) -> None:
         """The node is ready to go on: its wait (if any) is over."""
         self._count_wait(now)
+        self._waiting = False
         if self._wait_logged:
             log.info("job %s: %s goes on after waiting %.0f s", self.job, self.name, self._waited_in_gap)
         self._idle_since = None
@@ -499,7 +552,27 @@ class NodeDriver:
     def _count_failure(self, peer: int, reason: str) -> None:
         self.failures += 1
         self._failures_with[peer] = self._failures_with.get(peer, 0) + 1
+        self._edge(peer).failure(reason, self.clock())
         self.metrics.exchange_failures.labels(self.job, self.name, self.peer_name(peer), reason).inc()
+
+    def _edge(self, peer: int) -> EdgeLog:
+        edge = self._edges.get(peer)
+        if edge is None:
+            edge = self._edges[peer] = EdgeLog()
+        return edge
+
+    def _edge_message(self, peer: int, message: Message | None) -> None:
+        """A message on the edge to `peer`: one of the peer's, or a call to it that completed (with the peer's
+        message as its reply, or none: a delivered push)."""
+        edge = self._edge(peer)
+        edge.message(self.clock())
+        if message is not None:
+            edge.messages_received += 1
+            if peer >= 0:  # a neighbour's clock (not the server's or the all-reduce's)
+                edge.peer_clock = message.clock
+
+    def _waiting_for(self) -> str:
+        return self.algorithm.waiting_for() if self._waiting and not self.algorithm.ready() else ""
 
     def peer_name(self, rank: int) -> str:
         if rank == SERVER_RANK:
@@ -512,10 +585,14 @@ class NodeDriver:
         """The node's progress now; `finished` once its last step is done and evaluated."""
         now = self.clock()
         sent, received = self.traffic.totals()
-        peers = {*self.traffic.sent, *self.traffic.received, *self._exchanges_with, *self._failures_with}
+        peers = {*self.traffic.sent, *self.traffic.received, *self._exchanges_with, *self._failures_with,
+                 *self._edges}
         edges = sorted(
-            (EdgeCounters(self.peer_name(peer), self.traffic.sent.get(peer, 0), self.traffic.received.get(peer, 0),
-                          self._exchanges_with.get(peer, 0), self._failures_with.get(peer, 0)) for peer in peers),
+            (self._edge(peer).counters(
+                self.peer_name(peer), now, (self.traffic.sent.get(peer, 0), self.traffic.received.get(peer, 0)),
+                self._exchanges_with.get(peer, 0), self._failures_with.get(peer, 0), self._in_flight.get(peer),
+                self.algorithm.clock, self.algorithm.consensus_distance(peer) if peer >= 0 else None)
+             for peer in peers),
             key=lambda edge: edge.peer,
         )
         return Progress(
@@ -524,5 +601,5 @@ class NodeDriver:
             elapsed_s=now - (self._started if self._started is not None else now), finished=self.done,
             bytes_sent=sent, bytes_received=received, compute_s=self.compute_s, wait_s=self.wait_s,
             exchanges=self.exchanges, exchange_failures=self.failures, time=now, edges=tuple(edges),
-            local_steps=self.local_steps,
+            local_steps=self.local_steps, waiting_for=self._waiting_for(),
         )

@@ -14,6 +14,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from nodeagent._proto import coordinator_pb2 as pb
+
 EVENTS_FILE = "events.jsonl"
 MAX_MESSAGE_CHARS = 2000  # of one event's text: a node's words are cut there before they are stored or shown
 
@@ -28,7 +30,9 @@ STOPPED = "stopped"
 TOPOLOGY = "topology"
 LOG = "log"
 KINDS = (SUBMITTED, STARTED, RESUMED, REJOINED, FAILED, FINISHED, STOPPED, TOPOLOGY, LOG)
+NODE_KINDS = (STARTED, RESUMED, REJOINED, FAILED, FINISHED, LOG)  # what an agent may report
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+READ_BYTES = 256 * 1024  # of the log, read at most per call of read_events
 
 
 @dataclass(frozen=True)
@@ -70,19 +74,40 @@ class EventLog:
             out.write(line)
 
 
-def read_events(run_dir: str | Path, offset: int = 0) -> tuple[list[Event], int]:
-    """The events of a run from byte `offset` of its log (0: all), and the offset after the last whole line read
-    (to read on from there). A run without events has none; a line being written is left for the next read."""
+def level_at_least(level: str, minimum: str) -> bool:
+    """Whether `level` is `minimum` or above (an empty minimum admits all)."""
+    return not minimum or LEVELS.index(level) >= LEVELS.index(minimum)
+
+
+def read_events(run_dir: str | Path, offset: int = 0, max_bytes: int | None = None) -> tuple[list[Event], int]:
+    """The events of a run from byte `offset` of its log (0: all; at most `max_bytes` of it), and the offset after
+    the last whole line read (to read on from there). A run without events has none; a line being written is left
+    for the next read, and one that cannot be read is skipped."""
     path = Path(run_dir) / EVENTS_FILE
     try:
         with open(path, "rb") as source:
             source.seek(offset)
-            data = source.read()
+            data = source.read(-1 if max_bytes is None else max_bytes)
     except FileNotFoundError:
         return [], offset
     events = []
     end = data.rfind(b"\n") + 1
     for raw in data[:end].splitlines():
-        if raw.strip():
+        try:
             events.append(Event(**json.loads(raw)))
+        except (ValueError, TypeError):
+            continue  # an empty or torn line (a crash while writing), or an offset inside a line
     return events, offset + end
+
+
+# -- the proto form -----------------------------------------------------------------------------------------------
+
+
+def to_proto(event: Event) -> pb.JobEvent:
+    return pb.JobEvent(time_unix=event.time, kind=event.kind, level=event.level, message=event.message,
+                       rank=event.rank, node_id=event.node, step=event.step)
+
+
+def from_proto(job: str, event: pb.JobEvent) -> Event:
+    return Event(time=event.time_unix, job=job, kind=event.kind, message=event.message, level=event.level,
+                 rank=event.rank, node=event.node_id, step=event.step)

@@ -12,7 +12,8 @@ import dataclasses
 import json
 import math
 import threading
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from nodeagent._proto import coordinator_pb2 as pb
@@ -22,13 +23,25 @@ LOG_FILE = "metrics.jsonl"
 
 @dataclass(frozen=True)
 class EdgeCounters:
-    """One edge's counters of a node in a job: the peer is a node id, SERVER_NAME or "allreduce"."""
+    """One edge's counters of a node in a job: the peer is a node id, SERVER_NAME or "allreduce".
+
+    Times are ages at the record's `time` (seconds before it), so they mean the same on the agent's clock and the
+    simulator's virtual one; NaN: never (no message yet, no failure yet, not known)."""
 
     peer: str
     bytes_sent: int = 0
     bytes_received: int = 0
     exchanges: int = 0  # calls to the peer that completed
     failures: int = 0  # calls to the peer that failed
+    messages_sent: int = 0  # transmissions to the peer handed to the transport, retries included
+    messages_received: int = 0  # the peer's messages: its own sends, and the replies to this node's calls
+    last_message_age_s: float = math.nan  # since the last message received from the peer or call to it completed
+    message_interval_s: float = math.nan  # the mean time between two of those messages so far
+    in_flight_s: float = 0.0  # how long the exchange or pull in flight to the peer has been (0: none)
+    failure_reasons: Mapping[str, int] = field(default_factory=dict)  # failures by reason, in_flight skips too
+    last_failure_age_s: float = math.nan  # since the last failed call (in_flight skips are not calls)
+    staleness_steps: float = math.nan  # this node's clock minus the clock of the peer's last message
+    consensus_distance: float = math.nan  # ||w - the copy of the peer's w|| where the algorithm keeps one
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,7 @@ class Progress:
     time: float = 0.0  # when it was recorded: Unix time at the coordinator, virtual seconds in the simulator
     edges: tuple[EdgeCounters, ...] = ()  # per peer, sorted by peer
     local_steps: int = 0  # local steps taken here (`step` counts the job's steps: ESync's are rounds)
+    waiting_for: str = ""  # while the node waits to go on: what for (Algorithm.waiting_for()), else empty
 
 
 class Traffic:
@@ -92,8 +106,7 @@ def to_report(progress: Progress) -> pb.MetricsReport:
         finished=progress.finished, bytes_sent=progress.bytes_sent, bytes_received=progress.bytes_received,
         compute_s=progress.compute_s, wait_s=progress.wait_s, exchanges=progress.exchanges,
         exchange_failures=progress.exchange_failures, local_steps=progress.local_steps,
-        edges=[pb.EdgeTraffic(peer=e.peer, bytes_sent=e.bytes_sent, bytes_received=e.bytes_received,
-                              exchanges=e.exchanges, failures=e.failures) for e in progress.edges],
+        edges=[_edge_to_pb(edge) for edge in progress.edges], waiting_for=progress.waiting_for,
     )
 
 
@@ -104,8 +117,8 @@ def from_report(report: pb.MetricsReport, time: float) -> Progress:
         finished=report.finished, bytes_sent=report.bytes_sent, bytes_received=report.bytes_received,
         compute_s=report.compute_s, wait_s=report.wait_s, exchanges=report.exchanges,
         exchange_failures=report.exchange_failures, time=time,
-        edges=tuple(EdgeCounters(e.peer, e.bytes_sent, e.bytes_received, e.exchanges, e.failures)
-                    for e in report.edges), local_steps=report.local_steps,
+        edges=tuple(_edge_from_pb(edge) for edge in report.edges), local_steps=report.local_steps,
+        waiting_for=report.waiting_for,
     )
 
 
@@ -118,6 +131,7 @@ def to_node_progress(progress: Progress, state: str = "", failure: str = "") -> 
         bytes_sent=progress.bytes_sent, bytes_received=progress.bytes_received, test_loss=progress.test_loss,
         elapsed_s=progress.elapsed_s, compute_s=progress.compute_s, wait_s=progress.wait_s,
         exchanges=progress.exchanges, exchange_failures=progress.exchange_failures, local_steps=progress.local_steps,
+        edges=[_edge_to_pb(edge) for edge in progress.edges], waiting_for=progress.waiting_for,
     )
 
 
@@ -127,7 +141,18 @@ def from_node_progress(job: str, node: pb.NodeProgress) -> Progress:
         test_loss=node.test_loss, elapsed_s=node.elapsed_s, finished=node.finished, bytes_sent=node.bytes_sent,
         bytes_received=node.bytes_received, compute_s=node.compute_s, wait_s=node.wait_s, exchanges=node.exchanges,
         exchange_failures=node.exchange_failures, time=node.updated_unix, local_steps=node.local_steps,
+        edges=tuple(_edge_from_pb(edge) for edge in node.edges), waiting_for=node.waiting_for,
     )
+
+
+def _edge_to_pb(edge: EdgeCounters) -> pb.EdgeTraffic:
+    # EdgeTraffic has EdgeCounters' fields, by the same names.
+    return pb.EdgeTraffic(**{f.name: getattr(edge, f.name) for f in dataclasses.fields(EdgeCounters)})
+
+
+def _edge_from_pb(edge: pb.EdgeTraffic) -> EdgeCounters:
+    return EdgeCounters(**{f.name: getattr(edge, f.name) for f in dataclasses.fields(EdgeCounters)}
+                        | {"failure_reasons": dict(edge.failure_reasons)})
 
 
 # -- the metrics log of a run -------------------------------------------------------------------------------------
@@ -141,19 +166,28 @@ class RunLog:
         self._lock = threading.Lock()
 
     def append(self, progress: Progress) -> None:
-        fields = {key: None if isinstance(value, float) and math.isnan(value) else value
-                  for key, value in dataclasses.asdict(progress).items()}  # edges become a list of dicts
+        fields = _nan_as_null(dataclasses.asdict(progress))  # edges become a list of dicts
         line = json.dumps(fields) + "\n"
         with self._lock, open(self.path, "a") as out:
             out.write(line)
 
 
+def _nan_as_null(fields: dict) -> dict:
+    return {key: None if isinstance(value, float) and math.isnan(value)
+            else [_nan_as_null(item) for item in value] if key == "edges" else value
+            for key, value in fields.items()}
+
+
+def _null_as_nan(fields: dict) -> dict:
+    return {key: math.nan if value is None else value for key, value in fields.items()}
+
+
 def read_run_log(run_dir: str | Path) -> list[Progress]:
+    """The records of a run's metrics log; fields that older logs lack take their defaults."""
     records = []
     for line in (Path(run_dir) / LOG_FILE).read_text().splitlines():
         if line.strip():
             fields = json.loads(line)
-            edges = tuple(EdgeCounters(**edge) for edge in fields.pop("edges", ()))
-            values = {key: math.nan if value is None else value for key, value in fields.items()}
-            records.append(Progress(**values, edges=edges))
+            edges = tuple(EdgeCounters(**_null_as_nan(edge)) for edge in fields.pop("edges", ()))
+            records.append(Progress(**_null_as_nan(fields), edges=edges))
     return records

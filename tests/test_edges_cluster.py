@@ -1,0 +1,98 @@
+"""Per-edge debugging on a real cluster (4 agent processes on loopback): an agent stopped with SIGSTOP mid-job is
+named by `coordinator edges` within 10 s, its neighbours' staleness gauges for it grow, and its edges come back
+once it goes on."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.request
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from coordinator.cli import main as coordinator_main
+from coordinator.cluster import LocalCluster
+from nodeagent._proto import coordinator_pb2 as pb
+
+pytestmark = pytest.mark.slow
+
+NAMED_WITHIN_S = 10.0
+
+
+def staleness(metrics_address: str, job_id: str, src: str, dst: str) -> float | None:
+    text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5).read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "peertrain_neighbor_staleness_steps" and sample.labels == {
+                    "job_id": job_id, "src": src, "dst": dst}:
+                return sample.value
+    return None
+
+
+def edges(cluster: LocalCluster, job: str, capsys: pytest.CaptureFixture[str]) -> dict:
+    capsys.readouterr()
+    assert coordinator_main(["edges", job, "--json", "--coordinator", cluster.address,
+                             "--tls-dir", str(cluster.operator_tls)]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_a_stopped_agent_is_named_by_edges_and_its_neighbours_staleness_grows(tmp_path, fashion_mnist_dir, capsys):
+    job = {
+        # Far more steps than the test needs: it stops the job itself once it has seen what it looks for.
+        "name": "edges", "nodes": 4, "steps": 1_000_000, "eval_every": 100_000, "seed": 3,
+        "algorithm": {"name": "dsgd", "lr": 0.05, "interval": 2}, "topology": {"kind": "ring"},
+        "model": {"name": "logistic"},
+        "data": {"data_dir": str(fashion_mnist_dir), "split": "iid", "batch_size": 20, "train_limit": 2000,
+                 "test_limit": 200},
+    }
+    # Heartbeats go on being missed while the agent is stopped: a long timeout keeps it "up" at the coordinator,
+    # so that what the test sees is the edges' own account.
+    with LocalCluster(root=tmp_path / "cluster", agents=4, heartbeat_timeout_s=120.0) as cluster:
+        job_id = cluster.submit(yaml.safe_dump(job))
+        deadline = time.monotonic() + 120
+        while True:
+            status = cluster.status(job_id)
+            assert status.state == pb.JOB_RUNNING and time.monotonic() < deadline, status
+            if len(status.nodes) == 4 and all(n.step >= 50 and len(n.edges) == 2 for n in status.nodes):
+                break
+            time.sleep(0.2)
+        ids = {n.rank: n.node_id for n in status.nodes}
+        nodes = {n.node_id: n for n in cluster.nodes()}
+        victim, neighbours = ids[2], (ids[1], ids[3])
+        healthy = edges(cluster, "edges", capsys)  # by name
+        assert {e["trouble"] for e in healthy["edges"]} <= {"ok", "failing", "stale"}
+        assert {(e["src"], e["dst"]) for e in healthy["edges"]} == {
+            (ids[r], ids[(r + d) % 4]) for r in range(4) for d in (1, 3)}
+        pid = cluster.processes[nodes[victim].name].pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            stopped = time.monotonic()
+            before = {n: staleness(nodes[n].metrics_address, job_id, n, victim) for n in neighbours}
+            while True:
+                shown = edges(cluster, job_id, capsys)
+                stalled = {(e["src"], e["dst"]) for e in shown["edges"] if e["trouble"] == "stalled"}
+                if {(n, victim) for n in neighbours} <= stalled:
+                    break
+                assert time.monotonic() - stopped < NAMED_WITHIN_S, shown
+                time.sleep(0.5)
+            # The stalled edges come first, and the job's waits name them.
+            assert {(e["src"], e["dst"]) for e in shown["edges"][:len(stalled)]} == stalled
+            assert any(f"-> {victim} is stalled" in line for line in shown["waits_on"])
+            time.sleep(2.0)  # the neighbours step on, async: the stopped node falls further behind
+            after = {n: staleness(nodes[n].metrics_address, job_id, n, victim) for n in neighbours}
+            assert all(after[n] is not None and before[n] is not None and after[n] > before[n] for n in neighbours), \
+                (before, after)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        try:
+            # Going on, the node's edges carry messages again.
+            deadline = time.monotonic() + 30
+            while any(e["trouble"] == "stalled" for e in edges(cluster, job_id, capsys)["edges"]):
+                assert time.monotonic() < deadline, "the edges stayed stalled after SIGCONT"
+                time.sleep(0.5)
+        finally:
+            cluster.stub().StopJob(pb.StopJobRequest(job_id=job_id), timeout=10)
