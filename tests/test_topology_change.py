@@ -264,6 +264,24 @@ def test_messages_of_a_neighbour_to_come_wait_for_the_switch_and_a_former_neighb
     driver.next()
     assert 2 not in algorithm.last_copy
     assert metrics.stream_rejections.labels("rank2", "rank0", "former_neighbor")._value.get() == 1
+    # The dropped edge leaves the per-edge report (it would look stalled), its bytes stay in the totals.
+    assert "rank2" not in {edge.peer for edge in driver.progress().edges}
+
+
+def test_forget_edge_removes_a_dropped_edges_gauges_only():
+    metrics = Metrics()
+    metrics.edge_last_message.labels("j", "a", "b").set(5.0)
+    metrics.neighbor_staleness.labels("j", "a", "b").set(2.0)
+    metrics.edge_last_message.labels("j", "a", "c").set(5.0)
+    metrics.edge_bytes_sent.labels("j", "a", "b").inc(10)
+    metrics.forget_edge("j", "a", "b")
+
+    def value(name: str, dst: str) -> float | None:
+        return metrics.registry.get_sample_value(name, {"job_id": "j", "src": "a", "dst": dst})
+
+    assert value("peertrain_edge_last_message_timestamp_seconds", "b") is None
+    assert value("peertrain_edge_last_message_timestamp_seconds", "c") == 5.0
+    assert value("peertrain_edge_bytes_sent_total", "b") == 10
 
 
 # -- the job file ----------------------------------------------------------------------------------------------------

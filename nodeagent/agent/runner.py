@@ -188,6 +188,8 @@ class JobRunner(threading.Thread):
         self._wait_for_neighbours()
         finished = False
 
+        gauged: set[str] = set()  # the edges whose gauges are set
+
         def publish(report: Report) -> None:
             nonlocal finished
             if report.evaluated:
@@ -199,6 +201,11 @@ class JobRunner(threading.Thread):
                             step=report.progress.step)
             # The driver's ages count back from the report, made just now: Unix time for the edge gauges.
             agent.metrics.observe_edges(self.job_id, agent.node_id, report.progress.edges, time.time())
+            reported = {edge.peer for edge in report.progress.edges}
+            for peer in gauged - reported:  # dropped by a topology change
+                agent.metrics.forget_edge(self.job_id, agent.node_id, peer)
+            gauged.clear()
+            gauged.update(reported)
             agent.report(to_report(report.progress))
 
         NodeLoop(driver, dispatch, self.inbox, publish, self.stop_event, self.slowdown, self.topology_changes).run()

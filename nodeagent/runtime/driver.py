@@ -45,7 +45,8 @@ The rules, each in one place:
   steps before it (a push-sum share sent before the switch must still be absorbed), later ones are dropped and
   counted. A node that learns of a change when it has passed its step already (a late assignment) switches at
   once and says so: its neighbours switched at the step, so rounds between the two are mixed in different
-  topologies (the coordinator's margin makes this rare).
+  topologies (the coordinator's margin makes this rare). The edges a switch drops leave the node's per-edge
+  report (their bytes stay in its totals), so that a dropped edge is not taken for a stalled one.
 - After the last step the node absorbs nothing more: it serves its final snapshot and only finishes its retries.
 """
 
@@ -244,6 +245,7 @@ class NodeDriver:
         self._held: list[Message] = []  # messages of the next topology's new neighbours, until the switch
         self._former: frozenset[int] = frozenset()  # neighbours that the last switch dropped
         self._switched_at = 0  # the step of the last switch
+        self._dropped: set[int] = set()  # neighbours that switches dropped and none brought back: not reported
         self.switches: list[Switch] = []
         self._join_pulls: set[int] = set()  # ids of the pulls of rejoining
         self._sequence = itertools.count()
@@ -357,6 +359,7 @@ class NodeDriver:
                                               self_weight=change.self_weight, peer_schedule=change.peer_schedule))
             after = set(algorithm.context.neighbor_ranks)
             self._former = frozenset(before - after)
+            self._dropped = (self._dropped | self._former) - after
             self._switched_at = algorithm.clock
             switch = Switch(change, algorithm.clock, self.clock())
             self.switches.append(switch)
@@ -586,7 +589,7 @@ class NodeDriver:
         now = self.clock()
         sent, received = self.traffic.totals()
         peers = {*self.traffic.sent, *self.traffic.received, *self._exchanges_with, *self._failures_with,
-                 *self._edges}
+                 *self._edges} - self._dropped
         edges = sorted(
             (self._edge(peer).counters(
                 self.peer_name(peer), now, (self.traffic.sent.get(peer, 0), self.traffic.received.get(peer, 0)),
