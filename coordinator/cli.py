@@ -235,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a job's id, a unique prefix of it, or its name (the newest of that name)")
     _add_coordinator_option(stop)
 
+    _add_topology_command(commands)
+
     simulate = commands.add_parser(
         "simulate",
         help="run a job on a virtual clock in this process (same algorithms, simulated devices and network)",
@@ -317,6 +319,56 @@ def _add_job_file_commands(commands: argparse._SubParsersAction) -> None:
         "model); exit 1 at the first that is refused, naming the field.",
     )
     validate.add_argument("job_files", type=Path, nargs="+", metavar="JOB.yaml")
+
+
+# -- `coordinator topology` (a running job's topology changed) -----------------------------------------------------
+
+
+def _add_topology_command(commands: argparse._SubParsersAction) -> None:
+    from coordinator.topology import DYNAMIC_KINDS, KINDS
+
+    topology = commands.add_parser(
+        "topology", help="change a running job's topology: every node switches just before the same step",
+        description="Switch a running job to a new topology. The coordinator checks it against the job (its nodes, "
+        "its algorithm's needs), picks the step to switch at (the highest step reported so far plus about five "
+        "seconds of steps), and assigns every node its new neighbours. Edges that disappear are dropped, edges "
+        "that appear start clean. Jobs of the parameter-server and all-reduce algorithms have no topology.",
+    )
+    topology.add_argument("job_id", metavar="JOB",
+                          help="a job's id, a unique prefix of it, or its name (the newest of that name)")
+    topology.add_argument("--kind", required=True, choices=KINDS + DYNAMIC_KINDS, metavar="KIND",
+                          help=f"the new topology's kind; one of: {', '.join(KINDS + DYNAMIC_KINDS)}")
+    topology.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                          help="an option of the kind (as in a job file's topology.options; VALUE is read as JSON "
+                          "when it is, else as text), e.g. degree=4; repeat for several")
+    topology.add_argument("--seed", type=int, default=0,
+                          help="seed of the new edge phases and of a random graph (default %(default)s)")
+    _add_coordinator_option(topology)
+
+
+def topology_options(pairs: list[str]) -> dict[str, object]:
+    """`--option KEY=VALUE` pairs as the topology's options; SystemExit naming the one that is wrong."""
+    options: dict[str, object] = {}
+    for pair in pairs:
+        key, separator, value = pair.partition("=")
+        if not separator or not key:
+            raise SystemExit(f"coordinator: --option {pair[:80]!r}: write KEY=VALUE")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+def cmd_topology(args: argparse.Namespace) -> int:
+    options = topology_options(args.option)
+    reply = _stub(args).ChangeTopology(
+        pb.ChangeTopologyRequest(job_id=args.job_id, kind=args.kind, options_json=json.dumps(options), seed=args.seed),
+        timeout=10,
+    )
+    print(f"{reply.job_id}: topology {reply.previous_kind} -> {args.kind} (version {reply.topology_version}); every "
+          f"node switches just before step {reply.switch_step}")
+    return 0
 
 
 def _client_settings(args: argparse.Namespace) -> tuple[str, Path | None]:
@@ -796,7 +848,7 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {
         "serve": cmd_serve, "ca": cmd_ca, "token": cmd_token, "cert": cmd_cert,
         "submit": cmd_submit, "follow": cmd_follow, "logs": cmd_logs, "jobs": cmd_jobs, "nodes": cmd_nodes,
-        "status": cmd_status, "stop": cmd_stop, "edges": cmd_edges,
+        "status": cmd_status, "stop": cmd_stop, "edges": cmd_edges, "topology": cmd_topology,
         "simulate": cmd_simulate, "inspect": cmd_inspect, "demo": cmd_demo,
         "schema": cmd_schema, "init": cmd_init, "validate": cmd_validate,
     }

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from coordinator.topology import Topology, build_topology, node_plan, peer_schedule
 from nodeagent.algorithms import Family, Neighbor, lookup
-from nodeagent.jobspec import JobSpec, JobSpecError, format_validation_error
+from nodeagent.jobspec import JobSpec, JobSpecError, TopologySpec, format_validation_error
 from nodeagent.training.data import DATASETS
 from nodeagent.training.models import MODELS, check_model, is_import_path
 from nodeagent.training.splits import SPLIT_OPTIONS, SPLITS
@@ -40,6 +40,17 @@ def validate_job(spec: JobSpec) -> Topology:
             f"model.name: {spec.algorithm.name} keeps the model at the coordinator, which imports no user code: "
             f"name a registered model ({', '.join(MODELS)})"
         )
+    topology = _checked_topology(spec)
+    for index, change in enumerate(spec.simulation.topology_changes):
+        try:
+            validate_topology_change(spec, change.topology())
+        except JobSpecError as error:
+            raise JobSpecError(f"simulation.topology_changes[{index}]: {error}") from None
+    return topology
+
+
+def _checked_topology(spec: JobSpec) -> Topology:
+    """The job's graph, built, connected and accepted by its algorithm; JobSpecError naming the field otherwise."""
     if spec.topology.kind == "edge-list" and "path" in spec.topology.options:
         # The command line that loads a job file reads the edge file it names and sends its text (load_job_file).
         raise JobSpecError("topology.options.path: topology edge-list: give the edges inline (option edges); the "
@@ -51,12 +62,35 @@ def validate_job(spec: JobSpec) -> Topology:
     if spec.nodes > 1 and not topology.is_connected():
         raise JobSpecError(f"topology: {spec.topology.kind} on {spec.nodes} nodes is not connected")
     try:
-        algorithm.check(spec, topology)
+        lookup(spec.algorithm.name).check(spec, topology)
     except JobSpecError:
         raise
     except ValueError as error:  # a check that names its field in a plain ValueError
         raise JobSpecError(str(error)) from None
     return topology
+
+
+def with_topology(spec: JobSpec, topology: TopologySpec) -> JobSpec:
+    """The job as it runs after a change to `topology` (what its nodes are planned from)."""
+    return spec.model_copy(update={"topology": topology})
+
+
+def validate_topology_change(spec: JobSpec, topology: TopologySpec) -> Topology:
+    """Whether a running job of `spec` may switch to `topology`: its algorithm talks to neighbours and can change
+    them between two steps, and the new graph fits the job (its nodes, the algorithm's `check`). Returns the new
+    graph; JobSpecError naming the field otherwise (`topology...` for the new graph)."""
+    check_topology_changes(spec)
+    return _checked_topology(with_topology(spec, topology))
+
+
+def check_topology_changes(spec: JobSpec) -> None:
+    """Whether a job of `spec` can change its topology at all (JobSpecError on algorithm.name if not)."""
+    algorithm = lookup(spec.algorithm.name)
+    if algorithm.family is not Family.PEER:
+        raise JobSpecError(f"algorithm.name: {spec.algorithm.name} has no topology to change (its nodes talk "
+                           f"{'to the parameter server' if algorithm.family is Family.SERVER else 'all at once'})")
+    if not algorithm.changes_topology:
+        raise JobSpecError(f"algorithm.name: {spec.algorithm.name} cannot change its topology while it runs")
 
 
 @dataclass(frozen=True)

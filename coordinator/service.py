@@ -4,6 +4,7 @@ the parameter server of the centralised algorithms (coordinator.ps_service)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import secrets
@@ -14,17 +15,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from pydantic import ValidationError
 from torch.distributed import TCPStore
 
 from coordinator.ca import DEFAULT_TOKEN_TTL_S, CAError, ClusterCA
-from coordinator.jobs import plan_node, validate_job
+from coordinator.jobs import check_topology_changes, plan_node, validate_job, validate_topology_change, with_topology
 from coordinator.ps_service import PSService
-from coordinator.store import JobRow, NodeRow, Store
+from coordinator.store import JobRow, MemberRow, NodeRow, Store
 from coordinator.topology import Topology, build_topology
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 from nodeagent.algorithms import Family, lookup
-from nodeagent.jobspec import MAX_NODES, JobSpec, JobSpecError, parse_job_yaml
+from nodeagent.jobspec import (
+    MAX_NODES,
+    JobSpec,
+    JobSpecError,
+    TopologySpec,
+    format_validation_error,
+    parse_job_yaml,
+)
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import MAX_FIELD_CHARS, address_problem, name_problem, node_id_problem
 from nodeagent.runtime import events
@@ -51,6 +60,13 @@ MAX_WATCHES_PER_NODE = 2  # an agent holds one; a second covers a reconnect raci
 DEFAULT_JOB_LIST = 100
 MAX_JOB_LIST = 10_000
 MAX_JOB_REFERENCE_CHARS = 128  # a job's id or name, as a person types it
+# A topology change: every node switches just before the same step, the highest step reported so far plus the
+# steps the fastest node takes in SWITCH_LEAD_S (at least MIN_SWITCH_MARGIN_STEPS). Nodes report every second and
+# the new assignment reaches them within milliseconds, so a node that has passed the step before it learns of the
+# change (it then switches at once, and says so) is one that ran several seconds ahead of its reports.
+SWITCH_LEAD_S = 5.0
+MIN_SWITCH_MARGIN_STEPS = 10
+MAX_TOPOLOGY_OPTIONS_CHARS = 65_536  # of a change's options as JSON (an edge list of a few thousand edges)
 MAX_EVENTS_PER_REPORT = 64
 # Each node may add EVENT_BURST events at once and EVENT_RATE_PER_S on average: a node that logs in a loop fills
 # neither the disk nor `coordinator logs`; what it sends beyond is dropped and counted.
@@ -74,7 +90,7 @@ COORDINATOR_RULES = rules_for("peertrain.v1.Coordinator", {
                      "ReportEvents", "PsPush", "PsPull", "PsReport"), _NODE),
     **dict.fromkeys(("SubmitJob", "StopJob", "ListNodes", "JobStatus", "ListJobs", "JobEvents", "RemoveNode",
                      "DrainNode",
-                     "CreateJoinToken", "RevokeCertificate", "ListCertificates"), _OPERATOR),
+                     "CreateJoinToken", "RevokeCertificate", "ListCertificates", "ChangeTopology"), _OPERATOR),
     "RenewCertificate": _NODE | _OPERATOR,
 })
 
@@ -155,7 +171,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.store = Store(config.state_dir / "coordinator.db")
         self.changes = _Changes()
         self.stopping = threading.Event()
-        self._topologies: dict[str, Topology] = {}
+        self._topologies: dict[tuple[str, int], Topology] = {}  # by job and topology version
         self._rendezvous: dict[str, tuple[TCPStore, str]] = {}  # job -> its store and key prefix
         self._run_logs: dict[str, RunLog] = {}
         self._event_logs: dict[str, EventLog] = {}
@@ -303,10 +319,20 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     # -- assignments ---------------------------------------------------------------------------------------------
 
     def _topology(self, job: JobRow, spec: JobSpec) -> Topology:
-        topology = self._topologies.get(job.job_id)
+        """The job's graph now (`spec`: the job as it runs now, `_running_spec`)."""
+        key = (job.job_id, job.topology_version)
+        topology = self._topologies.get(key)
         if topology is None:
-            topology = self._topologies[job.job_id] = build_topology(spec.topology, spec.nodes)
+            topology = self._topologies[key] = build_topology(spec.topology, spec.nodes)
         return topology
+
+    @staticmethod
+    def _running_spec(job: JobRow) -> JobSpec:
+        """The job's spec with the topology it runs now (after `coordinator topology` changes)."""
+        spec = JobSpec.from_json(job.spec_json)
+        if job.topology_json:
+            spec = with_topology(spec, TopologySpec.model_validate_json(job.topology_json))
+        return spec
 
     def assignment_for(self, node_id: str) -> pb.Assignment:
         revoked = self.ca.live_revocations() if self.ca is not None else []
@@ -315,7 +341,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             return pb.Assignment(version=self.changes.version, state=pb.JOB_STATE_UNSPECIFIED,
                                  revoked_serials=revoked)
         job, rank = membership
-        spec = JobSpec.from_json(job.spec_json)
+        spec = self._running_spec(job)
         plan = plan_node(spec, self._topology(job, spec), rank)
         rows = self.store.members(job.job_id)
         members = {m.rank: m.node_id for m in rows}
@@ -334,6 +360,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             rank=rank, world_size=job.world_size, neighbors=neighbors, self_weight=plan.self_weight,
             run_dir=job.run_dir, peer_schedule=[pb.PeerSet(ranks=peers) for peers in plan.peer_schedule],
             rejoin=rows[rank].progress.time > 0, revoked_serials=revoked, **self._rendezvous_of(job, spec),
+            topology_version=job.topology_version, switch_step=job.switch_step, topology_kind=spec.topology.kind,
         )
 
     def _rendezvous_of(self, job: JobRow, spec: JobSpec) -> dict[str, int | str]:
@@ -602,6 +629,69 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, _no_job(request.job_id))
         self._end_job(job, "STOPPED", "stopped by an operator")
         return pb.StopJobReply(state=JOB_STATES[self.store.job(job.job_id).state], job_id=job.job_id)
+
+    def ChangeTopology(self, request, context):
+        job = self.store.find_job(request.job_id[:MAX_JOB_REFERENCE_CHARS])
+        if job is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, _no_job(request.job_id))
+        if job.state != "RUNNING":
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"job {job.job_id} is {job.state.lower()}: only a running job's topology can change")
+        spec = self._running_spec(job)
+        try:
+            check_topology_changes(spec)
+        except JobSpecError as error:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"job {job.job_id}: {error}")
+        topology_spec = self._requested_topology(request, context)
+        try:
+            validate_topology_change(spec, topology_spec)
+        except JobSpecError as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid topology for job {job.job_id}: {error}")
+        members = self.store.members(job.job_id)
+        running = [m.progress for m in members if not m.progress.finished]
+        if job.switch_step and running and min(p.step for p in running) < job.switch_step:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"job {job.job_id} has not reached step {job.switch_step} yet, where it switches to version "
+                          f"{job.topology_version} of its topology: change it again once it has")
+        switch_step = self._switch_step(members)
+        if switch_step >= spec.steps:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"job {job.job_id} ends at step {spec.steps}, before the earliest step its nodes could all "
+                          f"switch at ({switch_step})")
+        version = job.topology_version + 1
+        if not self.store.change_topology(job.job_id, topology_spec.model_dump_json(), version, switch_step):
+            context.abort(grpc.StatusCode.ABORTED, f"job {job.job_id} ended or changed meanwhile; try again")
+        message = f"topology {spec.topology.kind} -> {topology_spec.kind} (version {version}) at step {switch_step}"
+        self._event(job, events.TOPOLOGY, message)
+        log.info("job %s: %s, by an operator", job.job_id, message)
+        self.changes.bump()
+        return pb.ChangeTopologyReply(job_id=job.job_id, topology_version=version, switch_step=switch_step,
+                                      previous_kind=spec.topology.kind)
+
+    @staticmethod
+    def _requested_topology(request: pb.ChangeTopologyRequest, context) -> TopologySpec:
+        """The topology a ChangeTopology asks for, as a job file's `topology`; INVALID_ARGUMENT naming the field."""
+        if len(request.options_json) > MAX_TOPOLOGY_OPTIONS_CHARS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"topology.options: {len(request.options_json)} "
+                          f"characters of JSON; at most {MAX_TOPOLOGY_OPTIONS_CHARS}")
+        try:
+            options = json.loads(request.options_json or "{}")
+        except (json.JSONDecodeError, RecursionError) as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"topology.options: not JSON: {str(error)[:200]}")
+        if not isinstance(options, dict):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "topology.options: must be a JSON object")
+        try:
+            return TopologySpec(kind=request.kind, seed=request.seed, options=options)
+        except ValidationError as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, format_validation_error(error, "topology"))
+
+    @staticmethod
+    def _switch_step(members: list[MemberRow]) -> int:
+        """The step every node switches at: the highest reported so far plus what the fastest node steps in
+        SWITCH_LEAD_S (see there)."""
+        rate = max((m.progress.step / m.progress.elapsed_s for m in members if m.progress.elapsed_s > 0), default=0.0)
+        highest = max((m.progress.step for m in members), default=0)
+        return highest + max(MIN_SWITCH_MARGIN_STEPS, math.ceil(rate * SWITCH_LEAD_S))
 
     def ListNodes(self, request, context):
         return pb.ListNodesReply(nodes=[self._node_info(n) for n in self.store.nodes()])

@@ -4,6 +4,11 @@ The job schema is the one real runs use, plus its `simulation:` section (speeds,
 built by `nodeagent.training.job.build_node` with the neighbours the coordinator would assign, so a simulated
 node is the same object an agent trains. The run directory gets the same metrics log as a real run, with
 virtual time stamps.
+
+`simulation.topology_changes` switches the job's topology while it runs, through the node driver's path of a
+real change (`NodeDriver.change_topology`): every node learns of every change at the start, so none is late, and
+switches just before the change's step. Each change is written to the run's events log, at the virtual time of
+the first node's switch.
 """
 
 from __future__ import annotations
@@ -17,12 +22,12 @@ from pathlib import Path
 import torch
 
 from coordinator.display import mean_accuracy
-from coordinator.jobs import plan_node, validate_job
+from coordinator.jobs import plan_node, validate_job, validate_topology_change, with_topology
 from coordinator.progress_view import ProgressView
 from nodeagent.jobspec import JobSpec
 from nodeagent.metrics import Metrics
 from nodeagent.runtime import events
-from nodeagent.runtime.driver import Report
+from nodeagent.runtime.driver import Report, Switch, TopologyChange
 from nodeagent.runtime.events import Event, EventLog
 from nodeagent.runtime.progress import Progress, RunLog
 from nodeagent.runtime.simulator import SimNode, VirtualMesh
@@ -87,12 +92,45 @@ def simulate(
                                    f"{progress.step}, test accuracy {progress.test_accuracy:.4f}", rank=progress.rank,
                                    node=progress.node, step=progress.step))
 
-    mesh = VirtualMesh(nodes, spec.name, spec.simulation, metrics or Metrics(), observe)
+    mesh = VirtualMesh(nodes, spec.name, spec.simulation, metrics or Metrics(), observe,
+                       on_switch=topology_events(event_log) if event_log is not None else None)
+    schedule_topology_changes(mesh, spec)
     mesh.run(on_event=on_progress)
     if event_log is not None:
         event_log.append(Event(mesh.now, spec.name, events.FINISHED if mesh.finished else events.STOPPED,
                                "job finished" if mesh.finished else "the simulation ended before every node finished"))
     return SimulationResult(mesh, run_dir, time.monotonic() - started)
+
+
+def schedule_topology_changes(mesh: VirtualMesh, spec: JobSpec) -> None:
+    """Tell every node of `mesh` of the job's `simulation.topology_changes`, planned as the coordinator plans a
+    change (`coordinator topology`)."""
+    previous = spec.topology
+    for version, change in enumerate(spec.simulation.topology_changes, start=2):
+        topology_spec = change.topology()
+        topology = validate_topology_change(spec, topology_spec)
+        changed = with_topology(spec, topology_spec)
+        description = f"{previous.kind} -> {topology_spec.kind} (version {version})"
+        for sim in mesh.nodes:
+            plan = plan_node(changed, topology, sim.rank)
+            sim.driver.change_topology(
+                TopologyChange(change.at_step, plan.neighbors, plan.self_weight, plan.peer_schedule, description)
+            )
+        previous = topology_spec
+
+
+def topology_events(event_log: EventLog) -> Callable[[VirtualMesh, SimNode, Switch], None]:
+    """A mesh's `on_switch`: writes each topology change once, at the virtual time its first node switches."""
+    logged: set[str] = set()
+
+    def on_switch(mesh: VirtualMesh, sim: SimNode, switch: Switch) -> None:
+        description = switch.change.description
+        if description not in logged:
+            logged.add(description)
+            event_log.append(Event(mesh.now, mesh.job, events.TOPOLOGY, f"topology {description} at step "
+                                   f"{switch.step}", step=switch.step))
+
+    return on_switch
 
 
 class SimulationProgress:

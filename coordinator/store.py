@@ -61,6 +61,11 @@ COLUMNS_ADDED = {
         "reason": "TEXT NOT NULL DEFAULT ''",  # why it failed, or what a pending job waits for
         "started_unix": "REAL NOT NULL DEFAULT 0",
         "ended_unix": "REAL NOT NULL DEFAULT 0",
+        # The topology the job runs now, after changes (`coordinator topology`): its TopologySpec as JSON ('': the
+        # job spec's own), its version (1: the job's own) and the step its nodes switch at.
+        "topology_json": "TEXT NOT NULL DEFAULT ''",
+        "topology_version": "INTEGER NOT NULL DEFAULT 1",
+        "switch_step": "INTEGER NOT NULL DEFAULT 0",
     },
     "members": {
         "test_loss": "REAL",
@@ -112,6 +117,9 @@ class JobRow:
     reason: str = ""
     started_unix: float = 0.0
     ended_unix: float = 0.0
+    topology_json: str = ""
+    topology_version: int = 1
+    switch_step: int = 0
 
 
 @dataclass(frozen=True)
@@ -268,6 +276,17 @@ class Store:
             cursor = db.execute(
                 "UPDATE jobs SET state=?, reason=?, ended_unix=? WHERE job_id=? AND state IN ('PENDING', 'RUNNING')",
                 (state, reason, time.time(), job_id),
+            )
+            return cursor.rowcount == 1
+
+    def change_topology(self, job_id: str, topology_json: str, version: int, switch_step: int) -> bool:
+        """A running job's new topology (version `version`, taken from step `switch_step` on); False if the job is
+        not running or another change came first (its version is not `version` - 1)."""
+        with self._tx() as db:
+            cursor = db.execute(
+                "UPDATE jobs SET topology_json=?, topology_version=?, switch_step=? "
+                "WHERE job_id=? AND state='RUNNING' AND topology_version=?",
+                (topology_json, version, switch_step, job_id, version - 1),
             )
             return cursor.rowcount == 1
 

@@ -124,6 +124,19 @@ class PartitionSpec(_Strict):
     end: float = Field(gt=0, description="virtual time (s) at which it heals")
 
 
+class TopologyChangeSpec(_Strict):
+    """A topology change the simulator applies while the job runs, as `coordinator topology` does on a cluster:
+    every node switches just before step `at_step`."""
+
+    at_step: int = Field(ge=1, description="the step before which every node switches (1..steps-1)")
+    kind: str = Field(max_length=64, description="the new topology's kind (as topology.kind)")
+    options: dict[str, Any] = Field(default_factory=dict, description="the new kind's own options")
+    seed: int = Field(0, description="seed of the new edge phases (and of a random graph)")
+
+    def topology(self) -> TopologySpec:
+        return TopologySpec(kind=self.kind, seed=self.seed, options=self.options)
+
+
 class SimulationSpec(_Strict):
     """How `coordinator simulate` charges virtual time; the rest of the job is the same as a real run's."""
 
@@ -134,6 +147,9 @@ class SimulationSpec(_Strict):
     faults: list[FaultSpec] = Field(default_factory=list, description="nodes that are down for a while")
     partitions: list[PartitionSpec] = Field(default_factory=list, description="network partitions")
     seed: int = Field(0, ge=0, description="seeds jitter and message loss")
+    topology_changes: list[TopologyChangeSpec] = Field(
+        default_factory=list, max_length=100,
+        description="topology changes while the job runs, in ascending at_step order")
 
 
 class FailureSpec(_Strict):
@@ -193,6 +209,15 @@ class JobSpec(_Strict):
                     check("simulation.partitions", rank)
             if partition.end <= partition.start:
                 raise ValueError("simulation.partitions: end must come after start")
+        previous = 0
+        for index, change in enumerate(simulation.topology_changes):
+            where = f"simulation.topology_changes[{index}].at_step"
+            if not 1 <= change.at_step < self.steps:
+                raise ValueError(f"{where}: {change.at_step} is not in 1..{self.steps - 1} (the job's steps - 1)")
+            if change.at_step <= previous:
+                raise ValueError(f"{where}: changes must be in ascending order of at_step, {change.at_step} comes "
+                                 f"after {previous}")
+            previous = change.at_step
         return self
 
     def to_json(self) -> str:

@@ -13,6 +13,7 @@ reports ages; the agent turns them into Unix timestamps here, so that `time() - 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -179,6 +180,14 @@ class Metrics:
                 self.neighbor_staleness.labels(*labels).set(edge.staleness_steps)
             if math.isfinite(edge.consensus_distance):
                 self.consensus_distance.labels(*labels).set(edge.consensus_distance)
+
+    def forget_edge(self, job_id: str, node: str, peer: str) -> None:
+        """Remove the gauges of an edge `node` no longer reports (a topology change dropped it): left set, its last
+        message would only grow older, and the edge would look stalled. Its counters stay until the job ends."""
+        for gauge in (self.edge_last_message, self.edge_message_interval, self.edge_in_flight_since,
+                      self.neighbor_staleness, self.consensus_distance):
+            with contextlib.suppress(KeyError):  # a gauge that was never set for the edge
+                gauge.remove(job_id, node, peer)
 
     def forget_job(self, job_id: str) -> None:
         """Remove every series of the job `job_id`: a finished job's figures stay in its run's log, not here."""

@@ -174,7 +174,7 @@ class PeerSet(_message.Message):
     def __init__(self, ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("version", "job_id", "state", "job_spec_json", "rank", "world_size", "neighbors", "self_weight", "run_dir", "peer_schedule", "rendezvous_port", "rejoin", "revoked_serials", "rendezvous_key")
+    __slots__ = ("version", "job_id", "state", "job_spec_json", "rank", "world_size", "neighbors", "self_weight", "run_dir", "peer_schedule", "rendezvous_port", "rejoin", "revoked_serials", "rendezvous_key", "topology_version", "switch_step", "topology_kind")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +189,9 @@ class Assignment(_message.Message):
     REJOIN_FIELD_NUMBER: _ClassVar[int]
     REVOKED_SERIALS_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_KEY_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_STEP_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_KIND_FIELD_NUMBER: _ClassVar[int]
     version: int
     job_id: str
     state: JobState
@@ -203,7 +206,10 @@ class Assignment(_message.Message):
     rejoin: bool
     revoked_serials: _containers.RepeatedScalarFieldContainer[str]
     rendezvous_key: str
-    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., job_spec_json: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., neighbors: _Optional[_Iterable[_Union[Neighbor, _Mapping]]] = ..., self_weight: _Optional[float] = ..., run_dir: _Optional[str] = ..., peer_schedule: _Optional[_Iterable[_Union[PeerSet, _Mapping]]] = ..., rendezvous_port: _Optional[int] = ..., rejoin: _Optional[bool] = ..., revoked_serials: _Optional[_Iterable[str]] = ..., rendezvous_key: _Optional[str] = ...) -> None: ...
+    topology_version: int
+    switch_step: int
+    topology_kind: str
+    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., job_spec_json: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., neighbors: _Optional[_Iterable[_Union[Neighbor, _Mapping]]] = ..., self_weight: _Optional[float] = ..., run_dir: _Optional[str] = ..., peer_schedule: _Optional[_Iterable[_Union[PeerSet, _Mapping]]] = ..., rendezvous_port: _Optional[int] = ..., rejoin: _Optional[bool] = ..., revoked_serials: _Optional[_Iterable[str]] = ..., rendezvous_key: _Optional[str] = ..., topology_version: _Optional[int] = ..., switch_step: _Optional[int] = ..., topology_kind: _Optional[str] = ...) -> None: ...
 
 class MetricsReport(_message.Message):
     __slots__ = ("node_id", "job_id", "rank", "step", "loss", "test_accuracy", "test_loss", "elapsed_s", "finished", "bytes_sent", "bytes_received", "compute_s", "wait_s", "exchanges", "exchange_failures", "edges", "local_steps", "waiting_for")
@@ -421,6 +427,30 @@ class StopJobReply(_message.Message):
     state: JobState
     job_id: str
     def __init__(self, state: _Optional[_Union[JobState, str]] = ..., job_id: _Optional[str] = ...) -> None: ...
+
+class ChangeTopologyRequest(_message.Message):
+    __slots__ = ("job_id", "kind", "options_json", "seed")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    kind: str
+    options_json: str
+    seed: int
+    def __init__(self, job_id: _Optional[str] = ..., kind: _Optional[str] = ..., options_json: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class ChangeTopologyReply(_message.Message):
+    __slots__ = ("job_id", "topology_version", "switch_step", "previous_kind")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_STEP_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_KIND_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    topology_version: int
+    switch_step: int
+    previous_kind: str
+    def __init__(self, job_id: _Optional[str] = ..., topology_version: _Optional[int] = ..., switch_step: _Optional[int] = ..., previous_kind: _Optional[str] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ()

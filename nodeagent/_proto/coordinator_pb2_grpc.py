@@ -110,6 +110,11 @@ class CoordinatorStub:
                 request_serializer=peertrain_dot_v1_dot_coordinator__pb2.DrainRequest.SerializeToString,
                 response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.NodeInfo.FromString,
                 _registered_method=True)
+        self.ChangeTopology = channel.unary_unary(
+                '/peertrain.v1.Coordinator/ChangeTopology',
+                request_serializer=peertrain_dot_v1_dot_coordinator__pb2.ChangeTopologyRequest.SerializeToString,
+                response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.ChangeTopologyReply.FromString,
+                _registered_method=True)
         self.PsPush = channel.stream_unary(
                 '/peertrain.v1.Coordinator/PsPush',
                 request_serializer=peertrain_dot_v1_dot_wire__pb2.Frame.SerializeToString,
@@ -249,6 +254,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ChangeTopology(self, request, context):
+        """-- Topology changes (issue 13, item 5) --
+        Switch a running job of the peer family to a new topology: every member is assigned the new neighbours and
+        switches just before the same step (Assignment.topology_version, switch_step).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PsPush(self, request_iterator, context):
         """Parameter-server calls: the coordinator hosts the server half of the centralised algorithms (SSGD, ASGD,
         DC-ASGD, AdaComp, ESync). On the wire the server is rank world_size of the job (one past the last worker).
@@ -380,6 +394,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.DrainNode,
                     request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.DrainRequest.FromString,
                     response_serializer=peertrain_dot_v1_dot_coordinator__pb2.NodeInfo.SerializeToString,
+            ),
+            'ChangeTopology': grpc.unary_unary_rpc_method_handler(
+                    servicer.ChangeTopology,
+                    request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.ChangeTopologyRequest.FromString,
+                    response_serializer=peertrain_dot_v1_dot_coordinator__pb2.ChangeTopologyReply.SerializeToString,
             ),
             'PsPush': grpc.stream_unary_rpc_method_handler(
                     servicer.PsPush,
@@ -822,6 +841,33 @@ class Coordinator:
             '/peertrain.v1.Coordinator/DrainNode',
             peertrain_dot_v1_dot_coordinator__pb2.DrainRequest.SerializeToString,
             peertrain_dot_v1_dot_coordinator__pb2.NodeInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChangeTopology(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peertrain.v1.Coordinator/ChangeTopology',
+            peertrain_dot_v1_dot_coordinator__pb2.ChangeTopologyRequest.SerializeToString,
+            peertrain_dot_v1_dot_coordinator__pb2.ChangeTopologyReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,6 +9,11 @@ evaluation).
 Slow devices: each local step is stretched by the product of the agent's `--slowdown` (the machine) and the job's
 `slowdown` of this rank (the experiment): after the step the runner sleeps (factor - 1) times the step's compute
 time, and the step counts as compute for that whole time (metrics, ESync step reports).
+
+Topology changes: an assignment with a newer `topology_version` names the new neighbours and the step to switch
+at. The runner adds the new neighbours' addresses and names to those it has (the old neighbours stay reachable and
+admitted: their messages of the steps before the switch still count, and a push to them is retried until
+delivered), and hands the change to the driver, which switches just before that step.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, cast
 
 from nodeagent._proto import coordinator_pb2
@@ -32,7 +37,7 @@ from nodeagent.jobspec import JobSpec
 from nodeagent.ps.link import ServerExpectation
 from nodeagent.rpc import split_address
 from nodeagent.runtime import events
-from nodeagent.runtime.driver import Action, Arrival, NodeDriver, Report
+from nodeagent.runtime.driver import Action, Arrival, NodeDriver, Report, TopologyChange
 from nodeagent.runtime.peer_service import GrpcPeers, ServingState
 from nodeagent.runtime.progress import to_report
 from nodeagent.runtime.server_link import GrpcServerLink
@@ -67,21 +72,50 @@ class JobRunner(threading.Thread):
         self.peer_schedule = tuple(tuple(peers.ranks) for peers in assignment.peer_schedule)
         self.rendezvous = (assignment.rendezvous_port, assignment.rendezvous_key)
         self.rejoin = assignment.rejoin  # this rank ran before: a restart
+        # A runner that starts after a change starts in its version (its neighbours above).
+        self.topology_version = assignment.topology_version
+        self.topology_kind = assignment.topology_kind or self.spec.topology.kind
+        self.topology_changes: queue.Queue[TopologyChange] = queue.Queue()  # for the runner thread's driver
         self.peers: GrpcPeers | None = None
+        self.serving: ServingState | None = None
         self.collective: Collective | None = None
         self.driver: NodeDriver | None = None
         self.addresses: dict[int, str] = {}
         self.names: dict[int, str] = {}
+        self._lock = threading.Lock()  # between the watch thread's updates and the runner's serving state
         self.update(assignment)
         self.pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"exchange-{self.job_id}")
         self.slowdown = agent.config.slowdown * self.spec.slowdown.get(self.rank, 1.0)
 
     def update(self, assignment: coordinator_pb2.Assignment) -> None:
-        """New addresses or liveness of neighbours; applied between calls (dicts are replaced whole)."""
-        self.addresses = {n.rank: n.address for n in assignment.neighbors}
-        self.names = {n.rank: n.node_id for n in assignment.neighbors} | {self.rank: self.agent.node_id}
-        if self.peers is not None:
-            self.peers.update(self.addresses)
+        """New addresses or liveness of neighbours, or a new topology; applied between calls (dicts are replaced
+        whole). After a topology change the former neighbours keep their entries (see the module's docstring)."""
+        with self._lock:
+            # Within one topology the neighbours' ranks stay; across a change the former ones are kept.
+            self.addresses = self.addresses | {n.rank: n.address for n in assignment.neighbors}
+            self.names = self.names | {n.rank: n.node_id for n in assignment.neighbors} | \
+                {self.rank: self.agent.node_id}
+            if assignment.topology_version > self.topology_version:
+                self._change_topology(assignment)
+            if self.serving is not None:
+                self.serving = replace(self.serving, names=self.names)
+                self.agent.set_serving(self.serving)
+            if self.peers is not None and self.serving is not None:
+                self.peers.update(self.addresses, self.serving)
+
+    def _change_topology(self, assignment: coordinator_pb2.Assignment) -> None:
+        description = f"{self.topology_kind} -> {assignment.topology_kind} (version {assignment.topology_version})"
+        log.info("job %s: topology %s from step %d", self.job_id, description, assignment.switch_step)
+        self.topology_changes.put(TopologyChange(
+            at_step=assignment.switch_step,
+            neighbors=tuple(Neighbor(rank=n.rank, sign=n.sign, phase=n.phase, weight=n.weight, peer_phase=n.peer_phase)
+                            for n in assignment.neighbors),
+            self_weight=assignment.self_weight,
+            peer_schedule=tuple(tuple(peers.ranks) for peers in assignment.peer_schedule),
+            description=description,
+        ))
+        self.topology_version = assignment.topology_version
+        self.topology_kind = assignment.topology_kind
 
     def name_of(self, rank: int) -> str:
         return self.names.get(rank, f"rank{rank}")
@@ -101,7 +135,9 @@ class JobRunner(threading.Thread):
                 self.agent.event(self.job_id, events.FAILED, f"failed: {reason}", "ERROR", self.step())
                 self.agent.report_failure(self.job_id, self.rank, reason)
         finally:
-            self.agent.set_serving(None)
+            with self._lock:  # an assignment that comes now must not serve the job again
+                self.serving = None
+                self.agent.set_serving(None)
             self.pool.shutdown(wait=False, cancel_futures=True)
             if self.collective is not None:
                 self.collective.close()
@@ -137,19 +173,22 @@ class JobRunner(threading.Thread):
             agent.event(self.job_id, events.REJOINED, f"rank {self.rank} restarted in the running job: it takes the "
                         "job up where its neighbours are", step=algorithm.clock)
         encoding = Encoding.from_name(spec.wire.encoding)
-        serving = ServingState(
-            job_id=self.job_id, node_id=agent.node_id, rank=self.rank, algorithm_name=spec.algorithm.name,
-            names=self.names, expected=algorithm.expected, snapshot=algorithm.snapshot, inbox=self.inbox,
-            encoding=encoding, chunk_bytes=spec.wire.chunk_bytes, max_message_bytes=spec.wire.max_message_bytes,
-            traffic=driver.traffic,
-        )
-        agent.set_serving(serving)
-        self.peers = GrpcPeers(serving, self.addresses, agent.metrics, spec.wire.exchange_timeout_s,
-                               transport=agent.transport)
+        with self._lock:
+            self.serving = ServingState(
+                job_id=self.job_id, node_id=agent.node_id, rank=self.rank, algorithm_name=spec.algorithm.name,
+                names=self.names, expected=algorithm.expected, snapshot=algorithm.snapshot, inbox=self.inbox,
+                encoding=encoding, chunk_bytes=spec.wire.chunk_bytes, max_message_bytes=spec.wire.max_message_bytes,
+                traffic=driver.traffic,
+            )
+            agent.set_serving(self.serving)
+            self.peers = GrpcPeers(self.serving, self.addresses, agent.metrics, spec.wire.exchange_timeout_s,
+                                   transport=agent.transport)
         dispatch = Dispatch(self.inbox.put, self.pool, self.peers, self._server_link(node, driver),
                             self._collective(node, driver))
         self._wait_for_neighbours()
         finished = False
+
+        gauged: set[str] = set()  # the edges whose gauges are set
 
         def publish(report: Report) -> None:
             nonlocal finished
@@ -162,9 +201,14 @@ class JobRunner(threading.Thread):
                             step=report.progress.step)
             # The driver's ages count back from the report, made just now: Unix time for the edge gauges.
             agent.metrics.observe_edges(self.job_id, agent.node_id, report.progress.edges, time.time())
+            reported = {edge.peer for edge in report.progress.edges}
+            for peer in gauged - reported:  # dropped by a topology change
+                agent.metrics.forget_edge(self.job_id, agent.node_id, peer)
+            gauged.clear()
+            gauged.update(reported)
             agent.report(to_report(report.progress))
 
-        NodeLoop(driver, dispatch, self.inbox, publish, self.stop_event, self.slowdown).run()
+        NodeLoop(driver, dispatch, self.inbox, publish, self.stop_event, self.slowdown, self.topology_changes).run()
 
     def _server_link(self, node: Node, driver: NodeDriver) -> GrpcServerLink | None:
         if type(node.algorithm).family is not Family.SERVER:
@@ -219,11 +263,14 @@ class NodeLoop:
     publish: Callable[[Report], None]
     stop: threading.Event
     slowdown: float = 1.0
+    topology_changes: queue.Queue[TopologyChange] = field(default_factory=queue.Queue)  # from the watch thread
 
     def run(self) -> None:
         driver, dispatch = self.driver, self.dispatch
         while not self.stop.is_set():
             self._collect()
+            while not self.topology_changes.empty():
+                driver.change_topology(self.topology_changes.get_nowait())
             for transmission in driver.due_retries():
                 dispatch.perform(transmission)
             decision = driver.next()

@@ -219,6 +219,8 @@ class Algorithm(ABC):
     # Whether receive() can produce sends (ESync pushes its delta once READY): the driver then also calls sends()
     # after handing over received messages, not only after a step.
     sends_after_receive: ClassVar[bool] = False
+    # Whether its topology may change while the job runs (`change_topology`).
+    changes_topology: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         self.options = type(self).options_of(context.spec)
@@ -231,6 +233,9 @@ class Algorithm(ABC):
         self.w = self.params.vector
         self.clock = 0
         self.last_loss = math.nan
+        # The ranks whose messages `expected` accepts: the neighbours, and while the topology changes those of the
+        # next one too (replaced whole: network threads read it).
+        self.accepted_ranks: frozenset[int] = frozenset(context.neighbor_ranks)
         self._momentum_buffer: torch.Tensor | None = None
         self._published: Snapshot
 
@@ -296,7 +301,7 @@ class Algorithm(ABC):
         return [n for n in self.context.neighbors if n.phase == position]
 
     def reject_unless_neighbor(self, peer: int) -> None:
-        if peer not in self.context.neighbor_ranks:
+        if peer not in self.accepted_ranks:
             raise WireError("not_neighbor", f"rank {peer} is not a neighbour of rank {self.context.rank}")
 
     def neighbor_specs(self, peer: int, kind: Kind, accepted: Kind) -> list[TensorSpec]:
@@ -378,6 +383,23 @@ class Algorithm(ABC):
         messages of the rounds since its checkpoint, and its neighbours wait for its part of theirs: returns the
         sends that give it to them."""
         return []
+
+    def expect_neighbors(self, ranks: tuple[int, ...]) -> None:
+        """A topology change is coming: accept messages from `ranks` too (the neighbours of the new topology, which
+        may switch and send before this node does; the driver holds their messages until this node switches). The
+        neighbours before the change stay accepted: their messages of the steps before the switch still count."""
+        self.accepted_ranks = frozenset(self.context.neighbor_ranks) | frozenset(ranks)
+
+    def change_topology(self, context: NodeContext) -> None:
+        """Between two steps, at the switch step (`clock`): from now on the node's neighbours, weights, phases and
+        peer schedule are `context`'s. Edges that disappear are dropped, edges that appear start clean. Only
+        algorithms with `changes_topology` implement it."""
+        raise NotImplementedError(f"{self.name} cannot change its topology while it runs")
+
+    def _take_context(self, context: NodeContext) -> None:
+        """The part of `change_topology` every algorithm shares: the new context, whose neighbours are accepted."""
+        self.accepted_ranks = self.accepted_ranks | frozenset(context.neighbor_ranks)
+        self.context = context
 
     def failed(self, send: Send, reason: str) -> None:
         """A send could not be completed; `reason` is the failure label of the metrics (unavailable,

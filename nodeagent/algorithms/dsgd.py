@@ -33,6 +33,7 @@ class DSGD(Algorithm):
 
     name = "dsgd"
     modes = ("async", "sync")
+    changes_topology = True
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         super().__init__(model, context, loss_fn)
@@ -87,6 +88,17 @@ class DSGD(Algorithm):
         tensors = self.params.views(self.w.detach().clone())
         return Snapshot(self.context.rank, self.clock, self.last_loss, {(None, Kind.PARAMS): tensors})
 
+    def change_topology(self, context: NodeContext) -> None:
+        """A new neighbour's copy starts as this node's own parameters (mixing it changes nothing until its first
+        exchange); a dropped neighbour's copy is forgotten. Synchronous rounds from the switch on wait for the new
+        neighbours: rounds before it are complete (the switch comes between two steps)."""
+        ranks = set(context.neighbor_ranks)
+        self.last_copy = {rank: self.last_copy.get(rank, self.w.detach().clone()) for rank in ranks}
+        for copies in self.round_copies.values():
+            for rank in set(copies) - ranks:
+                del copies[rank]
+        self._take_context(context)
+
     def sends(self) -> list[Send]:
         if self.synchronous:
             outbox, self._outbox = self._outbox, []
@@ -97,6 +109,8 @@ class DSGD(Algorithm):
         ]
 
     def receive(self, message: Message) -> None:
+        if message.sender not in self.last_copy:
+            return  # a neighbour that a topology change dropped: the rounds it took part in are complete
         copy = self.params.flatten(message.tensors)
         self.last_copy[message.sender] = copy  # asynchronous: what is mixed; synchronous: for consensus_distance()
         if not self.synchronous:

@@ -69,23 +69,26 @@ class PDMMISVR(Algorithm):
 
     name = "pdmm-isvr"
     Options = ECLOptions
+    changes_topology = True
     refuses_momentum = "pdmm-isvr and admm-isvr use the plain gradient g; set momentum to 0"
     options: ECLOptions
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         super().__init__(model, context, loss_fn)
-        for neighbor in context.neighbors:
-            expected_sign = 1 if context.rank < neighbor.rank else -1
-            if neighbor.sign != expected_sign:
-                # A_ij = -A_ji holds only if both ends follow the same rule; a wrong sign breaks the
-                # consensus constraint without any error, so it is refused here.
-                raise ValueError(
-                    f"edge ({context.rank}, {neighbor.rank}): sign A_ij must be {expected_sign:+d} "
-                    f"(+1 at the lower rank), got {neighbor.sign}"
-                )
+        _check_signs(context)
         self.eta_rule = self.options.eta  # recorded: which eta a run used
         self.eta = eta_of(self.eta_rule, self.spec.lr, len(context.neighbors), self.spec.interval)
         self.z = {n.rank: torch.zeros_like(self.w) for n in context.neighbors}
+        self.republish()
+
+    def change_topology(self, context: NodeContext) -> None:
+        """The duals of the edges that stay are kept, those of new edges start at zero (as at the start of a job),
+        those of dropped edges are forgotten; eta follows the new degree. PDMM's fixed point is the optimum on any
+        connected graph, so the job goes on towards the same optimum from its current state."""
+        _check_signs(context)
+        self.eta = eta_of(self.eta_rule, self.spec.lr, len(context.neighbors), self.spec.interval)
+        self.z = {n.rank: self.z[n.rank] if n.rank in self.z else torch.zeros_like(self.w) for n in context.neighbors}
+        self._take_context(context)
         self.republish()
 
     @classmethod
@@ -147,10 +150,24 @@ class PDMMISVR(Algorithm):
     def receive(self, message: Message) -> None:
         # A request from a lower-rank peer or the reply to our own request: either way the peer's y_ji.
         peer = message.sender
+        if peer not in self.z:
+            return  # an exchange of an edge that a topology change dropped
         self.z[peer] = self.merge(self.z[peer], self.params.flatten(message.tensors))
 
     def expected(self, peer: int, kind: Kind) -> list[TensorSpec]:
         return self.neighbor_specs(peer, kind, Kind.DUAL)
+
+
+def _check_signs(context: NodeContext) -> None:
+    for neighbor in context.neighbors:
+        expected_sign = 1 if context.rank < neighbor.rank else -1
+        if neighbor.sign != expected_sign:
+            # A_ij = -A_ji holds only if both ends follow the same rule; a wrong sign breaks the
+            # consensus constraint without any error, so it is refused here.
+            raise ValueError(
+                f"edge ({context.rank}, {neighbor.rank}): sign A_ij must be {expected_sign:+d} "
+                f"(+1 at the lower rank), got {neighbor.sign}"
+            )
 
 
 class ADMMISVR(PDMMISVR):

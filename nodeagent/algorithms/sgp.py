@@ -54,6 +54,7 @@ class SGP(Algorithm):
 
     name = "sgp"
     modes = ("sync",)
+    changes_topology = True
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         super().__init__(model, context, loss_fn)
@@ -65,6 +66,9 @@ class SGP(Algorithm):
         self.shares: dict[int, dict[int, tuple[torch.Tensor, float]]] = defaultdict(dict)
         # Rounds this node has sent and not yet absorbed, oldest first.
         self.open_rounds: deque[int] = deque()
+        # The contexts of the rounds that may still be open, as (first round, context), oldest first: a round
+        # counts its shares against the out-peers of the topology it was sent in (see change_topology).
+        self._contexts: list[tuple[int, NodeContext]] = [(0, context)]
         self._outbox: list[Send] = []
         self.republish()
 
@@ -97,7 +101,7 @@ class SGP(Algorithm):
         while self.open_rounds:
             round_ = self.open_rounds[0]
             received = self.shares.get(round_, {})
-            if len(received) < len(self.context.out_peers(round_)):
+            if len(received) < len(self._context_of(round_).out_peers(round_)):
                 break
             # In sender order, not arrival order: the float sums then do not depend on timing.
             for sender in sorted(received):
@@ -107,6 +111,20 @@ class SGP(Algorithm):
             self.open_rounds.popleft()
             absorbed = True
         return absorbed
+
+    def _context_of(self, round_: int) -> NodeContext:
+        """The context round `round_` was sent in."""
+        return next(context for first, context in reversed(self._contexts) if first <= round_)
+
+    def change_topology(self, context: NodeContext) -> None:
+        """Rounds from the switch step on go to the new out-peers; the rounds before it, still open, are absorbed
+        as they were sent, with the shares of the old in-peers (the driver hands them over; their pushes are
+        retried until delivered). No share is lost or counted twice, so the total mass, and with it the average,
+        is exact across the change."""
+        self._take_context(context)
+        oldest = self.open_rounds[0] if self.open_rounds else self.clock
+        covering = max(i for i, (first, _) in enumerate(self._contexts) if first <= oldest)
+        self._contexts = [*self._contexts[covering:], (self.clock, context)]
 
     def _debias(self) -> None:
         """z = x / weight into the model's parameters, and publish the new state."""
@@ -182,7 +200,7 @@ class SGP(Algorithm):
     def waiting_for(self) -> str:
         round_ = self.open_rounds[0]
         received = sorted(self.shares.get(round_, {}))
-        expected = len(self.context.out_peers(round_))
+        expected = len(self._context_of(round_).out_peers(round_))
         return f"{expected - len(received)} more push-sum shares of round {round_} (from ranks so far: {received})"
 
     def expected(self, peer: int, kind: Kind) -> list[TensorSpec]:

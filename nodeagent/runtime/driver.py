@@ -38,6 +38,15 @@ The rules, each in one place:
   neighbour serves (`Algorithm.rejoin_kind()`), holding back everything else that arrives, then hands the states to
   `Algorithm.rejoin()`, whose sends let the neighbours finish the rounds they wait in; the pulls are retried like
   pushes.
+- Topology changes (`change_topology`): every node of the job switches just before the same step, the change's
+  `at_step`, so that a round is sent and absorbed in one topology. From the moment the change is known the
+  algorithm accepts the new neighbours, whose messages are held until this node switches (they may switch
+  first); after the switch the messages of the old neighbours that are no longer neighbours count only for the
+  steps before it (a push-sum share sent before the switch must still be absorbed), later ones are dropped and
+  counted. A node that learns of a change when it has passed its step already (a late assignment) switches at
+  once and says so: its neighbours switched at the step, so rounds between the two are mixed in different
+  topologies (the coordinator's margin makes this rare). The edges a switch drops leave the node's per-edge
+  report (their bytes stay in its totals), so that a dropped edge is not taken for a stalled one.
 - After the last step the node absorbs nothing more: it serves its final snapshot and only finishes its retries.
 """
 
@@ -50,9 +59,9 @@ import logging
 import math
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from nodeagent.algorithms.base import ALLREDUCE_RANK, Route, Send
+from nodeagent.algorithms.base import ALLREDUCE_RANK, Neighbor, Route, Send
 from nodeagent.metrics import Metrics
 from nodeagent.ps.messages import SERVER_NAME, SERVER_RANK, ServerAnswer
 from nodeagent.runtime.progress import EdgeCounters, Progress, Traffic
@@ -66,6 +75,12 @@ RETRY_MAX_S = 30.0  # and each next one twice as long after its failure, up to t
 WAIT_LOG_S = 10.0  # a wait longer than this is logged, once
 IN_FLIGHT = "in_flight"  # the failure reason of a send skipped by flow control
 FUTURE_CLOCK = "future_clock"  # the rejection reason of a message beyond the algorithm's rounds_ahead()
+FORMER_NEIGHBOR = "former_neighbor"  # the rejection reason of a message of a dropped edge after the switch
+# Messages of a neighbour to come are held until this node switches, at most this many per neighbour: beyond, its
+# oldest is dropped (counted as HELD_OVERFLOW). An asynchronous algorithm's newer message supersedes an older one,
+# and a synchronous neighbour runs at most its `rounds_ahead()` ahead, far fewer.
+HELD_PER_PEER = 16
+HELD_OVERFLOW = "held_overflow"
 ALLREDUCE_NAME = "allreduce"  # the all-reduce in edge metrics
 
 
@@ -138,6 +153,30 @@ class Failure:
 Arrival = Message | Reply | Failure
 
 
+@dataclass(frozen=True)
+class TopologyChange:
+    """A node's place in a job's new topology, and the step before which it switches to it."""
+
+    at_step: int
+    neighbors: tuple[Neighbor, ...]
+    self_weight: float
+    peer_schedule: tuple[tuple[int, ...], ...]
+    description: str  # for the log, e.g. "ring -> multiplex-ring (version 2)"
+
+
+@dataclass(frozen=True)
+class Switch:
+    """A topology change this node applied: at which step, at what time on the driver's clock, and whether late."""
+
+    change: TopologyChange
+    step: int
+    time: float
+
+    @property
+    def late(self) -> bool:
+        return self.step > self.change.at_step
+
+
 class Action(enum.Enum):
     STEP = "step"  # call step(), take the step's time, then stepped()
     WAIT = "wait"  # call next() again once something arrived (or a retry is due)
@@ -202,6 +241,12 @@ class NodeDriver:
         self._retries: list[tuple[float, int, Transmission]] = []
         self._attempts: dict[int, int] = {}  # id of a transmission being retried -> its failed attempts
         self._joining: dict[int, Message | None] | None = None  # while rejoining: each neighbour's state, once pulled
+        self._changes: list[TopologyChange] = []  # topology changes to come, by step
+        self._held: list[Message] = []  # messages of the next topology's new neighbours, until the switch
+        self._former: frozenset[int] = frozenset()  # neighbours that the last switch dropped
+        self._switched_at = 0  # the step of the last switch
+        self._dropped: set[int] = set()  # neighbours that switches dropped and none brought back: not reported
+        self.switches: list[Switch] = []
         self._join_pulls: set[int] = set()  # ids of the pulls of rejoining
         self._sequence = itertools.count()
         self._calls = itertools.count()
@@ -295,6 +340,74 @@ class NodeDriver:
                  self.algorithm.clock, ", ".join(f"rank {rank} at {state.clock}" for rank, state in states.items()))
         return True, sends
 
+    def change_topology(self, change: TopologyChange) -> None:
+        """Switch to a new topology just before step `change.at_step` (at the next `next()` if this node is past
+        it); the algorithm accepts the new neighbours from now on."""
+        self._changes.append(change)
+        self._changes.sort(key=lambda c: c.at_step)
+        self.algorithm.expect_neighbors(tuple(n.rank for n in change.neighbors))
+
+    def _switch(self) -> bool:
+        """Apply the changes whose step has come, and queue what their new neighbours sent meanwhile; whether any
+        was applied."""
+        algorithm = self.algorithm
+        switched = False
+        while self._changes and self._changes[0].at_step <= algorithm.clock:
+            change = self._changes.pop(0)
+            before = set(algorithm.context.neighbor_ranks)
+            algorithm.change_topology(replace(algorithm.context, neighbors=change.neighbors,
+                                              self_weight=change.self_weight, peer_schedule=change.peer_schedule))
+            after = set(algorithm.context.neighbor_ranks)
+            self._former = frozenset(before - after)
+            self._dropped = (self._dropped | self._former) - after
+            self._switched_at = algorithm.clock
+            switch = Switch(change, algorithm.clock, self.clock())
+            self.switches.append(switch)
+            if switch.late:
+                log.warning("job %s: %s switched topology %s at step %d, late: the job switched at step %d",
+                            self.job, self.name, change.description, algorithm.clock, change.at_step)
+            else:
+                log.info("job %s: %s switched topology %s at step %d: neighbours %s (new %s, dropped %s)", self.job,
+                         self.name, change.description, algorithm.clock, sorted(after), sorted(after - before),
+                         sorted(before - after))
+            self._arrived[:0], self._held = self._held, []
+            switched = True
+        return switched
+
+    def _hand_over(self, sends: list[Transmission]) -> None:
+        """Hand what arrived to the algorithm (adding the sends its answers make to `sends`)."""
+        if not self._arrived:
+            return
+        algorithm = self.algorithm
+        arrived, self._arrived = self._arrived, []
+        for item in arrived:
+            if isinstance(item, Failure):
+                algorithm.failed(item.transmission.send, item.reason)
+            elif not (isinstance(item, Message) and (not self._admitted(item) or self._too_far_ahead(item))):
+                algorithm.receive(item)
+        if algorithm.sends_after_receive:
+            sends.extend(self._transmissions(algorithm.sends(), math.nan))
+
+    def _admitted(self, message: Message) -> bool:
+        """Whether a peer's message goes to the algorithm now, across topology changes (see the module's rules);
+        a message of a neighbour to come is held."""
+        if not self._changes and not self._former:
+            return True  # no topology change under way or behind
+        sender = message.sender
+        if sender in self.algorithm.context.neighbor_ranks or sender in (ALLREDUCE_RANK, SERVER_RANK):
+            return True
+        if any(sender in (n.rank for n in change.neighbors) for change in self._changes):
+            held = [index for index, kept in enumerate(self._held) if kept.sender == sender]
+            if len(held) >= HELD_PER_PEER:
+                del self._held[held[0]]
+                self.metrics.stream_rejections.labels(self.peer_name(sender), self.name, HELD_OVERFLOW).inc()
+            self._held.append(message)
+            return False
+        if sender in self._former and message.clock >= self._switched_at:
+            self.metrics.stream_rejections.labels(self.peer_name(sender), self.name, FORMER_NEIGHBOR).inc()
+            return False
+        return True
+
     def due_retries(self) -> list[Transmission]:
         now = self.clock()
         due = []
@@ -321,20 +434,15 @@ class NodeDriver:
         if self._evaluated_at < 0 and algorithm.clock == 0:
             # The curve starts at the shared initial model, before anything received is mixed in.
             reports.append(self._evaluate())
+        self._switch()
         sends: list[Transmission] = []
         if self._joining is not None:
             joined, sends = self._join()
             if not joined:  # what arrived meanwhile waits for the algorithm's new state
                 return Decision(Action.WAIT, tuple(sends), tuple(reports))
-        if self._arrived:
-            arrived, self._arrived = self._arrived, []
-            for item in arrived:
-                if isinstance(item, Failure):
-                    algorithm.failed(item.transmission.send, item.reason)
-                elif not (isinstance(item, Message) and self._too_far_ahead(item)):
-                    algorithm.receive(item)
-            if algorithm.sends_after_receive:
-                sends.extend(self._transmissions(algorithm.sends(), math.nan))
+        self._hand_over(sends)
+        if self._switch():  # a synchronous round completed on receipt, and the switch step came with it
+            self._hand_over(sends)
         if not algorithm.ready():
             now = self.clock()
             self._waiting = True
@@ -481,7 +589,7 @@ class NodeDriver:
         now = self.clock()
         sent, received = self.traffic.totals()
         peers = {*self.traffic.sent, *self.traffic.received, *self._exchanges_with, *self._failures_with,
-                 *self._edges}
+                 *self._edges} - self._dropped
         edges = sorted(
             (self._edge(peer).counters(
                 self.peer_name(peer), now, (self.traffic.sent.get(peer, 0), self.traffic.received.get(peer, 0)),

@@ -779,7 +779,9 @@ class GrpcPeers:
         self._clients: dict[tuple[str, str], PeerClient] = {}  # by address and node id
         self._lock = threading.Lock()
 
-    def update(self, addresses: dict[int, str]) -> None:
+    def update(self, addresses: dict[int, str], state: ServingState) -> None:
+        """New addresses, and the serving state naming each neighbour (a topology change adds neighbours)."""
+        self.state = state
         self.addresses = addresses  # replaced whole: calls in flight keep the address they started with
 
     def client(self, rank: int) -> PeerClient:

@@ -48,7 +48,7 @@ from nodeagent.ps.messages import (
     StepReport,
 )
 from nodeagent.ps.server import ServerHalf
-from nodeagent.runtime.driver import Action, Arrival, Failure, NodeDriver, Reply, Report, Transmission
+from nodeagent.runtime.driver import Action, Arrival, Failure, NodeDriver, Reply, Report, Switch, Transmission
 from nodeagent.runtime.progress import ring_allreduce_bytes
 from nodeagent.training.job import Node
 from nodeagent.wire.message import Message
@@ -94,6 +94,7 @@ class SimNode:
     computing: bool = False
     waiting: bool = False
     round: RoundMeter = field(default_factory=RoundMeter)
+    switches_seen: int = 0  # of the driver's topology switches, those told to the mesh's on_switch
     rounds: list[RoundMetrics] = field(default_factory=list)
     link: ServerLink | None = None
 
@@ -107,15 +108,18 @@ class SimNode:
 
 
 Observer = Callable[["VirtualMesh", SimNode, Report], None]
+SwitchObserver = Callable[["VirtualMesh", SimNode, Switch], None]
 
 
 class VirtualMesh:
     """Runs a job's nodes to completion in virtual time. `observe(mesh, node, report)` is called with each of a
-    node's progress reports (the place to write the metrics log)."""
+    node's progress reports (the place to write the metrics log), `on_switch(mesh, node, switch)` when a node
+    switches to a new topology."""
 
     def __init__(self, nodes: list[Node], job: str, simulation: SimulationSpec, metrics: Metrics,
-                 observe: Observer | None = None):
+                 observe: Observer | None = None, on_switch: SwitchObserver | None = None):
         self.job = job
+        self.on_switch = on_switch
         self.simulation = simulation
         self.network = simulation.network
         self.metrics = metrics
@@ -199,6 +203,10 @@ class VirtualMesh:
             self.at(back, lambda: self._start(sim))
             return
         decision = sim.driver.next()
+        if self.on_switch is not None and len(sim.driver.switches) > sim.switches_seen:
+            for switch in sim.driver.switches[sim.switches_seen:]:
+                self.on_switch(self, sim, switch)
+            sim.switches_seen = len(sim.driver.switches)
         self._transmit(sim, decision.sends)
         if self.observe is not None:
             for report in decision.reports:

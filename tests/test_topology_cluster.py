@@ -1,0 +1,95 @@
+"""A running job's topology changed on a real cluster (a coordinator and agents as processes on loopback, with TLS,
+training on Fashion-MNIST): `coordinator topology JOB --kind multiplex-ring` mid-job moves traffic onto the new
+distance-2 edges, the job finishes, and its accuracy is no worse than the same job that kept its ring."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import yaml
+
+from coordinator.cli import main as coordinator_main
+from coordinator.cluster import LocalCluster
+from nodeagent._proto import coordinator_pb2 as pb
+from nodeagent.runtime.events import TOPOLOGY, read_events
+from nodeagent.runtime.progress import read_run_log
+
+pytestmark = pytest.mark.slow
+
+# Six agents rather than the eight of the issue: the machine that runs the tests has 2 CPUs, and on a ring of six
+# the distance-2 edges are still new edges (a multiplex ring of six has degree 4, not the complete graph).
+AGENTS = 6
+STEPS = 4000  # about 20 s at the 200 steps/s a node takes here: the switch comes some 5 s of steps later
+# The change itself neither helps nor hurts this job much: simulated (deterministic), the kept ring ends at 0.838
+# and the change to a multiplex ring at step 870 at 0.836. On the cluster the two runs also differ in the order
+# their asynchronous exchanges happen to take on a loaded machine (measured: 0.820 kept, 0.807 changed), so the
+# changed job may be this much below the kept ring.
+ACCURACY_TOLERANCE = 0.03
+
+
+def job_yaml(data_dir, name: str) -> str:
+    return yaml.safe_dump({
+        "name": name, "nodes": AGENTS, "steps": STEPS, "eval_every": 1000, "seed": 1,
+        "algorithm": {"name": "dsgd", "lr": 0.02, "interval": 2},
+        "model": {"name": "logistic"},
+        "data": {"data_dir": str(data_dir), "split": "class-window", "batch_size": 50, "test_limit": 2000},
+        "topology": {"kind": "ring", "seed": 3},
+    })
+
+
+def distance(a: int, b: int) -> int:
+    return min((a - b) % AGENTS, (b - a) % AGENTS)
+
+
+def mean_accuracy(status: pb.JobStatusReply) -> float:
+    return sum(n.test_accuracy for n in status.nodes) / len(status.nodes)
+
+
+def test_a_ring_changed_to_a_multiplex_ring_mid_job_moves_traffic_onto_the_new_edges(tmp_path, fashion_mnist_dir,
+                                                                                       capsys):
+    with LocalCluster(root=tmp_path, agents=AGENTS) as cluster:
+        kept = cluster.wait(cluster.submit(job_yaml(fashion_mnist_dir, "kept-ring")), 300)
+        assert kept.state == pb.JOB_FINISHED, kept.reason
+
+        job_id = cluster.submit(job_yaml(fashion_mnist_dir, "changed-ring"))
+        deadline = time.monotonic() + 120
+        while min((n.step for n in cluster.status(job_id).nodes), default=0) < 100:
+            assert time.monotonic() < deadline, "the job did not reach step 100"
+            time.sleep(0.2)
+        address = ["--coordinator", cluster.address, "--tls-dir", str(cluster.operator_tls)]
+        requested = time.time()
+        assert coordinator_main(["topology", "changed-ring", "--kind", "multiplex-ring", *address]) == 0
+        printed = capsys.readouterr().out
+        switch_step = int(printed.split("just before step ")[1])
+        assert switch_step < STEPS, printed
+        changed = cluster.wait(job_id, 300)
+        assert changed.state == pb.JOB_FINISHED, changed.reason
+        assert [n.step for n in changed.nodes] == [STEPS] * AGENTS
+        agent_logs = "".join(cluster.log_of(f"agent-{i}") for i in range(AGENTS))
+
+    rank_of = {n.node_id: n.rank for n in changed.nodes}
+    records = read_run_log(changed.run_dir)
+
+    def far_bytes(record) -> int:
+        return sum(e.bytes_sent + e.bytes_received for e in record.edges
+                   if e.peer in rank_of and distance(record.rank, rank_of[e.peer]) == 2)
+
+    # Before the change no distance-2 edge carried a byte; after it every node's distance-2 edges did. (Around the
+    # switch a node still before it answers a new neighbour that has switched: the edge's first bytes may be counted
+    # at a step just below the switch step, hence the time of the request rather than the step.)
+    before = [r for r in records if r.time < requested]
+    assert before and not any(far_bytes(r) for r in before)
+    last = {r.rank: r for r in records}
+    assert sorted(last) == list(range(AGENTS))
+    for record in last.values():
+        far = [e for e in record.edges if e.peer in rank_of and distance(record.rank, rank_of[e.peer]) == 2]
+        assert len(far) == 2 and all(e.bytes_sent > 0 and e.bytes_received > 0 for e in far), record.edges
+    # Every node switched at the same step, on time, and said so; the change is in the run's events.
+    assert agent_logs.count(f"at step {switch_step}: neighbours") == AGENTS
+    assert "late: the job switched" not in agent_logs
+    events, _ = read_events(changed.run_dir)
+    assert [e.message for e in events if e.kind == TOPOLOGY] == [
+        f"topology ring -> multiplex-ring (version 2) at step {switch_step}"]
+    assert mean_accuracy(changed) >= mean_accuracy(kept) - ACCURACY_TOLERANCE, \
+        (mean_accuracy(changed), mean_accuracy(kept))
