@@ -101,6 +101,15 @@ class LocalCluster:
                 ca.issue_files(tls_dir, Role.NODE, f"agent-{index}")
 
     def start(self, timeout_s: float = 60.0) -> None:
+        """Start the coordinator and the agents, and wait until every agent registered; on any failure (or an
+        interrupt) stop what was started before raising."""
+        try:
+            self._start(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout_s: float) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         if self.tls:
             self._make_pki()
