@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from coordinator.cluster import LocalCluster
+from coordinator.cluster import ClusterError, LocalCluster
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.runtime.progress import read_run_log
 
@@ -132,3 +132,10 @@ def test_agents_and_coordinator_exit_cleanly_on_sigterm(tmp_path, fashion_mnist_
         cluster.stop()
     assert codes == dict.fromkeys(codes, 0), codes
     assert all("shutting down" in cluster.log_of(name) for name in codes)
+
+
+def test_a_cluster_that_cannot_start_in_time_stops_what_it_started(tmp_path):
+    cluster = LocalCluster(root=tmp_path, agents=2)
+    with pytest.raises(ClusterError, match="did not start in time"):
+        cluster.start(timeout_s=0.0)
+    assert cluster.processes and all(process.poll() is not None for process in cluster.processes.values())
