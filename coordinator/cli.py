@@ -256,6 +256,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-import`; repeat for several",
     )
 
+    report = commands.add_parser(
+        "report", help="write the figures of one or several runs and an HTML page that shows them",
+        description="Figures of each RUN (PNG) and report.html: mean and per-node test accuracy and loss against "
+        "time and steps, traffic per edge as a matrix, throughput and computing time ratio per device, parameter-"
+        "server traffic. Several runs are overlaid; a 1-node run or one labelled 'reference' is drawn dashed. RUN "
+        "is a run directory, or a job (id, unique id prefix or name) whose run directory the coordinator names and "
+        "this machine can read.",
+    )
+    report.add_argument("runs", nargs="+", metavar="RUN", help="a run directory or a job")
+    report.add_argument("--out", type=Path,
+                        help="output directory (default: RUN/report for one run, else ./report)")
+    report.add_argument("--labels", nargs="+", metavar="LABEL", default=[],
+                        help="one name per RUN for legends and tables (default: each job's name)")
+    report.add_argument("--accuracies", default="0.6,0.7,0.8",
+                        help="comma-separated accuracies for the table's time-to-reach columns (default %(default)s)")
+    _add_coordinator_option(report)
+
     inspect = commands.add_parser(
         "inspect", help="show a job's topology and each node's data shard (counts and label histogram)"
     )
@@ -784,6 +801,44 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from coordinator.report import ReportError, write_report
+
+    try:
+        accuracies = [float(a) for a in args.accuracies.split(",") if a.strip()]
+    except ValueError:
+        raise SystemExit(f"coordinator: --accuracies {args.accuracies!r}: not a comma-separated list of numbers") \
+            from None
+    if any(not 0 < a <= 1 for a in accuracies):
+        raise SystemExit("coordinator: --accuracies must lie in (0, 1]")
+    try:
+        page = write_report([_run_dir(args, run) for run in args.runs], args.out, args.labels, accuracies)
+    except ReportError as error:
+        raise SystemExit(f"coordinator: {error}") from None
+    print(page)
+    return 0
+
+
+def _run_dir(args: argparse.Namespace, run: str) -> Path:
+    """RUN as a directory: itself when it is one here, else the run directory of the job it names."""
+    path = Path(run)
+    if path.is_dir() or os.sep in run:
+        return path  # a path; the report says what is wrong with it
+    try:
+        reply = _stub(args).JobStatus(pb.JobStatusRequest(job_id=run), timeout=10)
+    except SystemExit as error:  # no credentials to ask the coordinator
+        raise SystemExit(f"coordinator: {run} is no run directory here, and no job can be looked up: "
+                         f"{str(error.code).removeprefix('coordinator: ')}") from None
+    except grpc.RpcError as error:
+        raise SystemExit(f"coordinator: {run} is no run directory here, nor a job the coordinator knows "
+                         f"({rpc_error_line(error, args.coordinator)})") from None
+    run_dir = Path(reply.run_dir)
+    if not run_dir.is_dir():
+        raise SystemExit(f"coordinator: job {reply.job_id}'s run directory {run_dir} is not on this machine: run "
+                         "the report where the coordinator runs, or copy the directory here and give its path")
+    return run_dir
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from coordinator.jobs import validate_job
     from nodeagent.training.data import load_dataset
@@ -849,7 +904,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve": cmd_serve, "ca": cmd_ca, "token": cmd_token, "cert": cmd_cert,
         "submit": cmd_submit, "follow": cmd_follow, "logs": cmd_logs, "jobs": cmd_jobs, "nodes": cmd_nodes,
         "status": cmd_status, "stop": cmd_stop, "edges": cmd_edges, "topology": cmd_topology,
-        "simulate": cmd_simulate, "inspect": cmd_inspect, "demo": cmd_demo,
+        "simulate": cmd_simulate, "report": cmd_report, "inspect": cmd_inspect, "demo": cmd_demo,
         "schema": cmd_schema, "init": cmd_init, "validate": cmd_validate,
     }
     try:
