@@ -1,5 +1,6 @@
 """`coordinator demo`: a local cluster trains on the real data, one job per algorithm, and prints the results
-beside the single-node reference (one node trained on all the data for the same number of steps)."""
+beside the single-node reference (one node trained on all the data for the same number of steps); then writes the
+report that compares them (coordinator.report) into the demo's directory."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from coordinator.cluster import ClusterError, LocalCluster
 from coordinator.display import mean_accuracy, progress_of, show_progress, status_text
 from coordinator.jobs import validate_job
 from coordinator.progress_view import ProgressView
+from coordinator.report import ReportError, write_report
 from coordinator.simulate import reference_spec, simulate
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.jobspec import JobSpecError, parse_job_spec
@@ -75,7 +77,8 @@ def run_demo(args: argparse.Namespace) -> int:
         return 130
     finally:
         cluster.stop()
-    reference = simulate(reference_spec(first)).mean_accuracy
+    reference_dir = root / "reference"
+    reference = simulate(reference_spec(first), reference_dir).mean_accuracy
     print(f"\nmean test accuracy after {first.steps} steps per node ({first.data.split} split: every node sees "
           f"only part of the classes)")
     print(f"  {'reference: one node on all the data':<40} {reference:.4f}")
@@ -86,4 +89,11 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"  {algorithm + f' on {first.nodes} agents':<40} {mean_accuracy(nodes):.4f}  "
               f"(nodes {min(accuracies):.4f}..{max(accuracies):.4f}, {sent:.1f} MB sent per node)")
     print(f"metrics logs: {root}/runs/*/metrics.jsonl; process logs: {root}/logs")
+    try:
+        page = write_report([Path(status.run_dir) for _, status in results] + [reference_dir], root / "report",
+                            [algorithm for algorithm, _ in results] + ["reference (1 node)"])
+    except ReportError as error:
+        print(f"coordinator demo: no report: {error}", file=sys.stderr)
+        return 1
+    print(f"report: {page}")
     return 0

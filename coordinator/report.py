@@ -61,7 +61,7 @@ class Marker:
     color: int = 0
 
 
-@dataclass
+@dataclass(eq=False)  # runs compare by identity: `run in timed`
 class Run:
     label: str
     path: Path
@@ -259,7 +259,7 @@ def matrix_figure(path: Path, title: str, names: Sequence[str], matrix: Sequence
         for i, row in enumerate(matrix):
             for j, value in enumerate(row):
                 if value:
-                    axes.text(j, i, f"{value / 1e6:.1f}", ha="center", va="center", fontsize=7,
+                    axes.text(j, i, f"{value:.3g}", ha="center", va="center", fontsize=7,
                               color="black" if value > peak / 2 else "white")
     figure.savefig(path)
     return path
@@ -289,20 +289,26 @@ def _accuracy_series(runs: Sequence[Run], x: str, y: str, per_node: bool) -> lis
     """Each run's mean (thick) and per-node (thin) curves. On a time axis, a reference on another clock than the
     compared runs is its final value as a horizontal line: its seconds are not theirs."""
     series = []
-    compared = {run.virtual for run in runs if not run.reference}
+    timed = _same_clock(runs)
     for color, run in enumerate(runs):
         style = "--" if run.reference else "-"
         xs, ys = mean_curve(run, x, y)
-        if x == "time" and run.reference and compared and run.virtual not in compared and ys:
+        if x == "time" and run not in timed and ys:
             ends = [0.0, max(_last_x(other) for other in runs if other is not run)]
-            series.append(Series(f"{run.label} (final, own clock)", ends, [ys[-1]] * 2, color, style))
+            series.append(Series(f"{run.label}: final, on another clock", ends, [ys[-1]] * 2, color, style))
             continue
-        series.append(Series(run.label + ("" if len(runs) == 1 or not per_node else " (mean)"), xs, ys, color,
-                             style))
+        mean = per_node and len(runs) > 1 and not run.reference
+        series.append(Series(run.label + (" (mean)" if mean else ""), xs, ys, color, style))
         if per_node and not run.reference:
             series += [Series(None, nx, ny, color, style, thin=True)
                        for nx, ny in node_curves(run, x, y).values()]
     return series
+
+
+def _same_clock(runs: Sequence[Run]) -> list[Run]:
+    """The runs whose seconds compare: all but a reference on another clock than the compared runs."""
+    compared = {run.virtual for run in runs if not run.reference}
+    return [run for run in runs if not (run.reference and compared and run.virtual not in compared)]
 
 
 def _last_x(run: Run) -> float:
@@ -345,20 +351,23 @@ def _figures(runs: Sequence[Run], out: Path) -> list[Plot]:
     for i, run in enumerate(runs):
         labels, matrix = traffic_matrix(run)
         if any(any(row) for row in matrix):
-            file = matrix_figure(out / f"traffic_{i}.png", f"Traffic per edge: {run.label}", labels, matrix,
-                                 "bytes sent").name
+            megabytes = [[value / 1e6 for value in row] for row in matrix]
+            file = matrix_figure(out / f"traffic_{i}.png", f"Traffic per edge: {run.label}", labels, megabytes,
+                                 "payload sent (MB)").name
             figures.append(Plot(file, f"{run.label}: payload bytes each node sent to each peer over the job "
-                                        "(row: sender, column: receiver; cells in MB), from each node's last "
+                                        "(row: sender, column: receiver, in MB), from each node's last "
                                         "record. PS is the parameter server."))
-    ranks = [str(rank) for rank in range(max(run.spec.nodes for run in runs))]
-    rate = "samples per virtual second" if {run.virtual for run in runs} == {True} else "samples per second"
+    timed = _same_clock(runs)  # a reference simulated beside real runs has no comparable seconds
+    names = ", ".join(run.label for run in timed)
+    ranks = [str(rank) for rank in range(max(run.spec.nodes for run in timed))]
+    rate = "samples per virtual second" if {run.virtual for run in timed} == {True} else "samples per second"
     figures.append(Plot(bar_figure(
         out / "throughput.png", f"Throughput per device: {names}", "rank", f"throughput ({rate})", ranks,
-        {run.label: _by_rank(throughput(run), len(ranks)) for run in runs}).name,
+        {run.label: _by_rank(throughput(run), len(ranks)) for run in timed}).name,
         "Data throughput of each device: its local steps times the batch size over its elapsed time."))
     figures.append(Plot(bar_figure(
         out / "computing_time_ratio.png", f"Computing time ratio per device: {names}", "rank",
-        "computing time ratio", ranks, {run.label: _by_rank(computing_time_ratio(run), len(ranks)) for run in runs},
+        "computing time ratio", ranks, {run.label: _by_rank(computing_time_ratio(run), len(ranks)) for run in timed},
     ).name, "Computing time ratio of each device: compute time over elapsed time, as the records carry it (ESync's "
             "1 - (aggregation + wait) / elapsed counts aggregation as computing; here it counts as not computing)."))
     servers = {run.label: server_traffic(run) for run in runs if server_traffic(run)}
