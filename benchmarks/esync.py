@@ -19,6 +19,11 @@ slowed down by `--slowdown` (the job's `slowdown`: each step sleeps in proportio
 `--agent-target` accuracy of rank 0 (a fast worker evaluating the model it pulled) for each algorithm, capped at
 `--agent-cap` seconds, and each agent's compute time over its elapsed time.
 
+The simulator's runs give the paper's five figures (PNG, in `--figures`, default benchmarks/figures/esync): test
+accuracy against virtual time on the iid split (1) and, with --non-iid, on the by-class split (2; it runs every
+algorithm again, about doubling the simulator's time), each beside sequential SGD dotted; data throughput (3),
+traffic load at the server (4) and computing time ratio per device (5).
+
     .venv/bin/python benchmarks/esync.py          # about 8 minutes on 2 cores (simulator 4, agents 4)
 """
 
@@ -37,6 +42,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from coordinator.report import Series, bar_figure, line_figure
 from coordinator.simulate import build_nodes, reference_spec
 from nodeagent.jobspec import DEFAULT_DATA_DIR, JobSpec, parse_job_spec
 from nodeagent.metrics import Metrics
@@ -72,13 +78,13 @@ class Outcome:
     wall_s: float = 0.0
 
 
-def job(args: argparse.Namespace, algorithm: str, options: dict) -> JobSpec:
+def job(args: argparse.Namespace, algorithm: str, options: dict, split: str) -> JobSpec:
     raw = {
         "name": f"esync-bench-{algorithm}", "nodes": len(SPEEDS), "steps": 10**8, "eval_every": 10**8,
         "seed": args.seed,
         "algorithm": {"name": algorithm, "lr": args.lr, "options": options},
         "model": {"name": args.model},
-        "data": {"data_dir": args.data_dir, "split": "iid", "batch_size": args.batch_size, "test_limit": 100},
+        "data": {"data_dir": args.data_dir, "split": split, "batch_size": args.batch_size, "test_limit": 100},
         "simulation": {"step_time_s": SLOW_STEP_S, "speeds": SPEEDS},
     }
     model_bytes = initial_parameters(parse_job_spec(raw)).numel * 4
@@ -87,11 +93,11 @@ def job(args: argparse.Namespace, algorithm: str, options: dict) -> JobSpec:
     return parse_job_spec({**raw, "simulation": {**raw["simulation"], "network": network}})
 
 
-def simulate_run(args: argparse.Namespace, label: str) -> Outcome:
+def simulate_run(args: argparse.Namespace, label: str, split: str) -> Outcome:
     torch.set_num_threads(1)
     started = time.monotonic()
     algorithm, options = RUNS[label]
-    spec = job(args, "asgd" if algorithm == "sequential" else algorithm, options)
+    spec = job(args, "asgd" if algorithm == "sequential" else algorithm, options, split)
     if algorithm == "sequential":
         spec = reference_spec(spec)
         spec = spec.model_copy(update={"simulation": spec.simulation.model_copy(update={"speeds": [max(SPEEDS)]})})
@@ -133,20 +139,35 @@ def fmt(value: float, pattern: str = "{:.1f}") -> str:
     return "-" if math.isnan(value) else pattern.format(value)
 
 
-def simulator(args: argparse.Namespace) -> bool:
-    print(f"simulator: speeds {[int(s) for s in SPEEDS]}, {args.model}, batch {args.batch_size}, lr {args.lr}, "
-          f"one model through the server's interface in {args.transfer_steps} fast steps, budget {args.budget:.0f} "
-          f"virtual s; {args.jobs} runs at a time", flush=True)
+def simulate_all(args: argparse.Namespace, split: str, labels: list[str]) -> dict[str, Outcome]:
     with ProcessPoolExecutor(args.jobs) as pool:
-        outcomes = {o.label: o for o in pool.map(simulate_run, [args] * len(RUNS), RUNS)}
-    sequential, esync = outcomes["sequential SGD"], outcomes["ESync"]
-    print(f"\n{'algorithm':<15} {'to ' + str(args.target) + ' (s)':>11} {'/ ESync':>8} {'final acc':>9} "
-          f"{'vs seq':>7} {'samples/s':>9} {'MB/s':>7}  {'local steps per round':<30} computing time ratio per device")
+        return {o.label: o for o in pool.map(simulate_run, [args] * len(labels), labels, [split] * len(labels))}
+
+
+def print_outcomes(title: str, outcomes: dict[str, Outcome], sequential: Outcome, target: float) -> None:
+    esync = outcomes["ESync"]
+    print(f"\n{title}")
+    print(f"{'algorithm':<15} {'to ' + str(target) + ' (s)':>11} {'/ ESync':>8} "
+          f"{'final acc':>9} {'vs seq':>7} {'samples/s':>9} {'MB/s':>7}  {'local steps per round':<30} "
+          "computing time ratio per device")
     for o in outcomes.values():
         print(f"{o.label:<15} {fmt(o.reached):>11} {fmt(o.reached / esync.reached, '{:.1f}x'):>8} "
               f"{o.final:>9.4f} {(o.final - sequential.final) * 100:>+7.2f} {fmt(o.throughput, '{:.0f}'):>9} "
               f"{fmt(o.traffic / 1e6, '{:.2f}'):>7}  {' '.join(f'{s:.0f}' for s in o.local_steps):<30} "
               f"{' '.join(f'{r:.2f}' for r in o.ratios)}")
+
+
+def simulator(args: argparse.Namespace) -> bool:
+    print(f"simulator: speeds {[int(s) for s in SPEEDS]}, {args.model}, batch {args.batch_size}, lr {args.lr}, "
+          f"one model through the server's interface in {args.transfer_steps} fast steps, budget {args.budget:.0f} "
+          f"virtual s, target {args.target}; {args.jobs} runs at a time", flush=True)
+    outcomes = simulate_all(args, "iid", list(RUNS))
+    sequential, esync = outcomes["sequential SGD"], outcomes["ESync"]
+    print_outcomes("iid split", outcomes, sequential, args.target)
+    non_iid = None
+    if args.non_iid:  # sequential SGD sees all the data either way: its iid run is the baseline
+        non_iid = simulate_all(args, "by-class", [label for label in RUNS if label != "sequential SGD"])
+        print_outcomes("non-iid (by-class) split", non_iid, sequential, args.target)
     checks = {
         "ESync >= 7x faster than SSGD to the target": outcomes["SSGD"].reached >= 7 * esync.reached,
         "ESync faster than ASGD": outcomes["ASGD"].reached > esync.reached,
@@ -158,7 +179,44 @@ def simulator(args: argparse.Namespace) -> bool:
     for check, ok in checks.items():
         print(f"target: {check}: {'MET' if ok else 'NOT MET'}")
     print(f"wall time per run: {', '.join(f'{o.label} {o.wall_s:.0f} s' for o in outcomes.values())}", flush=True)
+    write_figures(args.figures, args.budget, outcomes, non_iid)
     return all(checks.values())
+
+
+def write_figures(directory: Path, budget: float, iid: dict[str, Outcome], non_iid: dict[str, Outcome] | None) -> None:
+    """The ESync paper's five figures (the second only with --non-iid), through coordinator.report's plotting; the
+    curves over the time budget (SSGD runs on beyond it to reach the target)."""
+
+    def curve(outcome: Outcome) -> tuple[list[float], list[float]]:
+        shown = [(t, a) for t, a in outcome.curve if t <= budget]
+        return [t for t, _ in shown], [a for _, a in shown]
+
+    directory.mkdir(parents=True, exist_ok=True)
+    sequential = iid["sequential SGD"]
+    servers = [o for o in iid.values() if o is not sequential]  # the parameter-server algorithms
+    paths = []
+    for number, (split, outcomes) in enumerate((("iid", iid), ("non-iid (by-class)", non_iid)), start=1):
+        if outcomes is None:
+            continue
+        series = [Series(o.label, *curve(o), color=i)
+                  for i, o in enumerate(outcomes.values(), start=1) if o is not sequential]
+        series.append(Series("sequential SGD (one device)", *curve(sequential), color=0, style=":"))
+        paths.append(line_figure(
+            directory / f"fig{number}_accuracy_{split.split()[0]}.png",
+            f"Test accuracy of the global model, {split} Fashion-MNIST, speeds {[int(s) for s in SPEEDS]}",
+            "virtual time (s)", "test accuracy", series))
+    labels = [o.label for o in servers]
+    paths.append(bar_figure(directory / "fig3_throughput.png", "Data throughput (iid)", "algorithm",
+                            "samples per virtual second, all devices", labels,
+                            {"throughput": [o.throughput for o in servers]}))
+    paths.append(bar_figure(directory / "fig4_traffic.png", "Traffic load at the parameter server (iid)", "algorithm",
+                            "MB per virtual second, up and down", labels,
+                            {"traffic": [o.traffic / 1e6 for o in servers]}))
+    devices = [f"{rank} (speed {speed:g})" for rank, speed in enumerate(SPEEDS)]
+    paths.append(bar_figure(directory / "fig5_computing_time_ratio.png", "Computing time ratio per device (iid)",
+                            "device", "1 - (aggregation + wait) / elapsed", devices,
+                            {o.label: o.ratios for o in servers}))
+    print(f"figures: {', '.join(str(path) for path in paths)}")
 
 
 def local_steps(cluster, job_id: str, status) -> list[float]:
@@ -251,6 +309,11 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="simulations in parallel")
     parser.add_argument("--data-dir", default=os.environ.get("PEERTRAIN_DATA_DIR", DEFAULT_DATA_DIR))
+    parser.add_argument("--non-iid", action="store_true",
+                        help="also run every algorithm on the by-class split (the paper's figure 2; doubles the "
+                        "simulator's time)")
+    parser.add_argument("--figures", type=Path, default=Path(__file__).parent / "figures" / "esync",
+                        help="directory of the paper's figures (default %(default)s)")
     parser.add_argument("--no-agents", dest="agents", action="store_false", help="skip the real-agent run")
     parser.add_argument("--no-simulator", dest="simulator", action="store_false", help="skip the simulation")
     parser.add_argument("--slowdown", type=float, default=100.0, help="slow-down factor of the slow agents")
