@@ -98,12 +98,14 @@ def load_run(path: Path, label: str | None = None) -> Run:
     """The run in directory `path`, labelled `label` (default: the job's name)."""
     if not path.is_dir():
         raise ReportError(f"{path}: no such run directory")
+    if not (path / "job.json").is_file():
+        raise ReportError(f"{path}: not a run directory (no job.json)")
+    if not (path / LOG_FILE).is_file():  # a job that has not started
+        raise ReportError(f"{path}: no progress records yet (no {LOG_FILE})")
     try:
         spec = JobSpec.model_validate_json((path / "job.json").read_text())
         records = read_run_log(path)
         events, _ = read_events(path)
-    except FileNotFoundError as error:
-        raise ReportError(f"{path}: not a run directory (no {Path(error.filename).name})") from None
     except OSError as error:
         raise ReportError(f"{path}: cannot read {error.filename}: {error.strerror}") from None
     except ValidationError as error:

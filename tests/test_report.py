@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import struct
+from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import pytest
 
 from coordinator.cli import main
+from coordinator.ps_service import add_coordinator_servicer
 from coordinator.report import load_run, time_to_reach, traffic_matrix, write_report
+from coordinator.service import CoordinatorConfig, CoordinatorService
 from coordinator.simulate import reference_spec, simulate
+from nodeagent._proto import coordinator_pb2 as pb
+from nodeagent._proto.coordinator_pb2_grpc import CoordinatorStub
 from nodeagent.jobspec import parse_job_spec
+from nodeagent.metrics import Metrics
 from nodeagent.runtime.events import TOPOLOGY, Event, EventLog
 from nodeagent.runtime.progress import LOG_FILE, RunLog, read_run_log
 
@@ -137,6 +146,34 @@ def test_absent_or_unreadable_runs_fail_clearly(runs, tmp_path, capsys):
     (damaged / "job.json").write_text(json.dumps({"name": "x", "nodes": "many"}))
     assert_exit(["report", str(damaged)], "not a job this version reads", capsys)
     assert_exit(["report", str(runs["dsgd"]), "--labels", "a", "b"], "2 labels for 1 runs", capsys)
+
+
+@pytest.fixture
+def coordinator_address(tmp_path) -> Iterator[str]:
+    """A coordinator service on loopback (insecure) with a fresh state dir: its address."""
+    service = CoordinatorService(CoordinatorConfig(state_dir=tmp_path / "coordinator"), Metrics())
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    add_coordinator_servicer(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    service.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(grace=None)
+    service.stop()
+
+
+def test_a_job_is_found_by_name_through_the_coordinator(runs, coordinator_address, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no run directory of the job's name here
+    client = ["--insecure", "--coordinator", coordinator_address]
+    with grpc.insecure_channel(coordinator_address) as channel:
+        spec = json.loads((runs["dsgd"] / "job.json").read_text())
+        reply = CoordinatorStub(channel).SubmitJob(pb.SubmitJobRequest(spec_yaml=json.dumps(spec)), timeout=10)
+    # Submitted, waiting for agents: the run directory has the job and no records yet.
+    assert_exit(["report", "tiny-dsgd", *client], "no progress records yet", capsys)
+    shutil.copy(runs["dsgd"] / LOG_FILE, Path(reply.run_dir) / LOG_FILE)
+    assert main(["report", "tiny-dsgd", *client]) == 0
+    assert capsys.readouterr().out.strip() == str(Path(reply.run_dir) / "report" / "report.html")
+    assert_exit(["report", "no-such-job", *client], "no-such-job is no run directory here, nor a job", capsys)
 
 
 def test_a_job_reference_without_a_coordinator_says_so(tmp_path, capsys, monkeypatch):
