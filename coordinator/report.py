@@ -164,7 +164,7 @@ def traffic_matrix(run: Run) -> tuple[list[str], list[list[int]]]:
     ranks = run.ranks
     nodes = sorted(set(ranks.values()))
     extras = sorted({e.peer for r in run.last for e in r.edges if e.peer not in ranks})
-    names = [str(rank) for rank in nodes] + ["PS" if peer == SERVER_NAME else peer for peer in extras]
+    names = [str(rank) for rank in nodes] + ["PS" if peer == SERVER_NAME else _short(peer) for peer in extras]
     index = {rank: i for i, rank in enumerate(nodes)}
     index.update({peer: len(nodes) + i for i, peer in enumerate(extras)})
     matrix = [[0] * len(names) for _ in names]
