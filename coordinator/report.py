@@ -110,7 +110,7 @@ def load_run(path: Path, label: str | None = None) -> Run:
         raise ReportError(f"{path}: cannot read {error.filename}: {error.strerror}") from None
     except ValidationError as error:
         raise ReportError(f"{path}/job.json is not a job this version reads: {error.errors()[0]['msg']}") from None
-    except (ValueError, TypeError) as error:  # a damaged line of metrics.jsonl or events.jsonl
+    except (ValueError, TypeError, AttributeError) as error:  # a damaged line of metrics.jsonl or events.jsonl
         raise ReportError(f"{path}: a damaged line in {LOG_FILE} or {EVENTS_FILE}: {error}") from None
     if not records:
         raise ReportError(f"{path}: {LOG_FILE} has no progress records yet")

@@ -140,8 +140,9 @@ def test_absent_or_unreadable_runs_fail_clearly(runs, tmp_path, capsys):
     damaged = tmp_path / "damaged"
     damaged.mkdir()
     (damaged / "job.json").write_text((runs["dsgd"] / "job.json").read_text())
-    (damaged / LOG_FILE).write_text("{not json\n")
-    assert_exit(["report", str(damaged)], "a damaged line", capsys)
+    for line in ("{not json\n", "5\n", '{"rank": 0, "unknown": 1}\n'):
+        (damaged / LOG_FILE).write_text(line)
+        assert_exit(["report", str(damaged)], "a damaged line", capsys)
     (damaged / LOG_FILE).write_text("")
     assert_exit(["report", str(damaged)], "no progress records yet", capsys)
     (damaged / "job.json").write_text(json.dumps({"name": "x", "nodes": "many"}))
