@@ -107,6 +107,16 @@ def test_traffic_matrix_maps_peers_to_ranks_and_the_server_to_an_extra_row(runs)
         assert (matrix[rank][4], matrix[4][rank]) == (edge.bytes_sent, edge.bytes_received) != (0, 0)
 
 
+def test_a_running_job_is_reported_from_its_whole_lines(runs, tmp_path):
+    run_dir = tmp_path / "running"
+    shutil.copytree(runs["dsgd"], run_dir, ignore=shutil.ignore_patterns("report"))
+    whole = len(read_run_log(run_dir))
+    with open(run_dir / LOG_FILE, "a") as log:
+        log.write('{"job": "tiny-dsgd", "rank": 0, "st')  # the coordinator is writing this line
+    assert len(load_run(run_dir).records) == whole
+    assert write_report([run_dir], tmp_path / "out").is_file()
+
+
 def test_time_to_reach_an_accuracy(runs):
     run = load_run(runs["dsgd"])
     assert time_to_reach(run, 0.01) == 0.0  # every node is evaluated at the start

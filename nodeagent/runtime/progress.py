@@ -183,9 +183,11 @@ def _null_as_nan(fields: dict) -> dict:
 
 
 def read_run_log(run_dir: str | Path) -> list[Progress]:
-    """The records of a run's metrics log; fields that older logs lack take their defaults."""
+    """The records of a run's metrics log; fields that older logs lack take their defaults, and a line being written
+    (no newline yet) is left for a later read."""
+    text = (Path(run_dir) / LOG_FILE).read_text()
     records = []
-    for line in (Path(run_dir) / LOG_FILE).read_text().splitlines():
+    for line in text[: text.rfind("\n") + 1].splitlines():
         if line.strip():
             fields = json.loads(line)
             edges = tuple(EdgeCounters(**_null_as_nan(edge)) for edge in fields.pop("edges", ()))
