@@ -23,7 +23,7 @@ from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto.coordinator_pb2_grpc import CoordinatorStub
 from nodeagent.jobspec import parse_job_spec
 from nodeagent.metrics import Metrics
-from nodeagent.runtime.events import TOPOLOGY, Event, EventLog
+from nodeagent.runtime.events import EVENTS_FILE, TOPOLOGY, Event, EventLog
 from nodeagent.runtime.progress import LOG_FILE, RunLog, read_run_log
 
 HOSTILE = "<script>alert('x')</script>"
@@ -77,8 +77,14 @@ def test_one_run_gets_its_report_in_its_directory(runs, capsys):
     assert capsys.readouterr().out.strip() == str(out / "report.html")
     page = assert_figures(out, [*CURVES, "traffic_0.png"])
     assert "ps_traffic.png" not in page and not (out / "ps_traffic.png").exists()  # no parameter server
-    assert "No events recorded." in page  # events.jsonl is absent
+    assert "[started]" in page and "[finished]" in page  # the run's events, as the simulator wrote them
     assert "tiny-dsgd" in page and "virtual time since the start (s)" in page
+
+
+def test_a_run_without_events_is_reported(runs, tmp_path):
+    run_dir = tmp_path / "quiet"
+    shutil.copytree(runs["dsgd"], run_dir, ignore=shutil.ignore_patterns("report", EVENTS_FILE))
+    assert "No events recorded." in write_report([run_dir], tmp_path / "out").read_text()
 
 
 def test_several_runs_are_compared_on_one_page(runs, tmp_path):
