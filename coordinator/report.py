@@ -333,22 +333,22 @@ def _figures(runs: Sequence[Run], out: Path) -> list[Plot]:
     names = ", ".join(run.label for run in runs)
     figures = [
         Plot(line_figure(out / "accuracy_time.png", f"Test accuracy against time: {names}", axis,
-                           "test accuracy", _accuracy_series(runs, "time", "test_accuracy", True), markers).name,
-               "Mean test accuracy over the nodes (thick; each node's latest evaluation) and each node's (thin) "
-               "against time from the job's start. A dashed line is the single-node reference; dotted vertical "
-               "lines are topology changes."),
+                         "test accuracy", _accuracy_series(runs, "time", "test_accuracy", True), markers).name,
+             "Mean test accuracy over the nodes (thick; each node's latest evaluation) and each node's (thin) "
+             "against time from the job's start. A dashed line is the single-node reference; dotted vertical "
+             "lines are topology changes."),
         Plot(line_figure(out / "accuracy_steps.png", f"Test accuracy against steps: {names}", "step",
-                           "test accuracy", _accuracy_series(runs, "step", "test_accuracy", True)).name,
-               "Mean (thick) and per-node (thin) test accuracy against the job's step (for parameter-server "
-               "algorithms: rounds or pushes)."),
+                         "test accuracy", _accuracy_series(runs, "step", "test_accuracy", True)).name,
+             "Mean (thick) and per-node (thin) test accuracy against the job's step (for parameter-server "
+             "algorithms: rounds or pushes)."),
         Plot(line_figure(out / "test_loss_time.png", f"Test loss against time: {names}", axis,
-                           "test loss (cross-entropy)", _accuracy_series(runs, "time", "test_loss", False),
-                           markers).name,
-               "Mean test loss over the nodes against time from the job's start."),
+                         "test loss (cross-entropy)", _accuracy_series(runs, "time", "test_loss", False),
+                         markers).name,
+             "Mean test loss over the nodes against time from the job's start."),
         Plot(line_figure(out / "train_loss_steps.png", f"Training loss against steps: {names}", "step",
-                           "training loss (cross-entropy, last minibatch)",
-                           _accuracy_series(runs, "step", "loss", False)).name,
-               "Mean over the nodes of the loss of each node's last local minibatch against the step."),
+                         "training loss (cross-entropy, last minibatch)",
+                         _accuracy_series(runs, "step", "loss", False)).name,
+             "Mean over the nodes of the loss of each node's last local minibatch against the step."),
     ]
     for i, run in enumerate(runs):
         labels, matrix = traffic_matrix(run)
