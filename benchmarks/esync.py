@@ -203,7 +203,7 @@ def write_figures(directory: Path, budget: float, iid: dict[str, Outcome], non_i
         series.append(Series("sequential SGD (one device)", *curve(sequential), color=0, style=":"))
         paths.append(line_figure(
             directory / f"fig{number}_accuracy_{split.split()[0]}.png",
-            f"Test accuracy of the global model, {split} Fashion-MNIST, speeds {[int(s) for s in SPEEDS]}",
+            f"Test accuracy of the global model, {split} split, 6 devices",
             "virtual time (s)", "test accuracy", series))
     labels = [o.label for o in servers]
     paths.append(bar_figure(directory / "fig3_throughput.png", "Data throughput (iid)", "algorithm",
