@@ -419,13 +419,14 @@ def _fmt(value: float, pattern: str) -> str:
 def _page(runs: Sequence[Run], figures: Sequence[Plot], accuracies: Sequence[float]) -> str:
     e = html.escape
     title = "peertrain report: " + ", ".join(run.label for run in runs)
-    head = ["run", "directory", "algorithm", "nodes", "topology", "split", "steps", "final mean accuracy",
+    head = ["run", "directory", "algorithm", "nodes", "topology", "split", "clock", "steps", "final mean accuracy",
             *(f"time to {a:g} (s)" for a in accuracies), "sent (MB)", "received (MB)"]
     rows = []
     for run in runs:
         last = run.last
         cells = [run.label, str(run.path), run.spec.algorithm.name, str(run.spec.nodes), run.spec.topology.kind,
-                 run.spec.data.split, str(max(r.step for r in last)), _fmt(mean_accuracy(last), "{:.4f}"),
+                 run.spec.data.split, "virtual" if run.virtual else "wall", str(max(r.step for r in last)),
+                 _fmt(mean_accuracy(last), "{:.4f}"),
                  *(_fmt(time_to_reach(run, a), "{:.1f}") for a in accuracies),
                  f"{sum(r.bytes_sent for r in last) / 1e6:.1f}", f"{sum(r.bytes_received for r in last) / 1e6:.1f}"]
         rows.append("<tr>" + "".join(f"<td>{e(cell)}</td>" for cell in cells) + "</tr>")

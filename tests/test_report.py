@@ -78,7 +78,7 @@ def test_one_run_gets_its_report_in_its_directory(runs, capsys):
     page = assert_figures(out, [*CURVES, "traffic_0.png"])
     assert "ps_traffic.png" not in page and not (out / "ps_traffic.png").exists()  # no parameter server
     assert "[started]" in page and "[finished]" in page  # the run's events, as the simulator wrote them
-    assert "tiny-dsgd" in page and "virtual time since the start (s)" in page
+    assert "tiny-dsgd" in page and "virtual time since the start (s)" in page and "<td>virtual</td>" in page
 
 
 def test_a_run_without_events_is_reported(runs, tmp_path):
