@@ -47,10 +47,13 @@ def wait_for(condition, timeout_s: float) -> None:
 
 def cli(cluster: LocalCluster, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     """`coordinator ARGS` as an operator runs it, with the cluster's operator credentials, not on a terminal."""
-    env = {**os.environ, "PEERTRAIN_COORDINATOR": cluster.address, "PEERTRAIN_TLS_DIR": str(cluster.operator_tls),
-           "PEERTRAIN_CONFIG": os.devnull}
-    return subprocess.run([sys.executable, "-m", "coordinator.cli", *args], capture_output=True, text=True, env=env,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "coordinator.cli", *args], capture_output=True, text=True,
+                          env=operator_env(cluster), timeout=timeout)
+
+
+def operator_env(cluster: LocalCluster) -> dict[str, str]:
+    return {**os.environ, "PEERTRAIN_COORDINATOR": cluster.address, "PEERTRAIN_TLS_DIR": str(cluster.operator_tls),
+            "PEERTRAIN_CONFIG": os.devnull}
 
 
 def test_submit_follow_shows_progress_and_exits_with_the_outcome(cluster, tmp_path, fashion_mnist_dir):
@@ -97,8 +100,7 @@ def test_follow_of_a_stopped_job_exits_3(cluster, tmp_path, fashion_mnist_dir):
     job_id = cluster.submit(job_file(tmp_path, fashion_mnist_dir, "stopped", steps=100_000).read_text())
     follower = subprocess.Popen(
         [sys.executable, "-m", "coordinator.cli", "follow", job_id], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env={**os.environ, "PEERTRAIN_COORDINATOR": cluster.address,
-                        "PEERTRAIN_TLS_DIR": str(cluster.operator_tls), "PEERTRAIN_CONFIG": os.devnull})
+        text=True, env=operator_env(cluster))
     try:
         wait_for(lambda: min((n.step for n in cluster.status(job_id).nodes), default=0) > 0, 60)
         stopped = cli(cluster, "stop", "stopped")
