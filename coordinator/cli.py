@@ -248,8 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--runs", type=Path, default=Path("runs"),
                           help="parent of the run directory (default %(default)s)")
     simulate.add_argument("--data-dir", default=os.environ.get("PEERTRAIN_DATA_DIR"),
-                          help="directory of the IDX files, overriding the job's (env PEERTRAIN_DATA_DIR; default: "
-                          "the job's data.data_dir)")
+                          help="directory of the job's data (any data.dataset kind), overriding its data.data_dir "
+                          "(env PEERTRAIN_DATA_DIR)")
     simulate.add_argument(
         "--allow-import", action="append", default=[], metavar="PACKAGE.MODULE",
         help="a module the job may name its model factory from ('PACKAGE.MODULE:factory'), as `nodeagent serve "
@@ -278,8 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("job_file", type=Path, metavar="JOB.yaml")
     inspect.add_argument("--data-dir", default=os.environ.get("PEERTRAIN_DATA_DIR"),
-                         help="directory of the IDX files, overriding the job's (env PEERTRAIN_DATA_DIR; default: "
-                         "the job's data.data_dir)")
+                         help="directory of the job's data (any data.dataset kind), overriding its data.data_dir "
+                         "(env PEERTRAIN_DATA_DIR)")
 
     demo = commands.add_parser(
         "demo",
@@ -779,6 +779,7 @@ def _load_job(path: Path) -> JobFile:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from coordinator.simulate import SimulationProgress, simulate
+    from nodeagent.training.data import DataError
     from nodeagent.training.models import ModelError, module_problem
 
     for module in args.allow_import:
@@ -794,6 +795,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                               allow_imports=tuple(args.allow_import))
     except ModelError as error:  # an import path not allowed here, most likely
         raise SystemExit(f"coordinator: {args.job_file}: {error}") from None
+    except DataError as error:
+        raise SystemExit(f"coordinator: {error}") from None
     state = "finished" if result.mesh.finished else "running"
     print(f"job {job_id} ({spec.name}): {state}, {spec.nodes} nodes, run dir {run_dir}")
     print(format_status(result.progress))
@@ -841,7 +844,7 @@ def _run_dir(args: argparse.Namespace, run: str) -> Path:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from coordinator.jobs import validate_job
-    from nodeagent.training.data import load_dataset
+    from nodeagent.training.data import DataError, load_dataset
     from nodeagent.training.splits import describe_split, format_split_table, split_indices
 
     spec = _load_job(args.job_file).spec
@@ -850,11 +853,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"topology {spec.topology.kind}: {spec.nodes} nodes, {len(topology.edges)} edges, "
           f"degree {min(degrees)}..{max(degrees)}")
     print("edges: " + " ".join(f"{a}-{b}" for a, b in topology.edges))
-    train = load_dataset(spec.data.dataset, args.data_dir or spec.data.data_dir, "train", spec.data.train_limit)
-    labels = train.labels.numpy()
-    shards = split_indices(labels, spec.nodes, spec.data.split, spec.seed, dict(spec.data.split_options))
+    directory = args.data_dir or spec.data.data_dir
+    try:
+        train = load_dataset(spec.data.dataset, directory, "train", spec.data.train_limit)
+        labels = train.labels.numpy()
+        shards = split_indices(labels, spec.nodes, spec.data.split, spec.seed, dict(spec.data.split_options),
+                               train.info.num_classes)
+    except DataError as error:
+        raise SystemExit(f"coordinator: {error}") from None
+    except ValueError as error:  # a split that does not fit the data (classes_per_node above its classes, ...)
+        raise SystemExit(f"coordinator: {args.job_file}: data.split_options: {error}") from None
+    info = train.info
+    print(f"dataset {spec.data.dataset} in {directory}: input {'x'.join(map(str, info.input_shape))}, "
+          f"{info.num_classes} classes, {info.train_samples} training and {info.test_samples} test samples")
     print(f"split {spec.data.split} of {spec.data.dataset} ({len(labels)} training samples):")
-    print(format_split_table(describe_split(labels, shards)))
+    print(format_split_table(describe_split(labels, shards, info.num_classes)))
     return 0
 
 

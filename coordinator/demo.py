@@ -19,7 +19,7 @@ from coordinator.report import ReportError, write_report
 from coordinator.simulate import reference_spec, simulate
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.jobspec import JobSpecError, parse_job_spec
-from nodeagent.training.data import DataError, load_dataset
+from nodeagent.training.data import DataError, describe_dataset
 
 
 def demo_job(args: argparse.Namespace, algorithm: str) -> dict:
@@ -40,7 +40,7 @@ def demo_job(args: argparse.Namespace, algorithm: str) -> dict:
 def run_demo(args: argparse.Namespace) -> int:
     algorithms = [name.strip() for name in args.algorithms.split(",") if name.strip()]
     try:
-        load_dataset("fashion-mnist", args.data_dir, "test", limit=1)
+        describe_dataset("fashion-mnist", args.data_dir)
         specs = [parse_job_spec(demo_job(args, algorithm)) for algorithm in algorithms]
         for spec in specs:
             validate_job(spec)

@@ -53,7 +53,7 @@ from nodeagent.ps.messages import (
     server_wire_rank,
 )
 from nodeagent.ps.rules import ProtocolError, PushResult
-from nodeagent.ps.server import ServerHalf
+from nodeagent.ps.server import ServerHalf, server_data_info
 from nodeagent.rpc import add_servicer, grpc_code
 from nodeagent.security.tls import caller
 from nodeagent.wire.decoder import decode
@@ -115,7 +115,7 @@ class PSJob:
         self.members = members  # rank -> node id
         self.metrics = metrics
         self.fsync = fsync
-        self.half: ServerHalf = build_server(spec)
+        self.half: ServerHalf = build_server(spec, server_data_info(spec))
         self.run_dir = run_dir
         self.state_path = run_dir / STATE_FILE
         self.round_path = run_dir / ROUND_FILE

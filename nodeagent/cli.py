@@ -55,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--data-dir", default=os.environ.get("PEERTRAIN_DATA_DIR"),
-        help="directory of the IDX files on this machine, overriding the job's (env PEERTRAIN_DATA_DIR; default: "
-        "the job's data.data_dir)",
+        help="directory of the jobs' data on this machine (any data.dataset kind), overriding their data.data_dir "
+        "(env PEERTRAIN_DATA_DIR)",
     )
     serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                        help="training device; auto: cuda where there is one, else cpu (default %(default)s)")

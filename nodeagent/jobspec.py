@@ -22,6 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 DEFAULT_DATA_DIR = "/usr/share/datasets/fashion-mnist"
 Mode = Literal["async", "sync"]
+# The formats of data a job can name (nodeagent.training.data reads them).
+DatasetKind = Literal["fashion-mnist", "mnist", "cifar10", "cifar100", "npy", "image-folder"]
 
 MAX_JOB_BYTES = 1 << 20  # of the YAML text; an inlined edge list counts
 MAX_YAML_VALUES = 65_536  # scalars, lists and mappings: a 4096-node job with per-rank speeds and slow-downs fits
@@ -63,11 +65,14 @@ class ModelSpec(_Strict):
 class DataSpec(_Strict):
     """The training and test data, and how the training set is divided among the nodes."""
 
-    dataset: Literal["fashion-mnist", "mnist"] = Field(
-        "fashion-mnist", description="the image set; both have 10 classes of 28 x 28 grey images")
+    dataset: DatasetKind = Field(
+        "fashion-mnist", description="the data's kind: fashion-mnist or mnist (the four IDX files, plain or .gz), "
+        "cifar10 or cifar100 (the binary distribution's .bin files), npy (train_x.npy, train_y.npy, test_x.npy, "
+        "test_y.npy: samples of any shape, uint8 or floating, and integer labels) or image-folder "
+        "(train/<class>/<image>, test/<class>/<image>); the input shape and class count come from the files")
     data_dir: str = Field(
-        DEFAULT_DATA_DIR, description="directory holding the IDX files (plain or .gz) on every node; an agent's "
-        "--data-dir overrides it")
+        DEFAULT_DATA_DIR, description="directory holding the data on every node (for cifar10 and cifar100 also its "
+        "parent); an agent's --data-dir overrides it")
     split: str = Field("iid", max_length=64, description="how the training set is divided among the nodes: iid, "
                        "class-window, by-class or dirichlet")
     split_options: dict[str, Any] = Field(default_factory=dict, description="the split's own options")

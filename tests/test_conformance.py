@@ -17,6 +17,7 @@ from coordinator.topology import build_topology
 from nodeagent.algorithms import REGISTRY, Algorithm, Family, NodeContext, build_server
 from nodeagent.jobspec import JobSpec, JobSpecError, parse_job_spec
 from nodeagent.runtime.progress import read_run_log
+from nodeagent.training.data import fixed_info
 from nodeagent.training.models import initial_model
 
 ALGORITHMS = sorted(REGISTRY)
@@ -96,6 +97,8 @@ def construct(spec: JobSpec) -> None:
     """Build every node's algorithm of `spec` as the runtimes do (planned by the coordinator's rules, the seeded
     initial model) and, for the parameter-server family, the server; no data is loaded."""
     cls = REGISTRY[spec.algorithm.name]
+    info = fixed_info(spec.data.dataset)
+    assert info is not None
     topology = build_topology(spec.topology, spec.nodes)
     for rank in range(spec.nodes):
         plan = plan_node(spec, topology, rank)
@@ -103,9 +106,9 @@ def construct(spec: JobSpec) -> None:
             rank=rank, world_size=spec.nodes, neighbors=plan.neighbors, spec=spec.algorithm,
             self_weight=plan.self_weight, seed=spec.seed, peer_schedule=plan.peer_schedule,
         )
-        cls(initial_model(spec), context)
+        cls(initial_model(spec, info), context)
     if cls.family is Family.SERVER:
-        build_server(spec)
+        build_server(spec, info)
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import gzip
-import struct
+import mmap
 import subprocess
 import sys
 from pathlib import Path
@@ -11,23 +10,35 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from datafiles import write_idx
 
-from nodeagent.training.data import DATASETS, DataError, Dataset, load_dataset, read_idx
+from nodeagent.training.data import (
+    DataError,
+    Dataset,
+    DatasetInfo,
+    Normalisation,
+    describe_dataset,
+    load_dataset,
+    read_idx,
+)
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
-
-
-def write_idx(path: Path, array: np.ndarray) -> None:
-    """Writes an IDX file of unsigned bytes by hand (gzipped when the name ends in .gz)."""
-    header = bytes([0, 0, 0x08, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
-    payload = header + array.astype(np.uint8).tobytes()
-    path.write_bytes(gzip.compress(payload) if path.suffix == ".gz" else payload)
 
 
 def write_pair(directory: Path, prefix: str, images: np.ndarray, labels: np.ndarray, gz: bool) -> None:
     suffix = ".gz" if gz else ""
     write_idx(directory / f"{prefix}-images-idx3-ubyte{suffix}", images)
     write_idx(directory / f"{prefix}-labels-idx1-ubyte{suffix}", labels)
+
+
+def is_mapped(array: np.ndarray) -> bool:
+    """Whether the array's memory is a file mapping (somewhere down its chain of views)."""
+    base = array
+    while base is not None:
+        if isinstance(base, np.memmap | mmap.mmap):
+            return True
+        base = getattr(base, "base", None)
+    return False
 
 
 # Three 28x28 images: all black, all white, and one with a known gradient; labels as MNIST would have them.
@@ -45,26 +56,28 @@ def test_fashion_mnist_from_the_debian_directory(fashion_mnist_dir: Path) -> Non
     train = load_dataset("fashion-mnist", fashion_mnist_dir, "train")
     test = load_dataset("fashion-mnist", fashion_mnist_dir, "test")
     assert (len(train), len(test)) == (60000, 10000)
-    assert train.images.shape == (60000, 1, 28, 28) and train.images.dtype == torch.float32
+    assert train.samples.shape == (60000, 1, 28, 28) and train.samples.dtype == np.uint8  # stored as read
     assert train.labels.dtype == torch.int64
-    info = DATASETS["fashion-mnist"]  # what the coordinator builds the initial model from, without the data
-    assert info.input_shape == (1, 28, 28) == train.input_shape and info.num_classes == 10
+    info = describe_dataset("fashion-mnist", fashion_mnist_dir)  # from the headers, without reading the images
+    assert info == DatasetInfo((1, 28, 28), 10, 60000, 10000) == train.info == test.info
     # Fashion-MNIST is balanced; its first training image is an ankle boot (9), its first test one too.
     assert torch.bincount(train.labels).tolist() == [6000] * 10
     assert torch.bincount(test.labels).tolist() == [1000] * 10
     assert train.labels[0].item() == 9 and test.labels[0].item() == 9
     # The fixed normalisation constants are those of this dataset: the training pixels come out standardised.
-    assert abs(train.images.mean().item()) < 0.01
-    assert abs(train.images.std().item() - 1.0) < 0.01
+    images = train.images(slice(None))
+    assert images.dtype == torch.float32 and images.shape == (60000, 1, 28, 28)
+    assert abs(images.mean().item()) < 0.01
+    assert abs(images.std().item() - 1.0) < 0.01
 
 
 def test_limit_takes_the_first_samples_and_shares_memory(fashion_mnist_dir: Path) -> None:
     full = load_dataset("fashion-mnist", fashion_mnist_dir, "train")
     first = load_dataset("fashion-mnist", str(fashion_mnist_dir) + "/", "train", limit=500)
     assert len(first) == 500
-    assert torch.equal(first.images, full.images[:500]) and torch.equal(first.labels, full.labels[:500])
+    assert np.array_equal(first.samples, full.samples[:500]) and torch.equal(first.labels, full.labels[:500])
     # Many simulated nodes load the same files: they must get one decoded copy, not one each.
-    assert first.images.data_ptr() == full.images.data_ptr()
+    assert np.shares_memory(first.samples, full.samples)
 
 
 @pytest.mark.parametrize("gz", [False, True], ids=["plain", "gzip"])
@@ -76,8 +89,10 @@ def test_any_directory_in_mnist_format(tmp_path: Path, gz: bool) -> None:
     assert len(train) == 3 and len(test) == 2
     assert train.labels.tolist() == [3, 0, 9]
     expected = (torch.from_numpy(TINY_IMAGES).float() / 255 - MNIST_MEAN) / MNIST_STD
-    torch.testing.assert_close(train.images[:, 0], expected)
-    torch.testing.assert_close(test.images[:, 0], expected[:2])
+    torch.testing.assert_close(train.images(slice(None))[:, 0], expected)
+    torch.testing.assert_close(test.images(np.array([0, 1]))[:, 0], expected[:2])
+    # Plain files are memory-mapped, not read into memory; gzipped ones are decompressed once.
+    assert is_mapped(train.samples) is not gz
 
 
 def test_read_idx_returns_the_array_written(tmp_path: Path) -> None:
@@ -96,6 +111,7 @@ def test_missing_files_name_the_directory_the_package_and_the_option(tmp_path: P
 
 def test_corrupted_magic_number_names_the_file(tmp_path: Path) -> None:
     write_pair(tmp_path, "train", TINY_IMAGES, TINY_LABELS, gz=False)
+    write_pair(tmp_path, "t10k", TINY_IMAGES[:2], TINY_LABELS[:2], gz=False)
     images = tmp_path / "train-images-idx3-ubyte"
     raw = bytearray(images.read_bytes())
     raw[2] = 0x0D  # element type float instead of unsigned byte
@@ -106,6 +122,7 @@ def test_corrupted_magic_number_names_the_file(tmp_path: Path) -> None:
 
 def test_truncated_file_is_rejected(tmp_path: Path) -> None:
     write_pair(tmp_path, "train", TINY_IMAGES, TINY_LABELS, gz=False)
+    write_pair(tmp_path, "t10k", TINY_IMAGES[:2], TINY_LABELS[:2], gz=False)
     images = tmp_path / "train-images-idx3-ubyte"
     images.write_bytes(images.read_bytes()[:-1])
     with pytest.raises(DataError, match=r"train-images-idx3-ubyte: \d+ bytes, but its header"):
@@ -114,6 +131,7 @@ def test_truncated_file_is_rejected(tmp_path: Path) -> None:
 
 def test_broken_gzip_is_rejected(tmp_path: Path) -> None:
     write_pair(tmp_path, "train", TINY_IMAGES, TINY_LABELS, gz=True)
+    write_pair(tmp_path, "t10k", TINY_IMAGES[:2], TINY_LABELS[:2], gz=True)
     labels = tmp_path / "train-labels-idx1-ubyte.gz"
     labels.write_bytes(labels.read_bytes()[:20])
     with pytest.raises(DataError, match=r"train-labels-idx1-ubyte\.gz: cannot read"):
@@ -122,19 +140,21 @@ def test_broken_gzip_is_rejected(tmp_path: Path) -> None:
 
 def test_label_count_must_match_image_count(tmp_path: Path) -> None:
     write_pair(tmp_path, "train", TINY_IMAGES, TINY_LABELS[:2], gz=False)
+    write_pair(tmp_path, "t10k", TINY_IMAGES[:2], TINY_LABELS[:2], gz=False)
     with pytest.raises(DataError, match="2 labels for 3 images"):
         load_dataset("mnist", tmp_path, "train")
 
 
 def test_labels_outside_the_ten_classes_are_rejected(tmp_path: Path) -> None:
     write_pair(tmp_path, "train", TINY_IMAGES, np.array([3, 10, 0], np.uint8), gz=False)
+    write_pair(tmp_path, "t10k", TINY_IMAGES[:2], TINY_LABELS[:2], gz=False)
     with pytest.raises(DataError, match="label 10"):
         load_dataset("mnist", tmp_path, "train")
 
 
 def test_unknown_dataset_split_or_limit(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="unknown dataset 'cifar10'"):
-        load_dataset("cifar10", tmp_path, "train")
+    with pytest.raises(ValueError, match="unknown dataset 'svhn'"):
+        load_dataset("svhn", tmp_path, "train")
     with pytest.raises(ValueError, match="unknown split 'valid'"):
         load_dataset("mnist", tmp_path, "valid")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="limit"):
@@ -142,12 +162,15 @@ def test_unknown_dataset_split_or_limit(tmp_path: Path) -> None:
 
 
 def test_dataset_reports_its_size_and_shape() -> None:
-    dataset = Dataset(images=torch.zeros(4, 1, 28, 28), labels=torch.zeros(4, dtype=torch.int64))
-    assert len(dataset) == 4 and dataset.input_shape == (1, 28, 28)
+    dataset = Dataset(np.zeros((4, 3, 8, 8), np.uint8), torch.zeros(4, dtype=torch.int64),
+                      DatasetInfo((3, 8, 8), 10, 4, 0), Normalisation(255.0, (0.5,) * 3, (0.25,) * 3))
+    assert len(dataset) == 4 and dataset.input_shape == (3, 8, 8)
+    assert torch.equal(dataset.images(slice(None)), torch.full((4, 3, 8, 8), -2.0))
 
 
 def test_torchvision_is_never_needed(tmp_path: Path) -> None:
     write_pair(tmp_path, "train", TINY_IMAGES, TINY_LABELS, gz=True)
+    write_pair(tmp_path, "t10k", TINY_IMAGES[:2], TINY_LABELS[:2], gz=True)
     # A None entry in sys.modules makes `import torchvision` fail, as on a machine without it.
     program = (
         "import sys; sys.modules['torchvision'] = None\n"

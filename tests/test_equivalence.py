@@ -12,6 +12,7 @@ from coordinator.cluster import LocalCluster
 from coordinator.simulate import simulate
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.jobspec import parse_job_spec
+from nodeagent.training.data import describe_dataset
 from nodeagent.training.models import flat_parameters, initial_model
 
 pytestmark = pytest.mark.slow
@@ -81,7 +82,7 @@ def test_agents_end_with_the_simulators_parameters(cluster, fashion_mnist_dir, c
 
     spec = parse_job_spec(job)
     mesh = simulate(spec).mesh
-    initial = flat_parameters(initial_model(spec))
+    initial = flat_parameters(initial_model(spec, describe_dataset(spec.data.dataset, fashion_mnist_dir)))
     for sim in mesh.nodes:
         rank = sim.node.rank
         state, simulated = states[rank], sim.node.algorithm.w

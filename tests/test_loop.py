@@ -12,17 +12,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from nodeagent.jobspec import ModelSpec
-from nodeagent.training.data import Dataset, load_dataset
+from nodeagent.training.data import Dataset, DatasetInfo, Normalisation, load_dataset
 from nodeagent.training.loop import BatchStream, evaluate
 from nodeagent.training.models import build_model
 
 
+def in_memory(images: torch.Tensor, labels: torch.Tensor) -> Dataset:
+    """A dataset of these float samples, taken as they are (no normalisation)."""
+    info = DatasetInfo(tuple(images.shape[1:]), 10, len(labels), 0)
+    return Dataset(samples=images.numpy(), labels=labels, info=info, normalisation=Normalisation(1.0, (0.0,), (1.0,)))
+
+
 def numbered(size: int) -> Dataset:
     """A dataset whose image i holds the number i, so a batch shows which samples it drew."""
-    return Dataset(
-        images=torch.arange(size, dtype=torch.float32).reshape(size, 1, 1, 1),
-        labels=torch.arange(size, dtype=torch.int64) % 10,
-    )
+    return in_memory(torch.arange(size, dtype=torch.float32).reshape(size, 1, 1, 1),
+                     torch.arange(size, dtype=torch.int64) % 10)
 
 
 def drawn(batch: tuple[torch.Tensor, torch.Tensor]) -> list[int]:
@@ -76,7 +80,7 @@ def test_batches_hold_images_with_their_own_labels(fashion_train: Dataset) -> No
     images, labels = BatchStream(fashion_train, shard, batch_size=50, seed=0).next()
     assert images.shape == (50, 1, 28, 28) and labels.shape == (50,)
     for image, label in zip(images, labels, strict=True):
-        matches = (fashion_train.images[shard] == image).all(dim=(1, 2, 3)).nonzero().reshape(-1)
+        matches = (fashion_train.images(shard) == image).all(dim=(1, 2, 3)).nonzero().reshape(-1)
         assert len(matches) > 0 and label == fashion_train.labels[shard][matches[0]]
 
 
@@ -114,9 +118,9 @@ def test_logistic_regression_learns_fashion_mnist(fashion_train: Dataset, fashio
 def test_evaluate_matches_a_direct_computation_whatever_the_batch_size(fashion_test: Dataset) -> None:
     torch.manual_seed(0)
     model = build_model(ModelSpec(name="mlp", options={"hidden": [32]}))
-    subset = Dataset(images=fashion_test.images[:530], labels=fashion_test.labels[:530])
+    subset = in_memory(fashion_test.images(slice(0, 530)), fashion_test.labels[:530])
     with torch.no_grad():
-        logits = model(subset.images)
+        logits = model(subset.images(slice(None)))
     expected_accuracy = int((logits.argmax(dim=1) == subset.labels).sum()) / len(subset)
     expected_loss = F.cross_entropy(logits, subset.labels).item()
     for batch_size in (1000, 100, 7):
@@ -143,7 +147,7 @@ class _Probe(nn.Module):
 def test_evaluate_runs_in_eval_mode_without_autograd_and_restores_the_mode(training: bool) -> None:
     model = _Probe()
     model.train(training)
-    dataset = Dataset(images=torch.randn(20, 1, 28, 28), labels=torch.arange(20) % 10)
+    dataset = in_memory(torch.randn(20, 1, 28, 28), torch.arange(20) % 10)
     first = evaluate(model, dataset, batch_size=8)
     assert model.calls == [(False, False)] * 3
     assert model.training is training
@@ -152,4 +156,4 @@ def test_evaluate_runs_in_eval_mode_without_autograd_and_restores_the_mode(train
 
 def test_evaluate_refuses_an_empty_dataset() -> None:
     with pytest.raises(ValueError, match="empty"):
-        evaluate(nn.Flatten(), Dataset(images=torch.zeros(0, 1, 28, 28), labels=torch.zeros(0, dtype=torch.int64)))
+        evaluate(nn.Flatten(), in_memory(torch.zeros(0, 1, 28, 28), torch.zeros(0, dtype=torch.int64)))

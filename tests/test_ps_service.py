@@ -23,6 +23,7 @@ from nodeagent.algorithms import REGISTRY, NodeContext, build_server
 from nodeagent.jobspec import parse_job_spec
 from nodeagent.metrics import Metrics
 from nodeagent.ps.messages import PUSH_ID_HEADER, ReadyAnswer, ServerPull, ServerPush, StepReport
+from nodeagent.ps.server import server_data_info
 from nodeagent.runtime.progress import Traffic
 from nodeagent.runtime.server_link import GrpcServerLink
 from nodeagent.training.models import build_model
@@ -156,7 +157,7 @@ def test_sixteen_workers_push_at_once_and_each_push_is_applied_once_in_the_recor
     pushes = [e for e in events if e["event"] == "push"]
     assert sorted(e["push_id"] for e in pushes) == sorted(sent)
     assert [e["version"] for e in pushes] == list(range(1, len(sent) + 1))
-    replay = build_server(spec)
+    replay = build_server(spec, server_data_info(spec))
     for event in events:
         if event["event"] == "pull":
             replay.pull(event["rank"], 0, False, now=0.0)

@@ -16,6 +16,7 @@ from nodeagent.algorithms.base import Algorithm, Family, Neighbor, NodeContext, 
 from nodeagent.jobspec import JobSpec, JobSpecError
 from nodeagent.ps.server import ServerHalf
 from nodeagent.ps.worker import PSWorker
+from nodeagent.training.data import DatasetInfo
 
 
 def _algorithms(cls: type[Algorithm]) -> list[type[Algorithm]]:
@@ -50,12 +51,13 @@ def build_algorithm(model: nn.Module, context: NodeContext) -> Algorithm:
     return lookup(context.spec.name)(model, context)
 
 
-def build_server(spec: JobSpec) -> ServerHalf:
-    """The parameter server of a job of the server family (what the coordinator and the simulator host)."""
+def build_server(spec: JobSpec, info: DatasetInfo) -> ServerHalf:
+    """The parameter server of a job of the server family (what the coordinator and the simulator host), its model
+    shaped for the data `info` describes (nodeagent.ps.server.server_data_info)."""
     cls = SERVER_ALGORITHMS.get(spec.algorithm.name)
     if cls is None:
         raise JobSpecError(f"algorithm.name: {spec.algorithm.name} has no parameter server")
-    return cls.build_server(spec)
+    return cls.build_server(spec, info)
 
 
 __all__ = [

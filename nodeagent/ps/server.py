@@ -1,8 +1,9 @@
 """The server half of a parameter-server algorithm: a rule of nodeagent.ps behind the requests the runtimes move.
 
 The coordinator's gRPC service (coordinator.ps_service) and the simulator (nodeagent.runtime.simulator) host the
-same server halves, built by the worker class's `build_server(spec)` from the job's seeded initial model, so the
-server starts from exactly the model every worker starts from.
+same server halves, built by the worker class's `build_server(spec, info)` from the job's seeded initial model, so
+the server starts from exactly the model every worker starts from. The model's shape is the data's (`info`): the
+coordinator has no data, and knows it only where the format fixes it (server_data_info).
 
 Exactly once: the half keeps, per worker, the id of its last push and of its last released push. A retried push
 (same id as the worker's last) changes nothing and is answered again, which is what makes a retry after a lost
@@ -19,10 +20,11 @@ import torch
 from pydantic import Field
 
 from nodeagent.algorithms.base import AlgorithmOptions, FlatParameters
-from nodeagent.jobspec import JobSpec
+from nodeagent.jobspec import JobSpec, JobSpecError
 from nodeagent.ps.esync import Decision
 from nodeagent.ps.messages import ServerModel, ServerPush
 from nodeagent.ps.rules import ParameterServer, ProtocolError, PushResult, RoundServer
+from nodeagent.training.data import DatasetInfo, fixed_info
 from nodeagent.training.models import initial_model
 from nodeagent.wire.errors import WireError
 from nodeagent.wire.message import Kind, TensorSpec
@@ -39,10 +41,24 @@ class ServerOptions(AlgorithmOptions):
     )
 
 
-def initial_parameters(spec: JobSpec) -> FlatParameters:
-    """The parameters of the job's seeded initial model (every worker's w0), leaving torch's random state alone."""
+def server_data_info(spec: JobSpec) -> DatasetInfo:
+    """The data's input shape and class count as the parameter server knows them without the data: those its format
+    fixes. JobSpecError for the kinds whose shape only their files tell."""
+    info = fixed_info(spec.data.dataset)
+    if info is None:
+        raise JobSpecError(
+            f"data.dataset: the parameter server needs the data's shape; {spec.data.dataset} data's shape is known "
+            f"only from its files on the agents, so {spec.algorithm.name} cannot train on it yet: use a peer "
+            "algorithm, or a kind whose format fixes the shape (fashion-mnist, mnist, cifar10, cifar100)"
+        )
+    return info
+
+
+def initial_parameters(spec: JobSpec, info: DatasetInfo) -> FlatParameters:
+    """The parameters of the job's seeded initial model (every worker's w0) for the data `info` describes, leaving
+    torch's random state alone."""
     with torch.random.fork_rng(devices=[]):
-        return FlatParameters(initial_model(spec))
+        return FlatParameters(initial_model(spec, info))
 
 
 class ServerHalf:

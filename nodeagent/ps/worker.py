@@ -30,6 +30,7 @@ from nodeagent.algorithms.base import Algorithm, AlgorithmOptions, Family, NodeC
 from nodeagent.jobspec import JobSpec
 from nodeagent.ps.messages import SERVER_RANK, ServerAnswer, ServerModel, ServerPull, ServerPush
 from nodeagent.ps.server import ServerHalf, ServerOptions, initial_parameters
+from nodeagent.training.data import DatasetInfo
 from nodeagent.wire.errors import WireError
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
@@ -54,9 +55,10 @@ class PSWorker(Algorithm):
         self.republish()
 
     @classmethod
-    def build_server(cls, spec: JobSpec) -> ServerHalf:
-        """The server half of `spec`, starting from the job's seeded initial model (the workers' w0)."""
-        return cls.server_half(spec, initial_parameters(spec), cls.options_of(spec.algorithm))
+    def build_server(cls, spec: JobSpec, info: DatasetInfo) -> ServerHalf:
+        """The server half of `spec`, starting from the job's seeded initial model (the workers' w0) shaped for the
+        data `info` describes."""
+        return cls.server_half(spec, initial_parameters(spec, info), cls.options_of(spec.algorithm))
 
     # -- steps and messages ----------------------------------------------------------------------------------------
 

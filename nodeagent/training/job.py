@@ -50,9 +50,10 @@ def build_node(
     train = load_dataset(spec.data.dataset, directory, "train", spec.data.train_limit)
     test = load_dataset(spec.data.dataset, directory, "test", spec.data.test_limit)
     shards = split_indices(
-        train.labels.numpy(), spec.nodes, spec.data.split, spec.seed, dict(spec.data.split_options)
+        train.labels.numpy(), spec.nodes, spec.data.split, spec.seed, dict(spec.data.split_options),
+        train.info.num_classes,
     )
-    model = initial_model(spec, allow_imports)
+    model = initial_model(spec, train.info, allow_imports)
     context = NodeContext(
         rank=rank,
         world_size=spec.nodes,

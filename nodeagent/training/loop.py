@@ -1,7 +1,8 @@
 """Minibatches over a node's shard, and evaluation of a model on a dataset.
 
-No DataLoader: the whole dataset already sits in one tensor, so a minibatch is one indexing operation, which
-keeps the per-step overhead to microseconds (the simulator runs hundreds of nodes in one process).
+No DataLoader: the whole dataset already sits in one array (in memory or memory-mapped), so a minibatch is one
+indexing operation and its normalisation, which keeps the per-step overhead to microseconds (the simulator runs
+hundreds of nodes in one process).
 """
 
 from __future__ import annotations
@@ -34,26 +35,25 @@ class BatchStream:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         self._dataset = dataset
-        self._indices = torch.from_numpy(indices).to(dataset.labels.device)
+        self._indices = indices
         self._batch_size = batch_size
         self._rng = np.random.default_rng(seed)
         self._order = self._shuffled()
         self._position = 0
         self.epochs = 0  # complete passes over the shard served so far
 
-    def _shuffled(self) -> torch.Tensor:
-        permutation = torch.from_numpy(self._rng.permutation(len(self._indices)))
-        return self._indices[permutation.to(self._indices.device)]
+    def _shuffled(self) -> np.ndarray:
+        return self._indices[self._rng.permutation(len(self._indices))]
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next minibatch: images (B, 1, 28, 28) and labels (B,)."""
+        """The next minibatch: normalised images (B, *input_shape) and labels (B,)."""
         batch = self._order[self._position : self._position + self._batch_size]
         self._position += self._batch_size
         if self._position >= len(self._order):
             self.epochs += 1
             self._order = self._shuffled()
             self._position = 0
-        return self._dataset.images[batch], self._dataset.labels[batch]
+        return self._dataset.images(batch), self._dataset.labels[torch.from_numpy(batch)]
 
     __next__ = next
 
@@ -79,7 +79,7 @@ def evaluate(model: nn.Module, dataset: Dataset, batch_size: int = 1000) -> Eval
     try:
         with torch.no_grad():
             for start in range(0, len(dataset), batch_size):
-                images = dataset.images[start : start + batch_size]
+                images = dataset.images(slice(start, start + batch_size))
                 labels = dataset.labels[start : start + batch_size]
                 logits = model(images)
                 loss_sum += F.cross_entropy(logits, labels, reduction="sum").item()

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from nodeagent.jobspec import JobSpec, ModelSpec, cut, shown
-from nodeagent.training.data import DATASETS
+from nodeagent.training.data import DatasetInfo
 
 __all__ = [
     "MODELS",
@@ -240,23 +240,23 @@ def build_model(spec: ModelSpec, input_shape: InputShape = (1, 28, 28), num_clas
     return model
 
 
-def initial_model(spec: JobSpec, allow_imports: Collection[str] = ()) -> nn.Module:
-    """The job's seeded initial model, identical on every node and at the parameter server, shaped for its
-    dataset's samples. It seeds torch's global generator with the job's seed, so that what a node draws next
+def initial_model(spec: JobSpec, info: DatasetInfo, allow_imports: Collection[str] = ()) -> nn.Module:
+    """The job's seeded initial model, identical on every node and at the parameter server, shaped for the data
+    `info` describes. It seeds torch's global generator with the job's seed, so that what a node draws next
     (dropout) is the same on every run; a caller that must keep its own random state forks it first."""
-    info = DATASETS[spec.data.dataset]
     torch.manual_seed(spec.seed)
     return build_model(spec.model, info.input_shape, info.num_classes, allow_imports)
 
 
-def check_model(spec: ModelSpec, input_shape: InputShape, num_classes: int) -> None:
-    """What can be known of a job's model without building it, nor importing a user's code (whether an import path
+def check_model(spec: ModelSpec) -> None:
+    """What can be known of a job's model without its data, nor importing a user's code (whether an import path
     is allowed and fits is the agents' to check): a registry model's name and options, an import path's form.
     ModelError naming the problem."""
     if is_import_path(spec.name):
         _split_import_path(spec.name)
     else:
-        _arguments(spec, _registered(spec), input_shape, num_classes)
+        # Only the names are bound: the shape and class count are the data's, known where the data is.
+        _arguments(spec, _registered(spec), (), 0)
 
 
 def _registered(spec: ModelSpec) -> Callable[..., nn.Module]:

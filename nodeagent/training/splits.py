@@ -16,40 +16,44 @@ from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "SPLITS", "SPLIT_MEANINGS", "SPLIT_OPTIONS", "ShardStats", "SplitOptions", "describe_split", "format_split_table",
-    "split_indices",
+    "label_order", "split_indices",
 ]
 
-NUM_CLASSES = 10
-
-# The label order of the ECL-ISVR code, np.random.RandomState(11).permutation(10), written out so that a
-# reader sees which classes a node holds; a test checks that the two agree.
-ECL_LABEL_ORDER = (7, 8, 2, 6, 4, 5, 1, 3, 0, 9)
+MAX_LABEL_COLUMNS = 10  # a split table shows this many label columns; more classes are summarised
 
 
-def _iid(labels: np.ndarray, nodes: int, rng: np.random.Generator) -> list[np.ndarray]:
+def label_order(num_classes: int) -> list[int]:
+    """The order in which class-window's windows run over the classes: ECL-ISVR's
+    np.random.RandomState(11).permutation(C), for 10 classes 7, 8, 2, 6, 4, 5, 1, 3, 0, 9."""
+    return np.random.RandomState(11).permutation(num_classes).tolist()
+
+
+def _iid(labels: np.ndarray, nodes: int, rng: np.random.Generator, num_classes: int) -> list[np.ndarray]:
     return np.array_split(rng.permutation(len(labels)), nodes)
 
 
-def _by_class(labels: np.ndarray, nodes: int, rng: np.random.Generator) -> list[np.ndarray]:
+def _by_class(labels: np.ndarray, nodes: int, rng: np.random.Generator, num_classes: int) -> list[np.ndarray]:
     # A stable sort keeps the file order within a class, so the split needs no randomness at all.
     return np.array_split(np.argsort(labels, kind="stable"), nodes)
 
 
 def _class_window(
-    labels: np.ndarray, nodes: int, rng: np.random.Generator, classes_per_node: int, shift: int
+    labels: np.ndarray, nodes: int, rng: np.random.Generator, num_classes: int, classes_per_node: int, shift: int
 ) -> list[np.ndarray]:
-    if not (isinstance(classes_per_node, int) and 1 <= classes_per_node <= NUM_CLASSES):
-        raise ValueError(f"class-window: classes_per_node must be an integer in 1..10, got {classes_per_node!r}")
+    if not (isinstance(classes_per_node, int) and 1 <= classes_per_node <= num_classes):
+        raise ValueError(f"class-window: classes_per_node must be an integer in 1..{num_classes} (the data has "
+                         f"{num_classes} classes), got {classes_per_node!r}")
     if not isinstance(shift, int):
         raise ValueError(f"class-window: shift must be an integer, got {shift!r}")
-    holders: dict[int, list[int]] = {label: [] for label in range(NUM_CLASSES)}
+    order = label_order(num_classes)
+    holders: dict[int, list[int]] = {label: [] for label in range(num_classes)}
     for node in range(nodes):
-        start = shift * node % NUM_CLASSES
+        start = shift * node % num_classes
         for offset in range(classes_per_node):
-            holders[ECL_LABEL_ORDER[(start + offset) % NUM_CLASSES]].append(node)
+            holders[order[(start + offset) % num_classes]].append(node)
     parts: list[list[np.ndarray]] = [[] for _ in range(nodes)]
     # A class that no node's window covers (possible with few nodes) is left out of the split.
-    for label in range(NUM_CLASSES):
+    for label in range(num_classes):
         if not holders[label]:
             continue
         members = rng.permutation(np.flatnonzero(labels == label))
@@ -60,11 +64,13 @@ def _class_window(
     return [np.concatenate(pieces) for pieces in parts]
 
 
-def _dirichlet(labels: np.ndarray, nodes: int, rng: np.random.Generator, alpha: float) -> list[np.ndarray]:
+def _dirichlet(
+    labels: np.ndarray, nodes: int, rng: np.random.Generator, num_classes: int, alpha: float
+) -> list[np.ndarray]:
     if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha > 0:
         raise ValueError(f"dirichlet: alpha must be a number > 0, got {alpha!r}")
     parts: list[list[int]] = [[] for _ in range(nodes)]
-    for label in range(NUM_CLASSES):
+    for label in range(num_classes):
         members = rng.permutation(np.flatnonzero(labels == label))
         shares = rng.dirichlet(np.full(nodes, float(alpha)))
         cuts = np.round(np.cumsum(shares)[:-1] * len(members)).astype(np.int64)
@@ -79,7 +85,7 @@ def _dirichlet(labels: np.ndarray, nodes: int, rng: np.random.Generator, alpha: 
     return [np.asarray(part, dtype=np.int64) for part in parts]
 
 
-# name -> split function(labels, nodes, rng, **options)
+# name -> split function(labels, nodes, rng, num_classes, **options)
 SPLITS: dict[str, Callable[..., list[np.ndarray]]] = {
     "iid": _iid,
     "class-window": _class_window,
@@ -98,7 +104,7 @@ class SplitOptions(BaseModel):
 
 
 class ClassWindowOptions(SplitOptions):
-    classes_per_node: int = Field(8, ge=1, le=NUM_CLASSES, description="classes each node holds")
+    classes_per_node: int = Field(8, ge=1, description="classes each node holds (at most the data's classes)")
     shift: int = Field(4, description="how far the window of classes moves from one node to the next")
 
 
@@ -121,9 +127,12 @@ SPLIT_MEANINGS: dict[str, str] = {
 
 
 def split_indices(
-    labels: np.ndarray, nodes: int, kind: str, seed: int, options: dict[str, Any] | None = None
+    labels: np.ndarray, nodes: int, kind: str, seed: int, options: dict[str, Any] | None = None,
+    num_classes: int | None = None,
 ) -> list[np.ndarray]:
-    """Returns, for each of `nodes` nodes, the sorted int64 indices of the samples it holds.
+    """Returns, for each of `nodes` nodes, the sorted int64 indices of the samples it holds. `num_classes` is the
+    data's class count (DatasetInfo.num_classes; unset: the largest label + 1): class-window's order of the classes
+    depends on it, so pass it when the labels may lack the last classes (a train_limit).
 
     Kinds: iid (shuffled, equal shares), class-window (ECL-ISVR; options classes_per_node=8, shift=4),
     by-class (sorted by label, contiguous equal chunks; ignores the seed), dirichlet (option alpha=0.5;
@@ -142,11 +151,13 @@ def split_indices(
     labels = np.asarray(labels)
     if labels.ndim != 1:
         raise ValueError(f"labels must be one-dimensional, got shape {labels.shape}")
-    if labels.size and (labels.min() < 0 or labels.max() >= NUM_CLASSES):
-        raise ValueError(f"labels must lie in 0..{NUM_CLASSES - 1}")
+    if num_classes is None:
+        num_classes = int(labels.max()) + 1 if labels.size else 1
+    if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+        raise ValueError(f"labels must lie in 0..{num_classes - 1}")
     if not 1 <= nodes <= len(labels):
         raise ValueError(f"nodes must be in 1..{len(labels)} (one sample per node at least), got {nodes}")
-    shards = SPLITS[kind](labels, nodes, np.random.default_rng(seed), **options)
+    shards = SPLITS[kind](labels, nodes, np.random.default_rng(seed), num_classes, **options)
     return [np.sort(shard).astype(np.int64, copy=False) for shard in shards]
 
 
@@ -157,9 +168,11 @@ class ShardStats:
     label_counts: list[int]
 
 
-def describe_split(labels: np.ndarray, shards: list[np.ndarray], num_classes: int = NUM_CLASSES) -> list[ShardStats]:
-    """Sample count and label histogram of each node's shard."""
+def describe_split(labels: np.ndarray, shards: list[np.ndarray], num_classes: int | None = None) -> list[ShardStats]:
+    """Sample count and label histogram of each node's shard (`num_classes` bins; unset: the largest label + 1)."""
     labels = np.asarray(labels)
+    if num_classes is None:
+        num_classes = int(labels.max()) + 1 if labels.size else 0
     return [
         ShardStats(
             node=node,
@@ -171,11 +184,21 @@ def describe_split(labels: np.ndarray, shards: list[np.ndarray], num_classes: in
 
 
 def format_split_table(stats: list[ShardStats]) -> str:
-    """A plain-text table, one row per node: sample count, then the count of each label."""
+    """A plain-text table, one row per node: sample count, then the count of each label. With more than
+    MAX_LABEL_COLUMNS classes, a column `classes` (how many of them the node holds) comes before the first labels'
+    counts, and a last line says how many labels are not shown."""
     num_classes = max((len(item.label_counts) for item in stats), default=0)
-    header = ["node", "samples", *(f"L{label}" for label in range(num_classes))]
-    rows = [[str(item.node), str(item.samples), *map(str, item.label_counts)] for item in stats]
+    shown_labels = min(num_classes, MAX_LABEL_COLUMNS)
+    held = ["classes"] if num_classes > shown_labels else []
+    header = ["node", "samples", *held, *(f"L{label}" for label in range(shown_labels))]
+    rows = [
+        [str(item.node), str(item.samples), *([str(sum(1 for count in item.label_counts if count))] if held else []),
+         *map(str, item.label_counts[:shown_labels])]
+        for item in stats
+    ]
     widths = [max(len(row[column]) for row in [header, *rows]) for column in range(len(header))]
-    return "\n".join(
-        "  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in [header, *rows]
-    )
+    lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in [header, *rows]]
+    if held:
+        lines.append(f"(labels L{shown_labels}..L{num_classes - 1} not shown: {num_classes - shown_labels} more "
+                     f"classes)")
+    return "\n".join(lines)
