@@ -168,3 +168,43 @@ def test_split_table_shows_counts_per_node(labels: np.ndarray) -> None:
     node0 = lines[1].split()
     assert node0[:2] == ["0", str(stats[0].samples)] and node0[2] == "0"  # label 0 is outside node 0's window
     assert [int(cell) for cell in node0[2:]] == stats[0].label_counts
+
+
+@pytest.mark.parametrize(("kind", "options"), [("iid", {}), ("class-window", {"classes_per_node": 2, "shift": 1}),
+                                               ("by-class", {}), ("dirichlet", {"alpha": 0.5})])
+@pytest.mark.parametrize("num_classes", [3, 100])
+def test_every_kind_splits_data_of_3_or_100_classes(kind: str, options: dict, num_classes: int) -> None:
+    labels = np.random.default_rng(0).permutation(np.arange(30 * num_classes) % num_classes)
+    shards = split_indices(labels, 6, kind, 0, options, num_classes)
+    joined = np.concatenate(shards)
+    assert len(joined) == len(np.unique(joined)) and all(len(shard) for shard in shards)
+    if kind == "class-window":  # windows of 2 classes moving by 1 over the classes in label_order(num_classes)
+        order = label_order(num_classes)
+        assert label_sets(labels, shards) == [{order[n % num_classes], order[(n + 1) % num_classes]} for n in range(6)]
+    else:
+        assert np.array_equal(np.sort(joined), np.arange(len(labels)))
+
+
+def test_class_window_cannot_hold_more_classes_than_the_data_has() -> None:
+    with pytest.raises(ValueError, match=r"classes_per_node must be an integer in 1\.\.3 \(the data has 3 classes\)"):
+        split_indices(np.arange(30) % 3, 4, "class-window", 0, {}, 3)  # the default 8
+
+
+def test_the_class_count_comes_from_the_data_not_the_labels_present() -> None:
+    # A limited training set may lack the last classes: the class order is still that of the data's 10 classes.
+    labels = np.arange(80) % 8
+    shards = split_indices(labels, 10, "class-window", 0, {"classes_per_node": 2, "shift": 1}, 10)
+    order = label_order(10)
+    assert label_sets(labels, shards)[0] == {order[0], order[1]} - {8, 9}
+    with pytest.raises(ValueError, match=r"labels must lie in 0\.\.4"):
+        split_indices(labels, 2, "iid", 0, {}, 5)
+
+
+def test_the_split_table_of_100_classes_shows_the_first_ten_and_counts_the_rest() -> None:
+    labels = np.arange(2000) % 100
+    stats = describe_split(labels, split_indices(labels, 4, "by-class", 0, {}, 100), 100)
+    lines = format_split_table(stats).splitlines()
+    assert lines[0].split() == ["node", "samples", "classes", *(f"L{label}" for label in range(10))]
+    assert lines[1].split()[:3] == ["0", "500", "25"] and lines[4].split()[3:] == ["0"] * 10
+    assert lines[-1] == "(labels L10..L99 not shown: 90 more classes)"
+    assert max(len(line) for line in lines) < 80

@@ -602,5 +602,6 @@ def load_dataset(kind: str, data_dir: str | Path, split: Split, limit: int | Non
     train_identity, test_identity = identities
     samples, labels = _read(kind, directory, split, train_identity if split == "train" else test_identity)
     normalisation = PUBLISHED_NORMALISATION.get(kind) or _training_normalisation(kind, directory, train_identity)
-    # Slicing makes views: a limited dataset still shares memory with the cached one.
-    return Dataset(samples=samples[:limit], labels=labels[:limit], info=info, normalisation=normalisation)
+    if limit is not None:  # slicing makes views: a limited dataset still shares memory with the cached one
+        samples, labels = samples[:limit], labels[:limit]
+    return Dataset(samples=samples, labels=labels, info=info, normalisation=normalisation)
