@@ -55,8 +55,9 @@ class ModelSpec(_Strict):
     """The model every node trains, built from the same seed on every node."""
 
     name: str = Field(
-        "logistic", max_length=200, description="logistic, mlp, cnn, resnet-gn, or 'package.module:factory' (agents "
-        "import only modules their operator allowed: nodeagent serve --allow-import package.module)")
+        "logistic", max_length=200, description="logistic, mlp, cnn, resnet-gn, resnet-cifar, or "
+        "'package.module:factory' (agents import only modules their operator allowed: nodeagent serve --allow-import "
+        "package.module)")
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the model factory")
 
 
