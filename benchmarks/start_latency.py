@@ -83,7 +83,8 @@ def main() -> None:
     modes = {"default (before)": None} if args.before else MODES
     with tempfile.TemporaryDirectory() as root, \
             LocalCluster(root=Path(root), agents=args.agents, data_dir=args.data_dir, log_level="WARNING") as cluster:
-        time_to_first_step(cluster, job_yaml(args.agents, args.data_dir, 0, None))  # warms the agents
+        cold = time_to_first_step(cluster, job_yaml(args.agents, args.data_dir, 0, None))  # warms the agents
+        print(f"{'cold':<16} submit -> first step on all {args.agents} fresh nodes (data not loaded yet): {cold:.2f} s")
         for label, barrier in modes.items():
             times = [time_to_first_step(cluster, job_yaml(args.agents, args.data_dir, i, barrier))
                      for i in range(1, args.runs + 1)]

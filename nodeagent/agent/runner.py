@@ -251,8 +251,9 @@ class JobRunner(threading.Thread):
         barrier, until every rank is ready (the coordinator fails the job after its `start.timeout_s`). False if the
         job ended first or this runner stops."""
         assert self.agent.stub is not None
+        # The first report is answered at once, saying what this rank waits for; the next are held for the release.
         request = coordinator_pb2.JobReadyRequest(node_id=self.agent.node_id, job_id=self.job_id, rank=self.rank,
-                                                  data=data.to_proto(), wait_s=READY_WAIT_S)
+                                                  data=data.to_proto(), wait_s=0.0)
         backoff = Backoff(f"ready report of job {self.job_id} to the coordinator", log)
         ready = time.monotonic()
         waiting_for = ""
@@ -279,6 +280,7 @@ class JobRunner(threading.Thread):
             elif reply.waiting_for != waiting_for:
                 log.info("job %s: waits at the start barrier for %s", self.job_id, reply.waiting_for)
             waiting_for = reply.waiting_for
+            request.wait_s = READY_WAIT_S
         return False
 
     def _wait_for_neighbours(self) -> None:
