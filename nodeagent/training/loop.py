@@ -41,6 +41,11 @@ class BatchStream:
         self._position = 0
         self.epochs = 0  # complete passes over the shard served so far
 
+    @property
+    def dataset(self) -> Dataset:
+        """The whole set the shard is drawn from."""
+        return self._dataset
+
     def _shuffled(self) -> torch.Tensor:
         permutation = torch.from_numpy(self._rng.permutation(len(self._indices)))
         return self._indices[permutation.to(self._indices.device)]
