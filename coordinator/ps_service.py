@@ -55,6 +55,7 @@ from nodeagent.ps.messages import (
 from nodeagent.ps.rules import ProtocolError, PushResult
 from nodeagent.ps.server import ServerHalf, server_data_info
 from nodeagent.rpc import add_servicer, grpc_code
+from nodeagent.runtime.readiness import DataDescription
 from nodeagent.security.tls import caller
 from nodeagent.wire.decoder import decode
 from nodeagent.wire.encoder import encode
@@ -109,12 +110,16 @@ class PSJob:
     """One job's server half, its lock, and its files."""
 
     def __init__(self, job_id: str, spec: JobSpec, run_dir: Path, members: dict[int, str], metrics: Metrics,
-                 fsync: bool = False):
+                 fsync: bool = False, data: DataDescription | None = None):
         self.job_id = job_id
         self.spec = spec
         self.members = members  # rank -> node id
         self.metrics = metrics
         self.fsync = fsync
+        # `data`: the job's data as its ranks described it when they became ready (None before the first did).
+        # The single point where the server's model is to be built from it; until it is, the server takes the shape
+        # the dataset kind's format fixes (server_data_info).
+        self.data = data
         self.half: ServerHalf = build_server(spec, server_data_info(spec))
         self.run_dir = run_dir
         self.state_path = run_dir / STATE_FILE
@@ -255,7 +260,9 @@ class PSService:
                 raise WireError("no_server", f"job {job_id!r} runs {spec.algorithm.name}, which has no parameter "
                                 "server", Status.FAILED_PRECONDITION)
             members = {m.rank: m.node_id for m in self.store.members(job_id)}
-            job = self._jobs[job_id] = PSJob(job_id, spec, Path(row.run_dir), members, self.metrics, self.fsync)
+            data = DataDescription.from_json(row.data_json) if row.data_json else None
+            job = self._jobs[job_id] = PSJob(job_id, spec, Path(row.run_dir), members, self.metrics, self.fsync,
+                                             data)
             return job
 
     def close(self, job_id: str) -> None:

@@ -40,6 +40,7 @@ from nodeagent.runtime import events
 from nodeagent.runtime.driver import IN_FLIGHT
 from nodeagent.runtime.events import Event, EventLog
 from nodeagent.runtime.progress import EdgeCounters, Progress, RunLog, from_report, to_node_progress
+from nodeagent.runtime.readiness import DataDescription
 from nodeagent.security import pki
 from nodeagent.security.authz import Authorizer, rules_for
 from nodeagent.security.pki import CertificateError, Role
@@ -81,13 +82,14 @@ MAX_WAITING_CHARS = 500
 KNOWN_FAILURE_REASONS = frozenset({code.name.lower() for code in grpc.StatusCode} |
                                   {"rejected", "not_neighbor", "error", IN_FLIGHT})
 OTHER_REASON = "other"
+MAX_READY_WAIT_S = 10.0  # the longest a JobReady answer is held for the release (a long poll)
 
 _NODE = frozenset({Role.NODE})
 _OPERATOR = frozenset({Role.OPERATOR})
 # Who may call what on the coordinator. A node acts only as itself (the handlers check the node id fields).
 COORDINATOR_RULES = rules_for("peertrain.v1.Coordinator", {
     **dict.fromkeys(("Register", "Heartbeat", "WatchAssignment", "ReportMetrics", "ReportFailure", "Deregister",
-                     "ReportEvents", "PsPush", "PsPull", "PsReport"), _NODE),
+                     "ReportEvents", "JobReady", "PsPush", "PsPull", "PsReport"), _NODE),
     **dict.fromkeys(("SubmitJob", "StopJob", "ListNodes", "JobStatus", "ListJobs", "JobEvents", "RemoveNode",
                      "DrainNode",
                      "CreateJoinToken", "RevokeCertificate", "ListCertificates", "ChangeTopology"), _OPERATOR),
@@ -224,6 +226,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 # the server presents the new one to new connections.
                 renewal_checked = time.monotonic()
                 self.ca.coordinator_credentials(self.transport.tls_dir)
+            self._review_start_barriers()
             if time.time() >= self._silence_counts_from:
                 down = self.store.mark_silent_nodes_down(self.config.heartbeat_timeout_s)
                 if down:
@@ -257,6 +260,27 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                               f"failure.lost_grace_s ({spec.failure.lost_grace_s:g} s) allow a synchronous job")
             elif all(m.progress.finished or m.rank in {gone.rank for gone, _ in lost} for m in members):
                 self._end_job(job, "FINISHED", f"without the lost {ranks}")
+
+    def _review_start_barriers(self) -> None:
+        """Fail each running job whose start barrier waited longer than its `start.timeout_s`, naming the ranks
+        that never became ready."""
+        now = time.time()
+        for job in self.store.jobs(("RUNNING",)):
+            if job.released_unix:
+                continue
+            start = JobSpec.from_json(job.spec_json).start
+            if start.barrier and now - job.started_unix > start.timeout_s:
+                self._end_job(job, "FAILED", f"start barrier: {self._not_ready(job)} not ready within "
+                              f"start.timeout_s ({start.timeout_s:g} s) of the job's start")
+
+    def _not_ready(self, job: JobRow) -> str:
+        """The ranks of `job` that are not ready to start, with their nodes (and whether they are down)."""
+        nodes = {n.node_id: n for n in self.store.nodes()}
+        waiting = [m for m in self.store.members(job.job_id) if not m.ready]
+        described = ", ".join(
+            f"{m.rank} (node {m.node_id}{'' if m.node_id in nodes and nodes[m.node_id].up else ', down'})"
+            for m in waiting)
+        return f"rank{'s' if len(waiting) > 1 else ''} {described}"
 
     def _update_gauges(self) -> None:
         nodes = self.store.nodes()
@@ -476,6 +500,59 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         # The default policy: a node that cannot build or continue its job fails the job.
         self._end_job(job, "FAILED", f"rank {request.rank} (node {request.node_id}) failed: {reason}")
         return pb.NodeFailureReply(job_state=JOB_STATES[self.store.job(job.job_id).state])
+
+    def JobReady(self, request, context):
+        node_id = self._as_node(context, request.node_id)
+        data = DataDescription.from_proto(request.data)
+        problem = data.problem() or (
+            f"job_id: at most {MAX_JOB_REFERENCE_CHARS} characters" if len(request.job_id) > MAX_JOB_REFERENCE_CHARS
+            else None) or (
+            f"wait_s: {request.wait_s} is not in 0..{MAX_READY_WAIT_S:g}"
+            if not 0 <= request.wait_s <= MAX_READY_WAIT_S else None)
+        if problem:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        job = self.store.job(request.job_id)
+        if job is None or not any(m.rank == request.rank and m.node_id == node_id
+                                  for m in self.store.members(job.job_id)):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"node {node_id[:64]!r} does not hold rank "
+                          f"{request.rank} of job {request.job_id!r}")
+        assert job is not None
+        readiness = self.store.mark_ready(job.job_id, request.rank, node_id, data.to_json())
+        if readiness is None:  # the job is not running (any more)
+            return self._ready_reply(job.job_id, released=False)
+        if readiness.data_json != data.to_json():
+            agreed = DataDescription.from_json(readiness.data_json)
+            ready = [m.rank for m in self.store.members(job.job_id) if m.ready]
+            self._end_job(job, "FAILED", f"rank {request.rank} (node {node_id}) has other data than rank"
+                          f"{'s' if len(ready) > 1 else ''} {', '.join(map(str, ready))}: "
+                          f"{'; '.join(data.differences(agreed))}")
+            return self._ready_reply(job.job_id, released=False)
+        if readiness.released_now:
+            self._event(job, events.RELEASED, f"every rank is ready, {time.time() - job.started_unix:.2f} s after "
+                        f"the job started: released ({data})")
+            self.changes.bump()
+        if readiness.released or not JobSpec.from_json(job.spec_json).start.barrier:
+            return self._ready_reply(job.job_id, released=True)
+        # Held until the last rank is ready or the job ends (both bump the changes), or until wait_s.
+        deadline = time.monotonic() + request.wait_s
+        version = self.changes.version
+        while context.is_active() and not self.stopping.is_set() and time.monotonic() < deadline:
+            current = self.store.job(job.job_id)
+            assert current is not None
+            if current.state != "RUNNING" or current.released_unix:
+                break
+            version = self.changes.wait_past(version, deadline - time.monotonic())
+        return self._ready_reply(job.job_id, released=False)
+
+    def _ready_reply(self, job_id: str, released: bool) -> pb.JobReadyReply:
+        """The answer to a ready report: released (start), waiting (for the ranks named) or ended (the reason)."""
+        job = self.store.job(job_id)
+        assert job is not None
+        if job.state != "RUNNING":
+            return pb.JobReadyReply(job_state=JOB_STATES[job.state], reason=job.reason)
+        released = released or bool(job.released_unix)
+        return pb.JobReadyReply(job_state=pb.JOB_RUNNING, released=released,
+                                waiting_for="" if released else self._not_ready(job))
 
     def Deregister(self, request, context):
         node_id = self._as_node(context, request.node_id)

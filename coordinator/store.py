@@ -66,6 +66,10 @@ COLUMNS_ADDED = {
         "topology_json": "TEXT NOT NULL DEFAULT ''",
         "topology_version": "INTEGER NOT NULL DEFAULT 1",
         "switch_step": "INTEGER NOT NULL DEFAULT 0",
+        # The start barrier: the description of the job's data its ranks reported (nodeagent.runtime.readiness,
+        # as JSON; '' before the first), and when the last rank became ready (0: not yet).
+        "data_json": "TEXT NOT NULL DEFAULT ''",
+        "released_unix": "REAL NOT NULL DEFAULT 0",
     },
     "members": {
         "test_loss": "REAL",
@@ -76,6 +80,7 @@ COLUMNS_ADDED = {
         "exchange_failures": "INTEGER NOT NULL DEFAULT 0",
         "failure": "TEXT NOT NULL DEFAULT ''",
         "local_steps": "INTEGER NOT NULL DEFAULT 0",
+        "ready_unix": "REAL NOT NULL DEFAULT 0",  # when the node reported its rank ready to start (0: not yet)
     },
 }
 # The columns in the order the rows below read them.
@@ -120,6 +125,8 @@ class JobRow:
     topology_json: str = ""
     topology_version: int = 1
     switch_step: int = 0
+    data_json: str = ""
+    released_unix: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -129,6 +136,16 @@ class MemberRow:
     node_id: str
     progress: Progress  # the last one the node reported (nothing measured before the first)
     failure: str = ""  # why the node could not build or continue the job, in its words
+    ready: bool = False  # the node reported its rank ready to start
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """What a rank's ready report found (Store.mark_ready)."""
+
+    data_json: str  # the job's data description: the rank's own unless another rank's came first
+    released: bool  # every rank is ready
+    released_now: bool  # this report released the job
 
 
 class Store:
@@ -311,6 +328,30 @@ class Store:
                                 (reason, job_id, rank, node_id))
             return cursor.rowcount == 1
 
+    def mark_ready(self, job_id: str, rank: int, node_id: str, data_json: str) -> Readiness | None:
+        """A node's rank of a running job is ready to start, its data described by `data_json`: the first
+        description becomes the job's; a rank whose description differs is not marked. The job is released when
+        its last rank becomes ready. None if that node does not hold that rank of that running job."""
+        with self._tx() as db:
+            row = db.execute(
+                "SELECT j.data_json, j.released_unix FROM jobs j JOIN members m ON m.job_id = j.job_id "
+                "WHERE j.job_id=? AND j.state='RUNNING' AND m.rank=? AND m.node_id=?", (job_id, rank, node_id),
+            ).fetchone()
+            if row is None:
+                return None
+            agreed, released = row[0] or data_json, row[1]
+            if agreed != data_json:
+                return Readiness(agreed, released > 0, released_now=False)
+            now = time.time()
+            db.execute("UPDATE members SET ready_unix=? WHERE job_id=? AND rank=? AND ready_unix=0",
+                       (now, job_id, rank))
+            db.execute("UPDATE jobs SET data_json=? WHERE job_id=? AND data_json=''", (data_json, job_id))
+            waiting = db.execute("SELECT 1 FROM members WHERE job_id=? AND ready_unix=0 LIMIT 1", (job_id,)).fetchone()
+            released_now = not released and waiting is None
+            if released_now:
+                db.execute("UPDATE jobs SET released_unix=? WHERE job_id=?", (now, job_id))
+            return Readiness(agreed, released > 0 or released_now, released_now)
+
     def busy_node_ids(self) -> set[str]:
         rows = self._query(
             "SELECT m.node_id FROM members m JOIN jobs j ON j.job_id = m.job_id WHERE j.state = 'RUNNING'"
@@ -330,7 +371,7 @@ class Store:
                 compute_s=f["compute_s"], wait_s=f["wait_s"], exchanges=f["exchanges"],
                 exchange_failures=f["exchange_failures"], time=f["updated_unix"], local_steps=f["local_steps"],
             )
-            members.append(MemberRow(job_id, f["rank"], f["node_id"], progress, f["failure"]))
+            members.append(MemberRow(job_id, f["rank"], f["node_id"], progress, f["failure"], f["ready_unix"] > 0))
         return members
 
     def running_membership(self, node_id: str) -> tuple[JobRow, int] | None:

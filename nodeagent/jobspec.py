@@ -57,8 +57,9 @@ class ModelSpec(_Strict):
     """The model every node trains, built from the same seed on every node."""
 
     name: str = Field(
-        "logistic", max_length=200, description="logistic, mlp, cnn, resnet-gn, or 'package.module:factory' (agents "
-        "import only modules their operator allowed: nodeagent serve --allow-import package.module)")
+        "logistic", max_length=200, description="logistic, mlp, cnn, resnet-gn, resnet-cifar, or "
+        "'package.module:factory' (agents import only modules their operator allowed: nodeagent serve --allow-import "
+        "package.module)")
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the model factory")
 
 
@@ -166,6 +167,18 @@ class FailureSpec(_Strict):
         "job goes on without it); a node restarted within it rejoins")
 
 
+class StartSpec(_Strict):
+    """How the job starts on its nodes."""
+
+    barrier: bool = Field(
+        True, description="every node builds its part (data loaded, model built, serving its peers), reports ready to "
+        "the coordinator and waits: the coordinator releases all together once every rank is ready, so that no node "
+        "trains ahead of the others and a seeded job runs alike each time; false: each node starts once built")
+    timeout_s: float = Field(
+        300.0, gt=0, le=86_400, description="with the barrier: the job fails when some rank is not ready this long "
+        "after the job started (the reason names the ranks and their nodes)")
+
+
 class JobSpec(_Strict):
     """A training job: what every node trains, on which data, over which graph, with which algorithm."""
 
@@ -186,6 +199,7 @@ class JobSpec(_Strict):
     )
     failure: FailureSpec = Field(default_factory=FailureSpec, description="what a failed or lost node does to the "
                                  "job")
+    start: StartSpec = Field(default_factory=StartSpec, description="how the job starts on its nodes")
 
     simulation: SimulationSpec = Field(default_factory=SimulationSpec, description="used by the simulator only")
 

@@ -3,6 +3,7 @@ the parameter views nodes exchange."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -12,13 +13,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from nodeagent.jobspec import ModelSpec
-from nodeagent.training.models import MODELS, build_model, flat_parameters, parameter_specs
+from nodeagent.training.models import MODELS, ModelError, build_model, flat_parameters, parameter_specs
 
 SMALL_OPTIONS = {
     "logistic": {},
     "mlp": {"hidden": [32, 16]},
     "cnn": {},
     "resnet-gn": {"depth": 18, "width": 16},
+    "resnet-cifar": {"depth": 8, "width": 8},
 }
 
 
@@ -142,6 +144,7 @@ def test_resnet_gn_dropout_is_active_in_training_only() -> None:
         ({"depth": 50}, "depth"),
         ({"width": 0}, "width"),
         ({"width": 40}, "groups"),  # 80 channels do not divide into ceil(80/32) = 3 groups
+        ({"group_channels": 0}, "group_channels"),
         ({"dropout_fc": 1.0}, "dropout_fc"),
         ({"blocks": 3}, "blocks"),
     ],
@@ -149,6 +152,103 @@ def test_resnet_gn_dropout_is_active_in_training_only() -> None:
 def test_resnet_gn_bad_options(options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         build_model(ModelSpec(name="resnet-gn", options=options))
+
+
+def test_resnet_cifar_parameter_counts() -> None:
+    # From the layer shapes (3x3 convolutions without bias; GroupNorm has a weight and a bias per channel, as
+    # BatchNorm has, so the counts are He et al.'s plus the two 1x1 projections), with n blocks per stage:
+    #   stem:      conv 3*16*9 = 432, norm 2*16 = 32
+    #   stage 16:  2n convs of 16*16*9 = 2304, 2n norms of 32
+    #   stage 32:  conv 16*32*9 = 4608, 2n-1 convs of 32*32*9 = 9216, 2n norms of 64; projection 16*32 + 64 = 576
+    #   stage 64:  conv 32*64*9 = 18432, 2n-1 convs of 64*64*9 = 36864, 2n norms of 128; projection 32*64 + 128 = 2176
+    #   classifier 64*10 + 10 = 650
+    # n = 3 (ResNet-20): 464 + 6*2336 + (4608 + 5*9216 + 6*64 + 576) + (18432 + 5*36864 + 6*128 + 2176) + 650
+    #                    = 272,474 (He et al.: 0.27M with identity shortcuts, 269,722)
+    # n = 5 (ResNet-32): 464 + 10*2336 + (4608 + 9*9216 + 10*64 + 576) + (18432 + 9*36864 + 10*128 + 2176) + 650
+    #                    = 466,906 (He et al.: 0.46M)
+    counts = {depth: flat_parameters(build_model(ModelSpec(name="resnet-cifar", options={"depth": depth}),
+                                                 input_shape=(3, 32, 32))).numel() for depth in (20, 32)}
+    assert counts == {20: 272_474, 32: 466_906}
+
+
+def test_resnet_cifar_layout() -> None:
+    model = build_model(ModelSpec(name="resnet-cifar", options={"depth": 32}), input_shape=(3, 32, 32))
+    convolutions = [module for module in model.modules() if isinstance(module, nn.Conv2d)]
+    # 32 weighted layers: the stem, 3 stages of 5 blocks of two 3x3 convolutions, the classifier.
+    assert sum(conv.kernel_size == (3, 3) for conv in convolutions) == 1 + 3 * 5 * 2
+    assert len([module for module in model.modules() if isinstance(module, nn.Linear)]) == 1
+    assert sum(conv.kernel_size == (1, 1) for conv in convolutions) == 2  # the projections into stages 2 and 3
+    assert {conv.out_channels for conv in convolutions} == {16, 32, 64}
+    norms = [module for module in model.modules() if isinstance(module, nn.GroupNorm)]
+    assert {(norm.num_channels, norm.num_groups) for norm in norms} == {(16, 2), (32, 4), (64, 8)}
+    assert not any(isinstance(module, nn.modules.batchnorm._BatchNorm) for module in model.modules())
+    assert len(list(model.buffers())) == 0
+    # Options: twice the width, and the ECL-ISVR code's 32 channels per group.
+    wide = build_model(ModelSpec(name="resnet-cifar", options={"width": 32, "group_channels": 32}))
+    assert {(norm.num_channels, norm.num_groups) for norm in wide.modules() if isinstance(norm, nn.GroupNorm)} == {
+        (32, 1), (64, 2), (128, 4)}
+
+
+def test_resnet_cifar_sgd_lowers_the_loss() -> None:
+    torch.manual_seed(0)
+    model = build_model(ModelSpec(name="resnet-cifar", options={"depth": 8}), input_shape=(3, 32, 32))
+    images, labels = torch.randn(8, 3, 32, 32), torch.arange(8) % 10
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for _ in range(5):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(images), labels)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.85 * losses[0]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"depth": 34}, "depth must be 6n \\+ 2"),
+        ({"depth": 2}, "depth"),
+        ({"width": 0}, "width"),
+        ({"group_channels": 0}, "group_channels"),
+        ({"width": 10}, "20 channels cannot be cut into ceil\\(20/8\\) = 3 equal groups"),
+        ({"dropout_conv": -0.1}, "dropout_conv"),
+        ({"blocks": 3}, "blocks"),
+    ],
+)
+def test_resnet_cifar_bad_options(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_model(ModelSpec(name="resnet-cifar", options=options), input_shape=(3, 32, 32))
+
+
+SHAPES = [(1, 28, 28), (3, 32, 32), (3, 30, 30), (1, 7, 7), (3, 32, 20)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[str(shape) for shape in SHAPES])
+@pytest.mark.parametrize("name", sorted(SMALL_OPTIONS))
+def test_every_model_is_sized_from_the_data(name: str, shape: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    model = build_model(ModelSpec(name=name, options=SMALL_OPTIONS[name]), input_shape=shape, num_classes=100)
+    assert model(torch.randn(2, *shape)).shape == (2, 100)
+
+
+@pytest.mark.parametrize("name", ["logistic", "mlp"])
+def test_dense_models_take_feature_vectors(name: str) -> None:
+    model = build_model(ModelSpec(name=name, options=SMALL_OPTIONS[name]), input_shape=(20,), num_classes=3)
+    assert model(torch.randn(2, 20)).shape == (2, 3)
+
+
+@pytest.mark.parametrize("shape", [(20,), (28, 28), (1, 1, 28, 28)])
+@pytest.mark.parametrize("name", ["cnn", "resnet-gn", "resnet-cifar"])
+def test_image_models_refuse_samples_that_are_not_images(name: str, shape: tuple[int, ...]) -> None:
+    with pytest.raises(ModelError, match=f"{name} needs images of shape \\(channels, height, width\\), but the "
+                                         f"dataset's samples have shape {re.escape(str(shape))}"):
+        build_model(ModelSpec(name=name, options=SMALL_OPTIONS[name]), input_shape=shape)
+
+
+def test_cnn_refuses_images_its_poolings_would_empty() -> None:
+    with pytest.raises(ModelError, match="cnn needs images of at least 4 x 4 pixels, but the dataset's are 3 x 28"):
+        build_model(ModelSpec(name="cnn"), input_shape=(1, 3, 28))
 
 
 @pytest.mark.usefixtures("user_modules")
@@ -208,7 +308,7 @@ def test_what_no_operator_can_allow_is_refused(name: str, allowed: tuple, messag
 @pytest.mark.parametrize(
     ("name", "options", "message"),
     [
-        ("transformer", {}, "unknown model 'transformer'; known: logistic, mlp, cnn, resnet-gn"),
+        ("transformer", {}, "unknown model 'transformer'; known: logistic, mlp, cnn, resnet-gn, resnet-cifar, or"),
         ("no_such_package_xyz.models:build", {}, "cannot import no_such_package_xyz.models"),
         (f"{USER_MODULE}:NoSuchLayer", {}, "no callable named 'NoSuchLayer'"),
         (":factory", {}, "package.module:factory"),

@@ -172,6 +172,7 @@ def test_a_node_acts_only_as_itself(secure):
         "WatchAssignment": pb.WatchAssignmentRequest(node_id="node-b"),
         "ReportMetrics": pb.MetricsReport(node_id="node-b", job_id="x", step=5, finished=True),
         "ReportFailure": pb.NodeFailure(node_id="node-b", job_id="x", reason="fake"),
+        "JobReady": pb.JobReadyRequest(node_id="node-b", job_id="x"),
     }.items():
         assert a.code(method, request) is grpc.StatusCode.PERMISSION_DENIED, method
     assert secure.service.store.node("node-b").up

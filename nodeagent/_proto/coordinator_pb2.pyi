@@ -360,6 +360,44 @@ class JobEventsReply(_message.Message):
     state: JobState
     def __init__(self, job_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[JobEvent, _Mapping]]] = ..., next_offset: _Optional[int] = ..., state: _Optional[_Union[JobState, str]] = ...) -> None: ...
 
+class DataDescription(_message.Message):
+    __slots__ = ("input_shape", "num_classes", "train_samples", "test_samples")
+    INPUT_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TEST_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    input_shape: _containers.RepeatedScalarFieldContainer[int]
+    num_classes: int
+    train_samples: int
+    test_samples: int
+    def __init__(self, input_shape: _Optional[_Iterable[int]] = ..., num_classes: _Optional[int] = ..., train_samples: _Optional[int] = ..., test_samples: _Optional[int] = ...) -> None: ...
+
+class JobReadyRequest(_message.Message):
+    __slots__ = ("node_id", "job_id", "rank", "data", "wait_s")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    job_id: str
+    rank: int
+    data: DataDescription
+    wait_s: float
+    def __init__(self, node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., data: _Optional[_Union[DataDescription, _Mapping]] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class JobReadyReply(_message.Message):
+    __slots__ = ("released", "job_state", "waiting_for", "reason")
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    JOB_STATE_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    job_state: JobState
+    waiting_for: str
+    reason: str
+    def __init__(self, released: _Optional[bool] = ..., job_state: _Optional[_Union[JobState, str]] = ..., waiting_for: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class NodeFailureReply(_message.Message):
     __slots__ = ("job_state",)
     JOB_STATE_FIELD_NUMBER: _ClassVar[int]

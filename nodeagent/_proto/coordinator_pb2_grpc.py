@@ -70,6 +70,11 @@ class CoordinatorStub:
                 request_serializer=peertrain_dot_v1_dot_coordinator__pb2.EventReport.SerializeToString,
                 response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.EventReportReply.FromString,
                 _registered_method=True)
+        self.JobReady = channel.unary_unary(
+                '/peertrain.v1.Coordinator/JobReady',
+                request_serializer=peertrain_dot_v1_dot_coordinator__pb2.JobReadyRequest.SerializeToString,
+                response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.JobReadyReply.FromString,
+                _registered_method=True)
         self.SubmitJob = channel.unary_unary(
                 '/peertrain.v1.Coordinator/SubmitJob',
                 request_serializer=peertrain_dot_v1_dot_coordinator__pb2.SubmitJobRequest.SerializeToString,
@@ -197,6 +202,17 @@ class CoordinatorServicer:
     def ReportEvents(self, request, context):
         """A node's job events (started, resumed, rejoined, failed, finished) and its log lines of WARNING and above, for
         one job the node holds or held a rank of; the coordinator stamps them and keeps them in the run directory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def JobReady(self, request, context):
+        """-- The start barrier (issue 14) --
+        A node built its part of a job (data loaded, model built, serving its peers): it says so, with a description
+        of its data, which must be every rank's, and the answer says whether to start. With the job's start barrier
+        the coordinator holds the answer (up to wait_s) until every rank is ready or the job ends; a job without
+        the barrier, or one whose barrier passed (a restarted rank), is released at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -354,6 +370,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ReportEvents,
                     request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.EventReport.FromString,
                     response_serializer=peertrain_dot_v1_dot_coordinator__pb2.EventReportReply.SerializeToString,
+            ),
+            'JobReady': grpc.unary_unary_rpc_method_handler(
+                    servicer.JobReady,
+                    request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.JobReadyRequest.FromString,
+                    response_serializer=peertrain_dot_v1_dot_coordinator__pb2.JobReadyReply.SerializeToString,
             ),
             'SubmitJob': grpc.unary_unary_rpc_method_handler(
                     servicer.SubmitJob,
@@ -625,6 +646,33 @@ class Coordinator:
             '/peertrain.v1.Coordinator/ReportEvents',
             peertrain_dot_v1_dot_coordinator__pb2.EventReport.SerializeToString,
             peertrain_dot_v1_dot_coordinator__pb2.EventReportReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JobReady(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peertrain.v1.Coordinator/JobReady',
+            peertrain_dot_v1_dot_coordinator__pb2.JobReadyRequest.SerializeToString,
+            peertrain_dot_v1_dot_coordinator__pb2.JobReadyReply.FromString,
             options,
             channel_credentials,
             insecure,

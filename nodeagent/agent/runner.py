@@ -27,6 +27,8 @@ from concurrent import futures
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, cast
 
+import grpc
+
 from nodeagent._proto import coordinator_pb2
 from nodeagent.agent.checkpoint import checkpoint_path, restore_checkpoint, save_checkpoint
 from nodeagent.agent.collective import Collective, GroupMember
@@ -35,11 +37,12 @@ from nodeagent.agent.forward import FORWARDED
 from nodeagent.algorithms import Family, Neighbor
 from nodeagent.jobspec import JobSpec
 from nodeagent.ps.link import ServerExpectation
-from nodeagent.rpc import split_address
+from nodeagent.rpc import Backoff, failure_reason, split_address
 from nodeagent.runtime import events
 from nodeagent.runtime.driver import Action, Arrival, NodeDriver, Report, TopologyChange
 from nodeagent.runtime.peer_service import GrpcPeers, ServingState
 from nodeagent.runtime.progress import to_report
+from nodeagent.runtime.readiness import DataDescription
 from nodeagent.runtime.server_link import GrpcServerLink
 from nodeagent.training.job import Node, build_node
 from nodeagent.wire.message import Encoding
@@ -51,6 +54,8 @@ log = logging.getLogger("nodeagent")
 
 REPORT_INTERVAL_S = 1.0
 NEIGHBOUR_WAIT_S = 60.0
+READY_WAIT_S = 5.0  # how long the coordinator may hold a ready report's answer (a long poll for the release)
+READY_CALL_SLACK_S = 5.0  # beyond it, for the call's own deadline
 WAIT_POLL_S = 0.05  # how often a waiting runner looks at the time (retries, stop)
 SERVE_POLL_S = 0.2  # the same once the node is done and only serves
 
@@ -153,6 +158,7 @@ class JobRunner(threading.Thread):
 
     def _train(self) -> None:
         spec, agent = self.spec, self.agent
+        building = time.perf_counter()
         node = build_node(spec, self.rank, self.neighbors, self.self_weight, agent.config.data_dir,
                           self.peer_schedule, allow_imports=agent.config.allow_imports)
         algorithm = node.algorithm
@@ -166,8 +172,8 @@ class JobRunner(threading.Thread):
                         f"checkpoint {checkpoint}", step=algorithm.clock)
         else:
             agent.event(self.job_id, events.STARTED, f"rank {self.rank} of {spec.nodes} started: "
-                        f"{spec.algorithm.name} on {node.shard_size} samples, neighbours {sorted(self.addresses)}",
-                        step=algorithm.clock)
+                        f"{spec.algorithm.name} on {node.shard_size} samples, neighbours {sorted(self.addresses)}, "
+                        f"built in {time.perf_counter() - building:.2f} s", step=algorithm.clock)
         if self.rejoin:
             driver.rejoin()
             agent.event(self.job_id, events.REJOINED, f"rank {self.rank} restarted in the running job: it takes the "
@@ -185,7 +191,10 @@ class JobRunner(threading.Thread):
                                    transport=agent.transport)
         dispatch = Dispatch(self.inbox.put, self.pool, self.peers, self._server_link(node, driver),
                             self._collective(node, driver))
-        self._wait_for_neighbours()
+        if not self._wait_for_release(describe_data(node)):
+            return
+        if not spec.start.barrier:  # with the barrier every neighbour serves the job already
+            self._wait_for_neighbours()
         finished = False
 
         gauged: set[str] = set()  # the edges whose gauges are set
@@ -236,6 +245,43 @@ class JobRunner(threading.Thread):
                                      regroup_s=spec.failure.lost_grace_s + max(spec.wire.exchange_timeout_s, 30.0))
         return self.collective
 
+    def _wait_for_release(self, data: DataDescription) -> bool:
+        """Report this rank ready to the coordinator, with its data, and wait for the release: with the job's start
+        barrier, until every rank is ready (the coordinator fails the job after its `start.timeout_s`). False if the
+        job ended first or this runner stops."""
+        assert self.agent.stub is not None
+        # The first report is answered at once, saying what this rank waits for; the next are held for the release.
+        request = coordinator_pb2.JobReadyRequest(node_id=self.agent.node_id, job_id=self.job_id, rank=self.rank,
+                                                  data=data.to_proto(), wait_s=0.0)
+        backoff = Backoff(f"ready report of job {self.job_id} to the coordinator", log)
+        ready = time.monotonic()
+        waiting_for = ""
+        while not self.stop_event.is_set():
+            try:
+                reply = self.agent.stub.JobReady(request, timeout=READY_WAIT_S + READY_CALL_SLACK_S)
+            except grpc.RpcError as error:
+                if error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED):
+                    raise RuntimeError(f"the coordinator refused this rank's ready report: {error.details()}") from None
+                self.stop_event.wait(backoff.failed(failure_reason(error)))
+                continue
+            backoff.succeeded()
+            if reply.job_state != coordinator_pb2.JOB_RUNNING:
+                log.info("job %s ended before it started here: %s", self.job_id, reply.reason or "stopped")
+                return False
+            if reply.released:
+                if waiting_for:
+                    log.info("job %s: released at the start barrier after %.2f s", self.job_id,
+                             time.monotonic() - ready)
+                return True
+            if not waiting_for:
+                self.agent.event(self.job_id, events.READY, f"rank {self.rank} ready ({data}); waits at the start "
+                                 f"barrier for {reply.waiting_for}")
+            elif reply.waiting_for != waiting_for:
+                log.info("job %s: waits at the start barrier for %s", self.job_id, reply.waiting_for)
+            waiting_for = reply.waiting_for
+            request.wait_s = READY_WAIT_S
+        return False
+
     def _wait_for_neighbours(self) -> None:
         """Start together: wait until every neighbour serves this job (bounded), so that no node runs ahead
         mixing with neighbours that have not started. A neighbour that does not come keeps its copy stale."""
@@ -249,6 +295,17 @@ class JobRunner(threading.Thread):
         if waiting:
             log.warning("job %s: starting without neighbours %s, which do not serve it yet", self.job_id,
                         sorted(waiting))
+
+
+def describe_data(node: Node) -> DataDescription:
+    """The data `node` was built on, as its ready report describes it."""
+    train = node.batches.dataset
+    return DataDescription(
+        input_shape=train.info.input_shape,
+        num_classes=train.info.num_classes,
+        train_samples=len(train),
+        test_samples=len(node.test_set) if node.test_set is not None else 0,
+    )
 
 
 @dataclass

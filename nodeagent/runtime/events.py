@@ -28,9 +28,11 @@ FAILED = "failed"
 FINISHED = "finished"
 STOPPED = "stopped"
 TOPOLOGY = "topology"
+READY = "ready"  # a node built its part and waits for the start barrier
+RELEASED = "released"  # every rank was ready: the coordinator released the start barrier
 LOG = "log"
-KINDS = (SUBMITTED, STARTED, RESUMED, REJOINED, FAILED, FINISHED, STOPPED, TOPOLOGY, LOG)
-NODE_KINDS = (STARTED, RESUMED, REJOINED, FAILED, FINISHED, LOG)  # what an agent may report
+KINDS = (SUBMITTED, STARTED, READY, RELEASED, RESUMED, REJOINED, FAILED, FINISHED, STOPPED, TOPOLOGY, LOG)
+NODE_KINDS = (STARTED, READY, RESUMED, REJOINED, FAILED, FINISHED, LOG)  # what an agent may report
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 READ_BYTES = 256 * 1024  # of the log, read at most per call of read_events
 

@@ -42,6 +42,11 @@ class BatchStream:
         self._position = 0
         self.epochs = 0  # complete passes over the shard served so far
 
+    @property
+    def dataset(self) -> Dataset:
+        """The whole set the shard is drawn from."""
+        return self._dataset
+
     def _shuffled(self) -> np.ndarray:
         return self._indices[self._rng.permutation(len(self._indices))]
 

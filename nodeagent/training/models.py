@@ -36,14 +36,30 @@ __all__ = [
     "mlp",
     "module_problem",
     "parameter_specs",
+    "resnet_cifar",
     "resnet_gn",
 ]
 
 InputShape = tuple[int, ...]
 
 
+class ModelError(ValueError):
+    """A job's model that cannot be built here (not allowed, not importable, options that do not fit, samples it
+    cannot take, ...); the message says which and why."""
+
+
+def _image_shape(model: str, input_shape: InputShape) -> tuple[int, int, int]:
+    """(channels, height, width) of a convolutional model's samples; ModelError for samples that are not images,
+    before torch fails deep inside the first convolution."""
+    if len(input_shape) != 3 or not all(isinstance(size, int) and size > 0 for size in input_shape):
+        raise ModelError(f"{model} needs images of shape (channels, height, width), but the dataset's samples have "
+                         f"shape {tuple(input_shape)}; logistic and mlp take samples of any shape")
+    channels, height, width = input_shape
+    return channels, height, width
+
+
 def logistic(input_shape: InputShape = (1, 28, 28), num_classes: int = 10) -> nn.Module:
-    """Multinomial logistic regression: one linear layer on the flattened image."""
+    """Multinomial logistic regression: one linear layer on the flattened sample (an image or a feature vector)."""
     return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), num_classes))
 
 
@@ -66,7 +82,9 @@ def cnn(input_shape: InputShape = (1, 28, 28), num_classes: int = 10) -> nn.Modu
     The convolutions are padded ("same"), so a 28x28 image gives 14x14 and then 7x7 feature maps: the
     paper does not fix the padding, and padding keeps every pixel of the border in play.
     """
-    channels, height, width = input_shape
+    channels, height, width = _image_shape("cnn", input_shape)
+    if height < 4 or width < 4:  # two 2x2 poolings would leave no pixel for the fully connected layer
+        raise ModelError(f"cnn needs images of at least 4 x 4 pixels, but the dataset's are {height} x {width}")
     return nn.Sequential(
         nn.Conv2d(channels, 32, kernel_size=3, padding=1),
         nn.ReLU(),
@@ -81,28 +99,26 @@ def cnn(input_shape: InputShape = (1, 28, 28), num_classes: int = 10) -> nn.Modu
     )
 
 
-def _group_norm(channels: int) -> nn.GroupNorm:
-    # ceil(C / 32) groups, the ECL-ISVR choice: about 32 channels per group.
-    groups = math.ceil(channels / 32)
-    if channels % groups:
-        raise ValueError(f"resnet-gn: {channels} channels cannot be cut into ceil({channels}/32) = {groups} groups")
-    return nn.GroupNorm(groups, channels)
+def _group_norm(channels: int, group_channels: int) -> nn.GroupNorm:
+    # ceil(C / group_channels) groups, the ECL-ISVR code's rule: at most group_channels channels per group.
+    return nn.GroupNorm(math.ceil(channels / group_channels), channels)
 
 
 class _BasicBlock(nn.Module):
     """Two 3x3 convolutions with GroupNorm and a residual connection (projected when the shape changes)."""
 
-    def __init__(self, channels_in: int, channels_out: int, stride: int, dropout: float) -> None:
+    def __init__(self, channels_in: int, channels_out: int, stride: int, dropout: float, group_channels: int) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(channels_in, channels_out, 3, stride=stride, padding=1, bias=False)
-        self.norm1 = _group_norm(channels_out)
+        self.norm1 = _group_norm(channels_out, group_channels)
         self.dropout = nn.Dropout(dropout)
         self.conv2 = nn.Conv2d(channels_out, channels_out, 3, padding=1, bias=False)
-        self.norm2 = _group_norm(channels_out)
+        self.norm2 = _group_norm(channels_out, group_channels)
         self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or channels_in != channels_out:
             self.shortcut = nn.Sequential(
-                nn.Conv2d(channels_in, channels_out, 1, stride=stride, bias=False), _group_norm(channels_out)
+                nn.Conv2d(channels_in, channels_out, 1, stride=stride, bias=False),
+                _group_norm(channels_out, group_channels),
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,41 +127,42 @@ class _BasicBlock(nn.Module):
         return torch.relu(out + self.shortcut(x))
 
 
-_RESNET_LAYOUTS = {18: (2, 2, 2, 2), 34: (3, 4, 6, 3)}
-
-
-def resnet_gn(
-    input_shape: InputShape = (1, 28, 28),
-    num_classes: int = 10,
-    depth: int = 34,
-    width: int = 64,
-    dropout_conv: float = 0.1,
-    dropout_fc: float = 0.5,
+def _resnet(
+    model: str,
+    input_shape: InputShape,
+    num_classes: int,
+    stage_blocks: Sequence[int],
+    width: int,
+    group_channels: int,
+    dropout_conv: float,
+    dropout_fc: float,
 ) -> nn.Module:
-    """A ResNet (BasicBlocks) with GroupNorm instead of BatchNorm, whose batch statistics would differ
-    between nodes holding different classes. Four stages of width, 2, 4 and 8 x width channels.
-
-    The stem is one 3x3 convolution without the ImageNet 7x7 convolution and max-pool, which would shrink
-    a 28x28 image to 7x7 before the first block; the stages then see 28, 14, 7 and 4 pixels a side.
-    """
-    if depth not in _RESNET_LAYOUTS:
-        raise ValueError(f"resnet-gn: depth must be one of {sorted(_RESNET_LAYOUTS)}, got {depth!r}")
-    if not (isinstance(width, int) and width > 0):
-        raise ValueError(f"resnet-gn: width must be a positive integer, got {width!r}")
+    """A ResNet of BasicBlocks with GroupNorm: a 3x3 convolution of `width` channels, then one stage per entry of
+    stage_blocks with width x 2^stage channels (stride 2 from the second stage on), global average pooling and the
+    linear classifier. `model` names it in errors; options are checked before anything is built."""
+    channels_in, _, _ = _image_shape(model, input_shape)
+    for name, value in (("width", width), ("group_channels", group_channels)):
+        if not (isinstance(value, int) and value > 0):
+            raise ValueError(f"{model}: {name} must be a positive integer, got {value!r}")
     for name, rate in (("dropout_conv", dropout_conv), ("dropout_fc", dropout_fc)):
         if not (isinstance(rate, int | float) and 0 <= rate < 1):
-            raise ValueError(f"resnet-gn: {name} must be in [0, 1), got {rate!r}")
+            raise ValueError(f"{model}: {name} must be in [0, 1), got {rate!r}")
+    stage_widths = [width * 2**stage for stage in range(len(stage_blocks))]
+    for channels in stage_widths:
+        groups = math.ceil(channels / group_channels)
+        if channels % groups:
+            raise ValueError(f"{model}: {channels} channels cannot be cut into ceil({channels}/{group_channels}) = "
+                             f"{groups} equal groups; choose width and group_channels so that they can")
     layers: list[nn.Module] = [
-        nn.Conv2d(input_shape[0], width, 3, padding=1, bias=False),
-        _group_norm(width),
+        nn.Conv2d(channels_in, width, 3, padding=1, bias=False),
+        _group_norm(width, group_channels),
         nn.ReLU(),
     ]
     channels = width
-    for stage, blocks in enumerate(_RESNET_LAYOUTS[depth]):
-        channels_out = width * 2**stage
+    for stage, (blocks, channels_out) in enumerate(zip(stage_blocks, stage_widths, strict=True)):
         for block in range(blocks):
             stride = 2 if stage > 0 and block == 0 else 1
-            layers.append(_BasicBlock(channels, channels_out, stride, dropout_conv))
+            layers.append(_BasicBlock(channels, channels_out, stride, dropout_conv, group_channels))
             channels = channels_out
     layers += [
         nn.AdaptiveAvgPool2d(1),
@@ -156,17 +173,70 @@ def resnet_gn(
     return nn.Sequential(*layers)
 
 
+_RESNET_LAYOUTS = {18: (2, 2, 2, 2), 34: (3, 4, 6, 3)}
+
+
+def resnet_gn(
+    input_shape: InputShape = (1, 28, 28),
+    num_classes: int = 10,
+    depth: int = 34,
+    width: int = 64,
+    group_channels: int = 32,
+    dropout_conv: float = 0.1,
+    dropout_fc: float = 0.5,
+) -> nn.Module:
+    """A ResNet (BasicBlocks) with GroupNorm instead of BatchNorm, whose batch statistics would differ
+    between nodes holding different classes. Four stages of width, 2, 4 and 8 x width channels, the ImageNet
+    layouts of ResNet-18 and -34; GroupNorm has ceil(C / group_channels) groups.
+
+    The defaults are the network of the ECL-ISVR code (which calls it "resnet32"): the depth 34 layout, width 64,
+    32 channels per group, dropout 0.1 in the blocks and 0.5 before the classifier. The stem is one 3x3
+    convolution without the ImageNet 7x7 convolution and max-pool, which would shrink a 28x28 image to 7x7
+    before the first block; the stages then see 28, 14, 7 and 4 pixels a side.
+    """
+    if depth not in _RESNET_LAYOUTS:
+        raise ValueError(f"resnet-gn: depth must be one of {sorted(_RESNET_LAYOUTS)}, got {depth!r}")
+    return _resnet("resnet-gn", input_shape, num_classes, _RESNET_LAYOUTS[depth], width, group_channels,
+                   dropout_conv, dropout_fc)
+
+
+def resnet_cifar(
+    input_shape: InputShape = (3, 32, 32),
+    num_classes: int = 10,
+    depth: int = 20,
+    width: int = 16,
+    group_channels: int = 8,
+    dropout_conv: float = 0.0,
+    dropout_fc: float = 0.0,
+) -> nn.Module:
+    """The CIFAR ResNets of He et al. (2016, section 4.2) with GroupNorm instead of BatchNorm: a 3x3 convolution
+    of `width` (16) channels, three stages of n BasicBlocks with width, 2 and 4 x width channels (stride 2 at the
+    start of the second and third), global average pooling and the linear classifier; depth = 6n + 2 weighted
+    layers (20, 32, 44, 56, 110, ...). Where a block changes the shape its shortcut is a 1x1 convolution with
+    GroupNorm (He et al.'s option B; their CIFAR figures use zero-padded identities, which have no parameters).
+
+    GroupNorm has ceil(C / group_channels) groups, the rule of the ECL-ISVR code, but 8 channels per group rather
+    than its 32: that code's network has 64 to 512 channels (2 to 16 groups), whereas 32 here would leave the 16-
+    and 32-channel stages a single group, i.e. LayerNorm, which Wu and He (2018) found worse than GroupNorm. 8
+    gives 2, 4 and 8 groups. No dropout by default, as in He et al.
+
+    Any image size works: 32x32 gives stages of 32, 16 and 8 pixels a side, 28x28 gives 28, 14 and 7.
+    """
+    if not (isinstance(depth, int) and depth >= 8 and (depth - 2) % 6 == 0):
+        raise ValueError(f"resnet-cifar: depth must be 6n + 2 for n >= 1 (8, 14, 20, 32, 44, 56, 110, ...), "
+                         f"got {depth!r}")
+    blocks = (depth - 2) // 6
+    return _resnet("resnet-cifar", input_shape, num_classes, (blocks, blocks, blocks), width, group_channels,
+                   dropout_conv, dropout_fc)
+
+
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "logistic": logistic,
     "mlp": mlp,
     "cnn": cnn,
     "resnet-gn": resnet_gn,
+    "resnet-cifar": resnet_cifar,
 }
-
-
-class ModelError(ValueError):
-    """A job's model that cannot be built here (not allowed, not importable, options that do not fit, ...); the
-    message says which and why."""
 
 
 _IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
