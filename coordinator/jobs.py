@@ -14,7 +14,6 @@ from pydantic import ValidationError
 from coordinator.topology import Topology, build_topology, node_plan, peer_schedule
 from nodeagent.algorithms import Family, Neighbor, lookup
 from nodeagent.jobspec import JobSpec, JobSpecError, TopologySpec, format_validation_error
-from nodeagent.ps.server import server_data_info
 from nodeagent.training.models import MODELS, check_model, is_import_path
 from nodeagent.training.splits import SPLIT_OPTIONS, SPLITS
 
@@ -34,13 +33,11 @@ def validate_job(spec: JobSpec) -> Topology:
     except ValueError as error:
         field = "model.options" if spec.model.name in MODELS else "model.name"
         raise JobSpecError(f"{field}: {error}") from None
-    if algorithm.family is Family.SERVER:
-        if is_import_path(spec.model.name):
-            raise JobSpecError(
-                f"model.name: {spec.algorithm.name} keeps the model at the coordinator, which imports no user code: "
-                f"name a registered model ({', '.join(MODELS)})"
-            )
-        server_data_info(spec)
+    if algorithm.family is Family.SERVER and is_import_path(spec.model.name):
+        raise JobSpecError(
+            f"model.name: {spec.algorithm.name} keeps the model at the coordinator, which imports no user code: "
+            f"name a registered model ({', '.join(MODELS)})"
+        )
     topology = _checked_topology(spec)
     for index, change in enumerate(spec.simulation.topology_changes):
         try:

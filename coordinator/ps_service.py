@@ -53,10 +53,11 @@ from nodeagent.ps.messages import (
     server_wire_rank,
 )
 from nodeagent.ps.rules import ProtocolError, PushResult
-from nodeagent.ps.server import ServerHalf, server_data_info
+from nodeagent.ps.server import ServerHalf
 from nodeagent.rpc import add_servicer, grpc_code
-from nodeagent.runtime.readiness import DataDescription
+from nodeagent.runtime.readiness import data_from_json
 from nodeagent.security.tls import caller
+from nodeagent.training.data import DatasetInfo
 from nodeagent.wire.decoder import decode
 from nodeagent.wire.encoder import encode
 from nodeagent.wire.errors import Status, WireError
@@ -110,17 +111,14 @@ class PSJob:
     """One job's server half, its lock, and its files."""
 
     def __init__(self, job_id: str, spec: JobSpec, run_dir: Path, members: dict[int, str], metrics: Metrics,
-                 fsync: bool = False, data: DataDescription | None = None):
+                 data: DatasetInfo, fsync: bool = False):
         self.job_id = job_id
         self.spec = spec
         self.members = members  # rank -> node id
         self.metrics = metrics
         self.fsync = fsync
-        # `data`: the job's data as its ranks described it when they became ready (None before the first did).
-        # The single point where the server's model is to be built from it; until it is, the server takes the shape
-        # the dataset kind's format fixes (server_data_info).
-        self.data = data
-        self.half: ServerHalf = build_server(spec, server_data_info(spec))
+        # The model is shaped for the data the job's ranks described in their ready reports: the coordinator has none.
+        self.half: ServerHalf = build_server(spec, data)
         self.run_dir = run_dir
         self.state_path = run_dir / STATE_FILE
         self.round_path = run_dir / ROUND_FILE
@@ -246,24 +244,37 @@ class PSService:
         self._jobs: dict[str, PSJob] = {}
         self._lock = threading.Lock()
 
-    def job(self, job_id: str) -> PSJob:
-        """The running centralised job `job_id`'s server (loaded from its run directory after a restart)."""
+    def job(self, job_id: str, rank: int, node_id: str, context: grpc.ServicerContext) -> PSJob:
+        """The running centralised job `job_id`'s server (loaded from its run directory after a restart), for a caller
+        that holds `rank` of it as `node_id`: under TLS its certificate must name that node."""
+        identity = caller(context)
+        if identity is not None and identity.name != node_id:
+            raise WireError("not_member", f"node {identity.name} cannot act as node {node_id[:64]!r}",
+                            Status.PERMISSION_DENIED)
         with self._lock:
             job = self._jobs.get(job_id)
-            if job is not None and not job.closed:
-                return job
-            row = self.store.job(job_id)
-            if row is None or row.state != "RUNNING":
-                raise WireError("wrong_job", f"job {job_id!r} is not running", Status.FAILED_PRECONDITION)
-            spec = JobSpec.from_json(row.spec_json)
-            if lookup(spec.algorithm.name).family is not Family.SERVER:
-                raise WireError("no_server", f"job {job_id!r} runs {spec.algorithm.name}, which has no parameter "
-                                "server", Status.FAILED_PRECONDITION)
-            members = {m.rank: m.node_id for m in self.store.members(job_id)}
-            data = DataDescription.from_json(row.data_json) if row.data_json else None
-            job = self._jobs[job_id] = PSJob(job_id, spec, Path(row.run_dir), members, self.metrics, self.fsync,
-                                             data)
-            return job
+            if job is None or job.closed:
+                job = self._load(job_id)
+        if job.members.get(rank) != node_id:
+            raise WireError("not_member", f"node {node_id[:64]!r} does not hold rank {rank} of job {job_id}",
+                            Status.PERMISSION_DENIED)
+        return job
+
+    def _load(self, job_id: str) -> PSJob:
+        row = self.store.job(job_id)
+        if row is None or row.state != "RUNNING":
+            raise WireError("wrong_job", f"job {job_id!r} is not running", Status.FAILED_PRECONDITION)
+        spec = JobSpec.from_json(row.spec_json)
+        if lookup(spec.algorithm.name).family is not Family.SERVER:
+            raise WireError("no_server", f"job {job_id!r} runs {spec.algorithm.name}, which has no parameter "
+                            "server", Status.FAILED_PRECONDITION)
+        members = {m.rank: m.node_id for m in self.store.members(job_id)}
+        if not row.data_json:  # every worker reports ready, with its data, before its first call
+            raise WireError("not_ready", f"job {job_id!r}: no worker has described its data yet",
+                            Status.FAILED_PRECONDITION)
+        job = self._jobs[job_id] = PSJob(job_id, spec, Path(row.run_dir), members, self.metrics,
+                                         data_from_json(row.data_json), self.fsync)
+        return job
 
     def close(self, job_id: str) -> None:
         with self._lock:
@@ -274,17 +285,6 @@ class PSService:
     def close_all(self) -> None:
         for job_id in list(self._jobs):
             self.close(job_id)
-
-    @staticmethod
-    def _check_member(job: PSJob, rank: int, node_id: str, context: grpc.ServicerContext) -> None:
-        """The caller holds `rank` of the job and is `node_id`: under TLS its certificate must name that node."""
-        identity = caller(context)
-        if identity is not None and identity.name != node_id:
-            raise WireError("not_member", f"node {identity.name} cannot act as node {node_id[:64]!r}",
-                            Status.PERMISSION_DENIED)
-        if job.members.get(rank) != node_id:
-            raise WireError("not_member", f"node {node_id[:64]!r} does not hold rank {rank} of job {job.job_id}",
-                            Status.PERMISSION_DENIED)
 
     def _count(self, job: PSJob, rank: int, up: int = 0, down: int = 0) -> None:
         node = job.members.get(rank, f"rank{rank}")
@@ -309,8 +309,7 @@ class PSService:
             received += n
 
         def expect(manifest: wire_pb2.Manifest):
-            job = self.job(manifest.job_id)
-            self._check_member(job, manifest.sender_rank, manifest.sender_id, context)
+            job = self.job(manifest.job_id, manifest.sender_rank, manifest.sender_id, context)
             server_rank = server_wire_rank(job.spec.nodes)
             if manifest.receiver_rank != server_rank:
                 raise WireError("wrong_receiver", f"a push to the server goes to rank {server_rank}")
@@ -347,8 +346,7 @@ class PSService:
     def pull(self, request: pb.PsPullRequest, context) -> Iterator[wire_pb2.Frame]:
         error: tuple[grpc.StatusCode, str] | None = None
         try:
-            job = self.job(request.job_id)
-            self._check_member(job, request.rank, request.node_id, context)
+            job = self.job(request.job_id, request.rank, request.node_id, context)
             model = job.pull(request.rank, request.since_version, request.delta, context.is_active)
         except (WireError, ProtocolError, JobClosed) as failure:
             error = status_of(failure)
@@ -362,8 +360,7 @@ class PSService:
     def report(self, request: pb.PsReportRequest, context) -> pb.PsReportReply:
         error: tuple[grpc.StatusCode, str] | None = None
         try:
-            job = self.job(request.job_id)
-            self._check_member(job, request.rank, request.node_id, context)
+            job = self.job(request.job_id, request.rank, request.node_id, context)
             decision, version = job.report(request.rank, request.version, request.round_step, request.duration_s)
         except (WireError, ProtocolError, JobClosed) as failure:
             error = status_of(failure)

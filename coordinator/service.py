@@ -40,7 +40,7 @@ from nodeagent.runtime import events
 from nodeagent.runtime.driver import IN_FLIGHT
 from nodeagent.runtime.events import Event, EventLog
 from nodeagent.runtime.progress import EdgeCounters, Progress, RunLog, from_report, to_node_progress
-from nodeagent.runtime.readiness import DataDescription
+from nodeagent.runtime.readiness import data_differences, data_from_json, data_from_proto, data_problem, data_to_json
 from nodeagent.security import pki
 from nodeagent.security.authz import Authorizer, rules_for
 from nodeagent.security.pki import CertificateError, Role
@@ -503,8 +503,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def JobReady(self, request, context):
         node_id = self._as_node(context, request.node_id)
-        data = DataDescription.from_proto(request.data)
-        problem = data.problem() or (
+        data = data_from_proto(request.data)
+        problem = data_problem(data) or (
             f"job_id: at most {MAX_JOB_REFERENCE_CHARS} characters" if len(request.job_id) > MAX_JOB_REFERENCE_CHARS
             else None) or (
             f"wait_s: {request.wait_s} is not in 0..{MAX_READY_WAIT_S:g}"
@@ -517,15 +517,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"node {node_id[:64]!r} does not hold rank "
                           f"{request.rank} of job {request.job_id!r}")
         assert job is not None
-        readiness = self.store.mark_ready(job.job_id, request.rank, node_id, data.to_json())
+        readiness = self.store.mark_ready(job.job_id, request.rank, node_id, data_to_json(data))
         if readiness is None:  # the job is not running (any more)
             return self._ready_reply(job.job_id, released=False)
-        if readiness.data_json != data.to_json():
-            agreed = DataDescription.from_json(readiness.data_json)
+        if readiness.data_json != data_to_json(data):
+            agreed = data_from_json(readiness.data_json)
             ready = [m.rank for m in self.store.members(job.job_id) if m.ready]
             self._end_job(job, "FAILED", f"rank {request.rank} (node {node_id}) has other data than rank"
                           f"{'s' if len(ready) > 1 else ''} {', '.join(map(str, ready))}: "
-                          f"{'; '.join(data.differences(agreed))}")
+                          f"{'; '.join(data_differences(data, agreed))}")
             return self._ready_reply(job.job_id, released=False)
         if readiness.released_now:
             self._event(job, events.RELEASED, f"every rank is ready, {time.time() - job.started_unix:.2f} s after "

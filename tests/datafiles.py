@@ -9,6 +9,11 @@ from pathlib import Path
 
 import numpy as np
 
+from nodeagent.training.data import DatasetInfo
+
+# What the Fashion-MNIST files of Debian's dataset-fashion-mnist hold.
+FASHION_MNIST = DatasetInfo((1, 28, 28), 10, 60_000, 10_000)
+
 CIFAR10_TRAIN_FILES = [f"data_batch_{n}.bin" for n in range(1, 6)]
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import pytest
+from datafiles import FASHION_MNIST
 
 from coordinator.jobs import plan_node, validate_job
 from coordinator.simulate import simulate
@@ -17,7 +18,6 @@ from coordinator.topology import build_topology
 from nodeagent.algorithms import REGISTRY, Algorithm, Family, NodeContext, build_server
 from nodeagent.jobspec import JobSpec, JobSpecError, parse_job_spec
 from nodeagent.runtime.progress import read_run_log
-from nodeagent.training.data import fixed_info
 from nodeagent.training.models import initial_model
 
 ALGORITHMS = sorted(REGISTRY)
@@ -97,8 +97,7 @@ def construct(spec: JobSpec) -> None:
     """Build every node's algorithm of `spec` as the runtimes do (planned by the coordinator's rules, the seeded
     initial model) and, for the parameter-server family, the server; no data is loaded."""
     cls = REGISTRY[spec.algorithm.name]
-    info = fixed_info(spec.data.dataset)
-    assert info is not None
+    info = FASHION_MNIST
     topology = build_topology(spec.topology, spec.nodes)
     for rank in range(spec.nodes):
         plan = plan_node(spec, topology, rank)

@@ -13,9 +13,8 @@ import torch
 from datafiles import learnable, write_cifar10, write_cifar100, write_image_folder, write_npy
 from test_data import is_mapped
 
-from nodeagent.jobspec import JobSpecError, parse_job_spec
-from nodeagent.ps.server import server_data_info
-from nodeagent.training.data import DataError, DatasetInfo, describe_dataset, fixed_info, load_dataset
+from nodeagent.jobspec import parse_job_spec
+from nodeagent.training.data import DataError, DatasetInfo, describe_dataset, load_dataset
 from nodeagent.training.models import initial_model
 
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -235,14 +234,6 @@ def test_the_model_is_shaped_by_the_data(tmp_path: Path) -> None:
                            "data": {"dataset": "cifar100", "data_dir": str(tmp_path)}})
     model = initial_model(spec, DatasetInfo((3, 32, 32), 100, 1, 1))
     assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 100)
-    assert server_data_info(spec) == fixed_info("cifar100") == DatasetInfo((3, 32, 32), 100, 0, 0)
-
-
-def test_the_parameter_server_refuses_data_whose_shape_only_the_files_tell(tmp_path: Path) -> None:
-    spec = parse_job_spec({"name": "ps", "nodes": 2, "steps": 1, "algorithm": {"name": "asgd"},
-                           "data": {"dataset": "npy", "data_dir": str(tmp_path)}})
-    with pytest.raises(JobSpecError, match=r"data\.dataset: the parameter server needs the data.s shape"):
-        server_data_info(spec)
 
 
 def test_a_directory_that_does_not_exist_is_named(tmp_path: Path) -> None:

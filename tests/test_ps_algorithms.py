@@ -3,6 +3,7 @@ pushes, AdaComp's delta pulls, ESync's worker round and report protocol, and the
 
 import pytest
 import torch
+from datafiles import FASHION_MNIST
 
 from coordinator.jobs import validate_job
 from nodeagent.algorithms import REGISTRY, NodeContext, build_server
@@ -10,7 +11,6 @@ from nodeagent.algorithms.base import Route, Send
 from nodeagent.jobspec import JobSpecError, parse_job_spec
 from nodeagent.ps import Decision, ProtocolError
 from nodeagent.ps.messages import SERVER_RANK, ReadyAnswer, ServerModel, ServerPull, ServerPush, StepReport
-from nodeagent.ps.server import server_data_info
 from nodeagent.training.models import build_model
 from nodeagent.wire.errors import WireError
 from nodeagent.wire.message import Kind, Message
@@ -47,7 +47,7 @@ def test_a_worker_pushes_its_gradient_and_waits_for_the_model():
     assert isinstance(message, ServerPush)
     assert (message.kind, message.version, message.clock) == (Kind.GRADIENT, 0, 0)
     assert not alg.ready() and alg.sends() == []
-    server = build_server(spec, server_data_info(spec))
+    server = build_server(spec, FASHION_MNIST)
     assert torch.equal(server.w, w0)  # the server starts from the workers' seeded model
     result = server.push(1, message, "p1", now=0.0)
     assert (result.applied, result.version, result.release) == (True, 1, (1,))
@@ -59,7 +59,7 @@ def test_a_worker_pushes_its_gradient_and_waits_for_the_model():
 
 def test_a_retried_push_is_applied_once_and_released_again():
     spec = job("asgd")
-    server = build_server(spec, server_data_info(spec))
+    server = build_server(spec, FASHION_MNIST)
     alg = worker(spec, 0)
     alg.step(*batch(1))
     message = push_of(alg)
@@ -75,7 +75,7 @@ def test_a_retried_push_is_applied_once_and_released_again():
 
 def test_ssgd_releases_everyone_when_the_round_completes_and_rejects_stale_pushes():
     spec = job("ssgd", nodes=2)
-    server = build_server(spec, server_data_info(spec))
+    server = build_server(spec, FASHION_MNIST)
     workers = [worker(spec, rank) for rank in range(2)]
     for rank, alg in enumerate(workers):
         alg.step(*batch(rank))
@@ -90,7 +90,7 @@ def test_ssgd_releases_everyone_when_the_round_completes_and_rejects_stale_pushe
 
 def test_dcasgd_logs_the_pulls_that_set_backups():
     spec = job("dc-asgd", options={"adaptive": True})
-    server = build_server(spec, server_data_info(spec))
+    server = build_server(spec, FASHION_MNIST)
     assert server.rule.adaptive and server.pull_mutates
     server.pull(2, 0, False, now=3.0)
     assert server.drain_events() == [{"event": "pull", "time": 3.0, "rank": 2, "version": 0}]
@@ -99,7 +99,7 @@ def test_dcasgd_logs_the_pulls_that_set_backups():
 @pytest.mark.parametrize("codec", ["fp32", "int8"])
 def test_adacomp_delta_pulls_keep_every_worker_equal_to_the_server(codec):
     spec = job("adacomp", nodes=3, options={"rate": 0.05, "codec": codec, "pull": "delta", "residual": True})
-    server = build_server(spec, server_data_info(spec))
+    server = build_server(spec, FASHION_MNIST)
     workers = [worker(spec, rank) for rank in range(3)]
     kinds = []
     for step, rank in enumerate([0, 1, 2, 1, 1, 0, 2, 2, 0, 1]):
@@ -156,7 +156,7 @@ def test_esync_worker_round_with_ready_answers():
 
 def test_esync_server_half_reports_are_idempotent_and_ordered():
     spec = job("esync", nodes=2, options={"epsilon": 0.0})
-    server = build_server(spec, server_data_info(spec))
+    server = build_server(spec, FASHION_MNIST)
     assert server.report(0, 0, 1, 1.0, now=1.0) == Decision(False, 1)  # rank 1 not seen: it counts as the slowest
     assert server.report(0, 0, 1, 1.0, now=1.0) == Decision(False, 1)  # a retry: same answer, no second step
     assert server.rule.round.reports[0].steps == 1
@@ -198,7 +198,7 @@ def test_a_refused_call_makes_the_worker_rejoin_from_the_servers_model(name, clo
 
 def test_an_esync_worker_rejoins_the_round_and_the_server_restarts_its_entry():
     spec = job("esync", nodes=2, options={"epsilon": 0.0})
-    server = build_server(spec, server_data_info(spec))
+    server = build_server(spec, FASHION_MNIST)
     assert server.report(0, 0, 1, 1.0, now=1.0) == Decision(False)
     assert server.report(1, 0, 1, 9.0, now=9.0) == Decision(True)  # the slowest
     assert server.report(0, 0, 2, 1.0, now=10.0) == Decision(True)  # the slowest is ready
@@ -255,4 +255,4 @@ def test_bad_options_name_the_field_at_submission(algorithm, message):
 
 def test_the_server_starts_from_the_model_of_every_node():
     spec = job("asgd")
-    assert torch.equal(build_server(spec, server_data_info(spec)).w, worker(spec, 2).w)
+    assert torch.equal(build_server(spec, FASHION_MNIST).w, worker(spec, 2).w)

@@ -13,6 +13,7 @@ import grpc
 import pytest
 import torch
 import yaml
+from datafiles import FASHION_MNIST
 from test_codec import manifest_frame_bytes
 
 from coordinator.ps_service import add_coordinator_servicer
@@ -23,8 +24,8 @@ from nodeagent.algorithms import REGISTRY, NodeContext, build_server
 from nodeagent.jobspec import parse_job_spec
 from nodeagent.metrics import Metrics
 from nodeagent.ps.messages import PUSH_ID_HEADER, ReadyAnswer, ServerPull, ServerPush, StepReport
-from nodeagent.ps.server import server_data_info
 from nodeagent.runtime.progress import Traffic
+from nodeagent.runtime.readiness import data_to_proto
 from nodeagent.runtime.server_link import GrpcServerLink
 from nodeagent.training.models import build_model
 from nodeagent.wire.encoder import encode
@@ -68,6 +69,9 @@ class Coordinator:
         job_id = self.stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=yaml.safe_dump(spec))).job_id
         status = self.stub.JobStatus(pb.JobStatusRequest(job_id=job_id))
         assert status.state == pb.JOB_RUNNING
+        for member in status.nodes:  # as the agents do before their first call: the server is shaped by their data
+            self.stub.JobReady(pb.JobReadyRequest(node_id=member.node_id, job_id=job_id, rank=member.rank,
+                                                  data=data_to_proto(FASHION_MNIST)))
         return job_id, {m.rank: m.node_id for m in status.nodes}, status.run_dir
 
     def client(self, job_id: str, node_id: str, rank: int, world_size: int, worker, timeout_s: float = 30.0
@@ -157,7 +161,7 @@ def test_sixteen_workers_push_at_once_and_each_push_is_applied_once_in_the_recor
     pushes = [e for e in events if e["event"] == "push"]
     assert sorted(e["push_id"] for e in pushes) == sorted(sent)
     assert [e["version"] for e in pushes] == list(range(1, len(sent) + 1))
-    replay = build_server(spec, server_data_info(spec))
+    replay = build_server(spec, FASHION_MNIST)
     for event in events:
         if event["event"] == "pull":
             replay.pull(event["rank"], 0, False, now=0.0)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from datafiles import FASHION_MNIST
 from hostile import channel_as
 
 from coordinator.ca import ClusterCA
@@ -20,6 +21,7 @@ from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc, wire_pb2
 from nodeagent.agent.enroll import EnrollmentError, enroll
 from nodeagent.metrics import Metrics
+from nodeagent.runtime.readiness import data_to_proto
 from nodeagent.security import pki
 from nodeagent.security.pki import Role
 from nodeagent.security.tls import TlsDir, Transport
@@ -196,7 +198,11 @@ def test_parameter_server_calls_only_as_the_rank_the_node_holds(secure):
     frames = iter([wire_pb2.Frame(manifest=manifest), wire_pb2.Frame(end=wire_pb2.End())])
     code = a.code("PsPush", frames, metadata=[("peertrain-push-id", "forged-1")])
     assert code is grpc.StatusCode.PERMISSION_DENIED
-    # The honest pull of its own rank is served.
+    # The honest pull of its own rank is served, once a worker described the data the server's model is shaped for.
+    assert a.code("PsPull", pb.PsPullRequest(job_id=job_id, rank=ranks["node-a"], node_id="node-a")) is \
+        grpc.StatusCode.FAILED_PRECONDITION
+    assert a.code("JobReady", pb.JobReadyRequest(node_id="node-a", job_id=job_id, rank=ranks["node-a"],
+                                                 data=data_to_proto(FASHION_MNIST))) is grpc.StatusCode.OK
     assert a.code("PsPull", pb.PsPullRequest(job_id=job_id, rank=ranks["node-a"], node_id="node-a")) is \
         grpc.StatusCode.OK
 

@@ -15,9 +15,10 @@ from coordinator.store import Store
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc
 from nodeagent.metrics import Metrics
-from nodeagent.runtime.readiness import DataDescription
+from nodeagent.runtime.readiness import data_from_json, data_to_proto
+from nodeagent.training.data import DatasetInfo
 
-DATA = DataDescription((1, 28, 28), 10, 60_000, 10_000)
+DATA = DatasetInfo((1, 28, 28), 10, 60_000, 10_000)
 
 
 def job(nodes: int = 3, **start) -> str:
@@ -49,9 +50,9 @@ def running_job(stub, spec_yaml: str, nodes: int = 3) -> tuple[str, list[str]]:
     return job_id, [n.node_id for n in sorted(status.nodes, key=lambda n: n.rank)]
 
 
-def ready(stub, job_id: str, rank: int, node_id: str, data: DataDescription = DATA,
+def ready(stub, job_id: str, rank: int, node_id: str, data: DatasetInfo = DATA,
           wait_s: float = 0.0) -> pb.JobReadyReply:
-    return stub.JobReady(pb.JobReadyRequest(node_id=node_id, job_id=job_id, rank=rank, data=data.to_proto(),
+    return stub.JobReady(pb.JobReadyRequest(node_id=node_id, job_id=job_id, rank=rank, data=data_to_proto(data),
                                             wait_s=wait_s), timeout=wait_s + 5)
 
 
@@ -73,7 +74,7 @@ def test_every_rank_waits_until_the_last_is_ready_and_a_late_rank_starts_at_once
     assert [e.kind for e in events].count("released") == 1
     # The job keeps its data's description (the parameter server's model is to be built from it).
     row = service.store.job(job_id)
-    assert DataDescription.from_json(row.data_json) == DATA and row.released_unix > 0
+    assert data_from_json(row.data_json) == DATA and row.released_unix > 0
 
 
 def test_the_description_survives_a_restart(tmp_path, coordinator):
@@ -81,7 +82,7 @@ def test_the_description_survives_a_restart(tmp_path, coordinator):
     job_id, nodes = running_job(stub, job(nodes=1), nodes=1)
     assert ready(stub, job_id, 0, nodes[0]).released
     service.store.close()
-    assert DataDescription.from_json(Store(tmp_path / "coordinator.db").job(job_id).data_json) == DATA
+    assert data_from_json(Store(tmp_path / "coordinator.db").job(job_id).data_json) == DATA
 
 
 def test_without_the_barrier_each_rank_starts_once_built(coordinator):
@@ -120,7 +121,7 @@ def test_a_rank_with_other_data_fails_the_job_naming_it_and_what_differs(coordin
     job_id, nodes = running_job(stub, job())
     ready(stub, job_id, 0, nodes[0])
     ready(stub, job_id, 1, nodes[1])
-    other = DataDescription((1, 28, 28), 10, 50_000, 10_000)
+    other = DatasetInfo((1, 28, 28), 10, 50_000, 10_000)
     reply = ready(stub, job_id, 2, nodes[2], other)
     assert reply.job_state == pb.JOB_FAILED and not reply.released
     assert reply.reason == (f"rank 2 (node {nodes[2]}) has other data than ranks 0, 1: train_samples 50000 vs "
@@ -128,13 +129,13 @@ def test_a_rank_with_other_data_fails_the_job_naming_it_and_what_differs(coordin
 
 
 @pytest.mark.parametrize(("data", "wait_s", "field"), [
-    (DataDescription((), 10, 60_000, 10_000), 0.0, "data.input_shape"),
-    (DataDescription((1, 2, 3, 4, 5), 10, 60_000, 10_000), 0.0, "data.input_shape"),
-    (DataDescription((1, 0, 28), 10, 60_000, 10_000), 0.0, "data.input_shape"),
-    (DataDescription((4096, 4096, 4096), 10, 60_000, 10_000), 0.0, "data.input_shape"),
-    (DataDescription((1, 28, 28), 0, 60_000, 10_000), 0.0, "data.num_classes"),
-    (DataDescription((1, 28, 28), 10, 0, 10_000), 0.0, "data.train_samples"),
-    (DataDescription((1, 28, 28), 10, 10**12, 10_000), 0.0, "data.train_samples"),
+    (DatasetInfo((), 10, 60_000, 10_000), 0.0, "data.input_shape"),
+    (DatasetInfo((1, 2, 3, 4, 5), 10, 60_000, 10_000), 0.0, "data.input_shape"),
+    (DatasetInfo((1, 0, 28), 10, 60_000, 10_000), 0.0, "data.input_shape"),
+    (DatasetInfo((4096, 4096, 4096), 10, 60_000, 10_000), 0.0, "data.input_shape"),
+    (DatasetInfo((1, 28, 28), 0, 60_000, 10_000), 0.0, "data.num_classes"),
+    (DatasetInfo((1, 28, 28), 10, 0, 10_000), 0.0, "data.train_samples"),
+    (DatasetInfo((1, 28, 28), 10, 10**12, 10_000), 0.0, "data.train_samples"),
     (DATA, 3600.0, "wait_s"),
     (DATA, -1.0, "wait_s"),
 ])

@@ -1,5 +1,6 @@
 """Jobs on the users' own data: a CIFAR-10-format directory and a directory of NumPy arrays train in the simulator
-and on real agents, and `coordinator inspect` shows their data and shards."""
+and on real agents, peer to peer and through the parameter server (whose model the coordinator shapes from the data
+the agents describe), and `coordinator inspect` shows their data and shards."""
 
 from __future__ import annotations
 
@@ -33,19 +34,24 @@ def data_dirs(tmp_path_factory) -> dict[str, Path]:
     return {"cifar10": root / "cifar", "npy": root / "npy"}
 
 
-def job(kind: str, data_dir: Path, split: str = "iid") -> dict:
+PEER = {"name": "dsgd", "mode": "sync", "lr": 0.05}
+SERVER = {"name": "asgd", "lr": 0.05}
+
+
+def job(kind: str, data_dir: Path, split: str = "iid", algorithm: dict = PEER) -> dict:
     return {
-        "name": f"{kind}-job", "nodes": 2, "steps": 60, "eval_every": 30, "seed": 0,
-        "algorithm": {"name": "dsgd", "mode": "sync", "lr": 0.05},
+        "name": f"{kind}-{algorithm['name']}", "nodes": 2, "steps": 60, "eval_every": 30, "seed": 0,
+        "algorithm": algorithm,
         "model": {"name": "logistic"},
         "data": {"dataset": kind, "data_dir": str(data_dir), "split": split, "batch_size": 20},
         "topology": {"kind": "ring"},
     }
 
 
+@pytest.mark.parametrize("algorithm", [PEER, SERVER], ids=["peer", "server"])
 @pytest.mark.parametrize("kind", ["cifar10", "npy"])
-def test_a_job_on_the_users_data_learns_in_the_simulator(data_dirs, kind):
-    result = simulate(parse_job_spec(job(kind, data_dirs[kind])))
+def test_a_job_on_the_users_data_learns_in_the_simulator(data_dirs, kind, algorithm):
+    result = simulate(parse_job_spec(job(kind, data_dirs[kind], algorithm=algorithm)))
     assert result.mesh.finished
     # Chance is 1/10 and 1/3.
     assert result.mean_accuracy > 0.8, result.mean_accuracy
@@ -56,6 +62,8 @@ def test_jobs_on_the_users_data_learn_on_agents(data_dirs, tmp_path):
     # No --data-dir on the agents: each job's data.data_dir is read.
     with LocalCluster(root=tmp_path, agents=2, heartbeat_timeout_s=3.0) as cluster:
         submitted = {kind: cluster.submit(yaml.safe_dump(job(kind, data_dirs[kind]))) for kind in CLASSES}
+        submitted["npy, parameter server"] = cluster.submit(yaml.safe_dump(job("npy", data_dirs["npy"],
+                                                                               algorithm=SERVER)))
         for kind, job_id in submitted.items():
             status = cluster.wait(job_id, timeout_s=120)
             assert status.state == pb.JOB_FINISHED, (kind, status.message)

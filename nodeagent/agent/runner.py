@@ -42,8 +42,9 @@ from nodeagent.runtime import events
 from nodeagent.runtime.driver import Action, Arrival, NodeDriver, Report, TopologyChange
 from nodeagent.runtime.peer_service import GrpcPeers, ServingState
 from nodeagent.runtime.progress import to_report
-from nodeagent.runtime.readiness import DataDescription
+from nodeagent.runtime.readiness import data_to_proto
 from nodeagent.runtime.server_link import GrpcServerLink
+from nodeagent.training.data import DatasetInfo
 from nodeagent.training.job import Node, build_node
 from nodeagent.wire.message import Encoding
 
@@ -245,14 +246,14 @@ class JobRunner(threading.Thread):
                                      regroup_s=spec.failure.lost_grace_s + max(spec.wire.exchange_timeout_s, 30.0))
         return self.collective
 
-    def _wait_for_release(self, data: DataDescription) -> bool:
+    def _wait_for_release(self, data: DatasetInfo) -> bool:
         """Report this rank ready to the coordinator, with its data, and wait for the release: with the job's start
         barrier, until every rank is ready (the coordinator fails the job after its `start.timeout_s`). False if the
         job ended first or this runner stops."""
         assert self.agent.stub is not None
         # The first report is answered at once, saying what this rank waits for; the next are held for the release.
         request = coordinator_pb2.JobReadyRequest(node_id=self.agent.node_id, job_id=self.job_id, rank=self.rank,
-                                                  data=data.to_proto(), wait_s=0.0)
+                                                  data=data_to_proto(data), wait_s=0.0)
         backoff = Backoff(f"ready report of job {self.job_id} to the coordinator", log)
         ready = time.monotonic()
         waiting_for = ""
@@ -297,15 +298,12 @@ class JobRunner(threading.Thread):
                         sorted(waiting))
 
 
-def describe_data(node: Node) -> DataDescription:
-    """The data `node` was built on, as its ready report describes it."""
+def describe_data(node: Node) -> DatasetInfo:
+    """The data `node` was built on (its files' description, counting the samples the job's limits keep), as its
+    ready report describes it."""
     train = node.batches.dataset
-    return DataDescription(
-        input_shape=train.info.input_shape,
-        num_classes=train.info.num_classes,
-        train_samples=len(train),
-        test_samples=len(node.test_set) if node.test_set is not None else 0,
-    )
+    return replace(train.info, train_samples=len(train),
+                   test_samples=len(node.test_set) if node.test_set is not None else 0)
 
 
 @dataclass

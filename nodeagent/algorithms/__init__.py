@@ -53,7 +53,7 @@ def build_algorithm(model: nn.Module, context: NodeContext) -> Algorithm:
 
 def build_server(spec: JobSpec, info: DatasetInfo) -> ServerHalf:
     """The parameter server of a job of the server family (what the coordinator and the simulator host), its model
-    shaped for the data `info` describes (nodeagent.ps.server.server_data_info)."""
+    shaped for the data `info` describes (the job's data, as its workers described it)."""
     cls = SERVER_ALGORITHMS.get(spec.algorithm.name)
     if cls is None:
         raise JobSpecError(f"algorithm.name: {spec.algorithm.name} has no parameter server")

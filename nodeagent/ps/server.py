@@ -3,7 +3,7 @@
 The coordinator's gRPC service (coordinator.ps_service) and the simulator (nodeagent.runtime.simulator) host the
 same server halves, built by the worker class's `build_server(spec, info)` from the job's seeded initial model, so
 the server starts from exactly the model every worker starts from. The model's shape is the data's (`info`): the
-coordinator has no data, and knows it only where the format fixes it (server_data_info).
+coordinator has no data, and takes the description its workers' ready reports agreed on (nodeagent.runtime.readiness).
 
 Exactly once: the half keeps, per worker, the id of its last push and of its last released push. A retried push
 (same id as the worker's last) changes nothing and is answered again, which is what makes a retry after a lost
@@ -20,11 +20,11 @@ import torch
 from pydantic import Field
 
 from nodeagent.algorithms.base import AlgorithmOptions, FlatParameters
-from nodeagent.jobspec import JobSpec, JobSpecError
+from nodeagent.jobspec import JobSpec
 from nodeagent.ps.esync import Decision
 from nodeagent.ps.messages import ServerModel, ServerPush
 from nodeagent.ps.rules import ParameterServer, ProtocolError, PushResult, RoundServer
-from nodeagent.training.data import DatasetInfo, fixed_info
+from nodeagent.training.data import DatasetInfo
 from nodeagent.training.models import initial_model
 from nodeagent.wire.errors import WireError
 from nodeagent.wire.message import Kind, TensorSpec
@@ -39,19 +39,6 @@ class ServerOptions(AlgorithmOptions):
         "to it before the server applies it, and counted (peertrain_ps_updates_clipped), so that one diverged or "
         "forged worker moves the global model by a bounded step; unset: no bound",
     )
-
-
-def server_data_info(spec: JobSpec) -> DatasetInfo:
-    """The data's input shape and class count as the parameter server knows them without the data: those its format
-    fixes. JobSpecError for the kinds whose shape only their files tell."""
-    info = fixed_info(spec.data.dataset)
-    if info is None:
-        raise JobSpecError(
-            f"data.dataset: the parameter server needs the data's shape; {spec.data.dataset} data's shape is known "
-            f"only from its files on the agents, so {spec.algorithm.name} cannot train on it yet: use a peer "
-            "algorithm, or a kind whose format fixes the shape (fashion-mnist, mnist, cifar10, cifar100)"
-        )
-    return info
 
 
 def initial_parameters(spec: JobSpec, info: DatasetInfo) -> FlatParameters:

@@ -47,7 +47,7 @@ from nodeagent.ps.messages import (
     ServerPush,
     StepReport,
 )
-from nodeagent.ps.server import ServerHalf, server_data_info
+from nodeagent.ps.server import ServerHalf
 from nodeagent.runtime.driver import Action, Arrival, Failure, NodeDriver, Reply, Report, Switch, Transmission
 from nodeagent.runtime.progress import ring_allreduce_bytes
 from nodeagent.training.job import Node
@@ -142,7 +142,7 @@ class VirtualMesh:
         ]
         self.server: SimulatedServer | None = None
         if nodes and type(nodes[0].algorithm).family is Family.SERVER:
-            self.server = SimulatedServer(self, build_server(nodes[0].spec, server_data_info(nodes[0].spec)))
+            self.server = SimulatedServer(self, build_server(nodes[0].spec, nodes[0].batches.dataset.info))
             if not torch.equal(self.server.half.w, nodes[0].algorithm.w):
                 raise RuntimeError("the server's initial model differs from the workers'")
             for sim in self.nodes:

@@ -40,7 +40,7 @@ from nodeagent.jobspec import DEFAULT_DATA_DIR, DatasetKind
 
 __all__ = [
     "DATASET_KINDS", "DEFAULT_DATA_DIR", "DataError", "Dataset", "DatasetInfo", "Normalisation", "describe_dataset",
-    "fixed_info", "load_dataset", "read_idx",
+    "load_dataset", "read_idx",
 ]
 
 DATASET_KINDS: tuple[str, ...] = get_args(DatasetKind)
@@ -58,8 +58,12 @@ class DatasetInfo:
 
     input_shape: tuple[int, ...]  # of one sample
     num_classes: int
-    train_samples: int  # 0: unknown (fixed_info)
+    train_samples: int
     test_samples: int
+
+    def __str__(self) -> str:
+        return (f"input {'x'.join(map(str, self.input_shape))}, {self.num_classes} classes, {self.train_samples} "
+                f"training and {self.test_samples} test samples")
 
 
 @dataclass(frozen=True)
@@ -124,22 +128,13 @@ PUBLISHED_NORMALISATION: dict[str, Normalisation] = {
     "cifar100": _published((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
 }
 
-# (input shape, classes) that a kind's format fixes: what the coordinator knows without the files.
+# (sample shape, classes) that a kind's format fixes: its readers check the files against them.
 _FIXED_SHAPES: dict[str, tuple[tuple[int, ...], int]] = {
     "fashion-mnist": ((1, 28, 28), 10),
     "mnist": ((1, 28, 28), 10),
     "cifar10": ((3, 32, 32), 10),
     "cifar100": ((3, 32, 32), 100),
 }
-
-
-def fixed_info(kind: str) -> DatasetInfo | None:
-    """The input shape and class count that `kind`'s format fixes (sample counts 0: unknown without the files);
-    None for the kinds whose shape only their files tell (npy, image-folder)."""
-    if kind not in _FIXED_SHAPES:
-        return None
-    shape, classes = _FIXED_SHAPES[kind]
-    return DatasetInfo(shape, classes, 0, 0)
 
 
 # -- IDX (fashion-mnist, mnist) ---------------------------------------------------------------------------------------
