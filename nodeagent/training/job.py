@@ -2,14 +2,23 @@
 
 Both runtimes (the gRPC agent and the simulator) build their nodes here, so a node is the same object
 whichever runtime drives it: same seeded initial model on every node, same shard, same batch order.
+
+What the nodes of a job share is prepared once per job (`JobData`): the datasets, the split and the seeded initial
+model. A node then costs only its own state: its shard is an index array into the shared training set, its model a
+copy of the initial one. The simulator builds thousands of nodes from one JobData; an agent builds its one node
+through `build_node`.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
+from torch import nn
 
 from nodeagent.algorithms import Algorithm, Neighbor, NodeContext, build_algorithm
 from nodeagent.jobspec import JobSpec
@@ -34,6 +43,53 @@ class Node:
         return evaluate(self.algorithm.model, self.test_set)
 
 
+@dataclass(frozen=True)
+class JobData:
+    """What every node of a job shares, read and computed once per job (`prepare`): the training and test sets
+    (never modified: every node indexes the same tensors), each rank's shard of sample indices, and the seeded
+    initial model, which no node trains (each trains a copy: `node`)."""
+
+    spec: JobSpec
+    train: Dataset
+    test: Dataset
+    shards: list[np.ndarray]
+    initial: nn.Module
+
+    @classmethod
+    def prepare(cls, spec: JobSpec, data_dir: str | Path | None = None, allow_imports: Collection[str] = ()) -> JobData:
+        """Loads the job's data and splits it, and builds its initial model. `data_dir` overrides the job's data
+        directory on this machine; `allow_imports` are the modules a model may be imported from on it
+        (nodeagent.training.models). Seeds torch's global generator as `initial_model` does, once: what the nodes
+        draw next (dropout) is what a single node built alone would draw."""
+        directory = data_dir or spec.data.data_dir
+        train = load_dataset(spec.data.dataset, directory, "train", spec.data.train_limit)
+        test = load_dataset(spec.data.dataset, directory, "test", spec.data.test_limit)
+        shards = split_indices(
+            train.labels.numpy(), spec.nodes, spec.data.split, spec.seed, dict(spec.data.split_options)
+        )
+        return cls(spec, train, test, shards, initial_model(spec, allow_imports))
+
+    def node(self, rank: int, neighbors: tuple[Neighbor, ...], self_weight: float,
+             peer_schedule: tuple[tuple[int, ...], ...] = ()) -> Node:
+        """The node of `rank`: its own copy of the initial model (identical on every node), its shard, and its
+        algorithm."""
+        spec = self.spec
+        context = NodeContext(
+            rank=rank,
+            world_size=spec.nodes,
+            neighbors=neighbors,
+            spec=spec.algorithm,
+            self_weight=self_weight,
+            seed=spec.seed,
+            peer_schedule=peer_schedule,
+        )
+        algorithm = build_algorithm(copy.deepcopy(self.initial), context)
+        shard = self.shards[rank]
+        # Each node draws its own batch order, reproducibly.
+        batches = BatchStream(self.train, shard, spec.data.batch_size, seed=spec.seed * 1_000_003 + rank)
+        return Node(spec, rank, algorithm, batches, self.test, len(shard))
+
+
 def build_node(
     spec: JobSpec,
     rank: int,
@@ -43,26 +99,6 @@ def build_node(
     peer_schedule: tuple[tuple[int, ...], ...] = (),
     allow_imports: Collection[str] = (),
 ) -> Node:
-    """The node of `rank`: model initialised from the job's seed (identical on every node), its data shard,
-    and its algorithm. `data_dir` overrides the job's data directory on this machine; `allow_imports` are the
-    modules a model may be imported from on it (nodeagent.training.models)."""
-    directory = data_dir or spec.data.data_dir
-    train = load_dataset(spec.data.dataset, directory, "train", spec.data.train_limit)
-    test = load_dataset(spec.data.dataset, directory, "test", spec.data.test_limit)
-    shards = split_indices(
-        train.labels.numpy(), spec.nodes, spec.data.split, spec.seed, dict(spec.data.split_options)
-    )
-    model = initial_model(spec, allow_imports)
-    context = NodeContext(
-        rank=rank,
-        world_size=spec.nodes,
-        neighbors=neighbors,
-        spec=spec.algorithm,
-        self_weight=self_weight,
-        seed=spec.seed,
-        peer_schedule=peer_schedule,
-    )
-    algorithm = build_algorithm(model, context)
-    # Each node draws its own batch order, reproducibly.
-    batches = BatchStream(train, shards[rank], spec.data.batch_size, seed=spec.seed * 1_000_003 + rank)
-    return Node(spec, rank, algorithm, batches, test, len(shards[rank]))
+    """The node of `rank` alone (an agent's): the job's data prepared for it (`JobData.prepare`), then its node.
+    Building many nodes of one job, prepare the JobData once and call its `node` for each."""
+    return JobData.prepare(spec, data_dir, allow_imports).node(rank, neighbors, self_weight, peer_schedule)
