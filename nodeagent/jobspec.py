@@ -24,9 +24,9 @@ DEFAULT_DATA_DIR = "/usr/share/datasets/fashion-mnist"
 Mode = Literal["async", "sync"]
 
 MAX_JOB_BYTES = 1 << 20  # of the YAML text; an inlined edge list counts
-MAX_YAML_VALUES = 65_536  # scalars, lists and mappings: a 4096-node job with per-rank speeds and slow-downs fits
+MAX_YAML_VALUES = 65_536  # scalars, lists and mappings: a 10,000-node job with per-rank speeds and slow-downs fits
 MAX_YAML_DEPTH = 32  # nested lists and mappings; a job needs 6 (simulation.partitions[].groups[])
-MAX_NODES = 4096
+MAX_NODES = 10_000  # the simulator's scale (benchmarks/simulator.py); planning stays linear in nodes
 MAX_SHOWN_CHARS = 100  # of what a job wrote, repeated in an error
 MAX_ERRORS_SHOWN = 10  # wrong fields named in one error
 
