@@ -53,7 +53,8 @@ class BatchStream:
             self.epochs += 1
             self._order = self._shuffled()
             self._position = 0
-        return self._dataset.images[batch], self._dataset.labels[batch]
+        # index_select rather than indexing: the same rows, gathered several times faster.
+        return self._dataset.images.index_select(0, batch), self._dataset.labels.index_select(0, batch)
 
     __next__ = next
 
