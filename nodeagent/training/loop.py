@@ -33,7 +33,7 @@ class BatchStream:
             raise ValueError(f"shard indices must lie in 0..{len(dataset) - 1}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        self._dataset = dataset
+        self.dataset = dataset  # shared, never copied: the stream only gathers its minibatches from it
         self._indices = torch.from_numpy(indices).to(dataset.labels.device)
         self._batch_size = batch_size
         self._rng = np.random.default_rng(seed)
@@ -54,7 +54,7 @@ class BatchStream:
             self._order = self._shuffled()
             self._position = 0
         # index_select rather than indexing: the same rows, gathered several times faster.
-        return self._dataset.images.index_select(0, batch), self._dataset.labels.index_select(0, batch)
+        return self.dataset.images.index_select(0, batch), self.dataset.labels.index_select(0, batch)
 
     __next__ = next
 
