@@ -30,7 +30,7 @@ from nodeagent.runtime import events
 from nodeagent.runtime.driver import Report, Switch, TopologyChange
 from nodeagent.runtime.events import Event, EventLog
 from nodeagent.runtime.progress import Progress, RunLog
-from nodeagent.runtime.simulator import SimNode, VirtualMesh
+from nodeagent.runtime.simulator import SimNode, VirtualMesh, rare_full_collections
 from nodeagent.training.job import JobData, Node
 
 
@@ -40,9 +40,10 @@ def build_nodes(spec: JobSpec, data_dir: str | None = None, allow_imports: Colle
     topology = validate_job(spec)
     data = JobData.prepare(spec, data_dir, allow_imports)
     nodes = []
-    for rank in range(spec.nodes):
-        plan = plan_node(spec, topology, rank)
-        nodes.append(data.node(rank, plan.neighbors, plan.self_weight, plan.peer_schedule))
+    with rare_full_collections():
+        for rank in range(spec.nodes):
+            plan = plan_node(spec, topology, rank)
+            nodes.append(data.node(rank, plan.neighbors, plan.self_weight, plan.peer_schedule))
     return nodes
 
 

@@ -43,7 +43,7 @@ class BatchStream:
 
     def _shuffled(self) -> torch.Tensor:
         permutation = torch.from_numpy(self._rng.permutation(len(self._indices)))
-        return self._indices[permutation.to(self._indices.device)]
+        return self._indices.index_select(0, permutation.to(self._indices.device))
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next minibatch: images (B, 1, 28, 28) and labels (B,)."""
