@@ -149,6 +149,9 @@ class VirtualMesh:
         self._sequence = itertools.count()
         self._link_free_at: dict[tuple[int, int], float] = {}
         self._allreduce: dict[int, dict[int, tuple[Transmission, Message]]] = {}
+        # Each partition's group of every rank it names, once: asked per message, it cost O(nodes) each time.
+        self._sides = [{rank: index for index, group in enumerate(partition.groups) for rank in group}
+                       for partition in simulation.partitions]
         speeds = simulation.speeds or [1.0] * len(nodes)
         with rare_full_collections():
             self.nodes = [
@@ -207,11 +210,9 @@ class VirtualMesh:
     def reachable(self, src: int, dst: int, time: float) -> bool:
         if self.down_until(dst, time) is not None or self.down_until(src, time) is not None:
             return False
-        for partition in self.simulation.partitions:
-            if partition.start <= time < partition.end:
-                side = {rank: index for index, group in enumerate(partition.groups) for rank in group}
-                if src in side and dst in side and side[src] != side[dst]:
-                    return False
+        for partition, side in zip(self.simulation.partitions, self._sides, strict=True):
+            if partition.start <= time < partition.end and src in side and dst in side and side[src] != side[dst]:
+                return False
         return True
 
     # -- a node's work: what its driver decides ------------------------------------------------------------------
