@@ -8,6 +8,7 @@ from coordinator.jobs import plan_node, validate_job
 from coordinator.simulate import build_nodes
 from nodeagent.jobspec import parse_job_spec
 from nodeagent.training.job import build_node
+from nodeagent.training.loop import evaluate
 
 
 def spec(fashion_mnist_dir, nodes=12, **model):
@@ -76,3 +77,16 @@ def test_an_agents_node_is_the_simulators_node_and_leaves_the_same_random_state(
     for _ in range(3):
         (a_inputs, a_targets), (s_inputs, s_targets) = alone.batches.next(), simulated[3].batches.next()
         assert torch.equal(a_inputs, s_inputs) and torch.equal(a_targets, s_targets)
+
+
+def test_the_initial_model_is_evaluated_once_for_all_nodes_as_each_would_be(fashion_mnist_dir, monkeypatch):
+    nodes = build_nodes(spec(fashion_mnist_dir, nodes=20))
+    expected = evaluate(nodes[7].algorithm.model, nodes[7].test_set)
+    evaluations = counted(monkeypatch, "evaluate")
+    assert all(node.evaluate() == expected for node in nodes)
+    assert len(evaluations) == 1
+    # Once a node has trained, it is evaluated on its own parameters.
+    inputs, targets = nodes[0].batches.next()
+    nodes[0].algorithm.step(inputs, targets)
+    trained = nodes[0].evaluate()
+    assert len(evaluations) == 2 and trained == evaluate(nodes[0].algorithm.model, nodes[0].test_set) != expected

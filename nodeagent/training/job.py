@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 from torch import nn
 
 from nodeagent.algorithms import Algorithm, Neighbor, NodeContext, build_algorithm
@@ -28,6 +29,26 @@ from nodeagent.training.models import initial_model
 from nodeagent.training.splits import split_indices
 
 
+class InitialEvaluation:
+    """The job's initial model evaluated on its test set once, for all its nodes: each is evaluated at step 0 (where
+    its curve starts), from the same parameters, which would repeat one evaluation per node."""
+
+    def __init__(self, initial: nn.Module, test_set: Dataset) -> None:
+        self._initial = initial
+        self._state = initial.state_dict()
+        self._test_set = test_set
+        self._result: EvalResult | None = None
+
+    def of(self, model: nn.Module) -> EvalResult | None:
+        """The initial model's result if `model` holds exactly its parameters and buffers, else None."""
+        state = model.state_dict()
+        if state.keys() != self._state.keys() or not all(torch.equal(state[k], self._state[k]) for k in state):
+            return None
+        if self._result is None:
+            self._result = evaluate(self._initial, self._test_set)
+        return self._result
+
+
 @dataclass
 class Node:
     spec: JobSpec
@@ -36,24 +57,30 @@ class Node:
     batches: BatchStream
     test_set: Dataset | None  # None: the node is not evaluated (mathematics tests on synthetic problems)
     shard_size: int
+    initial_evaluation: InitialEvaluation | None = None  # shared by the job's nodes, on the same test set
 
     def evaluate(self) -> EvalResult:
         if self.test_set is None:
             return EvalResult(math.nan, math.nan)
+        if self.initial_evaluation is not None and self.algorithm.clock == 0:
+            known = self.initial_evaluation.of(self.algorithm.model)
+            if known is not None:
+                return known
         return evaluate(self.algorithm.model, self.test_set)
 
 
 @dataclass(frozen=True)
 class JobData:
     """What every node of a job shares, read and computed once per job (`prepare`): the training and test sets
-    (never modified: every node indexes the same tensors), each rank's shard of sample indices, and the seeded
-    initial model, which no node trains (each trains a copy: `node`)."""
+    (never modified: every node indexes the same tensors), each rank's shard of sample indices, the seeded initial
+    model, which no node trains (each trains a copy: `node`), and its evaluation."""
 
     spec: JobSpec
     train: Dataset
     test: Dataset
     shards: list[np.ndarray]
     initial: nn.Module
+    initial_evaluation: InitialEvaluation
 
     @classmethod
     def prepare(cls, spec: JobSpec, data_dir: str | Path | None = None, allow_imports: Collection[str] = ()) -> JobData:
@@ -67,7 +94,8 @@ class JobData:
         shards = split_indices(
             train.labels.numpy(), spec.nodes, spec.data.split, spec.seed, dict(spec.data.split_options)
         )
-        return cls(spec, train, test, shards, initial_model(spec, allow_imports))
+        initial = initial_model(spec, allow_imports)
+        return cls(spec, train, test, shards, initial, InitialEvaluation(initial, test))
 
     def node(self, rank: int, neighbors: tuple[Neighbor, ...], self_weight: float,
              peer_schedule: tuple[tuple[int, ...], ...] = ()) -> Node:
@@ -87,7 +115,7 @@ class JobData:
         shard = self.shards[rank]
         # Each node draws its own batch order, reproducibly.
         batches = BatchStream(self.train, shard, spec.data.batch_size, seed=spec.seed * 1_000_003 + rank)
-        return Node(spec, rank, algorithm, batches, self.test, len(shard))
+        return Node(spec, rank, algorithm, batches, self.test, len(shard), self.initial_evaluation)
 
 
 def build_node(
