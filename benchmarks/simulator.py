@@ -4,7 +4,8 @@ The bare step is what one node would do alone: fetch a minibatch of its shard, f
 (torch.optim), on the shard a simulated node of the same job holds (60,000 / N samples) with the same batch size,
 so that a node of 10,000 (6 samples, batches of 6) is compared with a bare step on 6 samples. The simulated step
 is the whole simulator's work per node step: the algorithm (DSGD, asynchronous), its messages, the event queue,
-the network model and the evaluations at the start and the end.
+the network model and the evaluations (at the start one for all nodes, which start from the same model; at the
+end each node's own, on 500 test samples).
 
 Without --nodes: the scaling table, each size in a fresh process (so that sizes do not share caches or
 allocations), DSGD on a ring, 10 steps per node. Per size: the time to build the nodes (the dataset's loading
@@ -169,7 +170,7 @@ def print_table(rows: list[Measurement]) -> None:
         print(f"target: {TARGET_BUILD_NODES} nodes built in under {TARGET_BUILD_S:.0f} s: {largest.build_cpu_s:.2f} s "
               f"CPU, {largest.build_wall_s:.2f} s wall ({verdict(largest.build_cpu_s < TARGET_BUILD_S)})")
     for row in rows:
-        print(f"target: step rate at {row.nodes} nodes at least {TARGET_RATIO}x the bare step: {row.ratio:.2f} "
+        print(f"target: step rate at {row.nodes} nodes at least {TARGET_RATIO}x the bare step: {row.ratio:.3f} "
               f"({verdict(row.ratio >= TARGET_RATIO)})")
     smallest = min(row.bytes_per_node for row in rows)
     print(f"target: memory linear in N: {', '.join(f'{row.bytes_per_node:.0f}' for row in rows)} bytes per node; "
