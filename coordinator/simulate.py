@@ -1,9 +1,9 @@
 """`coordinator simulate JOB.yaml`: run a job's nodes in one process on a virtual clock.
 
 The job schema is the one real runs use, plus its `simulation:` section (speeds, network, faults). Nodes are
-built by `nodeagent.training.job.build_node` with the neighbours the coordinator would assign, so a simulated
-node is the same object an agent trains. The run directory gets the same metrics log as a real run, with
-virtual time stamps.
+built from one `nodeagent.training.job.JobData` (the job's data, split and initial model, prepared once) with the
+neighbours the coordinator would assign, so a simulated node is the same object an agent trains. The run
+directory gets the same metrics log as a real run, with virtual time stamps.
 
 `simulation.topology_changes` switches the job's topology while it runs, through the node driver's path of a
 real change (`NodeDriver.change_topology`): every node learns of every change at the start, so none is late, and
@@ -30,19 +30,20 @@ from nodeagent.runtime import events
 from nodeagent.runtime.driver import Report, Switch, TopologyChange
 from nodeagent.runtime.events import Event, EventLog
 from nodeagent.runtime.progress import Progress, RunLog
-from nodeagent.runtime.simulator import SimNode, VirtualMesh
-from nodeagent.training.job import Node, build_node
+from nodeagent.runtime.simulator import SimNode, VirtualMesh, rare_full_collections
+from nodeagent.training.job import JobData, Node
 
 
 def build_nodes(spec: JobSpec, data_dir: str | None = None, allow_imports: Collection[str] = ()) -> list[Node]:
     """Every node of the job, placed in the topology exactly as the coordinator assigns agents. A model is imported
     only from `allow_imports`, as on an agent (nodeagent.training.models)."""
     topology = validate_job(spec)
+    data = JobData.prepare(spec, data_dir, allow_imports)
     nodes = []
-    for rank in range(spec.nodes):
-        plan = plan_node(spec, topology, rank)
-        nodes.append(build_node(spec, rank, plan.neighbors, plan.self_weight, data_dir, plan.peer_schedule,
-                                allow_imports))
+    with rare_full_collections():
+        for rank in range(spec.nodes):
+            plan = plan_node(spec, topology, rank)
+            nodes.append(data.node(rank, plan.neighbors, plan.self_weight, plan.peer_schedule))
     return nodes
 
 

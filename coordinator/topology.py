@@ -57,8 +57,8 @@ ECL_RANDOM8_EDGES: tuple[Edge, ...] = (
 # The most edges a job's graph may have (for the dynamic kinds: the union of one period), and the most sends one
 # period of a dynamic kind's schedule may hold over all nodes (nodes x iterations x peers per iteration), so that
 # building the graph and planning every node stays well under 2 s at the coordinator (benchmarks/planning.py). On
-# MAX_NODES nodes the circulant kinds, star and torus stay below them (exponential: 47,104 edges; SGP's dynamic
-# exponential graph with 2 peers per iteration: 188,416 sends); complete fits up to 362 nodes. The kinds that
+# MAX_NODES nodes the rings, star and torus stay below them; on 4096 nodes exponential has 47,104 edges and SGP's
+# dynamic exponential graph with 2 peers per iteration 188,416 sends; complete fits up to 362 nodes. The kinds that
 # could exceed them count before they build.
 MAX_EDGES = 65_536
 MAX_PERIOD_SENDS = 262_144
@@ -201,7 +201,11 @@ def _multiplex_ring(spec: TopologySpec, nodes: int) -> Iterable[Edge]:
 
 
 def _exponential(spec: TopologySpec, nodes: int) -> Iterable[Edge]:
-    return _circulant(nodes, _powers_of_two_below(nodes))
+    distances = _powers_of_two_below(nodes)
+    # Distances d and nodes - d join the same pairs, and d = nodes / 2 joins each pair twice.
+    offsets = {min(distance, nodes - distance) for distance in distances}
+    _check_edge_count(spec, sum(nodes // 2 if 2 * offset == nodes else nodes for offset in offsets))
+    return _circulant(nodes, distances)
 
 
 def _complete(spec: TopologySpec, nodes: int) -> Iterable[Edge]:

@@ -26,9 +26,9 @@ Mode = Literal["async", "sync"]
 DatasetKind = Literal["fashion-mnist", "mnist", "cifar10", "cifar100", "npy", "image-folder"]
 
 MAX_JOB_BYTES = 1 << 20  # of the YAML text; an inlined edge list counts
-MAX_YAML_VALUES = 65_536  # scalars, lists and mappings: a 4096-node job with per-rank speeds and slow-downs fits
+MAX_YAML_VALUES = 65_536  # scalars, lists and mappings: a 10,000-node job with per-rank speeds and slow-downs fits
 MAX_YAML_DEPTH = 32  # nested lists and mappings; a job needs 6 (simulation.partitions[].groups[])
-MAX_NODES = 4096
+MAX_NODES = 10_000  # the simulator's scale (benchmarks/simulator.py); planning stays linear in nodes
 MAX_SHOWN_CHARS = 100  # of what a job wrote, repeated in an error
 MAX_ERRORS_SHOWN = 10  # wrong fields named in one error
 
@@ -334,7 +334,10 @@ def _check_yaml_shape(text: str) -> None:
             elif isinstance(event, yaml.CollectionEndEvent):
                 depth -= 1
     except yaml.YAMLError as error:
-        raise JobSpecError(f"not valid YAML: {_yaml_problem(error)}") from None
+        problem = _yaml_problem(error)
+        if "maximum nesting depth" in problem:  # libyaml's own bound (newer releases), reached before ours is read
+            raise JobSpecError(f"lists and mappings nested deeper than {MAX_YAML_DEPTH} levels") from None
+        raise JobSpecError(f"not valid YAML: {problem}") from None
 
 
 def _line(event: yaml.Event) -> str:

@@ -174,7 +174,7 @@ class FlatParameters:
         self.shapes = [tuple(p.shape) for _, p in named]
         self.sizes = [p.numel() for _, p in named]
         self.parameters = [p for _, p in named]
-        self.vector = torch.cat([p.detach().reshape(-1) for p in self.parameters]).clone()
+        self.vector = torch.cat([p.detach().reshape(-1) for p in self.parameters])  # cat copies
         offset = 0
         for p, size, shape in zip(self.parameters, self.sizes, self.shapes, strict=True):
             p.data = self.vector[offset : offset + size].view(shape)
@@ -199,12 +199,18 @@ class FlatParameters:
         return torch.cat([tensors[name].reshape(-1) for name in self.names]).to(self.vector.device)
 
     def gradient(self) -> torch.Tensor:
-        return torch.cat(
+        """The parameters' gradients as one flat vector; the parameters' own are dropped (set to None), so that a node
+        holds no gradient between steps (the simulator holds thousands of nodes) and the next backward starts
+        from none."""
+        flat = torch.cat(
             [
                 p.grad.reshape(-1) if p.grad is not None else torch.zeros(size, dtype=p.dtype, device=p.device)
                 for p, size in zip(self.parameters, self.sizes, strict=True)
             ]
         )
+        for p in self.parameters:
+            p.grad = None
+        return flat
 
 
 class Algorithm(ABC):
@@ -229,6 +235,8 @@ class Algorithm(ABC):
         self.context = context
         self.spec = context.spec
         self.loss_fn = loss_fn or nn.CrossEntropyLoss()
+        model.train()  # what every step trains in (`gradient` switches only after an evaluation left it in eval)
+        model.zero_grad(set_to_none=True)  # `gradient` expects no gradient before its backward
         self.params = FlatParameters(model)
         self.w = self.params.vector
         self.clock = 0
@@ -273,8 +281,8 @@ class Algorithm(ABC):
 
     def gradient(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor]:
         """Minibatch loss and flat gradient g at the current parameters, with the L2 term l2 * w."""
-        self.model.train()
-        self.model.zero_grad(set_to_none=True)
+        if not self.model.training:  # switching every module costs more than a small model's step
+            self.model.train()
         loss = self.loss_fn(self.model(inputs), targets)
         loss.backward()
         grad = self.params.gradient()

@@ -38,7 +38,9 @@ class DSGD(Algorithm):
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         super().__init__(model, context, loss_fn)
         self.synchronous = self.mode == "sync"
-        self.last_copy = {n.rank: self.w.detach().clone() for n in context.neighbors}
+        # Until a neighbour's first message, its copy is this node's parameters: one tensor for all of them, since
+        # copies are replaced, never changed in place.
+        self.last_copy = dict.fromkeys(context.neighbor_ranks, self.w.detach().clone())
         self.round_copies: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)
         self._pending_direction: torch.Tensor | None = None
         self._outbox: list[Send] = []
@@ -67,10 +69,10 @@ class DSGD(Algorithm):
     def _mix(self, copies: dict[int, torch.Tensor]) -> None:
         if not self.context.neighbors:
             return
-        mixed = self.w * self.context.self_weight
+        # In place: the same operations in the same order as into a new tensor, without allocating one per step.
+        self.w.mul_(self.context.self_weight)
         for neighbor in self.context.neighbors:
-            mixed.add_(copies[neighbor.rank], alpha=neighbor.weight)
-        self.w.copy_(mixed)
+            self.w.add_(copies[neighbor.rank], alpha=neighbor.weight)
 
     def _complete_round(self) -> None:
         copies = self.round_copies.get(self.clock, {})
@@ -93,7 +95,8 @@ class DSGD(Algorithm):
         exchange); a dropped neighbour's copy is forgotten. Synchronous rounds from the switch on wait for the new
         neighbours: rounds before it are complete (the switch comes between two steps)."""
         ranks = set(context.neighbor_ranks)
-        self.last_copy = {rank: self.last_copy.get(rank, self.w.detach().clone()) for rank in ranks}
+        own = self.w.detach().clone()
+        self.last_copy = {rank: self.last_copy.get(rank, own) for rank in ranks}
         for copies in self.round_copies.values():
             for rank in set(copies) - ranks:
                 del copies[rank]

@@ -2,14 +2,24 @@
 
 Both runtimes (the gRPC agent and the simulator) build their nodes here, so a node is the same object
 whichever runtime drives it: same seeded initial model on every node, same shard, same batch order.
+
+What the nodes of a job share is prepared once per job (`JobData`): the datasets, the split and the seeded initial
+model. A node then costs only its own state: its shard is an index array into the shared training set, its model a
+copy of the initial one. The simulator builds thousands of nodes from one JobData; an agent builds its one node
+through `build_node`.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
 
 from nodeagent.algorithms import Algorithm, Neighbor, NodeContext, build_algorithm
 from nodeagent.jobspec import JobSpec
@@ -17,6 +27,26 @@ from nodeagent.training.data import Dataset, load_dataset
 from nodeagent.training.loop import BatchStream, EvalResult, evaluate
 from nodeagent.training.models import initial_model
 from nodeagent.training.splits import split_indices
+
+
+class InitialEvaluation:
+    """The job's initial model evaluated on its test set once, for all its nodes: each is evaluated at step 0 (where
+    its curve starts), from the same parameters, which would repeat one evaluation per node."""
+
+    def __init__(self, initial: nn.Module, test_set: Dataset) -> None:
+        self._initial = initial
+        self._state = initial.state_dict()
+        self._test_set = test_set
+        self._result: EvalResult | None = None
+
+    def of(self, model: nn.Module) -> EvalResult | None:
+        """The initial model's result if `model` holds exactly its parameters and buffers, else None."""
+        state = model.state_dict()
+        if state.keys() != self._state.keys() or not all(torch.equal(state[k], self._state[k]) for k in state):
+            return None
+        if self._result is None:
+            self._result = evaluate(self._initial, self._test_set)
+        return self._result
 
 
 @dataclass
@@ -27,11 +57,66 @@ class Node:
     batches: BatchStream
     test_set: Dataset | None  # None: the node is not evaluated (mathematics tests on synthetic problems)
     shard_size: int
+    initial_evaluation: InitialEvaluation | None = None  # shared by the job's nodes, on the same test set
 
     def evaluate(self) -> EvalResult:
         if self.test_set is None:
             return EvalResult(math.nan, math.nan)
+        if self.initial_evaluation is not None and self.algorithm.clock == 0:
+            known = self.initial_evaluation.of(self.algorithm.model)
+            if known is not None:
+                return known
         return evaluate(self.algorithm.model, self.test_set)
+
+
+@dataclass(frozen=True)
+class JobData:
+    """What every node of a job shares, read and computed once per job (`prepare`): the training and test sets
+    (never modified: every node indexes the same tensors), each rank's shard of sample indices, the seeded initial
+    model, which no node trains (each trains a copy: `node`), and its evaluation."""
+
+    spec: JobSpec
+    train: Dataset
+    test: Dataset
+    shards: list[np.ndarray]
+    initial: nn.Module
+    initial_evaluation: InitialEvaluation
+
+    @classmethod
+    def prepare(cls, spec: JobSpec, data_dir: str | Path | None = None, allow_imports: Collection[str] = ()) -> JobData:
+        """Loads the job's data and splits it, and builds its initial model. `data_dir` overrides the job's data
+        directory on this machine; `allow_imports` are the modules a model may be imported from on it
+        (nodeagent.training.models). Seeds torch's global generator as `initial_model` does, once: what the nodes
+        draw next (dropout) is what a single node built alone would draw."""
+        directory = data_dir or spec.data.data_dir
+        train = load_dataset(spec.data.dataset, directory, "train", spec.data.train_limit)
+        test = load_dataset(spec.data.dataset, directory, "test", spec.data.test_limit)
+        shards = split_indices(
+            train.labels.numpy(), spec.nodes, spec.data.split, spec.seed, dict(spec.data.split_options),
+            train.info.num_classes,
+        )
+        initial = initial_model(spec, train.info, allow_imports)
+        return cls(spec, train, test, shards, initial, InitialEvaluation(initial, test))
+
+    def node(self, rank: int, neighbors: tuple[Neighbor, ...], self_weight: float,
+             peer_schedule: tuple[tuple[int, ...], ...] = ()) -> Node:
+        """The node of `rank`: its own copy of the initial model (identical on every node), its shard, and its
+        algorithm."""
+        spec = self.spec
+        context = NodeContext(
+            rank=rank,
+            world_size=spec.nodes,
+            neighbors=neighbors,
+            spec=spec.algorithm,
+            self_weight=self_weight,
+            seed=spec.seed,
+            peer_schedule=peer_schedule,
+        )
+        algorithm = build_algorithm(copy.deepcopy(self.initial), context)
+        shard = self.shards[rank]
+        # Each node draws its own batch order, reproducibly.
+        batches = BatchStream(self.train, shard, spec.data.batch_size, seed=spec.seed * 1_000_003 + rank)
+        return Node(spec, rank, algorithm, batches, self.test, len(shard), self.initial_evaluation)
 
 
 def build_node(
@@ -43,27 +128,6 @@ def build_node(
     peer_schedule: tuple[tuple[int, ...], ...] = (),
     allow_imports: Collection[str] = (),
 ) -> Node:
-    """The node of `rank`: model initialised from the job's seed (identical on every node), its data shard,
-    and its algorithm. `data_dir` overrides the job's data directory on this machine; `allow_imports` are the
-    modules a model may be imported from on it (nodeagent.training.models)."""
-    directory = data_dir or spec.data.data_dir
-    train = load_dataset(spec.data.dataset, directory, "train", spec.data.train_limit)
-    test = load_dataset(spec.data.dataset, directory, "test", spec.data.test_limit)
-    shards = split_indices(
-        train.labels.numpy(), spec.nodes, spec.data.split, spec.seed, dict(spec.data.split_options),
-        train.info.num_classes,
-    )
-    model = initial_model(spec, train.info, allow_imports)
-    context = NodeContext(
-        rank=rank,
-        world_size=spec.nodes,
-        neighbors=neighbors,
-        spec=spec.algorithm,
-        self_weight=self_weight,
-        seed=spec.seed,
-        peer_schedule=peer_schedule,
-    )
-    algorithm = build_algorithm(model, context)
-    # Each node draws its own batch order, reproducibly.
-    batches = BatchStream(train, shards[rank], spec.data.batch_size, seed=spec.seed * 1_000_003 + rank)
-    return Node(spec, rank, algorithm, batches, test, len(shards[rank]))
+    """The node of `rank` alone (an agent's): the job's data prepared for it (`JobData.prepare`), then its node.
+    Building many nodes of one job, prepare the JobData once and call its `node` for each."""
+    return JobData.prepare(spec, data_dir, allow_imports).node(rank, neighbors, self_weight, peer_schedule)

@@ -34,18 +34,13 @@ class BatchStream:
             raise ValueError(f"shard indices must lie in 0..{len(dataset) - 1}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        self._dataset = dataset
+        self.dataset = dataset  # shared, never copied: the stream only gathers its minibatches from it
         self._indices = indices
         self._batch_size = batch_size
         self._rng = np.random.default_rng(seed)
         self._order = self._shuffled()
         self._position = 0
         self.epochs = 0  # complete passes over the shard served so far
-
-    @property
-    def dataset(self) -> Dataset:
-        """The whole set the shard is drawn from."""
-        return self._dataset
 
     def _shuffled(self) -> np.ndarray:
         return self._indices[self._rng.permutation(len(self._indices))]
@@ -58,7 +53,7 @@ class BatchStream:
             self.epochs += 1
             self._order = self._shuffled()
             self._position = 0
-        return self._dataset.images(batch), self._dataset.labels[torch.from_numpy(batch)]
+        return self.dataset.images(batch), self.dataset.labels.index_select(0, torch.from_numpy(batch))
 
     __next__ = next
 

@@ -1,0 +1,92 @@
+"""Building many simulated nodes: one dataset, one split and one initial model per job, each node its own state."""
+
+import pytest
+import torch
+
+import nodeagent.training.job as job_module
+from coordinator.jobs import plan_node, validate_job
+from coordinator.simulate import build_nodes
+from nodeagent.jobspec import parse_job_spec
+from nodeagent.training.job import build_node
+from nodeagent.training.loop import evaluate
+
+
+def spec(fashion_mnist_dir, nodes=12, **model):
+    return parse_job_spec({
+        "name": "scale", "nodes": nodes, "steps": 4, "eval_every": 4,
+        "algorithm": {"name": "dsgd", "lr": 0.05, "interval": 2},
+        "model": model or {"name": "logistic"},
+        "data": {"data_dir": str(fashion_mnist_dir), "split": "iid", "batch_size": 8, "train_limit": 1200,
+                 "test_limit": 100},
+        "topology": {"kind": "ring", "seed": 1},
+    })
+
+
+def counted(monkeypatch, name: str) -> list[int]:
+    """Counts the calls of job.py's `name` (a function of the data layer it calls)."""
+    calls = []
+    original = getattr(job_module, name)
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(job_module, name, counting)
+    return calls
+
+
+@pytest.mark.parametrize("nodes", [3, 40])
+def test_a_job_splits_its_data_and_builds_its_model_once_however_many_nodes(fashion_mnist_dir, monkeypatch, nodes):
+    splits, models, loads = (counted(monkeypatch, name) for name in ("split_indices", "initial_model", "load_dataset"))
+    built = build_nodes(spec(fashion_mnist_dir, nodes))
+    assert len(built) == nodes
+    assert (len(splits), len(models), len(loads)) == (1, 1, 2)  # loads: the training and the test set
+
+
+def test_every_node_indexes_the_same_dataset_tensors(fashion_mnist_dir):
+    nodes = build_nodes(spec(fashion_mnist_dir))
+    train = {node.batches.dataset.samples.ctypes.data for node in nodes}
+    test = {node.test_set.samples.ctypes.data for node in nodes}
+    assert len(train) == 1 and len(test) == 1
+    assert sum(node.shard_size for node in nodes) == 1200  # the shards are disjoint index sets into it
+
+
+def test_every_node_starts_from_the_same_parameters_in_tensors_of_its_own(fashion_mnist_dir):
+    nodes = build_nodes(spec(fashion_mnist_dir))
+    first = nodes[0].algorithm.w.clone()
+    assert all(torch.equal(node.algorithm.w, first) for node in nodes)
+    storages = {p.untyped_storage().data_ptr() for node in nodes for p in node.algorithm.model.parameters()}
+    assert len(storages) == len(nodes)  # a node's parameters are views of its own flat vector, no one else's
+    # Training one node leaves the others where they started.
+    inputs, targets = nodes[0].batches.next()
+    nodes[0].algorithm.step(inputs, targets)
+    assert not torch.equal(nodes[0].algorithm.w, first)
+    assert all(torch.equal(node.algorithm.w, first) for node in nodes[1:])
+
+
+def test_an_agents_node_is_the_simulators_node_and_leaves_the_same_random_state(fashion_mnist_dir):
+    """An agent builds its one node with build_node; the simulator builds all from one JobData. Same parameters, same
+    batches, and torch's global generator (dropout) left where a single node's build leaves it."""
+    job = spec(fashion_mnist_dir, nodes=5, name="resnet-gn", options={"depth": 18, "width": 4})
+    simulated = build_nodes(job)
+    after_all = torch.get_rng_state()
+    plan = plan_node(job, validate_job(job), 3)
+    alone = build_node(job, 3, plan.neighbors, plan.self_weight, peer_schedule=plan.peer_schedule)
+    assert torch.equal(torch.get_rng_state(), after_all)
+    assert torch.equal(alone.algorithm.w, simulated[3].algorithm.w)
+    for _ in range(3):
+        (a_inputs, a_targets), (s_inputs, s_targets) = alone.batches.next(), simulated[3].batches.next()
+        assert torch.equal(a_inputs, s_inputs) and torch.equal(a_targets, s_targets)
+
+
+def test_the_initial_model_is_evaluated_once_for_all_nodes_as_each_would_be(fashion_mnist_dir, monkeypatch):
+    nodes = build_nodes(spec(fashion_mnist_dir, nodes=20))
+    expected = evaluate(nodes[7].algorithm.model, nodes[7].test_set)
+    evaluations = counted(monkeypatch, "evaluate")
+    assert all(node.evaluate() == expected for node in nodes)
+    assert len(evaluations) == 1
+    # Once a node has trained, it is evaluated on its own parameters.
+    inputs, targets = nodes[0].batches.next()
+    nodes[0].algorithm.step(inputs, targets)
+    trained = nodes[0].evaluate()
+    assert len(evaluations) == 2 and trained == evaluate(nodes[0].algorithm.model, nodes[0].test_set) != expected
