@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from prometheus_client import Counter
 
 from nodeagent.algorithms import Family, Snapshot, build_server
 from nodeagent.algorithms.base import ALLREDUCE_RANK, Route, SendFailed
@@ -149,6 +150,8 @@ class VirtualMesh:
         self._sequence = itertools.count()
         self._link_free_at: dict[tuple[int, int], float] = {}
         self._allreduce: dict[int, dict[int, tuple[Transmission, Message]]] = {}
+        # Each edge's byte counters, looked up once: a labelled lookup costs more than a small model's message.
+        self._edge_counters: dict[tuple[int, int], tuple[Counter, Counter]] = {}
         # Each partition's group of every rank it names, once: asked per message, it cost O(nodes) each time.
         self._sides = [{rank: index for index, group in enumerate(partition.groups) for rank in group}
                        for partition in simulation.partitions]
@@ -359,8 +362,13 @@ class VirtualMesh:
     def _count(self, src: SimNode, dst: SimNode, size: int) -> None:
         src.driver.traffic.add_sent(dst.rank, size)
         dst.driver.traffic.add_received(src.rank, size)
-        self.metrics.edge_bytes_sent.labels(self.job, src.name, dst.name).inc(size)
-        self.metrics.edge_bytes_received.labels(self.job, src.name, dst.name).inc(size)
+        counters = self._edge_counters.get((src.rank, dst.rank))
+        if counters is None:
+            labels = (self.job, src.name, dst.name)
+            counters = self._edge_counters[src.rank, dst.rank] = (
+                self.metrics.edge_bytes_sent.labels(*labels), self.metrics.edge_bytes_received.labels(*labels))
+        for counter in counters:
+            counter.inc(size)
 
 
 class SimulatedServer:

@@ -114,6 +114,12 @@ class Dataset:
         """The samples `which` (indices or a slice), normalised: float32 (B, *input_shape)."""
         return self.normalisation.apply(self.samples[which])
 
+    @cached_property
+    def normalised(self) -> torch.Tensor:
+        """Every sample normalised, computed once and kept: evaluation reads the whole test set again and again (each
+        simulated node, each evaluation), and normalising it costs more than a small model's forward pass."""
+        return self.normalisation.apply(self.samples)
+
 
 def _published(mean: tuple[float, ...], std: tuple[float, ...]) -> Normalisation:
     return Normalisation(255.0, mean, std)

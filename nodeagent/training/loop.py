@@ -79,7 +79,7 @@ def evaluate(model: nn.Module, dataset: Dataset, batch_size: int = 1000) -> Eval
     try:
         with torch.no_grad():
             for start in range(0, len(dataset), batch_size):
-                images = dataset.images(slice(start, start + batch_size))
+                images = dataset.normalised[start : start + batch_size]
                 labels = dataset.labels[start : start + batch_size]
                 logits = model(images)
                 loss_sum += F.cross_entropy(logits, labels, reduction="sum").item()
