@@ -14,18 +14,15 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 import yaml
+from start_latency import time_to_first_step  # this directory's: the same timing as the start-latency benchmark
 
 from coordinator.cluster import LocalCluster
-from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.jobspec import DEFAULT_DATA_DIR
 
 TARGET_EXTRA_S = 1.0
-POLL_S = 0.02
 
 
 def job_yaml(agents: int, data_dir: str, index: int) -> str:
@@ -36,32 +33,6 @@ def job_yaml(agents: int, data_dir: str, index: int) -> str:
         "data": {"data_dir": data_dir, "split": "iid", "batch_size": 32, "train_limit": 8000, "test_limit": 500},
         "topology": {"kind": "ring"},
     })
-
-
-def stepped(metrics_address: str) -> bool:
-    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=2) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith("peertrain_local_steps_total{") and float(line.rsplit(" ", 1)[1]) > 0:
-                return True
-    return False
-
-
-def time_to_first_step(cluster: LocalCluster, spec_yaml: str, timeout_s: float = 120.0) -> float:
-    started = time.perf_counter()
-    job_id = cluster.submit(spec_yaml)
-    waiting = {n.metrics_address for n in cluster.nodes()}
-    while waiting:
-        waiting = {address for address in waiting if not stepped(address)}
-        if time.perf_counter() - started > timeout_s:
-            raise RuntimeError(f"job {job_id}: no first step on {sorted(waiting)} within {timeout_s:.0f} s")
-        time.sleep(POLL_S)
-    elapsed = time.perf_counter() - started
-    cluster.stub().StopJob(pb.StopJobRequest(job_id=job_id), timeout=10)
-    # The agents are free again once the coordinator says so.
-    deadline = time.monotonic() + 30
-    while any(n.job_id for n in cluster.nodes()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return elapsed
 
 
 def main() -> None:

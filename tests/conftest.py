@@ -42,18 +42,24 @@ def fashion_mnist_dir() -> Path:
 
 
 @pytest.fixture
-def coordinator_stub(tmp_path: Path) -> Iterator[coordinator_pb2_grpc.CoordinatorStub]:
+def coordinator_service(tmp_path: Path) -> Iterator[tuple[CoordinatorService, coordinator_pb2_grpc.CoordinatorStub]]:
     """A coordinator service on loopback with a fresh state dir, and a stub to it."""
     service = CoordinatorService(CoordinatorConfig(state_dir=tmp_path), Metrics())
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    # Enough threads for many ready reports held at the start barrier at once.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
     add_coordinator_servicer(service, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     service.start()
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        yield coordinator_pb2_grpc.CoordinatorStub(channel)
+        yield service, coordinator_pb2_grpc.CoordinatorStub(channel)
     server.stop(grace=None)
     service.stop()
+
+
+@pytest.fixture
+def coordinator_stub(coordinator_service) -> coordinator_pb2_grpc.CoordinatorStub:
+    return coordinator_service[1]
 
 
 @pytest.fixture

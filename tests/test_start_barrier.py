@@ -9,12 +9,8 @@ import grpc
 import pytest
 import yaml
 
-from coordinator.ps_service import add_coordinator_servicer
-from coordinator.service import CoordinatorConfig, CoordinatorService
 from coordinator.store import Store
 from nodeagent._proto import coordinator_pb2 as pb
-from nodeagent._proto import coordinator_pb2_grpc
-from nodeagent.metrics import Metrics
 from nodeagent.runtime.readiness import data_from_json, data_to_proto
 from nodeagent.training.data import DatasetInfo
 
@@ -27,17 +23,8 @@ def job(nodes: int = 3, **start) -> str:
 
 
 @pytest.fixture
-def coordinator(tmp_path):
-    service = CoordinatorService(CoordinatorConfig(state_dir=tmp_path), Metrics())
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
-    add_coordinator_servicer(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    service.start()
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        yield service, coordinator_pb2_grpc.CoordinatorStub(channel)
-    server.stop(grace=None)
-    service.stop()
+def coordinator(coordinator_service):
+    return coordinator_service
 
 
 def running_job(stub, spec_yaml: str, nodes: int = 3) -> tuple[str, list[str]]:
