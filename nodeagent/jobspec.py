@@ -173,7 +173,8 @@ class StartSpec(_Strict):
     barrier: bool = Field(
         True, description="every node builds its part (data loaded, model built, serving its peers), reports ready to "
         "the coordinator and waits: the coordinator releases all together once every rank is ready, so that no node "
-        "trains ahead of the others and a seeded job runs alike each time; false: each node starts once built")
+        "trains ahead of the others (a seeded synchronous job then runs alike each time); false: each node starts "
+        "once built")
     timeout_s: float = Field(
         300.0, gt=0, le=86_400, description="with the barrier: the job fails when some rank is not ready this long "
         "after the job started (the reason names the ranks and their nodes)")
