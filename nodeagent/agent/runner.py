@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, cast
 
 import grpc
+import torch
 
 from nodeagent._proto import coordinator_pb2
 from nodeagent.agent.checkpoint import checkpoint_path, restore_checkpoint, save_checkpoint
@@ -321,6 +322,11 @@ class NodeLoop:
     topology_changes: queue.Queue[TopologyChange] = field(default_factory=queue.Queue)  # from the watch thread
 
     def run(self) -> None:
+        # OpenMP's thread count is per thread: a thread that has not been told computes with the library's default
+        # (every core) until some operation happens to apply the process's setting (`--torch-threads`), and sums
+        # split over other thread counts differ in their last bits. Applied here, every step of the node computes
+        # alike, however the thread started and whatever ran in it first.
+        torch.set_num_threads(torch.get_num_threads())
         driver, dispatch = self.driver, self.dispatch
         while not self.stop.is_set():
             self._collect()
