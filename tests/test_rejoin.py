@@ -99,14 +99,17 @@ class Cluster:
         self.stops[rank].set()
         self.threads[rank].join(timeout=10)
 
-    def restart(self, rank: int) -> None:
-        """A new process on the same state dir: a fresh node restored from its checkpoint, an empty inbox."""
+    def restart(self, rank: int) -> int:
+        """A new process on the same state dir: a fresh node restored from its checkpoint, an empty inbox. Returns the
+        step it was restored at (read before its thread starts stepping)."""
         node = build_nodes(self.spec)[rank]
         node.algorithm.load_state_dict(self.checkpoints[rank])
+        restored = node.algorithm.clock
         self.network.nodes[rank] = node
         self.network.inboxes[rank] = queue.Queue()
         self.network.alive[rank] = True
         self.start(rank, rejoin=True)
+        return restored
 
     def wait(self, condition, timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s
@@ -154,8 +157,7 @@ def test_a_restarted_node_rejoins_where_its_neighbours_are_and_the_job_finishes(
         stuck = [d.algorithm.clock for r, d in enumerate(cluster.drivers) if r != 2]
         time.sleep(0.3)
         assert [d.algorithm.clock for r, d in enumerate(cluster.drivers) if r != 2] == stuck
-        cluster.restart(2)  # from its checkpoint at step 10, rounds behind
-        assert cluster.drivers[2].algorithm.clock == 10
+        assert cluster.restart(2) == 10  # from its checkpoint at step 10, rounds behind
         cluster.wait(lambda: all(d.done for d in cluster.drivers), 60, "every rank's last step")
     finally:
         cluster.close()
