@@ -43,6 +43,7 @@ class LocalCluster:
     heartbeat_timeout_s: float = 5.0
     log_level: str = "INFO"
     tls: bool = True
+    host: str = "127.0.0.1"  # where the coordinator listens, and the agents unless `agent_host` says otherwise
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     address: str = ""
     metrics_address: str = ""
@@ -56,12 +57,15 @@ class LocalCluster:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], launcher: tuple[str, ...] = ()) -> subprocess.Popen:
+        """Run `python -m ARGS` as process `name`, under `launcher` (a command that ends by exec'ing its arguments,
+        so that the process's pid stays the Python program's)."""
         logs = self.root / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         with open(logs / f"{name}.log", "ab") as log_file:
             process = subprocess.Popen(
-                [sys.executable, "-m", *args], stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                [*launcher, sys.executable, "-m", *args], stdout=log_file, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
         self.processes[name] = process
@@ -132,19 +136,29 @@ class LocalCluster:
         self._spawn(
             "coordinator",
             [
-                "coordinator.cli", "serve", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+                "coordinator.cli", "serve", "--listen", f"{self.host}:0", "--metrics-listen", f"{self.host}:0",
                 "--state-dir", str(self.root / "coordinator"), "--runs-dir", str(self.root / "runs"),
                 "--heartbeat-timeout", str(self.heartbeat_timeout_s), "--ready-file", str(ready),
-                "--log-level", self.log_level, "--enroll-listen", "127.0.0.1:0",
+                "--log-level", self.log_level, "--enroll-listen", f"{self.host}:0",
                 *([] if self.tls else ["--insecure"]),
             ],
         )
 
+    def agent_host(self, index: int) -> str:
+        """The address agent number `index` listens on (peers, lanes and metrics) and advertises."""
+        del index
+        return self.host
+
     def start_agent(self, index: int) -> None:
         """Start (or restart, keeping its state dir and so its node id) agent number `index`."""
+        self._spawn(f"agent-{index}", self.agent_args(index))
+
+    def agent_args(self, index: int) -> list[str]:
+        """The command line of agent number `index`, after `python -m`."""
+        host = self.agent_host(index)
         args = [
-            "nodeagent.cli", "serve", "--coordinator", self.address, "--listen", "127.0.0.1:0",
-            "--metrics-listen", "127.0.0.1:0", "--state-dir", str(self.state_dir(index)),
+            "nodeagent.cli", "serve", "--coordinator", self.address, "--listen", f"{host}:0",
+            "--metrics-listen", f"{host}:0", "--state-dir", str(self.state_dir(index)),
             "--name", f"agent-{index}", "--device", "cpu", "--log-level", self.log_level,
             # Agents share this machine's cores: one torch thread each avoids oversubscription.
             "--torch-threads", "1",
@@ -154,7 +168,7 @@ class LocalCluster:
             args += ["--data-dir", self.data_dir]
         if index in self.slowdown:
             args += ["--slowdown", str(self.slowdown[index])]
-        self._spawn(f"agent-{index}", args)
+        return args
 
     def _check_alive(self, name: str) -> None:
         code = self.processes[name].poll()
