@@ -464,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("plan", type=Path, help="YAML: agents, data_dir, runs: [{job, faults, timeout_s}]")
     run.add_argument("--out", type=Path, required=True, help="where to write the result (JSON)")
     run.add_argument("--root", type=Path, help="the cluster's directory, kept (default: a temporary one)")
-    run.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    run.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                     help="the agents' and the coordinator's (default %(default)s)")
     run.add_argument("--in-namespace", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,96 @@
+"""What a partition of coordinator/chaos.py's private network does to an established TCP connection: run by
+tests/test_chaos_cluster.py in a user and network namespace of its own (`unshare --user --map-root-user --net`).
+
+An echo server as agent 0 and a client as agent 1, each in its own namespace behind the router; the client sends a
+byte every 0.1 s on one connection and notes when each echo comes back. After 2 s the two are cut off from each
+other for 3 s, then healed. Writes {"cut", "healed", "echoes": [Unix times], "error"} as JSON to argv[1]."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+from coordinator.chaos import PrivateNetwork
+
+PORT = 9000
+CUT_AFTER_S = 2.0
+CUT_FOR_S = 3.0
+CLIENT_FOR_S = 18.0  # TCP's retransmission timer has backed off during the cut: the next try may come seconds later
+
+SERVER = f"""
+import socket, sys
+with socket.create_server((sys.argv[1], {PORT})) as server:
+    connection, _ = server.accept()
+    while data := connection.recv(64):
+        connection.sendall(data)
+"""
+
+CLIENT = f"""
+import socket, sys, threading, time
+deadline = time.monotonic() + 10
+while True:
+    try:
+        connection = socket.create_connection((sys.argv[1], {PORT}), timeout=1)
+        break
+    except OSError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.05)
+print("connected", flush=True)
+end = time.monotonic() + {CLIENT_FOR_S}
+
+def send():
+    while time.monotonic() < end:
+        connection.sendall(b"x")
+        time.sleep(0.1)
+
+threading.Thread(target=send, daemon=True).start()
+connection.settimeout(0.2)
+while time.monotonic() < end:
+    try:
+        data = connection.recv(64)
+    except TimeoutError:
+        continue
+    if not data:
+        raise SystemExit("the connection was closed")
+    for _ in data:
+        print(time.time(), flush=True)
+"""
+
+
+def main() -> int:
+    network = PrivateNetwork()
+    network.setup()
+    processes = []
+    try:
+        for index, script in ((0, SERVER), (1, CLIENT)):
+            process = subprocess.Popen([*network.launcher(), sys.executable, "-c", script, network.address(0)],
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            processes.append(process)
+            network.attach(index, process)
+        client = processes[1]
+        assert client.stdout is not None
+        assert client.stdout.readline().strip() == "connected"
+        time.sleep(CUT_AFTER_S)
+        cut = time.time()
+        network.partition([[0], [1]])
+        time.sleep(CUT_FOR_S)
+        healed = time.time()
+        network.heal()
+        output, _ = client.communicate(timeout=CLIENT_FOR_S + 10)
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+    lines = output.splitlines()
+    echoes = [float(line) for line in lines if line.replace(".", "", 1).isdigit()]
+    error = "" if client.returncode == 0 else "\n".join(lines[-5:])
+    with open(sys.argv[1], "w") as out:
+        json.dump({"cut": cut, "healed": healed, "echoes": echoes, "error": error}, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""Chaos on real agents (coordinator/chaos.py): a 4 + 4 partition of 8 agents during asynchronous jobs, healed, in a
+private network; an agent stopped with SIGSTOP during an asynchronous job; and what a partition does to an
+established TCP connection."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from coordinator.chaos import Chaos, Fault
+from coordinator.cluster import LocalCluster
+from nodeagent._proto import coordinator_pb2 as pb
+from nodeagent.runtime.progress import Progress, read_run_log
+
+pytestmark = pytest.mark.slow
+
+GROUPS = ((0, 1, 2, 3), (4, 5, 6, 7))
+PARTITION = "partition 0,1,2,3/4,5,6,7 at 2 for 5"
+# Steps: the jobs must outlast the partition with room to spare (pdmm-isvr steps several times faster than gossip,
+# which waits for each fetch: a cut neighbour's stalls it until the call's deadline).
+ALGORITHMS = {
+    "pdmm-isvr": ({"name": "pdmm-isvr", "mode": "async", "lr": 0.02, "interval": 4}, 4000),
+    "gossip": ({"name": "gossip", "lr": 0.02}, 1500),
+}
+# At this size a run's final accuracy varies by a few points between two runs alike (asynchronous), so the test
+# bounds the difference loosely; benchmarks/partition.py measures the issue's 1 point, on longer runs.
+ACCURACY_TOLERANCE = 0.05
+RUNNER_TIMEOUT_S = 540
+
+
+def job(name: str, algorithm: dict, steps: int, data_dir: Path) -> dict:
+    return {
+        "name": name, "nodes": 8, "steps": steps, "eval_every": steps, "seed": 1, "algorithm": algorithm,
+        "model": {"name": "logistic"},
+        # A call stalled by the partition fails within it, so the failures show on the cut's edges.
+        "wire": {"exchange_timeout_s": 2},
+        "data": {"data_dir": str(data_dir), "split": "class-window", "batch_size": 50, "test_limit": 1000},
+        "topology": {"kind": "ring", "seed": 1},
+    }
+
+
+def run_in_namespace(command: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    """Run `command` in a session of its own; past `timeout_s` its whole process group is ended (the runner stops its
+    cluster on SIGTERM), and the test fails."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            output, _ = process.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+        pytest.fail(f"{command[:4]} did not end within {timeout_s:.0f} s:\n{output[-4000:]}")
+    assert process.returncode == 0, output[-4000:]
+    return subprocess.CompletedProcess(command, process.returncode, output)
+
+
+@pytest.fixture(scope="module")
+def partitioned(tmp_path_factory, fashion_mnist_dir) -> dict[str, tuple[dict, dict]]:
+    """Per algorithm: its job whole, then the same job (same seed) cut 4 + 4 for 5 s; one cluster of 8 agents in a
+    private network for all four runs."""
+    directory = tmp_path_factory.mktemp("partition")
+    runs = []
+    for name, (algorithm, steps) in ALGORITHMS.items():
+        runs.append({"job": job(f"{name}-whole", algorithm, steps, fashion_mnist_dir), "timeout_s": 200})
+        runs.append({"job": job(f"{name}-cut", algorithm, steps, fashion_mnist_dir), "timeout_s": 200,
+                     "faults": [PARTITION]})
+    plan = directory / "plan.yaml"
+    plan.write_text(yaml.safe_dump({"agents": 8, "data_dir": str(fashion_mnist_dir), "runs": runs}))
+    out = directory / "result.json"
+    run_in_namespace([sys.executable, "-m", "coordinator.chaos", "run", str(plan), "--out", str(out),
+                      "--root", str(directory / "cluster")], RUNNER_TIMEOUT_S)
+    results = json.loads(out.read_text())["runs"]
+    return {name: (results[2 * i], results[2 * i + 1]) for i, name in enumerate(ALGORITHMS)}
+
+
+def edge_totals(records: list[Progress], agent_of: dict[str, int], until_unix: float) -> dict[str, int]:
+    """Exchanges and failures on the edges across the cut and within the groups, as reported until `until_unix`."""
+    last: dict[int, Progress] = {}
+    for record in records:
+        if record.time <= until_unix:
+            last[record.rank] = record
+    totals = dict.fromkeys(("cross_exchanges", "cross_failures", "cross_stalled", "inner_exchanges"), 0)
+    for record in last.values():
+        for edge in record.edges:
+            across = (agent_of[record.node] in GROUPS[0]) != (agent_of[edge.peer] in GROUPS[0])
+            if across:
+                totals["cross_exchanges"] += edge.exchanges
+                totals["cross_failures"] += edge.failures
+                totals["cross_stalled"] += edge.failure_reasons.get("deadline_exceeded", 0)
+            else:
+                totals["inner_exchanges"] += edge.exchanges
+    return totals
+
+
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_a_partitioned_async_job_finishes_after_the_heal_as_accurate(partitioned, algorithm):
+    whole, cut = partitioned[algorithm]
+    steps = ALGORITHMS[algorithm][1]
+    for run in (whole, cut):
+        assert run["state"] == "JOB_FINISHED" and [n["step"] for n in run["nodes"]] == [steps] * 8, run
+    assert cut["errors"] == []
+    # Cut and healed by the schedule while the job ran (a heal "on exit" would mean the job ended first).
+    assert [(a["action"], a["detail"]) for a in cut["actions"]] == [("partition", ""), ("heal", "")]
+    cut_at, healed_at = (a["unix"] for a in cut["actions"])
+    agent_of = {n["node_id"]: n["agent"] for n in cut["nodes"]}
+    records = read_run_log(cut["run_dir"])
+    before, during, after = (edge_totals(records, agent_of, t) for t in (cut_at, healed_at, float("inf")))
+    # Calls across the cut stalled until their deadline (dropped packets, no refusal) while the groups went on among
+    # themselves; after the heal the same edges carried exchanges again.
+    assert during["cross_failures"] > before["cross_failures"], (before, during)
+    assert during["cross_stalled"] > before["cross_stalled"], (before, during)
+    assert during["inner_exchanges"] > before["inner_exchanges"], (before, during)
+    assert after["cross_exchanges"] > during["cross_exchanges"], (during, after)
+    assert max(r.time for r in records) > healed_at
+    assert abs(cut["mean_accuracy"] - whole["mean_accuracy"]) <= ACCURACY_TOLERANCE, (whole["mean_accuracy"],
+                                                                                       cut["mean_accuracy"])
+
+
+def test_an_agent_stopped_during_an_async_job_holds_up_nobody_and_the_job_finishes(tmp_path, fashion_mnist_dir):
+    spec = job("stopped", ALGORITHMS["pdmm-isvr"][0], 8000, fashion_mnist_dir) | {"nodes": 4}
+    # A long heartbeat timeout: the stopped agent stays in the job at the coordinator (this is about its peers).
+    with LocalCluster(root=tmp_path, agents=4, data_dir=str(fashion_mnist_dir), heartbeat_timeout_s=60.0,
+                      log_level="WARNING") as cluster:
+        job_id = cluster.submit(yaml.safe_dump(spec))
+        deadline = time.monotonic() + 120
+        while not ((status := cluster.status(job_id)).nodes and len(status.nodes) == 4 and
+                   min(n.step for n in status.nodes) >= 200):
+            assert status.state in (pb.JOB_PENDING, pb.JOB_RUNNING) and time.monotonic() < deadline, status
+            time.sleep(0.2)
+        victim = next(n.node_id for n in cluster.nodes() if n.name == "agent-2")
+        with Chaos(cluster, [Fault.parse("stop 2 at 0 for 8")]) as chaos:
+            assert chaos.wait(30)
+        status = cluster.wait(job_id, timeout_s=180)
+    assert status.state == pb.JOB_FINISHED and [n.step for n in status.nodes] == [8000] * 4
+    assert [a.action for a in chaos.record] == ["stop", "cont"] and chaos.errors == []
+    stopped_at, continued_at = chaos.record[0].unix, chaos.record[1].unix
+    steps_at: dict[str, list[int]] = {}
+    # From 2 s in: a report the agent sent just before it stopped may be taken in late by a busy coordinator.
+    for at in (stopped_at + 2.0, continued_at):
+        last = {r.node: r.step for r in read_run_log(status.run_dir) if r.time <= at}
+        for node, step in last.items():
+            steps_at.setdefault(node, []).append(step)
+    assert steps_at[victim][1] == steps_at[victim][0]  # it did nothing while stopped
+    others = [node for node in steps_at if node != victim]
+    assert len(others) == 3 and all(steps_at[n][1] > steps_at[n][0] + 50 for n in others), steps_at
+
+
+PROBE = Path(__file__).with_name("netprobe.py")
+
+
+def test_a_partition_stalls_an_established_connection_and_the_heal_resumes_it(tmp_path):
+    out = tmp_path / "probe.json"
+    run_in_namespace(["unshare", "--user", "--map-root-user", "--net", sys.executable, str(PROBE), str(out)], 120)
+    echoes = json.loads(out.read_text())
+    cut_at, healed_at = echoes["cut"], echoes["healed"]
+    times = echoes["echoes"]
+    assert echoes["error"] == ""
+    assert any(t < cut_at for t in times)
+    assert not any(cut_at + 0.3 < t < healed_at for t in times)  # nothing got through: stalled, not refused
+    assert any(t > healed_at for t in times)  # the same connection took up again
