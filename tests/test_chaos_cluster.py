@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 
 GROUPS = ((0, 1, 2, 3), (4, 5, 6, 7))
 PARTITION = "partition 0,1,2,3/4,5,6,7 at 2 for 5"
+KILL = "kill 5 at 3 for 2"
 # Steps: the jobs must outlast the partition with room to spare (pdmm-isvr steps several times faster than gossip,
 # which waits for each fetch: a cut neighbour's stalls it until the call's deadline).
 ALGORITHMS = {
@@ -76,13 +77,17 @@ def partitioned(tmp_path_factory, fashion_mnist_dir) -> dict[str, tuple[dict, di
         runs.append({"job": job(f"{name}-whole", algorithm, steps, fashion_mnist_dir), "timeout_s": 200})
         runs.append({"job": job(f"{name}-cut", algorithm, steps, fashion_mnist_dir), "timeout_s": 200,
                      "faults": [PARTITION]})
+    # And an agent killed during a partition, restarted while it lasts: it comes back behind the router, cut off.
+    runs.append({"job": job("killed", ALGORITHMS["pdmm-isvr"][0], 3000, fashion_mnist_dir), "timeout_s": 200,
+                 "faults": [PARTITION, KILL]})
     plan = directory / "plan.yaml"
     plan.write_text(yaml.safe_dump({"agents": 8, "data_dir": str(fashion_mnist_dir), "runs": runs}))
     out = directory / "result.json"
     run_in_namespace([sys.executable, "-m", "coordinator.chaos", "run", str(plan), "--out", str(out),
                       "--root", str(directory / "cluster")], RUNNER_TIMEOUT_S)
     results = json.loads(out.read_text())["runs"]
-    return {name: (results[2 * i], results[2 * i + 1]) for i, name in enumerate(ALGORITHMS)}
+    return {name: (results[2 * i], results[2 * i + 1]) for i, name in enumerate(ALGORITHMS)} | {
+        "killed": (results[-1], results[-1])}
 
 
 def edge_totals(records: list[Progress], agent_of: dict[str, int], until_unix: float) -> dict[str, int]:
@@ -126,6 +131,18 @@ def test_a_partitioned_async_job_finishes_after_the_heal_as_accurate(partitioned
     assert max(r.time for r in records) > healed_at
     assert abs(cut["mean_accuracy"] - whole["mean_accuracy"]) <= ACCURACY_TOLERANCE, (whole["mean_accuracy"],
                                                                                        cut["mean_accuracy"])
+
+
+def test_an_agent_killed_during_a_partition_is_restarted_in_it_and_the_job_finishes(partitioned):
+    run, _ = partitioned["killed"]
+    assert run["state"] == "JOB_FINISHED" and [n["step"] for n in run["nodes"]] == [3000] * 8, run
+    assert [(a["action"], a["detail"] == "") for a in run["actions"]] == [
+        ("partition", True), ("kill", False), ("restart", False), ("heal", True)], run["actions"]
+    assert run["errors"] == []
+    kill, restart = run["actions"][1:3]
+    assert kill["detail"] != restart["detail"]  # "pid N": a new process
+    events = [json.loads(line) for line in Path(run["run_dir"], "events.jsonl").read_text().splitlines()]
+    assert any(e["kind"] == "resumed" and e["node"] == "agent-5" and e["time"] > restart["unix"] for e in events)
 
 
 def test_an_agent_stopped_during_an_async_job_holds_up_nobody_and_the_job_finishes(tmp_path, fashion_mnist_dir):
