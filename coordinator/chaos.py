@@ -34,10 +34,11 @@ A partition is a set of policy routing rules in that router, `ip rule add from A
 pair of agents in different groups: their packets are dropped silently there, so established TCP connections stall
 (they retransmit, and calls time out) rather than fail at once, as on a cut link, and take up again when the heal
 deletes the rules. Rules are by address, so an agent restarted during a partition is still cut off. (Dropping
-packets with tc needs the gact action or the prio and netem qdiscs, which kernels built small, as this project's
-CI's, lack; routing rules are in every kernel.) All of it happens in a network namespace owned by a user namespace
-made for the run (`unshare --user --map-root-user --net`): root there can change nothing outside it, and it all goes
-when the run ends. `run` re-executes itself there; `PrivateNetwork` refuses to work anywhere else.
+packets with tc needs the gact action or the prio and netem qdiscs, which small kernels such as the development
+machine's lack, and which a user namespace cannot load; policy routing is in every kernel.) All of it happens in a
+network namespace owned by a user namespace made for the run (`unshare --user --map-root-user --net`): root there
+can change nothing outside it, and it all goes when the run ends. `run` re-executes itself there; `PrivateNetwork`
+refuses to work anywhere else.
 """
 
 from __future__ import annotations
