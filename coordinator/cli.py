@@ -785,7 +785,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     for module in args.allow_import:
         if problem := module_problem(module):
             raise SystemExit(f"coordinator: --allow-import {problem}")
-    spec = _load_job(args.job_file).spec
+    spec = _load_job(args.job_file).spec.sized()  # an elastic job is simulated at its largest size
     job_id = f"sim-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = (args.runs / job_id).resolve()
     print(f"simulating {spec.nodes} nodes of {spec.algorithm.name} for {spec.steps} steps; run dir {run_dir}")
@@ -849,6 +849,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     spec = _load_job(args.job_file).spec
     topology = validate_job(spec)
+    spec = spec.sized()  # an elastic job at its largest size: its data is split into that many shards
     degrees = [topology.degree(rank) for rank in range(spec.nodes)]
     print(f"topology {spec.topology.kind}: {spec.nodes} nodes, {len(topology.edges)} edges, "
           f"degree {min(degrees)}..{max(degrees)}")
@@ -900,7 +901,8 @@ def cmd_init(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     for path in args.job_files:
         spec = _load_job(path).spec
-        print(f"{path}: valid: {spec.name}, {spec.nodes} nodes, {spec.algorithm.name} on {spec.topology.kind}, "
+        nodes = f"{spec.min_nodes}..{spec.max_nodes} nodes (elastic)" if spec.elastic else f"{spec.nodes} nodes"
+        print(f"{path}: valid: {spec.name}, {nodes}, {spec.algorithm.name} on {spec.topology.kind}, "
               f"{spec.steps} steps")
     return 0
 
