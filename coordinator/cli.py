@@ -692,16 +692,19 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         for job in reply.jobs:
             print(json.dumps({
                 "job_id": job.job_id, "name": job.name, "state": state_name(job.state), "nodes": job.world_size,
+                **({"min_nodes": job.min_nodes, "max_nodes": job.max_nodes} if job.max_nodes else {}),
                 "submitted_unix": job.created_unix, "started_unix": job.started_unix or None,
                 "ended_unix": job.ended_unix or None, "reason": job.reason,
             }))
         return 0
-    print(f"{'job':<40} {'name':<20} {'state':<9} {'nodes':>5}  {'submitted':<19}  {'started':<8}  {'ended':<8}  "
+    print(f"{'job':<40} {'name':<20} {'state':<9} {'nodes':>12}  {'submitted':<19}  {'started':<8}  {'ended':<8}  "
           f"{'duration':>8}  reason")
     for job in reply.jobs:
         end = job.ended_unix or (time.time() if job.started_unix else 0.0)
         duration = f"{end - job.started_unix:.0f} s" if job.started_unix else "-"
-        print(f"{job.job_id:<40} {job.name:<20} {state_name(job.state):<9} {job.world_size:>5}  "
+        # An elastic job: its members now and, in brackets, its least and most.
+        nodes = f"{job.world_size} ({job.min_nodes}..{job.max_nodes})" if job.max_nodes else str(job.world_size)
+        print(f"{job.job_id:<40} {job.name:<20} {state_name(job.state):<9} {nodes:>12}  "
               f"{_clock(job.created_unix, '%Y-%m-%d %H:%M:%S'):<19}  {_clock(job.started_unix):<8}  "
               f"{_clock(job.ended_unix):<8}  {duration:>8}  {' '.join(job.reason.split())[:80]}")
     return 0

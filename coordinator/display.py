@@ -43,10 +43,17 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def members_text(job: pb.JobStatusReply | pb.JobInfo) -> str:
+    """How many nodes a job has: its size, or an elastic job's members now and its least and most."""
+    if job.max_nodes:
+        return f"{job.world_size} members (elastic, {job.min_nodes}..{job.max_nodes})"
+    return f"{job.world_size} nodes"
+
+
 def status_text(status: pb.JobStatusReply, now: float | None = None) -> str:
     """`coordinator status` of a job: its state, times and reason, then a row per node."""
     now = time.time() if now is None else now
-    lines = [f"job {status.job_id} ({status.name}): {state_name(status.state)}, {status.world_size} nodes, "
+    lines = [f"job {status.job_id} ({status.name}): {state_name(status.state)}, {members_text(status)}, "
              f"run dir {status.run_dir}"]
     if status.started_unix:
         end = status.ended_unix or now
