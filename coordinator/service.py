@@ -847,8 +847,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     @staticmethod
     def _switch_step(members: list[MemberRow]) -> int:
         """The step every node switches at: the highest reported so far plus what the fastest node steps in
-        SWITCH_LEAD_S (see there)."""
-        rate = max((m.progress.step / m.progress.elapsed_s for m in members if m.progress.elapsed_s > 0), default=0.0)
+        SWITCH_LEAD_S (see there). A node's rate counts the steps it took itself (a node that joined or rejoined
+        started at its neighbours' step)."""
+        rate = max(((m.progress.local_steps or m.progress.step) / m.progress.elapsed_s for m in members
+                    if m.progress.elapsed_s > 0), default=0.0)
         highest = max((m.progress.step for m in members), default=0)
         return highest + max(MIN_SWITCH_MARGIN_STEPS, math.ceil(rate * SWITCH_LEAD_S))
 
