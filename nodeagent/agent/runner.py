@@ -181,9 +181,10 @@ class JobRunner(threading.Thread):
                         f"built in {time.perf_counter() - building:.2f} s", step=algorithm.clock)
         if self.joined_at and not resumed:
             driver.join(self.joined_at)
-            agent.event(self.job_id, events.JOINED, f"rank {self.rank} joined the running job: it takes the model "
-                        f"from its neighbours {sorted(n.rank for n in self.neighbors)}, in the topology its nodes "
-                        f"switch to at step {self.joined_at}")
+            start = (f"the model of its neighbours {sorted(n.rank for n in self.neighbors)}"
+                     if algorithm.join_kind() is not None else "the job's initial model")
+            agent.event(self.job_id, events.JOINED, f"rank {self.rank} joined the running job: it starts from "
+                        f"{start}, in the topology its nodes switch to at step {self.joined_at}")
         elif self.rejoin:
             driver.rejoin()
             agent.event(self.job_id, events.REJOINED, f"rank {self.rank} restarted in the running job: it takes the "
