@@ -343,6 +343,20 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             if not self._change_pending(job, members, {n.node_id: n for n in nodes}):
                 self._replan(job, members, idle[: spec.max_nodes - len(members)], [], "")
 
+    def _drain_member(self, job: JobRow, node_id: str) -> bool:
+        """A drained member of an asynchronous elastic job leaves it now, while at least its least members remain
+        and no change is under way; whether it left. (A synchronous job's neighbours would wait for its rounds:
+        it stays, as in any job, until the job ends.)"""
+        spec = JobSpec.from_json(job.spec_json)
+        if not spec.elastic or lookup(spec.algorithm.name).synchronous(spec.algorithm):
+            return False
+        members = self.store.members(job.job_id)
+        leaving = [m for m in members if m.node_id == node_id]
+        nodes = {n.node_id: n for n in self.store.nodes()}
+        if len(members) - len(leaving) < spec.min_nodes or self._change_pending(job, members, nodes):
+            return False
+        return self._replan(job, members, [], leaving, "drained by an operator")
+
     def _change_pending(self, job: JobRow, members: list[MemberRow], nodes: dict[str, NodeRow]) -> bool:
         """Whether some member that is up and not finished has not reached the step where the job switches to its
         latest change (one that joined has not reported from it yet): a new change waits until every one has."""
@@ -884,6 +898,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if not self.store.set_draining(request.node_id, request.drain):
             context.abort(grpc.StatusCode.NOT_FOUND, f"no node {request.node_id[:64]!r}")
         log.info("%s %s by an operator", request.node_id, "drained" if request.drain else "back in service")
+        membership = self.store.running_membership(request.node_id) if request.drain else None
+        if membership is not None:
+            self._drain_member(membership[0], request.node_id)
         self.changes.bump()
         self._schedule()
         node = self.store.node(request.node_id)

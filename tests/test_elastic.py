@@ -319,3 +319,26 @@ def test_a_topology_change_of_an_elastic_job_is_planned_for_its_members_now(coor
     with pytest.raises(grpc.RpcError) as error:
         stub.ChangeTopology(pb.ChangeTopologyRequest(job_id=job_id, kind="ecl-random8"), timeout=5)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_drained_member_of_an_asynchronous_elastic_job_leaves_it_and_a_synchronous_ones_stays(coordinator):
+    start, _ = coordinator
+    _, stub = start()
+    ids = [register(stub, f"a{i}") for i in range(4)]
+    job_id = submit(stub, **elastic(3, 4, start={"barrier": False}))
+    info = stub.DrainNode(pb.DrainRequest(node_id=ids[2], drain=True), timeout=5)
+    assert info.draining and not info.job_id  # it left at once
+    status = status_of(stub, job_id)
+    assert status.world_size == 3 and {n.rank: n.state for n in status.nodes}[2] == "left"
+    events, _ = read_events(status.run_dir)
+    assert [e.message.split(";")[0] for e in events if e.kind == LEFT] == [f"rank 2 (node {ids[2]}) left: drained "
+                                                                           "by an operator"]
+    # Below its least members the job keeps the next one drained.
+    report(stub, job_id, {rank: ids[rank] for rank in (0, 1, 3)}, 100)
+    assert stub.DrainNode(pb.DrainRequest(node_id=ids[3], drain=True), timeout=5).job_id == job_id
+    stub.StopJob(pb.StopJobRequest(job_id=job_id), timeout=5)
+    for node_id in ids:
+        stub.DrainNode(pb.DrainRequest(node_id=node_id, drain=False), timeout=5)
+    sync_id = submit(stub, **elastic(3, 4, algorithm={"name": "sgp"}, start={"barrier": False}))
+    assert stub.DrainNode(pb.DrainRequest(node_id=ids[0], drain=True), timeout=5).job_id == sync_id
+    assert status_of(stub, sync_id).world_size == 4
