@@ -181,6 +181,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.changes = _Changes()
         self.stopping = threading.Event()
         self._topologies: dict[tuple[str, int], Topology] = {}  # by job and topology version
+        self._unplannable: set[tuple[str, int]] = set()  # (elastic job, member count) its graph does not fit
         self._rendezvous: dict[str, tuple[TCPStore, str]] = {}  # job -> its store and key prefix
         self._run_logs: dict[str, RunLog] = {}
         self._event_logs: dict[str, EventLog] = {}
@@ -380,7 +381,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             validate_membership(spec, count)
         except JobSpecError as error:
-            log.warning("job %s: cannot plan %d members: %s", job.job_id, count, error)
+            if (job.job_id, count) not in self._unplannable:  # said once: the join is tried again every second
+                self._unplannable.add((job.job_id, count))
+                log.warning("job %s: cannot plan %d members: %s", job.job_id, count, error)
             return False
         switch_step = self._switch_step(members)
         if switch_step >= spec.steps:
