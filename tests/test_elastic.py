@@ -25,7 +25,7 @@ from nodeagent.algorithms.gossip import SCORE_MIN, PairwiseGossip
 from nodeagent.algorithms.sgp import SGP
 from nodeagent.jobspec import JobSpec, JobSpecError, parse_job_spec
 from nodeagent.runtime.events import JOINED, LEFT, read_events
-from nodeagent.wire import Kind
+from nodeagent.wire import Kind, Message
 
 coordinator = test_coordinator.coordinator  # the fixture: (start, stop_all) of in-process coordinators
 
@@ -185,6 +185,53 @@ def test_gossip_keeps_the_scores_of_kept_neighbours_and_forgets_a_dropped_ones_f
         assert node.ready()  # the step does not wait for the former neighbour's reply
     node.step(*batch(1))
     assert all(send.peer in (1, 4) for send in node.sends())
+
+
+def joiner(name: str, mode: str | None = None):
+    """Rank 3 of an elastic ring of 4 (neighbours 0 and 2), and what its neighbours serve: models 1 and 3 at steps
+    40 and 44."""
+    spec = parse_job_spec(elastic(3, 4, algorithm={"name": name, "mode": mode}))
+    plan = plan_member(spec, build_topology(spec.topology, 4), [0, 1, 2, 3], 3)
+    context = NodeContext(3, 4, plan.neighbors, spec.algorithm, plan.self_weight, spec.seed)
+    node = lookup(name)(linear_model(), context, ZeroLoss())
+    states = {rank: Message(Kind.PARAMS, rank, 3, node.params.views(torch.full_like(node.w, value)), clock=clock)
+              for rank, value, clock in ((0, 1.0, 40), (2, 3.0, 44))}
+    return node, states
+
+
+@pytest.mark.parametrize(("mode", "clock"), [("async", 44), ("sync", 50)])
+def test_a_dsgd_node_that_joins_starts_from_its_neighbours_mean_with_their_models_as_its_copies(mode, clock):
+    node, states = joiner("dsgd", mode)
+    assert node.join_kind() == Kind.PARAMS
+    node.join(states, 50)
+    assert node.clock == clock  # asynchronous: where its neighbours are; synchronous: their first round with it
+    assert torch.equal(node.w, torch.full_like(node.w, 2.0))
+    assert {rank: float(copy.mean()) for rank, copy in node.last_copy.items()} == {0: 1.0, 2: 3.0}
+    assert torch.equal(node.snapshot().served[(None, Kind.PARAMS)]["weight"].flatten(), node.w[:6])
+
+
+def test_an_ecl_node_that_joins_starts_from_the_initial_model_with_zero_duals_at_the_switch_step():
+    node, _states = joiner("pdmm-isvr")
+    initial = node.w.clone()
+    assert node.join_kind() is None
+    node.join({}, 50)
+    assert node.clock == 50 and torch.equal(node.w, initial)
+    assert all(not z.any() for z in node.z.values()) and sorted(node.z) == [0, 2]
+
+
+def test_a_gossip_node_that_joins_starts_from_its_neighbours_mean_at_their_latest_clock():
+    node, states = joiner("gossip")
+    node.join(states, 50)
+    assert (node.clock, node.gossip_clock) == (44, 44.0)
+    assert torch.equal(node.w, torch.full_like(node.w, 2.0))
+
+
+def test_an_algorithm_that_cannot_change_its_topology_cannot_join():
+    spec = parse_job_spec({"nodes": 4, "algorithm": {"name": "ad-psgd"}})
+    plan = plan_node(spec, validate_job(spec), 1)
+    node = lookup("ad-psgd")(linear_model(), NodeContext(1, 4, plan.neighbors, spec.algorithm), ZeroLoss())
+    with pytest.raises(NotImplementedError, match="ad-psgd cannot join a running job"):
+        node.join({}, 10)
 
 
 # -- the coordinator ---------------------------------------------------------------------------------------------------
