@@ -29,9 +29,12 @@ def progress_of(status: pb.JobStatusReply) -> list[Progress]:
 
 
 def show_progress(view: ProgressView, status: pb.JobStatusReply) -> None:
-    """A job's status on a live progress view: its nodes' steps by rank, mean accuracy and state."""
-    steps = [node.step for node in sorted(status.nodes, key=lambda node: node.rank)]
-    view.update(steps, mean_accuracy(progress_of(status)), state_name(status.state))
+    """A job's status on a live progress view: its members' steps by rank, mean accuracy and state (an elastic
+    job's members that left are not shown)."""
+    members = [node for node in sorted(status.nodes, key=lambda node: node.rank) if node.state != "left"]
+    view.update([node.step for node in members],
+                mean_accuracy([from_node_progress(status.job_id, node) for node in members]),
+                state_name(status.state))
 
 
 def _duration(seconds: float) -> str:
