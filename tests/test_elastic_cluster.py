@@ -23,8 +23,8 @@ JOINING = 2  # agents started while it runs
 # steps last about 45 s; a machine several times faster needs more steps for the changes to come before the end.
 STEPS = 8000
 KILLED = 1  # the rank whose agent is killed when the others are started
-# Gossip's nodes end near consensus: in four runs the joined agents ended within 0.45 points of the mean of the
-# first ones (0.845 to 0.852 against means of 0.849 to 0.850).
+# Gossip's nodes end near consensus: in five runs the joined agents ended within 0.45 points of the mean of the
+# first ones (0.845 to 0.852 against means of 0.847 to 0.850).
 ACCURACY_TOLERANCE = 0.02
 
 
@@ -75,7 +75,8 @@ def test_agents_join_and_leave_a_running_gossip_job_which_finishes_with_the_join
         # Each change waits until every member reached the step of the one before (about 5 s of steps ahead), and
         # the killed agent leaves once silent for the heartbeat timeout and the job's grace: all three within about
         # 25 s, and the job's steps last longer than that here.
-        wait_for(cluster, job_id, lambda s: changes(s.run_dir) == (JOINING, 1), "two agents to join and one to leave")
+        wait_for(cluster, job_id, lambda s: changes(s.run_dir) == (JOINING, 1), "two agents to join and one to leave",
+                 timeout_s=120)
         changed_s = time.monotonic() - started
         final = cluster.wait(job_id, 120)
         finished_s = time.monotonic() - started
