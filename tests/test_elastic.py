@@ -17,13 +17,16 @@ from test_coordinator import first_assignment, register
 import coordinator.cli as cli
 from coordinator.cli import main as coordinator_main
 from coordinator.jobs import plan_member, plan_node, validate_job, validate_membership
+from coordinator.simulate import build_nodes
 from coordinator.topology import build_topology
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.algorithms import lookup
-from nodeagent.algorithms.base import NodeContext
+from nodeagent.algorithms.base import NodeContext, Route
 from nodeagent.algorithms.gossip import SCORE_MIN, PairwiseGossip
 from nodeagent.algorithms.sgp import SGP
 from nodeagent.jobspec import JobSpec, JobSpecError, parse_job_spec
+from nodeagent.metrics import Metrics
+from nodeagent.runtime.driver import JOIN_PULL_ATTEMPTS, Action, Failure, NodeDriver, Reply
 from nodeagent.runtime.events import JOINED, LEFT, read_events
 from nodeagent.wire import Kind, Message
 
@@ -224,6 +227,31 @@ def test_a_gossip_node_that_joins_starts_from_its_neighbours_mean_at_their_lates
     node.join(states, 50)
     assert (node.clock, node.gossip_clock) == (44, 44.0)
     assert torch.equal(node.w, torch.full_like(node.w, 2.0))
+
+
+def test_a_joining_node_pulls_its_neighbours_and_gives_up_on_one_that_does_not_answer(fashion_mnist_dir, caplog):
+    spec = parse_job_spec(elastic(3, 3, data={"data_dir": str(fashion_mnist_dir), "train_limit": 600,
+                                              "test_limit": 100}))
+    nodes = build_nodes(spec)
+    served = nodes[0].algorithm
+    assert isinstance(served, PairwiseGossip)
+    served.clock, served.gossip_clock = 30, 30.0  # gossip serves its (mixed) gossip clock
+    served.republish()
+    driver = NodeDriver(nodes[2], job="e", name="rank2", clock=time.monotonic, metrics=Metrics(),
+                        name_of=lambda rank: f"rank{rank}")
+    driver.join(at_step=50)
+    decision = driver.next()
+    assert decision.action is Action.WAIT and not decision.reports  # not evaluated at the initial model
+    pulls = {t.send.peer: t for t in decision.sends}
+    assert sorted(pulls) == [0, 1] and all(t.send.route == Route.PULL for t in pulls.values())
+    driver.arrived(Reply(pulls[0], served.snapshot().message_for(2, Kind.PARAMS)))
+    for attempt in range(1, JOIN_PULL_ATTEMPTS + 1):
+        due = driver.arrived(Failure(pulls[1], "unavailable", transient=True))
+        assert (due is None) == (attempt == JOIN_PULL_ATTEMPTS)  # retried until the last try
+        assert driver.next().action is (Action.STEP if attempt == JOIN_PULL_ATTEMPTS else Action.WAIT)
+    joined = nodes[2].algorithm
+    assert joined.clock == 30 and torch.equal(joined.w, served.w)  # rank 0's model, at its step
+    assert "gave up pulling from rank1 to join (unavailable, 5 tries)" in caplog.text
 
 
 def test_an_algorithm_that_cannot_change_its_topology_cannot_join():

@@ -42,7 +42,8 @@ The rules, each in one place:
   pushes.
 - Joining: a node that joins a running elastic job pulls what each neighbour serves (`Algorithm.join_kind()`) the
   same way, and hands the states to `Algorithm.join()` with the step its neighbours switch to the topology that
-  includes it; it is not evaluated at the job's initial model (it starts from theirs).
+  includes it; it is not evaluated at the job's initial model (it starts from theirs). It gives up on a neighbour
+  after JOIN_PULL_ATTEMPTS failed pulls (that neighbour may be leaving) and joins from the others' states.
 - Topology changes (`change_topology`): every node of the job switches just before the same step, the change's
   `at_step`, so that a round is sent and absorbed in one topology. From the moment the change is known the
   algorithm accepts the new neighbours, whose messages are held until this node switches (they may switch
@@ -78,6 +79,9 @@ log = logging.getLogger("nodeagent")
 RETRY_FIRST_S = 1.0  # the first retry of a failed push or server call comes this long after the failure,
 RETRY_MAX_S = 30.0  # and each next one twice as long after its failure, up to this
 WAIT_LOG_S = 10.0  # a wait longer than this is logged, once
+# A node that joins a running job gives up pulling from a neighbour after this many failed tries (about 15 s with
+# the back-off) and takes the model up from the others: that neighbour may be leaving the job.
+JOIN_PULL_ATTEMPTS = 5
 IN_FLIGHT = "in_flight"  # the failure reason of a send skipped by flow control
 FUTURE_CLOCK = "future_clock"  # the rejection reason of a message beyond the algorithm's rounds_ahead()
 FORMER_NEIGHBOR = "former_neighbor"  # the rejection reason of a message of a dropped edge after the switch
@@ -298,6 +302,8 @@ class NodeDriver:
                 self._arrived.append(item.answer)
             return None
         self._count_failure(send.peer, item.reason)
+        if self._join_given_up(item):
+            return None
         if not self._retried(item):
             if not self.done:
                 self._arrived.append(item)
@@ -314,6 +320,21 @@ class NodeDriver:
         due = self.clock() + delay
         heapq.heappush(self._retries, (due, next(self._sequence), item.transmission))
         return due
+
+    def _join_given_up(self, failure: Failure) -> bool:
+        """Whether a failed pull of joining was the last one tried (JOIN_PULL_ATTEMPTS): then the node joins
+        without that neighbour's state."""
+        key = id(failure.transmission)
+        if self._join_at is None or self._joining is None or key not in self._join_pulls or \
+                self._attempts.get(key, 0) + 1 < JOIN_PULL_ATTEMPTS:
+            return False
+        peer = failure.transmission.send.peer
+        self._join_pulls.discard(key)
+        self._attempts.pop(key, None)
+        self._joining.pop(peer, None)
+        log.warning("job %s: %s gave up pulling from %s to join (%s, %d tries): it joins from its other neighbours",
+                    self.job, self.name, self.peer_name(peer), failure.reason, JOIN_PULL_ATTEMPTS)
+        return True
 
     def _retried(self, failure: Failure) -> bool:
         """Whether a failed transmission is tried again; otherwise the algorithm hears of the failure."""
