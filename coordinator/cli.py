@@ -692,16 +692,19 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         for job in reply.jobs:
             print(json.dumps({
                 "job_id": job.job_id, "name": job.name, "state": state_name(job.state), "nodes": job.world_size,
+                **({"min_nodes": job.min_nodes, "max_nodes": job.max_nodes} if job.max_nodes else {}),
                 "submitted_unix": job.created_unix, "started_unix": job.started_unix or None,
                 "ended_unix": job.ended_unix or None, "reason": job.reason,
             }))
         return 0
-    print(f"{'job':<40} {'name':<20} {'state':<9} {'nodes':>5}  {'submitted':<19}  {'started':<8}  {'ended':<8}  "
+    print(f"{'job':<40} {'name':<20} {'state':<9} {'nodes':>12}  {'submitted':<19}  {'started':<8}  {'ended':<8}  "
           f"{'duration':>8}  reason")
     for job in reply.jobs:
         end = job.ended_unix or (time.time() if job.started_unix else 0.0)
         duration = f"{end - job.started_unix:.0f} s" if job.started_unix else "-"
-        print(f"{job.job_id:<40} {job.name:<20} {state_name(job.state):<9} {job.world_size:>5}  "
+        # An elastic job: its members now and, in brackets, its least and most.
+        nodes = f"{job.world_size} ({job.min_nodes}..{job.max_nodes})" if job.max_nodes else str(job.world_size)
+        print(f"{job.job_id:<40} {job.name:<20} {state_name(job.state):<9} {nodes:>12}  "
               f"{_clock(job.created_unix, '%Y-%m-%d %H:%M:%S'):<19}  {_clock(job.started_unix):<8}  "
               f"{_clock(job.ended_unix):<8}  {duration:>8}  {' '.join(job.reason.split())[:80]}")
     return 0
@@ -785,7 +788,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     for module in args.allow_import:
         if problem := module_problem(module):
             raise SystemExit(f"coordinator: --allow-import {problem}")
-    spec = _load_job(args.job_file).spec
+    spec = _load_job(args.job_file).spec.sized()  # an elastic job is simulated at its largest size
     job_id = f"sim-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = (args.runs / job_id).resolve()
     print(f"simulating {spec.nodes} nodes of {spec.algorithm.name} for {spec.steps} steps; run dir {run_dir}")
@@ -849,6 +852,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     spec = _load_job(args.job_file).spec
     topology = validate_job(spec)
+    spec = spec.sized()  # an elastic job at its largest size: its data is split into that many shards
     degrees = [topology.degree(rank) for rank in range(spec.nodes)]
     print(f"topology {spec.topology.kind}: {spec.nodes} nodes, {len(topology.edges)} edges, "
           f"degree {min(degrees)}..{max(degrees)}")
@@ -900,7 +904,8 @@ def cmd_init(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     for path in args.job_files:
         spec = _load_job(path).spec
-        print(f"{path}: valid: {spec.name}, {spec.nodes} nodes, {spec.algorithm.name} on {spec.topology.kind}, "
+        nodes = f"{spec.min_nodes}..{spec.max_nodes} nodes (elastic)" if spec.elastic else f"{spec.nodes} nodes"
+        print(f"{path}: valid: {spec.name}, {nodes}, {spec.algorithm.name} on {spec.topology.kind}, "
               f"{spec.steps} steps")
     return 0
 

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -26,6 +27,9 @@ from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc
 from nodeagent.security.pki import Role
 from nodeagent.security.tls import TlsDir, Transport
+
+if TYPE_CHECKING:
+    from coordinator.ca import ClusterCA
 
 FINAL_STATES = (pb.JOB_FINISHED, pb.JOB_STOPPED, pb.JOB_FAILED)
 
@@ -100,9 +104,12 @@ class LocalCluster:
         if not TlsDir(self.operator_tls).complete():
             ca.issue_files(TlsDir(self.operator_tls), Role.OPERATOR, "operator")
         for index in range(self.agents):
-            tls_dir = TlsDir(self.state_dir(index) / "tls")
-            if not tls_dir.complete():
-                ca.issue_files(tls_dir, Role.NODE, f"agent-{index}")
+            self._issue_node_certificate(ca, index)
+
+    def _issue_node_certificate(self, ca: ClusterCA, index: int) -> None:
+        tls_dir = TlsDir(self.state_dir(index) / "tls")
+        if not tls_dir.complete():
+            ca.issue_files(tls_dir, Role.NODE, f"agent-{index}")
 
     def start(self, timeout_s: float = 60.0) -> None:
         """Start the coordinator and the agents, and wait until every agent registered; on any failure (or an
@@ -150,7 +157,12 @@ class LocalCluster:
         return self.host
 
     def start_agent(self, index: int) -> None:
-        """Start (or restart, keeping its state dir and so its node id) agent number `index`."""
+        """Start (or restart, keeping its state dir and so its node id) agent number `index`; one beyond the
+        cluster's first `agents` gets its certificate now."""
+        if self.tls and index >= self.agents:
+            from coordinator.ca import ClusterCA
+
+            self._issue_node_certificate(ClusterCA.load(self.root / "coordinator"), index)
         self._spawn(f"agent-{index}", self.agent_args(index))
 
     def agent_args(self, index: int) -> list[str]:

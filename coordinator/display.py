@@ -29,9 +29,12 @@ def progress_of(status: pb.JobStatusReply) -> list[Progress]:
 
 
 def show_progress(view: ProgressView, status: pb.JobStatusReply) -> None:
-    """A job's status on a live progress view: its nodes' steps by rank, mean accuracy and state."""
-    steps = [node.step for node in sorted(status.nodes, key=lambda node: node.rank)]
-    view.update(steps, mean_accuracy(progress_of(status)), state_name(status.state))
+    """A job's status on a live progress view: its members' steps by rank, mean accuracy and state (an elastic
+    job's members that left are not shown)."""
+    members = [node for node in sorted(status.nodes, key=lambda node: node.rank) if node.state != "left"]
+    view.update([node.step for node in members],
+                mean_accuracy([from_node_progress(status.job_id, node) for node in members]),
+                state_name(status.state))
 
 
 def _duration(seconds: float) -> str:
@@ -43,10 +46,17 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def members_text(job: pb.JobStatusReply | pb.JobInfo) -> str:
+    """How many nodes a job has: its size, or an elastic job's members now and its least and most."""
+    if job.max_nodes:
+        return f"{job.world_size} members (elastic, {job.min_nodes}..{job.max_nodes})"
+    return f"{job.world_size} nodes"
+
+
 def status_text(status: pb.JobStatusReply, now: float | None = None) -> str:
     """`coordinator status` of a job: its state, times and reason, then a row per node."""
     now = time.time() if now is None else now
-    lines = [f"job {status.job_id} ({status.name}): {state_name(status.state)}, {status.world_size} nodes, "
+    lines = [f"job {status.job_id} ({status.name}): {state_name(status.state)}, {members_text(status)}, "
              f"run dir {status.run_dir}"]
     if status.started_unix:
         end = status.ended_unix or now

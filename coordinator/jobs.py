@@ -7,6 +7,9 @@ No gRPC here: the CLI and the simulator validate and plan jobs without a coordin
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pydantic import ValidationError
@@ -19,7 +22,12 @@ from nodeagent.training.splits import SPLIT_OPTIONS, SPLITS
 
 
 def validate_job(spec: JobSpec) -> Topology:
-    """Checks that need more than the schema; returns the job's topology. Raises JobSpecError naming the field."""
+    """Checks that need more than the schema; returns the job's topology (an elastic job's at its largest size,
+    after checking it at its smallest too). Raises JobSpecError naming the field."""
+    if spec.elastic:
+        check_elastic(spec)
+        validate_job(spec.sized(spec.min_nodes))
+        return validate_job(spec.sized())
     algorithm = lookup(spec.algorithm.name)
     if spec.data.split not in SPLITS:
         raise JobSpecError(f"data.split: unknown split {spec.data.split!r}; known: {sorted(SPLITS)}")
@@ -91,6 +99,26 @@ def check_topology_changes(spec: JobSpec) -> None:
         raise JobSpecError(f"algorithm.name: {spec.algorithm.name} cannot change its topology while it runs")
 
 
+def check_elastic(spec: JobSpec) -> None:
+    """Whether agents may join and leave a job of `spec` while it runs: its graph is planned again for each new
+    membership and delivered as a topology change, so its algorithm must be able to change its topology
+    (JobSpecError on nodes if not)."""
+    try:
+        check_topology_changes(spec)
+    except JobSpecError as error:
+        reason = str(error).removeprefix("algorithm.name: ")
+        raise JobSpecError(f"nodes: an elastic job ({{min, max}}) is planned again as agents join and leave, which "
+                           f"needs an algorithm that changes its topology while it runs: {reason}") from None
+
+
+def validate_membership(spec: JobSpec, count: int) -> Topology:
+    """The graph of a running elastic job (`spec` as it runs now, its topology changes included) planned again for
+    `count` members: built, connected and accepted by its algorithm; JobSpecError naming the field otherwise."""
+    if not spec.min_nodes <= count <= spec.max_nodes:
+        raise JobSpecError(f"nodes: {count} members are not in {spec.min_nodes}..{spec.max_nodes}")
+    return _checked_topology(spec.sized(count))
+
+
 @dataclass(frozen=True)
 class NodePlan:
     """Everything of a node's place in a job's topology, as the coordinator assigns it."""
@@ -110,3 +138,19 @@ def plan_node(spec: JobSpec, topology: Topology, rank: int) -> NodePlan:
     )
     neighbors = tuple(Neighbor(p.rank, p.sign, p.phase, p.weight, p.peer_phase) for p in plans)
     return NodePlan(neighbors, self_weight, peer_schedule(spec.topology, spec.nodes, rank))
+
+
+def plan_member(spec: JobSpec, topology: Topology, ranks: Sequence[int], rank: int) -> NodePlan:
+    """The plan of `rank` in a job whose members hold `ranks` (ascending; `topology` built for len(ranks) nodes).
+    The graph is planned on positions 0..len(ranks)-1, the i-th member at position i, and its ranks put back: an
+    elastic job's ranks stay with their members (and their data shards) and may have gaps where a member left. The
+    mapping keeps the order of ranks, so an edge's sign (+1 at the lower rank) is the same in either numbering."""
+    count = len(ranks)
+    if count == ranks[-1] + 1:  # ranks 0..count-1: positions are ranks
+        return plan_node(spec.sized(count), topology, rank)
+    position = bisect.bisect_left(ranks, rank)
+    if position == count or ranks[position] != rank:
+        raise ValueError(f"rank {rank} is not a member")
+    plan = plan_node(spec.sized(count), topology, position)
+    return NodePlan(tuple(dataclasses.replace(n, rank=ranks[n.rank]) for n in plan.neighbors), plan.self_weight,
+                    tuple(tuple(ranks[peer] for peer in peers) for peers in plan.peer_schedule))

@@ -213,6 +213,9 @@ def _section_markdown(lines: list[str], path: str, section: str, schema: Schema,
             _section_markdown(lines, full, _ref_name(prop), defs[_ref_name(prop)], defs)
         elif prop.get("type") == "array" and "$ref" in prop["items"]:
             _section_markdown(lines, f"{full}[]", _ref_name(prop["items"]), defs[_ref_name(prop["items"])], defs)
+        for form in prop.get("oneOf", ()):  # a value or a section (nodes: a number or {min, max})
+            if "$ref" in form:
+                _section_markdown(lines, full, _ref_name(form), defs[_ref_name(form)], defs)
 
 
 def _table(first: str, schema: Schema, defs: Schema, section: str) -> list[str]:
@@ -236,6 +239,8 @@ def _type_text(prop: Schema, section: str = "", name: str = "") -> str:
     if "anyOf" in prop:
         kinds = [_type_text(option) for option in prop["anyOf"] if option.get("type") != "null"]
         return " or ".join(kinds) + (" or null" if len(kinds) < len(prop["anyOf"]) else "")
+    if "oneOf" in prop:
+        return " or ".join(_type_text(option) for option in prop["oneOf"])
     if "enum" in prop:
         return "one of " + ", ".join(f"`{value}`" for value in prop["enum"])
     kind = prop.get("type", "any")

@@ -80,7 +80,7 @@ class Run:
 
     @property
     def reference(self) -> bool:
-        return self.spec.nodes == 1 or "reference" in self.label.lower()
+        return self.spec.max_nodes == 1 or "reference" in self.label.lower()
 
     @property
     def last(self) -> list[Progress]:
@@ -361,7 +361,7 @@ def _figures(runs: Sequence[Run], out: Path) -> list[Plot]:
                                         "record. PS is the parameter server."))
     timed = _same_clock(runs)  # a reference simulated beside real runs has no comparable seconds
     names = ", ".join(run.label for run in timed)
-    ranks = [str(rank) for rank in range(max(run.spec.nodes for run in timed))]
+    ranks = [str(rank) for rank in range(max(run.spec.max_nodes for run in timed))]
     rate = "samples per virtual second" if {run.virtual for run in timed} == {True} else "samples per second"
     figures.append(Plot(bar_figure(
         out / "throughput.png", f"Throughput per device: {names}", "rank", f"throughput ({rate})", ranks,
@@ -424,7 +424,7 @@ def _page(runs: Sequence[Run], figures: Sequence[Plot], accuracies: Sequence[flo
     rows = []
     for run in runs:
         last = run.last
-        cells = [run.label, str(run.path), run.spec.algorithm.name, str(run.spec.nodes), run.spec.topology.kind,
+        cells = [run.label, str(run.path), run.spec.algorithm.name, str(run.spec.max_nodes), run.spec.topology.kind,
                  run.spec.data.split, "virtual" if run.virtual else "wall", str(max(r.step for r in last)),
                  _fmt(mean_accuracy(last), "{:.4f}"),
                  *(_fmt(time_to_reach(run, a), "{:.1f}") for a in accuracies),

@@ -19,7 +19,14 @@ from pydantic import ValidationError
 from torch.distributed import TCPStore
 
 from coordinator.ca import DEFAULT_TOKEN_TTL_S, CAError, ClusterCA
-from coordinator.jobs import check_topology_changes, plan_node, validate_job, validate_topology_change, with_topology
+from coordinator.jobs import (
+    check_topology_changes,
+    plan_member,
+    validate_job,
+    validate_membership,
+    validate_topology_change,
+    with_topology,
+)
 from coordinator.ps_service import PSService
 from coordinator.store import JobRow, MemberRow, NodeRow, Store
 from coordinator.topology import Topology, build_topology
@@ -174,6 +181,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.changes = _Changes()
         self.stopping = threading.Event()
         self._topologies: dict[tuple[str, int], Topology] = {}  # by job and topology version
+        self._unplannable: set[tuple[str, int]] = set()  # (elastic job, member count) its graph does not fit
         self._rendezvous: dict[str, tuple[TCPStore, str]] = {}  # job -> its store and key prefix
         self._run_logs: dict[str, RunLog] = {}
         self._event_logs: dict[str, EventLog] = {}
@@ -238,8 +246,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def _review_running_jobs(self) -> None:
         """Apply each running job's failure policy to its lost nodes (silent for longer than the heartbeat timeout
-        plus the job's `failure.lost_grace_s`): a synchronous job fails, since its other nodes would wait forever; an
-        asynchronous job goes on without them, and finishes once every other node has."""
+        plus the job's `failure.lost_grace_s`): an asynchronous elastic job that keeps at least its least members
+        plans its graph again without them (they leave it); otherwise a synchronous job fails, since its other nodes
+        would wait forever, and an asynchronous job goes on without them, and finishes once every other node has."""
         nodes = {n.node_id: n for n in self.store.nodes()}
         now = time.time()
         for job in self.store.jobs(("RUNNING",)):
@@ -255,7 +264,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             if not lost:
                 continue
             ranks = ", ".join(f"rank {m.rank} (node {m.node_id}, silent for {silent:.0f} s)" for m, silent in lost)
-            if lookup(spec.algorithm.name).synchronous(spec.algorithm):
+            synchronous = lookup(spec.algorithm.name).synchronous(spec.algorithm)
+            if spec.elastic and not synchronous and len(members) - len(lost) >= spec.min_nodes:
+                if self._change_pending(job, members, nodes):
+                    continue  # the members switch to the last change first; the next review plans the leave
+                reason = f"no heartbeat for longer than the heartbeat timeout and failure.lost_grace_s " \
+                         f"({spec.failure.lost_grace_s:g} s)"
+                if self._replan(job, members, [], [m for m, _ in lost], reason):
+                    continue
+            if synchronous:
                 self._end_job(job, "FAILED", f"lost {ranks}: longer than the heartbeat timeout and the job's "
                               f"failure.lost_grace_s ({spec.failure.lost_grace_s:g} s) allow a synchronous job")
             elif all(m.progress.finished or m.rank in {gone.rank for gone, _ in lost} for m in members):
@@ -292,7 +309,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def _schedule(self) -> None:
         """Start pending jobs, oldest first, on idle nodes that are up and not draining (in registration order). A
-        job that does not fit waits, with the reason, and does not hold back a smaller one that fits."""
+        job that does not fit waits, with the reason, and does not hold back a smaller one that fits. An elastic job
+        starts once its least members are idle, on as many idle nodes as it may have; the nodes still idle then
+        join the running elastic jobs that may grow, oldest first."""
         with self._schedule_lock:
             for job in self.store.jobs(("PENDING",)):
                 nodes = self.store.nodes()
@@ -302,11 +321,87 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     if reason != job.reason:
                         self.store.set_pending_reason(job.job_id, reason)
                     continue
-                self.store.start_job(job.job_id, idle[: job.world_size])
-                log.info("job %s started on %s", job.job_id, ", ".join(idle[: job.world_size]))
+                taken = idle[: JobSpec.from_json(job.spec_json).max_nodes]
+                self.store.start_job(job.job_id, taken)
+                log.info("job %s started on %s", job.job_id, ", ".join(taken))
                 self._event(job, events.STARTED, "running on " + ", ".join(
-                    f"rank {rank} {node}" for rank, node in enumerate(idle[: job.world_size])))
+                    f"rank {rank} {node}" for rank, node in enumerate(taken)))
                 self.changes.bump()
+            self._grow_elastic_jobs()
+
+    def _grow_elastic_jobs(self) -> None:
+        """Idle nodes join running elastic jobs below their most members, once a job has started (released at its
+        start barrier) and its members have switched to its last change."""
+        for job in self.store.jobs(("RUNNING",)):
+            spec = JobSpec.from_json(job.spec_json)
+            if not spec.elastic or job.world_size >= spec.max_nodes or (spec.start.barrier and not job.released_unix):
+                continue
+            nodes = self.store.nodes()
+            idle = self._idle(nodes)
+            if not idle:
+                return
+            members = self.store.members(job.job_id)
+            if not self._change_pending(job, members, {n.node_id: n for n in nodes}):
+                self._replan(job, members, idle[: spec.max_nodes - len(members)], [], "")
+
+    def _drain_member(self, job: JobRow, node_id: str) -> bool:
+        """A drained member of an asynchronous elastic job leaves it now, while at least its least members remain
+        and no change is under way; whether it left. (A synchronous job's neighbours would wait for its rounds:
+        it stays, as in any job, until the job ends.)"""
+        spec = JobSpec.from_json(job.spec_json)
+        if not spec.elastic or lookup(spec.algorithm.name).synchronous(spec.algorithm):
+            return False
+        members = self.store.members(job.job_id)
+        leaving = [m for m in members if m.node_id == node_id]
+        nodes = {n.node_id: n for n in self.store.nodes()}
+        if len(members) - len(leaving) < spec.min_nodes or self._change_pending(job, members, nodes):
+            return False
+        return self._replan(job, members, [], leaving, "drained by an operator")
+
+    def _change_pending(self, job: JobRow, members: list[MemberRow], nodes: dict[str, NodeRow]) -> bool:
+        """Whether some member that is up and not finished has not reached the step where the job switches to its
+        latest change (one that joined has not reported from it yet): a new change waits until every one has."""
+        return any(
+            not m.progress.finished and m.progress.step < job.switch_step
+            and m.node_id in nodes and nodes[m.node_id].up for m in members)
+
+    def _replan(self, job: JobRow, members: list[MemberRow], joining: list[str], leaving: list[MemberRow],
+                reason: str) -> bool:
+        """An elastic job's new membership: `joining` nodes take the lowest free ranks, `leaving` members leave,
+        and the graph (the same kind and seed) is planned again for the new member count. It reaches the members as
+        a topology change (a new version, switched to just before one step for all, as `coordinator topology`
+        does); the nodes that join start in it. Ranks stay with their members. False when the job cannot take it
+        now: its graph does not fit the new count, or it ends before its members could all switch."""
+        spec = self._running_spec(job)
+        gone = {m.rank for m in leaving}
+        staying = [m for m in members if m.rank not in gone]
+        held = {m.rank for m in staying}
+        free = [rank for rank in range(spec.max_nodes) if rank not in held][: len(joining)]
+        count = len(staying) + len(free)
+        try:
+            validate_membership(spec, count)
+        except JobSpecError as error:
+            if (job.job_id, count) not in self._unplannable:  # said once: the join is tried again every second
+                self._unplannable.add((job.job_id, count))
+                log.warning("job %s: cannot plan %d members: %s", job.job_id, count, error)
+            return False
+        switch_step = self._switch_step(members)
+        if switch_step >= spec.steps:
+            return False
+        version = job.topology_version + 1
+        joined = list(zip(free, joining, strict=False))
+        if not self.store.change_members(job.job_id, version, switch_step, joined, sorted(gone)):
+            return False
+        planned = f"{count} members; {spec.topology.kind} planned again (version {version}) from step {switch_step}"
+        for rank, node_id in joined:
+            self._event(job, events.JOINED, f"node {node_id} joined as rank {rank}: {planned}")
+        for member in leaving:
+            self._event(job, events.LEFT, f"rank {member.rank} (node {member.node_id}) left: {reason}; {planned}",
+                        "WARNING")
+        log.info("job %s: %s%s: %s", job.job_id, ", ".join(f"{node} joins as rank {rank}" for rank, node in joined),
+                 ", ".join(f"rank {m.rank} leaves" for m in leaving), planned)
+        self.changes.bump()
+        return True
 
     def _idle(self, nodes: list[NodeRow]) -> list[str]:
         busy = self.store.busy_node_ids()
@@ -343,11 +438,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     # -- assignments ---------------------------------------------------------------------------------------------
 
     def _topology(self, job: JobRow, spec: JobSpec) -> Topology:
-        """The job's graph now (`spec`: the job as it runs now, `_running_spec`)."""
+        """The job's graph now, on its members now (`spec`: the job as it runs now, `_running_spec`)."""
         key = (job.job_id, job.topology_version)
         topology = self._topologies.get(key)
         if topology is None:
-            topology = self._topologies[key] = build_topology(spec.topology, spec.nodes)
+            topology = self._topologies[key] = build_topology(spec.topology, job.world_size)
         return topology
 
     @staticmethod
@@ -366,9 +461,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                                  revoked_serials=revoked)
         job, rank = membership
         spec = self._running_spec(job)
-        plan = plan_node(spec, self._topology(job, spec), rank)
-        rows = self.store.members(job.job_id)
-        members = {m.rank: m.node_id for m in rows}
+        rows = {m.rank: m for m in self.store.members(job.job_id)}
+        plan = plan_member(spec, self._topology(job, spec), sorted(rows), rank)
+        members = {m.rank: m.node_id for m in rows.values()}
         neighbors = []
         for neighbor in plan.neighbors:
             peer = self.store.node(members[neighbor.rank])
@@ -379,12 +474,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     weight=neighbor.weight, up=bool(peer and peer.up), peer_phase=neighbor.peer_phase,
                 )
             )
+        # An elastic job's nodes are built for its most members (its data split into that many shards).
+        spec_json = spec.sized().to_json() if spec.elastic else job.spec_json
         return pb.Assignment(
-            version=self.changes.version, job_id=job.job_id, state=pb.JOB_RUNNING, job_spec_json=job.spec_json,
+            version=self.changes.version, job_id=job.job_id, state=pb.JOB_RUNNING, job_spec_json=spec_json,
             rank=rank, world_size=job.world_size, neighbors=neighbors, self_weight=plan.self_weight,
             run_dir=job.run_dir, peer_schedule=[pb.PeerSet(ranks=peers) for peers in plan.peer_schedule],
             rejoin=rows[rank].progress.time > 0, revoked_serials=revoked, **self._rendezvous_of(job, spec),
             topology_version=job.topology_version, switch_step=job.switch_step, topology_kind=spec.topology.kind,
+            joined_at_step=rows[rank].joined_step,
         )
 
     def _rendezvous_of(self, job: JobRow, spec: JobSpec) -> dict[str, int | str]:
@@ -681,18 +779,19 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             validate_job(spec)
         except JobSpecError as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid job spec: {error}")
-        warning = self._wait_reason(spec.nodes, self.store.nodes())
+        warning = self._wait_reason(spec.min_nodes, self.store.nodes())
         job_id = f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
         run_dir = self.config.run_root / job_id
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "job.yaml").write_text(request.spec_yaml)
         (run_dir / "job.json").write_text(spec.model_dump_json(indent=2))
-        self.store.add_job(job_id, spec.name, spec.to_json(), request.spec_yaml, spec.nodes, str(run_dir))
-        log.info("job %s submitted: %s on %d nodes", job_id, spec.algorithm.name, spec.nodes)
+        self.store.add_job(job_id, spec.name, spec.to_json(), request.spec_yaml, spec.min_nodes, str(run_dir))
+        nodes = f"{spec.min_nodes}..{spec.max_nodes} nodes (elastic)" if spec.elastic else f"{spec.nodes} nodes"
+        log.info("job %s submitted: %s on %s", job_id, spec.algorithm.name, nodes)
         job = self.store.job(job_id)
         assert job is not None
         operator = caller(context) if self.ca is not None else None
-        self._event(job, events.SUBMITTED, f"{spec.algorithm.name} on {spec.nodes} nodes, {spec.steps} steps"
+        self._event(job, events.SUBMITTED, f"{spec.algorithm.name} on {nodes}, {spec.steps} steps"
                     + (f", by operator {operator.name}" if operator is not None else ""))
         self._schedule()
         job = self.store.job(job_id)
@@ -721,7 +820,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"job {job.job_id}: {error}")
         topology_spec = self._requested_topology(request, context)
         try:
-            validate_topology_change(spec, topology_spec)
+            validate_topology_change(spec.sized(job.world_size), topology_spec)
         except JobSpecError as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid topology for job {job.job_id}: {error}")
         members = self.store.members(job.job_id)
@@ -765,8 +864,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     @staticmethod
     def _switch_step(members: list[MemberRow]) -> int:
         """The step every node switches at: the highest reported so far plus what the fastest node steps in
-        SWITCH_LEAD_S (see there)."""
-        rate = max((m.progress.step / m.progress.elapsed_s for m in members if m.progress.elapsed_s > 0), default=0.0)
+        SWITCH_LEAD_S (see there). A node's rate counts the steps it took itself (a node that joined or rejoined
+        started at its neighbours' step)."""
+        rate = max(((m.progress.local_steps or m.progress.step) / m.progress.elapsed_s for m in members
+                    if m.progress.elapsed_s > 0), default=0.0)
         highest = max((m.progress.step for m in members), default=0)
         return highest + max(MIN_SWITCH_MARGIN_STEPS, math.ceil(rate * SWITCH_LEAD_S))
 
@@ -800,6 +901,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if not self.store.set_draining(request.node_id, request.drain):
             context.abort(grpc.StatusCode.NOT_FOUND, f"no node {request.node_id[:64]!r}")
         log.info("%s %s by an operator", request.node_id, "drained" if request.drain else "back in service")
+        membership = self.store.running_membership(request.node_id) if request.drain else None
+        if membership is not None:
+            self._drain_member(membership[0], request.node_id)
         self.changes.bump()
         self._schedule()
         node = self.store.node(request.node_id)
@@ -815,10 +919,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return pb.JobStatusReply(
             job_id=job.job_id, name=job.name, state=JOB_STATES[job.state], world_size=job.world_size,
             run_dir=job.run_dir, created_unix=job.created_unix, spec_yaml=job.spec_yaml, reason=job.reason,
-            started_unix=job.started_unix, ended_unix=job.ended_unix,
+            started_unix=job.started_unix, ended_unix=job.ended_unix, **_elastic_range(job),
             nodes=[to_node_progress(self._with_edges(m.progress), self._member_state(m, nodes.get(m.node_id)),
                                     m.failure)
-                   for m in self.store.members(job.job_id)],
+                   for m in self.store.members(job.job_id, with_left=True)],
         )
 
     def _with_edges(self, progress: Progress) -> Progress:
@@ -833,7 +937,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return pb.ListJobsReply(jobs=[
             pb.JobInfo(job_id=job.job_id, name=job.name, state=JOB_STATES[job.state], world_size=job.world_size,
                        created_unix=job.created_unix, started_unix=job.started_unix, ended_unix=job.ended_unix,
-                       reason=job.reason)
+                       reason=job.reason, **_elastic_range(job))
             for job in self.store.all_jobs(limit)
         ])
 
@@ -853,7 +957,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                                  state=JOB_STATES[job.state])
 
     @staticmethod
-    def _member_state(member, node: NodeRow | None) -> str:
+    def _member_state(member: MemberRow, node: NodeRow | None) -> str:
+        if member.left:
+            return "left"
         if member.failure:
             return "failed"
         if member.progress.finished:
@@ -917,6 +1023,12 @@ def _bounded_edge(edge: EdgeCounters) -> EdgeCounters:
 def _age(value: float) -> float:
     """A duration or a norm: a finite, non-negative number, or NaN (unknown)."""
     return value if math.isfinite(value) and value >= 0 else math.nan
+
+
+def _elastic_range(job: JobRow) -> dict[str, int]:
+    """An elastic job's least and most members, as JobInfo and JobStatusReply give them (none for a fixed size)."""
+    spec = JobSpec.from_json(job.spec_json)
+    return {"min_nodes": spec.min_nodes, "max_nodes": spec.max_nodes} if spec.elastic else {}
 
 
 def _no_job(reference: str) -> str:

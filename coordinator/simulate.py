@@ -36,8 +36,10 @@ from nodeagent.training.job import JobData, Node
 
 def build_nodes(spec: JobSpec, data_dir: str | None = None, allow_imports: Collection[str] = ()) -> list[Node]:
     """Every node of the job, placed in the topology exactly as the coordinator assigns agents. A model is imported
-    only from `allow_imports`, as on an agent (nodeagent.training.models)."""
+    only from `allow_imports`, as on an agent (nodeagent.training.models). An elastic job is built at its largest
+    size, every rank a member from the start."""
     topology = validate_job(spec)
+    spec = spec.sized()
     data = JobData.prepare(spec, data_dir, allow_imports)
     nodes = []
     with rare_full_collections():
@@ -73,6 +75,7 @@ def simulate(
     """Run `spec` to completion; writes the metrics log and the events (virtual times) to `run_dir` when given."""
     torch.set_num_threads(1)  # one process steps every node in turn; extra threads only contend
     started = time.monotonic()
+    spec = spec.sized()  # an elastic job: at its largest size (build_nodes)
     nodes = build_nodes(spec, data_dir, allow_imports)
     run_log = event_log = None
     if run_dir is not None:

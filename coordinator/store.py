@@ -81,6 +81,11 @@ COLUMNS_ADDED = {
         "failure": "TEXT NOT NULL DEFAULT ''",
         "local_steps": "INTEGER NOT NULL DEFAULT 0",
         "ready_unix": "REAL NOT NULL DEFAULT 0",  # when the node reported its rank ready to start (0: not yet)
+        # Elastic jobs: the step from which a member that joined the running job is in its topology (0: a member
+        # from the start), and when a member left it (0: it has not). A rank that left may be given to a node that
+        # joins later, which replaces its row.
+        "joined_step": "INTEGER NOT NULL DEFAULT 0",
+        "left_unix": "REAL NOT NULL DEFAULT 0",
     },
 }
 # The columns in the order the rows below read them.
@@ -137,6 +142,8 @@ class MemberRow:
     progress: Progress  # the last one the node reported (nothing measured before the first)
     failure: str = ""  # why the node could not build or continue the job, in its words
     ready: bool = False  # the node reported its rank ready to start
+    joined_step: int = 0  # joined the running job, in its topology from this step (0: a member from the start)
+    left: bool = False  # left the (elastic) job while it ran
 
 
 @dataclass(frozen=True)
@@ -318,13 +325,33 @@ class Store:
                 "INSERT INTO members (job_id, rank, node_id) VALUES (?, ?, ?)",
                 [(job_id, rank, node_id) for rank, node_id in enumerate(node_ids)],
             )
-            db.execute("UPDATE jobs SET state='RUNNING', reason='', started_unix=? WHERE job_id=?",
-                       (time.time(), job_id))
+            db.execute("UPDATE jobs SET state='RUNNING', reason='', started_unix=?, world_size=? WHERE job_id=?",
+                       (time.time(), len(node_ids), job_id))
+
+    def change_members(self, job_id: str, version: int, switch_step: int, joined: list[tuple[int, str]],
+                       left: list[int]) -> bool:
+        """A running elastic job's new membership, in its topology's version `version` from step `switch_step`:
+        nodes that join, as (rank, node id), and the ranks that leave; the job's world size becomes its member
+        count. False if the job is not running or another change came first (its version is not `version` - 1)."""
+        with self._tx() as db:
+            cursor = db.execute(
+                "UPDATE jobs SET topology_version=?, switch_step=? WHERE job_id=? AND state='RUNNING' "
+                "AND topology_version=?", (version, switch_step, job_id, version - 1))
+            if cursor.rowcount != 1:
+                return False
+            db.executemany("UPDATE members SET left_unix=? WHERE job_id=? AND rank=? AND left_unix=0",
+                           [(time.time(), job_id, rank) for rank in left])
+            db.executemany(
+                "INSERT OR REPLACE INTO members (job_id, rank, node_id, joined_step) VALUES (?, ?, ?, ?)",
+                [(job_id, rank, node_id, switch_step) for rank, node_id in joined])
+            db.execute("UPDATE jobs SET world_size=(SELECT COUNT(*) FROM members WHERE job_id=? AND left_unix=0) "
+                       "WHERE job_id=?", (job_id, job_id))
+            return True
 
     def record_failure(self, job_id: str, rank: int, node_id: str, reason: str) -> bool:
         """A node's failure in a job; False if that node does not hold that rank of that job."""
         with self._tx() as db:
-            cursor = db.execute("UPDATE members SET failure=? WHERE job_id=? AND rank=? AND node_id=?",
+            cursor = db.execute("UPDATE members SET failure=? WHERE job_id=? AND rank=? AND node_id=? AND left_unix=0",
                                 (reason, job_id, rank, node_id))
             return cursor.rowcount == 1
 
@@ -335,7 +362,8 @@ class Store:
         with self._tx() as db:
             row = db.execute(
                 "SELECT j.data_json, j.released_unix FROM jobs j JOIN members m ON m.job_id = j.job_id "
-                "WHERE j.job_id=? AND j.state='RUNNING' AND m.rank=? AND m.node_id=?", (job_id, rank, node_id),
+                "WHERE j.job_id=? AND j.state='RUNNING' AND m.rank=? AND m.node_id=? AND m.left_unix=0",
+                (job_id, rank, node_id),
             ).fetchone()
             if row is None:
                 return None
@@ -346,7 +374,8 @@ class Store:
             db.execute("UPDATE members SET ready_unix=? WHERE job_id=? AND rank=? AND ready_unix=0",
                        (now, job_id, rank))
             db.execute("UPDATE jobs SET data_json=? WHERE job_id=? AND data_json=''", (data_json, job_id))
-            waiting = db.execute("SELECT 1 FROM members WHERE job_id=? AND ready_unix=0 LIMIT 1", (job_id,)).fetchone()
+            waiting = db.execute("SELECT 1 FROM members WHERE job_id=? AND ready_unix=0 AND left_unix=0 LIMIT 1",
+                                 (job_id,)).fetchone()
             released_now = not released and waiting is None
             if released_now:
                 db.execute("UPDATE jobs SET released_unix=? WHERE job_id=?", (now, job_id))
@@ -354,13 +383,16 @@ class Store:
 
     def busy_node_ids(self) -> set[str]:
         rows = self._query(
-            "SELECT m.node_id FROM members m JOIN jobs j ON j.job_id = m.job_id WHERE j.state = 'RUNNING'"
+            "SELECT m.node_id FROM members m JOIN jobs j ON j.job_id = m.job_id WHERE j.state = 'RUNNING' "
+            "AND m.left_unix = 0"
         )
         return {r[0] for r in rows}
 
-    def members(self, job_id: str) -> list[MemberRow]:
-        rows = self._query(f"SELECT {', '.join(_MEMBER_FIELDS)} FROM members WHERE job_id = ? ORDER BY rank",
-                           (job_id,))
+    def members(self, job_id: str, with_left: bool = False) -> list[MemberRow]:
+        """The job's members by rank; `with_left`: also those that left it (an elastic job's) and were not
+        replaced."""
+        rows = self._query(f"SELECT {', '.join(_MEMBER_FIELDS)} FROM members WHERE job_id = ? "
+                           f"{'' if with_left else 'AND left_unix = 0 '}ORDER BY rank", (job_id,))
         members = []
         for row in rows:
             f = dict(zip(_MEMBER_FIELDS, row, strict=True))
@@ -371,14 +403,15 @@ class Store:
                 compute_s=f["compute_s"], wait_s=f["wait_s"], exchanges=f["exchanges"],
                 exchange_failures=f["exchange_failures"], time=f["updated_unix"], local_steps=f["local_steps"],
             )
-            members.append(MemberRow(job_id, f["rank"], f["node_id"], progress, f["failure"], f["ready_unix"] > 0))
+            members.append(MemberRow(job_id, f["rank"], f["node_id"], progress, f["failure"], f["ready_unix"] > 0,
+                                     f["joined_step"], f["left_unix"] > 0))
         return members
 
     def running_membership(self, node_id: str) -> tuple[JobRow, int] | None:
         rows = self._query(
             f"SELECT {', '.join('j.' + field for field in _JOB_FIELDS)}, m.rank FROM members m JOIN jobs j "
             "ON j.job_id = m.job_id "
-            "WHERE m.node_id = ? AND j.state = 'RUNNING'",
+            "WHERE m.node_id = ? AND j.state = 'RUNNING' AND m.left_unix = 0",
             (node_id,),
         )
         return (JobRow(*rows[0][:-1]), rows[0][-1]) if rows else None
@@ -392,7 +425,7 @@ class Store:
                 "UPDATE members SET step=?, loss=?, test_accuracy=COALESCE(?, test_accuracy), "
                 "test_loss=COALESCE(?, test_loss), finished=?, updated_unix=?, bytes_sent=?, bytes_received=?, "
                 "elapsed_s=?, compute_s=?, wait_s=?, exchanges=?, exchange_failures=?, local_steps=? "
-                "WHERE job_id=? AND rank=? AND node_id=?",
+                "WHERE job_id=? AND rank=? AND node_id=? AND left_unix=0",
                 (p.step, _null(p.loss), _null(p.test_accuracy), _null(p.test_loss), int(p.finished), p.time,
                  p.bytes_sent, p.bytes_received, p.elapsed_s, p.compute_s, p.wait_s, p.exchanges,
                  p.exchange_failures, p.local_steps, p.job, p.rank, p.node),

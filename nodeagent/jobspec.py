@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 DEFAULT_DATA_DIR = "/usr/share/datasets/fashion-mnist"
 Mode = Literal["async", "sync"]
@@ -180,13 +180,41 @@ class StartSpec(_Strict):
         "after the job started (the reason names the ranks and their nodes)")
 
 
+class NodeRange(_Strict):
+    """An elastic job's size: it starts on `min` agents (or on as many as are free, up to `max`), agents that become
+    free join it while it has fewer than `max`, and a lost member leaves it while at least `min` remain."""
+
+    min: int = Field(ge=2, le=MAX_NODES, description="agents the job starts with at least, and keeps at least")
+    max: int = Field(ge=2, le=MAX_NODES, description="agents the job may grow to; its data is split into max shards, "
+                     "one per rank")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> NodeRange:
+        if self.min > self.max:
+            raise ValueError(f"min {self.min} is larger than max {self.max}")
+        return self
+
+
+def _nodes_form(value: Any) -> str:
+    return "elastic" if isinstance(value, dict | NodeRange) else "fixed"
+
+
+# A fixed size, or an elastic job's range; an error names the form it was read as (nodes.fixed, nodes.elastic.min).
+Nodes = Annotated[
+    Annotated[int, Field(ge=1, le=MAX_NODES), Tag("fixed")] | Annotated[NodeRange, Tag("elastic")],
+    Discriminator(_nodes_form),
+]
+
+
 class JobSpec(_Strict):
     """A training job: what every node trains, on which data, over which graph, with which algorithm."""
 
     name: str = Field("job", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
                       description="the job's name; commands take it wherever they take a job (the newest of that "
                       "name)")
-    nodes: int = Field(8, ge=1, le=MAX_NODES, description="number of node agents in the job")
+    nodes: Nodes = Field(
+        8, description="number of node agents in the job (1..10000), or {min, max} for an elastic job whose agents "
+        "may join and leave while it runs (peer-to-peer algorithms that can change their topology)")
     steps: int = Field(1000, ge=1, description="local steps per node")
     eval_every: int = Field(200, ge=1, description="evaluate test accuracy every N steps (and at the end)")
     seed: int = Field(0, ge=0, description="seeds the initial model, the split and the batch orders")
@@ -204,19 +232,41 @@ class JobSpec(_Strict):
 
     simulation: SimulationSpec = Field(default_factory=SimulationSpec, description="used by the simulator only")
 
+    @property
+    def elastic(self) -> bool:
+        """Whether agents may join and leave the job while it runs (`nodes: {min, max}`)."""
+        return isinstance(self.nodes, NodeRange)
+
+    @property
+    def min_nodes(self) -> int:
+        return self.nodes.min if isinstance(self.nodes, NodeRange) else self.nodes
+
+    @property
+    def max_nodes(self) -> int:
+        """The most ranks the job has: its size, or an elastic job's max (its data is split into that many
+        shards)."""
+        return self.nodes.max if isinstance(self.nodes, NodeRange) else self.nodes
+
+    def sized(self, count: int | None = None) -> JobSpec:
+        """The job with a fixed number of nodes, `count` (default: its most, `max_nodes`): what its nodes are built
+        from and its graph is planned for, elastic or not."""
+        return self.model_copy(update={"nodes": self.max_nodes if count is None else count})
+
     @model_validator(mode="after")
     def _ranks_in_range(self) -> JobSpec:
+        nodes = self.max_nodes
+
         def check(where: str, rank: int) -> None:
-            if not 0 <= rank < self.nodes:
-                raise ValueError(f"{where}: rank {rank} is not in 0..{self.nodes - 1}")
+            if not 0 <= rank < nodes:
+                raise ValueError(f"{where}: rank {rank} is not in 0..{nodes - 1}")
 
         for rank, factor in self.slowdown.items():
             check("slowdown", rank)
             if factor < 1:
                 raise ValueError(f"slowdown: factor {factor} of rank {rank} must be >= 1")
         simulation = self.simulation
-        if simulation.speeds and len(simulation.speeds) != self.nodes:
-            raise ValueError(f"simulation.speeds: {len(simulation.speeds)} speeds for {self.nodes} nodes")
+        if simulation.speeds and len(simulation.speeds) != nodes:
+            raise ValueError(f"simulation.speeds: {len(simulation.speeds)} speeds for {nodes} nodes")
         if any(speed <= 0 for speed in simulation.speeds):
             raise ValueError("simulation.speeds: every speed must be positive")
         for fault in simulation.faults:

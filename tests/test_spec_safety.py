@@ -410,7 +410,7 @@ def test_a_4096_node_complete_graph_is_refused_naming_its_edges() -> None:
          f"one period of its schedule has 21980218 sends (446 nodes x 223 iterations x 221 peers per iteration); at "
          f"most {MAX_PERIOD_SENDS}"),
         (10_000, {"kind": "exponential"}, "dsgd", "140000 edges"),
-        (10_001, {"kind": "ring"}, "dsgd", "nodes: Input should be less than or equal to 10000"),
+        (10_001, {"kind": "ring"}, "dsgd", "nodes.fixed: Input should be less than or equal to 10000"),
     ],
 )
 def test_a_graph_beyond_the_bounds_is_refused(nodes: int, topology: dict, algorithm: str, message: str) -> None:

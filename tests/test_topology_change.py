@@ -303,7 +303,7 @@ def test_topology_changes_in_the_job_file_are_validated(changes, error):
     ("dsgd", {"kind": "random-regular"}, r"option 'degree' is required"),
     ("sgp", {"kind": "bipartite-exponential"}, r"topology.kind: sgp needs every node to send"),
     ("ssgd", {"kind": "complete"}, r"algorithm.name: ssgd has no topology to change"),
-    ("gossip", {"kind": "complete"}, r"gossip cannot change its topology while it runs"),
+    ("ad-psgd", {"kind": "complete"}, r"ad-psgd cannot change its topology while it runs"),
 ])
 def test_a_change_the_job_cannot_take_is_refused_naming_the_field(algorithm, change, error):
     spec = parse_job_spec({"steps": 100, "algorithm": {"name": algorithm},

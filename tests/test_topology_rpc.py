@@ -116,7 +116,7 @@ def test_bad_options_json_and_unknown_jobs_are_refused(coordinator):
 @pytest.mark.parametrize(("algorithm", "words"), [
     ({"name": "ssgd"}, "ssgd has no topology to change (its nodes talk to the parameter server)"),
     ({"name": "allreduce"}, "allreduce has no topology to change (its nodes talk all at once)"),
-    ({"name": "gossip"}, "gossip cannot change its topology while it runs"),
+    ({"name": "ad-psgd"}, "ad-psgd cannot change its topology while it runs"),
 ])
 def test_jobs_without_a_changeable_topology_are_refused(coordinator, algorithm, words):
     start, _ = coordinator

@@ -174,7 +174,7 @@ class PeerSet(_message.Message):
     def __init__(self, ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("version", "job_id", "state", "job_spec_json", "rank", "world_size", "neighbors", "self_weight", "run_dir", "peer_schedule", "rendezvous_port", "rejoin", "revoked_serials", "rendezvous_key", "topology_version", "switch_step", "topology_kind")
+    __slots__ = ("version", "job_id", "state", "job_spec_json", "rank", "world_size", "neighbors", "self_weight", "run_dir", "peer_schedule", "rendezvous_port", "rejoin", "revoked_serials", "rendezvous_key", "topology_version", "switch_step", "topology_kind", "joined_at_step")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +192,7 @@ class Assignment(_message.Message):
     TOPOLOGY_VERSION_FIELD_NUMBER: _ClassVar[int]
     SWITCH_STEP_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_KIND_FIELD_NUMBER: _ClassVar[int]
+    JOINED_AT_STEP_FIELD_NUMBER: _ClassVar[int]
     version: int
     job_id: str
     state: JobState
@@ -209,7 +210,8 @@ class Assignment(_message.Message):
     topology_version: int
     switch_step: int
     topology_kind: str
-    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., job_spec_json: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., neighbors: _Optional[_Iterable[_Union[Neighbor, _Mapping]]] = ..., self_weight: _Optional[float] = ..., run_dir: _Optional[str] = ..., peer_schedule: _Optional[_Iterable[_Union[PeerSet, _Mapping]]] = ..., rendezvous_port: _Optional[int] = ..., rejoin: _Optional[bool] = ..., revoked_serials: _Optional[_Iterable[str]] = ..., rendezvous_key: _Optional[str] = ..., topology_version: _Optional[int] = ..., switch_step: _Optional[int] = ..., topology_kind: _Optional[str] = ...) -> None: ...
+    joined_at_step: int
+    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., job_spec_json: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., neighbors: _Optional[_Iterable[_Union[Neighbor, _Mapping]]] = ..., self_weight: _Optional[float] = ..., run_dir: _Optional[str] = ..., peer_schedule: _Optional[_Iterable[_Union[PeerSet, _Mapping]]] = ..., rendezvous_port: _Optional[int] = ..., rejoin: _Optional[bool] = ..., revoked_serials: _Optional[_Iterable[str]] = ..., rendezvous_key: _Optional[str] = ..., topology_version: _Optional[int] = ..., switch_step: _Optional[int] = ..., topology_kind: _Optional[str] = ..., joined_at_step: _Optional[int] = ...) -> None: ...
 
 class MetricsReport(_message.Message):
     __slots__ = ("node_id", "job_id", "rank", "step", "loss", "test_accuracy", "test_loss", "elapsed_s", "finished", "bytes_sent", "bytes_received", "compute_s", "wait_s", "exchanges", "exchange_failures", "edges", "local_steps", "waiting_for")
@@ -537,7 +539,7 @@ class ListJobsRequest(_message.Message):
     def __init__(self, limit: _Optional[int] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("job_id", "name", "state", "world_size", "created_unix", "started_unix", "ended_unix", "reason")
+    __slots__ = ("job_id", "name", "state", "world_size", "created_unix", "started_unix", "ended_unix", "reason", "min_nodes", "max_nodes")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -546,6 +548,8 @@ class JobInfo(_message.Message):
     STARTED_UNIX_FIELD_NUMBER: _ClassVar[int]
     ENDED_UNIX_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    MIN_NODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NODES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     state: JobState
@@ -554,7 +558,9 @@ class JobInfo(_message.Message):
     started_unix: float
     ended_unix: float
     reason: str
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., world_size: _Optional[int] = ..., created_unix: _Optional[float] = ..., started_unix: _Optional[float] = ..., ended_unix: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+    min_nodes: int
+    max_nodes: int
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., world_size: _Optional[int] = ..., created_unix: _Optional[float] = ..., started_unix: _Optional[float] = ..., ended_unix: _Optional[float] = ..., reason: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ...) -> None: ...
 
 class ListJobsReply(_message.Message):
     __slots__ = ("jobs",)
@@ -607,7 +613,7 @@ class NodeProgress(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., finished: _Optional[bool] = ..., updated_unix: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., test_loss: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., exchanges: _Optional[int] = ..., exchange_failures: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ..., local_steps: _Optional[int] = ..., edges: _Optional[_Iterable[_Union[EdgeTraffic, _Mapping]]] = ..., waiting_for: _Optional[str] = ...) -> None: ...
 
 class JobStatusReply(_message.Message):
-    __slots__ = ("job_id", "name", "state", "world_size", "nodes", "run_dir", "created_unix", "spec_yaml", "reason", "started_unix", "ended_unix")
+    __slots__ = ("job_id", "name", "state", "world_size", "nodes", "run_dir", "created_unix", "spec_yaml", "reason", "started_unix", "ended_unix", "min_nodes", "max_nodes")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -619,6 +625,8 @@ class JobStatusReply(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     STARTED_UNIX_FIELD_NUMBER: _ClassVar[int]
     ENDED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    MIN_NODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NODES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     state: JobState
@@ -630,7 +638,9 @@ class JobStatusReply(_message.Message):
     reason: str
     started_unix: float
     ended_unix: float
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., world_size: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeProgress, _Mapping]]] = ..., run_dir: _Optional[str] = ..., created_unix: _Optional[float] = ..., spec_yaml: _Optional[str] = ..., reason: _Optional[str] = ..., started_unix: _Optional[float] = ..., ended_unix: _Optional[float] = ...) -> None: ...
+    min_nodes: int
+    max_nodes: int
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., world_size: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeProgress, _Mapping]]] = ..., run_dir: _Optional[str] = ..., created_unix: _Optional[float] = ..., spec_yaml: _Optional[str] = ..., reason: _Optional[str] = ..., started_unix: _Optional[float] = ..., ended_unix: _Optional[float] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ...) -> None: ...
 
 class PsPushReply(_message.Message):
     __slots__ = ("version", "applied", "rejected", "delay", "bytes_received", "duplicate")

@@ -79,6 +79,7 @@ class JobRunner(threading.Thread):
         self.peer_schedule = tuple(tuple(peers.ranks) for peers in assignment.peer_schedule)
         self.rendezvous = (assignment.rendezvous_port, assignment.rendezvous_key)
         self.rejoin = assignment.rejoin  # this rank ran before: a restart
+        self.joined_at = assignment.joined_at_step  # this rank joined the running job (elastic): its switch step
         # A runner that starts after a change starts in its version (its neighbours above).
         self.topology_version = assignment.topology_version
         self.topology_kind = assignment.topology_kind or self.spec.topology.kind
@@ -165,7 +166,9 @@ class JobRunner(threading.Thread):
                           self.peer_schedule, allow_imports=agent.config.allow_imports)
         algorithm = node.algorithm
         checkpoint = checkpoint_path(agent.config.state_dir, self.job_id, self.rank)
-        resumed = restore_checkpoint(checkpoint, algorithm)
+        # A node that joins takes the model from its neighbours; a checkpoint of this rank from an earlier stay in
+        # the job is stale (unless this rank ran here already: a restart).
+        resumed = (not self.joined_at or self.rejoin) and restore_checkpoint(checkpoint, algorithm)
         driver = self.driver = NodeDriver(node, job=self.job_id, name=agent.node_id, clock=time.perf_counter,
                                           metrics=agent.metrics, name_of=self.name_of,
                                           report_every_s=REPORT_INTERVAL_S)
@@ -176,7 +179,13 @@ class JobRunner(threading.Thread):
             agent.event(self.job_id, events.STARTED, f"rank {self.rank} of {spec.nodes} started: "
                         f"{spec.algorithm.name} on {node.shard_size} samples, neighbours {sorted(self.addresses)}, "
                         f"built in {time.perf_counter() - building:.2f} s", step=algorithm.clock)
-        if self.rejoin:
+        if self.joined_at and not resumed:
+            driver.join(self.joined_at)
+            start = (f"the model of its neighbours {sorted(n.rank for n in self.neighbors)}"
+                     if algorithm.join_kind() is not None else "the job's initial model")
+            agent.event(self.job_id, events.JOINED, f"rank {self.rank} joined the running job: it starts from "
+                        f"{start}, in the topology its nodes switch to at step {self.joined_at}")
+        elif self.rejoin:
             driver.rejoin()
             agent.event(self.job_id, events.REJOINED, f"rank {self.rank} restarted in the running job: it takes the "
                         "job up where its neighbours are", step=algorithm.clock)

@@ -392,6 +392,26 @@ class Algorithm(ABC):
         sends that give it to them."""
         return []
 
+    def join_kind(self) -> Kind | None:
+        """What a node that joins a running elastic job pulls from each neighbour to take the model up, or None
+        when it starts from the job's seeded initial model."""
+        return None
+
+    def join(self, states: Mapping[int, Message], at_step: int) -> None:
+        """This node joins a running job (elastic membership), whose nodes switch to the topology that includes
+        it just before step `at_step`; `states` are what its neighbours serve now (`join_kind`), by rank. Only
+        algorithms with `changes_topology` implement it: this default starts from the mean of the neighbours'
+        models (those served as `Kind.PARAMS`), at the latest of their clocks, or at `at_step` with the seeded
+        initial model when it pulled nothing."""
+        if not self.changes_topology:
+            raise NotImplementedError(f"{self.name} cannot join a running job")
+        if states:
+            with torch.no_grad():
+                self.w.copy_(torch.stack([self.params.flatten(s.tensors) for s in states.values()]).mean(dim=0))
+        self.clock = max((s.clock for s in states.values()), default=at_step)
+        self._momentum_buffer = None
+        self.republish()
+
     def expect_neighbors(self, ranks: tuple[int, ...]) -> None:
         """A topology change is coming: accept messages from `ranks` too (the neighbours of the new topology, which
         may switch and send before this node does; the driver holds their messages until this node switches). The

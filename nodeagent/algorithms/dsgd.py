@@ -132,6 +132,22 @@ class DSGD(Algorithm):
     def rejoin_kind(self) -> Kind | None:
         return Kind.PARAMS if self.synchronous else None
 
+    def join_kind(self) -> Kind | None:
+        return Kind.PARAMS
+
+    def join(self, states: Mapping[int, Message], at_step: int) -> None:
+        """A node that joins a running job starts from the mean of its neighbours' models, which are its first
+        copies of them; asynchronous at the latest of their clocks, synchronous at the switch step `at_step`, the
+        first round its neighbours wait for its part of."""
+        super().join(states, at_step)
+        self.last_copy = {n.rank: self.params.flatten(states[n.rank].tensors) if n.rank in states else
+                          self.w.detach().clone() for n in self.context.neighbors}
+        if self.synchronous:
+            self.clock = at_step
+            self.round_copies = defaultdict(dict)
+            self._pending_direction = None
+            self.republish()
+
     def rejoin(self, states: Mapping[int, Message]) -> list[Send]:
         """Synchronous mode after a restart: the neighbours wait at their rounds (their snapshot's clock holds
         each one's x_t of it) for this node's x_t. It starts again at the latest of their rounds R from their mean,

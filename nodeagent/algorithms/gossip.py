@@ -140,6 +140,7 @@ class PairwiseGossip(Algorithm):
 
     name = "gossip"
     Options = GossipOptions
+    changes_topology = True
     options: GossipOptions
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
@@ -237,6 +238,28 @@ class PairwiseGossip(Algorithm):
             # lerp is exact at both ends: f = 0 keeps w, f = 1 copies the peer.
             self.w.lerp_(self.params.flatten(reply.tensors), factor)
         self.gossip_clock = factor * reply.clock + (1 - factor) * self.gossip_clock
+
+    def change_topology(self, context: NodeContext) -> None:
+        """A new neighbour starts at the full score, as at the start of a job, a kept one keeps its score, a dropped
+        one is forgotten, and so is an unanswered fetch from it (its reply, if it comes, is ignored), so that no
+        step waits for a former neighbour. Pull-only gossip keeps no other state of an edge."""
+        scores = self.scores.scores
+        self.scores = PeerScores(context.neighbor_ranks)
+        self.scores.scores.update({peer: scores[peer] for peer in self.scores.scores if peer in scores})
+        ranks = set(context.neighbor_ranks)
+        self._fetches = [f for f in self._fetches if f.peer in ranks or f.reply is not None]
+        if self._retry_excluding not in ranks:
+            self._retry_excluding = None
+        self._take_context(context)
+
+    def join_kind(self) -> Kind | None:
+        return Kind.PARAMS
+
+    def join(self, states: Mapping[int, Message], at_step: int) -> None:
+        """A node that joins a running job starts from the mean of its neighbours' models, at the latest of their
+        (gossip) clocks."""
+        super().join(states, at_step)
+        self.gossip_clock = float(self.clock)
 
     def state_dict(self) -> dict[str, torch.Tensor | int | float]:
         return {**super().state_dict(), "gossip_clock": self.gossip_clock}

@@ -127,8 +127,10 @@ class SGP(Algorithm):
         self._contexts = [*self._contexts[covering:], (self.clock, context)]
 
     def _debias(self) -> None:
-        """z = x / weight into the model's parameters, and publish the new state."""
-        torch.div(self.x, self.weight, out=self.w)
+        """z = x / weight into the model's parameters, and publish the new state. A node that joined holds no
+        weight until its first round is absorbed: its z stays the model it joined with."""
+        if self.weight > 0:
+            torch.div(self.x, self.weight, out=self.w)
         self.republish()
 
     def state_dict(self) -> dict[str, torch.Tensor | int | float]:
@@ -210,6 +212,27 @@ class SGP(Algorithm):
 
     def rejoin_kind(self) -> Kind | None:
         return Kind.PARAMS
+
+    def join_kind(self) -> Kind | None:
+        return Kind.PARAMS
+
+    def join(self, states: Mapping[int, Message], at_step: int) -> None:
+        """A node that joins a running job brings no push-sum mass: numerator 0 and weight 0, so the sum of the
+        weights, and with it the average sum(x) / sum(weight) that push-sum converges to, is exactly what it was.
+        Its first round is the job's switch step `at_step` (its neighbours' first round in the topology that
+        includes it); the gradient of its first step is taken at the mean of its neighbours' models z, and from
+        the shares of that round on it holds mass and de-biases as every node does."""
+        with torch.no_grad():
+            if states:
+                self.w.copy_(torch.stack([self.params.flatten(s.tensors) for s in states.values()]).mean(dim=0))
+            self.x.zero_()
+        self.weight = 0.0
+        self.clock = at_step
+        self.shares.clear()
+        self.open_rounds.clear()
+        self._contexts = [(at_step, self.context)]
+        self._momentum_buffer = None
+        self.republish()
 
     def rejoin(self, states: Mapping[int, Message]) -> list[Send]:
         """After a restart: the node lost its push-sum mass and the shares in flight to it. It starts again at the

@@ -12,6 +12,8 @@ what it decides and tell it what happened:
     stepped(d)       the step took d seconds; the sends to perform now
     due_retries()    the sends to perform again now
     rejoin()         (before the first next()) this node's rank ran before: take the job up where its neighbours are
+    join(at_step)    (before the first next()) this node joins a running elastic job: take the model up from its
+                     neighbours
 
 The rules, each in one place:
 - Order of work: the initial model is evaluated before anything received is mixed in; then what arrived is
@@ -38,6 +40,10 @@ The rules, each in one place:
   neighbour serves (`Algorithm.rejoin_kind()`), holding back everything else that arrives, then hands the states to
   `Algorithm.rejoin()`, whose sends let the neighbours finish the rounds they wait in; the pulls are retried like
   pushes.
+- Joining: a node that joins a running elastic job pulls what each neighbour serves (`Algorithm.join_kind()`) the
+  same way, and hands the states to `Algorithm.join()` with the step its neighbours switch to the topology that
+  includes it; it is not evaluated at the job's initial model (it starts from theirs). It gives up on a neighbour
+  after JOIN_PULL_ATTEMPTS failed pulls (that neighbour may be leaving) and joins from the others' states.
 - Topology changes (`change_topology`): every node of the job switches just before the same step, the change's
   `at_step`, so that a round is sent and absorbed in one topology. From the moment the change is known the
   algorithm accepts the new neighbours, whose messages are held until this node switches (they may switch
@@ -73,6 +79,9 @@ log = logging.getLogger("nodeagent")
 RETRY_FIRST_S = 1.0  # the first retry of a failed push or server call comes this long after the failure,
 RETRY_MAX_S = 30.0  # and each next one twice as long after its failure, up to this
 WAIT_LOG_S = 10.0  # a wait longer than this is logged, once
+# A node that joins a running job gives up pulling from a neighbour after this many failed tries (about 15 s with
+# the back-off) and takes the model up from the others: that neighbour may be leaving the job.
+JOIN_PULL_ATTEMPTS = 5
 IN_FLIGHT = "in_flight"  # the failure reason of a send skipped by flow control
 FUTURE_CLOCK = "future_clock"  # the rejection reason of a message beyond the algorithm's rounds_ahead()
 FORMER_NEIGHBOR = "former_neighbor"  # the rejection reason of a message of a dropped edge after the switch
@@ -241,6 +250,7 @@ class NodeDriver:
         self._retries: list[tuple[float, int, Transmission]] = []
         self._attempts: dict[int, int] = {}  # id of a transmission being retried -> its failed attempts
         self._joining: dict[int, Message | None] | None = None  # while rejoining: each neighbour's state, once pulled
+        self._join_at: int | None = None  # joining a running job (not rejoining): its switch step
         self._changes: list[TopologyChange] = []  # topology changes to come, by step
         self._held: list[Message] = []  # messages of the next topology's new neighbours, until the switch
         self._former: frozenset[int] = frozenset()  # neighbours that the last switch dropped
@@ -292,6 +302,8 @@ class NodeDriver:
                 self._arrived.append(item.answer)
             return None
         self._count_failure(send.peer, item.reason)
+        if self._join_given_up(item):
+            return None
         if not self._retried(item):
             if not self.done:
                 self._arrived.append(item)
@@ -309,6 +321,21 @@ class NodeDriver:
         heapq.heappush(self._retries, (due, next(self._sequence), item.transmission))
         return due
 
+    def _join_given_up(self, failure: Failure) -> bool:
+        """Whether a failed pull of joining was the last one tried (JOIN_PULL_ATTEMPTS): then the node joins
+        without that neighbour's state."""
+        key = id(failure.transmission)
+        if self._join_at is None or self._joining is None or key not in self._join_pulls or \
+                self._attempts.get(key, 0) + 1 < JOIN_PULL_ATTEMPTS:
+            return False
+        peer = failure.transmission.send.peer
+        self._join_pulls.discard(key)
+        self._attempts.pop(key, None)
+        self._joining.pop(peer, None)
+        log.warning("job %s: %s gave up pulling from %s to join (%s, %d tries): it joins from its other neighbours",
+                    self.job, self.name, self.peer_name(peer), failure.reason, JOIN_PULL_ATTEMPTS)
+        return True
+
     def _retried(self, failure: Failure) -> bool:
         """Whether a failed transmission is tried again; otherwise the algorithm hears of the failure."""
         route = failure.transmission.send.route
@@ -322,22 +349,39 @@ class NodeDriver:
         if self.algorithm.rejoin_kind() is not None and self.algorithm.context.neighbors:
             self._joining = dict.fromkeys(self.algorithm.context.neighbor_ranks)
 
+    def join(self, at_step: int) -> None:
+        """This node joins a running job (elastic membership) whose nodes switch to the topology that includes it
+        just before step `at_step`: before its first step it takes the model up from its neighbours."""
+        self._join_at = at_step
+        if self.algorithm.join_kind() is not None and self.algorithm.context.neighbors:
+            self._joining = dict.fromkeys(self.algorithm.context.neighbor_ranks)
+        else:
+            self.algorithm.join({}, at_step)
+            log.info("job %s: %s joined at step %d", self.job, self.name, self.algorithm.clock)
+
     def _join(self) -> tuple[bool, list[Transmission]]:
-        """While rejoining: whether the algorithm has taken the job up, and what to send (the pulls at first; the
-        algorithm's sends once every neighbour's state is in)."""
+        """While rejoining or joining: whether the algorithm has taken the job up, and what to send (the pulls at
+        first; the algorithm's sends once every neighbour's state is in)."""
         assert self._joining is not None
         if any(state is None for state in self._joining.values()):
             if self._join_pulls:
                 return False, []  # pulled already: waiting for the answers (or their retries)
-            kind = self.algorithm.rejoin_kind()
+            kind = self.algorithm.rejoin_kind() if self._join_at is None else self.algorithm.join_kind()
+            assert kind is not None
             pulls = self._transmissions([Send(Route.PULL, peer, kind) for peer in self._joining], math.nan)
             self._join_pulls = {id(t) for t in pulls}
             return False, pulls
         states = {rank: state for rank, state in self._joining.items() if state is not None}
         self._joining = None
+        where = ", ".join(f"rank {rank} at {state.clock}" for rank, state in states.items())
+        if self._join_at is not None:
+            self.algorithm.join(states, self._join_at)
+            log.info("job %s: %s joined at step %d, from its neighbours' models (%s)", self.job, self.name,
+                     self.algorithm.clock, where)
+            return True, []
         sends = self._transmissions(self.algorithm.rejoin(states), math.nan)
         log.info("job %s: %s rejoined at step %d, where its neighbours are (%s)", self.job, self.name,
-                 self.algorithm.clock, ", ".join(f"rank {rank} at {state.clock}" for rank, state in states.items()))
+                 self.algorithm.clock, where)
         return True, sends
 
     def change_topology(self, change: TopologyChange) -> None:
@@ -431,7 +475,7 @@ class NodeDriver:
             return Decision(Action.DONE)
         algorithm = self.algorithm
         reports: list[Report] = []
-        if self._evaluated_at < 0 and algorithm.clock == 0:
+        if self._evaluated_at < 0 and algorithm.clock == 0 and self._join_at is None:
             # The curve starts at the shared initial model, before anything received is mixed in.
             reports.append(self._evaluate())
         self._switch()

@@ -30,9 +30,12 @@ STOPPED = "stopped"
 TOPOLOGY = "topology"
 READY = "ready"  # a node built its part and waits for the start barrier
 RELEASED = "released"  # every rank was ready: the coordinator released the start barrier
+JOINED = "joined"  # an agent joined a running elastic job (the coordinator's event, and the node's)
+LEFT = "left"  # a member left a running elastic job (the coordinator's event)
 LOG = "log"
-KINDS = (SUBMITTED, STARTED, READY, RELEASED, RESUMED, REJOINED, FAILED, FINISHED, STOPPED, TOPOLOGY, LOG)
-NODE_KINDS = (STARTED, READY, RESUMED, REJOINED, FAILED, FINISHED, LOG)  # what an agent may report
+KINDS = (SUBMITTED, STARTED, READY, RELEASED, RESUMED, REJOINED, JOINED, LEFT, FAILED, FINISHED, STOPPED, TOPOLOGY,
+         LOG)
+NODE_KINDS = (STARTED, READY, RESUMED, REJOINED, JOINED, FAILED, FINISHED, LOG)  # what an agent may report
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 READ_BYTES = 256 * 1024  # of the log, read at most per call of read_events
 
