@@ -1,7 +1,7 @@
 """All-reduce for the collective family that survives lost members: gloo behind a per-step quorum (as torchft).
 
 Why gloo behind a quorum, not a ring on peertrain's own transport: the design forbids a hand-written ring
-all-reduce (ALGORITHMS.md), gloo is already the job's collective and is fast on loopback and Ethernet, and what it
+all-reduce, gloo is already the job's collective and is fast on loopback and Ethernet, and what it
 lacks (taking members out and back in) sits well outside it: a gloo group is fixed, so each change of membership
 forms a new one, a *quorum*, through the job's rendezvous store at the coordinator (a torch TCPStore). Running
 quorums need the store only to notice a member that waits to come back; a store that is away (the coordinator
@@ -171,18 +171,24 @@ class Collective:
         """The mean of the message's tensors over the members of the quorum, as a message from ALLREDUCE_RANK; or,
         when this rank took up a new quorum's state instead, that state (a PARAMS message at its step)."""
         while True:
-            if self.quorum is None:
-                self.quorum = self._form(message.clock)
-                taken = self._agree(self.quorum)
-                if taken is not None:
-                    return taken
+            agreeing = self.quorum is None
             try:
+                if self.quorum is None:
+                    self.quorum = self._form(message.clock)
+                    taken = self._agree(self.quorum)
+                    if taken is not None:
+                        return taken
+                    agreeing = False
                 return self._all_reduce(self.quorum, message)
+            except GroupLost:
+                raise
             except RuntimeError as error:  # gloo: a member went away, or did not answer within the step's timeout
                 self._leave()
-                self.aborted_steps.inc()
-                self._tell(f"rank {self.rank}: the all-reduce of step {message.clock} failed ({_first_line(error)}); "
-                           "the step is aborted and the quorum formed again", "WARNING", message.clock)
+                what = "the agreement of a new quorum at" if agreeing else "the all-reduce of"
+                if not agreeing:
+                    self.aborted_steps.inc()
+                self._tell(f"rank {self.rank}: {what} step {message.clock} failed ({_first_line(error)}); the step "
+                           "is aborted and the quorum formed again", "WARNING", message.clock)
 
     def _all_reduce(self, quorum: Quorum, message: Message) -> Message:
         started = time.perf_counter()
@@ -310,8 +316,8 @@ class Collective:
         pairs = [(int(k[0]), int(k[1])) for k in keys]
         best = max(pairs)
         source = pairs.index(best)  # the lowest member with it
-        self.held_in = quorum.number
         if all(pair == best for pair in pairs) and (best[0] >= 0 or best[1] == 0):
+            self.held_in = quorum.number
             return None
         flat = torch.cat([t.detach().reshape(-1) for t in state.tensors.values()])
         quorum.group.broadcast(flat, source).wait()
@@ -320,6 +326,7 @@ class Collective:
             self.traffic.add_sent(ALLREDUCE_RANK, size * (len(quorum.members) - 1))
         else:
             self.traffic.add_received(ALLREDUCE_RANK, size)
+        self.held_in = quorum.number  # only now: a rank whose broadcast failed keeps claiming its old state
         mine_pair = (int(mine[0]), int(mine[1]))
         if mine_pair == best:
             return None
@@ -337,7 +344,7 @@ class Collective:
                 continue
             key = f"q/{quorum.number + 1}/count"
             try:
-                if self._watcher_store.call(lambda s, k=key: s.check([k])):
+                if self._watcher_store.call(lambda s, k=key: s.check([k])) and self.quorum is quorum:
                     self.waiting.set()
             except RuntimeError as error:
                 log.debug("job %s: the rendezvous store does not answer (%s)", self.job_id, _first_line(error))
@@ -354,7 +361,7 @@ class Collective:
             quorum = self.quorum
             key = f"q/{(quorum.number if quorum is not None else self.last_number) + 1}/count"
             try:
-                if not self._watcher_store.call(lambda s, k=key: s.check([k])):
+                if not self.store.call(lambda s, k=key: s.check([k])):  # the runner is done with the store
                     continue
                 self._leave()
                 step = self.member.group_state().clock
