@@ -82,7 +82,7 @@ def quorum_events(cluster: LocalCluster, job_id: str) -> list[pb.JobEvent]:
 
 
 def test_a_member_killed_and_restarted_three_times_costs_the_job_nothing_but_time(cluster):
-    steps = 4000
+    steps = 3000
     job_id = cluster.submit(allreduce_job(steps, "kills"))
     status = wait_until(cluster, job_id, lambda s: min((n.step for n in s.nodes), default=0) >= 100, 120)
     killed = []
@@ -109,7 +109,7 @@ def test_a_member_killed_and_restarted_three_times_costs_the_job_nothing_but_tim
 
 
 def test_a_coordinator_restart_mid_job_does_not_end_the_all_reduce(cluster):
-    steps = 3000
+    steps = 2000
     job_id = cluster.submit(allreduce_job(steps, "coordinator-restart"))
     status = wait_until(cluster, job_id, lambda s: min((n.step for n in s.nodes), default=0) >= 100, 120)
     cluster.kill("coordinator")
