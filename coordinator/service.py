@@ -215,6 +215,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.stopping.set()
         self.changes.bump()
         self.ps.close_all()
+        with self._schedule_lock:  # the rendezvous ports are free for the next service on this state (a restart)
+            self._rendezvous.clear()
         self._monitor.join(timeout=5)
         self.store.close()
 
