@@ -7,19 +7,23 @@ forms a new one, a *quorum*, through the job's rendezvous store at the coordinat
 quorums need the store only to notice a member that waits to come back; a store that is away (the coordinator
 restarting) holds no step up.
 
-Quorums are numbered. Under the job's key prefix the store holds `next`, the number of the quorum being formed, and
-per quorum n: `q/n/here/R` for each rank R that came, `q/n/count` (how many came: what running members look for),
-`q/n/members`, written once (compare-and-set) by the first rank that closes it: the ranks present then, in
-order; or `-` when it was given up; and `q/n/pg/`, the gloo group's own keys. A rank forms quorum
-max(`next`, its last + 1): a fresh store (coordinator restarted) thus never takes the numbers back below the
-ones the ranks have seen. It says it is there and closes the quorum once every rank of the job is there, or once at
-least `min_members` are and it has waited `join_s` for the rest. A rank that the quorum was closed without goes on
-to the next number and waits there; a rank that sees `next` pass the quorum it waits in gives that one up.
+Quorums are numbered. Under the job's key prefix the store holds `next`, the number of the quorum being formed;
+`knocks`, counting the ranks that came to form one (what running members look at); and per quorum n: `q/n/here/R`
+for each rank R that came, `q/n/members`, written once (compare-and-set) by the first rank that closes it: `knocks`
+then and the ranks present then, in order; or `-` when it was given up; and `q/n/pg/`, the gloo group's own keys. A
+rank forms quorum max(`next`, its last + 1): a fresh store (coordinator restarted) thus never takes the numbers back
+below the ones the ranks have seen. It says it is there and closes the quorum once every rank of the job is there,
+or once at least `min_members` are and it has waited `join_s` for the rest (`step_timeout_s` for the job's first
+quorum, whose ranks start together). A rank that the quorum was closed without goes on to the next number and waits
+there; a rank that sees `next` pass the quorum it waits in gives that one up.
 
 Each step (the algorithm's Route.ALLREDUCE message) is one gloo all-reduce over the quorum, under
-`step_timeout_s`: the message's tensors flattened, plus one number, 1 from each member that saw a rank waiting in
-the next quorum (a watcher thread looks at the store twice a second). The mean is over the quorum's members. The
-step is committed on a member when its all-reduce completes: gloo answers all members alike or fails. A member
+`step_timeout_s`: the message's tensors flattened, plus one number, 1 from each member that saw `knocks` differ
+from its value when the quorum was closed (a watcher thread looks at the store twice a second): a
+rank came since. A store that restarted empty differs too, and the members form a quorum again once, which sets
+`next` in the new store past their numbers, where a restarted rank then finds them. The mean is over the quorum's
+members. The step is committed on a member when its all-reduce completes: gloo answers every member the same sum,
+or fails (on some members or all). A member
 lost mid-step (killed: its sockets close at once; stopped: it does not answer within `step_timeout_s`) fails the
 all-reduce on the others, each drops its group (which fails its own peers' calls in turn), and forms the next
 quorum without it at the step it was at. When the sum of the waiting flags is above zero, every member, having
@@ -162,6 +166,7 @@ class Collective:
         self.last_number = -1  # the last quorum this rank was in
         self.held_in = -1  # the last quorum whose state this rank holds; -1: restarted, from its checkpoint
         self.waiting = threading.Event()  # a rank waits in the quorum after this one
+        self._knocks = 0  # `knocks` when this rank's quorum was closed
         self._closed = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name=f"quorum-watch-{job_id}", daemon=True)
         self._watcher_store = RendezvousStore(host, port, key, connect_s=1.0)
@@ -228,19 +233,21 @@ class Collective:
                 if number < 0:
                     number = self.store.next_number(self.last_number + 1)
                     arrived = 0.0
-                members = self._members(number)
-                if members is None:
+                closed = self._members(number)
+                if closed is None:
                     if not arrived:
                         self.store.call(lambda s, n=number: s.set(f"q/{n}/here/{self.rank}", "1"))
-                        self.store.call(lambda s, n=number: s.add(f"q/{n}/count", 1))
+                        self.store.call(lambda s: s.add("knocks", 1))
                         arrived = now
-                    members = self._maybe_close(number, now - arrived)
-                if members is not None:
+                    closed = self._maybe_close(number, now - arrived)
+                if closed is not None:
+                    knocks, members = closed
                     if self.rank not in members:  # closed without this rank: wait in the next one
                         number = self.store.next_number(number + 1)
                         arrived = 0.0
                         continue
                     self.store.next_number(number + 1)
+                    self._knocks = knocks
                     return self._group(number, members, step)
             except RuntimeError as failure:  # the store away (perhaps back fresh), or a member gone before the
                 error = _first_line(failure)  # group was formed: start again from the store's `next`
@@ -258,13 +265,14 @@ class Collective:
             if self.stop.wait(PRESENCE_POLL_S):
                 continue
 
-    def _members(self, number: int) -> tuple[int, ...] | None:
-        """The members of quorum `number` once it is closed (() when it was given up), or None."""
+    def _members(self, number: int) -> tuple[int, tuple[int, ...]] | None:
+        """`knocks` when quorum `number` was closed and its members (() when it was given up), or None while it is
+        not closed."""
         key = f"q/{number}/members"
         if not self.store.call(lambda s: s.check([key])):
             return None
         value = self.store.call(lambda s: s.get(key)).decode()
-        return () if value == ABANDONED else tuple(int(rank) for rank in value.split(","))
+        return _closed(value)
 
     def _present(self, number: int) -> list[int]:
         return [rank for rank in range(self.world_size)
@@ -277,19 +285,24 @@ class Collective:
             return []
         return [rank for rank in range(self.world_size) if rank not in present]
 
-    def _maybe_close(self, number: int, waited_s: float) -> tuple[int, ...] | None:
+    def _maybe_close(self, number: int, waited_s: float) -> tuple[int, tuple[int, ...]] | None:
         """Close quorum `number` if it may be closed now, or give it up when the ranks went on past it; its members
         once closed (by this rank or another), else None."""
         key = f"q/{number}/members"
         if int(self.store.call(lambda s: s.add("next", 0))) > number:
             closed = self.store.call(lambda s: s.compare_set(key, "", ABANDONED)).decode()
         else:
+            # `knocks` first: a rank that knocks after it and is not among those present is noticed at the next step
+            knocks = int(self.store.call(lambda s: s.add("knocks", 0)))
             present = self._present(number)
             everyone = len(present) == self.world_size
-            if not everyone and (len(present) < self.options.min_members or waited_s < self.options.join_s):
+            # The job's first quorum: its ranks start together, and one later than a step's timeout counts as lost.
+            join_s = self.options.join_s if number > 0 else max(self.options.join_s, self.options.step_timeout_s)
+            if not everyone and (len(present) < self.options.min_members or waited_s < join_s):
                 return None
-            closed = self.store.call(lambda s: s.compare_set(key, "", ",".join(map(str, present)))).decode()
-        return () if closed == ABANDONED else tuple(int(rank) for rank in closed.split(","))
+            value = f"{knocks}|{','.join(map(str, present))}"
+            closed = self.store.call(lambda s: s.compare_set(key, "", value)).decode()
+        return _closed(closed)
 
     def _group(self, number: int, members: tuple[int, ...], step: int) -> Quorum:
         group = dist.ProcessGroupGloo(dist.PrefixStore(f"q/{number}/pg/", self.store.store()),
@@ -342,12 +355,15 @@ class Collective:
             quorum = self.quorum
             if quorum is None or self.waiting.is_set():
                 continue
-            key = f"q/{quorum.number + 1}/count"
             try:
-                if self._watcher_store.call(lambda s, k=key: s.check([k])) and self.quorum is quorum:
+                if self._knocked(self._watcher_store) and self.quorum is quorum:
                     self.waiting.set()
             except RuntimeError as error:
                 log.debug("job %s: the rendezvous store does not answer (%s)", self.job_id, _first_line(error))
+
+    def _knocked(self, store: RendezvousStore) -> bool:
+        """Whether a rank came to form a quorum since this one did (or the store restarted empty)."""
+        return int(store.call(lambda s: s.add("knocks", 0))) != self._knocks
 
     def hand_over(self) -> None:
         """This rank took the job's last step: from now on, until the job ends, it hands the final state to a rank
@@ -358,10 +374,8 @@ class Collective:
 
     def _serve_finished(self) -> None:
         while not self._closed.wait(WATCH_POLL_S) and not self.stop.is_set():
-            quorum = self.quorum
-            key = f"q/{(quorum.number if quorum is not None else self.last_number) + 1}/count"
             try:
-                if not self.store.call(lambda s, k=key: s.check([k])):  # the runner is done with the store
+                if not self._knocked(self.store):  # the runner is done with this store
                     continue
                 self._leave()
                 step = self.member.group_state().clock
@@ -383,6 +397,14 @@ class Collective:
         for thread in (self._watcher, self._finisher):
             if thread.ident is not None and thread is not threading.current_thread():  # not left in a store call
                 thread.join(timeout=WATCH_POLL_S + STORE_CONNECT_S)  # when the process exits
+
+
+def _closed(value: str) -> tuple[int, tuple[int, ...]]:
+    """A closed quorum's `members` value: `knocks` then, and its members (none when it was given up)."""
+    if value == ABANDONED:
+        return 0, ()
+    knocks, members = value.split("|")
+    return int(knocks), tuple(int(rank) for rank in members.split(","))
 
 
 def _first_line(error: BaseException) -> str:
