@@ -254,8 +254,8 @@ class Collective:
                 log.debug("job %s: forming quorum %d: %s", self.job_id, number, error)
                 number = -1
             if now >= deadline:
-                absent = self._absent(number) if number >= 0 else "some"
-                raise GroupLost(f"ranks {absent} of the all-reduce did not come to a quorum of at least "
+                absent = f"ranks {self._absent(number)}" if number >= 0 else "ranks (the store does not answer)"
+                raise GroupLost(f"{absent} of the all-reduce did not come to a quorum of at least "
                                 f"{self.options.min_members} members for step {step} within "
                                 f"{self.options.wait_s:.0f} s{f' (last error: {error})' if error else ''}")
             if not logged and now - started >= WAIT_LOGGED_AFTER_S:
