@@ -124,10 +124,17 @@ class LocalCluster:
         self.root.mkdir(parents=True, exist_ok=True)
         if self.tls:
             self._make_pki()
+        deadline = time.monotonic() + timeout_s
+        self._run_coordinator(f"{self.host}:0", deadline)
+        for rank in range(self.agents):
+            self.start_agent(rank)
+        self.wait_for_nodes(self.agents, deadline)
+
+    def _run_coordinator(self, listen: str, deadline: float) -> None:
+        """Start the coordinator on `listen` and wait until it serves."""
         ready = self.root / "coordinator.ready.json"
         ready.unlink(missing_ok=True)
-        self.start_coordinator(ready)
-        deadline = time.monotonic() + timeout_s
+        self.start_coordinator(ready, listen)
         while not ready.exists():
             self._check_alive("coordinator")
             if time.monotonic() > deadline:
@@ -135,15 +142,20 @@ class LocalCluster:
             time.sleep(0.1)
         info = json.loads(ready.read_text())
         self.address, self.metrics_address, self.enroll_address = info["listen"], info["metrics"], info["enroll"]
-        for rank in range(self.agents):
-            self.start_agent(rank)
-        self.wait_for_nodes(self.agents, deadline)
 
-    def start_coordinator(self, ready: Path) -> None:
+    def restart_coordinator(self, timeout_s: float = 60.0) -> None:
+        """Start the coordinator again (after `kill("coordinator")`) on its state directory and its address, where
+        the agents look for it."""
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        self._run_coordinator(self.address, time.monotonic() + timeout_s)
+
+    def start_coordinator(self, ready: Path, listen: str) -> None:
         self._spawn(
             "coordinator",
             [
-                "coordinator.cli", "serve", "--listen", f"{self.host}:0", "--metrics-listen", f"{self.host}:0",
+                "coordinator.cli", "serve", "--listen", listen, "--metrics-listen", f"{self.host}:0",
                 "--state-dir", str(self.root / "coordinator"), "--runs-dir", str(self.root / "runs"),
                 "--heartbeat-timeout", str(self.heartbeat_timeout_s), "--ready-file", str(ready),
                 "--log-level", self.log_level, "--enroll-listen", f"{self.host}:0",

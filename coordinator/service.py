@@ -199,6 +199,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._silence_counts_from = time.time() + config.heartbeat_timeout_s
 
     def start(self) -> None:
+        # The rendezvous of running all-reduce jobs, on the ports their agents know (after a restart).
+        for job in self.store.jobs(("RUNNING",)):
+            self._rendezvous_of(job, JobSpec.from_json(job.spec_json))
         self._monitor.start()
 
     def authorizer(self) -> Authorizer | None:
@@ -220,6 +223,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.stopping.set()
         self.changes.bump()
         self.ps.close_all()
+        with self._schedule_lock:  # the rendezvous ports are free for the next service on this state (a restart)
+            self._rendezvous.clear()
         self._monitor.join(timeout=5)
         self.store.close()
 
@@ -248,7 +253,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         """Apply each running job's failure policy to its lost nodes (silent for longer than the heartbeat timeout
         plus the job's `failure.lost_grace_s`): an asynchronous elastic job that keeps at least its least members
         plans its graph again without them (they leave it); otherwise a synchronous job fails, since its other nodes
-        would wait forever, and an asynchronous job goes on without them, and finishes once every other node has."""
+        would wait forever, and an asynchronous job goes on without them, and finishes once every other node has; so
+        does an all-reduce job while its quorum keeps at least `failure.min_members`, and fails when fewer remain."""
         nodes = {n.node_id: n for n in self.store.nodes()}
         now = time.time()
         for job in self.store.jobs(("RUNNING",)):
@@ -264,7 +270,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             if not lost:
                 continue
             ranks = ", ".join(f"rank {m.rank} (node {m.node_id}, silent for {silent:.0f} s)" for m, silent in lost)
-            synchronous = lookup(spec.algorithm.name).synchronous(spec.algorithm)
+            algorithm = lookup(spec.algorithm.name)
+            synchronous = algorithm.synchronous(spec.algorithm)
             if spec.elastic and not synchronous and len(members) - len(lost) >= spec.min_nodes:
                 if self._change_pending(job, members, nodes):
                     continue  # the members switch to the last change first; the next review plans the leave
@@ -272,7 +279,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                          f"({spec.failure.lost_grace_s:g} s)"
                 if self._replan(job, members, [], [m for m, _ in lost], reason):
                     continue
-            if synchronous:
+            collective = algorithm.family is Family.COLLECTIVE
+            minimum = spec.failure.quorum_minimum(spec.max_nodes) if collective else 0
+            if collective and len(members) - len(lost) < minimum:
+                self._end_job(job, "FAILED", f"lost {ranks}: the all-reduce has {len(members) - len(lost)} members "
+                              f"left, fewer than its quorum's minimum of {minimum}, for longer than the heartbeat "
+                              f"timeout and the job's failure.lost_grace_s ({spec.failure.lost_grace_s:g} s) allow")
+            elif not collective and synchronous:
                 self._end_job(job, "FAILED", f"lost {ranks}: longer than the heartbeat timeout and the job's "
                               f"failure.lost_grace_s ({spec.failure.lost_grace_s:g} s) allow a synchronous job")
             elif all(m.progress.finished or m.rank in {gone.rank for gone, _ in lost} for m in members):
@@ -487,14 +500,28 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def _rendezvous_of(self, job: JobRow, spec: JobSpec) -> dict[str, int | str]:
         """All-reduce jobs meet at a torch.distributed store that the coordinator hosts for the job's life, on its
-        listen host, under a secret key prefix (the store has no credentials of its own)."""
+        listen host, under a secret key prefix (the store has no credentials of its own). Its port and key are kept
+        in the job's row: a restarted coordinator binds the same port again, and the agents' store clients connect
+        again to it (nodeagent.agent.collective)."""
         if lookup(spec.algorithm.name).family is not Family.COLLECTIVE:
             return {}
         with self._schedule_lock:
             if job.job_id not in self._rendezvous:
-                store = TCPStore(self.config.rendezvous_host, 0, spec.nodes + 1, is_master=True,
-                                 wait_for_workers=False)
-                self._rendezvous[job.job_id] = (store, secrets.token_hex(16))
+                row = self.store.job(job.job_id)
+                port, key = (row.rendezvous_port, row.rendezvous_key) if row is not None else (0, "")
+                try:
+                    store = TCPStore(self.config.rendezvous_host, port, spec.nodes + 1, is_master=True,
+                                     wait_for_workers=False)
+                except RuntimeError as error:  # the port was taken meanwhile: the agents cannot meet any more
+                    log.error("job %s: the rendezvous store cannot listen on port %d again (%s); a new one",
+                              job.job_id, port, error)
+                    store = TCPStore(self.config.rendezvous_host, 0, spec.nodes + 1, is_master=True,
+                                     wait_for_workers=False)
+                    key = ""
+                key = key or secrets.token_hex(16)
+                self._rendezvous[job.job_id] = (store, key)
+                if (store.port, key) != (port, row.rendezvous_key if row is not None else ""):
+                    self.store.set_rendezvous(job.job_id, store.port, key)
             store, key = self._rendezvous[job.job_id]
             return {"rendezvous_port": store.port, "rendezvous_key": key}
 

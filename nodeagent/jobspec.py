@@ -164,7 +164,23 @@ class FailureSpec(_Strict):
 
     lost_grace_s: float = Field(
         60.0, gt=0, description="a node without heartbeat for this long fails a synchronous job (an asynchronous "
-        "job goes on without it); a node restarted within it rejoins")
+        "job goes on without it; an all-reduce job goes on while at least `min_members` remain); a node restarted "
+        "within it rejoins")
+    step_timeout_s: float = Field(
+        10.0, gt=0, le=3600, description="all-reduce jobs: the longest one step's collective may take; a member that "
+        "does not take its part within it (killed, stopped, cut off) aborts the step on every member, and the others "
+        "go on without it from the next step")
+    join_s: float = Field(
+        2.0, gt=0, le=600, description="all-reduce jobs: after a member is lost, how long the others wait for every "
+        "rank that is alive to come to the next quorum before they go on with those present")
+    min_members: int = Field(
+        0, ge=0, le=MAX_NODES, description="all-reduce jobs: the fewest members a quorum may have to go on (0: a "
+        "majority of the job's nodes, so that two halves cut apart never both train); fewer for longer than "
+        "`lost_grace_s` fail the job")
+
+    def quorum_minimum(self, nodes: int) -> int:
+        """The fewest members an all-reduce quorum of a job of `nodes` nodes may have."""
+        return min(self.min_members, nodes) if self.min_members else nodes // 2 + 1
 
 
 class StartSpec(_Strict):

@@ -111,6 +111,14 @@ class Metrics:
         self.wait_seconds = Counter(
             "peertrain_wait_seconds", "Time spent waiting for messages before a step", node, registry=r
         )
+        self.quorum_size = Gauge(
+            "peertrain_quorum_size", "Members of the all-reduce quorum this node is in (all-reduce jobs)", node,
+            registry=r,
+        )
+        self.aborted_steps = Counter(
+            "peertrain_aborted_steps", "All-reduce steps aborted because a member of the quorum was lost (the step "
+            "is taken again by the next quorum)", node, registry=r,
+        )
         self.agent_info = Gauge(
             "peertrain_agent_info",
             "Constant 1, labelled with the agent's identity: node id, name, package version, peer address, device",
@@ -158,7 +166,8 @@ class Metrics:
                                   self.consensus_distance)),
             (self.exchange_failures, [*edge, "reason"]),
             *((m, node) for m in (self.local_steps, self.training_loss, self.test_accuracy, self.test_loss,
-                                  self.step_seconds, self.wait_seconds, self.ps_bytes_upstream,
+                                  self.step_seconds, self.wait_seconds, self.quorum_size, self.aborted_steps,
+                                  self.ps_bytes_upstream,
                                   self.ps_bytes_downstream)),
             (self.ps_pushes, ["job_id", "outcome"]),
             (self.ps_updates_clipped, ["job_id"]),

@@ -358,3 +358,49 @@ def test_the_jobs_command_lists_jobs_as_a_table_or_json_lines(coordinator, monke
     header, row = capsys.readouterr().out.splitlines()
     assert header.split()[:4] == ["job", "name", "state", "nodes"]
     assert row.split()[:4] == [job_id, "alpha", "stopped", "2"] and "stopped by an operator" in row
+
+
+@pytest.mark.parametrize(("failure", "outcome"), [({}, pb.JOB_FINISHED), ({"min_members": 3}, pb.JOB_FAILED)],
+                         ids=["quorum-of-two-finishes", "below-min-members-fails"])
+def test_a_lost_member_of_an_allreduce_job_is_left_behind_while_the_quorum_keeps_its_minimum(coordinator, failure,
+                                                                                             outcome):
+    start, _ = coordinator
+    _, stub = start(heartbeat_timeout_s=1.0)
+    ids = [register(stub, f"a{i}") for i in range(3)]
+    spec = yaml.safe_dump({"name": "t", "nodes": 3, "steps": 10, "algorithm": {"name": "allreduce"},
+                           "failure": {"lost_grace_s": 1.0, **failure}})
+    job_id = stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=spec), timeout=5).job_id
+    for rank in (0, 1):  # the quorum of two finishes; rank 2 never beats again
+        stub.ReportMetrics(pb.MetricsReport(node_id=ids[rank], job_id=job_id, rank=rank, step=10, loss=0.5,
+                                            test_accuracy=0.8, finished=True), timeout=5)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        for node_id in ids[:2]:
+            stub.Heartbeat(pb.HeartbeatRequest(node_id=node_id), timeout=5)
+        status = stub.JobStatus(pb.JobStatusRequest(job_id=job_id), timeout=5)
+        if status.state != pb.JOB_RUNNING:
+            break
+        time.sleep(0.2)
+    assert status.state == outcome, status.reason
+    assert f"rank 2 (node {ids[2]}" in status.reason and "lost" in status.reason
+
+
+def test_an_allreduce_jobs_rendezvous_listens_on_the_same_port_with_the_same_key_after_a_restart(coordinator):
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    start, stop_all = coordinator
+    _, stub = start()
+    ids = [register(stub, f"a{i}") for i in range(2)]
+    spec = yaml.safe_dump({"name": "t", "nodes": 2, "steps": 10, "algorithm": {"name": "allreduce"}})
+    stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=spec), timeout=5)
+    before = first_assignment(stub, ids[0])
+    assert before.rendezvous_port > 0 and before.rendezvous_key
+    stop_all()
+    _, stub = start()
+    after = first_assignment(stub, ids[1])
+    assert (after.rendezvous_port, after.rendezvous_key) == (before.rendezvous_port, before.rendezvous_key)
+    client = TCPStore("127.0.0.1", after.rendezvous_port, None, is_master=False, timeout=timedelta(seconds=5))
+    client.set("k", "v")
+    assert client.get("k") == b"v"

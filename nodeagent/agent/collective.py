@@ -1,17 +1,51 @@
-"""All-reduce for the collective family: torch.distributed (gloo), joined through the coordinator's rendezvous
-when the first all-reduce is asked for, and formed again when a rank is lost.
+"""All-reduce for the collective family that survives lost members: gloo behind a per-step quorum (as torchft).
 
-A gloo group cannot take a member back, so a lost rank (killed, restarted from its checkpoint) ends the group.
-Every rank then joins a new one, a *generation*, at the coordinator's store: a generation's keys live under their
-own prefix, and the store's "generation" counter names the one being formed. A rank that needs a group joins the
-counter's generation unless it was in it already or that one was formed without it (a restarted rank coming back
-before the others noticed it had gone); then it moves the counter on, atomically, so that every rank lands in the
-same one. Once a generation after the first is formed, the ranks agree on where the job is before the next mean:
-the latest step any of them reached, and the state (parameters, momentum) of the lowest rank at it, broadcast to
-all. The all-reduce then answers that state instead of the mean it was asked for; the algorithm takes it up.
+Why gloo behind a quorum, not a ring on peertrain's own transport: the design forbids a hand-written ring
+all-reduce, gloo is already the job's collective and is fast on loopback and Ethernet, and what it
+lacks (taking members out and back in) sits well outside it: a gloo group is fixed, so each change of membership
+forms a new one, a *quorum*, through the job's rendezvous store at the coordinator (a torch TCPStore). Running
+quorums need the store only to notice a member that waits to come back; a store that is away (the coordinator
+restarting) holds no step up.
 
-A rank that does not come back within the regroup time fails the job; so does the coordinator, after the job's
-failure grace (nodeagent.jobspec.FailureSpec), and its stop ends the wait.
+Quorums are numbered. Under the job's key prefix the store holds `next`, the number of the quorum being formed;
+`knocks`, counting the ranks that came to form one (what running members look at); and per quorum n: `q/n/here/R`
+for each rank R that came, `q/n/members`, written once (compare-and-set) by the first rank that closes it: `knocks`
+then and the ranks present then, in order; or `-` when it was given up; and `q/n/pg/`, the gloo group's own keys. A
+rank forms quorum max(`next`, its last + 1): a fresh store (coordinator restarted) thus never takes the numbers back
+below the ones the ranks have seen. It says it is there and closes the quorum once every rank of the job is there,
+or once at least `min_members` are and it has waited `join_s` for the rest (`step_timeout_s` for the job's first
+quorum, whose ranks start together). A rank that the quorum was closed without goes on to the next number and waits
+there; a rank that sees `next` pass the quorum it waits in gives that one up.
+
+Each step (the algorithm's Route.ALLREDUCE message) is one gloo all-reduce over the quorum, under
+`step_timeout_s`: the message's tensors flattened, plus one number, 1 from each member that saw `knocks` differ
+from its value when the quorum was closed (a watcher thread looks at the store twice a second): a
+rank came since. A store that restarted empty differs too, and the members form a quorum again once, which sets
+`next` in the new store past their numbers, where a restarted rank then finds them. The mean is over the quorum's
+members. The step is committed on a member when its all-reduce completes: gloo answers every member the same sum,
+or fails (on some members or all). A member
+lost mid-step (killed: its sockets close at once; stopped: it does not answer within `step_timeout_s`) fails the
+all-reduce on the others, each drops its group (which fails its own peers' calls in turn), and forms the next
+quorum without it at the step it was at. When the sum of the waiting flags is above zero, every member, having
+all seen the same sum, leaves the quorum after that step and forms the next with the waiting rank.
+
+Every new quorum first agrees on the state: each member gives (the last quorum it held the job's state in, its
+step), -1 for a rank that restarted from its checkpoint; the greatest pair wins, held by the lowest rank with it,
+whose `group_state()` (parameters, momentum, and for DiLoCo the outer and inner optimizers' state) is broadcast.
+A rank with another pair takes it up: the all-reduce answers it a PARAMS message at that step, instead of a mean,
+and the algorithm takes the job up from it. A restarted rank never gives the state while a live one is present;
+a member whose step completed where the others' failed (gloo failed after some had their answer) brings the
+others forward to it; a member that was stopped while the others went on without it takes their state, not its
+late one. So every step is applied once, by every member of the quorum that took it, and all replicas are equal
+after each quorum's agreement. Only when every member holds the same pair at step 0 (the job's start from the
+same seeded model) is nothing broadcast.
+
+Fewer than `min_members` present (a majority by default: two halves cut apart never both train) for longer than the
+wait time fails this rank's job with the absent ranks named, as does the coordinator after `failure.lost_grace_s`.
+
+A rank that comes back after the others took the job's last step still gets the final state: a member that finished
+keeps looking for a waiting rank until the job ends (`hand_over`), and forms a quorum with it, whose agreement hands
+it the state at the last step.
 """
 
 from __future__ import annotations
@@ -19,8 +53,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,8 +69,13 @@ from nodeagent.wire.message import Message
 
 log = logging.getLogger("nodeagent")
 
-PRESENCE_POLL_S = 0.2
+PRESENCE_POLL_S = 0.1  # how often a rank forming a quorum looks at who came
+WATCH_POLL_S = 0.5  # how often a member of a running quorum looks for a rank waiting in the next one
+STORE_CONNECT_S = 5.0  # how long one connection to the store is tried for before the call counts as failed
 WAIT_LOGGED_AFTER_S = 10.0
+ABANDONED = "-"
+
+T = TypeVar("T")
 
 
 class GroupMember(Protocol):
@@ -44,128 +85,330 @@ class GroupMember(Protocol):
 
 
 class GroupLost(RuntimeError):
-    """The all-reduce group lost a rank and could not be formed again in time, or the job ended meanwhile."""
+    """Too few members for a quorum for longer than the wait time, or the job ended meanwhile."""
+
+
+@dataclass(frozen=True)
+class QuorumOptions:
+    """The job's `failure` options for its all-reduce (nodeagent.jobspec.FailureSpec)."""
+
+    step_timeout_s: float  # the longest one step's collective (and a group's forming) may take
+    join_s: float  # how long a quorum waits for the ranks not there yet, once it has enough
+    min_members: int  # the fewest members a quorum may have
+    wait_s: float  # how long a rank waits for a quorum of at least min_members before it fails the job
+
+
+@dataclass
+class Quorum:
+    number: int
+    members: tuple[int, ...]  # job ranks, in the order of their gloo ranks
+    group: dist.ProcessGroup
+
+
+class RendezvousStore:
+    """The job's rendezvous store at the coordinator, under the job's key prefix, connected again after it went
+    away (the coordinator restarted on the same port). A failed call raises RuntimeError and the next one
+    connects anew."""
+
+    def __init__(self, host: str, port: int, key: str, connect_s: float = STORE_CONNECT_S):
+        self.host, self.port, self.key = host, port, key
+        self.connect_s = connect_s
+        self._store: dist.Store | None = None
+
+    def call(self, operation: Callable[[dist.Store], T]) -> T:
+        if self._store is None:
+            server = dist.TCPStore(self.host, self.port, None, is_master=False,
+                                   timeout=timedelta(seconds=self.connect_s))
+            self._store = dist.PrefixStore(f"{self.key}/", server)
+        try:
+            return operation(self._store)
+        except RuntimeError:  # DistNetworkError, DistStoreError: the server went away, or a call timed out
+            self._store = None
+            raise
+
+    def store(self) -> dist.Store:
+        """The connected store itself, for gloo's own rendezvous of a group."""
+        return self.call(lambda store: store)
+
+    def next_number(self, at_least: int) -> int:
+        """Move `next` on to at least `at_least` (never back), atomically; its value now."""
+        while True:
+            current = int(self.call(lambda store: store.add("next", 0)))
+            if current >= at_least:
+                return current
+            swapped = self.call(lambda s, c=current: s.compare_set("next", str(c), str(at_least)))
+            if int(swapped) == at_least:
+                return at_least
 
 
 class Collective:
-    def __init__(self, host: str, port: int, key: str, rank: int, world_size: int, timeout_s: float,
-                 metrics: Metrics,
-                 job_id: str, node_id: str, traffic: Traffic, *, member: GroupMember,
-                 stop: threading.Event, regroup_s: float):
-        """`member`: the node's algorithm, whose state the group hands on; `regroup_s`: how long the ranks wait
-        for a lost one to come back."""
+    def __init__(self, host: str, port: int, key: str, rank: int, world_size: int, metrics: Metrics,
+                 job_id: str, node_id: str, traffic: Traffic, *, member: GroupMember, stop: threading.Event,
+                 options: QuorumOptions, announce: Callable[[str, str, int], None] | None = None):
+        """`member`: the node's algorithm, whose state the quorum hands on; `announce(message, level, step)`: a job
+        event of this node (quorum changes), besides the log."""
         if port == 0:
             raise RuntimeError("the assignment names no rendezvous for this all-reduce job")
-        self.host, self.port, self.key = host, port, key
         self.rank = rank
         self.world_size = world_size
-        self.timeout = timedelta(seconds=max(timeout_s, 30.0))
+        self.options = options
+        self.timeout = timedelta(seconds=options.step_timeout_s)
+        self.store = RendezvousStore(host, port, key, connect_s=max(STORE_CONNECT_S, options.step_timeout_s))
         self.seconds = metrics.exchange_seconds.labels(job_id, node_id, ALLREDUCE_NAME)
+        self.quorum_size = metrics.quorum_size.labels(job_id, node_id)
+        self.aborted_steps = metrics.aborted_steps.labels(job_id, node_id)
         self.traffic = traffic
         self.job_id = job_id
         self.member = member
         self.stop = stop
-        self.regroup_s = regroup_s
-        self.store: dist.Store | None = None
-        self.generation = -1  # the group this rank is in; -1 before its first
+        self.announce = announce
+        self.quorum: Quorum | None = None
+        self.last_number = -1  # the last quorum this rank was in
+        self.held_in = -1  # the last quorum whose state this rank holds; -1: restarted, from its checkpoint
+        self.waiting = threading.Event()  # a rank waits in the quorum after this one
+        self._knocks = 0  # `knocks` when this rank's quorum was closed
+        self._closed = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name=f"quorum-watch-{job_id}", daemon=True)
+        self._watcher_store = RendezvousStore(host, port, key, connect_s=1.0)
+        self._finisher = threading.Thread(target=self._serve_finished, name=f"quorum-final-{job_id}", daemon=True)
 
     def mean(self, message: Message) -> Message:
-        """The mean of the message's tensors over every rank, as a message from ALLREDUCE_RANK; or, when the group
-        had to be formed again, the state every rank takes the job up from (a PARAMS message at its step)."""
-        if self.generation < 0:
-            self._join(message.clock, time.monotonic() + self.regroup_s)
-            if self.generation > 0:  # a restarted rank, in a group formed again for it
-                return self._agree()
-        try:
-            return self._all_reduce(message)
-        except RuntimeError as error:  # gloo: a rank went away, or did not answer within the timeout
-            log.warning("job %s: the all-reduce of step %d failed (%s); forming the group again", self.job_id,
-                        message.clock, error)
-            reason = str(error)
-        deadline = time.monotonic() + self.regroup_s
+        """The mean of the message's tensors over the members of the quorum, as a message from ALLREDUCE_RANK; or,
+        when this rank took up a new quorum's state instead, that state (a PARAMS message at its step)."""
         while True:
+            agreeing = self.quorum is None
             try:
-                self._join(message.clock, deadline)
-                return self._agree()
+                if self.quorum is None:
+                    self.quorum = self._form(message.clock)
+                    taken = self._agree(self.quorum)
+                    if taken is not None:
+                        return taken
+                    agreeing = False
+                return self._all_reduce(self.quorum, message)
             except GroupLost:
                 raise
-            except RuntimeError as error:  # lost another rank while forming: again, within the same time
-                if time.monotonic() >= deadline:
-                    raise GroupLost(f"the all-reduce group lost a rank at step {message.clock} ({reason}) and could "
-                                    f"not be formed again: {error}") from error
-                log.warning("job %s: forming the all-reduce group again failed (%s); trying again", self.job_id,
-                            error)
+            except RuntimeError as error:  # gloo: a member went away, or did not answer within the step's timeout
+                self._leave()
+                what = "the agreement of a new quorum at" if agreeing else "the all-reduce of"
+                if not agreeing:
+                    self.aborted_steps.inc()
+                self._tell(f"rank {self.rank}: {what} step {message.clock} failed ({_first_line(error)}); the step "
+                           "is aborted and the quorum formed again", "WARNING", message.clock)
 
-    def _all_reduce(self, message: Message) -> Message:
+    def _all_reduce(self, quorum: Quorum, message: Message) -> Message:
         started = time.perf_counter()
         tensors = message.tensors
         flat = torch.cat([t.detach().reshape(-1) for t in tensors.values()])
-        dist.all_reduce(flat)
-        flat /= self.world_size
+        flat = torch.cat([flat, torch.tensor([1.0 if self.waiting.is_set() else 0.0], dtype=flat.dtype)])
+        quorum.group.allreduce([flat]).wait()
+        waiting = bool(flat[-1].item() > 0)
+        flat = flat[:-1] / len(quorum.members)
+        self.held_in = quorum.number
         self.seconds.observe(time.perf_counter() - started)
-        moved = ring_allreduce_bytes(flat.numel() * flat.element_size(), self.world_size)
+        moved = ring_allreduce_bytes(flat.numel() * flat.element_size(), len(quorum.members))
         self.traffic.add_sent(ALLREDUCE_RANK, moved)
         self.traffic.add_received(ALLREDUCE_RANK, moved)
+        if waiting:  # every member saw the same sum: all leave after this step, for the quorum with the newcomer
+            self._leave()
         return Message(message.kind, ALLREDUCE_RANK, self.rank, _split(flat, tensors), clock=message.clock,
                        loss=message.loss)
 
-    def _join(self, step: int, deadline: float) -> None:
-        """Join the generation being formed (see the module's text), once every rank is there."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        if self.store is None:
-            server = dist.TCPStore(self.host, self.port, self.world_size + 1, is_master=False, timeout=self.timeout)
-            self.store = dist.PrefixStore(f"{self.key}/", server)
-        store = self.store
-        generation = int(store.add("generation", 0))
-        if generation <= self.generation or store.check([f"formed/{generation}"]):
-            generation = int(store.compare_set("generation", str(generation), str(generation + 1)))
-        self.generation = generation
-        members = dist.PrefixStore(f"generation/{generation}/", store)
-        members.set(f"here/{self.rank}", "1")
-        started, logged = time.monotonic(), False
-        while not members.check([f"here/{rank}" for rank in range(self.world_size)]):
-            if self.stop.wait(PRESENCE_POLL_S):
-                raise GroupLost("the job ended while the all-reduce group was being formed")
+    def _leave(self) -> None:
+        """Drop this rank's group (its sockets close, which fails any peer still in a call on it)."""
+        self.quorum = None
+        self.waiting.clear()
+
+    # -- forming a quorum --------------------------------------------------------------------------------------
+
+    def _form(self, step: int) -> Quorum:
+        """Join the quorum being formed and wait until it is closed with this rank in it (see the module's text)."""
+        started = time.monotonic()
+        deadline = started + self.options.wait_s
+        number, arrived, logged, error = -1, 0.0, False, ""
+        while True:
+            if self.stop.is_set():
+                raise GroupLost("the job ended while the all-reduce quorum was being formed")
             now = time.monotonic()
+            try:
+                if number < 0:
+                    number = self.store.next_number(self.last_number + 1)
+                    arrived = 0.0
+                closed = self._members(number)
+                if closed is None:
+                    if not arrived:
+                        self.store.call(lambda s, n=number: s.set(f"q/{n}/here/{self.rank}", "1"))
+                        self.store.call(lambda s: s.add("knocks", 1))
+                        arrived = now
+                    closed = self._maybe_close(number, now - arrived)
+                if closed is not None:
+                    knocks, members = closed
+                    if self.rank not in members:  # closed without this rank: wait in the next one
+                        number = self.store.next_number(number + 1)
+                        arrived = 0.0
+                        continue
+                    self.store.next_number(number + 1)
+                    self._knocks = knocks
+                    return self._group(number, members, step)
+            except RuntimeError as failure:  # the store away (perhaps back fresh), or a member gone before the
+                error = _first_line(failure)  # group was formed: start again from the store's `next`
+                log.debug("job %s: forming quorum %d: %s", self.job_id, number, error)
+                number = -1
             if now >= deadline:
-                raise GroupLost(f"ranks {self._absent(members)} did not come back to the all-reduce of step {step} "
-                                f"within {self.regroup_s:.0f} s")
+                absent = f"ranks {self._absent(number)}" if number >= 0 else "ranks (the store does not answer)"
+                raise GroupLost(f"{absent} of the all-reduce did not come to a quorum of at least "
+                                f"{self.options.min_members} members for step {step} within "
+                                f"{self.options.wait_s:.0f} s{f' (last error: {error})' if error else ''}")
             if not logged and now - started >= WAIT_LOGGED_AFTER_S:
-                log.warning("job %s: rank %d waits for ranks %s to come back to the all-reduce of step %d",
-                            self.job_id, self.rank, self._absent(members), step)
+                log.warning("job %s: rank %d waits for a quorum for step %d (quorum %d)", self.job_id, self.rank,
+                            step, number)
                 logged = True
-        dist.init_process_group("gloo", store=dist.PrefixStore("group/", members), rank=self.rank,
-                                world_size=self.world_size, timeout=self.timeout)
-        store.set(f"formed/{generation}", "1")
+            if self.stop.wait(PRESENCE_POLL_S):
+                continue
 
-    def _absent(self, members: dist.PrefixStore) -> list[int]:
-        return [rank for rank in range(self.world_size) if not members.check([f"here/{rank}"])]
+    def _members(self, number: int) -> tuple[int, tuple[int, ...]] | None:
+        """`knocks` when quorum `number` was closed and its members (() when it was given up), or None while it is
+        not closed."""
+        key = f"q/{number}/members"
+        if not self.store.call(lambda s: s.check([key])):
+            return None
+        value = self.store.call(lambda s: s.get(key)).decode()
+        return _closed(value)
 
-    def _agree(self) -> Message:
-        """Every rank of a group formed again: the latest step any reached, with the state of the lowest rank at
-        it, handed to all."""
+    def _present(self, number: int) -> list[int]:
+        return [rank for rank in range(self.world_size)
+                if self.store.call(lambda s, r=rank: s.check([f"q/{number}/here/{r}"]))]
+
+    def _absent(self, number: int) -> list[int]:
+        try:
+            present = set(self._present(number))
+        except RuntimeError:
+            return []
+        return [rank for rank in range(self.world_size) if rank not in present]
+
+    def _maybe_close(self, number: int, waited_s: float) -> tuple[int, tuple[int, ...]] | None:
+        """Close quorum `number` if it may be closed now, or give it up when the ranks went on past it; its members
+        once closed (by this rank or another), else None."""
+        key = f"q/{number}/members"
+        if int(self.store.call(lambda s: s.add("next", 0))) > number:
+            closed = self.store.call(lambda s: s.compare_set(key, "", ABANDONED)).decode()
+        else:
+            # `knocks` first: a rank that knocks after it and is not among those present is noticed at the next step
+            knocks = int(self.store.call(lambda s: s.add("knocks", 0)))
+            present = self._present(number)
+            everyone = len(present) == self.world_size
+            # The job's first quorum: its ranks start together, and one later than a step's timeout counts as lost.
+            join_s = self.options.join_s if number > 0 else max(self.options.join_s, self.options.step_timeout_s)
+            if not everyone and (len(present) < self.options.min_members or waited_s < join_s):
+                return None
+            value = f"{knocks}|{','.join(map(str, present))}"
+            closed = self.store.call(lambda s: s.compare_set(key, "", value)).decode()
+        return _closed(closed)
+
+    def _group(self, number: int, members: tuple[int, ...], step: int) -> Quorum:
+        group = dist.ProcessGroupGloo(dist.PrefixStore(f"q/{number}/pg/", self.store.store()),
+                                      members.index(self.rank), len(members), self.timeout)
+        previous = self.last_number
+        self.last_number = number
+        self.quorum_size.set(len(members))
+        missing = [rank for rank in range(self.world_size) if rank not in members]
+        self._tell(f"rank {self.rank} in all-reduce quorum {number} of {len(members)} members {list(members)} at "
+                   f"step {step}{f', without ranks {missing}' if missing else ''}"
+                   f"{' (restarted)' if previous < 0 and self.held_in < 0 and number > 0 else ''}",
+                   "INFO", step)
+        if self._watcher.ident is None:
+            self._watcher.start()
+        return Quorum(number, members, group)
+
+    def _agree(self, quorum: Quorum) -> Message | None:
+        """The state every member of a new quorum takes the job up from (see the module's text): a PARAMS message
+        when this rank's state is not it, else None (its own state is the quorum's)."""
         state = self.member.group_state()
-        step = torch.tensor([state.clock], dtype=torch.int64)
-        dist.all_reduce(step, op=dist.ReduceOp.MAX)
-        latest = int(step.item())
-        source = torch.tensor([self.rank if state.clock == latest else self.world_size], dtype=torch.int64)
-        dist.all_reduce(source, op=dist.ReduceOp.MIN)
-        source_rank = int(source.item())
+        mine = torch.tensor([self.held_in, state.clock], dtype=torch.int64)
+        keys = [torch.zeros(2, dtype=torch.int64) for _ in quorum.members]
+        quorum.group.allgather([keys], [mine]).wait()
+        pairs = [(int(k[0]), int(k[1])) for k in keys]
+        best = max(pairs)
+        source = pairs.index(best)  # the lowest member with it
+        if all(pair == best for pair in pairs) and (best[0] >= 0 or best[1] == 0):
+            self.held_in = quorum.number
+            return None
         flat = torch.cat([t.detach().reshape(-1) for t in state.tensors.values()])
-        dist.broadcast(flat, src=source_rank)
+        quorum.group.broadcast(flat, source).wait()
         size = flat.numel() * flat.element_size()
-        if self.rank == source_rank:
-            self.traffic.add_sent(ALLREDUCE_RANK, size * (self.world_size - 1))
+        if quorum.members[source] == self.rank:
+            self.traffic.add_sent(ALLREDUCE_RANK, size * (len(quorum.members) - 1))
         else:
             self.traffic.add_received(ALLREDUCE_RANK, size)
-        log.info("job %s: rank %d rejoined the all-reduce (group %d) at step %d, with the state of rank %d (it was "
-                 "at step %d)", self.job_id, self.rank, self.generation, latest, source_rank, state.clock)
-        return Message(state.kind, ALLREDUCE_RANK, self.rank, _split(flat, state.tensors), clock=latest)
+        self.held_in = quorum.number  # only now: a rank whose broadcast failed keeps claiming its old state
+        mine_pair = (int(mine[0]), int(mine[1]))
+        if mine_pair == best:
+            return None
+        origin = ", from its checkpoint" if mine_pair[0] < 0 else ""
+        self._tell(f"rank {self.rank} took up the state of rank {quorum.members[source]} at step {best[1]} in quorum "
+                   f"{quorum.number} (it was at step {state.clock}{origin})", "INFO", best[1])
+        return Message(state.kind, ALLREDUCE_RANK, self.rank, _split(flat, state.tensors), clock=best[1])
+
+    def _watch(self) -> None:
+        """Look for a rank waiting in the quorum after this rank's (it raises the flag of the next step); a store
+        that is away is tried again at the next look."""
+        while not self._closed.wait(WATCH_POLL_S) and not self.stop.is_set():
+            quorum = self.quorum
+            if quorum is None or self.waiting.is_set():
+                continue
+            try:
+                if self._knocked(self._watcher_store) and self.quorum is quorum:
+                    self.waiting.set()
+            except RuntimeError as error:
+                log.debug("job %s: the rendezvous store does not answer (%s)", self.job_id, _first_line(error))
+
+    def _knocked(self, store: RendezvousStore) -> bool:
+        """Whether a rank came to form a quorum since this one did (or the store restarted empty)."""
+        return int(store.call(lambda s: s.add("knocks", 0))) != self._knocks
+
+    def hand_over(self) -> None:
+        """This rank took the job's last step: from now on, until the job ends, it hands the final state to a rank
+        that comes back late (it forms a quorum with it, as at any step), in a thread of its own: the node's
+        algorithm no longer changes."""
+        if self._finisher.ident is None:
+            self._finisher.start()
+
+    def _serve_finished(self) -> None:
+        while not self._closed.wait(WATCH_POLL_S) and not self.stop.is_set():
+            try:
+                if not self._knocked(self.store):  # the runner is done with this store
+                    continue
+                self._leave()
+                step = self.member.group_state().clock
+                self.quorum = self._form(step)
+                self._agree(self.quorum)
+            except RuntimeError as error:  # the store away, a member lost: the next look tries again
+                self.quorum = None
+                log.debug("job %s: handing the final state over failed (%s)", self.job_id, _first_line(error))
+
+    def _tell(self, message: str, level: str, step: int) -> None:
+        if self.announce is not None:
+            self.announce(message, level, step)
+        else:
+            log.log(logging.getLevelName(level), "job %s: %s", self.job_id, message)
 
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self._closed.set()
+        self.quorum = None
+        for thread in (self._watcher, self._finisher):
+            if thread.ident is not None and thread is not threading.current_thread():  # not left in a store call
+                thread.join(timeout=WATCH_POLL_S + STORE_CONNECT_S)  # when the process exits
+
+
+def _closed(value: str) -> tuple[int, tuple[int, ...]]:
+    """A closed quorum's `members` value: `knocks` then, and its members (none when it was given up)."""
+    if value == ABANDONED:
+        return 0, ()
+    knocks, members = value.split("|")
+    return int(knocks), tuple(int(rank) for rank in members.split(","))
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def _split(flat: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

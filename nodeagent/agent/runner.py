@@ -32,7 +32,7 @@ import torch
 
 from nodeagent._proto import coordinator_pb2
 from nodeagent.agent.checkpoint import checkpoint_path, restore_checkpoint, save_checkpoint
-from nodeagent.agent.collective import Collective, GroupMember
+from nodeagent.agent.collective import Collective, GroupMember, QuorumOptions
 from nodeagent.agent.dispatch import Dispatch
 from nodeagent.agent.forward import FORWARDED
 from nodeagent.algorithms import Family, Neighbor
@@ -216,6 +216,8 @@ class JobRunner(threading.Thread):
                 save_checkpoint(checkpoint, algorithm)
             if report.progress.finished and not finished:  # told before the report that may end the job
                 finished = True
+                if self.collective is not None:  # a member that comes back late takes the final state from here
+                    self.collective.hand_over()
                 agent.event(self.job_id, events.FINISHED, f"rank {self.rank} finished at step "
                             f"{report.progress.step}, test accuracy {report.progress.test_accuracy:.4f}",
                             step=report.progress.step)
@@ -248,12 +250,19 @@ class JobRunner(threading.Thread):
         if type(node.algorithm).family is not Family.COLLECTIVE:
             return None
         host, _ = split_address(self.agent.config.coordinator)
-        spec = self.spec
-        # A lost rank has the job's failure grace to come back, and the gloo timeout to be noticed in.
-        self.collective = Collective(host, *self.rendezvous, self.rank, spec.nodes, spec.wire.exchange_timeout_s,
-                                     self.agent.metrics, self.job_id, self.agent.node_id, driver.traffic,
-                                     member=cast(GroupMember, node.algorithm), stop=self.stop_event,
-                                     regroup_s=spec.failure.lost_grace_s + max(spec.wire.exchange_timeout_s, 30.0))
+        failure = self.spec.failure
+        # A rank waits for a quorum as long as the coordinator lets a lost node come back, and a step's timeout more.
+        options = QuorumOptions(step_timeout_s=failure.step_timeout_s, join_s=failure.join_s,
+                                min_members=failure.quorum_minimum(self.spec.nodes),
+                                wait_s=failure.lost_grace_s + failure.step_timeout_s)
+
+        def announce(message: str, level: str, step: int) -> None:
+            self.agent.event(self.job_id, events.QUORUM, message, level, step)
+
+        self.collective = Collective(host, *self.rendezvous, self.rank, self.spec.nodes, self.agent.metrics,
+                                     self.job_id, self.agent.node_id, driver.traffic,
+                                     member=cast(GroupMember, node.algorithm), stop=self.stop_event, options=options,
+                                     announce=announce)
         return self.collective
 
     def _wait_for_release(self, data: DatasetInfo) -> bool:

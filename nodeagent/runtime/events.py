@@ -1,9 +1,10 @@
 """A job's events: what happened to it and on its nodes, in the words of the node or the coordinator.
 
-Agents forward their job events (started, resumed, rejoined, failed, finished) and their log lines of WARNING and
-above to the coordinator, which stamps them and appends them to `events.jsonl` in the job's run directory; the
-coordinator adds its own (submitted, running, topology changed, stopped, failed, finished). The simulator writes
-the same file with virtual times. `coordinator logs JOB` shows it and `coordinator report` marks it on the plots.
+Agents forward their job events (started, resumed, rejoined, quorum changes, failed, finished) and their log lines
+of WARNING and above to the coordinator, which stamps them and appends them to `events.jsonl` in the job's run
+directory; the coordinator adds its own (submitted, running, topology changed, stopped, failed, finished). The
+simulator writes the same file with virtual times. `coordinator logs JOB` shows it and `coordinator report` marks
+it on the plots.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ READY = "ready"  # a node built its part and waits for the start barrier
 RELEASED = "released"  # every rank was ready: the coordinator released the start barrier
 JOINED = "joined"  # an agent joined a running elastic job (the coordinator's event, and the node's)
 LEFT = "left"  # a member left a running elastic job (the coordinator's event)
+QUORUM = "quorum"  # an all-reduce quorum formed (members lost or back), or a step aborted
 LOG = "log"
 KINDS = (SUBMITTED, STARTED, READY, RELEASED, RESUMED, REJOINED, JOINED, LEFT, FAILED, FINISHED, STOPPED, TOPOLOGY,
-         LOG)
-NODE_KINDS = (STARTED, READY, RESUMED, REJOINED, JOINED, FAILED, FINISHED, LOG)  # what an agent may report
+         QUORUM, LOG)
+NODE_KINDS = (STARTED, READY, RESUMED, REJOINED, JOINED, FAILED, FINISHED, QUORUM, LOG)  # what an agent may report
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 READ_BYTES = 256 * 1024  # of the log, read at most per call of read_events
 
