@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Protocol
 
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from nodeagent.algorithms.base import ALLREDUCE_RANK
 from nodeagent.metrics import Metrics
 from nodeagent.runtime.driver import ALLREDUCE_NAME
-from nodeagent.runtime.progress import Traffic, ring_allreduce_bytes
+from nodeagent.runtime.progress import Traffic, ring_allgather_bytes, ring_allreduce_bytes
 from nodeagent.wire.message import Message
 
 log = logging.getLogger("nodeagent")
@@ -72,12 +73,20 @@ class Collective:
     def mean(self, message: Message) -> Message:
         """The mean of the message's tensors over every rank, as a message from ALLREDUCE_RANK; or, when the group
         had to be formed again, the state every rank takes the job up from (a PARAMS message at its step)."""
+        return self._collect(message, self._all_reduce)
+
+    def gather(self, message: Message) -> Message:
+        """Every rank's tensors of the message, stacked in rank order along a new first dimension (tensors that
+        cannot be summed: int8 codes); or, like `mean`, the group's state when it had to be formed again."""
+        return self._collect(message, self._all_gather)
+
+    def _collect(self, message: Message, collective: Callable[[Message], Message]) -> Message:
         if self.generation < 0:
             self._join(message.clock, time.monotonic() + self.regroup_s)
             if self.generation > 0:  # a restarted rank, in a group formed again for it
                 return self._agree()
         try:
-            return self._all_reduce(message)
+            return collective(message)
         except RuntimeError as error:  # gloo: a rank went away, or did not answer within the timeout
             log.warning("job %s: the all-reduce of step %d failed (%s); forming the group again", self.job_id,
                         message.clock, error)
@@ -108,6 +117,26 @@ class Collective:
         self.traffic.add_received(ALLREDUCE_RANK, moved)
         return Message(message.kind, ALLREDUCE_RANK, self.rank, _split(flat, tensors), clock=message.clock,
                        loss=message.loss)
+
+    def _all_gather(self, message: Message) -> Message:
+        """One all-gather of the message's tensors as raw bytes (gloo gathers any dtype that way; every rank's
+        message has the same tensors), cut back into each rank's tensors."""
+        started = time.perf_counter()
+        tensors = message.tensors
+        flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()])
+        gathered = [torch.empty_like(flat) for _ in range(self.world_size)]
+        dist.all_gather(gathered, flat)
+        self.seconds.observe(time.perf_counter() - started)
+        moved = ring_allgather_bytes(flat.numel(), self.world_size)
+        self.traffic.add_sent(ALLREDUCE_RANK, moved)
+        self.traffic.add_received(ALLREDUCE_RANK, moved)
+        out, offset = {}, 0
+        for name, tensor in tensors.items():
+            size = tensor.numel() * tensor.element_size()
+            out[name] = torch.stack([
+                part[offset : offset + size].view(tensor.dtype).view(tensor.shape) for part in gathered])
+            offset += size
+        return Message(message.kind, ALLREDUCE_RANK, self.rank, out, clock=message.clock, loss=message.loss)
 
     def _join(self, step: int, deadline: float) -> None:
         """Join the generation being formed (see the module's text), once every rank is there."""
