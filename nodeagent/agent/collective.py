@@ -120,7 +120,8 @@ class Collective:
 
     def _all_gather(self, message: Message) -> Message:
         """One all-gather of the message's tensors as raw bytes (gloo gathers any dtype that way; every rank's
-        message has the same tensors), cut back into each rank's tensors."""
+        message has the same tensors), cut back into each rank's tensors (copied: a view at an odd byte offset
+        cannot be read as a wider dtype)."""
         started = time.perf_counter()
         tensors = message.tensors
         flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()])
@@ -134,7 +135,7 @@ class Collective:
         for name, tensor in tensors.items():
             size = tensor.numel() * tensor.element_size()
             out[name] = torch.stack([
-                part[offset : offset + size].view(tensor.dtype).view(tensor.shape) for part in gathered])
+                part[offset : offset + size].clone().view(tensor.dtype).view(tensor.shape) for part in gathered])
             offset += size
         return Message(message.kind, ALLREDUCE_RANK, self.rank, out, clock=message.clock, loss=message.loss)
 

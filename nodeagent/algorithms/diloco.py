@@ -31,25 +31,26 @@ u as above, and its local parameters, which went on training meanwhile, are merg
 tau must be below H / F, so at most one sync is outstanding. The job's steps must be a multiple of H, so that
 it ends on the application of fragment F - 1's update (the one of every fragment with F = 1).
 
-Low precision (`precision`: float32, fp16, bf16, int8 with absmax scales per `int8_chunk` entries or per
-fragment; nodeagent.wire.lowprecision): what travels is Q(v) in that dtype, and the bytes counted are its bytes.
-Error feedback (`error_feedback`, on by default for the lossy precisions), per node: v_i = Delta_i + e_i,
-send Q(v_i), keep e_i <- v_i - D(Q(v_i)), so the sum over rounds of what was sent plus the last residual is the
-sum of the true pseudo-gradients (the rounding is delayed, never lost).
+Low precision (`precision`: full (the parameters' own dtype), fp16, bf16, int8 with absmax scales per
+`int8_chunk` entries or per fragment; nodeagent.wire.lowprecision): what travels is Q(v) in that dtype, and the
+bytes counted are its bytes. Error feedback (`error_feedback`, on by default for the lossy precisions), per node:
+v_i = Delta_i + e_i, send Q(v_i), keep e_i <- v_i - D(Q(v_i)), so the sum over rounds of what was sent plus the
+last residual is the sum of the true pseudo-gradients (the rounding is delayed, never lost).
 
 Averaging routes:
-- `diloco`, all-reduce: float32 pseudo-gradients go through the runtime's all-reduce (the exact mean, identical on
-  every node). Lossy ones cannot be summed by the collective (int8 codes overflow, and gloo sums in the wire
-  dtype): the runtime all-gathers every node's codes (Route.ALLGATHER, n - 1 messages of the compressed size
-  through each link in a ring, counted so), and every node decodes them and sums in rank order in float32, so the
-  mean is again identical everywhere. (At n = 8 an int8 all-gather moves as many bytes as a float32 ring
-  all-reduce, 7/4 of the fp32 vector; low precision pays on the gossip route, or with fewer nodes.)
+- `diloco`, all-reduce: full-precision pseudo-gradients go through the runtime's all-reduce (the exact mean,
+  identical on every node). Lossy ones cannot be summed by the collective (int8 codes overflow, and gloo sums in
+  the wire dtype): the runtime all-gathers every node's codes (Route.ALLGATHER, n - 1 messages of the compressed
+  size through each link in a ring, counted so), and every node decodes them and sums in rank order in the
+  parameters' dtype, so the mean is again identical everywhere. (At n = 8 an int8 all-gather moves as many
+  bytes as a float32 ring all-reduce, 7/4 of the float32 vector; low precision pays on the gossip route, or
+  with fewer nodes.)
   A rank that is lost and restarted takes the job up from the group's state (`group_state()`: w, theta, u, the
   inner optimizer's state, the residual, the step), handed over by the runtime when it forms the group again,
   and the interrupted sync is sent again by every rank from that state.
 - `diloco-gossip`, push-sum (Kempe et al. 2003, as in SGP) on the job's graph, `gossip_rounds` = G rounds per
   sync (default: one period of a time-varying graph's schedule, 1 on a static graph). Node i starts the sync with
-  x_i = D(Q(v_i)) (or Delta_i), weight y_i = 1. Round g, with the k out-peers of gossip iteration s G + g (s: the
+  x_i = Delta_i, weight y_i = 1. Round g, with the k out-peers of gossip iteration s G + g (s: the
   sync's index, the same on every node): the node pushes each out-peer the share (x_i / (k + 1), y_i / (k + 1)),
   keeps x_i - k D(Q(share)) and y_i / (k + 1), then adds the shares it receives. After G rounds its estimate is
   x_i / y_i. What is exact and what is not:
@@ -61,6 +62,8 @@ Averaging routes:
     log2 n rounds, gives every node the exact average (to float rounding); with fewer rounds a node's estimate
     is the average of the 2^G nodes its rounds reached, so the nodes' theta_i drift apart by the difference,
     a random walk that the later rounds do not pull back (no parameter consensus).
+  Lossy shares need no error feedback across syncs here (`error_feedback` is the all-reduce route's): the rounding
+  of a push stays in its sender's numerator within the sync.
   No collective, no coordinator in the loop: pushes go to neighbours and are retried until delivered.
 
 Evaluation sees w_i: the new global after a sync round (when eval_every is a multiple of H), local progress
@@ -108,10 +111,11 @@ class DiLoCoOptions(AlgorithmOptions):
     beta2: float = Field(0.999, ge=0, lt=1, description="AdamW's second-moment decay")
     eps: float = Field(1e-8, gt=0, description="AdamW's epsilon")
     weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay")
-    precision: Precision = Field("float32", description="how pseudo-gradients travel: float32, fp16, bf16 or int8")
+    precision: Precision = Field("full", description="how pseudo-gradients travel: full (the parameters' dtype), "
+                                 "fp16, bf16 or int8")
     int8_chunk: int = Field(0, ge=0, description="int8: entries per absmax scale (0: one scale per fragment)")
     error_feedback: bool = Field(True, description="keep the rounding of lossy pseudo-gradients and add it to the "
-                                 "next sync's")
+                                 "next sync's (the all-reduce route; gossip keeps it in the sender's numerator)")
     fragments: int = Field(1, ge=1, description="F: fragments synchronised in turn (streaming DiLoCo); 1: all at once")
     overlap_steps: int = Field(0, ge=0, description="tau: inner steps a sync overlaps before its update is applied")
     overlap_mix: float = Field(0.5, ge=0, lt=1, description="alpha: with tau > 0, the weight of the local fragment "
@@ -150,7 +154,7 @@ class _DiLoCo(Algorithm):
         self.outer_momentum = torch.zeros_like(self.w)  # u
         self.adam_m = torch.zeros_like(self.w) if options.inner_optimizer == "adamw" else None
         self.adam_v = torch.zeros_like(self.w) if options.inner_optimizer == "adamw" else None
-        self.lossy = options.precision != "float32"
+        self.lossy = options.precision != "full"
         self.residual = torch.zeros_like(self.w) if self.lossy and options.error_feedback else None
         self.fragment_length = math.ceil(self.w.numel() / options.fragments)
         self.pending: PendingSync | None = None
@@ -209,13 +213,13 @@ class _DiLoCo(Algorithm):
         return out
 
     def wire_specs(self) -> list[TensorSpec]:
-        return lowprecision.specs(self.fragment_length, self.options.precision, self.options.int8_chunk)
+        return lowprecision.specs(self.fragment_length, self.options.precision, self.options.int8_chunk, self.w.dtype)
 
     def encode(self, vector: torch.Tensor) -> dict[str, torch.Tensor]:
         return lowprecision.encode(vector, self.options.precision, self.options.int8_chunk)
 
     def decode(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return lowprecision.decode(dict(tensors), self.options.precision, self.options.int8_chunk)
+        return lowprecision.decode(dict(tensors), self.options.precision, self.options.int8_chunk, self.w.dtype)
 
     # -- the mathematics -----------------------------------------------------------------------------------------
 
@@ -381,12 +385,12 @@ class DiLoCo(_DiLoCo):
         if self.lossy:
             gathered = [self.decode({name: t[rank] for name, t in message.tensors.items()})
                         for rank in range(self.context.world_size)]
-            total = torch.zeros(self.fragment_length)
+            total = torch.zeros(self.fragment_length, dtype=self.w.dtype)
             for vector in gathered:  # in rank order: the same float sum on every node
                 total.add_(vector)
             pending.mean = total / self.context.world_size
         else:
-            pending.mean = message.tensors["delta"].to(torch.float32)
+            pending.mean = message.tensors["delta"].clone()
         self._apply_due()
 
     def group_state(self) -> Message:
@@ -439,6 +443,7 @@ class GossipDiLoCo(_DiLoCo):
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         super().__init__(model, context, loss_fn)
         self.rounds = self.options.gossip_rounds or max(1, len(context.peer_schedule))
+        self.residual = None  # a push's rounding stays in the sender's numerator: nothing is carried to later syncs
         # Shares of syncs this node has not started yet: clock -> sender -> (decoded share, weight).
         self.early: dict[int, dict[int, tuple[torch.Tensor, float]]] = defaultdict(dict)
 
@@ -464,11 +469,6 @@ class GossipDiLoCo(_DiLoCo):
         return self.sync_index(pending.sent_at, pending.fragment) * self.rounds + pending.round
 
     def _sync_sends(self, pending: PendingSync, value: torch.Tensor) -> list[Send]:
-        if self.lossy:
-            tensors = self.encode(value)
-            sent = self.decode(tensors)
-            self.keep_residual(pending.fragment, sent, value)
-            value = sent
         pending.x, pending.weight = value, 1.0
         pending.shares = defaultdict(dict)
         for clock in [c for c in self.early if pending.sent_at <= c < pending.sent_at + self.rounds]:
