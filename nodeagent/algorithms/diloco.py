@@ -414,9 +414,6 @@ class DiLoCo(_DiLoCo):
             self._start_sync(fragment)
         self.republish()
 
-    def rounds_ahead(self) -> int:
-        return 0
-
     def expected(self, peer: int, kind: Kind) -> list[TensorSpec]:
         if peer != ALLREDUCE_RANK:
             raise WireError("not_neighbor", f"{self.name} takes messages only from the all-reduce, not rank {peer}")
