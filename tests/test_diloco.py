@@ -256,6 +256,10 @@ def test_gossip_shares_that_come_early_or_twice_are_counted_once():
     for node in nodes:
         assert node.pending is None
         assert torch.allclose(node.w, mean, rtol=0, atol=1e-12)
+    nodes[early[0].receiver].receive(early[0])  # once more, after its sync was absorbed
+    for node in nodes:
+        node.step(*batch(0))  # the next sync keeps no share of the last one
+        assert all(clock >= node.clock for clock in node.early)
 
 
 # -- streaming ---------------------------------------------------------------------------------------------------

@@ -468,8 +468,11 @@ class GossipDiLoCo(_DiLoCo):
     def _sync_sends(self, pending: PendingSync, value: torch.Tensor) -> list[Send]:
         pending.x, pending.weight = value, 1.0
         pending.shares = defaultdict(dict)
-        for clock in [c for c in self.early if pending.sent_at <= c < pending.sent_at + self.rounds]:
-            pending.shares[clock] = self.early.pop(clock)
+        for clock in sorted(self.early):
+            if clock < pending.sent_at + self.rounds:  # this sync's, or repeated deliveries of one absorbed
+                shares = self.early.pop(clock)
+                if clock >= pending.sent_at:
+                    pending.shares[clock] = shares
         return self._round_sends(pending)
 
     def _round_sends(self, pending: PendingSync) -> list[Send]:
