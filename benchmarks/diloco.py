@@ -18,6 +18,7 @@ DiLoCo within 1.5 points, with no collective.
     .venv/bin/python benchmarks/diloco.py                       # 12 simulated jobs of 500 steps (see results.md)
     .venv/bin/python benchmarks/diloco.py --quick               # 200 steps, H = 50, 100, 200: a few minutes
     .venv/bin/python benchmarks/diloco.py --agents              # also a shorter run on 8 local agents (gRPC, gloo)
+    .venv/bin/python benchmarks/diloco.py --agents --no-simulator --agent-steps 100 --agent-inner-steps 50
     .venv/bin/python benchmarks/diloco.py --runs-dir DIR        # keep the run directories: coordinator report DIR/*
 """
 
@@ -150,25 +151,28 @@ def main() -> None:
     parser.add_argument("--agents", action="store_true", help="also run on 8 local agents (--agent-steps steps)")
     parser.add_argument("--agent-steps", type=int, default=100)
     parser.add_argument("--agent-inner-steps", type=lambda s: [int(h) for h in s.split(",")], default=[50])
+    parser.add_argument("--agent-splits", default="iid")
+    parser.add_argument("--agent-model", default="cnn")
     parser.add_argument("--agent-timeout", type=float, default=1800)
+    parser.add_argument("--no-simulator", action="store_true", help="only the agents' runs")
     parser.add_argument("--data-dir", default=os.environ.get("PEERTRAIN_DATA_DIR", DEFAULT_DATA_DIR))
     args = parser.parse_args()
     if args.quick:
         args.steps, args.inner_steps = 200, [50, 100, 200]
-    splits = args.splits.split(",")
-    print(f"{NODES} workers, {args.model}, batch 32, {args.steps} steps, simulator:", flush=True)
-    plan = [(split, variant) for split in splits for variant in variants(args)]
-    with ProcessPoolExecutor(args.workers) as pool:
-        outcomes = list(pool.map(simulated, *zip(*plan, strict=True), [args] * len(plan)))
-    table(f"Simulator: {NODES} workers, {args.model}, {args.steps} steps", outcomes)
+    if not args.no_simulator:
+        print(f"{NODES} workers, {args.model}, batch 32, {args.steps} steps, simulator:", flush=True)
+        plan = [(split, variant) for split in args.splits.split(",") for variant in variants(args)]
+        with ProcessPoolExecutor(args.workers) as pool:
+            outcomes = list(pool.map(simulated, *zip(*plan, strict=True), [args] * len(plan)))
+        table(f"Simulator: {NODES} workers, {args.model}, {args.steps} steps", outcomes)
     if args.agents:
         from coordinator.cluster import LocalCluster
 
-        args.steps, args.inner_steps = args.agent_steps, args.agent_inner_steps
+        args.steps, args.inner_steps, args.model = args.agent_steps, args.agent_inner_steps, args.agent_model
         print(f"\n{NODES} local agents, {args.model}, {args.steps} steps:", flush=True)
         with tempfile.TemporaryDirectory() as root, LocalCluster(root=Path(root), agents=NODES,
                                                                  data_dir=args.data_dir) as cluster:
-            agent_outcomes = [on_agents(split, variant, args, cluster) for split in splits
+            agent_outcomes = [on_agents(split, variant, args, cluster) for split in args.agent_splits.split(",")
                               for variant in variants(args)]
         table(f"Agents: {NODES} workers, {args.model}, {args.steps} steps", agent_outcomes)
 
