@@ -2,8 +2,9 @@
 
 A run directory holds the job (`job.json`), its progress records (`metrics.jsonl`, one per node report; `time` is
 Unix time for real runs and virtual seconds in the simulator) and its events (`events.jsonl`, possibly absent).
-From them: mean and per-node test accuracy against time and against steps, test and training loss, the traffic of
-every edge as a matrix, throughput and computing time ratio per device, and the parameter server's traffic up and
+From them: mean and per-node test accuracy against time and against steps, mean test accuracy against the bytes
+sent per node (the communication comparison of DiLoCo), test and training loss, the traffic of every edge as a
+matrix, throughput and computing time ratio per device, and the parameter server's traffic up and
 down per worker. Several runs are overlaid for comparison; a single-node run (or one labelled "reference") is the
 reference and drawn dashed.
 
@@ -152,6 +153,24 @@ def _x(run: Run, record: Progress, x: str) -> float:
     return record.time - run.origin if x == "time" else float(record.step)
 
 
+def accuracy_against_bytes(run: Run) -> tuple[list[float], list[float]]:
+    """The communication comparison (DiLoCo against all-reduce SGD): the mean test accuracy over the ranks against
+    the mean payload bytes a rank had sent, from the point where every rank has an accuracy on: one point per step
+    that records reached (the last record of the step completes it)."""
+    ranks = len({r.rank for r in run.records})
+    accuracy: dict[int, float] = {}
+    sent: dict[int, int] = {}
+    points: dict[int, tuple[float, float]] = {}
+    for record in run.records:
+        sent[record.rank] = record.bytes_sent
+        if math.isnan(record.test_accuracy):
+            continue
+        accuracy[record.rank] = record.test_accuracy
+        if len(accuracy) == ranks:
+            points[record.step] = (sum(sent.values()) / ranks, sum(accuracy.values()) / ranks)
+    return [x for x, _ in points.values()], [y for _, y in points.values()]
+
+
 def time_to_reach(run: Run, accuracy: float) -> float:
     """Seconds from the job's start until the mean test accuracy first reached `accuracy` (NaN: never)."""
     xs, ys = mean_curve(run, "time", "test_accuracy")
@@ -208,12 +227,16 @@ def _color(index: int) -> str:
 
 
 def line_figure(path: Path, title: str, xlabel: str, ylabel: str, series: Sequence[Series],
-                markers: Sequence[Marker] = ()) -> Path:
+                markers: Sequence[Marker] = (), log_x: bool = False) -> Path:
+    """Lines (with a dot at each point when `log_x`: runs that differ by orders of magnitude are short curves)."""
     figure = _figure()
     axes = figure.add_subplot()
     for line in series:
         axes.plot(line.xs, line.ys, linestyle=line.style, color=_color(line.color), label=line.label,
-                  linewidth=0.7 if line.thin else 2.0, alpha=0.35 if line.thin else 1.0)
+                  linewidth=0.7 if line.thin else 2.0, alpha=0.35 if line.thin else 1.0,
+                  marker="o" if log_x else None)
+    if log_x:
+        axes.set_xscale("log")
     for marker in markers:
         axes.axvline(marker.x, color=_color(marker.color), linestyle=":", linewidth=1.2)
         axes.annotate(marker.text, (marker.x, 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top",
@@ -307,6 +330,16 @@ def _accuracy_series(runs: Sequence[Run], x: str, y: str, per_node: bool) -> lis
     return series
 
 
+def _bytes_series(runs: Sequence[Run]) -> list[Series]:
+    series = []
+    for color, run in enumerate(runs):
+        points = [(x, y) for x, y in zip(*accuracy_against_bytes(run), strict=True) if x > 0]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            series.append(Series(run.label, xs, ys, color, "--" if run.reference else "-"))
+    return series
+
+
 def _same_clock(runs: Sequence[Run]) -> list[Run]:
     """The runs whose seconds compare: all but a reference on another clock than the compared runs."""
     compared = {run.virtual for run in runs if not run.reference}
@@ -341,6 +374,12 @@ def _figures(runs: Sequence[Run], out: Path) -> list[Plot]:
                          "test accuracy", _accuracy_series(runs, "step", "test_accuracy", True)).name,
              "Mean (thick) and per-node (thin) test accuracy against the job's step (for parameter-server "
              "algorithms: rounds or pushes)."),
+        Plot(line_figure(out / "accuracy_bytes.png", f"Test accuracy against bytes sent per node: {names}",
+                         "payload bytes sent per node (mean over the nodes, log scale)", "test accuracy",
+                         _bytes_series(runs), log_x=True).name,
+             "Communication against accuracy (DiLoCo's comparison): the mean test accuracy at each evaluation "
+             "against the mean payload bytes each node had sent by then; a run's last point is its final one. "
+             "Runs that sent nothing (a single node) have no place on the log scale."),
         Plot(line_figure(out / "test_loss_time.png", f"Test loss against time: {names}", axis,
                          "test loss (cross-entropy)", _accuracy_series(runs, "time", "test_loss", False),
                          markers).name,

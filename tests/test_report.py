@@ -16,7 +16,7 @@ import pytest
 
 from coordinator.cli import main
 from coordinator.ps_service import add_coordinator_servicer
-from coordinator.report import load_run, time_to_reach, traffic_matrix, write_report
+from coordinator.report import accuracy_against_bytes, load_run, time_to_reach, traffic_matrix, write_report
 from coordinator.service import CoordinatorConfig, CoordinatorService
 from coordinator.simulate import reference_spec, simulate
 from nodeagent._proto import coordinator_pb2 as pb
@@ -27,8 +27,8 @@ from nodeagent.runtime.events import EVENTS_FILE, TOPOLOGY, Event, EventLog
 from nodeagent.runtime.progress import LOG_FILE, RunLog, read_run_log
 
 HOSTILE = "<script>alert('x')</script>"
-CURVES = ("accuracy_time.png", "accuracy_steps.png", "test_loss_time.png", "train_loss_steps.png",
-          "throughput.png", "computing_time_ratio.png")
+CURVES = ("accuracy_time.png", "accuracy_steps.png", "accuracy_bytes.png", "test_loss_time.png",
+          "train_loss_steps.png", "throughput.png", "computing_time_ratio.png")
 
 
 def job(fashion_mnist_dir: Path, name: str, algorithm: str, nodes: int = 4, **simulation) -> dict:
@@ -205,3 +205,28 @@ def assert_exit(argv: list[str], message: str, capsys) -> None:
         main(argv)
     assert exited.value.code != 0
     assert message in str(exited.value.code), exited.value.code
+
+
+def test_the_diloco_comparison_draws_accuracy_against_bytes_sent_per_node(fashion_mnist_dir, tmp_path):
+    """All-reduce SGD and DiLoCo (H = 10) on the same tiny job: one curve each, its points at the evaluations, its
+    x the mean bytes the nodes had sent; DiLoCo's last point is 10x left of all-reduce SGD's."""
+    base = job(fashion_mnist_dir, "tiny-allreduce", "allreduce")
+    base["algorithm"] = {"name": "allreduce", "lr": 0.05}
+    diloco = {**base, "name": "tiny-diloco", "algorithm": {"name": "diloco", "lr": 1e-3,
+                                                           "options": {"inner_steps": 10}}}
+    simulate(parse_job_spec(base), tmp_path / "allreduce")
+    simulate(parse_job_spec(diloco), tmp_path / "diloco")
+    curves = {}
+    for name in ("allreduce", "diloco"):
+        run = load_run(tmp_path / name)
+        xs, ys = accuracy_against_bytes(run)
+        assert len(xs) == 5  # steps 0, 5, 10, 15, 20
+        assert xs == sorted(xs) and xs[0] == 0
+        assert xs[-1] == sum(record.bytes_sent for record in run.last) / 4
+        assert ys[-1] == pytest.approx(sum(record.test_accuracy for record in run.last) / 4)
+        curves[name] = xs[-1]
+    assert curves["allreduce"] == pytest.approx(10 * curves["diloco"], rel=0.01)
+    out = tmp_path / "report"
+    assert main(["report", str(tmp_path / "allreduce"), str(tmp_path / "diloco"), "--out", str(out)]) == 0
+    page = assert_figures(out, ["accuracy_bytes.png"])
+    assert "Test accuracy against bytes sent per node" in page or "bytes each node had sent" in page

@@ -64,7 +64,7 @@ import torch.distributed as dist
 from nodeagent.algorithms.base import ALLREDUCE_RANK
 from nodeagent.metrics import Metrics
 from nodeagent.runtime.driver import ALLREDUCE_NAME
-from nodeagent.runtime.progress import Traffic, ring_allreduce_bytes
+from nodeagent.runtime.progress import Traffic, ring_allgather_bytes, ring_allreduce_bytes
 from nodeagent.wire.message import Message
 
 log = logging.getLogger("nodeagent")
@@ -175,6 +175,14 @@ class Collective:
     def mean(self, message: Message) -> Message:
         """The mean of the message's tensors over the members of the quorum, as a message from ALLREDUCE_RANK; or,
         when this rank took up a new quorum's state instead, that state (a PARAMS message at its step)."""
+        return self._collect(message, self._all_reduce)
+
+    def gather(self, message: Message) -> Message:
+        """Every member's tensors of the message, stacked in rank order along a new first dimension (tensors that
+        cannot be summed: int8 codes); or, like `mean`, the state of a new quorum."""
+        return self._collect(message, self._all_gather)
+
+    def _collect(self, message: Message, collective: Callable[[Quorum, Message], Message]) -> Message:
         while True:
             agreeing = self.quorum is None
             try:
@@ -184,7 +192,7 @@ class Collective:
                     if taken is not None:
                         return taken
                     agreeing = False
-                return self._all_reduce(self.quorum, message)
+                return collective(self.quorum, message)
             except GroupLost:
                 raise
             except RuntimeError as error:  # gloo: a member went away, or did not answer within the step's timeout
@@ -212,6 +220,32 @@ class Collective:
             self._leave()
         return Message(message.kind, ALLREDUCE_RANK, self.rank, _split(flat, tensors), clock=message.clock,
                        loss=message.loss)
+
+    def _all_gather(self, quorum: Quorum, message: Message) -> Message:
+        """One all-gather of the message's tensors as raw bytes over the quorum (gloo gathers any dtype that way;
+        every member's message has the same tensors), cut back into each member's tensors (copied: a view at an odd
+        byte offset cannot be read as a wider dtype). A last byte carries the waiting flag, as in `_all_reduce`."""
+        started = time.perf_counter()
+        tensors = message.tensors
+        flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()])
+        flat = torch.cat([flat, torch.tensor([1 if self.waiting.is_set() else 0], dtype=torch.uint8)])
+        gathered = [torch.empty_like(flat) for _ in quorum.members]
+        quorum.group.allgather([gathered], [flat]).wait()
+        waiting = any(int(part[-1]) > 0 for part in gathered)
+        self.held_in = quorum.number
+        self.seconds.observe(time.perf_counter() - started)
+        moved = ring_allgather_bytes(flat.numel() - 1, len(quorum.members))
+        self.traffic.add_sent(ALLREDUCE_RANK, moved)
+        self.traffic.add_received(ALLREDUCE_RANK, moved)
+        if waiting:  # every member saw the same flags: all leave after this step, for the quorum with the newcomer
+            self._leave()
+        out, offset = {}, 0
+        for name, tensor in tensors.items():
+            size = tensor.numel() * tensor.element_size()
+            out[name] = torch.stack([
+                part[offset : offset + size].clone().view(tensor.dtype).view(tensor.shape) for part in gathered])
+            offset += size
+        return Message(message.kind, ALLREDUCE_RANK, self.rank, out, clock=message.clock, loss=message.loss)
 
     def _leave(self) -> None:
         """Drop this rank's group (its sockets close, which fails any peer still in a call on it)."""

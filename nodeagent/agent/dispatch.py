@@ -1,9 +1,9 @@
 """Performs the node driver's transmissions on the agent: each route to its transport, the outcome back to the
 runner as a Reply or a Failure (nodeagent.runtime.driver).
 
-Peer calls block until their answer, so they run on a small pool; the all-reduce runs in the calling thread (the
-node can do nothing until every rank has contributed); calls to the parameter server go to the node's
-ServerLink, which chooses its own threads. The transports are injected, so the routing can be tested with fakes.
+Peer calls block until their answer, so they run on a small pool; the all-reduce (or all-gather) runs in the
+calling thread (the node can do nothing until every rank has contributed); calls to the parameter server go to the
+node's ServerLink, which chooses its own threads. The transports are injected, so the routing can be tested with fakes.
 """
 
 from __future__ import annotations
@@ -34,9 +34,12 @@ class PeerTransport(Protocol):
 
 
 class AllReduce(Protocol):
-    """The mean of a message's tensors over every rank (nodeagent.agent.collective.Collective)."""
+    """The mean of a message's tensors over every rank, or every rank's tensors gathered
+    (nodeagent.agent.collective.Collective)."""
 
     def mean(self, message: Message) -> Message: ...
+
+    def gather(self, message: Message) -> Message: ...
 
 
 class Dispatch:
@@ -54,10 +57,12 @@ class Dispatch:
             if self.server is None:
                 raise RuntimeError(f"a call to the parameter server, but this job has none: {send}")
             self.server.call(send.message, t.call_id, t.step_s, lambda result: self.post(_outcome(t, result)))
-        elif send.route == Route.ALLREDUCE:
+        elif send.route in (Route.ALLREDUCE, Route.ALLGATHER):
             if self.allreduce is None:
                 raise RuntimeError(f"an all-reduce, but this job has none: {send}")
-            self.post(Reply(t, self.allreduce.mean(send.message)))
+            assert isinstance(send.message, Message)
+            collect = self.allreduce.mean if send.route == Route.ALLREDUCE else self.allreduce.gather
+            self.post(Reply(t, collect(send.message)))
         else:
             self.pool.submit(self._call_peer, t)
 

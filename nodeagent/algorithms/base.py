@@ -3,7 +3,8 @@
 An algorithm never opens a socket, starts a thread or sleeps. The node driver (nodeagent.runtime.driver) calls,
 always from one thread (the agent's runner thread, or the simulator's loop):
 - `step(inputs, targets)`: one local step on the batch it is given; returns the minibatch loss;
-- `sends()`: the messages to send now (exchange, push, pull, all-reduce, or a request to the parameter server);
+- `sends()`: the messages to send now (exchange, push, pull, all-reduce or all-gather, or a request to the
+  parameter server);
 - `receive(message)`: a message arrived (a peer's, a reply, an all-reduce mean, the parameter server's answer);
 - `ready()`: whether the next local step may start (synchronous modes wait for their round's messages);
 - `rounds_ahead()`: how many rounds ahead of the node's clock a received message may be (the driver drops one
@@ -84,6 +85,9 @@ class Route(enum.StrEnum):
     PULL = "pull"  # fetch the peer's snapshot of `kind`; it arrives through receive()
     ALLREDUCE = "allreduce"  # the runtime averages the message's tensors over all ranks; the mean arrives
     # through receive() as a message from ALLREDUCE_RANK with the same clock
+    ALLGATHER = "allgather"  # the runtime gathers the message's tensors from all ranks (for tensors that cannot be
+    # summed, like int8 codes): each arrives through receive() stacked in rank order along a new first dimension,
+    # in one message from ALLREDUCE_RANK with the same clock
     SERVER = "server"  # a ServerRequest to the parameter server; its ServerAnswer arrives through receive()
 
 

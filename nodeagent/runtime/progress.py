@@ -96,6 +96,12 @@ def ring_allreduce_bytes(payload: int, ranks: int) -> int:
     return round(2 * (ranks - 1) / ranks * payload)
 
 
+def ring_allgather_bytes(payload: int, ranks: int) -> int:
+    """Bytes each rank sends (and receives) in a ring all-gather of `payload` bytes from every rank: its own and
+    the n - 2 it forwards."""
+    return (ranks - 1) * payload
+
+
 # -- the proto forms ---------------------------------------------------------------------------------------------
 
 

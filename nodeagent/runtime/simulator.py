@@ -52,7 +52,7 @@ from nodeagent.ps.messages import (
 )
 from nodeagent.ps.server import ServerHalf
 from nodeagent.runtime.driver import Action, Arrival, Failure, NodeDriver, Reply, Report, Switch, Transmission
-from nodeagent.runtime.progress import ring_allreduce_bytes
+from nodeagent.runtime.progress import ring_allgather_bytes, ring_allreduce_bytes
 from nodeagent.training.job import Node
 from nodeagent.wire.message import Message
 
@@ -149,7 +149,7 @@ class VirtualMesh:
         self._queue: list[tuple[float, int, Callable[[], None]]] = []
         self._sequence = itertools.count()
         self._link_free_at: dict[tuple[int, int], float] = {}
-        self._allreduce: dict[int, dict[int, tuple[Transmission, Message]]] = {}
+        self._allreduce: dict[tuple[bool, int], dict[int, tuple[Transmission, Message]]] = {}  # by (gather, clock)
         # Each edge's byte counters, looked up once: a labelled lookup costs more than a small model's message.
         self._edge_counters: dict[tuple[int, int], tuple[Counter, Counter]] = {}
         # Each partition's group of every rank it names, once: asked per message, it cost O(nodes) each time.
@@ -279,7 +279,7 @@ class VirtualMesh:
     def _transmit(self, sim: SimNode, transmissions: list[Transmission] | tuple[Transmission, ...]) -> None:
         for t in transmissions:
             route = t.send.route
-            if route == Route.ALLREDUCE:
+            if route in (Route.ALLREDUCE, Route.ALLGATHER):
                 self._contribute(sim, t)
             elif route == Route.SERVER:
                 assert sim.link is not None, f"{sim.name} sent to the parameter server, but this job has none"
@@ -340,23 +340,32 @@ class VirtualMesh:
         self._arrive(sender, Reply(t, reply))
 
     def _contribute(self, sim: SimNode, t: Transmission) -> None:
-        """A rank's part of an all-reduce; once every rank's is in, all receive the mean after the time a ring
-        all-reduce takes: 2 (n - 1) / n of the bytes through each link and 2 (n - 1) latencies."""
+        """A rank's part of an all-reduce or all-gather; once every rank's is in, all receive the mean (or every
+        rank's tensors, stacked) after the time a ring takes: for an all-reduce 2 (n - 1) / n of the bytes through
+        each link and 2 (n - 1) latencies, for an all-gather n - 1 messages and n - 1 latencies."""
         message = t.send.message
         assert isinstance(message, Message)
-        parts = self._allreduce.setdefault(message.clock, {})
+        gather = t.send.route == Route.ALLGATHER
+        parts = self._allreduce.setdefault((gather, message.clock), {})
         parts[sim.rank] = (t, message)
         if len(parts) < len(self.nodes):
             return
-        del self._allreduce[message.clock]
+        del self._allreduce[gather, message.clock]
         count = len(self.nodes)
-        share = ring_allreduce_bytes(message.payload_bytes, count)
-        duration = share / self.network.bandwidth_bytes_per_s + 2 * (count - 1) * self.network.latency_s
+        if gather:
+            share = ring_allgather_bytes(message.payload_bytes, count)
+            latencies = count - 1
+        else:
+            share = ring_allreduce_bytes(message.payload_bytes, count)
+            latencies = 2 * (count - 1)
+        duration = share / self.network.bandwidth_bytes_per_s + latencies * self.network.latency_s
         messages = [parts[rank][1] for rank in range(count)]
-        mean = {name: torch.stack([m.tensors[name] for m in messages]).mean(dim=0) for name in messages[0].tensors}
+        stacked = {name: torch.stack([m.tensors[name] for m in messages]) for name in messages[0].tensors}
+        result_tensors = stacked if gather else {name: tensor.mean(dim=0) for name, tensor in stacked.items()}
         for rank, node in enumerate(self.nodes):
             self._count(node, self.nodes[(rank + 1) % count], share)
-            result = Reply(parts[rank][0], Message(t.send.kind, ALLREDUCE_RANK, rank, mean, clock=message.clock))
+            result = Reply(parts[rank][0],
+                           Message(t.send.kind, ALLREDUCE_RANK, rank, result_tensors, clock=message.clock))
             self.at(self.now + duration, lambda node=node, result=result: self._arrive(node, result))
 
     def _count(self, src: SimNode, dst: SimNode, size: int) -> None:

@@ -1,0 +1,181 @@
+"""DiLoCo against AllReduce SGD (docs/results.md, issue 15): bytes sent per worker and final test accuracy.
+
+8 workers, Fashion-MNIST, the cnn model, batch 32, the iid and class-window splits, every run `--steps` local steps
+per worker in the simulator (the same algorithm code and byte counting as agents). Runs:
+- AllReduce SGD (lr 0.02, Nesterov momentum 0.9, as benchmarks/sgp_vs_allreduce.py), a ring all-reduce per step;
+- DiLoCo over the all-reduce, H = 50, 100, 500 (inner AdamW at lr 1e-3, outer Nesterov SGD lr 0.7 momentum 0.9);
+- decentralised DiLoCo (diloco-gossip), H = 100, push-sum on the one-peer exponential graph, log2 8 = 3 rounds per
+  outer step (the exact average), no collective;
+- streaming DiLoCo, H = 100, 4 fragments, each sync overlapped with 5 inner steps, int8 pseudo-gradients with
+  error feedback (all-gathered: at 8 workers as many bytes as a float32 ring all-reduce, see the module's text).
+Bytes are each worker's payload bytes sent (the simulator counts a ring all-reduce's 2 (n - 1) / n of the payload,
+an all-gather's n - 1 payloads, and each push). Accuracy is the mean over the workers of their final model's on
+--test-limit test images.
+
+Targets: DiLoCo within 1 point of AllReduce SGD's accuracy with at least 100x fewer bytes per worker; decentralised
+DiLoCo within 1.5 points, with no collective.
+
+    .venv/bin/python benchmarks/diloco.py                       # 12 simulated jobs of 500 steps (see results.md)
+    .venv/bin/python benchmarks/diloco.py --quick               # 200 steps, H = 50, 100, 200: a few minutes
+    .venv/bin/python benchmarks/diloco.py --agents              # also a shorter run on 8 local agents (gRPC, gloo)
+    .venv/bin/python benchmarks/diloco.py --agents --no-simulator --agent-steps 100 --agent-inner-steps 50
+    .venv/bin/python benchmarks/diloco.py --runs-dir DIR        # keep the run directories: coordinator report DIR/*
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from coordinator.simulate import simulate
+from nodeagent.jobspec import DEFAULT_DATA_DIR, JobSpec, parse_job_spec
+
+NODES = 8
+TARGET_RATIO = 100.0
+TARGET_GAP = 1.0
+TARGET_GAP_GOSSIP = 1.5
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    algorithm: str
+    options: dict
+    topology: str = "ring"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    split: str
+    label: str
+    bytes_per_worker: float
+    accuracy: float  # percent, mean over the workers
+    wall_s: float
+
+
+def variants(args: argparse.Namespace) -> list[Variant]:
+    runs = [Variant("AllReduce SGD", "allreduce", {})]
+    runs += [Variant(f"DiLoCo H={h}", "diloco", {"inner_steps": h}) for h in args.inner_steps]
+    h = args.inner_steps[min(1, len(args.inner_steps) - 1)]
+    runs.append(Variant(f"DiLoCo gossip H={h}", "diloco-gossip", {"inner_steps": h}, "npeer-exponential"))
+    runs.append(Variant(f"Streaming DiLoCo int8 H={h} F=4", "diloco", {
+        "inner_steps": h, "fragments": 4, "overlap_steps": min(5, h // 4 - 1), "precision": "int8"}))
+    return runs
+
+
+def job(variant: Variant, split: str, args: argparse.Namespace) -> dict:
+    if variant.algorithm == "allreduce":
+        algorithm = {"name": "allreduce", "lr": 0.02, "momentum": 0.9, "nesterov": True}
+    else:
+        algorithm = {"name": variant.algorithm, "lr": args.inner_lr, "options": variant.options}
+    return {
+        "name": f"{split}-{variant.label}".lower().replace(" ", "-").replace("=", ""),
+        "nodes": NODES, "steps": args.steps, "eval_every": args.steps // 5, "seed": 0,
+        "algorithm": {**algorithm, "mode": "sync"},
+        "model": {"name": args.model},
+        "data": {"data_dir": args.data_dir, "split": split, "batch_size": 32, "test_limit": args.test_limit},
+        "topology": {"kind": variant.topology, "seed": 1},
+        "simulation": {"step_time_s": 0.01, "network": {"bandwidth_bytes_per_s": 125e6, "latency_s": 1e-4}},
+    }
+
+
+def simulated(split: str, variant: Variant, args: argparse.Namespace) -> Outcome:
+    spec: JobSpec = parse_job_spec(job(variant, split, args))
+    run_dir = Path(args.runs_dir) / spec.name if args.runs_dir else None
+    started = time.monotonic()
+    result = simulate(spec, run_dir)
+    progress = result.progress
+    sent = sum(p.bytes_sent for p in progress) / len(progress)
+    outcome = Outcome(split, variant.label, sent, 100 * result.mean_accuracy, time.monotonic() - started)
+    print(f"  {split:<13} {variant.label:<32} {sent / 1e6:10.2f} MB/worker  accuracy {outcome.accuracy:6.2f}  "
+          f"(wall {outcome.wall_s:.0f} s)", flush=True)
+    return outcome
+
+
+def on_agents(split: str, variant: Variant, args: argparse.Namespace, cluster) -> Outcome:
+    from nodeagent._proto import coordinator_pb2 as pb
+
+    spec = job(variant, split, args)
+    del spec["simulation"]
+    started = time.monotonic()
+    status = cluster.wait(cluster.submit(yaml.safe_dump(spec)), timeout_s=args.agent_timeout)
+    if status.state != pb.JOB_FINISHED:
+        raise RuntimeError(f"{spec['name']} ended {pb.JobState.Name(status.state)}")
+    sent = sum(n.bytes_sent for n in status.nodes) / len(status.nodes)
+    accuracy = 100 * sum(n.test_accuracy for n in status.nodes) / len(status.nodes)
+    outcome = Outcome(split, variant.label, sent, accuracy, time.monotonic() - started)
+    print(f"  {split:<13} {variant.label:<32} {sent / 1e6:10.2f} MB/worker  accuracy {accuracy:6.2f}  "
+          f"(wall {outcome.wall_s:.0f} s, agents)", flush=True)
+    return outcome
+
+
+def table(title: str, outcomes: list[Outcome]) -> None:
+    print(f"\n{title}")
+    print(f"{'split':<13} {'run':<32} {'MB/worker':>10} {'fewer bytes':>11} {'accuracy':>9} {'gap':>6}  target")
+    for split in dict.fromkeys(o.split for o in outcomes):
+        rows = [o for o in outcomes if o.split == split]
+        reference = next(o for o in rows if o.label == "AllReduce SGD")
+        for o in rows:
+            ratio = reference.bytes_per_worker / o.bytes_per_worker
+            gap = reference.accuracy - o.accuracy
+            verdict = ""
+            if o.label.startswith("DiLoCo gossip"):
+                met = gap <= TARGET_GAP_GOSSIP
+                verdict = f"<= {TARGET_GAP_GOSSIP} points, no collective: {'met' if met else 'NOT met'}"
+            elif "DiLoCo" in o.label:
+                met = gap <= TARGET_GAP and ratio >= TARGET_RATIO
+                verdict = f"<= {TARGET_GAP} point, >= {TARGET_RATIO:.0f}x: {'met' if met else 'NOT met'}"
+            print(f"{split:<13} {o.label:<32} {o.bytes_per_worker / 1e6:10.2f} {ratio:10.1f}x {o.accuracy:9.2f} "
+                  f"{gap:6.2f}  {verdict}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=500, help="local steps per worker (a multiple of every H)")
+    parser.add_argument("--inner-steps", type=lambda s: [int(h) for h in s.split(",")], default=[50, 100, 500],
+                        help="the H of the DiLoCo runs, comma-separated; the second is the gossip and streaming one's")
+    parser.add_argument("--quick", action="store_true", help="200 steps, H = 50, 100, 200")
+    parser.add_argument("--splits", default="iid,class-window")
+    parser.add_argument("--inner-lr", type=float, default=1e-3, help="AdamW's lr of DiLoCo's inner steps")
+    parser.add_argument("--model", default="cnn")
+    parser.add_argument("--test-limit", type=int, default=2000)
+    parser.add_argument("--workers", type=int, default=2, help="simulated jobs run at once (processes)")
+    parser.add_argument("--runs-dir", help="keep each run's directory here (for coordinator report)")
+    parser.add_argument("--agents", action="store_true", help="also run on 8 local agents (--agent-steps steps)")
+    parser.add_argument("--agent-steps", type=int, default=100)
+    parser.add_argument("--agent-inner-steps", type=lambda s: [int(h) for h in s.split(",")], default=[50])
+    parser.add_argument("--agent-splits", default="iid")
+    parser.add_argument("--agent-model", default="cnn")
+    parser.add_argument("--agent-timeout", type=float, default=1800)
+    parser.add_argument("--no-simulator", action="store_true", help="only the agents' runs")
+    parser.add_argument("--data-dir", default=os.environ.get("PEERTRAIN_DATA_DIR", DEFAULT_DATA_DIR))
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.inner_steps = 200, [50, 100, 200]
+    if not args.no_simulator:
+        print(f"{NODES} workers, {args.model}, batch 32, {args.steps} steps, simulator:", flush=True)
+        plan = [(split, variant) for split in args.splits.split(",") for variant in variants(args)]
+        with ProcessPoolExecutor(args.workers) as pool:
+            outcomes = list(pool.map(simulated, *zip(*plan, strict=True), [args] * len(plan)))
+        table(f"Simulator: {NODES} workers, {args.model}, {args.steps} steps", outcomes)
+    if args.agents:
+        from coordinator.cluster import LocalCluster
+
+        args.steps, args.inner_steps, args.model = args.agent_steps, args.agent_inner_steps, args.agent_model
+        print(f"\n{NODES} local agents, {args.model}, {args.steps} steps:", flush=True)
+        with tempfile.TemporaryDirectory() as root, LocalCluster(root=Path(root), agents=NODES,
+                                                                 data_dir=args.data_dir) as cluster:
+            agent_outcomes = [on_agents(split, variant, args, cluster) for split in args.agent_splits.split(",")
+                              for variant in variants(args)]
+        table(f"Agents: {NODES} workers, {args.model}, {args.steps} steps", agent_outcomes)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,550 @@
+"""DiLoCo: many local steps with an inner optimizer, then an outer Nesterov step on the averaged pseudo-gradient
+(Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language Models", arXiv:2311.08105;
+OpenDiLoCo, Jaghouar et al. 2024, arXiv:2407.07852), its streaming form (Douillard et al. 2025, "Streaming
+DiLoCo with overlapping communication", arXiv:2501.18512), over an all-reduce (`diloco`, the collective family) or
+over push-sum gossip with no collective at all (`diloco-gossip`, the peer family).
+
+Notation: n nodes, node i; H = `inner_steps`; the flat parameters w_i (the model, what the node trains and
+evaluates); theta_i the node's copy of the last global parameters (all nodes start from the same seeded model,
+theta_i = w_i); u_i the outer momentum (0 at start); eta = `outer_lr` (0.7), mu = `outer_momentum` (0.9).
+
+Inner steps (every local step, lr = algorithm.lr): AdamW (default; betas, eps and decoupled weight decay are
+options; its moments live across outer rounds, as in the paper) or SGD (`inner_optimizer: sgd`, with
+algorithm.momentum / nesterov):
+    w_i <- InnerOpt(w_i, g_i(w_i)).
+Outer round (every H steps; F = `fragments` = 1):
+    Delta_i = theta_i - w_i                                  (the pseudo-gradient: minus the progress of H steps)
+    Delta   = (1/n) sum_i Delta_i                            (the averaging route)
+    u      <- mu u + Delta                                   (Nesterov SGD on Delta, torch.optim.SGD's form)
+    theta  <- theta - eta (Delta + mu u)     (`outer_nesterov: false`: theta - eta u)
+    w_i    <- theta                                          (every node restarts from the new global).
+With inner SGD (no momentum), H = 1, eta = 1 and mu = 0 this is AllReduce SGD: Delta = lr * mean g.
+
+Streaming (F > 1): the flat vector is cut into F contiguous fragments of equal length L = ceil(N / F) (the last
+padded with zeros on the wire). Fragment f is synchronised once every H steps: its update is applied at the steps
+t with (t - 1) mod H + 1 = (f + 1) H / F (rounded down), spread evenly over the H steps, fragment F - 1 at
+multiples of H. Only that fragment's Delta_i travels (F times fewer bytes per sync, the same per H steps). With
+tau = `overlap_steps` > 0 the sync is sent tau steps before that point and overlaps those tau inner steps (the
+node waits at the point only if the mean has not arrived); the outer update applies to the fragment's theta and
+u as above, and its local parameters, which went on training meanwhile, are merged:
+    w_i[f] <- alpha w_i[f] + (1 - alpha) theta[f]            (alpha = `overlap_mix`; tau = 0 replaces: alpha = 0).
+tau must be below H / F, so at most one sync is outstanding. The job's steps must be a multiple of H, so that
+it ends on the application of fragment F - 1's update (the one of every fragment with F = 1).
+
+Low precision (`precision`: full (the parameters' own dtype), fp16, bf16, int8 with absmax scales per
+`int8_chunk` entries or per fragment; nodeagent.wire.lowprecision): what travels is Q(v) in that dtype, and the
+bytes counted are its bytes. Error feedback (`error_feedback`, on by default for the lossy precisions), per node:
+v_i = Delta_i + e_i, send Q(v_i), keep e_i <- v_i - D(Q(v_i)), so the sum over rounds of what was sent plus the
+last residual is the sum of the true pseudo-gradients (the rounding is delayed, never lost).
+
+Averaging routes:
+- `diloco`, all-reduce: full-precision pseudo-gradients go through the runtime's all-reduce (the exact mean,
+  identical on every node). Lossy ones cannot be summed by the collective (int8 codes overflow, and gloo sums in
+  the wire dtype): the runtime all-gathers every node's codes (Route.ALLGATHER, n - 1 messages of the compressed
+  size through each link in a ring, counted so), and every node decodes them and sums in rank order in the
+  parameters' dtype, so the mean is again identical everywhere. (At n = 8 an int8 all-gather moves as many
+  bytes as a float32 ring all-reduce, 7/4 of the float32 vector; low precision pays on the gossip route, or
+  with fewer nodes.)
+  A rank that is lost and restarted takes the job up from the group's state (`group_state()`: w, theta, u, the
+  inner optimizer's state, the residual, the step), handed over by the runtime when it forms the group again,
+  and the interrupted sync is sent again by every rank from that state.
+- `diloco-gossip`, push-sum (Kempe et al. 2003, as in SGP) on the job's graph, `gossip_rounds` = G rounds per
+  sync (default: one period of a time-varying graph's schedule, 1 on a static graph). Node i starts the sync with
+  x_i = Delta_i, weight y_i = 1. Round g, with the k out-peers of gossip iteration s G + g (s: the
+  sync's index, the same on every node): the node pushes each out-peer the share (x_i / (k + 1), y_i / (k + 1)),
+  keeps x_i - k D(Q(share)) and y_i / (k + 1), then adds the shares it receives. After G rounds its estimate is
+  x_i / y_i. What is exact and what is not:
+  * the mass: sum_i x_i = sum_i Delta_i (plus residuals) after every round, exactly, quantised or not (a node
+    keeps what its pushes' rounding took off); on the circulant graphs (every node receives as many shares as it
+    sends) y_i stays 1, so the mean over the nodes of the estimates is exactly Delta, and the network's mean
+    parameters follow the DiLoCo recursion exactly (it is linear in Delta);
+  * each node's estimate: on the one-peer exponential graph (`npeer-exponential`, n a power of two) one period,
+    log2 n rounds, gives every node the exact average (to float rounding); with fewer rounds a node's estimate
+    is the average of the 2^G nodes its rounds reached, so the nodes' theta_i drift apart by the difference,
+    a random walk that the later rounds do not pull back (no parameter consensus).
+  Lossy shares need no error feedback across syncs here (`error_feedback` is the all-reduce route's): the rounding
+  of a push stays in its sender's numerator within the sync.
+  No collective, no coordinator in the loop: pushes go to neighbours and are retried until delivered.
+
+Evaluation sees w_i: the new global after a sync round (when eval_every is a multiple of H), local progress
+otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from nodeagent.algorithms.base import (
+    ALLREDUCE_RANK,
+    Algorithm,
+    AlgorithmOptions,
+    Family,
+    Graph,
+    NodeContext,
+    Route,
+    Send,
+    Snapshot,
+)
+from nodeagent.jobspec import JobSpec, JobSpecError
+from nodeagent.wire import lowprecision
+from nodeagent.wire.errors import WireError
+from nodeagent.wire.lowprecision import Precision
+from nodeagent.wire.message import Kind, Message, TensorSpec
+
+
+class DiLoCoOptions(AlgorithmOptions):
+    inner_optimizer: Literal["adamw", "sgd"] = Field(
+        "adamw", description="the local optimizer of the H inner steps, at algorithm.lr (sgd: with algorithm.momentum)")
+    inner_steps: int = Field(100, ge=1, description="H: local steps between two syncs of a fragment")
+    outer_lr: float = Field(0.7, gt=0, description="eta: step size of the outer SGD on the mean pseudo-gradient")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="mu: momentum of the outer SGD")
+    outer_nesterov: bool = Field(True, description="Nesterov's form of the outer momentum")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's first-moment decay")
+    beta2: float = Field(0.999, ge=0, lt=1, description="AdamW's second-moment decay")
+    eps: float = Field(1e-8, gt=0, description="AdamW's epsilon")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay")
+    precision: Precision = Field("full", description="how pseudo-gradients travel: full (the parameters' dtype), "
+                                 "fp16, bf16 or int8")
+    int8_chunk: int = Field(0, ge=0, description="int8: entries per absmax scale (0: one scale per fragment)")
+    error_feedback: bool = Field(True, description="keep the rounding of lossy pseudo-gradients and add it to the "
+                                 "next sync's (the all-reduce route; gossip keeps it in the sender's numerator)")
+    fragments: int = Field(1, ge=1, description="F: fragments synchronised in turn (streaming DiLoCo); 1: all at once")
+    overlap_steps: int = Field(0, ge=0, description="tau: inner steps a sync overlaps before its update is applied")
+    overlap_mix: float = Field(0.5, ge=0, lt=1, description="alpha: with tau > 0, the weight of the local fragment "
+                               "in the merge alpha * local + (1 - alpha) * global")
+
+
+@dataclass
+class PendingSync:
+    """A fragment's sync that is out and not yet applied."""
+
+    fragment: int
+    sent_at: int  # the step (clock) that sent it, the messages' clock
+    apply_at: int
+    residual_before: torch.Tensor | None  # the fragment's residual before this sync took its rounding
+    mean: torch.Tensor | None = None  # the averaged pseudo-gradient of the fragment, once known
+    # gossip only: the round being absorbed, the push-sum numerator and weight
+    round: int = 0
+    x: torch.Tensor | None = None
+    weight: float = 1.0
+    shares: dict[int, dict[int, tuple[torch.Tensor, float]]] = field(default_factory=lambda: defaultdict(dict))
+
+
+class _DiLoCo(Algorithm):
+    """Inner and outer optimizers, fragments, precision and error feedback: all but the averaging route."""
+
+    modes = ("sync",)
+    Options = DiLoCoOptions
+    options: DiLoCoOptions
+
+    def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
+        super().__init__(model, context, loss_fn)
+        options = self.options
+        if options.inner_optimizer == "adamw" and (self.spec.momentum or self.spec.nesterov):
+            raise JobSpecError("algorithm.momentum: AdamW keeps its own moments (set beta1 in the options)")
+        self.global_w = self.w.detach().clone()  # theta
+        self.outer_momentum = torch.zeros_like(self.w)  # u
+        self.adam_m = torch.zeros_like(self.w) if options.inner_optimizer == "adamw" else None
+        self.adam_v = torch.zeros_like(self.w) if options.inner_optimizer == "adamw" else None
+        self.lossy = options.precision != "full"
+        self.residual = torch.zeros_like(self.w) if self.lossy and options.error_feedback else None
+        self.fragment_length = math.ceil(self.w.numel() / options.fragments)
+        self.pending: PendingSync | None = None
+        self._outbox: list[Send] = []
+        self.republish()
+
+    @classmethod
+    def check(cls, spec: JobSpec, topology: Graph) -> None:
+        options = cls.options_of(spec.algorithm)
+        assert isinstance(options, DiLoCoOptions)
+        inner = options.inner_steps
+        if options.inner_optimizer == "adamw" and (spec.algorithm.momentum or spec.algorithm.nesterov):
+            raise JobSpecError("algorithm.momentum: AdamW keeps its own moments (set beta1 in the options, or use "
+                               "inner_optimizer: sgd)")
+        if spec.steps % inner:
+            raise JobSpecError(f"steps: {spec.steps} is not a multiple of algorithm.options.inner_steps ({inner}): "
+                               "a DiLoCo job ends on an outer round")
+        if options.fragments > inner:
+            raise JobSpecError(f"algorithm.options.fragments: {options.fragments} fragments cannot each sync once in "
+                               f"{inner} inner steps")
+        gap = inner // options.fragments
+        if options.overlap_steps >= gap:
+            raise JobSpecError(f"algorithm.options.overlap_steps: must be below inner_steps / fragments ({gap}), so "
+                               "that a fragment's sync is applied before the next one is sent")
+        if options.int8_chunk and options.precision != "int8":
+            raise JobSpecError("algorithm.options.int8_chunk: applies only to precision int8")
+
+    # -- the schedule --------------------------------------------------------------------------------------------
+
+    def fragment_due(self, clock: int) -> int | None:
+        """The fragment whose sync is sent at the end of the step that brought the clock to `clock`, if any: its
+        update is applied tau steps later, at the fragment's point (f + 1) H / F of the H steps."""
+        if clock < 1:
+            return None
+        options = self.options
+        position = (clock - 1) % options.inner_steps + 1 + options.overlap_steps
+        for f in range(options.fragments):
+            if position == (f + 1) * options.inner_steps // options.fragments:
+                return f
+        return None
+
+    def sync_index(self, clock: int, fragment: int) -> int:
+        """The number of syncs before the one of `fragment` at `clock`, on every node alike."""
+        return (clock - 1) // self.options.inner_steps * self.options.fragments + fragment
+
+    def fragment_slice(self, fragment: int) -> slice:
+        start = fragment * self.fragment_length
+        return slice(start, min(start + self.fragment_length, self.w.numel()))
+
+    def padded(self, vector: torch.Tensor) -> torch.Tensor:
+        """A fragment's vector padded with zeros to the fragment length (what travels)."""
+        if vector.numel() == self.fragment_length:
+            return vector.clone()
+        out = torch.zeros(self.fragment_length, dtype=vector.dtype)
+        out[: vector.numel()] = vector
+        return out
+
+    def wire_specs(self) -> list[TensorSpec]:
+        return lowprecision.specs(self.fragment_length, self.options.precision, self.options.int8_chunk, self.w.dtype)
+
+    def encode(self, vector: torch.Tensor) -> dict[str, torch.Tensor]:
+        return lowprecision.encode(vector, self.options.precision, self.options.int8_chunk)
+
+    def decode(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return lowprecision.decode(dict(tensors), self.options.precision, self.options.int8_chunk, self.w.dtype)
+
+    # -- the mathematics -----------------------------------------------------------------------------------------
+
+    def inner_step(self, grad: torch.Tensor) -> None:
+        options, lr = self.options, self.spec.lr
+        with torch.no_grad():
+            if self.adam_m is None or self.adam_v is None:
+                self.w.sub_(self.sgd_direction(grad), alpha=lr)
+                return
+            t = self.clock + 1  # the AdamW step count: one per inner step
+            if options.weight_decay:
+                self.w.mul_(1 - lr * options.weight_decay)
+            self.adam_m.mul_(options.beta1).add_(grad, alpha=1 - options.beta1)
+            self.adam_v.mul_(options.beta2).addcmul_(grad, grad, value=1 - options.beta2)
+            denominator = (self.adam_v.sqrt() / math.sqrt(1 - options.beta2**t)).add_(options.eps)
+            self.w.addcdiv_(self.adam_m, denominator, value=-lr / (1 - options.beta1**t))
+
+    def pseudo_gradient(self, fragment: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What this node contributes to the fragment's sync (Delta_i plus its residual), padded, and the
+        fragment's residual before this sync."""
+        part = self.fragment_slice(fragment)
+        delta = self.padded(self.global_w[part] - self.w.detach()[part])
+        if self.residual is None:
+            return delta, None
+        before = self.residual[part].clone()
+        delta[: before.numel()].add_(before)
+        return delta, before
+
+    def keep_residual(self, fragment: int, sent: torch.Tensor, value: torch.Tensor) -> None:
+        """Error feedback: what the rounding of `value` (sent as `sent`, decoded) took off, for the next sync."""
+        if self.residual is not None:
+            part = self.fragment_slice(fragment)
+            self.residual[part] = (value - sent)[: part.stop - part.start]
+
+    def outer_step(self, fragment: int, mean: torch.Tensor) -> None:
+        """The outer Nesterov step on the fragment's mean pseudo-gradient, and the restart (or merge) of its local
+        parameters from the new global ones."""
+        options = self.options
+        part = self.fragment_slice(fragment)
+        delta = mean[: part.stop - part.start]
+        with torch.no_grad():
+            momentum = self.outer_momentum[part]
+            momentum.mul_(options.outer_momentum).add_(delta)
+            direction = delta.add(momentum, alpha=options.outer_momentum) if options.outer_nesterov else momentum
+            self.global_w[part] -= options.outer_lr * direction
+            if options.overlap_steps:
+                self.w[part] = options.overlap_mix * self.w[part] + (1 - options.overlap_mix) * self.global_w[part]
+            else:
+                self.w[part] = self.global_w[part]
+
+    def _apply_due(self) -> None:
+        pending = self.pending
+        if pending is not None and pending.mean is not None and self.clock >= pending.apply_at:
+            self.outer_step(pending.fragment, pending.mean)
+            self.pending = None
+            self.republish()
+
+    # -- the interface -------------------------------------------------------------------------------------------
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        loss, grad = self.gradient(inputs, targets)
+        self.last_loss = loss
+        self.inner_step(grad)
+        self.clock += 1
+        self._apply_due()  # a sync whose mean came during the overlapped steps
+        fragment = self.fragment_due(self.clock)
+        if fragment is not None:
+            self._start_sync(fragment)
+        self.republish()
+        return loss
+
+    def _start_sync(self, fragment: int) -> None:
+        value, before = self.pseudo_gradient(fragment)
+        self.pending = PendingSync(fragment, self.clock, self.clock + self.options.overlap_steps, before)
+        self._outbox.extend(self._sync_sends(self.pending, value))
+
+    def _sync_sends(self, pending: PendingSync, value: torch.Tensor) -> list[Send]:
+        """Start averaging `value`, this node's padded contribution to the pending sync."""
+        raise NotImplementedError
+
+    def sends(self) -> list[Send]:
+        outbox, self._outbox = self._outbox, []
+        return outbox
+
+    def ready(self) -> bool:
+        return self.pending is None or self.pending.mean is not None or self.clock < self.pending.apply_at
+
+    def waiting_for(self) -> str:
+        pending = self.pending
+        assert pending is not None
+        return f"the average of fragment {pending.fragment}'s pseudo-gradients of step {pending.sent_at}"
+
+    def _publish(self) -> Snapshot:
+        return Snapshot(self.context.rank, self.clock, self.last_loss, {})
+
+    def state_dict(self) -> dict[str, torch.Tensor | int | float]:
+        # Checkpoints are taken between steps at evaluations; a sync still out is lost with them (the all-reduce
+        # route recovers from the group's state instead).
+        return {**super().state_dict(), **self._state_tensors()}
+
+    def _state_tensors(self) -> dict[str, torch.Tensor]:
+        tensors = {"global": self.global_w.clone(), "outer_momentum": self.outer_momentum.clone()}
+        if self.adam_m is not None and self.adam_v is not None:
+            tensors["adam_m"] = self.adam_m.clone()
+            tensors["adam_v"] = self.adam_v.clone()
+        elif self.spec.momentum:
+            buffer = self._momentum_buffer
+            tensors["momentum"] = buffer.clone() if buffer is not None else torch.zeros_like(self.w)
+        if self.residual is not None:
+            tensors["residual"] = self.residual.clone()
+        return tensors
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor | int | float]) -> None:
+        for name, tensor in self._state_tensors().items():
+            value = state[name]
+            if not isinstance(value, torch.Tensor) or value.shape != tensor.shape:
+                raise ValueError(f"the checkpoint's {name} does not fit this model")
+        self._take_state(state)
+        super().load_state_dict(state)
+
+    def _take_state(self, state: Mapping[str, torch.Tensor | int | float]) -> None:
+        with torch.no_grad():
+            self.global_w.copy_(state["global"])  # type: ignore[arg-type]
+            self.outer_momentum.copy_(state["outer_momentum"])  # type: ignore[arg-type]
+            if self.adam_m is not None and self.adam_v is not None:
+                self.adam_m.copy_(state["adam_m"])  # type: ignore[arg-type]
+                self.adam_v.copy_(state["adam_v"])  # type: ignore[arg-type]
+            elif self.spec.momentum:
+                momentum = state["momentum"]
+                assert isinstance(momentum, torch.Tensor)
+                self._momentum_buffer = momentum.clone()
+            if self.residual is not None:
+                self.residual.copy_(state["residual"])  # type: ignore[arg-type]
+        self.pending = None
+        self._outbox = []
+
+
+class DiLoCo(_DiLoCo):
+    """DiLoCo over the runtime's all-reduce (all-gather for lossy pseudo-gradients)."""
+
+    name = "diloco"
+    family = Family.COLLECTIVE
+
+    def _sync_sends(self, pending: PendingSync, value: torch.Tensor) -> list[Send]:
+        tensors = self.encode(value)
+        if self.lossy:
+            self.keep_residual(pending.fragment, self.decode(tensors), value)
+        route = Route.ALLGATHER if self.lossy else Route.ALLREDUCE
+        message = Message(Kind.DELTA, self.context.rank, ALLREDUCE_RANK, tensors, clock=pending.sent_at,
+                          loss=self.last_loss)
+        return [Send(route, ALLREDUCE_RANK, Kind.DELTA, message)]
+
+    def receive(self, message: Message) -> None:
+        if message.kind == Kind.PARAMS:
+            self._take_group_state(message)
+            return
+        pending = self.pending
+        if pending is None or pending.mean is not None or message.clock != pending.sent_at:
+            # Applying another sync's mean would silently fork this node from the others.
+            out = f"waiting for step {pending.sent_at}" if pending else "with none out"
+            raise RuntimeError(f"rank {self.context.rank}: the average of step {message.clock} arrived at step "
+                               f"{self.clock}, {out}")
+        if self.lossy:
+            members = next(iter(message.tensors.values())).shape[0]  # the quorum's: a lost rank is not in it
+            gathered = [self.decode({name: t[member] for name, t in message.tensors.items()})
+                        for member in range(members)]
+            total = torch.zeros(self.fragment_length, dtype=self.w.dtype)
+            for vector in gathered:  # in rank order: the same float sum on every node
+                total.add_(vector)
+            pending.mean = total / members
+        else:
+            pending.mean = message.tensors["delta"].clone()
+        self._apply_due()
+
+    def group_state(self) -> Message:
+        """What the all-reduce hands from this rank to every other when the group is formed again: parameters,
+        global parameters, outer momentum, inner optimizer state and residual (as before the sync out, which every
+        rank sends again from this state), at this rank's step."""
+        tensors = {"w": self.w.detach().clone(), **self._state_tensors()}
+        pending = self.pending
+        if pending is not None and pending.residual_before is not None and "residual" in tensors:
+            part = self.fragment_slice(pending.fragment)
+            tensors["residual"][part] = pending.residual_before
+        return Message(Kind.PARAMS, self.context.rank, ALLREDUCE_RANK, tensors, clock=self.clock)
+
+    def _take_group_state(self, message: Message) -> None:
+        with torch.no_grad():
+            self.w.copy_(message.tensors["w"])
+        self._take_state(message.tensors)
+        self.clock = message.clock
+        fragment = self.fragment_due(self.clock)
+        if fragment is not None:  # the sync the group was formed in: every rank sends it again
+            self._start_sync(fragment)
+        self.republish()
+
+    def expected(self, peer: int, kind: Kind) -> list[TensorSpec]:
+        if peer != ALLREDUCE_RANK:
+            raise WireError("not_neighbor", f"{self.name} takes messages only from the all-reduce, not rank {peer}")
+        if kind != Kind.DELTA:
+            raise WireError("unexpected_kind", f"{self.name} accepts only delta, not {kind.name.lower()}")
+        return self.wire_specs()
+
+
+class GossipDiLoCoOptions(DiLoCoOptions):
+    gossip_rounds: int | None = Field(
+        None, ge=1, description="push-sum rounds per sync; unset: one period of a time-varying graph's schedule "
+        "(log2 n on npeer-exponential: the exact average), 1 on a static graph")
+
+
+class GossipDiLoCo(_DiLoCo):
+    """Decentralised DiLoCo: pseudo-gradients averaged by push-sum gossip on the job's graph, no collective."""
+
+    name = "diloco-gossip"
+    family = Family.PEER
+    Options = GossipDiLoCoOptions
+    options: GossipDiLoCoOptions
+    sends_after_receive = True  # a complete round sends the next
+
+    def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
+        super().__init__(model, context, loss_fn)
+        self.rounds = self.options.gossip_rounds or max(1, len(context.peer_schedule))
+        self.residual = None  # a push's rounding stays in the sender's numerator: nothing is carried to later syncs
+        # Shares of syncs this node has not started yet: clock -> sender -> (decoded share, weight).
+        self.early: dict[int, dict[int, tuple[torch.Tensor, float]]] = defaultdict(dict)
+
+    @classmethod
+    def check(cls, spec: JobSpec, topology: Graph) -> None:
+        super().check(spec, topology)
+        options = cls.options_of(spec.algorithm)
+        assert isinstance(options, GossipDiLoCoOptions)
+        if topology.passive:
+            raise JobSpecError(f"topology.kind: {cls.name} needs every node to send (push-sum expects as many shares "
+                               f"as it sends); {spec.topology.kind} has passive nodes")
+        alone = [rank for rank in range(topology.nodes) if topology.degree(rank) == 0]
+        if alone and topology.nodes > 1:
+            raise JobSpecError(f"topology: ranks {alone} have no neighbour to gossip with")
+        gap = options.inner_steps // options.fragments
+        if options.gossip_rounds is not None and options.gossip_rounds > gap:
+            raise JobSpecError(f"algorithm.options.gossip_rounds: at most inner_steps / fragments ({gap}): a sync's "
+                               "rounds are numbered by the steps up to the next sync")
+
+    # -- push-sum ------------------------------------------------------------------------------------------------
+
+    def _iteration(self, pending: PendingSync) -> int:
+        return self.sync_index(pending.sent_at, pending.fragment) * self.rounds + pending.round
+
+    def _sync_sends(self, pending: PendingSync, value: torch.Tensor) -> list[Send]:
+        pending.x, pending.weight = value, 1.0
+        pending.shares = defaultdict(dict)
+        for clock in sorted(self.early):
+            if clock < pending.sent_at + self.rounds:  # this sync's, or repeated deliveries of one absorbed
+                shares = self.early.pop(clock)
+                if clock >= pending.sent_at:
+                    pending.shares[clock] = shares
+        return self._round_sends(pending)
+
+    def _round_sends(self, pending: PendingSync) -> list[Send]:
+        """Split (x, weight) among this round's out-peers and this node; the pushes of the shares."""
+        assert pending.x is not None
+        peers = self.context.out_peers(self._iteration(pending))
+        share = pending.x / (len(peers) + 1)
+        tensors = self.encode(share)
+        sent = self.decode(tensors) if self.lossy else share
+        pending.x = pending.x - len(peers) * sent  # what the rounding took off stays here: the mass is exact
+        pending.weight /= len(peers) + 1
+        clock = pending.sent_at + pending.round
+        return [Send(Route.PUSH, peer, Kind.PUSHSUM,
+                     Message(Kind.PUSHSUM, self.context.rank, peer, tensors, clock=clock, loss=self.last_loss,
+                             weight=pending.weight))
+                for peer in peers]
+
+    def _advance(self) -> None:
+        """Absorb the complete rounds of the pending sync, send the next, and finish it after the last."""
+        pending = self.pending
+        while pending is not None and pending.mean is None:
+            assert pending.x is not None
+            clock = pending.sent_at + pending.round
+            received = pending.shares.get(clock, {})
+            if len(received) < len(self.context.out_peers(self._iteration(pending))):
+                return
+            for sender in sorted(received):  # in sender order: the float sums do not depend on timing
+                x_share, weight_share = received[sender]
+                pending.x.add_(x_share)
+                pending.weight += weight_share
+            pending.shares.pop(clock, None)
+            pending.round += 1
+            if pending.round < self.rounds:
+                self._outbox.extend(self._round_sends(pending))
+            else:
+                pending.mean = pending.x / pending.weight
+                self._apply_due()
+
+    def _start_sync(self, fragment: int) -> None:
+        super()._start_sync(fragment)
+        self._advance()  # a node without in-peers this round, or whose shares came first
+
+    def receive(self, message: Message) -> None:
+        if message.kind != Kind.PUSHSUM:
+            return
+        share = (self.decode(message.tensors), message.weight)
+        pending = self.pending
+        if pending is not None and pending.sent_at <= message.clock < pending.sent_at + self.rounds:
+            if message.clock < pending.sent_at + pending.round or pending.mean is not None:
+                return  # a repeated delivery of a retried push of a round absorbed already
+            pending.shares[message.clock][message.sender] = share
+            self._advance()
+        elif message.clock >= self.clock:  # a sync this node has not reached yet
+            self.early[message.clock][message.sender] = share
+        # else: a round of a sync absorbed already (a retried push delivered twice)
+
+    def rounds_ahead(self) -> int:
+        """A neighbour waits for this node's shares at each of its syncs, so it is at most one sync (H steps) ahead
+        of it per link between them; a sender reaches this node over at most world_size - 1 links."""
+        return self.context.world_size * self.options.inner_steps
+
+    def waiting_for(self) -> str:
+        pending = self.pending
+        assert pending is not None
+        clock = pending.sent_at + pending.round
+        received = sorted(pending.shares.get(clock, {}))
+        return (f"push-sum shares of round {pending.round} of fragment {pending.fragment}'s sync at step "
+                f"{pending.sent_at} (from ranks so far: {received})")
+
+    def expected(self, peer: int, kind: Kind) -> list[TensorSpec]:
+        self.reject_unless_neighbor(peer)
+        if kind != Kind.PUSHSUM:
+            raise WireError("unexpected_kind", f"{self.name} accepts only pushsum, not {kind.name.lower()}")
+        return self.wire_specs()

@@ -1,0 +1,486 @@
+"""DiLoCo (nodeagent.algorithms.diloco): its mathematics with an in-test all-reduce and push-sum, the low-precision
+codec, the streaming schedule, recovery from the group's state, validation, and short simulated jobs."""
+
+from collections import defaultdict
+
+import pytest
+import torch
+import yaml
+from exact_linear import ZeroLoss, batch, linear_model
+from torch import nn
+
+from coordinator.cluster import LocalCluster
+from coordinator.jobs import validate_job
+from coordinator.simulate import simulate
+from coordinator.topology import out_peers as schedule_out_peers
+from coordinator.topology import schedule_period
+from nodeagent._proto import coordinator_pb2 as pb
+from nodeagent.algorithms.allreduce import AllReduceSGD
+from nodeagent.algorithms.base import ALLREDUCE_RANK, Neighbor, NodeContext, Route
+from nodeagent.algorithms.diloco import DiLoCo, GossipDiLoCo
+from nodeagent.jobspec import AlgorithmSpec, JobSpecError, parse_job_spec
+from nodeagent.runtime.progress import ring_allgather_bytes, ring_allreduce_bytes
+from nodeagent.wire import Kind, Message, WireError, lowprecision
+
+SGD_INNER = {"inner_optimizer": "sgd"}
+
+
+def make(rank, world, model, options, lr=0.1, loss_fn=None, cls=DiLoCo, schedule=(), neighbors=()):
+    spec = AlgorithmSpec(name=cls.name, lr=lr, options=options)
+    context = NodeContext(rank=rank, world_size=world, neighbors=tuple(Neighbor(p) for p in sorted(neighbors)),
+                          spec=spec, peer_schedule=schedule)
+    return cls(model, context, loss_fn)
+
+
+def scalar_model():
+    model = nn.Linear(1, 1, bias=False, dtype=torch.float64)
+    nn.init.zeros_(model.weight)
+    return model
+
+
+def collect(nodes, sends):
+    """What the runtime does with every node's sync: the mean (all-reduce) or every rank's tensors (all-gather)."""
+    (route,) = {send.route for send in sends}
+    names = list(sends[0].message.tensors)
+    stacked = {name: torch.stack([s.message.tensors[name] for s in sends]) for name in names}
+    tensors = stacked if route == Route.ALLGATHER else {name: t.mean(0) for name, t in stacked.items()}
+    for node, send in zip(nodes, sends, strict=True):
+        node.receive(Message(Kind.DELTA, ALLREDUCE_RANK, node.context.rank, tensors, clock=send.message.clock))
+
+
+def run(nodes, batches, steps):
+    """Every node steps; a sync any sends is completed as soon as every node sent it."""
+    for step in range(steps):
+        sends = []
+        for node, batch_of in zip(nodes, batches, strict=True):
+            assert node.ready()
+            node.step(*batch_of(step))
+            sends.extend(node.sends())
+        if sends:
+            assert len(sends) == len(nodes)
+            collect(nodes, sends)
+
+
+# -- the mathematics --------------------------------------------------------------------------------------------
+
+
+def test_with_inner_sgd_one_step_and_outer_lr_one_diloco_is_allreduce_sgd():
+    world, steps = 4, 6
+    torch.manual_seed(0)
+    reference = nn.Linear(5, 3, dtype=torch.float64)
+    diloco, allreduce = [], []
+    for rank in range(world):
+        for group, build in ((diloco, lambda m, r=rank: make(r, world, m, {
+                **SGD_INNER, "inner_steps": 1, "outer_lr": 1.0, "outer_momentum": 0.0}, lr=0.2)),
+                             (allreduce, lambda m, r=rank: AllReduceSGD(m, NodeContext(
+                                 r, world, (), AlgorithmSpec(name="allreduce", lr=0.2))))):
+            model = nn.Linear(5, 3, dtype=torch.float64)
+            model.load_state_dict(reference.state_dict())
+            group.append(build(model))
+    generator = torch.Generator().manual_seed(1)
+    data = [[(torch.randn(16, 5, generator=generator, dtype=torch.float64), torch.randint(0, 3, (16,),
+                                                                                         generator=generator))
+             for _ in range(world)] for _ in range(steps)]
+    run(diloco, [lambda step, r=r: data[step][r] for r in range(world)], steps)
+    for step in range(steps):
+        sends = []
+        for node, (inputs, targets) in zip(allreduce, data[step], strict=True):
+            node.step(inputs, targets)
+            sends.extend(node.sends())
+        names = sends[0].message.tensors
+        mean = {name: torch.stack([s.message.tensors[name] for s in sends]).mean(0) for name in names}
+        for node in allreduce:
+            node.receive(Message(Kind.GRADIENT, ALLREDUCE_RANK, node.context.rank, mean, clock=step))
+    for a, b in zip(diloco, allreduce, strict=True):
+        assert a.clock == b.clock == steps
+        assert torch.allclose(a.w, b.w, rtol=0, atol=1e-12)
+        assert torch.equal(a.w, diloco[0].w)
+
+
+def test_outer_nesterov_step_on_known_numbers():
+    """w x ~ y, squared error, w = 0, inner SGD lr 0.1, H = 1. Node 0 holds (x, y) = (1, 2), node 1 (3, 0).
+    Round 1: gradients -4 and 0, so w_0 = 0.4, w_1 = 0; Delta = (-0.4 + 0) / 2 = -0.2; u = -0.2;
+    theta = 0 - 0.7 (-0.2 + 0.9 * -0.2) = 0.266. Round 2 from 0.266: gradients 2 (0.266 - 2) = -3.468 and
+    2 * 3 (3 * 0.266) = 4.788, so Delta = (-0.3468 + 0.4788) / 2 = 0.066; u = 0.9 * -0.2 + 0.066 = -0.114;
+    theta = 0.266 - 0.7 (0.066 + 0.9 * -0.114) = 0.29162. torch's Nesterov SGD on Delta agrees."""
+    nodes = [make(r, 2, scalar_model(), {**SGD_INNER, "inner_steps": 1}, loss_fn=nn.MSELoss()) for r in range(2)]
+    data = [(torch.tensor([[1.0]], dtype=torch.float64), torch.tensor([[2.0]], dtype=torch.float64)),
+            (torch.tensor([[3.0]], dtype=torch.float64), torch.tensor([[0.0]], dtype=torch.float64))]
+    theta = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+    outer = torch.optim.SGD([theta], lr=0.7, momentum=0.9, nesterov=True)
+    for expected, delta in ((0.266, -0.2), (0.29162, 0.066)):
+        run(nodes, [lambda step, r=r: data[r] for r in range(2)], 1)
+        theta.grad = torch.tensor([delta], dtype=torch.float64)
+        outer.step()
+        for node in nodes:
+            assert float(node.w) == pytest.approx(expected, abs=1e-12)
+            assert float(node.global_w) == pytest.approx(float(theta.detach()), abs=1e-12)
+
+
+def test_error_feedback_delays_the_rounding_and_loses_none_of_it():
+    """One node over the all-gather, int8 with one scale: what was sent, summed over the rounds, plus the last
+    residual is the sum of the true pseudo-gradients."""
+    torch.manual_seed(3)
+    node = make(0, 1, nn.Linear(20, 4), {**SGD_INNER, "inner_steps": 3, "precision": "int8", "outer_momentum": 0.0},
+                lr=0.5)
+    generator = torch.Generator().manual_seed(2)
+    true_sum = torch.zeros_like(node.w)
+    sent_sum = torch.zeros_like(node.w)
+    for step in range(30):
+        node.step(torch.randn(8, 20, generator=generator), torch.randint(0, 4, (8,), generator=generator))
+        sends = node.sends()
+        if sends:
+            true_sum += node.global_w - node.w.detach()
+            (send,) = sends
+            assert send.route == Route.ALLGATHER and send.message.tensors["codes"].dtype == torch.int8
+            sent_sum += node.decode(send.message.tensors)
+            collect([node], sends)
+        assert step % 3 != 2 or not node.residual.eq(0).all()
+    assert torch.allclose(sent_sum + node.residual, true_sum, rtol=0, atol=1e-5)
+    assert not torch.allclose(sent_sum, true_sum, rtol=0, atol=1e-5)  # there was rounding to keep
+
+
+@pytest.mark.parametrize("chunk", [0, 7, 64])
+def test_int8_round_trip_is_within_half_a_step_of_each_chunks_scale(chunk):
+    generator = torch.Generator().manual_seed(chunk)
+    vector = torch.randn(200, generator=generator) * torch.logspace(-3, 1, 200)
+    tensors = lowprecision.encode(vector, "int8", chunk)
+    assert tensors["codes"].dtype == torch.int8 and tensors["codes"].shape == (200,)
+    assert tensors["scales"].shape == (lowprecision.chunk_count(200, chunk),)
+    assert [s.shape for s in lowprecision.specs(200, "int8", chunk, torch.float32)] == [(200,), tensors["scales"].shape]
+    decoded = lowprecision.decode(tensors, "int8", chunk, torch.float32)
+    size = 200 if chunk == 0 else chunk
+    step = tensors["scales"].repeat_interleave(size)[:200]
+    assert bool(((decoded - vector).abs() <= step / 2 + 1e-7).all())
+    assert float(decoded.abs().max()) == pytest.approx(float(vector.abs().max()), rel=1e-6)  # absmax is exact
+    assert torch.equal(lowprecision.decode(lowprecision.encode(torch.zeros(5), "int8", 0), "int8", 0, torch.float32),
+                       torch.zeros(5))
+
+
+def test_float_precisions_travel_in_their_dtype_and_forged_values_are_refused():
+    vector = torch.randn(10)
+    for precision, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16), ("full", torch.float32)):
+        tensors = lowprecision.encode(vector, precision)
+        assert tensors["delta"].dtype == dtype and tensors["delta"].nbytes == 10 * dtype.itemsize
+        assert torch.allclose(lowprecision.decode(tensors, precision, 0, torch.float32), vector, rtol=1e-2, atol=1e-2)
+    forged = lowprecision.encode(vector, "int8", 0)
+    forged["scales"][0] = float("nan")
+    with pytest.raises(WireError):
+        lowprecision.decode(forged, "int8", 0, torch.float32)
+    with pytest.raises(WireError):
+        lowprecision.decode({"delta": torch.tensor([float("inf")], dtype=torch.float16)}, "fp16", 0, torch.float32)
+
+
+# -- push-sum gossip ---------------------------------------------------------------------------------------------
+
+
+def gossip_graph(world, options, kind="npeer-exponential"):
+    period = schedule_period(kind, world)
+    schedules = [tuple(tuple(schedule_out_peers(kind, world, r, t)) for t in range(period)) for r in range(world)]
+    neighbors = defaultdict(set)
+    for rank, schedule in enumerate(schedules):
+        for peers in schedule:
+            for peer in peers:
+                neighbors[rank].add(peer)
+                neighbors[peer].add(rank)
+    return [make(r, world, linear_model(), {**SGD_INNER, "outer_lr": 1.0, "outer_momentum": 0.0, **options},
+                 loss_fn=ZeroLoss(), cls=GossipDiLoCo, schedule=schedules[r], neighbors=neighbors[r])
+            for r in range(world)]
+
+
+def gossip_round(nodes, seed=0):
+    """Every node steps once (its sync starts), then the pushes are delivered, in a shuffled order, until none
+    is left."""
+    generator = torch.Generator().manual_seed(seed)
+    in_transit = []
+    for node in nodes:
+        assert node.ready()
+        node.step(*batch(0))
+        in_transit += [send.message for send in node.sends()]
+    while in_transit:
+        message = in_transit.pop(int(torch.randint(len(in_transit), (1,), generator=generator)))
+        receiver = nodes[message.receiver]
+        assert message.clock <= receiver.clock + receiver.rounds_ahead()
+        receiver.receive(message)
+        in_transit += [send.message for send in receiver.sends()]
+
+
+def spread(nodes, seed=0):
+    """Local progress without gradients: each node's parameters moved to a distinct point; their mean."""
+    generator = torch.Generator().manual_seed(seed)
+    points = 5.0 + torch.randn(len(nodes), nodes[0].w.numel(), generator=generator, dtype=torch.float64)
+    for node, point in zip(nodes, points, strict=True):
+        node.w.copy_(point)
+    return points.mean(0)
+
+
+def test_gossip_over_one_period_of_the_exponential_graph_reaches_the_exact_average():
+    """8 nodes, one-peer exponential graph: log2 8 = 3 push-sum rounds per sync give every node the exact mean
+    pseudo-gradient; with outer lr 1 and no momentum every node then holds the mean of the local models."""
+    nodes = gossip_graph(8, {"inner_steps": 1})
+    assert nodes[0].rounds == 3
+    mean = spread(nodes)
+    gossip_round(nodes)
+    for node in nodes:
+        assert node.ready() and node.pending is None
+        assert torch.allclose(node.w, mean, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("precision", ["full", "int8"])
+def test_gossip_with_one_round_keeps_the_mass_exact_but_not_each_nodes_estimate(precision):
+    nodes = gossip_graph(8, {"inner_steps": 1, "gossip_rounds": 1, "precision": precision})
+    mean = spread(nodes, seed=1)
+    gossip_round(nodes, seed=1)
+    network_mean = torch.stack([node.w for node in nodes]).mean(0)
+    assert torch.allclose(network_mean, mean, rtol=0, atol=1e-10)  # the rounding stays with the sender
+    assert not torch.allclose(nodes[0].w, mean, rtol=0, atol=1e-3)
+
+
+def test_gossip_shares_that_come_early_or_twice_are_counted_once():
+    nodes = gossip_graph(4, {"inner_steps": 1})
+    mean = spread(nodes, seed=2)
+    for node in nodes[1:]:  # they start first; their shares reach node 0 before it started its sync
+        node.step(*batch(0))
+    early = [s.message for node in nodes[1:] for s in node.sends()]
+    for message in early:
+        if message.receiver == 0:
+            nodes[0].receive(message)
+            nodes[0].receive(message)  # a retried push delivered twice
+    nodes[0].step(*batch(0))
+    in_transit = [s.message for s in nodes[0].sends()] + [m for m in early if m.receiver != 0]
+    while in_transit:
+        message = in_transit.pop(0)
+        nodes[message.receiver].receive(message)
+        nodes[message.receiver].receive(message)
+        in_transit += [s.message for s in nodes[message.receiver].sends()]
+    for node in nodes:
+        assert node.pending is None
+        assert torch.allclose(node.w, mean, rtol=0, atol=1e-12)
+    nodes[early[0].receiver].receive(early[0])  # once more, after its sync was absorbed
+    for node in nodes:
+        node.step(*batch(0))  # the next sync keeps no share of the last one
+        assert all(clock >= node.clock for clock in node.early)
+
+
+# -- streaming ---------------------------------------------------------------------------------------------------
+
+
+def test_streaming_syncs_each_fragment_once_per_outer_round_overlapped_with_the_next_steps():
+    """H = 12, F = 3, tau = 2: fragment f is sent at steps 4 (f + 1) - 2 of each 12 and applied 2 steps later,
+    on its own slice only."""
+    world = 2
+    nodes = []
+    for rank in range(world):
+        torch.manual_seed(0)  # the job's seeded initial model, on every node
+        nodes.append(make(rank, world, nn.Linear(10, 3), {"inner_steps": 12, "fragments": 3, "overlap_steps": 2},
+                          lr=1e-2))
+    generator = torch.Generator().manual_seed(0)
+    sent = []
+    for _ in range(24):
+        batches = [(torch.randn(4, 10, generator=generator), torch.randint(0, 3, (4,), generator=generator))
+                   for _ in nodes]
+        outstanding = []
+        for node, data in zip(nodes, batches, strict=True):
+            assert node.ready()
+            before = node.global_w.clone()
+            node.step(*data)
+            outstanding += node.sends()
+            changed = (node.global_w != before).nonzero().reshape(-1)
+            if node.clock % 4 == 0:  # a fragment's update was applied: only its slice moved
+                part = node.fragment_slice(node.clock % 12 // 4 - 1 if node.clock % 12 else 2)
+                assert changed.numel() > 0 and part.start <= int(changed.min()) and int(changed.max()) < part.stop
+            else:
+                assert changed.numel() == 0
+        if outstanding:
+            sent.append((outstanding[0].message.clock, nodes[0].pending.fragment))
+            assert all(s.message.tensors["delta"].numel() == nodes[0].fragment_length for s in outstanding)
+            collect(nodes, outstanding)
+            assert nodes[0].ready()  # the mean came before the fragment's point: no wait
+    assert sent == [(2, 0), (6, 1), (10, 2), (14, 0), (18, 1), (22, 2)]
+    assert torch.equal(nodes[0].global_w, nodes[1].global_w)
+
+
+def test_a_node_waits_at_the_fragments_point_for_its_mean():
+    node = make(0, 1, nn.Linear(3, 2), {"inner_steps": 4, "fragments": 2, "overlap_steps": 1}, lr=1e-2)
+    node.step(torch.randn(2, 3), torch.tensor([0, 1]))
+    (send,) = node.sends()  # fragment 0, sent at step 1, applied at step 2
+    assert node.ready()
+    node.step(torch.randn(2, 3), torch.tensor([0, 1]))
+    assert not node.ready() and "fragment 0" in node.waiting_for()
+    collect([node], [send])
+    assert node.ready() and node.pending is None
+
+
+# -- recovery ----------------------------------------------------------------------------------------------------
+
+
+def test_a_rank_behind_takes_up_the_group_state_with_the_optimizer_states_and_resends_the_sync():
+    options = {"inner_steps": 2, "precision": "int8"}
+    torch.manual_seed(0)
+    reference = nn.Linear(4, 2)
+    nodes = []
+    for rank in range(2):
+        model = nn.Linear(4, 2)
+        model.load_state_dict(reference.state_dict())
+        nodes.append(make(rank, 2, model, options, lr=1e-2))
+    data = [(torch.randn(3, 4), torch.tensor([0, 1, 0])) for _ in range(2)]
+    run(nodes, [lambda step, r=r: data[r] for r in range(2)], 4)
+    healthy, behind = nodes
+    healthy.step(*data[0])
+    healthy.step(*data[0])
+    (interrupted,) = healthy.sends()  # the sync of step 6, whose group lost rank 1
+    state = healthy.group_state()
+    assert state.kind == Kind.PARAMS and state.clock == 6
+    assert {"w", "global", "outer_momentum", "adam_m", "adam_v", "residual"} <= set(state.tensors)
+    for node in nodes:
+        node.receive(Message(Kind.PARAMS, ALLREDUCE_RANK, node.context.rank, state.tensors, clock=state.clock))
+    resent = [node.sends() for node in nodes]
+    for (send,) in resent:
+        assert send.message.clock == 6
+        for name in send.message.tensors:
+            assert torch.equal(send.message.tensors[name], resent[0][0].message.tensors[name])
+            assert torch.equal(send.message.tensors[name], interrupted.message.tensors[name])
+    collect(nodes, [r[0] for r in resent])
+    for name in ("w", "global_w", "outer_momentum", "adam_m", "adam_v", "residual"):
+        assert torch.equal(getattr(healthy, name), getattr(behind, name)), name
+    assert behind.clock == healthy.clock == 6
+
+
+def test_checkpoint_keeps_the_outer_and_inner_state():
+    node = make(0, 1, nn.Linear(3, 2), {"inner_steps": 2, "precision": "fp16"}, lr=1e-2)
+    for _ in range(2):
+        node.step(torch.randn(2, 3), torch.tensor([0, 1]))
+    collect([node], node.sends())
+    state = node.state_dict()
+    other = make(0, 1, nn.Linear(3, 2), {"inner_steps": 2, "precision": "fp16"}, lr=1e-2)
+    other.load_state_dict(state)
+    for name in ("w", "global_w", "outer_momentum", "adam_m", "adam_v", "residual"):
+        assert torch.equal(getattr(node, name), getattr(other, name)), name
+    assert other.clock == 2
+
+
+# -- validation --------------------------------------------------------------------------------------------------
+
+
+def job(algorithm, options, steps=100, topology="ring", **extra):
+    return parse_job_spec({"name": "d", "nodes": 4, "steps": steps, "algorithm": {"name": algorithm,
+                           "options": options, **extra}, "topology": {"kind": topology}})
+
+
+@pytest.mark.parametrize(("algorithm", "options", "steps", "topology", "extra", "field"), [
+    ("diloco", {"inner_steps": 30}, 100, "ring", {}, r"steps: 100 is not a multiple"),
+    ("diloco", {"inner_steps": 4, "fragments": 5}, 100, "ring", {}, r"options\.fragments"),
+    ("diloco", {"inner_steps": 10, "fragments": 2, "overlap_steps": 5}, 100, "ring", {}, r"options\.overlap_steps"),
+    ("diloco", {"inner_steps": 10, "int8_chunk": 64}, 100, "ring", {}, r"options\.int8_chunk"),
+    ("diloco", {"inner_steps": 10, "precision": "int4"}, 100, "ring", {}, r"options\.precision"),
+    ("diloco", {"inner_steps": 10, "outer_lr": 0}, 100, "ring", {}, r"options\.outer_lr"),
+    ("diloco", {"inner_steps": 10, "outer_momentum": 1.0}, 100, "ring", {}, r"options\.outer_momentum"),
+    ("diloco", {"inner_step": 10}, 100, "ring", {}, r"options\.inner_step"),
+    ("diloco", {"inner_steps": 10}, 100, "ring", {"momentum": 0.9}, r"algorithm\.momentum: AdamW"),
+    ("diloco", {"inner_steps": 10}, 100, "ring", {"mode": "async"}, r"algorithm\.mode"),
+    ("diloco-gossip", {"inner_steps": 10}, 100, "bipartite-exponential", {}, r"passive"),
+    ("diloco-gossip", {"inner_steps": 10, "fragments": 5, "gossip_rounds": 3}, 100, "ring", {},
+     r"options\.gossip_rounds"),
+])
+def test_check_refuses_what_the_algorithm_cannot_run(algorithm, options, steps, topology, extra, field):
+    with pytest.raises(JobSpecError, match=field):
+        validate_job(job(algorithm, options, steps, topology, **extra))
+
+
+def test_check_accepts_inner_sgd_with_momentum_and_streaming_with_int8():
+    validate_job(job("diloco", {"inner_steps": 10, "inner_optimizer": "sgd"}, momentum=0.9))
+    validate_job(job("diloco", {"inner_steps": 20, "fragments": 4, "overlap_steps": 2, "precision": "int8",
+                                "int8_chunk": 1024}))
+    validate_job(job("diloco-gossip", {"inner_steps": 10}, topology="npeer-exponential"))
+
+
+def test_gossip_accepts_pushsum_of_its_precision_from_neighbours_only():
+    (node, *_) = gossip_graph(4, {"inner_steps": 1, "precision": "int8", "int8_chunk": 4})
+    specs = node.expected(1, Kind.PUSHSUM)
+    assert [(s.name, s.dtype, s.shape) for s in specs] == [("codes", torch.int8, (8,)), ("scales", torch.float32, (2,))]
+    with pytest.raises(WireError):
+        node.expected(1, Kind.PARAMS)
+
+
+# -- simulated jobs ----------------------------------------------------------------------------------------------
+
+
+def simulated(fashion_mnist_dir, algorithm, options, topology="ring", nodes=4, steps=40):
+    spec = parse_job_spec({
+        "name": f"sim-{algorithm}", "nodes": nodes, "steps": steps, "eval_every": steps, "seed": 0,
+        "algorithm": {"name": algorithm, "lr": 1e-3, "mode": "sync", "options": options},
+        "model": {"name": "logistic"},
+        "data": {"data_dir": str(fashion_mnist_dir), "split": "iid", "batch_size": 32, "test_limit": 500},
+        "topology": {"kind": topology}, "simulation": {"step_time_s": 0.01},
+    })
+    return simulate(spec)
+
+
+MODEL_BYTES = (784 * 10 + 10) * 4
+
+
+@pytest.mark.parametrize(("options", "per_sync"), [
+    ({"inner_steps": 10}, ring_allreduce_bytes(MODEL_BYTES, 4)),
+    ({"inner_steps": 10, "precision": "int8"}, ring_allgather_bytes(MODEL_BYTES // 4 + 4, 4)),
+    ({"inner_steps": 10, "precision": "bf16", "fragments": 2, "overlap_steps": 2}, ring_allgather_bytes(
+        MODEL_BYTES // 4, 4)),
+])
+def test_simulated_diloco_over_the_collective_trains_counts_its_bytes_and_ends_identical(fashion_mnist_dir, options,
+                                                                                        per_sync):
+    result = simulated(fashion_mnist_dir, "diloco", options)
+    syncs = 40 // 10 * options.get("fragments", 1)
+    for progress in result.progress:
+        assert progress.step == 40 and progress.test_accuracy > 0.6
+        assert progress.bytes_sent == syncs * per_sync
+    final = [sim.node.algorithm.global_w for sim in result.mesh.nodes]
+    assert all(torch.equal(final[0], w) for w in final[1:])
+
+
+def test_simulated_gossip_diloco_trains_without_a_collective(fashion_mnist_dir):
+    result = simulated(fashion_mnist_dir, "diloco-gossip", {"inner_steps": 10, "precision": "int8"},
+                       topology="npeer-exponential", nodes=4)
+    one_push = MODEL_BYTES // 4 + 4
+    for progress in result.progress:
+        assert progress.step == 40 and progress.test_accuracy > 0.6
+        assert progress.bytes_sent == 4 * 2 * one_push  # 4 syncs, 2 rounds of one push each (log2 4)
+        assert "allreduce" not in {edge.peer for edge in progress.edges}
+    final = [sim.node.algorithm.w for sim in result.mesh.nodes]
+    assert all(torch.allclose(final[0], w, rtol=0, atol=1e-3) for w in final[1:])
+
+
+# -- real agents -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, fashion_mnist_dir):
+    with LocalCluster(root=tmp_path_factory.mktemp("diloco"), agents=4, data_dir=str(fashion_mnist_dir)) as running:
+        yield running
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("algorithm", "options", "topology", "per_sync"), [
+    ("diloco", {"inner_steps": 20, "precision": "int8", "fragments": 2, "overlap_steps": 2}, "ring",
+     ring_allgather_bytes(MODEL_BYTES // 4 // 2 + 4, 4)),
+    ("diloco-gossip", {"inner_steps": 20, "precision": "bf16"}, "npeer-exponential", 2 * MODEL_BYTES // 2),
+])
+def test_diloco_trains_on_agents(cluster, fashion_mnist_dir, algorithm, options, topology, per_sync):
+    """4 agents on loopback, 4 outer rounds: the job finishes, every rank learned, and its bytes are those of its
+    syncs (the gloo all-gather's, or the pushes' over the peer transport)."""
+    spec = {
+        "name": algorithm, "nodes": 4, "steps": 80, "eval_every": 40,
+        "algorithm": {"name": algorithm, "lr": 1e-3, "options": options},
+        "model": {"name": "logistic"},
+        "data": {"data_dir": str(fashion_mnist_dir), "split": "iid", "batch_size": 32, "test_limit": 500},
+        "topology": {"kind": topology, "seed": 1},
+    }
+    status = cluster.wait(cluster.submit(yaml.safe_dump(spec)), timeout_s=180)
+    assert status.state == pb.JOB_FINISHED
+    syncs = 80 // options["inner_steps"] * options.get("fragments", 1)
+    for node in status.nodes:
+        assert node.step == 80
+        assert node.test_accuracy > 0.6, f"rank {node.rank} reached only {node.test_accuracy}"
+        if algorithm == "diloco":
+            assert node.bytes_sent == syncs * per_sync
+        else:  # the final report may come before the last sync's pushes are counted: they travel as the job ends
+            pushes, rest = divmod(node.bytes_sent, per_sync // 2)
+            assert rest == 0 and (syncs - 1) * 2 <= pushes <= syncs * 2
