@@ -37,8 +37,9 @@ and the algorithm takes the job up from it. A restarted rank never gives the sta
 a member whose step completed where the others' failed (gloo failed after some had their answer) brings the
 others forward to it; a member that was stopped while the others went on without it takes their state, not its
 late one. So every step is applied once, by every member of the quorum that took it, and all replicas are equal
-after each quorum's agreement. Only when every member holds the same pair at step 0 (the job's start from the
-same seeded model) is nothing broadcast.
+after each quorum's agreement. In the job's first quorum, when every member holds the same pair (all started from
+the same seeded model and reached the same step, the first collective one), nothing is broadcast: a DiLoCo member's
+first all-reduce comes after its first H inner steps, whose local results differ by design and must all count.
 
 Fewer than `min_members` present (a majority by default: two halves cut apart never both train) for longer than the
 wait time fails this rank's job with the absent ranks named, as does the coordinator after `failure.lost_grace_s`.
@@ -363,7 +364,7 @@ class Collective:
         pairs = [(int(k[0]), int(k[1])) for k in keys]
         best = max(pairs)
         source = pairs.index(best)  # the lowest member with it
-        if all(pair == best for pair in pairs) and (best[0] >= 0 or best[1] == 0):
+        if all(pair == best for pair in pairs) and (best[0] >= 0 or quorum.number == 0):
             self.held_in = quorum.number
             return None
         flat = torch.cat([t.detach().reshape(-1) for t in state.tensors.values()])
