@@ -23,6 +23,8 @@ from nodeagent.training.models import initial_model
 ALGORITHMS = sorted(REGISTRY)
 # A topology each algorithm accepts: AD-PSGD's bipartite kind, SGP's time-varying one, a ring otherwise.
 TOPOLOGY = {"ad-psgd": "bipartite-exponential", "sgp": "dynamic-exponential", "osgp": "dynamic-exponential"}
+# A DiLoCo job ends on an outer round: one of its default 100 inner steps.
+STEPS = {"diloco": 100, "diloco-gossip": 100}
 # Values of the wrong type or out of range for most options (a Literal option's own values are tried too).
 HOSTILE_VALUES: tuple[Any, ...] = (-1, 0, 1.5, 1e9, math.inf, True, "x", None)
 
@@ -33,7 +35,7 @@ def job(name: str, fashion_mnist_dir: Path | None = None, **algorithm: Any) -> d
     if fashion_mnist_dir is not None:
         data["data_dir"] = str(fashion_mnist_dir)
     return {
-        "name": "conformance", "nodes": 4, "steps": 30, "eval_every": 30, "seed": 3,
+        "name": "conformance", "nodes": 4, "steps": STEPS.get(name, 30), "eval_every": STEPS.get(name, 30), "seed": 3,
         "algorithm": {"name": name, "lr": 0.05, "interval": 4, **algorithm},
         "model": {"name": "logistic"}, "data": data,
         "topology": {"kind": TOPOLOGY.get(name, "ring")},

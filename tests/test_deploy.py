@@ -868,6 +868,10 @@ def feed(agent: Any, coordinator: Any, job: str, stop: threading.Event) -> None:
             agent.training_loss.labels(job, node).set(1.0 / step)
             agent.test_accuracy.labels(job, node).set(min(0.9, 0.1 + step / 100))
             agent.test_loss.labels(job, node).set(1.0 / step)
+            # An all-reduce quorum that loses a member now and then.
+            agent.quorum_size.labels(job, node).set(2 if step % 20 else 1)
+            if step % 20 == 0:
+                agent.aborted_steps.labels(job, node).inc()
             # The parameter server the coordinator hosts for centralised jobs.
             coordinator.ps_bytes_upstream.labels(job, node).inc(1024)
             coordinator.ps_bytes_downstream.labels(job, node).inc(4096)
