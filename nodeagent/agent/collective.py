@@ -145,15 +145,24 @@ class RendezvousStore:
 class Collective:
     def __init__(self, host: str, port: int, key: str, rank: int, world_size: int, metrics: Metrics,
                  job_id: str, node_id: str, traffic: Traffic, *, member: GroupMember, stop: threading.Event,
-                 options: QuorumOptions, announce: Callable[[str, str, int], None] | None = None):
+                 options: QuorumOptions, announce: Callable[[str, str, int], None] | None = None,
+                 gloo_host: str = ""):
         """`member`: the node's algorithm, whose state the quorum hands on; `announce(message, level, step)`: a job
-        event of this node (quorum changes), besides the log."""
+        event of this node (quorum changes), besides the log; `gloo_host`: the address the quorum's other members
+        reach this rank's gloo pairs at (the agent's advertised host). Gloo's default resolves the machine's
+        hostname, often to a loopback address that other machines, or agents in other network namespaces, cannot
+        reach; '' keeps it."""
         if port == 0:
             raise RuntimeError("the assignment names no rendezvous for this all-reduce job")
         self.rank = rank
         self.world_size = world_size
         self.options = options
         self.timeout = timedelta(seconds=options.step_timeout_s)
+        self.gloo_options: dist.ProcessGroupGloo._Options | None = None  # None: gloo's default device
+        if gloo_host:
+            self.gloo_options = dist.ProcessGroupGloo._Options()
+            self.gloo_options._timeout = self.timeout
+            self.gloo_options._devices = [dist.ProcessGroupGloo.create_device(hostname=gloo_host)]
         self.store = RendezvousStore(host, port, key, connect_s=max(STORE_CONNECT_S, options.step_timeout_s))
         self.seconds = metrics.exchange_seconds.labels(job_id, node_id, ALLREDUCE_NAME)
         self.quorum_size = metrics.quorum_size.labels(job_id, node_id)
@@ -341,7 +350,7 @@ class Collective:
 
     def _group(self, number: int, members: tuple[int, ...], step: int) -> Quorum:
         group = dist.ProcessGroupGloo(dist.PrefixStore(f"q/{number}/pg/", self.store.store()),
-                                      members.index(self.rank), len(members), self.timeout)
+                                      members.index(self.rank), len(members), self.gloo_options or self.timeout)
         previous = self.last_number
         self.last_number = number
         self.quorum_size.set(len(members))

@@ -262,7 +262,7 @@ class JobRunner(threading.Thread):
         self.collective = Collective(host, *self.rendezvous, self.rank, self.spec.nodes, self.agent.metrics,
                                      self.job_id, self.agent.node_id, driver.traffic,
                                      member=cast(GroupMember, node.algorithm), stop=self.stop_event, options=options,
-                                     announce=announce)
+                                     announce=announce, gloo_host=split_address(self.agent.peer_address)[0])
         return self.collective
 
     def _wait_for_release(self, data: DatasetInfo) -> bool:
