@@ -34,6 +34,8 @@ ALGORITHMS = {
 # At this size a run's final accuracy varies by a few points between two runs alike (asynchronous), so the test
 # bounds the difference loosely; benchmarks/partition.py measures the 1 point, on longer runs.
 ACCURACY_TOLERANCE = 0.05
+DILOCO = {"name": "diloco", "lr": 0.002, "options": {"inner_steps": 100}}
+DILOCO_STEPS = 3000
 RUNNER_TIMEOUT_S = 540
 
 
@@ -80,6 +82,11 @@ def partitioned(tmp_path_factory, fashion_mnist_dir) -> dict[str, tuple[dict, di
     # And an agent killed during a partition, restarted while it lasts: it comes back behind the router, cut off.
     runs.append({"job": job("killed", ALGORITHMS["pdmm-isvr"][0], 3000, fashion_mnist_dir), "timeout_s": 200,
                  "faults": [PARTITION, KILL]})
+    # DiLoCo over the all-reduce, whole and cut: a synchronous job (one seeded result), whose step across the cut
+    # is aborted after `failure.step_timeout_s`.
+    for name, faults in (("diloco-whole", []), ("diloco-cut", [PARTITION])):
+        runs.append({"job": job(name, DILOCO, DILOCO_STEPS, fashion_mnist_dir) | {"failure": {"step_timeout_s": 2}},
+                     "timeout_s": 200, "faults": faults})
     plan = directory / "plan.yaml"
     plan.write_text(yaml.safe_dump({"agents": 8, "data_dir": str(fashion_mnist_dir), "runs": runs}))
     out = directory / "result.json"
@@ -87,7 +94,7 @@ def partitioned(tmp_path_factory, fashion_mnist_dir) -> dict[str, tuple[dict, di
                       "--root", str(directory / "cluster")], RUNNER_TIMEOUT_S)
     results = json.loads(out.read_text())["runs"]
     return {name: (results[2 * i], results[2 * i + 1]) for i, name in enumerate(ALGORITHMS)} | {
-        "killed": (results[-1], results[-1])}
+        "killed": (results[-3], results[-3]), "diloco": (results[-2], results[-1])}
 
 
 def edge_totals(records: list[Progress], agent_of: dict[str, int], until_unix: float) -> dict[str, int]:
@@ -144,6 +151,25 @@ def test_an_agent_killed_during_a_partition_is_restarted_in_it_and_the_job_finis
     assert kill["detail"] != restart["detail"]  # "pid N": a new process
     events = [json.loads(line) for line in Path(run["run_dir"], "events.jsonl").read_text().splitlines()]
     assert any(e["kind"] == "resumed" and e["node"] == "agent-5" and e["time"] > restart["unix"] for e in events)
+
+
+def test_a_partitioned_diloco_job_pauses_through_the_cut_and_ends_as_the_whole_one(partitioned):
+    whole, cut = partitioned["diloco"]
+    for run in (whole, cut):
+        assert run["state"] == "JOB_FINISHED" and [n["step"] for n in run["nodes"]] == [DILOCO_STEPS] * 8, run
+    assert cut["errors"] == [] and [a["action"] for a in cut["actions"]] == ["partition", "heal"]
+    healed_at = cut["actions"][1]["unix"]
+    events = [json.loads(line) for line in Path(cut["run_dir"], "events.jsonl").read_text().splitlines()]
+    quorums = [e for e in events if e["kind"] == "quorum"]
+    # The all-reduce across the cut failed; neither half (4 of 8, below the majority) trained on alone: the next
+    # quorum was formed by all 8 after the heal.
+    assert any("failed" in e["message"] for e in quorums), quorums
+    later = [e for e in quorums if "of 8 members" in e["message"] and "quorum 0 " not in e["message"]]
+    assert later and all(e["time"] >= healed_at - 1.0 for e in later), later
+    assert not any(" of 4 members" in e["message"] for e in quorums)
+    # Synchronous and seeded: the cut run ends where the whole one does.
+    accuracy = {n["rank"]: n["test_accuracy"] for n in whole["nodes"]}
+    assert {n["rank"]: n["test_accuracy"] for n in cut["nodes"]} == accuracy
 
 
 def test_an_agent_stopped_during_an_async_job_holds_up_nobody_and_the_job_finishes(tmp_path, fashion_mnist_dir):
