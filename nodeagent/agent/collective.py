@@ -15,7 +15,11 @@ rank forms quorum max(`next`, its last + 1): a fresh store (coordinator restarte
 below the ones the ranks have seen. It says it is there and closes the quorum once every rank of the job is there,
 or once at least `min_members` are and it has waited `join_s` for the rest (`step_timeout_s` for the job's first
 quorum, whose ranks start together). A rank that the quorum was closed without goes on to the next number and waits
-there; a rank that sees `next` pass the quorum it waits in gives that one up.
+there; a rank that sees `next` pass the quorum it waits in gives that one up. A rank whose call to the store fails
+tries the same quorum again once the store answers (a store that came back empty gets its key again, and `next` no
+lower): a rank the quorum was closed with never skips it. A quorum whose gloo group does not form within
+`step_timeout_s` (a member lost after it came) is followed by the next, and the wait for enough ranks starts again;
+MAX_FAILED_GROUPS in a row fail the job.
 
 Each step (the algorithm's Route.ALLREDUCE message) is one gloo all-reduce over the quorum, under
 `step_timeout_s`: the message's tensors flattened, plus one number, 1 from each member that saw `knocks` differ
@@ -51,6 +55,7 @@ it the state at the last step.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -74,6 +79,7 @@ PRESENCE_POLL_S = 0.1  # how often a rank forming a quorum looks at who came
 WATCH_POLL_S = 0.5  # how often a member of a running quorum looks for a rank waiting in the next one
 STORE_CONNECT_S = 5.0  # how long one connection to the store is tried for before the call counts as failed
 WAIT_LOGGED_AFTER_S = 10.0
+MAX_FAILED_GROUPS = 3  # quorums in a row whose gloo group did not form (each within step_timeout_s) fail the job
 ABANDONED = "-"
 
 T = TypeVar("T")
@@ -158,11 +164,7 @@ class Collective:
         self.world_size = world_size
         self.options = options
         self.timeout = timedelta(seconds=options.step_timeout_s)
-        self.gloo_options: dist.ProcessGroupGloo._Options | None = None  # None: gloo's default device
-        if gloo_host:
-            self.gloo_options = dist.ProcessGroupGloo._Options()
-            self.gloo_options._timeout = self.timeout
-            self.gloo_options._devices = [dist.ProcessGroupGloo.create_device(hostname=gloo_host)]
+        self.gloo_host = gloo_host
         self.store = RendezvousStore(host, port, key, connect_s=max(STORE_CONNECT_S, options.step_timeout_s))
         self.seconds = metrics.exchange_seconds.labels(job_id, node_id, ALLREDUCE_NAME)
         self.quorum_size = metrics.quorum_size.labels(job_id, node_id)
@@ -268,7 +270,9 @@ class Collective:
         """Join the quorum being formed and wait until it is closed with this rank in it (see the module's text)."""
         started = time.monotonic()
         deadline = started + self.options.wait_s
-        number, arrived, logged, error = -1, 0.0, False, ""
+        number, arrived, knocked_in, again = -1, 0.0, -1, False
+        logged, error, failed_groups = False, "", 0
+        joined: tuple[int, ...] = ()  # the members of the quorum closed with this rank, whose group it forms
         while True:
             if self.stop.is_set():
                 raise GroupLost("the job ended while the all-reduce quorum was being formed")
@@ -277,26 +281,48 @@ class Collective:
                 if number < 0:
                     number = self.store.next_number(self.last_number + 1)
                     arrived = 0.0
+                elif again:  # after a store error: a store that came back empty never goes below this quorum
+                    self.store.next_number(number)
                 closed = self._members(number)
                 if closed is None:
-                    if not arrived:
+                    if not arrived or again:  # (again: a store that came back empty lost this rank's key)
                         self.store.call(lambda s, n=number: s.set(f"q/{n}/here/{self.rank}", "1"))
-                        self.store.call(lambda s: s.add("knocks", 1))
-                        arrived = now
+                        if knocked_in != number:
+                            self.store.call(lambda s: s.add("knocks", 1))
+                            knocked_in = number
+                        arrived = arrived or now
                     closed = self._maybe_close(number, now - arrived)
+                again = False
                 if closed is not None:
                     knocks, members = closed
                     if self.rank not in members:  # closed without this rank: wait in the next one
                         number = self.store.next_number(number + 1)
                         arrived = 0.0
                         continue
-                    self.store.next_number(number + 1)
                     self._knocks = knocks
-                    return self._group(number, members, step)
-            except RuntimeError as failure:  # the store away (perhaps back fresh), or a member gone before the
-                error = _first_line(failure)  # group was formed: start again from the store's `next`
-                log.debug("job %s: forming quorum %d: %s", self.job_id, number, error)
-                number = -1
+                    with contextlib.suppress(RuntimeError):  # every member moves `next` on: one is enough
+                        self.store.next_number(number + 1)
+                    joined = members
+            except RuntimeError as failure:  # the store away (perhaps back fresh): this quorum again, once it answers
+                if _first_line(failure) != error:
+                    log.info("job %s: rank %d, forming quorum %d: the rendezvous store failed: %s", self.job_id,
+                             self.rank, number, _first_line(failure))
+                error = _first_line(failure)
+                again = number >= 0
+            if joined:
+                try:
+                    return self._group(number, joined, step)
+                except RuntimeError as failure:  # a member did not come (lost since it came), or is not reachable
+                    failed_groups += 1
+                    error = _first_line(failure)
+                    self._tell(f"rank {self.rank}: the group of all-reduce quorum {number} {list(joined)} was not "
+                               f"formed for step {step} ({error}); forming the next", "WARNING", step)
+                    if failed_groups >= MAX_FAILED_GROUPS:
+                        raise GroupLost(f"the all-reduce's quorums for step {step} did not form their groups "
+                                        f"{failed_groups} times in a row (last error: {error})") from failure
+                    self.last_number, number, joined = number, -1, ()
+                    deadline = time.monotonic() + self.options.wait_s  # enough ranks had come: wait for them again
+                    continue
             if now >= deadline:
                 absent = f"ranks {self._absent(number)}" if number >= 0 else "ranks (the store does not answer)"
                 raise GroupLost(f"{absent} of the all-reduce did not come to a quorum of at least "
@@ -349,8 +375,13 @@ class Collective:
         return _closed(closed)
 
     def _group(self, number: int, members: tuple[int, ...], step: int) -> Quorum:
+        options: dist.ProcessGroupGloo._Options | timedelta = self.timeout  # a timeout alone: gloo's default device
+        if self.gloo_host:  # a device of its own for each group, as gloo's default: none outlives its group
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = self.timeout
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.gloo_host)]
         group = dist.ProcessGroupGloo(dist.PrefixStore(f"q/{number}/pg/", self.store.store()),
-                                      members.index(self.rank), len(members), self.gloo_options or self.timeout)
+                                      members.index(self.rank), len(members), options)
         previous = self.last_number
         self.last_number = number
         self.quorum_size.set(len(members))

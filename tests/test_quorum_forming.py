@@ -1,0 +1,124 @@
+"""Forming an all-reduce quorum when things go wrong between a quorum's closing and its gloo group: ranks as threads
+of this process, on a TCPStore of the test's own (the coordinator's rendezvous).
+
+A rank that came to a quorum and was lost before the group formed (its key is there, it never joins gloo) costs
+the others one failed group, not the job: they form the next quorum without it, even when the wait for a quorum is
+shorter than the join time plus a step's timeout. A rank that keeps doing so fails the job after MAX_FAILED_GROUPS
+groups, naming why. A rank whose store call fails just after the quorum was closed with it still joins that
+quorum's group, rather than skipping to the next quorum while the others wait for it."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nodeagent.agent.collective import MAX_FAILED_GROUPS, Collective, GroupLost, QuorumOptions
+from nodeagent.metrics import Metrics
+from nodeagent.runtime.progress import Traffic
+from nodeagent.wire.message import Kind, Message
+
+STEP_TIMEOUT_S = 1.5
+JOIN_S = 0.5
+KEY = "job-key"
+
+
+class Member:
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def group_state(self) -> Message:
+        return Message(Kind.PARAMS, self.rank, -1, {"w": torch.zeros(2)}, clock=0)
+
+
+def collective(port: int, rank: int, world: int, told: list[str], wait_s: float) -> Collective:
+    options = QuorumOptions(step_timeout_s=STEP_TIMEOUT_S, join_s=JOIN_S, min_members=2, wait_s=wait_s)
+    return Collective("127.0.0.1", port, KEY, rank, world, Metrics(), "job", f"node{rank}", Traffic(),
+                      member=Member(rank), stop=threading.Event(), options=options,
+                      announce=lambda message, level, step: told.append(f"{level} {message}"), gloo_host="127.0.0.1")
+
+
+def mean_in_threads(collectives: list[Collective]) -> list[Message | BaseException]:
+    """Each rank's answer to the step-0 all-reduce of its rank's value (or what it raised)."""
+    answers: list[Message | BaseException] = [RuntimeError("no answer")] * len(collectives)
+
+    def run(index: int) -> None:
+        rank = collectives[index].rank
+        gradient = Message(Kind.GRADIENT, rank, -1, {"g": torch.full((2,), float(rank))})
+        try:
+            answers[index] = collectives[index].mean(gradient)
+        except BaseException as error:  # what it raised is the test's answer
+            answers[index] = error
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(collectives))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    for member in collectives:
+        member.close()
+    return answers
+
+
+@pytest.fixture
+def store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+
+
+def ghost(store: dist.TCPStore, rank: int, quorums: range) -> None:
+    """Rank `rank` came to these quorums, and was lost before their groups formed."""
+    prefix = dist.PrefixStore(f"{KEY}/", store)
+    for number in quorums:
+        prefix.set(f"q/{number}/here/{rank}", "1")
+
+
+def test_a_rank_lost_between_a_quorum_and_its_group_costs_one_group_not_the_job(store):
+    ghost(store, 2, range(1))  # in quorum 0, closed at once with all three
+    told: list[str] = []
+    # The wait for a quorum (2 s) is shorter than a failed group (1.5 s) plus the next quorum's join time: it starts
+    # again once enough ranks came.
+    ranks = [collective(store.port, rank, 3, told, wait_s=2.0) for rank in (0, 1)]
+    answers = mean_in_threads(ranks)
+    for answer in answers:
+        assert isinstance(answer, Message), answer
+        assert answer.tensors["g"].tolist() == [0.5, 0.5]  # the mean over the two that formed quorum 1
+    assert [member.last_number for member in ranks] == [1, 1]
+    assert sum("the group of all-reduce quorum 0 [0, 1, 2] was not formed" in line for line in told) == 2, told
+
+
+def test_a_rank_that_keeps_being_lost_before_the_group_fails_the_job_naming_why(store):
+    ghost(store, 2, range(MAX_FAILED_GROUPS + 1))
+    told: list[str] = []
+    ranks = [collective(store.port, rank, 3, told, wait_s=30.0) for rank in (0, 1)]
+    answers = mean_in_threads(ranks)
+    for answer in answers:
+        assert isinstance(answer, GroupLost), answer
+        assert f"did not form their groups {MAX_FAILED_GROUPS} times in a row" in str(answer)
+
+
+def test_a_rank_whose_store_fails_after_the_quorum_closed_still_joins_its_group(store):
+    told: list[str] = []
+    ranks = [collective(store.port, rank, 2, told, wait_s=30.0) for rank in (0, 1)]
+    failed = []
+
+    def failing_once(look):  # the first look at the store that finds the quorum closed with rank 1 fails instead
+        def looking(*args):
+            closed = look(*args)
+            if closed is not None and not failed:
+                failed.append(args[0])
+                raise RuntimeError("the rendezvous store went away")
+            return closed
+        return looking
+
+    ranks[1]._members = failing_once(ranks[1]._members)
+    ranks[1]._maybe_close = failing_once(ranks[1]._maybe_close)
+    answers = mean_in_threads(ranks)
+    assert failed == [0]
+    for answer in answers:
+        assert isinstance(answer, Message), answer
+        assert answer.tensors["g"].tolist() == [0.5, 0.5]
+    assert [member.last_number for member in ranks] == [0, 0]  # both in the quorum closed with them, none failed
+    assert not any("was not formed" in line for line in told), told
