@@ -4,6 +4,8 @@
 per worker in the simulator (the same algorithm code and byte counting as agents). Runs:
 - AllReduce SGD (lr 0.02, Nesterov momentum 0.9, as benchmarks/sgp_vs_allreduce.py), a ring all-reduce per step;
 - DiLoCo over the all-reduce, H = 50, 100, 500 (inner AdamW at lr 1e-3, outer Nesterov SGD lr 0.7 momentum 0.9);
+- DiLoCo through the parameter server (diloco-ps, the coordinator as outer optimizer), H = 100, in full precision
+  and with int8 pseudo-gradients (error feedback); the pull of the new global parameters is in full precision;
 - decentralised DiLoCo (diloco-gossip), H = 100, push-sum on the one-peer exponential graph, log2 8 = 3 rounds per
   outer step (the exact average), no collective;
 - streaming DiLoCo, H = 100, 4 fragments, each sync overlapped with 5 inner steps, int8 pseudo-gradients with
@@ -15,11 +17,12 @@ an all-gather's n - 1 payloads, and each push). Accuracy is the mean over the wo
 Targets: DiLoCo within 1 point of AllReduce SGD's accuracy with at least 100x fewer bytes per worker; decentralised
 DiLoCo within 1.5 points, with no collective.
 
-    .venv/bin/python benchmarks/diloco.py                       # 12 simulated jobs of 500 steps (see results.md)
+    .venv/bin/python benchmarks/diloco.py                       # 16 simulated jobs of 500 steps (see results.md)
     .venv/bin/python benchmarks/diloco.py --quick               # 200 steps, H = 50, 100, 200: a few minutes
     .venv/bin/python benchmarks/diloco.py --agents              # also a shorter run on 8 local agents (gRPC, gloo)
     .venv/bin/python benchmarks/diloco.py --agents --no-simulator --agent-steps 100 --agent-inner-steps 50
     .venv/bin/python benchmarks/diloco.py --runs-dir DIR        # keep the run directories: coordinator report DIR/*
+    .venv/bin/python benchmarks/diloco.py --only 'AllReduce SGD,DiLoCo H=100,DiLoCo PS'   # some of the runs
 """
 
 from __future__ import annotations
@@ -64,9 +67,14 @@ def variants(args: argparse.Namespace) -> list[Variant]:
     runs = [Variant("AllReduce SGD", "allreduce", {})]
     runs += [Variant(f"DiLoCo H={h}", "diloco", {"inner_steps": h}) for h in args.inner_steps]
     h = args.inner_steps[min(1, len(args.inner_steps) - 1)]
+    runs.append(Variant(f"DiLoCo PS H={h}", "diloco-ps", {"inner_steps": h}))
+    runs.append(Variant(f"DiLoCo PS int8 H={h}", "diloco-ps", {"inner_steps": h, "precision": "int8"}))
     runs.append(Variant(f"DiLoCo gossip H={h}", "diloco-gossip", {"inner_steps": h}, "npeer-exponential"))
     runs.append(Variant(f"Streaming DiLoCo int8 H={h} F=4", "diloco", {
         "inner_steps": h, "fragments": 4, "overlap_steps": min(5, h // 4 - 1), "precision": "int8"}))
+    if args.only:
+        wanted = [label.strip() for label in args.only.split(",")]
+        runs = [run for run in runs if any(run.label.startswith(label) for label in wanted)]
     return runs
 
 
@@ -143,6 +151,8 @@ def main() -> None:
                         help="the H of the DiLoCo runs, comma-separated; the second is the gossip and streaming one's")
     parser.add_argument("--quick", action="store_true", help="200 steps, H = 50, 100, 200")
     parser.add_argument("--splits", default="iid,class-window")
+    parser.add_argument("--only", default="", help="only the runs whose labels start with one of these "
+                        "(comma-separated; keep 'AllReduce SGD', the table's reference)")
     parser.add_argument("--inner-lr", type=float, default=1e-3, help="AdamW's lr of DiLoCo's inner steps")
     parser.add_argument("--model", default="cnn")
     parser.add_argument("--test-limit", type=int, default=2000)
@@ -159,6 +169,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.steps, args.inner_steps = 200, [50, 100, 200]
+    if "AllReduce SGD" not in [variant.label for variant in variants(args)]:
+        parser.error("--only must keep 'AllReduce SGD', the table's reference")
     if not args.no_simulator:
         print(f"{NODES} workers, {args.model}, batch 32, {args.steps} steps, simulator:", flush=True)
         plan = [(split, variant) for split in args.splits.split(",") for variant in variants(args)]

@@ -24,7 +24,7 @@ ALGORITHMS = sorted(REGISTRY)
 # A topology each algorithm accepts: AD-PSGD's bipartite kind, SGP's time-varying one, a ring otherwise.
 TOPOLOGY = {"ad-psgd": "bipartite-exponential", "sgp": "dynamic-exponential", "osgp": "dynamic-exponential"}
 # A DiLoCo job ends on an outer round: one of its default 100 inner steps.
-STEPS = {"diloco": 100, "diloco-gossip": 100}
+STEPS = {"diloco": 100, "diloco-gossip": 100, "diloco-ps": 100}
 # Values of the wrong type or out of range for most options (a Literal option's own values are tried too).
 HOSTILE_VALUES: tuple[Any, ...] = (-1, 0, 1.5, 1e9, math.inf, True, "x", None)
 

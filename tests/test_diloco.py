@@ -16,9 +16,11 @@ from coordinator.topology import out_peers as schedule_out_peers
 from coordinator.topology import schedule_period
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.algorithms.allreduce import AllReduceSGD
-from nodeagent.algorithms.base import ALLREDUCE_RANK, Neighbor, NodeContext, Route
-from nodeagent.algorithms.diloco import DiLoCo, GossipDiLoCo
+from nodeagent.algorithms.base import ALLREDUCE_RANK, FlatParameters, Neighbor, NodeContext, Route
+from nodeagent.algorithms.diloco import DiLoCo, GossipDiLoCo, ServerDiLoCo
 from nodeagent.jobspec import AlgorithmSpec, JobSpecError, parse_job_spec
+from nodeagent.ps import OuterServer, ProtocolError
+from nodeagent.ps.messages import ServerPush
 from nodeagent.runtime.progress import ring_allgather_bytes, ring_allreduce_bytes
 from nodeagent.wire import Kind, Message, WireError, lowprecision
 
@@ -359,6 +361,144 @@ def test_checkpoint_keeps_the_outer_and_inner_state():
     assert other.clock == 2
 
 
+# -- through the parameter server ----------------------------------------------------------------------------------
+
+
+def server_of(nodes, options, model):
+    """The coordinator's half of a `diloco-ps` job of these nodes, from the seeded model they all start from."""
+    spec = parse_job_spec({"name": "d", "nodes": len(nodes), "steps": 100,
+                           "algorithm": {"name": "diloco-ps", "options": options}})
+    return ServerDiLoCo.server_half(spec, FlatParameters(model), ServerDiLoCo.options_of(spec.algorithm))
+
+
+def serve(half, nodes, pushes, now=0.0):
+    """What the coordinator does with a round's pushes: apply each once, and answer every released worker with the
+    model."""
+    released = set()
+    for node, send in zip(nodes, pushes, strict=True):
+        push = send.message
+        assert isinstance(push, ServerPush) and send.route == Route.SERVER
+        result = half.push(node.context.rank, push, f"{node.context.rank}-{push.clock}", now)
+        released.update(result.release)
+    for node in nodes:
+        if node.context.rank in released:
+            node.receive(half.pull(node.context.rank, node.version, False, now))
+    return released
+
+
+def test_diloco_through_the_server_is_diloco_over_the_all_reduce():
+    """The same seeded model and minibatches: the server's outer step on the mean of the pushed pseudo-gradients
+    is the all-reduce route's, round after round (float64: to rounding)."""
+    world, steps, options = 3, 12, {"inner_steps": 4}
+    torch.manual_seed(5)
+    reference = nn.Linear(5, 3, dtype=torch.float64)
+    over_allreduce, through_server = [], []
+    for rank in range(world):
+        for group, cls in ((over_allreduce, DiLoCo), (through_server, ServerDiLoCo)):
+            model = nn.Linear(5, 3, dtype=torch.float64)
+            model.load_state_dict(reference.state_dict())
+            group.append(make(rank, world, model, options, lr=0.05, cls=cls))
+    model = nn.Linear(5, 3, dtype=torch.float64)
+    model.load_state_dict(reference.state_dict())
+    half = server_of(through_server, options, model)
+    generator = torch.Generator().manual_seed(1)
+    data = [[(torch.randn(8, 5, generator=generator, dtype=torch.float64), torch.randint(0, 3, (8,),
+                                                                                        generator=generator))
+             for _ in range(world)] for _ in range(steps)]
+    run(over_allreduce, [lambda step, r=r: data[step][r] for r in range(world)], steps)
+    for step in range(steps):
+        pushes = []
+        for node, batch_of in zip(through_server, data[step], strict=True):
+            assert node.ready()
+            node.step(*batch_of)
+            pushes.extend(node.sends())
+        if pushes:
+            assert len(pushes) == world and not any(node.ready() for node in through_server)
+            assert serve(half, through_server, pushes) == set(range(world))
+    assert half.version == steps // options["inner_steps"]
+    for a, b in zip(over_allreduce, through_server, strict=True):
+        assert a.clock == b.clock == steps and b.ready()
+        assert torch.allclose(a.w, b.w, rtol=0, atol=1e-12)
+        assert torch.allclose(a.outer_momentum, half.rule.velocity, rtol=0, atol=1e-12)
+        assert torch.equal(b.w, half.w) and torch.equal(b.global_w, half.w)
+
+
+def test_a_worker_restarted_from_an_old_checkpoint_takes_up_the_current_round():
+    """Its push of a round the server has passed is refused and answered with the current global parameters: it
+    restarts from them at rounds * H, and the rounding its refused push took is not kept."""
+    options = {"inner_steps": 2, "precision": "int8"}
+    torch.manual_seed(0)
+    reference = nn.Linear(4, 2)
+    nodes = []
+    for rank in range(2):
+        model = nn.Linear(4, 2)
+        model.load_state_dict(reference.state_dict())
+        nodes.append(make(rank, 2, model, options, lr=1e-2, cls=ServerDiLoCo))
+    model = nn.Linear(4, 2)
+    model.load_state_dict(reference.state_dict())
+    half = server_of(nodes, options, model)
+    data = (torch.randn(3, 4), torch.tensor([0, 1, 0]))
+    checkpoint = nodes[1].state_dict()  # at step 0, version 0
+    for _ in range(2):  # two rounds
+        pushes = []
+        for _ in range(2):
+            for node in nodes:
+                node.step(*data)
+                pushes.extend(node.sends())
+        serve(half, nodes, pushes)
+    assert half.version == 2 and [node.clock for node in nodes] == [4, 4]
+    restarted = make(1, 2, nn.Linear(4, 2), options, lr=1e-2, cls=ServerDiLoCo)
+    restarted.load_state_dict(checkpoint)
+    residual = restarted.residual.clone()
+    for _ in range(2):
+        restarted.step(*data)
+    (push,) = restarted.sends()
+    result = half.push(1, push.message, "restarted", 0.0)
+    assert not result.applied and "round is 2" in result.rejected and result.release == (1,)
+    restarted.receive(half.pull(1, restarted.version, False, 0.0))
+    assert restarted.clock == 4 and restarted.version == 2 and restarted.ready()
+    assert torch.equal(restarted.w, half.w) and torch.equal(restarted.global_w, half.w)
+    assert torch.equal(restarted.residual, residual)
+
+
+def test_the_server_refuses_a_forged_push_and_keeps_its_state_across_a_restart():
+    options = {"inner_steps": 2, "precision": "int8"}
+    nodes = [make(rank, 2, nn.Linear(4, 2), options, cls=ServerDiLoCo) for rank in range(2)]
+    half = server_of(nodes, options, nn.Linear(4, 2))
+    specs = half.push_specs(Kind.DELTA, [])
+    assert [(s.name, s.dtype, s.shape) for s in specs] == [("codes", torch.int8, (10,)),
+                                                           ("scales", torch.float32, (1,))]
+    with pytest.raises(WireError):
+        half.push_specs(Kind.GRADIENT, [])
+    forged = lowprecision.encode(torch.ones(10), "int8")
+    forged["scales"][0] = float("inf")
+    with pytest.raises(ProtocolError):
+        half.push(0, ServerPush(Kind.DELTA, forged, 0, clock=2), "forged", 0.0)
+    assert half.version == 0 and not half.holds_update(0)
+    for rank in range(2):
+        half.push(rank, ServerPush(Kind.DELTA, lowprecision.encode(torch.full((10,), 0.1), "int8"), 0, clock=2),
+                  f"p{rank}", 0.0)
+    assert half.version == 1 and torch.count_nonzero(half.rule.velocity) == 10
+    restarted = server_of(nodes, options, nn.Linear(4, 2))
+    restarted.load_state_dict(half.state_dict())
+    assert torch.equal(restarted.w, half.w) and torch.equal(restarted.rule.velocity, half.rule.velocity)
+    bad = half.state_dict()
+    bad["rule"] = {**bad["rule"], "velocity": torch.zeros(3)}
+    with pytest.raises(ValueError, match="velocity"):
+        restarted.load_state_dict(bad)
+    assert torch.equal(restarted.rule.velocity, half.rule.velocity)
+
+
+def test_outer_server_on_known_numbers():
+    """The numbers of test_outer_nesterov_step_on_known_numbers, as pseudo-gradients pushed to the server."""
+    server = OuterServer(torch.zeros(1, dtype=torch.float64), 2, 0.7, 0.9, True)
+    for expected, deltas in ((0.266, (-0.4, 0.0)), (0.29162, (-0.3468, 0.4788))):
+        version = server.version
+        for worker, delta in enumerate(deltas):
+            server.push(worker, torch.tensor([delta], dtype=torch.float64), version)
+        assert float(server.w) == pytest.approx(expected, abs=1e-12)
+
+
 # -- validation --------------------------------------------------------------------------------------------------
 
 
@@ -379,6 +519,8 @@ def job(algorithm, options, steps=100, topology="ring", **extra):
     ("diloco", {"inner_steps": 10}, 100, "ring", {"momentum": 0.9}, r"algorithm\.momentum: AdamW"),
     ("diloco", {"inner_steps": 10}, 100, "ring", {"mode": "async"}, r"algorithm\.mode"),
     ("diloco-gossip", {"inner_steps": 10}, 100, "bipartite-exponential", {}, r"passive"),
+    ("diloco-ps", {"inner_steps": 10, "fragments": 2}, 100, "ring", {}, r"algorithm\.options: diloco-ps's rounds"),
+    ("diloco-ps", {"inner_steps": 10, "max_update_norm": 0}, 100, "ring", {}, r"options\.max_update_norm"),
     ("diloco-gossip", {"inner_steps": 10, "fragments": 5, "gossip_rounds": 3}, 100, "ring", {},
      r"options\.gossip_rounds"),
 ])
@@ -392,6 +534,7 @@ def test_check_accepts_inner_sgd_with_momentum_and_streaming_with_int8():
     validate_job(job("diloco", {"inner_steps": 20, "fragments": 4, "overlap_steps": 2, "precision": "int8",
                                 "int8_chunk": 1024}))
     validate_job(job("diloco-gossip", {"inner_steps": 10}, topology="npeer-exponential"))
+    validate_job(job("diloco-ps", {"inner_steps": 10, "precision": "bf16", "max_update_norm": 5.0}))
 
 
 def test_gossip_accepts_pushsum_of_its_precision_from_neighbours_only():
@@ -448,6 +591,16 @@ def test_simulated_gossip_diloco_trains_without_a_collective(fashion_mnist_dir):
     assert all(torch.allclose(final[0], w, rtol=0, atol=1e-3) for w in final[1:])
 
 
+def test_simulated_diloco_through_the_server_counts_int8_pushes_and_full_pulls(fashion_mnist_dir):
+    result = simulated(fashion_mnist_dir, "diloco-ps", {"inner_steps": 10, "precision": "int8"})
+    for progress in result.progress:
+        assert progress.step == 40 and progress.test_accuracy > 0.6
+        assert progress.bytes_sent == 4 * (MODEL_BYTES // 4 + 4)  # 4 rounds: int8 codes and one scale
+        assert progress.bytes_received == 4 * MODEL_BYTES  # the new global parameters, in float32
+    final = [sim.node.algorithm.w for sim in result.mesh.nodes]
+    assert all(torch.equal(final[0], w) for w in final[1:])
+
+
 # -- real agents -------------------------------------------------------------------------------------------------
 
 
@@ -462,10 +615,11 @@ def cluster(tmp_path_factory, fashion_mnist_dir):
     ("diloco", {"inner_steps": 20, "precision": "int8", "fragments": 2, "overlap_steps": 2}, "ring",
      ring_allgather_bytes(MODEL_BYTES // 4 // 2 + 4, 4)),
     ("diloco-gossip", {"inner_steps": 20, "precision": "bf16"}, "npeer-exponential", 2 * MODEL_BYTES // 2),
+    ("diloco-ps", {"inner_steps": 20, "precision": "int8"}, "ring", MODEL_BYTES // 4 + 4),
 ])
 def test_diloco_trains_on_agents(cluster, fashion_mnist_dir, algorithm, options, topology, per_sync):
     """4 agents on loopback, 4 outer rounds: the job finishes, every rank learned, and its bytes are those of its
-    syncs (the gloo all-gather's, or the pushes' over the peer transport)."""
+    syncs (the gloo all-gather's, the pushes' over the peer transport, or the pushes to the coordinator)."""
     spec = {
         "name": algorithm, "nodes": 4, "steps": 80, "eval_every": 40,
         "algorithm": {"name": algorithm, "lr": 1e-3, "options": options},
@@ -479,7 +633,7 @@ def test_diloco_trains_on_agents(cluster, fashion_mnist_dir, algorithm, options,
     for node in status.nodes:
         assert node.step == 80
         assert node.test_accuracy > 0.6, f"rank {node.rank} reached only {node.test_accuracy}"
-        if algorithm == "diloco":
+        if algorithm != "diloco-gossip":
             assert node.bytes_sent == syncs * per_sync
         else:  # the final report may come before the last sync's pushes are counted: they travel as the job ends
             pushes, rest = divmod(node.bytes_sent, per_sync // 2)

@@ -1,8 +1,9 @@
 """DiLoCo: many local steps with an inner optimizer, then an outer Nesterov step on the averaged pseudo-gradient
 (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language Models", arXiv:2311.08105;
 OpenDiLoCo, Jaghouar et al. 2024, arXiv:2407.07852), its streaming form (Douillard et al. 2025, "Streaming
-DiLoCo with overlapping communication", arXiv:2501.18512), over an all-reduce (`diloco`, the collective family) or
-over push-sum gossip with no collective at all (`diloco-gossip`, the peer family).
+DiLoCo with overlapping communication", arXiv:2501.18512), over an all-reduce (`diloco`, the collective family),
+through the parameter server, the coordinator as outer optimizer (`diloco-ps`, the server family), or over push-sum
+gossip with no collective at all (`diloco-gossip`, the peer family).
 
 Notation: n nodes, node i; H = `inner_steps`; the flat parameters w_i (the model, what the node trains and
 evaluates); theta_i the node's copy of the last global parameters (all nodes start from the same seeded model,
@@ -48,6 +49,16 @@ Averaging routes:
   A rank that is lost and restarted takes the job up from the group's state (`group_state()`: w, theta, u, the
   inner optimizer's state, the residual, the step), handed over by the runtime when it forms the group again,
   and the interrupted sync is sent again by every rank from that state.
+- `diloco-ps`, the parameter server: every H steps each worker pushes Q(Delta_i + e_i) (kind delta, tagged with
+  the server's version, the rounds done); the server (nodeagent.ps.OuterServer, hosted by the coordinator, or by
+  the simulator) waits for every worker's, decodes them, and applies the outer step above to its theta and u,
+  which only it holds; each worker then pulls theta (in full: the pull carries the parameters, not a
+  pseudo-gradient) and restarts from it, w_i = theta_i = theta. A worker's clock counts inner steps: after round
+  v it is v H on every worker, which is where a worker restarted from its checkpoint, whose push of an old
+  round the server refuses, takes the job up (the pull hands it theta; its inner optimizer's state is its own,
+  from its checkpoint). The outer momentum is the server's state, persisted with it, so the job survives a
+  coordinator restart like every parameter-server job. One fragment (F = 1) and no overlap: a round is the
+  whole model. `max_update_norm` bounds each worker's pseudo-gradient before the mean.
 - `diloco-gossip`, push-sum (Kempe et al. 2003, as in SGP) on the job's graph, `gossip_rounds` = G rounds per
   sync (default: one period of a time-varying graph's schedule, 1 on a static graph). Node i starts the sync with
   x_i = Delta_i, weight y_i = 1. Round g, with the k out-peers of gossip iteration s G + g (s: the
@@ -94,6 +105,10 @@ from nodeagent.algorithms.base import (
     Snapshot,
 )
 from nodeagent.jobspec import JobSpec, JobSpecError
+from nodeagent.ps.messages import ServerAnswer, ServerModel, ServerPush
+from nodeagent.ps.rules import OuterServer, ParameterServer, ProtocolError, PushResult
+from nodeagent.ps.server import ServerHalf, ServerOptions
+from nodeagent.ps.worker import PSWorker
 from nodeagent.wire import lowprecision
 from nodeagent.wire.errors import WireError
 from nodeagent.wire.lowprecision import Precision
@@ -115,7 +130,8 @@ class DiLoCoOptions(AlgorithmOptions):
                                  "fp16, bf16 or int8")
     int8_chunk: int = Field(0, ge=0, description="int8: entries per absmax scale (0: one scale per fragment)")
     error_feedback: bool = Field(True, description="keep the rounding of lossy pseudo-gradients and add it to the "
-                                 "next sync's (the all-reduce route; gossip keeps it in the sender's numerator)")
+                                 "next sync's (the all-reduce and server routes; gossip keeps it in the sender's "
+                                 "numerator)")
     fragments: int = Field(1, ge=1, description="F: fragments synchronised in turn (streaming DiLoCo); 1: all at once")
     overlap_steps: int = Field(0, ge=0, description="tau: inner steps a sync overlaps before its update is applied")
     overlap_mix: float = Field(0.5, ge=0, lt=1, description="alpha: with tau > 0, the weight of the local fragment "
@@ -421,6 +437,95 @@ class DiLoCo(_DiLoCo):
         if kind != Kind.DELTA:
             raise WireError("unexpected_kind", f"{self.name} accepts only delta, not {kind.name.lower()}")
         return self.wire_specs()
+
+
+class ServerDiLoCoOptions(DiLoCoOptions, ServerOptions):
+    """DiLoCo's options, and the parameter server's (`max_update_norm` bounds each worker's pseudo-gradient)."""
+
+
+class DiLoCoServerHalf(ServerHalf):
+    """The coordinator as DiLoCo's outer optimizer: one pseudo-gradient per worker per round, in the job's precision."""
+
+    synchronous = True
+    push_kind = Kind.DELTA
+    options: ServerDiLoCoOptions
+
+    def build_rule(self, w0: torch.Tensor) -> ParameterServer:
+        options = self.options
+        return OuterServer(w0, self.num_workers, options.outer_lr, options.outer_momentum, options.outer_nesterov,
+                           max_update_norm=options.max_update_norm)
+
+    def push_specs(self, kind: Kind, shapes: list[tuple[str, tuple[int, ...]]]) -> list[TensorSpec]:
+        super().push_specs(kind, shapes)  # the kind
+        return lowprecision.specs(self.params.vector.numel(), self.options.precision, self.options.int8_chunk,
+                                  self.params.vector.dtype)
+
+    def decode(self, push: ServerPush) -> torch.Tensor:
+        try:
+            return lowprecision.decode(dict(push.tensors), self.options.precision, self.options.int8_chunk,
+                                       self.params.vector.dtype)
+        except WireError as error:
+            raise ProtocolError(str(error)) from error
+
+    def push(self, rank: int, push: ServerPush, push_id: str, now: float) -> PushResult:
+        result = super().push(rank, push, push_id, now)
+        if result.applied:
+            self.events.append({"event": "round", "time": now, "version": result.version})
+        return result
+
+
+class ServerDiLoCo(_DiLoCo, PSWorker):
+    """DiLoCo through the parameter server: the coordinator holds the global parameters and the outer momentum."""
+
+    name = "diloco-ps"
+    family = Family.SERVER
+    Options = ServerDiLoCoOptions
+    options: ServerDiLoCoOptions
+    server_half = DiLoCoServerHalf
+    refuses_momentum = ""  # the inner SGD may take it (AdamW's check is DiLoCo's)
+
+    @classmethod
+    def check(cls, spec: JobSpec, topology: Graph) -> None:
+        super().check(spec, topology)
+        options = cls.options_of(spec.algorithm)
+        assert isinstance(options, ServerDiLoCoOptions)
+        if options.fragments != 1 or options.overlap_steps:
+            raise JobSpecError(f"algorithm.options: {cls.name}'s rounds sync the whole model (fragments 1, "
+                               "overlap_steps 0); streaming is the all-reduce's and gossip's")
+
+    def _sync_sends(self, pending: PendingSync, value: torch.Tensor) -> list[Send]:
+        tensors = self.encode(value)
+        if self.lossy:
+            self.keep_residual(pending.fragment, self.decode(tensors), value)
+        self.waiting = True
+        return [self.push(tensors, Kind.DELTA)]
+
+    def receive(self, message: Message | ServerAnswer) -> None:
+        """The new global parameters after a round (the one this worker pushed to, or, when its push was refused or
+        it rejoined, the current one): every worker restarts from them at step rounds * H."""
+        if not isinstance(message, ServerModel):
+            raise WireError("not_server", f"{self.name} takes messages only from the server, not a "
+                            f"{type(message).__name__}")
+        if not self.waiting:
+            raise RuntimeError(f"rank {self.context.rank}: a model from the server arrived with no push out")
+        pending = self.pending
+        if pending is not None and message.version != self.version + 1 and pending.residual_before is not None:
+            assert self.residual is not None  # the round did not take this push: nor its rounding
+            self.residual[self.fragment_slice(pending.fragment)] = pending.residual_before
+        with torch.no_grad():
+            self.global_w.copy_(self.params.flatten(message.tensors))
+            self.w.copy_(self.global_w)
+        self.version = message.version
+        self.clock = message.version * self.options.inner_steps
+        self.waiting = self.rejoining = False
+        self.pending = None
+        self.republish()
+
+    def ready(self) -> bool:
+        return not self.waiting
+
+    def waiting_for(self) -> str:
+        return f"the parameter server's global parameters after round {self.version}"
 
 
 class GossipDiLoCoOptions(DiLoCoOptions):

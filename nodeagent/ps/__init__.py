@@ -18,7 +18,15 @@ from nodeagent.ps.esync import (
     is_ready,
     steps_before_asking,
 )
-from nodeagent.ps.rules import ASGDServer, DCASGDServer, ParameterServer, ProtocolError, PushResult, SSGDServer
+from nodeagent.ps.rules import (
+    ASGDServer,
+    DCASGDServer,
+    OuterServer,
+    ParameterServer,
+    ProtocolError,
+    PushResult,
+    SSGDServer,
+)
 
 __all__ = [
     "ASGDServer",
@@ -28,6 +36,7 @@ __all__ = [
     "DeltaPull",
     "ESyncRound",
     "ESyncServer",
+    "OuterServer",
     "ParameterServer",
     "ProtocolError",
     "PushResult",

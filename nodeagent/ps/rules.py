@@ -1,4 +1,4 @@
-"""Server halves of SSGD, ASGD and DC-ASGD (DC-ASGD: Zheng et al., ICML 2017).
+"""Server halves of SSGD, ASGD and DC-ASGD (DC-ASGD: Zheng et al., ICML 2017), and DiLoCo's outer optimizer.
 
 Each server holds the global model `w` (a flat float32 vector laid out like FlatParameters) and `version`
 (+1 per applied update). Its runtime (the coordinator's gRPC service, or the simulator) calls, from one thread:
@@ -161,6 +161,37 @@ class SSGDServer(RoundServer):
         self.w.sub_(mean, alpha=self.lr)
         self.version += 1
         return PushResult(applied=True, version=self.version, release=tuple(range(self.num_workers)), clipped=clipped)
+
+
+class OuterServer(RoundServer):
+    """DiLoCo's outer optimizer as a synchronous server (nodeagent.algorithms.diloco, `diloco-ps`): one
+    pseudo-gradient Delta_i = theta - w_i per worker per round; the last one applies Nesterov SGD to their mean,
+        u <- mu u + Delta;  theta <- theta - eta (Delta + mu u)   (nesterov false: theta - eta u),
+    and releases everyone. theta is `w`; the outer momentum u is the server's state, persisted with it."""
+
+    def __init__(self, w0: torch.Tensor, num_workers: int, outer_lr: float, momentum: float, nesterov: bool, *,
+                 max_update_norm: float | None = None):
+        super().__init__(w0, num_workers, max_update_norm=max_update_norm)
+        self.outer_lr, self.momentum, self.nesterov = outer_lr, momentum, nesterov
+        self.velocity = torch.zeros_like(self.w)
+
+    def push(self, worker: int, update: torch.Tensor, worker_version: int) -> PushResult:
+        mean, clipped = self.gather(worker, update, worker_version)
+        if mean is None:
+            return PushResult(applied=False, version=self.version, release=(), clipped=clipped)
+        self.velocity.mul_(self.momentum).add_(mean)
+        direction = mean.add(self.velocity, alpha=self.momentum) if self.nesterov else self.velocity
+        self.w.sub_(direction, alpha=self.outer_lr)
+        self.version += 1
+        return PushResult(applied=True, version=self.version, release=tuple(range(self.num_workers)), clipped=clipped)
+
+    def state_dict(self) -> StateDict:
+        return {**super().state_dict(), "velocity": self.velocity.clone()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor | int]) -> None:
+        velocity = state_tensor(state, "velocity", self.velocity)
+        super().load_state_dict(state)
+        self.velocity.copy_(velocity)
 
 
 class ASGDServer(ParameterServer):

@@ -35,9 +35,9 @@ class ServerOptions(AlgorithmOptions):
 
     max_update_norm: float | None = Field(
         None, gt=0,
-        description="largest L2 norm of one pushed update (a gradient; ESync's delta): a longer one is scaled down "
-        "to it before the server applies it, and counted (peertrain_ps_updates_clipped), so that one diverged or "
-        "forged worker moves the global model by a bounded step; unset: no bound",
+        description="largest L2 norm of one pushed update (a gradient; ESync's delta; DiLoCo's pseudo-gradient): a "
+        "longer one is scaled down to it before the server applies it, and counted (peertrain_ps_updates_clipped), "
+        "so that one diverged or forged worker moves the global model by a bounded step; unset: no bound",
     )
 
 
