@@ -1,6 +1,6 @@
 """The parameter server in a real coordinator over gRPC: many workers pushing at once are applied exactly once in
-a recorded order, a restarted coordinator loses no applied update (nor a synchronous round half done), ESync's
-reports, and streams the server must refuse."""
+a recorded order, a restarted coordinator loses no applied update (nor a synchronous round half done, nor DiLoCo's
+outer momentum), ESync's reports, and streams the server must refuse."""
 
 import json
 import math
@@ -23,11 +23,13 @@ from nodeagent._proto import coordinator_pb2_grpc
 from nodeagent.algorithms import REGISTRY, NodeContext, build_server
 from nodeagent.jobspec import parse_job_spec
 from nodeagent.metrics import Metrics
+from nodeagent.ps import OuterServer
 from nodeagent.ps.messages import PUSH_ID_HEADER, ReadyAnswer, ServerPull, ServerPush, StepReport
 from nodeagent.runtime.progress import Traffic
 from nodeagent.runtime.readiness import data_to_proto
 from nodeagent.runtime.server_link import GrpcServerLink
 from nodeagent.training.models import build_model
+from nodeagent.wire import lowprecision
 from nodeagent.wire.encoder import encode
 from nodeagent.wire.message import Kind, Message
 from nodeagent.wire.sparse import Codec, compress
@@ -216,6 +218,35 @@ def test_a_synchronous_round_half_done_survives_a_restart_and_a_retried_push_cou
     model = coordinator.client(job_id, nodes[1], 1, 2, workers[1]).fetch_model(ServerPull())
     expected = workers[0].w - 0.05 * (grads[0] + grads[1]) / 2
     assert torch.allclose(workers[0].params.flatten(model.tensors), expected, atol=1e-7)
+
+
+def test_diloco_rounds_through_the_coordinator_keep_the_outer_momentum_across_a_restart(coordinator):
+    """Two outer rounds of int8 pseudo-gradients, the coordinator restarted between them: the global parameters
+    are those of the outer Nesterov steps on the decoded means, the second step with the first one's momentum."""
+    raw = spec_of("diloco-ps", 2, lr=1e-3, options={"inner_steps": 10, "precision": "int8"})
+    job_id, nodes, _ = coordinator.job(raw)
+    spec = parse_job_spec(raw)
+    workers = [worker_of(spec, rank) for rank in range(2)]
+    reference = OuterServer(workers[0].w.detach().clone(), 2, 0.7, 0.9, True)
+    pool = futures.ThreadPoolExecutor(2)
+    for round_ in range(2):
+        if round_:
+            coordinator.restart()
+        pushes = []
+        for rank in range(2):
+            delta = torch.randn(workers[rank].params.numel, generator=torch.Generator().manual_seed(round_ * 2 + rank))
+            tensors = lowprecision.encode(delta * 0.01, "int8")
+            pushes.append(ServerPush(Kind.DELTA, tensors, round_, clock=10 * (round_ + 1)))
+            reference.push(rank, lowprecision.decode(tensors, "int8", 0, torch.float32), round_)
+
+        def push(rank: int, pushes=pushes) -> pb.PsPushReply:
+            return coordinator.client(job_id, nodes[rank], rank, 2, workers[rank]).push_update(pushes[rank],
+                                                                                              new_push_id())
+
+        assert [reply.version for reply in pool.map(push, range(2))] == [round_ + 1] * 2
+    model = coordinator.client(job_id, nodes[0], 0, 2, workers[0]).fetch_model(ServerPull())
+    assert model.version == 2 and bool(reference.velocity.abs().sum() > 0)
+    assert torch.allclose(workers[0].params.flatten(model.tensors), reference.w, rtol=0, atol=1e-7)
 
 
 def test_esync_reports_and_round_over_grpc(coordinator):
