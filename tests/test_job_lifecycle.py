@@ -66,8 +66,12 @@ def test_a_job_whose_agents_lack_its_data_fails_with_their_words_and_frees_them(
                           # checkpoint, with no rejoining to do.
                           ({"name": "ad-psgd"}, "bipartite-exponential"),
                           # All-reduce: the survivors form the group again with the restarted rank.
-                          ({"name": "allreduce"}, "ring")],
-                         ids=["dsgd-sync", "sgp", "ad-psgd", "allreduce"])
+                          ({"name": "allreduce"}, "ring"),
+                          # DiLoCo over it: the restarted rank takes the whole state (the inner optimizer's, the
+                          # outer momentum, the int8 residual) and the interrupted outer round is sent again.
+                          ({"name": "diloco", "lr": 1e-3, "options": {"inner_steps": 20, "precision": "int8"}},
+                           "ring")],
+                         ids=["dsgd-sync", "sgp", "ad-psgd", "allreduce", "diloco"])
 def test_a_job_survives_an_agent_killed_and_restarted(cluster, fashion_mnist_dir, algorithm, topology):
     steps = 600
     job_id = cluster.submit(job(fashion_mnist_dir, "restart", algorithm, steps=steps, topology=topology))
@@ -79,7 +83,7 @@ def test_a_job_survives_an_agent_killed_and_restarted(cluster, fashion_mnist_dir
     assert status.state == pb.JOB_FINISHED, status.reason
     assert [n.step for n in status.nodes] == [steps] * 4
     assert all(n.test_accuracy > 0.6 for n in status.nodes), [n.test_accuracy for n in status.nodes]
-    if algorithm["name"] == "allreduce":  # the quorum with it hands it the state of the others' step
+    if algorithm["name"] in ("allreduce", "diloco"):  # the quorum with it hands it the state of the others' step
         assert "took up the state of rank" in cluster.log_of(victim)
     elif algorithm["name"] != "ad-psgd":
         assert "rejoined" in cluster.log_of(victim)

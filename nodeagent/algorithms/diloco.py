@@ -378,6 +378,7 @@ class DiLoCo(_DiLoCo):
 
     name = "diloco"
     family = Family.COLLECTIVE
+    sends_after_receive = True  # a group state taken up sends the interrupted sync again
 
     def _sync_sends(self, pending: PendingSync, value: torch.Tensor) -> list[Send]:
         tensors = self.encode(value)
