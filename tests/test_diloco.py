@@ -348,6 +348,27 @@ def test_a_rank_behind_takes_up_the_group_state_with_the_optimizer_states_and_re
     assert behind.clock == healthy.clock == 6
 
 
+def test_a_rank_back_after_the_others_finished_takes_their_final_state_and_sends_nothing():
+    options = {"inner_steps": 2, "precision": "int8"}
+    torch.manual_seed(0)
+    reference = nn.Linear(4, 2)
+    nodes = []
+    for rank in range(2):
+        model = nn.Linear(4, 2)
+        model.load_state_dict(reference.state_dict())
+        nodes.append(make(rank, 2, model, options, lr=1e-2))
+    data = [(torch.randn(3, 4), torch.tensor([0, 1, 0])) for _ in range(2)]
+    run(nodes, [lambda step, r=r: data[r] for r in range(2)], 6)  # the job's 6 steps: its last sync applied
+    finished, late = nodes[0], make(1, 2, nn.Linear(4, 2), options, lr=1e-2)
+    late.step(*data[1])  # restarted from step 0, one step in
+    final = finished.group_state()
+    assert final.clock == 6 and float(final.tensors["synced"][0]) == 1.0
+    late.receive(Message(Kind.PARAMS, ALLREDUCE_RANK, 1, final.tensors, clock=final.clock))
+    assert late.sends() == [] and late.ready() and late.clock == 6
+    for name in ("w", "global_w", "outer_momentum", "adam_m", "adam_v", "residual"):
+        assert torch.equal(getattr(finished, name), getattr(late, name)), name
+
+
 def test_checkpoint_keeps_the_outer_and_inner_state():
     node = make(0, 1, nn.Linear(3, 2), {"inner_steps": 2, "precision": "fp16"}, lr=1e-2)
     for _ in range(2):

@@ -60,24 +60,32 @@ def test_a_job_whose_agents_lack_its_data_fails_with_their_words_and_frees_them(
     assert following.state == pb.JOB_FINISHED
 
 
-@pytest.mark.parametrize(("algorithm", "topology"),
-                         [({"name": "dsgd", "mode": "sync"}, "ring"), ({"name": "sgp"}, "dynamic-exponential"),
+DILOCO = {"name": "diloco", "lr": 1e-3, "options": {"inner_steps": 20, "precision": "int8"}}
+
+
+@pytest.mark.parametrize(("algorithm", "topology", "steps", "late"),
+                         [({"name": "dsgd", "mode": "sync"}, "ring", 600, False),
+                          ({"name": "sgp"}, "dynamic-exponential", 600, False),
                           # AD-PSGD's neighbours do not wait for a lost peer: the restarted one goes on from its
                           # checkpoint, with no rejoining to do.
-                          ({"name": "ad-psgd"}, "bipartite-exponential"),
+                          ({"name": "ad-psgd"}, "bipartite-exponential", 600, False),
                           # All-reduce: the survivors form the group again with the restarted rank.
-                          ({"name": "allreduce"}, "ring"),
+                          ({"name": "allreduce"}, "ring", 600, False),
                           # DiLoCo over it: the restarted rank takes the whole state (the inner optimizer's, the
-                          # outer momentum, the int8 residual) and the interrupted outer round is sent again.
-                          ({"name": "diloco", "lr": 1e-3, "options": {"inner_steps": 20, "precision": "int8"}},
-                           "ring")],
-                         ids=["dsgd-sync", "sgp", "ad-psgd", "allreduce", "diloco"])
-def test_a_job_survives_an_agent_killed_and_restarted(cluster, fashion_mnist_dir, algorithm, topology):
-    steps = 600
+                          # outer momentum, the int8 residual) and the interrupted outer round is sent again; the
+                          # job lasts long enough (about 17 s here) for the agent to come back while it runs ...
+                          (DILOCO, "ring", 3000, False),
+                          # ... and once more, restarted only after the others finished: it takes their final state
+                          # and sends nothing again.
+                          (DILOCO, "ring", 600, True)],
+                         ids=["dsgd-sync", "sgp", "ad-psgd", "allreduce", "diloco", "diloco-back-after-the-end"])
+def test_a_job_survives_an_agent_killed_and_restarted(cluster, fashion_mnist_dir, algorithm, topology, steps, late):
     job_id = cluster.submit(job(fashion_mnist_dir, "restart", algorithm, steps=steps, topology=topology))
     status = wait_until(cluster, job_id, lambda s: min((n.step for n in s.nodes), default=0) >= 120, 120)
     victim = agent_of(cluster, status, 2)
     cluster.kill(victim)  # kill -9, mid-job: it restarts from its last checkpoint, rounds behind
+    if late:
+        wait_until(cluster, job_id, lambda s: all(n.state == "finished" for n in s.nodes if n.rank != 2), 120)
     cluster.start_agent(int(victim.split("-")[1]))
     status = cluster.wait(job_id, 180)
     assert status.state == pb.JOB_FINISHED, status.reason

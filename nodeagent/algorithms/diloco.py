@@ -48,7 +48,8 @@ Averaging routes:
   with fewer nodes.)
   A rank that is lost and restarted takes the job up from the group's state (`group_state()`: w, theta, u, the
   inner optimizer's state, the residual, the step), handed over by the runtime when it forms the group again,
-  and the interrupted sync is sent again by every rank from that state.
+  and the interrupted sync is sent again by every rank from that state (a rank that comes back after the others
+  finished the job takes their final state, whose last sync is applied: nothing is sent again).
 - `diloco-ps`, the parameter server: every H steps each worker pushes Q(Delta_i + e_i) (kind delta, tagged with
   the server's version, the rounds done); the server (nodeagent.ps.OuterServer, hosted by the coordinator, or by
   the simulator) waits for every worker's, decodes them, and applies the outer step above to its theta and u,
@@ -414,12 +415,15 @@ class DiLoCo(_DiLoCo):
     def group_state(self) -> Message:
         """What the all-reduce hands from this rank to every other when the group is formed again: parameters,
         global parameters, outer momentum, inner optimizer state and residual (as before the sync out, which every
-        rank sends again from this state), at this rank's step."""
+        rank sends again from this state), at this rank's step; and `synced`, 1 when the sync of this step is already
+        applied (a rank that finished the job hands over its final state: nothing is sent again)."""
         tensors = {"w": self.w.detach().clone(), **self._state_tensors()}
         pending = self.pending
         if pending is not None and pending.residual_before is not None and "residual" in tensors:
             part = self.fragment_slice(pending.fragment)
             tensors["residual"][part] = pending.residual_before
+        synced = pending is None and self.fragment_due(self.clock) is not None
+        tensors["synced"] = torch.tensor([1.0 if synced else 0.0], dtype=self.w.dtype)
         return Message(Kind.PARAMS, self.context.rank, ALLREDUCE_RANK, tensors, clock=self.clock)
 
     def _take_group_state(self, message: Message) -> None:
@@ -428,8 +432,8 @@ class DiLoCo(_DiLoCo):
         self._take_state(message.tensors)
         self.clock = message.clock
         fragment = self.fragment_due(self.clock)
-        if fragment is not None:  # the sync the group was formed in: every rank sends it again
-            self._start_sync(fragment)
+        if fragment is not None and not float(message.tensors["synced"][0]):
+            self._start_sync(fragment)  # the sync the group was formed in: every rank sends it again
         self.republish()
 
     def expected(self, peer: int, kind: Kind) -> list[TensorSpec]:
