@@ -104,6 +104,14 @@ class Ranks:
         self.processes.append(process)
         return process
 
+    def start_with_rank_2_killed_at(self, step: int) -> None:
+        """Start the job's ranks together; rank 2 exits as if killed when it reaches `step` (waited for)."""
+        for rank in range(WORLD):
+            self.start(rank, dies_at=step if rank == 2 else None)
+        self.release()
+        self.processes[2].join(timeout=120)
+        assert self.processes[2].exitcode == 0
+
     def release(self) -> None:
         """Start the job's first ranks together, once every one is ready."""
         self.wait_step(0, 0)
@@ -160,11 +168,7 @@ def test_a_killed_member_is_dropped_and_when_restarted_takes_the_others_state():
     store = master_store()
     ranks = Ranks(store)
     try:
-        for rank in range(WORLD):
-            ranks.start(rank, dies_at=20 if rank == 2 else None)
-        ranks.release()
-        ranks.processes[2].join(timeout=120)
-        assert ranks.processes[2].exitcode == 0
+        ranks.start_with_rank_2_killed_at(20)
         ranks.wait_step(0, 40)  # the others went on without it
         ranks.start(2, start=5, value=STALE)  # back from an old checkpoint
         finished = ranks.finish()
@@ -208,11 +212,7 @@ def test_the_job_goes_on_through_a_restart_of_the_rendezvous_store():
     port = store.port
     ranks = Ranks(store)
     try:
-        for rank in range(WORLD):
-            ranks.start(rank, dies_at=10 if rank == 2 else None)
-        ranks.release()
-        ranks.processes[2].join(timeout=120)
-        assert ranks.processes[2].exitcode == 0
+        ranks.start_with_rank_2_killed_at(10)
         ranks.wait_step(0, 20)  # the others went on without it, in a quorum formed in the first store
         del store  # the coordinator goes away ...
         time.sleep(1.0)

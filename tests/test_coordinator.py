@@ -270,15 +270,11 @@ def test_drain_remove_and_deregister(coordinator):
     assert states == ["up", "up", "down"]
 
 
-@pytest.mark.parametrize(("algorithm", "outcome"), [({"name": "dsgd", "mode": "sync"}, pb.JOB_FAILED),
-                                                     ({"name": "pdmm-isvr"}, pb.JOB_FINISHED)])
-def test_a_lost_node_fails_a_synchronous_job_and_an_asynchronous_one_goes_on(coordinator, algorithm, outcome):
-    start, _ = coordinator
-    _, stub = start(heartbeat_timeout_s=1.0)
-    ids = [register(stub, f"a{i}") for i in range(3)]
-    spec = job(algorithm={"interval": 4, **algorithm}, failure={"lost_grace_s": 1.0})
+def run_with_rank_2_silent(stub, ids: list[str], spec: str) -> pb.JobStatusReply:
+    """Submit `spec` on three registered nodes: ranks 0 and 1 finish and keep beating, rank 2 never beats again; the
+    job's status once it is no longer running (or after 15 s)."""
     job_id = stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=spec), timeout=5).job_id
-    for rank in (0, 1):  # the two that live finish; rank 2 never beats again
+    for rank in (0, 1):
         stub.ReportMetrics(pb.MetricsReport(node_id=ids[rank], job_id=job_id, rank=rank, step=10, loss=0.5,
                                             test_accuracy=0.8, finished=True), timeout=5)
     deadline = time.monotonic() + 15
@@ -289,6 +285,17 @@ def test_a_lost_node_fails_a_synchronous_job_and_an_asynchronous_one_goes_on(coo
         if status.state != pb.JOB_RUNNING:
             break
         time.sleep(0.2)
+    return status
+
+
+@pytest.mark.parametrize(("algorithm", "outcome"), [({"name": "dsgd", "mode": "sync"}, pb.JOB_FAILED),
+                                                     ({"name": "pdmm-isvr"}, pb.JOB_FINISHED)])
+def test_a_lost_node_fails_a_synchronous_job_and_an_asynchronous_one_goes_on(coordinator, algorithm, outcome):
+    start, _ = coordinator
+    _, stub = start(heartbeat_timeout_s=1.0)
+    ids = [register(stub, f"a{i}") for i in range(3)]
+    spec = job(algorithm={"interval": 4, **algorithm}, failure={"lost_grace_s": 1.0})
+    status = run_with_rank_2_silent(stub, ids, spec)
     assert status.state == outcome
     assert f"rank 2 (node {ids[2]}" in status.reason and "lost" in status.reason
 
@@ -369,18 +376,7 @@ def test_a_lost_member_of_an_allreduce_job_is_left_behind_while_the_quorum_keeps
     ids = [register(stub, f"a{i}") for i in range(3)]
     spec = yaml.safe_dump({"name": "t", "nodes": 3, "steps": 10, "algorithm": {"name": "allreduce"},
                            "failure": {"lost_grace_s": 1.0, **failure}})
-    job_id = stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=spec), timeout=5).job_id
-    for rank in (0, 1):  # the quorum of two finishes; rank 2 never beats again
-        stub.ReportMetrics(pb.MetricsReport(node_id=ids[rank], job_id=job_id, rank=rank, step=10, loss=0.5,
-                                            test_accuracy=0.8, finished=True), timeout=5)
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        for node_id in ids[:2]:
-            stub.Heartbeat(pb.HeartbeatRequest(node_id=node_id), timeout=5)
-        status = stub.JobStatus(pb.JobStatusRequest(job_id=job_id), timeout=5)
-        if status.state != pb.JOB_RUNNING:
-            break
-        time.sleep(0.2)
+    status = run_with_rank_2_silent(stub, ids, spec)
     assert status.state == outcome, status.reason
     assert f"rank 2 (node {ids[2]}" in status.reason and "lost" in status.reason
 

@@ -316,16 +316,21 @@ def test_a_node_waits_at_the_fragments_point_for_its_mean():
 # -- recovery ----------------------------------------------------------------------------------------------------
 
 
-def test_a_rank_behind_takes_up_the_group_state_with_the_optimizer_states_and_resends_the_sync():
-    options = {"inner_steps": 2, "precision": "int8"}
+def two_nodes(options, cls=DiLoCo):
+    """Two nodes of `cls` on a 4x2 linear model, from the same seeded initial model, and a minibatch for each."""
     torch.manual_seed(0)
     reference = nn.Linear(4, 2)
     nodes = []
     for rank in range(2):
         model = nn.Linear(4, 2)
         model.load_state_dict(reference.state_dict())
-        nodes.append(make(rank, 2, model, options, lr=1e-2))
-    data = [(torch.randn(3, 4), torch.tensor([0, 1, 0])) for _ in range(2)]
+        nodes.append(make(rank, 2, model, options, lr=1e-2, cls=cls))
+    return nodes, [(torch.randn(3, 4), torch.tensor([0, 1, 0])) for _ in range(2)]
+
+
+def test_a_rank_behind_takes_up_the_group_state_with_the_optimizer_states_and_resends_the_sync():
+    options = {"inner_steps": 2, "precision": "int8"}
+    nodes, data = two_nodes(options)
     run(nodes, [lambda step, r=r: data[r] for r in range(2)], 4)
     healthy, behind = nodes
     healthy.step(*data[0])
@@ -350,14 +355,7 @@ def test_a_rank_behind_takes_up_the_group_state_with_the_optimizer_states_and_re
 
 def test_a_rank_back_after_the_others_finished_takes_their_final_state_and_sends_nothing():
     options = {"inner_steps": 2, "precision": "int8"}
-    torch.manual_seed(0)
-    reference = nn.Linear(4, 2)
-    nodes = []
-    for rank in range(2):
-        model = nn.Linear(4, 2)
-        model.load_state_dict(reference.state_dict())
-        nodes.append(make(rank, 2, model, options, lr=1e-2))
-    data = [(torch.randn(3, 4), torch.tensor([0, 1, 0])) for _ in range(2)]
+    nodes, data = two_nodes(options)
     run(nodes, [lambda step, r=r: data[r] for r in range(2)], 6)  # the job's 6 steps: its last sync applied
     finished, late = nodes[0], make(1, 2, nn.Linear(4, 2), options, lr=1e-2)
     late.step(*data[1])  # restarted from step 0, one step in
@@ -448,17 +446,10 @@ def test_a_worker_restarted_from_an_old_checkpoint_takes_up_the_current_round():
     """Its push of a round the server has passed is refused and answered with the current global parameters: it
     restarts from them at rounds * H, and the rounding its refused push took is not kept."""
     options = {"inner_steps": 2, "precision": "int8"}
-    torch.manual_seed(0)
-    reference = nn.Linear(4, 2)
-    nodes = []
-    for rank in range(2):
-        model = nn.Linear(4, 2)
-        model.load_state_dict(reference.state_dict())
-        nodes.append(make(rank, 2, model, options, lr=1e-2, cls=ServerDiLoCo))
+    nodes, (data, _) = two_nodes(options, ServerDiLoCo)
     model = nn.Linear(4, 2)
-    model.load_state_dict(reference.state_dict())
+    model.load_state_dict(nodes[0].model.state_dict())  # the seeded model: nothing trained yet
     half = server_of(nodes, options, model)
-    data = (torch.randn(3, 4), torch.tensor([0, 1, 0]))
     checkpoint = nodes[1].state_dict()  # at step 0, version 0
     for _ in range(2):  # two rounds
         pushes = []
