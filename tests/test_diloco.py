@@ -63,6 +63,13 @@ def run(nodes, batches, steps):
             collect(nodes, sends)
 
 
+def float64_batches(world: int, steps: int, size: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """data[step][rank]: a seeded minibatch of `size` 5-feature float64 inputs and 3-class targets."""
+    generator = torch.Generator().manual_seed(1)
+    return [[(torch.randn(size, 5, generator=generator, dtype=torch.float64),
+              torch.randint(0, 3, (size,), generator=generator)) for _ in range(world)] for _ in range(steps)]
+
+
 # -- the mathematics --------------------------------------------------------------------------------------------
 
 
@@ -79,10 +86,7 @@ def test_with_inner_sgd_one_step_and_outer_lr_one_diloco_is_allreduce_sgd():
             model = nn.Linear(5, 3, dtype=torch.float64)
             model.load_state_dict(reference.state_dict())
             group.append(build(model))
-    generator = torch.Generator().manual_seed(1)
-    data = [[(torch.randn(16, 5, generator=generator, dtype=torch.float64), torch.randint(0, 3, (16,),
-                                                                                         generator=generator))
-             for _ in range(world)] for _ in range(steps)]
+    data = float64_batches(world, steps, 16)
     run(diloco, [lambda step, r=r: data[step][r] for r in range(world)], steps)
     for step in range(steps):
         sends = []
@@ -420,10 +424,7 @@ def test_diloco_through_the_server_is_diloco_over_the_all_reduce():
     model = nn.Linear(5, 3, dtype=torch.float64)
     model.load_state_dict(reference.state_dict())
     half = server_of(through_server, options, model)
-    generator = torch.Generator().manual_seed(1)
-    data = [[(torch.randn(8, 5, generator=generator, dtype=torch.float64), torch.randint(0, 3, (8,),
-                                                                                        generator=generator))
-             for _ in range(world)] for _ in range(steps)]
+    data = float64_batches(world, steps, 8)
     run(over_allreduce, [lambda step, r=r: data[step][r] for r in range(world)], steps)
     for step in range(steps):
         pushes = []
