@@ -255,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a module the job may name its model factory from ('PACKAGE.MODULE:factory'), as `nodeagent serve "
         "--allow-import`; repeat for several",
     )
+    simulate.add_argument("--device", default="cpu", metavar="{cpu,cuda,cuda:N,auto}",
+                          help="where the simulated nodes' models, state and data live: every node on this one "
+                          "device (default %(default)s; results agree with the CPU's within float rounding)")
 
     report = commands.add_parser(
         "report", help="write the figures of one or several runs and an HTML page that shows them",
@@ -783,19 +786,27 @@ def _load_job(path: Path) -> JobFile:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from coordinator.simulate import SimulationProgress, simulate
     from nodeagent.training.data import DataError
+    from nodeagent.training.device import DeviceError, resolve_device
     from nodeagent.training.models import ModelError, module_problem
 
     for module in args.allow_import:
         if problem := module_problem(module):
             raise SystemExit(f"coordinator: --allow-import {problem}")
+    try:
+        device = resolve_device(args.device)
+    except DeviceError as error:
+        raise SystemExit(f"coordinator: {error}") from None
     spec = _load_job(args.job_file).spec.sized()  # an elastic job is simulated at its largest size
+    if spec.training.precision == "fp16" and device.type != "cuda":
+        raise SystemExit(f"coordinator: {args.job_file}: training.precision fp16 needs a CUDA device (--device cuda)")
     job_id = f"sim-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = (args.runs / job_id).resolve()
-    print(f"simulating {spec.nodes} nodes of {spec.algorithm.name} for {spec.steps} steps; run dir {run_dir}")
+    print(f"simulating {spec.nodes} nodes of {spec.algorithm.name} for {spec.steps} steps on {device}; run dir "
+          f"{run_dir}")
     try:
         with ProgressView(spec.name, spec.steps, spec.nodes) as view:
             result = simulate(spec, run_dir, args.data_dir, on_progress=SimulationProgress(view),
-                              allow_imports=tuple(args.allow_import))
+                              allow_imports=tuple(args.allow_import), device=device)
     except ModelError as error:  # an import path not allowed here, most likely
         raise SystemExit(f"coordinator: {args.job_file}: {error}") from None
     except DataError as error:

@@ -48,6 +48,7 @@ class LocalCluster:
     log_level: str = "INFO"
     tls: bool = True
     host: str = "127.0.0.1"  # where the coordinator listens, and the agents unless `agent_host` says otherwise
+    device: str = "cpu"  # every agent's --device (they share a GPU: one is enough)
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     address: str = ""
     metrics_address: str = ""
@@ -183,7 +184,7 @@ class LocalCluster:
         args = [
             "nodeagent.cli", "serve", "--coordinator", self.address, "--listen", f"{host}:0",
             "--metrics-listen", f"{host}:0", "--state-dir", str(self.state_dir(index)),
-            "--name", f"agent-{index}", "--device", "cpu", "--log-level", self.log_level,
+            "--name", f"agent-{index}", "--device", self.device, "--log-level", self.log_level,
             # Agents share this machine's cores: one torch thread each avoids oversubscription.
             "--torch-threads", "1",
             *([] if self.tls else ["--insecure"]),

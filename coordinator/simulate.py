@@ -32,15 +32,17 @@ from nodeagent.runtime.events import Event, EventLog
 from nodeagent.runtime.progress import Progress, RunLog
 from nodeagent.runtime.simulator import SimNode, VirtualMesh, rare_full_collections
 from nodeagent.training.job import JobData, Node
+from nodeagent.training.loop import CPU
 
 
-def build_nodes(spec: JobSpec, data_dir: str | None = None, allow_imports: Collection[str] = ()) -> list[Node]:
-    """Every node of the job, placed in the topology exactly as the coordinator assigns agents. A model is imported
-    only from `allow_imports`, as on an agent (nodeagent.training.models). An elastic job is built at its largest
-    size, every rank a member from the start."""
+def build_nodes(spec: JobSpec, data_dir: str | None = None, allow_imports: Collection[str] = (),
+                device: torch.device = CPU) -> list[Node]:
+    """Every node of the job, placed in the topology exactly as the coordinator assigns agents, all on `device`. A
+    model is imported only from `allow_imports`, as on an agent (nodeagent.training.models). An elastic job is built
+    at its largest size, every rank a member from the start."""
     topology = validate_job(spec)
     spec = spec.sized()
-    data = JobData.prepare(spec, data_dir, allow_imports)
+    data = JobData.prepare(spec, data_dir, allow_imports, device)
     nodes = []
     with rare_full_collections():
         for rank in range(spec.nodes):
@@ -71,12 +73,14 @@ def simulate(
     metrics: Metrics | None = None,
     on_progress: Callable[[VirtualMesh], None] | None = None,
     allow_imports: Collection[str] = (),
+    device: torch.device = CPU,
 ) -> SimulationResult:
-    """Run `spec` to completion; writes the metrics log and the events (virtual times) to `run_dir` when given."""
+    """Run `spec` to completion, every node on `device`; writes the metrics log and the events (virtual times) to
+    `run_dir` when given."""
     torch.set_num_threads(1)  # one process steps every node in turn; extra threads only contend
     started = time.monotonic()
     spec = spec.sized()  # an elastic job: at its largest size (build_nodes)
-    nodes = build_nodes(spec, data_dir, allow_imports)
+    nodes = build_nodes(spec, data_dir, allow_imports, device)
     run_log = event_log = None
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)

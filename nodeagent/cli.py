@@ -19,6 +19,7 @@ from nodeagent.agent.daemon import RegistrationRefused
 from nodeagent.listen import ListenError
 from nodeagent.rpc import name_problem
 from nodeagent.statedir import StateDirError, hold_state_dir
+from nodeagent.training.device import DeviceError, resolve_device
 from nodeagent.training.models import module_problem
 
 
@@ -58,8 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory of the jobs' data on this machine (any data.dataset kind), overriding their data.data_dir "
         "(env PEERTRAIN_DATA_DIR)",
     )
-    serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                       help="training device; auto: cuda where there is one, else cpu (default %(default)s)")
+    serve.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,cuda:N}",
+                       help="where this agent's jobs compute (model, algorithm state, batches, evaluation): cpu, "
+                       "cuda (the current CUDA device), cuda:N (one agent per GPU on a multi-GPU host), or auto: cuda "
+                       "where torch sees one, else cpu (default %(default)s)")
     serve.add_argument("--name", default=socket.gethostname(),
                        help="human name shown by `coordinator nodes` (default: this machine's hostname)")
     serve.add_argument(
@@ -104,17 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_device(choice: str) -> str:
-    if choice == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("nodeagent: --device cuda asked for, but no CUDA device is available")
-    return choice
-
-
 def serve(args: argparse.Namespace) -> int:
     if args.slowdown < 1:
         raise SystemExit("nodeagent: --slowdown must be >= 1")
+    try:
+        device = resolve_device(args.device)
+    except DeviceError as error:
+        raise SystemExit(f"nodeagent: {error}") from None
     if args.torch_threads < 0:
         raise SystemExit("nodeagent: --torch-threads must be >= 0")
     if problem := name_problem(args.name):
@@ -131,7 +130,7 @@ def serve(args: argparse.Namespace) -> int:
         AgentConfig(
             coordinator=args.coordinator, listen=args.listen, advertise=args.advertise,
             metrics_listen=args.metrics_listen or None, state_dir=args.state_dir, data_dir=args.data_dir,
-            device=resolve_device(args.device), name=args.name, slowdown=args.slowdown, lane_port=args.lane_port,
+            device=str(device), name=args.name, slowdown=args.slowdown, lane_port=args.lane_port,
             tls_dir=None if args.insecure else args.tls_dir or Path(os.environ.get("PEERTRAIN_TLS_DIR") or
                                                                     args.state_dir / "tls"),
             join_token=args.join_token, ca_fingerprint=args.ca_fingerprint, enroll_address=args.enroll_address or "",

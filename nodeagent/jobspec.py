@@ -82,6 +82,18 @@ class DataSpec(_Strict):
     test_limit: int | None = Field(None, ge=1, description="evaluate on the first N test samples")
 
 
+Precision = Literal["fp32", "bf16", "fp16"]
+
+
+class TrainingSpec(_Strict):
+    """How each node computes its local steps."""
+
+    precision: Precision = Field(
+        "fp32", description="arithmetic of the forward and backward passes: fp32, or bf16/fp16 under autocast with "
+        "fp32 master weights (fp16 with a dynamic loss scale; it needs a CUDA device). Exchanges and updates stay in "
+        "fp32")
+
+
 class TopologySpec(_Strict):
     """The communication graph: which nodes exchange with which."""
 
@@ -237,6 +249,7 @@ class JobSpec(_Strict):
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description="the training algorithm")
     model: ModelSpec = Field(default_factory=ModelSpec, description="the model")
     data: DataSpec = Field(default_factory=DataSpec, description="the data and its split")
+    training: TrainingSpec = Field(default_factory=TrainingSpec, description="how local steps are computed")
     topology: TopologySpec = Field(default_factory=TopologySpec, description="the communication graph")
     wire: WireSpec = Field(default_factory=WireSpec, description="the transport of tensors")
     slowdown: dict[int, float] = Field(

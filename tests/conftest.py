@@ -9,6 +9,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
+from devices import DEVICES
 
 from coordinator.ps_service import add_coordinator_servicer
 from coordinator.service import CoordinatorConfig, CoordinatorService
@@ -24,6 +26,12 @@ _IDX_STEMS = (
     "t10k-images-idx3-ubyte",
     "t10k-labels-idx1-ubyte",
 )
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """Each device present, in turn (DEVICES)."""
+    return torch.device(request.param)
 
 
 @pytest.fixture(scope="session")

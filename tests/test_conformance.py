@@ -46,9 +46,9 @@ def job(name: str, fashion_mnist_dir: Path | None = None, **algorithm: Any) -> d
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)
-def test_every_algorithm_trains_a_small_job_in_the_simulator(name, fashion_mnist_dir, tmp_path):
+def test_every_algorithm_trains_a_small_job_in_the_simulator(name, fashion_mnist_dir, tmp_path, device):
     spec = parse_job_spec(job(name, fashion_mnist_dir))
-    result = simulate(spec, run_dir=tmp_path)
+    result = simulate(spec, run_dir=tmp_path, device=device)
     start = {r.rank: r.test_accuracy for r in read_run_log(tmp_path) if r.step == 0 and not math.isnan(r.test_accuracy)}
     assert sorted(start) == [0, 1, 2, 3], "every node is evaluated at its initial model"
     for progress in result.progress:

@@ -6,6 +6,7 @@ from collections import defaultdict
 import pytest
 import torch
 import yaml
+from devices import DEVICES
 from exact_linear import ZeroLoss, batch, linear_model
 from torch import nn
 
@@ -320,21 +321,22 @@ def test_a_node_waits_at_the_fragments_point_for_its_mean():
 # -- recovery ----------------------------------------------------------------------------------------------------
 
 
-def two_nodes(options, cls=DiLoCo):
-    """Two nodes of `cls` on a 4x2 linear model, from the same seeded initial model, and a minibatch for each."""
+def two_nodes(options, cls=DiLoCo, device="cpu"):
+    """Two nodes of `cls` on a 4x2 linear model on `device`, from the same seeded initial model, and a minibatch for
+    each."""
     torch.manual_seed(0)
     reference = nn.Linear(4, 2)
     nodes = []
     for rank in range(2):
         model = nn.Linear(4, 2)
         model.load_state_dict(reference.state_dict())
-        nodes.append(make(rank, 2, model, options, lr=1e-2, cls=cls))
-    return nodes, [(torch.randn(3, 4), torch.tensor([0, 1, 0])) for _ in range(2)]
+        nodes.append(make(rank, 2, model.to(device), options, lr=1e-2, cls=cls))
+    return nodes, [(torch.randn(3, 4, device=device), torch.tensor([0, 1, 0], device=device)) for _ in range(2)]
 
 
-def test_a_rank_behind_takes_up_the_group_state_with_the_optimizer_states_and_resends_the_sync():
+def test_a_rank_behind_takes_up_the_group_state_with_the_optimizer_states_and_resends_the_sync(device):
     options = {"inner_steps": 2, "precision": "int8"}
-    nodes, data = two_nodes(options)
+    nodes, data = two_nodes(options, device=device)
     run(nodes, [lambda step, r=r: data[r] for r in range(2)], 4)
     healthy, behind = nodes
     healthy.step(*data[0])
@@ -357,11 +359,11 @@ def test_a_rank_behind_takes_up_the_group_state_with_the_optimizer_states_and_re
     assert behind.clock == healthy.clock == 6
 
 
-def test_a_rank_back_after_the_others_finished_takes_their_final_state_and_sends_nothing():
+def test_a_rank_back_after_the_others_finished_takes_their_final_state_and_sends_nothing(device):
     options = {"inner_steps": 2, "precision": "int8"}
-    nodes, data = two_nodes(options)
+    nodes, data = two_nodes(options, device=device)
     run(nodes, [lambda step, r=r: data[r] for r in range(2)], 6)  # the job's 6 steps: its last sync applied
-    finished, late = nodes[0], make(1, 2, nn.Linear(4, 2), options, lr=1e-2)
+    finished, late = nodes[0], make(1, 2, nn.Linear(4, 2).to(device), options, lr=1e-2)
     late.step(*data[1])  # restarted from step 0, one step in
     final = finished.group_state()
     assert final.clock == 6 and float(final.tensors["synced"][0]) == 1.0
@@ -617,9 +619,10 @@ def test_simulated_diloco_through_the_server_counts_int8_pushes_and_full_pulls(f
 # -- real agents -------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, fashion_mnist_dir):
-    with LocalCluster(root=tmp_path_factory.mktemp("diloco"), agents=4, data_dir=str(fashion_mnist_dir)) as running:
+@pytest.fixture(scope="module", params=DEVICES)
+def cluster(request, tmp_path_factory, fashion_mnist_dir):
+    with LocalCluster(root=tmp_path_factory.mktemp("diloco"), agents=4, data_dir=str(fashion_mnist_dir),
+                      device=request.param) as running:
         yield running
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from devices import DEVICES
 
 from coordinator.cluster import LocalCluster
 from coordinator.simulate import simulate
@@ -44,10 +45,11 @@ CASES = {
 # is in, and how many depends on when each agent started.
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, fashion_mnist_dir):
+@pytest.fixture(scope="module", params=DEVICES)
+def cluster(request, tmp_path_factory, fashion_mnist_dir):
+    """Four agents on one device (the CPU, or one GPU they share), compared with the simulator on that device."""
     root = tmp_path_factory.mktemp("equivalence")
-    with LocalCluster(root=root, agents=4, data_dir=str(fashion_mnist_dir)) as running:
+    with LocalCluster(root=root, agents=4, data_dir=str(fashion_mnist_dir), device=request.param) as running:
         yield running
 
 
@@ -81,15 +83,17 @@ def test_agents_end_with_the_simulators_parameters(cluster, fashion_mnist_dir, c
     assert sorted(states) == [0, 1, 2, 3]
 
     spec = parse_job_spec(job)
-    mesh = simulate(spec).mesh
+    mesh = simulate(spec, device=torch.device(cluster.device)).mesh
     initial = flat_parameters(initial_model(spec, describe_dataset(spec.data.dataset, fashion_mnist_dir)))
     for sim in mesh.nodes:
         rank = sim.node.rank
-        state, simulated = states[rank], sim.node.algorithm.w
+        state, simulated = states[rank], sim.node.algorithm.w.cpu()  # checkpoints hold host tensors
         assert state["clock"] == STEPS
         if mesh.server is not None:
             assert state["version"] == STEPS  # a round of the server per step
-        if case.bit_identical:
+        # On a GPU the same operations in the same order need not round alike: cuBLAS may pick another kernel
+        # for the same product from one process to the next.
+        if case.bit_identical and cluster.device == "cpu":
             assert torch.equal(state["w"], simulated), (
                 f"rank {rank} differs by {(state['w'] - simulated).abs().max().item():.3g}"
             )
@@ -101,7 +105,7 @@ def test_agents_end_with_the_simulators_parameters(cluster, fashion_mnist_dir, c
 
     final = [states[rank]["w"] for rank in range(4)]
     if case.shared_model:
-        simulated_final = [sim.node.algorithm.w for sim in mesh.nodes]
+        simulated_final = [sim.node.algorithm.w.cpu() for sim in mesh.nodes]
         assert all(torch.equal(w, simulated_final[0]) for w in simulated_final)
         if mesh.server is not None:
             assert torch.equal(simulated_final[0], mesh.server.half.w)

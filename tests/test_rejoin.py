@@ -65,8 +65,9 @@ class Peers:
 class Cluster:
     """A node loop per rank, each in its own thread, that can be stopped and started again."""
 
-    def __init__(self, spec, network: Network, checkpoint_at: int):
+    def __init__(self, spec, network: Network, checkpoint_at: int, device: torch.device):
         self.spec = spec
+        self.device = device
         self.network = network
         self.checkpoint_at = checkpoint_at
         self.checkpoints: dict[int, dict] = {}  # rank -> its state_dict at step `checkpoint_at`, as a runner saves
@@ -102,7 +103,7 @@ class Cluster:
     def restart(self, rank: int) -> int:
         """A new process on the same state dir: a fresh node restored from its checkpoint, an empty inbox. Returns the
         step it was restored at (read before its thread starts stepping)."""
-        node = build_nodes(self.spec)[rank]
+        node = build_nodes(self.spec, device=self.device)[rank]
         node.algorithm.load_state_dict(self.checkpoints[rank])
         restored = node.algorithm.clock
         self.network.nodes[rank] = node
@@ -134,7 +135,7 @@ class Cluster:
     ids=["dsgd-sync", "sgp", "osgp"],
 )
 def test_a_restarted_node_rejoins_where_its_neighbours_are_and_the_job_finishes(
-        fashion_mnist_dir, monkeypatch, algorithm, topology):
+        fashion_mnist_dir, monkeypatch, algorithm, topology, device):
     monkeypatch.setattr(driver_module, "RETRY_FIRST_S", 0.01)
     monkeypatch.setattr(driver_module, "RETRY_MAX_S", 0.05)
     torch.set_num_threads(1)
@@ -145,8 +146,8 @@ def test_a_restarted_node_rejoins_where_its_neighbours_are_and_the_job_finishes(
                  "test_limit": 500},
         "topology": {"kind": topology, "seed": 1},
     })
-    network = Network(build_nodes(spec))
-    cluster = Cluster(spec, network, checkpoint_at=10)
+    network = Network(build_nodes(spec, device=device))
+    cluster = Cluster(spec, network, checkpoint_at=10, device=device)
     try:
         for rank in range(4):
             cluster.start(rank)

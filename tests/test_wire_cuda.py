@@ -10,6 +10,7 @@ from concurrent import futures
 import grpc
 import pytest
 import torch
+from devices import DEVICES
 from test_codec import assert_bit_equal, finite_sample
 
 from nodeagent.algorithms.base import Snapshot
@@ -21,13 +22,6 @@ from nodeagent.wire.decoder import decode
 from nodeagent.wire.encoder import plan
 from nodeagent.wire.staging import StagedSink, StagedSource, source_for
 
-DEVICES = [
-    pytest.param("cpu", id="cpu"),
-    pytest.param(
-        "cuda", id="cuda",
-        marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")],
-    ),
-]
 WIRE = {Encoding.RAW: None, Encoding.FP16: torch.float16, Encoding.BF16: torch.bfloat16}
 CHUNK = 1 << 16  # many staging buffers for the sizes below, so the ring wraps several times
 

@@ -1,4 +1,7 @@
-"""A job's checkpoint on an agent: the algorithm's state_dict, written whole and renamed over the last one."""
+"""A job's checkpoint on an agent: the algorithm's state_dict, written whole and renamed over the last one.
+
+Checkpoints are device-neutral: tensors are written from host memory and restored onto the device the algorithm
+computes on, so a job checkpointed on a GPU resumes on a CPU agent and the other way round."""
 
 from __future__ import annotations
 
@@ -20,7 +23,9 @@ def checkpoint_path(state_dir: Path, job_id: str, rank: int) -> Path:
 def save_checkpoint(path: Path, algorithm: Algorithm) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    torch.save(algorithm.state_dict(), tmp)
+    state = {name: value.cpu() if isinstance(value, torch.Tensor) else value
+             for name, value in algorithm.state_dict().items()}
+    torch.save(state, tmp)
     os.replace(tmp, path)
 
 
@@ -28,7 +33,9 @@ def restore_checkpoint(path: Path, algorithm: Algorithm) -> bool:
     """Resume `algorithm` from `path` if there is a checkpoint that fits it; whether it did."""
     if not path.exists():
         return False
-    state = torch.load(path, weights_only=True)
+    device = algorithm.w.device
+    state = {name: value.to(device) if isinstance(value, torch.Tensor) else value
+             for name, value in torch.load(path, map_location="cpu", weights_only=True).items()}
     try:
         algorithm.load_state_dict(state)
     except (KeyError, ValueError) as error:

@@ -218,7 +218,7 @@ class Collective:
     def _all_reduce(self, quorum: Quorum, message: Message) -> Message:
         started = time.perf_counter()
         tensors = message.tensors
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors.values()])
+        flat = on_host([t.detach().reshape(-1) for t in tensors.values()])
         flat = torch.cat([flat, torch.tensor([1.0 if self.waiting.is_set() else 0.0], dtype=flat.dtype)])
         quorum.group.allreduce([flat]).wait()
         waiting = bool(flat[-1].item() > 0)
@@ -239,7 +239,7 @@ class Collective:
         byte offset cannot be read as a wider dtype). A last byte carries the waiting flag, as in `_all_reduce`."""
         started = time.perf_counter()
         tensors = message.tensors
-        flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()])
+        flat = on_host([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()])
         flat = torch.cat([flat, torch.tensor([1 if self.waiting.is_set() else 0], dtype=torch.uint8)])
         gathered = [torch.empty_like(flat) for _ in quorum.members]
         quorum.group.allgather([gathered], [flat]).wait()
@@ -255,7 +255,8 @@ class Collective:
         for name, tensor in tensors.items():
             size = tensor.numel() * tensor.element_size()
             out[name] = torch.stack([
-                part[offset : offset + size].clone().view(tensor.dtype).view(tensor.shape) for part in gathered])
+                part[offset : offset + size].clone().view(tensor.dtype).view(tensor.shape) for part in gathered
+            ]).to(tensor.device)
             offset += size
         return Message(message.kind, ALLREDUCE_RANK, self.rank, out, clock=message.clock, loss=message.loss)
 
@@ -407,7 +408,7 @@ class Collective:
         if all(pair == best for pair in pairs) and (best[0] >= 0 or quorum.number == 0):
             self.held_in = quorum.number
             return None
-        flat = torch.cat([t.detach().reshape(-1) for t in state.tensors.values()])
+        flat = on_host([t.detach().reshape(-1) for t in state.tensors.values()])
         quorum.group.broadcast(flat, source).wait()
         size = flat.numel() * flat.element_size()
         if quorum.members[source] == self.rank:
@@ -486,10 +487,21 @@ def _first_line(error: BaseException) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
+def on_host(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors concatenated in host memory, where gloo reduces them: a GPU's are concatenated on the device and
+    copied over once, into pinned memory."""
+    flat = torch.cat(tensors)
+    if flat.device.type == "cpu":
+        return flat
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    return host.copy_(flat)
+
+
 def _split(flat: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`flat` cut into tensors of the shapes and dtypes of `like`, under its names."""
+    """`flat` (in host memory) cut into tensors of the shapes, dtypes and devices of `like`, under its names."""
     out, offset = {}, 0
     for name, tensor in like.items():
-        out[name] = flat[offset : offset + tensor.numel()].view(tensor.shape).to(tensor.dtype)
+        part = flat[offset : offset + tensor.numel()].view(tensor.shape)
+        out[name] = part.to(device=tensor.device, dtype=tensor.dtype)
         offset += tensor.numel()
     return out

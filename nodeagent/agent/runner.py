@@ -18,6 +18,7 @@ delivered), and hands the change to the driver, which switches just before that 
 
 from __future__ import annotations
 
+import gc
 import logging
 import queue
 import threading
@@ -94,6 +95,7 @@ class JobRunner(threading.Thread):
         self.update(assignment)
         self.pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"exchange-{self.job_id}")
         self.slowdown = agent.config.slowdown * self.spec.slowdown.get(self.rank, 1.0)
+        self.device = torch.device(agent.config.device)
 
     def update(self, assignment: coordinator_pb2.Assignment) -> None:
         """New addresses or liveness of neighbours, or a new topology; applied between calls (dicts are replaced
@@ -139,7 +141,7 @@ class JobRunner(threading.Thread):
         except Exception as error:
             log.exception("job %s failed on this node", self.job_id, extra={FORWARDED: True})
             if not self.stop_event.is_set():  # a job that ended meanwhile has no failure to report
-                reason = f"{type(error).__name__}: {error}"
+                reason = failure_of(error, self.spec, self.device)
                 self.agent.event(self.job_id, events.FAILED, f"failed: {reason}", "ERROR", self.step())
                 self.agent.report_failure(self.job_id, self.rank, reason)
         finally:
@@ -152,6 +154,7 @@ class JobRunner(threading.Thread):
             if self.peers is not None:
                 self.peers.close()
             self.agent.metrics.forget_job(self.job_id)
+            release_device_memory(self.device)  # the next job on this GPU starts with all of it
             # A neighbour's call that was in flight when the job ended here still counts its bytes until its
             # deadline, which brings its series back: a second sweep after that removes them for good.
             sweep = threading.Timer(self.spec.wire.exchange_timeout_s + 1.0, self.agent.metrics.forget_job,
@@ -163,7 +166,7 @@ class JobRunner(threading.Thread):
         spec, agent = self.spec, self.agent
         building = time.perf_counter()
         node = build_node(spec, self.rank, self.neighbors, self.self_weight, agent.config.data_dir,
-                          self.peer_schedule, allow_imports=agent.config.allow_imports)
+                          self.peer_schedule, allow_imports=agent.config.allow_imports, device=self.device)
         algorithm = node.algorithm
         checkpoint = checkpoint_path(agent.config.state_dir, self.job_id, self.rank)
         # A node that joins takes the model from its neighbours; a checkpoint of this rank from an earlier stay in
@@ -195,7 +198,7 @@ class JobRunner(threading.Thread):
                 job_id=self.job_id, node_id=agent.node_id, rank=self.rank, algorithm_name=spec.algorithm.name,
                 names=self.names, expected=algorithm.expected, snapshot=algorithm.snapshot, inbox=self.inbox,
                 encoding=encoding, chunk_bytes=spec.wire.chunk_bytes, max_message_bytes=spec.wire.max_message_bytes,
-                traffic=driver.traffic,
+                traffic=driver.traffic, device=str(self.device),
             )
             agent.set_serving(self.serving)
             self.peers = GrpcPeers(self.serving, self.addresses, agent.metrics, spec.wire.exchange_timeout_s,
@@ -315,6 +318,25 @@ class JobRunner(threading.Thread):
         if waiting:
             log.warning("job %s: starting without neighbours %s, which do not serve it yet", self.job_id,
                         sorted(waiting))
+
+
+def failure_of(error: Exception, spec: JobSpec, device: torch.device) -> str:
+    """The reason a job failed on this node, as the coordinator records it: out of device memory says what asked for
+    it, so that the operator can size the job (the coordinator prefixes the rank and node)."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return (f"CUDA out of memory: {first} (model {spec.model.name}, batch {spec.data.batch_size}, device "
+                f"{device})")
+    return f"{type(error).__name__}: {error}"
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Give the memory a finished or failed job held on a GPU back to the device (torch's caching allocator keeps
+    freed blocks otherwise), so that this agent's next job, or another process, can have it."""
+    if device.type != "cuda":
+        return
+    gc.collect()  # a failed step's traceback may hold the last references to its tensors
+    torch.cuda.empty_cache()
 
 
 def describe_data(node: Node) -> DatasetInfo:

@@ -123,7 +123,7 @@ class AdaComp(PSWorker):
         super().__init__(model, context, loss_fn)
         self.rate = self.options.rate
         self.codec = CODECS[self.options.codec]
-        self.residual = Residual(self.params.numel) if self.options.residual else None
+        self.residual = Residual(self.params.numel, self.w.device) if self.options.residual else None
         self.pull_delta = self.options.pull == "delta"
         self.last_payload_bytes = 0
 
@@ -151,5 +151,5 @@ class AdaComp(PSWorker):
         sparse = decode_sparse(model.tensors[PAYLOAD].numpy().tobytes(), self.params.sizes)
         offset = 0
         for (indices, values), n in zip(sparse, self.params.sizes, strict=True):
-            self.w[offset + indices] = values.to(self.w.dtype)
+            self.w[(offset + indices).to(self.w.device)] = values.to(self.w.device, self.w.dtype)
             offset += n

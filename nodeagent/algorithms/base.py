@@ -40,10 +40,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 from torch import nn
 
-from nodeagent.jobspec import AlgorithmSpec, JobSpec, JobSpecError, Mode, format_validation_error
+from nodeagent.jobspec import AlgorithmSpec, JobSpec, JobSpecError, Mode, Precision, format_validation_error
 from nodeagent.ps.messages import ServerAnswer, ServerRequest
 from nodeagent.wire.errors import WireError
-from nodeagent.wire.message import Kind, Message, TensorSpec
+from nodeagent.wire.message import Kind, Message, TensorSpec, all_finite
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,7 @@ class NodeContext:
     # Time-varying graphs: this node's out-peers at each iteration of one period (iteration t uses entry
     # t mod period); empty for static topologies. Every peer in it is also in `neighbors`.
     peer_schedule: tuple[tuple[int, ...], ...] = ()
+    precision: Precision = "fp32"  # the job's training.precision: the arithmetic of forward and backward
 
     @property
     def neighbor_ranks(self) -> tuple[int, ...]:
@@ -146,13 +147,18 @@ class Graph(Protocol):
     def degree(self, rank: int) -> int: ...
 
 
+# A minibatch loss as a step returns it: a float on the CPU; on a GPU the 0-dim tensor itself, read (float()) only
+# where a number is needed, so that a step does not wait for the device to finish it.
+Loss = float | torch.Tensor
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """What this node serves until the next snapshot: tensors by (peer or None for every peer, kind)."""
 
     rank: int
     clock: int
-    loss: float
+    loss: Loss
     served: Mapping[tuple[int | None, Kind], Mapping[str, torch.Tensor]]
     weight: float = 1.0
 
@@ -217,6 +223,32 @@ class FlatParameters:
         return flat
 
 
+class LossScale:
+    """fp16's dynamic loss scale, as torch.amp.GradScaler keeps it: the loss is multiplied by the scale before the
+    backward pass so that small gradients do not vanish in fp16; a gradient that overflowed (not finite once
+    unscaled) halves the scale and its step is skipped; GROWTH_INTERVAL finite steps in a row double it."""
+
+    INITIAL = 2.0**16
+    GROWTH_INTERVAL = 2000
+
+    def __init__(self) -> None:
+        self.scale = self.INITIAL
+        self._finite_steps = 0
+
+    def update(self, finite: bool) -> None:
+        if not finite:
+            self.scale /= 2
+            self._finite_steps = 0
+            return
+        self._finite_steps += 1
+        if self._finite_steps == self.GROWTH_INTERVAL:
+            self.scale *= 2
+            self._finite_steps = 0
+
+
+AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 class Algorithm(ABC):
     """Base of every algorithm; subclasses implement the update rule and the message protocol."""
 
@@ -244,7 +276,9 @@ class Algorithm(ABC):
         self.params = FlatParameters(model)
         self.w = self.params.vector
         self.clock = 0
-        self.last_loss = math.nan
+        self.last_loss: Loss = math.nan
+        self.autocast = AUTOCAST_DTYPES.get(context.precision)  # None: fp32
+        self.loss_scale = LossScale() if context.precision == "fp16" else None
         # The ranks whose messages `expected` accepts: the neighbours, and while the topology changes those of the
         # next one too (replaced whole: network threads read it).
         self.accepted_ranks: frozenset[int] = frozenset(context.neighbor_ranks)
@@ -283,16 +317,31 @@ class Algorithm(ABC):
 
     # -- local computation shared by the algorithms ------------------------------------------------------------
 
-    def gradient(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor]:
-        """Minibatch loss and flat gradient g at the current parameters, with the L2 term l2 * w."""
+    def gradient(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[Loss, torch.Tensor]:
+        """Minibatch loss and flat gradient g at the current parameters, with the L2 term l2 * w. With a reduced
+        precision the forward pass runs under autocast (the parameters and g stay fp32); an fp16 gradient that
+        overflowed is returned as zeros (its step skipped, as GradScaler skips it) and lowers the loss scale."""
         if not self.model.training:  # switching every module costs more than a small model's step
             self.model.train()
-        loss = self.loss_fn(self.model(inputs), targets)
-        loss.backward()
-        grad = self.params.gradient()
+        if self.autocast is None:
+            loss = self.loss_fn(self.model(inputs), targets)
+        else:
+            with torch.autocast(self.w.device.type, dtype=self.autocast):
+                loss = self.loss_fn(self.model(inputs), targets)
+        if self.loss_scale is None:
+            loss.backward()
+            grad = self.params.gradient()
+        else:
+            (loss * self.loss_scale.scale).backward()
+            grad = self.params.gradient().div_(self.loss_scale.scale)
+            finite = all_finite(grad)
+            self.loss_scale.update(finite)
+            if not finite:
+                grad.zero_()
         if self.spec.l2 > 0:
             grad = grad.add(self.w, alpha=self.spec.l2)
-        return float(loss.detach()), grad
+        loss = loss.detach()
+        return (float(loss) if loss.device.type == "cpu" else loss.float()), grad
 
     def sgd_direction(self, grad: torch.Tensor) -> torch.Tensor:
         """The SGD step direction: the gradient, or its momentum (optionally Nesterov) combination."""
@@ -327,8 +376,8 @@ class Algorithm(ABC):
     # -- the interface the runtimes drive -----------------------------------------------------------------------
 
     @abstractmethod
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        """One local step; returns the minibatch loss."""
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> Loss:
+        """One local step; returns the minibatch loss (on a GPU, still on the device: see `Loss`)."""
 
     @abstractmethod
     def sends(self) -> list[Send]:

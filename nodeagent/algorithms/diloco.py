@@ -225,7 +225,7 @@ class _DiLoCo(Algorithm):
         """A fragment's vector padded with zeros to the fragment length (what travels)."""
         if vector.numel() == self.fragment_length:
             return vector.clone()
-        out = torch.zeros(self.fragment_length, dtype=vector.dtype)
+        out = torch.zeros(self.fragment_length, dtype=vector.dtype, device=vector.device)
         out[: vector.numel()] = vector
         return out
 
@@ -404,7 +404,7 @@ class DiLoCo(_DiLoCo):
             members = next(iter(message.tensors.values())).shape[0]  # the quorum's: a lost rank is not in it
             gathered = [self.decode({name: t[member] for name, t in message.tensors.items()})
                         for member in range(members)]
-            total = torch.zeros(self.fragment_length, dtype=self.w.dtype)
+            total = torch.zeros(self.fragment_length, dtype=self.w.dtype, device=self.w.device)
             for vector in gathered:  # in rank order: the same float sum on every node
                 total.add_(vector)
             pending.mean = total / members
@@ -423,7 +423,7 @@ class DiLoCo(_DiLoCo):
             part = self.fragment_slice(pending.fragment)
             tensors["residual"][part] = pending.residual_before
         synced = pending is None and self.fragment_due(self.clock) is not None
-        tensors["synced"] = torch.tensor([1.0 if synced else 0.0], dtype=self.w.dtype)
+        tensors["synced"] = torch.tensor([1.0 if synced else 0.0], dtype=self.w.dtype, device=self.w.device)
         return Message(Kind.PARAMS, self.context.rank, ALLREDUCE_RANK, tensors, clock=self.clock)
 
     def _take_group_state(self, message: Message) -> None:

@@ -67,7 +67,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from nodeagent.algorithms.base import ALLREDUCE_RANK, Neighbor, Route, Send
+from nodeagent.algorithms.base import ALLREDUCE_RANK, Loss, Neighbor, Route, Send
 from nodeagent.metrics import Metrics
 from nodeagent.ps.messages import SERVER_NAME, SERVER_RANK, ServerAnswer
 from nodeagent.runtime.progress import EdgeCounters, Progress, Traffic
@@ -223,7 +223,7 @@ class NodeDriver:
         self.report_every_s = report_every_s
         self.traffic = Traffic()
         self.done = False
-        self.loss = math.nan
+        self.loss: Loss = math.nan
         self.accuracy = math.nan
         self.test_loss = math.nan
         self.compute_s = 0.0
@@ -517,7 +517,7 @@ class NodeDriver:
         self.samples += len(inputs)
         self.local_steps += 1
         self._step_began = self.clock()
-        self.loss = self.algorithm.step(inputs, targets)
+        self.loss = self.algorithm.step(inputs, targets)  # on a GPU: read at the next report, not now
         return self.clock() - self._step_began
 
     def stepped(self, duration_s: float) -> list[Transmission]:
@@ -529,7 +529,6 @@ class NodeDriver:
         self._wait_logged = False
         self._step_seconds.observe(duration_s)
         self._local_steps.inc()
-        self._training_loss.set(self.loss)
         return self._transmissions(self.algorithm.sends(), duration_s)
 
     # -- the rules -------------------------------------------------------------------------------------------------
@@ -591,7 +590,9 @@ class NodeDriver:
     def _report(self, evaluated: bool) -> Report:
         self._reported = self.clock()
         self._reported_counters = self._counters()
-        return Report(self.progress(), evaluated)
+        progress = self.progress()
+        self._training_loss.set(progress.loss)
+        return Report(progress, evaluated)
 
     def _counters(self) -> tuple[tuple[int, int], int, int]:
         return self.traffic.totals(), self.exchanges, self.failures
@@ -643,7 +644,7 @@ class NodeDriver:
             key=lambda edge: edge.peer,
         )
         return Progress(
-            job=self.job, rank=self.node.rank, node=self.name, step=self.algorithm.clock, loss=self.loss,
+            job=self.job, rank=self.node.rank, node=self.name, step=self.algorithm.clock, loss=float(self.loss),
             test_accuracy=self.accuracy, test_loss=self.test_loss,
             elapsed_s=now - (self._started if self._started is not None else now), finished=self.done,
             bytes_sent=sent, bytes_received=received, compute_s=self.compute_s, wait_s=self.wait_s,

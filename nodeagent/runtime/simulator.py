@@ -29,7 +29,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -169,7 +169,7 @@ class VirtualMesh:
         self.server: SimulatedServer | None = None
         if nodes and type(nodes[0].algorithm).family is Family.SERVER:
             self.server = SimulatedServer(self, build_server(nodes[0].spec, nodes[0].batches.dataset.info))
-            if not torch.equal(self.server.half.w, nodes[0].algorithm.w):
+            if not torch.equal(self.server.half.w, nodes[0].algorithm.w.cpu()):
                 raise RuntimeError("the server's initial model differs from the workers'")
             for sim in self.nodes:
                 sim.link = SimulatedLink(self.server, sim)
@@ -416,6 +416,9 @@ class SimulatedServer:
 
     def push(self, sim: SimNode, push: ServerPush, call_id: str, answered: Answered) -> None:
         mesh = self.mesh
+        # The server lives in host memory, as the coordinator's does: a push from a GPU worker arrives there as it
+        # would off the wire (and its answers reach the worker in host memory, as the agent's link decodes them).
+        push = replace(push, tensors={name: tensor.cpu() for name, tensor in push.tensors.items()})
         self.count(sim, up=push.payload_bytes)
         arrival = mesh._arrival(self.INGRESS, push.payload_bytes)
         sim.round.network += arrival - mesh.now

@@ -37,9 +37,11 @@ import numpy as np
 import torch
 
 from nodeagent.jobspec import DEFAULT_DATA_DIR, DatasetKind
+from nodeagent.training.device import fits_on_device
 
 __all__ = [
-    "DATASET_KINDS", "DEFAULT_DATA_DIR", "DataError", "Dataset", "DatasetInfo", "Normalisation", "describe_dataset",
+    "DATASET_KINDS", "DEFAULT_DATA_DIR", "DataError", "Dataset", "DatasetInfo", "DeviceCopy", "Normalisation",
+    "describe_dataset",
     "load_dataset", "read_idx",
 ]
 
@@ -80,10 +82,16 @@ class Normalisation:
 
     def apply(self, samples: np.ndarray) -> torch.Tensor:
         """The normalised float32 copy of `samples` (N, *shape); `samples` is never written."""
-        images = torch.from_numpy(np.array(samples, dtype=np.float32))
+        return self.apply_tensor(torch.from_numpy(np.array(samples, dtype=np.float32)))
+
+    def apply_tensor(self, images: torch.Tensor) -> torch.Tensor:
+        """`images` (N, *shape), float32 samples that this call may overwrite, normalised in place on their own
+        device."""
         if self.divisor != 1:
             images.div_(self.divisor)
         mean, std = self._mean_std
+        if images.device != mean.device:
+            mean, std = mean.to(images.device), std.to(images.device)
         if len(self.mean) > 1:  # channel-first: (C, 1, ..., 1) broadcasts over the sample's other axes
             shape = (len(self.mean),) + (1,) * (images.dim() - 2)
             mean, std = mean.reshape(shape), std.reshape(shape)
@@ -119,6 +127,33 @@ class Dataset:
         """Every sample normalised, computed once and kept: evaluation reads the whole test set again and again (each
         simulated node, each evaluation), and normalising it costs more than a small model's forward pass."""
         return self.normalisation.apply(self.samples)
+
+    def on(self, device: torch.device) -> DeviceCopy | None:
+        """This data set uploaded to `device` once (samples as stored, labels), shared by every node of the process
+        on that device; None on the CPU, or where it would take more than its share of the device's memory
+        (DATA_ON_DEVICE_FRACTION): minibatches are then copied over one by one."""
+        if device.type == "cpu" or not fits_on_device(self.samples.nbytes + self.labels.nbytes, device):
+            return None
+        copies = self.__dict__.setdefault("_device_copies", {})
+        if device not in copies:
+            copies[device] = DeviceCopy(torch.from_numpy(np.ascontiguousarray(self.samples)).to(device),
+                                        self.labels.to(device), self.normalisation)
+        return copies[device]
+
+
+@dataclass(frozen=True)
+class DeviceCopy:
+    """A data set held on a GPU: samples as stored (uint8 pixels take a quarter of their float32 size), normalised
+    per minibatch there."""
+
+    samples: torch.Tensor
+    labels: torch.Tensor
+    normalisation: Normalisation
+
+    def images(self, which: torch.Tensor | slice) -> torch.Tensor:
+        """The samples `which` (indices on this device, or a slice), normalised: float32 (B, *input_shape)."""
+        chosen = self.samples[which] if isinstance(which, slice) else self.samples.index_select(0, which)
+        return self.normalisation.apply_tensor(chosen.to(torch.float32, copy=True))
 
 
 def _published(mean: tuple[float, ...], std: tuple[float, ...]) -> Normalisation:

@@ -24,29 +24,34 @@ from torch import nn
 from nodeagent.algorithms import Algorithm, Neighbor, NodeContext, build_algorithm
 from nodeagent.jobspec import JobSpec
 from nodeagent.training.data import Dataset, load_dataset
-from nodeagent.training.loop import BatchStream, EvalResult, evaluate
+from nodeagent.training.loop import CPU, BatchStream, EvalResult, evaluate, model_device
 from nodeagent.training.models import initial_model
 from nodeagent.training.splits import split_indices
 
 
 class InitialEvaluation:
-    """The job's initial model evaluated on its test set once, for all its nodes: each is evaluated at step 0 (where
-    its curve starts), from the same parameters, which would repeat one evaluation per node."""
+    """The job's initial model evaluated on its test set once per device, for all its nodes: each is evaluated at
+    step 0 (where its curve starts), from the same parameters, which would repeat one evaluation per node."""
 
     def __init__(self, initial: nn.Module, test_set: Dataset) -> None:
-        self._initial = initial
         self._state = initial.state_dict()
         self._test_set = test_set
-        self._result: EvalResult | None = None
+        self._on_device: dict[torch.device, dict[str, torch.Tensor]] = {}
+        self._results: dict[torch.device, EvalResult] = {}
 
     def of(self, model: nn.Module) -> EvalResult | None:
-        """The initial model's result if `model` holds exactly its parameters and buffers, else None."""
+        """The initial model's result on `model`'s device if `model` holds exactly its parameters and buffers, else
+        None."""
+        device = model_device(model)
+        initial = self._on_device.get(device)
+        if initial is None:
+            initial = self._on_device[device] = {k: v.to(device) for k, v in self._state.items()}
         state = model.state_dict()
-        if state.keys() != self._state.keys() or not all(torch.equal(state[k], self._state[k]) for k in state):
+        if state.keys() != initial.keys() or not all(torch.equal(state[k], initial[k]) for k in state):
             return None
-        if self._result is None:
-            self._result = evaluate(self._initial, self._test_set)
-        return self._result
+        if device not in self._results:
+            self._results[device] = evaluate(model, self._test_set)
+        return self._results[device]
 
 
 @dataclass
@@ -81,13 +86,18 @@ class JobData:
     shards: list[np.ndarray]
     initial: nn.Module
     initial_evaluation: InitialEvaluation
+    device: torch.device = CPU  # where every node of it computes: model, algorithm state, batches, evaluation
 
     @classmethod
-    def prepare(cls, spec: JobSpec, data_dir: str | Path | None = None, allow_imports: Collection[str] = ()) -> JobData:
-        """Loads the job's data and splits it, and builds its initial model. `data_dir` overrides the job's data
-        directory on this machine; `allow_imports` are the modules a model may be imported from on it
-        (nodeagent.training.models). Seeds torch's global generator as `initial_model` does, once: what the nodes
-        draw next (dropout) is what a single node built alone would draw."""
+    def prepare(cls, spec: JobSpec, data_dir: str | Path | None = None, allow_imports: Collection[str] = (),
+                device: torch.device = CPU) -> JobData:
+        """Loads the job's data and splits it, and builds its initial model (on the CPU, seeded: the same on every
+        device). `data_dir` overrides the job's data directory on this machine; `allow_imports` are the modules a
+        model may be imported from on it (nodeagent.training.models); `device` is where its nodes compute. Seeds
+        torch's global generator as `initial_model` does, once: what the nodes draw next (dropout) is what a
+        single node built alone would draw."""
+        if spec.training.precision == "fp16" and device.type != "cuda":
+            raise ValueError(f"training.precision fp16 needs a CUDA device; this node computes on {device}")
         directory = data_dir or spec.data.data_dir
         train = load_dataset(spec.data.dataset, directory, "train", spec.data.train_limit)
         test = load_dataset(spec.data.dataset, directory, "test", spec.data.test_limit)
@@ -96,7 +106,7 @@ class JobData:
             train.info.num_classes,
         )
         initial = initial_model(spec, train.info, allow_imports)
-        return cls(spec, train, test, shards, initial, InitialEvaluation(initial, test))
+        return cls(spec, train, test, shards, initial, InitialEvaluation(initial, test), device)
 
     def node(self, rank: int, neighbors: tuple[Neighbor, ...], self_weight: float,
              peer_schedule: tuple[tuple[int, ...], ...] = ()) -> Node:
@@ -111,11 +121,13 @@ class JobData:
             self_weight=self_weight,
             seed=spec.seed,
             peer_schedule=peer_schedule,
+            precision=spec.training.precision,
         )
-        algorithm = build_algorithm(copy.deepcopy(self.initial), context)
+        algorithm = build_algorithm(copy.deepcopy(self.initial).to(self.device), context)
         shard = self.shards[rank]
-        # Each node draws its own batch order, reproducibly.
-        batches = BatchStream(self.train, shard, spec.data.batch_size, seed=spec.seed * 1_000_003 + rank)
+        # Each node draws its own batch order, reproducibly (the same on every device).
+        batches = BatchStream(self.train, shard, spec.data.batch_size, seed=spec.seed * 1_000_003 + rank,
+                              device=self.device)
         return Node(spec, rank, algorithm, batches, self.test, len(shard), self.initial_evaluation)
 
 
@@ -127,7 +139,8 @@ def build_node(
     data_dir: str | Path | None = None,
     peer_schedule: tuple[tuple[int, ...], ...] = (),
     allow_imports: Collection[str] = (),
+    device: torch.device = CPU,
 ) -> Node:
-    """The node of `rank` alone (an agent's): the job's data prepared for it (`JobData.prepare`), then its node.
-    Building many nodes of one job, prepare the JobData once and call its `node` for each."""
-    return JobData.prepare(spec, data_dir, allow_imports).node(rank, neighbors, self_weight, peer_schedule)
+    """The node of `rank` alone (an agent's), on `device`: the job's data prepared for it (`JobData.prepare`), then
+    its node. Building many nodes of one job, prepare the JobData once and call its `node` for each."""
+    return JobData.prepare(spec, data_dir, allow_imports, device).node(rank, neighbors, self_weight, peer_schedule)

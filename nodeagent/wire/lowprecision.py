@@ -48,7 +48,7 @@ def encode(vector: torch.Tensor, precision: Precision, chunk: int = 0) -> dict[s
     length = vector.numel()
     count = chunk_count(length, chunk)
     size = length if chunk == 0 else chunk
-    padded = torch.zeros(count * size, dtype=torch.float32)
+    padded = torch.zeros(count * size, dtype=torch.float32, device=vector.device)
     padded[:length] = vector.detach()
     blocks = padded.view(count, size)
     scales = blocks.abs().amax(dim=1) / INT8_LEVELS
@@ -69,6 +69,6 @@ def decode(tensors: dict[str, torch.Tensor], precision: Precision, chunk: int, d
         raise WireError("not_finite", "an int8 vector's scales must be finite and not negative")
     length = codes.numel()
     size = length if chunk == 0 else chunk
-    padded = torch.zeros(scales.numel() * size, dtype=torch.float32)
+    padded = torch.zeros(scales.numel() * size, dtype=torch.float32, device=codes.device)
     padded[:length] = codes.to(torch.float32)
     return (padded.view(scales.numel(), size) * scales[:, None]).reshape(-1)[:length].to(dtype)

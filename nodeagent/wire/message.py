@@ -85,9 +85,13 @@ class Message:
     receiver: int
     tensors: Mapping[str, torch.Tensor]
     clock: int = 0
-    loss: float = 0.0
+    loss: float = 0.0  # a step's loss still on its GPU (a 0-dim tensor) is read here, once a message is made
     weight: float = 1.0
     model_version: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.loss, float):
+            object.__setattr__(self, "loss", float(self.loss))
 
     @property
     def payload_bytes(self) -> int:

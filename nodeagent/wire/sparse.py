@@ -87,19 +87,22 @@ def _candidates(magnitude: torch.Tensor, k: int) -> torch.Tensor:
     """Ascending indices of a superset of the k largest magnitudes (all indices for small tensors)."""
     n = magnitude.numel()
     if n < 4 * _SAMPLE or 16 * k > n:
-        return torch.arange(n)
-    picks = torch.randint(0, n, (_SAMPLE,), generator=torch.Generator().manual_seed(n ^ k))
+        return torch.arange(n, device=magnitude.device)
+    # Drawn on the CPU's generator: the same sample, and so the same selection, on every device.
+    picks = torch.randint(0, n, (_SAMPLE,), generator=torch.Generator().manual_seed(n ^ k)).to(magnitude.device)
     # Aim for about 2k candidates: the sample's quantile at 1 - 2k/n, with a margin for small k.
     keep = min(_SAMPLE, 2 * k * _SAMPLE // n + 16)
     estimate = torch.kthvalue(magnitude[picks], _SAMPLE - keep + 1).values
     candidates = torch.nonzero(magnitude >= estimate).flatten()
-    return candidates if candidates.numel() >= k else torch.arange(n)
+    return candidates if candidates.numel() >= k else torch.arange(n, device=magnitude.device)
 
 
-def densify(sparse: Sparse, tensor_sizes: Sequence[int]) -> torch.Tensor:
-    """The flat dense vector of a sparse update (zeros elsewhere)."""
-    flat = torch.zeros(sum(tensor_sizes), dtype=torch.float32)
-    flat[flat_indices(sparse, tensor_sizes)] = torch.cat([values for _, values in sparse]).to(torch.float32)
+def densify(sparse: Sparse, tensor_sizes: Sequence[int], device: torch.device | None = None) -> torch.Tensor:
+    """The flat dense vector of a sparse update (zeros elsewhere), on `device` (default: the update's)."""
+    device = device if device is not None else sparse[0][1].device
+    flat = torch.zeros(sum(tensor_sizes), dtype=torch.float32, device=device)
+    values = torch.cat([values for _, values in sparse]).to(device=device, dtype=torch.float32)
+    flat[flat_indices(sparse, tensor_sizes).to(device)] = values
     return flat
 
 
@@ -114,8 +117,8 @@ def flat_indices(sparse: Sparse, tensor_sizes: Sequence[int]) -> torch.Tensor:
 class Residual:
     """Error feedback (off by default, as in the paper): what was not sent is added to the next gradient."""
 
-    def __init__(self, numel: int):
-        self.error = torch.zeros(numel, dtype=torch.float32)
+    def __init__(self, numel: int, device: torch.device | None = None):
+        self.error = torch.zeros(numel, dtype=torch.float32, device=device)
 
     def apply(self, grad: torch.Tensor) -> torch.Tensor:
         """The gradient to select from: this step's gradient plus everything not sent so far."""
@@ -123,7 +126,7 @@ class Residual:
 
     def keep(self, corrected: torch.Tensor, sent: Sparse, tensor_sizes: Sequence[int]) -> None:
         """Keep what `sent` (as the server will apply it, quantisation included) left of `corrected`."""
-        self.error = corrected - densify(sent, tensor_sizes)
+        self.error = corrected - densify(sent, tensor_sizes, corrected.device)
 
 
 def compress(
@@ -147,8 +150,8 @@ def encode_sparse(sparse: Sparse, tensor_sizes: Sequence[int], codec: Codec) -> 
         raise ValueError(f"{len(sparse)} tensors for {len(tensor_sizes)} tensor sizes")
     parts = [bytes([Codec(codec)]), encode_varints(np.array([len(tensor_sizes)]))]
     for t, ((indices, values), n) in enumerate(zip(sparse, tensor_sizes, strict=True)):
-        idx = indices.to(torch.int64).numpy()
-        val = values.detach().to(torch.float32).numpy()
+        idx = indices.to(torch.int64).cpu().numpy()  # only the selected entries leave a GPU
+        val = values.detach().to(torch.float32).cpu().numpy()
         if idx.ndim != 1 or val.shape != idx.shape:
             raise ValueError(f"tensor {t}: indices and values must be 1-D of one length")
         if idx.size and (idx[0] < 0 or idx[-1] >= n or (np.diff(idx) <= 0).any()):
