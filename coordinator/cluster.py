@@ -49,6 +49,7 @@ class LocalCluster:
     tls: bool = True
     host: str = "127.0.0.1"  # where the coordinator listens, and the agents unless `agent_host` says otherwise
     device: str = "cpu"  # every agent's --device (they share a GPU: one is enough)
+    torch_threads: int = 1  # every agent's --torch-threads: agents share this machine's cores
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     address: str = ""
     metrics_address: str = ""
@@ -185,8 +186,7 @@ class LocalCluster:
             "nodeagent.cli", "serve", "--coordinator", self.address, "--listen", f"{host}:0",
             "--metrics-listen", f"{host}:0", "--state-dir", str(self.state_dir(index)),
             "--name", f"agent-{index}", "--device", self.device, "--log-level", self.log_level,
-            # Agents share this machine's cores: one torch thread each avoids oversubscription.
-            "--torch-threads", "1",
+            "--torch-threads", str(self.torch_threads),
             *([] if self.tls else ["--insecure"]),
         ]
         if self.data_dir:
