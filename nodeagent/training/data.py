@@ -136,8 +136,9 @@ class Dataset:
             return None
         copies = self.__dict__.setdefault("_device_copies", {})
         if device not in copies:
-            copies[device] = DeviceCopy(torch.from_numpy(np.ascontiguousarray(self.samples)).to(device),
-                                        self.labels.to(device), self.normalisation)
+            # torch.tensor copies (memory-mapped samples are read-only; from_numpy would warn of sharing them).
+            copies[device] = DeviceCopy(torch.tensor(self.samples, device=device), self.labels.to(device),
+                                        self.normalisation)
         return copies[device]
 
 
