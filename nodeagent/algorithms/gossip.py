@@ -233,7 +233,7 @@ class PairwiseGossip(Algorithm):
         return mixed
 
     def _mix(self, reply: Message) -> None:
-        factor = peer_weight(self.options, self.gossip_clock, reply.clock, float(self.last_loss), reply.loss)
+        factor = peer_weight(self.options, self.gossip_clock, reply.clock, float(self.last_loss), float(reply.loss))
         with torch.no_grad():
             # lerp is exact at both ends: f = 0 keeps w, f = 1 copies the peer.
             self.w.lerp_(self.params.flatten(reply.tensors), factor)

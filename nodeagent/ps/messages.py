@@ -46,12 +46,8 @@ class ServerPush:
     tensors: Mapping[str, torch.Tensor]
     version: int
     clock: int = 0
-    loss: float = 0.0  # a step's loss still on its GPU is read here, once the push is made
+    loss: float | torch.Tensor = 0.0  # as Message.loss: read where it leaves the process
     pull_delta: bool = False  # the model comes back as a delta since `version` (AdaComp's `pull: delta`)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.loss, float):
-            object.__setattr__(self, "loss", float(self.loss))
 
     @property
     def payload_bytes(self) -> int:

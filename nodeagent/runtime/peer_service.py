@@ -482,7 +482,8 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                 )
         return peer_pb2.NodeDescription(
             node_id=state.node_id, job_id=state.job_id, rank=state.rank, algorithm=state.algorithm_name,
-            clock=snapshot.clock, loss=snapshot.loss, neighbor_ranks=sorted(r for r in state.names if r != state.rank),
+            clock=snapshot.clock, loss=float(snapshot.loss),
+            neighbor_ranks=sorted(r for r in state.names if r != state.rank),
             served_tensors=served, version=self._version,
         )
 

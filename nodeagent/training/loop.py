@@ -50,6 +50,7 @@ class BatchStream:
         self.epochs = 0  # complete passes over the shard served so far
         self.device = device
         self._on_device = dataset.on(device)
+        self._order_on_device: torch.Tensor | None = None  # this epoch's order, where the data set is uploaded
         self._ahead: tuple[torch.Tensor, torch.Tensor] | None = None  # the next batch, on its way to the device
 
     def _shuffled(self) -> np.ndarray:
@@ -74,12 +75,21 @@ class BatchStream:
         return (images.pin_memory().to(self.device, non_blocking=True),
                 labels.pin_memory().to(self.device, non_blocking=True))
 
+    def _indices_on_device(self) -> torch.Tensor:
+        """The next minibatch's indices, cut from the epoch's order uploaded once per epoch: a copy from pageable
+        memory per step would wait for the device to finish the steps queued before it."""
+        if self._position == 0 or self._order_on_device is None:
+            self._order_on_device = torch.from_numpy(self._order).to(self.device)
+        start = self._position
+        self._indices_of_next()
+        return self._order_on_device[start : start + self._batch_size]
+
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next minibatch, on the stream's device: normalised images (B, *input_shape) and labels (B,)."""
         if self.device.type == "cpu":
             return self._on_host(self._indices_of_next())
         if self._on_device is not None:
-            chosen = torch.from_numpy(self._indices_of_next()).to(self.device, non_blocking=True)
+            chosen = self._indices_on_device()
             return self._on_device.images(chosen), self._on_device.labels.index_select(0, chosen)
         current = self._ahead if self._ahead is not None else self._copied_over(self._indices_of_next())
         self._ahead = self._copied_over(self._indices_of_next())

@@ -117,7 +117,7 @@ def plan(
         receiver_rank=message.receiver,
         kind=int(message.kind),
         clock=message.clock,
-        loss=message.loss,
+        loss=float(message.loss),
         weight=message.weight,
         model_version=message.model_version,
         tensors=headers,

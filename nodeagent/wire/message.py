@@ -85,13 +85,11 @@ class Message:
     receiver: int
     tensors: Mapping[str, torch.Tensor]
     clock: int = 0
-    loss: float = 0.0  # a step's loss still on its GPU (a 0-dim tensor) is read here, once a message is made
+    # The sender's last minibatch loss; on a GPU the 0-dim tensor itself, read (float()) where the message leaves
+    # the process or is computed with, so that making a message does not wait for the device.
+    loss: float | torch.Tensor = 0.0
     weight: float = 1.0
     model_version: int = 0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.loss, float):
-            object.__setattr__(self, "loss", float(self.loss))
 
     @property
     def payload_bytes(self) -> int:
