@@ -76,9 +76,14 @@ class Normalisation:
     mean: tuple[float, ...]  # one per channel
     std: tuple[float, ...]
 
-    @cached_property
-    def _mean_std(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.tensor(self.mean, dtype=torch.float32), torch.tensor(self.std, dtype=torch.float32)
+    def _mean_std_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mean and standard deviation as tensors on `device`, made once per device: a copy from host memory
+        at every minibatch would make each step wait for the GPU to finish the ones queued before it."""
+        made = self.__dict__.setdefault("_mean_std", {})
+        if device not in made:
+            made[device] = (torch.tensor(self.mean, dtype=torch.float32, device=device),
+                            torch.tensor(self.std, dtype=torch.float32, device=device))
+        return made[device]
 
     def apply(self, samples: np.ndarray) -> torch.Tensor:
         """The normalised float32 copy of `samples` (N, *shape); `samples` is never written."""
@@ -89,9 +94,7 @@ class Normalisation:
         device."""
         if self.divisor != 1:
             images.div_(self.divisor)
-        mean, std = self._mean_std
-        if images.device != mean.device:
-            mean, std = mean.to(images.device), std.to(images.device)
+        mean, std = self._mean_std_on(images.device)
         if len(self.mean) > 1:  # channel-first: (C, 1, ..., 1) broadcasts over the sample's other axes
             shape = (len(self.mean),) + (1,) * (images.dim() - 2)
             mean, std = mean.reshape(shape), std.reshape(shape)
