@@ -135,6 +135,7 @@ class Agent:
         if not self._register():
             return False
         self.metrics.agent_info.labels(self.node_id, config.name, __version__, self.peer_address, config.device).set(1)
+        self.metrics.watch_device(self.node_id, config.device)
         logging.getLogger("nodeagent").addHandler(self.events)
         for target, name in ((self._watch_loop, "watch"), (self._heartbeat_loop, "heartbeat"),
                              (self._events_loop, "events")):
