@@ -611,6 +611,96 @@ def test_systemd_coordinator_creates_its_ca_once() -> None:
     assert port_of(serve.enroll_listen) == 7071, "agents enroll at the coordinator's host on port 7071 by default"
 
 
+# --- the GPU template: one agent per GPU, instance N on cuda:N
+
+GPU_TEMPLATE = "peertrain-agent@.service"
+GPU_ENV_EXAMPLE = "agent-gpu.env.example"
+# What the template adds to peertrain-agent.service: its devices, and CUDA's numbering of them.
+GPU_ONLY_SETTINGS = {("Service", "DevicePolicy"), ("Service", "DeviceAllow"), ("Service", "Environment")}
+
+
+def gpu_instance(instance: str) -> list[tuple[str, str, str]]:
+    """The template's entries for one instance (%i expanded)."""
+    return [(section, key, value.replace("%i", instance)) for section, key, value in read_unit(SYSTEMD / GPU_TEMPLATE)]
+
+
+def test_systemd_gpu_template_verifies(tmp_path: Path) -> None:
+    tool = need("systemd-analyze")
+    stand_in = shutil.which("true") or "/bin/true"
+    text = (SYSTEMD / GPU_TEMPLATE).read_text().replace("/opt/peertrain/.venv/bin/nodeagent", stand_in)
+    (tmp_path / GPU_TEMPLATE).write_text(text)
+    # A template is verified through an instance, which systemd-analyze loads from the template beside it.
+    result = run([tool, "verify", "--man=no", str(tmp_path / "peertrain-agent@0.service")], cwd=tmp_path)
+    output = result.stdout + result.stderr
+    ours = [line for line in output.splitlines() if "peertrain-agent@" in line or str(tmp_path) in line]
+    assert result.returncode == 0 and not ours, f"systemd-analyze verify peertrain-agent@0.service:\n{output}"
+    result = run([tool, "security", "--offline=true", "--threshold=30", str(tmp_path / "peertrain-agent@0.service")],
+                 cwd=tmp_path)
+    exposure = re.search(r"Overall exposure level for \S+: ([0-9.]+)", result.stdout)
+    assert exposure, result.stdout + result.stderr
+    assert result.returncode == 0 and float(exposure.group(1)) <= 3.0, result.stdout[-2000:]
+
+
+def test_systemd_gpu_template_keeps_the_agent_units_settings_per_instance() -> None:
+    """Every setting of peertrain-agent.service (hardening, restarts, limits) is in the template, with the state and
+    cache directories of the instance; what it adds is about the GPUs only."""
+    plain = read_unit(SYSTEMD / "peertrain-agent.service")
+    template = read_unit(SYSTEMD / GPU_TEMPLATE)
+    own = {"Description", "Environment", "EnvironmentFile", "ExecStart"}
+    expected = {(section, key, value.replace("peertrain/agent", "peertrain/agent-gpu%i"))
+                for section, key, value in plain if key not in own}
+    assert expected <= set(template), f"missing from the template: {sorted(expected - set(template))}"
+    added = {(section, key) for section, key, _ in set(template) - expected} - {("Unit", "Description")}
+    added -= {("Service", key) for key in ("EnvironmentFile", "ExecStart")}
+    assert added <= GPU_ONLY_SETTINGS, sorted(added - GPU_ONLY_SETTINGS)
+    entries = gpu_instance("0")
+    assert unit_value(entries, "DevicePolicy") == "closed"
+    assert {value.split()[0] for value in unit_values(entries, "DeviceAllow")} == {
+        "char-nvidia-frontend", "char-nvidia-uvm", "char-nvidia-caps"}
+    assert unit_environment(entries)["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID", "cuda:N must be the GPU nvidia-smi calls N"
+
+
+@pytest.mark.parametrize("instance", ["0", "1", "7"])
+def test_systemd_gpu_instance_runs_an_agent_of_its_own_on_its_gpu(instance: str, monkeypatch: pytest.MonkeyPatch
+                                                                  ) -> None:
+    """Instance N: --device cuda:N, its own state directory (node id, checkpoints, its certificate) and cache, and the
+    ports of /etc/peertrain/agent-gpuN.env, a file the instance cannot start without (no default ports two instances
+    would share). The example is GPU 0's, by the scheme it states: peers 7100+N, lanes 7200+N, metrics 9401+N."""
+    entries = gpu_instance(instance)
+    state_dir = f"/var/lib/peertrain/agent-gpu{instance}"
+    assert unit_value(entries, "EnvironmentFile") == f"/etc/peertrain/agent-gpu{instance}.env"
+    assert unit_value(entries, "StateDirectory") == state_dir.removeprefix("/var/lib/")
+    assert state_dir in unit_value(entries, "ReadWritePaths").split()
+    env = unit_environment(entries)
+    assert env["XDG_CACHE_HOME"] == f"/var/cache/{unit_value(entries, 'CacheDirectory')}"
+    assert unit_value(entries, "CacheDirectory") == f"peertrain/agent-gpu{instance}"
+    example = read_env_file(SYSTEMD / GPU_ENV_EXAMPLE)
+    n = int(instance)
+    # This instance's file, made from the example as it says: its ports moved by N, its own name.
+    instance_file = example | {
+        "PEERTRAIN_LISTEN": f"0.0.0.0:{7100 + n}", "PEERTRAIN_LANE_PORT": str(7200 + n),
+        "PEERTRAIN_METRICS_LISTEN": f"0.0.0.0:{9401 + n}",
+        "PEERTRAIN_AGENT_ARGS": example["PEERTRAIN_AGENT_ARGS"].replace(":7100", f":{7100 + n}").replace(
+            "-gpu0", f"-gpu{instance}"),
+    }
+    if n == 0:
+        assert instance_file == example, "agent-gpu.env.example is not GPU 0's by its own scheme"
+    exec_start = unit_value(entries, "ExecStart")
+    used = set(re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", exec_start))
+    assert used <= set(env) | set(example), f"no value anywhere for {sorted(used - set(env) - set(example))}"
+    unused = {key for key in example if key not in used and not read_from_environment("nodeagent", key, monkeypatch)}
+    assert not unused, f"{GPU_ENV_EXAMPLE} sets {sorted(unused)}, which the template never passes to nodeagent"
+    for key in ("PEERTRAIN_JOIN_TOKEN", "PEERTRAIN_CA_FINGERPRINT"):
+        assert example[key] == "" and key not in exec_start
+    args = parse_cli("nodeagent", expand_exec(exec_start, env | instance_file)[1:], f"peertrain-agent@{instance}")
+    assert args.command == "serve" and not args.insecure
+    assert args.device == f"cuda:{instance}"
+    assert (str(args.state_dir), str(args.tls_dir)) == (state_dir, f"{state_dir}/tls")
+    assert (port_of(args.listen), args.lane_port, port_of(args.metrics_listen)) == (7100 + n, 7200 + n, 9401 + n)
+    assert port_of(args.advertise) == port_of(args.listen)
+    assert args.name.endswith(f"-gpu{instance}")
+
+
 def test_sysusers_creates_the_service_user(tmp_path: Path) -> None:
     tool = need("systemd-sysusers")
     result = run([tool, f"--root={tmp_path}", "--dry-run", str(SYSTEMD / "peertrain.sysusers.conf")])
