@@ -38,6 +38,7 @@ PROMETHEUS = DEPLOY / "prometheus"
 GRAFANA = DEPLOY / "grafana"
 K8S = DEPLOY / "k8s"
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
+COMPOSE_CUDA_FILE = DEPLOY / "docker-compose.cuda.yml"  # merged over COMPOSE_FILE: the agents on GPUs
 DASHBOARD = GRAFANA / "dashboards" / "peertrain.json"
 SCRAPE_JOBS = {"peertrain-agent", "peertrain-coordinator"}
 
@@ -1419,6 +1420,54 @@ def test_compose_never_runs_insecure() -> None:
         assert not getattr(parse_cli(script, args, f"compose {name}"), "insecure", False), f"{name} runs --insecure"
     for name, service in services.items():
         assert compose_environment(service).get("PEERTRAIN_INSECURE", "") in {"", "0"}, name
+
+
+# What a service of the CUDA file may set. Compose merges a mapping (build, deploy) key by key and replaces the
+# rest, `command` whole; `merge_compose` does the same for these keys.
+COMPOSE_CUDA_KEYS = {"image", "build", "command", "deploy"}
+
+
+def merge_compose(base: Any, override: Any) -> Any:
+    """`docker compose -f base -f override` for mappings and the keys of COMPOSE_CUDA_KEYS: mappings merge, anything
+    else in the override replaces the base's."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        return {key: merge_compose(base[key], value) if key in base else value for key, value in override.items()} | {
+            key: value for key, value in base.items() if key not in override}
+    return override
+
+
+def test_compose_cuda_file_puts_each_agent_on_a_gpu_of_its_own() -> None:
+    """Merged over the CPU file, the CUDA file runs every agent from the CUDA image with one GPU reserved (a distinct
+    one each, by nvidia-smi index) and --device=cuda: the container sees only its GPU, as cuda:0. Nothing else of the
+    agents changes, and the other services stay as they are."""
+    base = compose()
+    override = load_yaml(COMPOSE_CUDA_FILE)
+    merged = merge_compose(base, override)
+    agents = {name for name, service in peertrain_services(base).items() if compose_command(name, service)[0] ==
+              "nodeagent"}
+    assert set(override["services"]) == agents, "every agent, and only the agents, on a GPU"
+    assert {name: merged["services"][name] for name in set(base["services"]) - agents} == {
+        name: base["services"][name] for name in set(base["services"]) - agents}
+    reserved: list[str] = []
+    for name in sorted(agents):
+        assert set(override["services"][name]) <= COMPOSE_CUDA_KEYS, f"{name}: merged here as compose would not"
+        service = merged["services"][name]
+        assert service["image"] == "peertrain:cuda"
+        assert service["build"]["dockerfile"] == "deploy/docker/Dockerfile.cuda"
+        assert (COMPOSE_CUDA_FILE.parent / service["build"]["context"]).resolve() == ROOT
+        script, command = compose_command(name, service)
+        args = parse_cli(script, command, f"compose (cuda) {name}")
+        assert args.device == "cuda", f"{name}: --device={args.device}"
+        _, base_command = compose_command(name, base["services"][name])
+        assert [a for a in command if not a.startswith("--device=")] == [
+            a for a in base_command if not a.startswith("--device=")], f"{name}: more than --device differs"
+        [device] = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        assert "count" not in device, f"{name}: reserve a GPU by index, one per agent"
+        [index] = device["device_ids"]
+        assert isinstance(index, str) and index.isdigit(), f"{name}: device_ids are strings of nvidia-smi indices"
+        reserved.append(index)
+    assert len(set(reserved)) == len(agents), f"agents share GPUs: {reserved}"
 
 
 def test_compose_prometheus_and_grafana_mounts() -> None:
