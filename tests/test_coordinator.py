@@ -403,7 +403,7 @@ def test_an_allreduce_jobs_rendezvous_listens_on_the_same_port_with_the_same_key
 
 
 def test_the_nodes_command_shows_each_nodes_device_with_its_name_and_memory(coordinator_stub, monkeypatch, capsys):
-    h100 = 85_031_714_816  # what torch reports for an H100 80GB HBM3: 79.2 GiB
+    h100 = 85_017_493_504  # what torch reports for an H100 80GB HBM3: 79.18 GiB
     coordinator_stub.Register(pb.RegisterRequest(peer_address="127.0.0.1:7100", name="gpu-host-gpu0", device="cuda:0",
                                                  device_name="NVIDIA H100 80GB HBM3", device_memory_bytes=h100),
                               timeout=5)

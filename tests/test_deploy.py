@@ -657,7 +657,7 @@ def test_systemd_gpu_template_keeps_the_agent_units_settings_per_instance() -> N
     entries = gpu_instance("0")
     assert unit_value(entries, "DevicePolicy") == "closed"
     assert {value.split()[0] for value in unit_values(entries, "DeviceAllow")} == {
-        "char-nvidia-frontend", "char-nvidia-uvm", "char-nvidia-caps"}
+        "char-nvidia", "char-nvidia-frontend", "char-nvidia-uvm", "char-nvidia-caps"}
     assert unit_environment(entries)["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID", "cuda:N must be the GPU nvidia-smi calls N"
 
 

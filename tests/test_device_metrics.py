@@ -26,8 +26,9 @@ from nodeagent.agent.daemon import Agent, AgentConfig
 from nodeagent.metrics import DEVICE_GAUGES, Metrics
 
 GiB = 2**30
-CARD = SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=85_031_714_816,
-                       uuid="58a1ad1e-7d43-11ee-b962-0242ac120002")
+# As torch 2.11 described an H100 (its UUID without NVML's "GPU-" prefix).
+CARD = SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=85_017_493_504,
+                       uuid="d5b1c6ba-fd15-de58-8f52-cae7a4bbff97")
 
 
 def device_samples(text: str) -> dict[str, tuple[dict[str, str], float]]:
