@@ -37,6 +37,7 @@ SYSTEMD = DEPLOY / "systemd"
 PROMETHEUS = DEPLOY / "prometheus"
 GRAFANA = DEPLOY / "grafana"
 K8S = DEPLOY / "k8s"
+K8S_CUDA = DEPLOY / "k8s-cuda"  # the CUDA variant: a kustomize overlay of K8S
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
 COMPOSE_CUDA_FILE = DEPLOY / "docker-compose.cuda.yml"  # merged over COMPOSE_FILE: the agents on GPUs
 DASHBOARD = GRAFANA / "dashboards" / "peertrain.json"
@@ -1707,3 +1708,88 @@ def test_kubectl_kustomize_renders() -> None:
     assert result.returncode == 0, result.stderr
     rendered = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
     assert len(rendered) == len(k8s_documents())
+
+
+# --- the CUDA variant (deploy/k8s-cuda): an overlay of the base whose agents run on a GPU each
+
+
+def strategic_merge(base: Any, patch: Any) -> Any:
+    """A strategic merge patch as kustomize applies these: mappings merge key by key; lists of mappings that all have
+    a name (containers, env, volumes) merge item by item by name; any other value of the patch replaces the base's."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        merged = dict(base)
+        for key, value in patch.items():
+            merged[key] = strategic_merge(base[key], value) if key in base else value
+        return merged
+    named = isinstance(base, list) and isinstance(patch, list) and all(
+        isinstance(item, dict) and "name" in item for item in [*base, *patch])
+    if named:
+        by_name = {item["name"]: item for item in patch}
+        merged_list = [strategic_merge(item, by_name.pop(item["name"])) if item["name"] in by_name else item
+                       for item in base]
+        return merged_list + list(by_name.values())
+    return patch
+
+
+def k8s_cuda_documents() -> list[dict[str, Any]]:
+    """The overlay built here as kustomize builds it: its base's documents with its patches merged in."""
+    kustomization = load_yaml(K8S_CUDA / "kustomization.yaml")
+    assert kustomization["resources"] == [str(Path("..") / K8S.name)], "the overlay's base is deploy/k8s"
+    documents = k8s_documents()
+    for entry in kustomization["patches"]:
+        patch = load_yaml(K8S_CUDA / entry["path"])
+        key = (patch["kind"], patch["metadata"]["name"])
+        [index] = [i for i, doc in enumerate(documents) if (doc["kind"], doc["metadata"]["name"]) == key]
+        documents[index] = strategic_merge(documents[index], patch)
+    return documents
+
+
+def check_cuda_variant(base: list[dict[str, Any]], cuda: list[dict[str, Any]]) -> None:
+    """The CUDA variant of `base`: the agents run the CUDA image with --device cuda and one GPU each (the NVIDIA device
+    plugin's resource nvidia.com/gpu, in their limits), tolerate the GPU nodes' taint, and nothing else changes."""
+    def by_key(documents: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+        return {(doc["kind"], doc["metadata"]["name"]): doc for doc in documents}
+
+    base_docs, cuda_docs = by_key(base), by_key(cuda)
+    assert set(cuda_docs) == set(base_docs)
+    config, agents = ("ConfigMap", "peertrain-config"), ("StatefulSet", "peertrain-agent")
+    for key in set(base_docs) - {config, agents}:
+        assert cuda_docs[key] == base_docs[key], f"the CUDA variant changes {key}"
+    assert cuda_docs[config]["data"] == base_docs[config]["data"] | {"PEERTRAIN_DEVICE": "cuda"}
+    assert base_docs[config]["data"]["PEERTRAIN_DEVICE"] == "cpu", "the base stays CPU"
+
+    statefulset = cuda_docs[agents]
+    pod = statefulset["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    [base_container] = base_docs[agents]["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "peertrain:cuda" and base_container["image"] == "peertrain:cpu"
+    assert "-t peertrain:cuda" in (DEPLOY / "docker" / "Dockerfile.cuda").read_text(), "the image the overlay names"
+    limits = container["resources"]["limits"]
+    assert int(limits["nvidia.com/gpu"]) == 1, "one GPU per agent"
+    assert "nvidia.com/gpu" not in base_container["resources"]["limits"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    # Without those, the agents are the base's.
+    undone = json.loads(json.dumps(statefulset))
+    undone_pod = undone["spec"]["template"]["spec"]
+    del undone_pod["tolerations"]
+    undone_pod["containers"][0]["image"] = base_container["image"]
+    del undone_pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+    assert undone == base_docs[agents]
+    agent = parse_cli(*k8s_command(container, k8s_env(container, cuda, "peertrain-agent-0")), "k8s-cuda agent")
+    assert agent.device == "cuda", "the container sees its one GPU as cuda:0"
+
+
+def test_k8s_cuda_overlay_puts_each_agent_on_a_gpu() -> None:
+    check_cuda_variant(k8s_documents(), k8s_cuda_documents())
+
+
+def test_kubectl_kustomize_renders_the_cuda_overlay_as_built_here() -> None:
+    kubectl = need("kubectl")
+    rendered = {}
+    for directory in (K8S, K8S_CUDA):
+        result = run([kubectl, "kustomize", str(directory)], timeout=60)
+        assert result.returncode == 0, result.stderr
+        rendered[directory] = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    check_cuda_variant(rendered[K8S], rendered[K8S_CUDA])
+    built = sorted(k8s_cuda_documents(), key=lambda doc: (doc["kind"], doc["metadata"]["name"]))
+    assert sorted(rendered[K8S_CUDA], key=lambda doc: (doc["kind"], doc["metadata"]["name"])) == built
