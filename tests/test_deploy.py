@@ -200,7 +200,7 @@ def defined_metrics() -> dict[str, set[str]]:
     """Exposed series name -> label names, for every metric of nodeagent.metrics.Metrics()."""
     from prometheus_client.metrics import MetricWrapperBase
 
-    from nodeagent.metrics import Metrics
+    from nodeagent.metrics import DEVICE_GAUGES, DEVICE_LABELS, Metrics
 
     metrics = Metrics()
     labels_by_family: dict[str, set[str]] = {}
@@ -218,6 +218,8 @@ def defined_metrics() -> dict[str, set[str]]:
                 names[family.name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
         else:
             names[family.name] = labels
+    # The device gauges: a collector registers them for an agent's CUDA device (Metrics.watch_device).
+    names |= {name: set(DEVICE_LABELS) for name in DEVICE_GAUGES}
     assert names, "Metrics() defines no metric"
     return names
 
@@ -891,6 +893,12 @@ def test_dashboard_has_the_operator_panels() -> None:
     assert {'"id"', '"source"', '"target"'} <= set(re.findall(r'"\w+"', refs["edges"]["expr"]))
     [organize] = graph["transformations"]
     assert set(organize["options"]["renameByName"].values()) == {"mainstat"}
+    memory = exprs["Device memory per node"]
+    for gauge in ("allocated", "reserved", "peak"):
+        assert f"max by (node, device) (peertrain_device_memory_{gauge}_bytes)" in memory
+    assert by_title["Device memory per node"]["fieldConfig"]["defaults"]["unit"] == "bytes"
+    assert "max by (node, device) (peertrain_device_utilization_ratio)" in exprs["Device utilisation per node"]
+    assert by_title["Device utilisation per node"]["fieldConfig"]["defaults"]["unit"] == "percentunit"
 
 
 def test_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:
@@ -992,12 +1000,18 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 @pytest.mark.slow
-def test_dashboard_and_rules_against_live_prometheus(tmp_path: Path) -> None:
+def test_dashboard_and_rules_against_live_prometheus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     prometheus = need("prometheus")
+    from fakecuda import fake_cuda, fake_pynvml
+
     from nodeagent.metrics import Metrics
 
     job = "job-0001"
     agent, coordinator = Metrics(), Metrics()
+    # n0 on a (faked) GPU: its device gauges, read at each scrape.
+    fake_cuda(monkeypatch, index=0)
+    fake_pynvml(monkeypatch, utilization_percent=60)
+    agent.watch_device("n0", "cuda:0")
     stop = threading.Event()
     feeder = threading.Thread(target=feed, args=(agent, coordinator, job, stop), daemon=True)
     with serving(agent.registry) as agent_port, serving(coordinator.registry) as coordinator_port:

@@ -1,21 +1,18 @@
 """What an agent tells of its device: its name and memory at registration (`coordinator nodes` shows them), and the
 device gauges of its /metrics (memory as torch's allocator counts it, utilisation from NVML), read at each scrape.
-The CUDA side is faked here (torch.cuda's memory counters and device properties, a pynvml module), so that it runs on
-machines without a GPU; a CPU agent is the real thing."""
+The CUDA side is faked here (tests/fakecuda.py: torch.cuda's memory counters and device properties, a pynvml module),
+so that it runs on machines without a GPU; a CPU agent is the real thing."""
 
 from __future__ import annotations
 
-import sys
-import types
 import urllib.request
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
-from types import SimpleNamespace
 
 import grpc
 import pytest
-import torch
+from fakecuda import CARD, GiB, fake_cuda, fake_pynvml, without_pynvml
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.ps_service import add_coordinator_servicer
@@ -24,11 +21,6 @@ from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc
 from nodeagent.agent.daemon import Agent, AgentConfig
 from nodeagent.metrics import DEVICE_GAUGES, Metrics
-
-GiB = 2**30
-# As torch 2.11 described an H100 (its UUID without NVML's "GPU-" prefix).
-CARD = SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=85_017_493_504,
-                       uuid="d5b1c6ba-fd15-de58-8f52-cae7a4bbff97")
 
 
 def device_samples(text: str) -> dict[str, tuple[dict[str, str], float]]:
@@ -49,48 +41,9 @@ def scrape(metrics: Metrics) -> dict[str, tuple[dict[str, str], float]]:
 
 
 @pytest.fixture
-def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """torch.cuda as on a machine with an H100 as cuda:0 and cuda:1: the memory counters answer from the returned
-    dict (bytes by counter), for the device they are asked about only."""
-    counters = {"allocated": 3 * GiB, "reserved": 4 * GiB, "peak": 6 * GiB}
-
-    def counter(name: str):
-        def read(device: torch.device | int | None = None) -> int:
-            assert torch.device(device) == torch.device("cuda", 1), f"asked about {device}"
-            return counters[name]
-        return read
-
-    monkeypatch.setattr(torch.cuda, "memory_allocated", counter("allocated"))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", counter("reserved"))
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", counter("peak"))
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: CARD)
-    return counters
-
-
-def fake_pynvml(utilization_percent: int, uuid: str = f"GPU-{CARD.uuid}") -> types.ModuleType:
-    """A pynvml module (nvidia-ml-py's) that knows one device, by UUID, busy `utilization_percent` of the time, until
-    its `lost` is set."""
-    module = types.ModuleType("pynvml")
-
-    class NVMLError(Exception):
-        pass
-
-    def handle_by_uuid(asked: str) -> str:
-        if asked != uuid:
-            raise NVMLError("Not Found")
-        return "handle"
-
-    def utilization_rates(handle: str) -> SimpleNamespace:
-        if module.lost:
-            raise NVMLError("GPU is lost")
-        return SimpleNamespace(gpu=utilization_percent, memory=0)
-
-    module.NVMLError = NVMLError
-    module.lost = False
-    module.nvmlInit = lambda: None
-    module.nvmlDeviceGetHandleByUUID = handle_by_uuid
-    module.nvmlDeviceGetUtilizationRates = utilization_rates
-    return module
+def cuda_1(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """An H100 as cuda:1 (fakecuda.fake_cuda); its memory counters."""
+    return fake_cuda(monkeypatch, index=1)
 
 
 def test_a_cpu_agent_exports_no_device_gauges() -> None:
@@ -99,8 +52,8 @@ def test_a_cpu_agent_exports_no_device_gauges() -> None:
     assert scrape(metrics) == {}
 
 
-def test_a_cuda_agent_exports_its_devices_memory_read_at_each_scrape(fake_cuda, monkeypatch) -> None:
-    monkeypatch.setitem(sys.modules, "pynvml", None)  # nvidia-ml-py not installed: no utilisation
+def test_a_cuda_agent_exports_its_devices_memory_read_at_each_scrape(cuda_1, monkeypatch) -> None:
+    without_pynvml(monkeypatch)
     metrics = Metrics()
     metrics.watch_device("n0", "cuda:1")
     labels = {"node": "n0", "device": "cuda:1"}
@@ -109,14 +62,13 @@ def test_a_cuda_agent_exports_its_devices_memory_read_at_each_scrape(fake_cuda, 
         "peertrain_device_memory_reserved_bytes": (labels, 4 * GiB),
         "peertrain_device_memory_peak_bytes": (labels, 6 * GiB),
     }
-    fake_cuda["allocated"] = 5 * GiB
+    cuda_1["allocated"] = 5 * GiB
     assert scrape(metrics)["peertrain_device_memory_allocated_bytes"] == (labels, 5 * GiB)
 
 
 def test_a_cuda_agent_with_nvml_exports_its_devices_utilisation_and_leaves_it_out_while_nvml_fails(
-        fake_cuda, monkeypatch) -> None:
-    pynvml = fake_pynvml(utilization_percent=37)
-    monkeypatch.setitem(sys.modules, "pynvml", pynvml)
+        cuda_1, monkeypatch) -> None:
+    pynvml = fake_pynvml(monkeypatch, utilization_percent=37)
     metrics = Metrics()
     metrics.watch_device("n0", "cuda:1")
     samples = scrape(metrics)
@@ -127,8 +79,8 @@ def test_a_cuda_agent_with_nvml_exports_its_devices_utilisation_and_leaves_it_ou
     assert set(samples) == set(DEVICE_GAUGES) - {"peertrain_device_utilization_ratio"}
 
 
-def test_nvml_that_does_not_know_the_device_gives_no_utilisation(fake_cuda, monkeypatch) -> None:
-    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(utilization_percent=37, uuid="GPU-another-card"))
+def test_nvml_that_does_not_know_the_device_gives_no_utilisation(cuda_1, monkeypatch) -> None:
+    fake_pynvml(monkeypatch, utilization_percent=37, uuid="GPU-another-card")
     metrics = Metrics()
     metrics.watch_device("n0", "cuda:1")
     assert "peertrain_device_utilization_ratio" not in scrape(metrics)
@@ -153,11 +105,11 @@ def coordinator_address(tmp_path: Path) -> Iterator[tuple[str, coordinator_pb2_g
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda:1"])
-def test_an_agent_registers_its_device_and_serves_its_gauges(coordinator_address, tmp_path, monkeypatch, device,
-                                                             request) -> None:
+def test_an_agent_registers_its_device_and_serves_its_gauges(coordinator_address, tmp_path, monkeypatch, device
+                                                             ) -> None:
     if device.startswith("cuda"):
-        request.getfixturevalue("fake_cuda")
-        monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(utilization_percent=80))
+        fake_cuda(monkeypatch, index=1)
+        fake_pynvml(monkeypatch, utilization_percent=80)
     address, stub = coordinator_address
     agent = Agent(AgentConfig(coordinator=address, listen="127.0.0.1:0", metrics_listen="127.0.0.1:0",
                               state_dir=tmp_path / "agent", device=device, name="gpu-host-gpu1"))
