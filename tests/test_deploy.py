@@ -1807,3 +1807,19 @@ def test_kubectl_kustomize_renders_the_cuda_overlay_as_built_here() -> None:
     check_cuda_variant(rendered[K8S], rendered[K8S_CUDA])
     built = sorted(k8s_cuda_documents(), key=lambda doc: (doc["kind"], doc["metadata"]["name"]))
     assert sorted(rendered[K8S_CUDA], key=lambda doc: (doc["kind"], doc["metadata"]["name"])) == built
+
+
+def test_operations_guide_runs_the_gpu_files_that_ship() -> None:
+    """docs/operations.md, "Running on GPUs": its commands name the GPU deployment files, and every file under deploy/
+    it names exists."""
+    guide = (ROOT / "docs" / "operations.md").read_text()
+    section = guide[guide.index("## Running on GPUs"):]
+    section = section[:section.index("\n## ", 1)]
+    for command in ("systemctl enable --now peertrain-agent@0 peertrain-agent@1",
+                    "docker compose -f deploy/docker-compose.yml -f deploy/docker-compose.cuda.yml up",
+                    "kubectl apply -k deploy/k8s-cuda"):
+        assert command in section, command
+    named = {path.rstrip(".,)") for path in re.findall(r"deploy/[\w./@-]+", section)}
+    missing = sorted(path for path in named if not (ROOT / path).exists())
+    assert not missing, f"the guide names files that do not ship: {missing}"
+    assert "nvidia.com/gpu" in section, "the device plugin's resource name"
