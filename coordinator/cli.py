@@ -30,6 +30,7 @@ from coordinator.display import (
     STALE_STEPS,
     STALL_INTERVALS,
     STALL_MIN_S,
+    device_text,
     edges_json,
     edges_text,
     format_status,
@@ -677,12 +678,13 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     if args.json:
         _print_json_lines(reply.nodes)
         return 0
-    print(f"{'node':<14} {'name':<16} {'state':<8} {'peer address':<22} {'metrics':<22} {'job':<32} rank")
+    print(f"{'node':<14} {'name':<16} {'state':<8} {'peer address':<22} {'metrics':<22} {'job':<32} {'rank':<4} "
+          "device")
     for n in reply.nodes:
         state = ("up" if n.up else "down") + (", drain" if n.draining else "")
         print(
             f"{n.node_id:<14} {n.name:<16} {state:<8} {n.peer_address:<22} "
-            f"{n.metrics_address:<22} {n.job_id or '-':<32} {n.rank if n.job_id else '-'}"
+            f"{n.metrics_address:<22} {n.job_id or '-':<32} {n.rank if n.job_id else '-'!s:<4} {device_text(n)}"
         )
     return 0
 

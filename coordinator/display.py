@@ -1,5 +1,5 @@
 """What the command line prints about jobs: one formatting of a job's per-node progress, shared by `status`,
-`simulate` and `demo`; and the per-edge table of `edges`."""
+`simulate` and `demo`; the per-edge table of `edges`; a node's device in `nodes`."""
 
 from __future__ import annotations
 
@@ -18,6 +18,13 @@ STALL_INTERVALS = 10  # stalled: no message for this many of the edge's message 
 STALL_MIN_S = 5.0  # and for at least this long (nodes report once a second: a younger age says nothing)
 FAILING_WINDOW_S = 60.0  # failing: a call on the edge failed this recently
 STALE_STEPS = 100  # stale: the neighbour is more than this many steps behind
+
+
+def device_text(node: pb.NodeInfo) -> str:
+    """A node's device as `coordinator nodes` shows it: `cuda:0 NVIDIA H100 80GB HBM3 (79 GiB)`, or `cpu`."""
+    if not node.device_memory_bytes:
+        return node.device
+    return f"{node.device} {node.device_name} ({node.device_memory_bytes / 2**30:.0f} GiB)"
 
 
 def state_name(state: int) -> str:

@@ -42,7 +42,7 @@ from nodeagent.jobspec import (
     parse_job_yaml,
 )
 from nodeagent.metrics import Metrics
-from nodeagent.rpc import MAX_FIELD_CHARS, address_problem, name_problem, node_id_problem
+from nodeagent.rpc import MAX_DEVICE_MEMORY_BYTES, MAX_FIELD_CHARS, address_problem, name_problem, node_id_problem
 from nodeagent.runtime import events
 from nodeagent.runtime.driver import IN_FLIGHT
 from nodeagent.runtime.events import Event, EventLog
@@ -145,6 +145,9 @@ def registration_problem(request: pb.RegisterRequest) -> str | None:
         "metrics_address": address_problem(request.metrics_address) if request.metrics_address else None,
         "device": _length_problem(request.device),
         "version": _length_problem(request.version),
+        "device_name": name_problem(request.device_name),
+        "device_memory_bytes": (f"must be at most {MAX_DEVICE_MEMORY_BYTES} (1 PiB)"
+                                if request.device_memory_bytes > MAX_DEVICE_MEMORY_BYTES else None),
     }
     return next((f"{field}: {problem}" for field, problem in problems.items() if problem), None)
 
@@ -546,7 +549,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             )
         node_id = self.store.register_node(
             node_id, request.name or request.peer_address, request.peer_address, request.metrics_address,
-            request.device or "cpu", request.version,
+            request.device or "cpu", request.version, request.device_name, request.device_memory_bytes,
         )
         log.info("registered %s (%s) at %s", node_id, request.name, request.peer_address)
         self.changes.bump()
@@ -907,7 +910,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return pb.NodeInfo(
             node_id=node.node_id, name=node.name, peer_address=node.peer_address,
             metrics_address=node.metrics_address, up=node.up, last_seen_unix=node.last_seen_unix, job_id=job_id,
-            rank=rank, device=node.device, draining=node.draining,
+            rank=rank, device=node.device, draining=node.draining, device_name=node.device_name,
+            device_memory_bytes=node.device_memory_bytes,
         )
 
     def RemoveNode(self, request, context):

@@ -56,7 +56,12 @@ CREATE TABLE IF NOT EXISTS members (
 """
 # Columns added since the tables' first version: a database written before gets them when it is opened.
 COLUMNS_ADDED = {
-    "nodes": {"draining": "INTEGER NOT NULL DEFAULT 0"},
+    "nodes": {
+        "draining": "INTEGER NOT NULL DEFAULT 0",
+        # What the node's device is (shown by `coordinator nodes`): the card's name and its memory (0: the CPU).
+        "device_name": "TEXT NOT NULL DEFAULT ''",
+        "device_memory_bytes": "INTEGER NOT NULL DEFAULT 0",
+    },
     "jobs": {
         "reason": "TEXT NOT NULL DEFAULT ''",  # why it failed, or what a pending job waits for
         "started_unix": "REAL NOT NULL DEFAULT 0",
@@ -116,6 +121,8 @@ class NodeRow:
     last_seen_unix: float
     up: bool
     draining: bool = False
+    device_name: str = ""
+    device_memory_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -197,24 +204,27 @@ class Store:
     # -- nodes ---------------------------------------------------------------------------------------------------
 
     def register_node(
-        self, node_id: str, name: str, peer_address: str, metrics_address: str, device: str, version: str
+        self, node_id: str, name: str, peer_address: str, metrics_address: str, device: str, version: str,
+        device_name: str, device_memory_bytes: int,
     ) -> str:
-        """Insert a new node, or bring a known one back up with its new addresses; returns its id."""
+        """Insert a new node, or bring a known one back up with its new addresses and device; returns its id."""
         now = time.time()
         with self._tx() as db:
             known = node_id and db.execute("SELECT 1 FROM nodes WHERE node_id = ?", (node_id,)).fetchone()
             if known:
                 db.execute(
                     "UPDATE nodes SET name=?, peer_address=?, metrics_address=?, device=?, version=?, "
-                    "last_seen_unix=?, up=1 WHERE node_id=?",
-                    (name, peer_address, metrics_address, device, version, now, node_id),
+                    "last_seen_unix=?, up=1, device_name=?, device_memory_bytes=? WHERE node_id=?",
+                    (name, peer_address, metrics_address, device, version, now, device_name, device_memory_bytes,
+                     node_id),
                 )
                 return node_id
             node_id = node_id or f"node-{uuid.uuid4().hex[:8]}"
             db.execute(
                 "INSERT INTO nodes (node_id, name, peer_address, metrics_address, device, version, registered_unix, "
-                "last_seen_unix, up) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 1)",
-                (node_id, name, peer_address, metrics_address, device, version, now, now),
+                "last_seen_unix, up, device_name, device_memory_bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 1, ?, ?)",
+                (node_id, name, peer_address, metrics_address, device, version, now, now, device_name,
+                 device_memory_bytes),
             )
             return node_id
 

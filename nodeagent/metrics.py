@@ -9,25 +9,51 @@ Per-edge debugging: the edge gauges (last message, in flight since, message inte
 consensus distance) come from the node driver's per-edge accounting, set at each progress report
 (`observe_edges`). The driver counts time on its own clock (monotonic on agents, virtual in the simulator) and
 reports ages; the agent turns them into Unix timestamps here, so that `time() - gauge` is an age in PromQL.
+
+Device gauges: an agent on a CUDA device exports its memory as torch's caching allocator counts it and, where NVML is
+present (the `gpu` extra, nvidia-ml-py), its utilisation, read at each scrape (`DeviceCollector`); a CPU agent
+exports none.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from nodeagent.listen import ListenError
 from nodeagent.runtime.progress import EdgeCounters
 
 disable_created_metrics()
 
+log = logging.getLogger("nodeagent")
+
 EXCHANGE_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+# The gauges of an agent's CUDA device (DeviceCollector), their help, and their labels.
+DEVICE_MEMORY_ALLOCATED = "peertrain_device_memory_allocated_bytes"
+DEVICE_MEMORY_RESERVED = "peertrain_device_memory_reserved_bytes"
+DEVICE_MEMORY_PEAK = "peertrain_device_memory_peak_bytes"
+DEVICE_UTILIZATION = "peertrain_device_utilization_ratio"
+DEVICE_GAUGES = {
+    DEVICE_MEMORY_ALLOCATED: "Device memory held by this agent's tensors (torch.cuda.memory_allocated)",
+    DEVICE_MEMORY_RESERVED: "Device memory held by this agent's caching allocator, its tensors' and its cache "
+    "(torch.cuda.memory_reserved); what other processes on the device cannot have",
+    DEVICE_MEMORY_PEAK: "Most device memory this agent's tensors held at once since it started "
+    "(torch.cuda.max_memory_allocated)",
+    DEVICE_UTILIZATION: "Share of the last sample period (1/6 s to 1 s) in which a kernel ran on the device, any "
+    "process's (NVML, 0..1); only where nvidia-ml-py is installed and NVML starts",
+}
+DEVICE_LABELS = ("node", "device")
 
 
 @dataclass
@@ -209,6 +235,12 @@ class Metrics:
             for values in found:
                 metric.remove(*values)
 
+    def watch_device(self, node: str, device: str) -> None:
+        """Export the gauges of `node`'s device, read at each scrape, when it is a CUDA device (`cuda:N`, as
+        resolved); a CPU has none."""
+        if device.startswith("cuda"):
+            self.registry.register(DeviceCollector(node, device))
+
     def serve_http(self, host: str, port: int) -> int:
         """Serve /metrics over HTTP in a daemon thread; returns the bound port (useful with port 0). Raises ListenError
         naming the address when it cannot be had (the server sets SO_REUSEADDR only, so a used port is refused)."""
@@ -217,3 +249,72 @@ class Metrics:
         except OSError as error:
             raise ListenError.from_os_error(host, port, error) from None
         return int(server.server_port)
+
+
+class DeviceCollector(Collector):
+    """The DEVICE_GAUGES of one CUDA device, read when the registry is collected (a scrape). The memory figures are
+    torch's own counters (no call into the device, nothing before the first job touched it: zeros); utilisation
+    comes from NVML, looked up once by the device's UUID, and is left out where NVML is missing or fails."""
+
+    def __init__(self, node: str, device: str) -> None:
+        # torch is imported where it is used: the agent has it loaded; the coordinator's CLI, which imports this
+        # module, starts faster without it.
+        import torch
+
+        self._device = torch.device(device)
+        self._labels = [node, str(self._device)]
+        self._nvml = nvml_device(self._device)
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        for name, documentation in DEVICE_GAUGES.items():
+            yield GaugeMetricFamily(name, documentation, labels=DEVICE_LABELS)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        import torch
+
+        values = {
+            DEVICE_MEMORY_ALLOCATED: torch.cuda.memory_allocated(self._device),
+            DEVICE_MEMORY_RESERVED: torch.cuda.memory_reserved(self._device),
+            DEVICE_MEMORY_PEAK: torch.cuda.max_memory_allocated(self._device),
+        }
+        if self._nvml is not None:
+            with contextlib.suppress(self._nvml.errors):  # the device went away or cannot tell now: no sample
+                values[DEVICE_UTILIZATION] = self._nvml.utilization()
+        for name, value in values.items():
+            family = GaugeMetricFamily(name, DEVICE_GAUGES[name], labels=DEVICE_LABELS)
+            family.add_metric(self._labels, value)
+            yield family
+
+
+@dataclass(frozen=True)
+class NvmlDevice:
+    """A device as NVML knows it: its handle, and the error type of the pynvml module that gave it."""
+
+    pynvml: Any
+    handle: Any
+
+    @property
+    def errors(self) -> type[Exception]:
+        return self.pynvml.NVMLError
+
+    def utilization(self) -> float:
+        return self.pynvml.nvmlDeviceGetUtilizationRates(self.handle).gpu / 100
+
+
+def nvml_device(device: Any) -> NvmlDevice | None:
+    """NVML's handle of a CUDA device, found by its UUID (CUDA's and NVML's device numbers differ in order, and
+    CUDA_VISIBLE_DEVICES renumbers CUDA's); None, said once in the log, where pynvml is missing or NVML fails."""
+    try:
+        import pynvml
+    except ImportError:
+        log.info("no utilisation of %s: pynvml is not installed (pip install 'peertrain[gpu]')", device)
+        return None
+    import torch
+
+    try:
+        pynvml.nvmlInit()
+        uuid = torch.cuda.get_device_properties(device).uuid
+        return NvmlDevice(pynvml, pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}"))
+    except pynvml.NVMLError as error:
+        log.info("no utilisation of %s: NVML: %s", device, error)
+        return None

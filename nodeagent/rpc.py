@@ -43,7 +43,8 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 NODE_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-MAX_FIELD_CHARS = 64  # a node's name, device and version
+MAX_FIELD_CHARS = 64  # a node's name, device, device name and version
+MAX_DEVICE_MEMORY_BYTES = 2**50  # what a node may say its device has (1 PiB): kept well inside SQLite's INTEGER
 MAX_ADDRESS_CHARS = 255
 
 

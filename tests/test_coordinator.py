@@ -400,3 +400,42 @@ def test_an_allreduce_jobs_rendezvous_listens_on_the_same_port_with_the_same_key
     client = TCPStore("127.0.0.1", after.rendezvous_port, None, is_master=False, timeout=timedelta(seconds=5))
     client.set("k", "v")
     assert client.get("k") == b"v"
+
+
+def test_the_nodes_command_shows_each_nodes_device_with_its_name_and_memory(coordinator_stub, monkeypatch, capsys):
+    h100 = 85_017_493_504  # what torch reports for an H100 80GB HBM3: 79.18 GiB
+    coordinator_stub.Register(pb.RegisterRequest(peer_address="127.0.0.1:7100", name="gpu-host-gpu0", device="cuda:0",
+                                                 device_name="NVIDIA H100 80GB HBM3", device_memory_bytes=h100),
+                              timeout=5)
+    coordinator_stub.Register(pb.RegisterRequest(peer_address="127.0.0.1:7101", name="laptop", device="cpu",
+                                                 device_name="cpu"), timeout=5)
+    monkeypatch.setattr(cli, "_stub", lambda args: coordinator_stub)
+    assert coordinator_main(["nodes"]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()
+    assert header.split()[-2:] == ["rank", "device"]
+    devices = {row.split()[1]: row[header.index("device"):] for row in rows}
+    assert devices == {"gpu-host-gpu0": "cuda:0 NVIDIA H100 80GB HBM3 (79 GiB)", "laptop": "cpu"}
+    assert coordinator_main(["nodes", "--json"]) == 0
+    records = {record["name"]: record for record in map(json.loads, capsys.readouterr().out.splitlines())}
+    gpu = records["gpu-host-gpu0"]
+    assert (gpu["device"], gpu["device_name"], int(gpu["device_memory_bytes"])) == (
+        "cuda:0", "NVIDIA H100 80GB HBM3", h100)
+
+
+def test_a_database_from_before_the_device_columns_gets_them_and_keeps_its_nodes(tmp_path):
+    import sqlite3
+
+    from coordinator.store import SCHEMA, Store
+
+    path = tmp_path / "coordinator.db"
+    with sqlite3.connect(path) as old:  # the tables' first version, as an older coordinator wrote them
+        old.executescript(SCHEMA)
+        old.execute("INSERT INTO nodes VALUES ('n0', 'old', '127.0.0.1:7100', '', 'cuda:0', '0.1.0', 1.0, 1.0, 1)")
+    old.close()
+    store = Store(path)
+    [node] = store.nodes()
+    assert (node.node_id, node.device, node.device_name, node.device_memory_bytes) == ("n0", "cuda:0", "", 0)
+    store.register_node("n0", "old", "127.0.0.1:7100", "", "cuda:0", "0.1.0", "NVIDIA H100 80GB HBM3", 2**36)
+    [node] = store.nodes()
+    assert (node.device_name, node.device_memory_bytes) == ("NVIDIA H100 80GB HBM3", 2**36)
+    store.close()

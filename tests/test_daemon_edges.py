@@ -233,7 +233,7 @@ def fake_peer() -> Iterator[tuple[FakePeer, grpc.Server, str]]:
     server.stop(grace=None)
 
 
-def register(stub, peer_address: str, node_id: str = "", **fields: str) -> str:
+def register(stub, peer_address: str, node_id: str = "", **fields: str | int) -> str:
     request = pb.RegisterRequest(**{"name": "n", "device": "cpu", "version": "1", **fields}, node_id=node_id,
                                  peer_address=peer_address)
     return stub.Register(request, timeout=10).node_id
@@ -289,6 +289,10 @@ def test_an_old_address_that_answers_as_another_node_does_not_block_a_restart(co
         ("metrics_address", "127.0.0.1:http"),
         ("device", "d" * 65),
         ("version", "v" * 65),
+        ("device_name", "n" * 65),
+        ("device_name", "NVIDIA\nH100"),
+        ("device_memory_bytes", 2**50 + 1),
+        ("device_memory_bytes", 2**64 - 1),  # past SQLite's INTEGER
     ],
 )
 def test_register_refuses_a_field_out_of_bounds_naming_it(coordinator_stub, field, value):
@@ -304,7 +308,7 @@ def test_register_refuses_a_field_out_of_bounds_naming_it(coordinator_stub, fiel
 def test_register_accepts_fields_at_their_bounds(coordinator_stub):
     """The control of the refusals above: the longest values allowed, an empty node id (a new node)."""
     new_id = register(coordinator_stub, "h" * 245 + ".com:7100", name="n" * 64, device="d" * 64, version="v" * 64,
-                      metrics_address="[::1]:9401")
+                      metrics_address="[::1]:9401", device_name="n" * 64, device_memory_bytes=2**50)
     assert new_id
     assert register(coordinator_stub, "127.0.0.1:7100", node_id="A-z_0.9" + "x" * 57) == "A-z_0.9" + "x" * 57
 

@@ -37,7 +37,9 @@ SYSTEMD = DEPLOY / "systemd"
 PROMETHEUS = DEPLOY / "prometheus"
 GRAFANA = DEPLOY / "grafana"
 K8S = DEPLOY / "k8s"
+K8S_CUDA = DEPLOY / "k8s-cuda"  # the CUDA variant: a kustomize overlay of K8S
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
+COMPOSE_CUDA_FILE = DEPLOY / "docker-compose.cuda.yml"  # merged over COMPOSE_FILE: the agents on GPUs
 DASHBOARD = GRAFANA / "dashboards" / "peertrain.json"
 SCRAPE_JOBS = {"peertrain-agent", "peertrain-coordinator"}
 
@@ -198,7 +200,7 @@ def defined_metrics() -> dict[str, set[str]]:
     """Exposed series name -> label names, for every metric of nodeagent.metrics.Metrics()."""
     from prometheus_client.metrics import MetricWrapperBase
 
-    from nodeagent.metrics import Metrics
+    from nodeagent.metrics import DEVICE_GAUGES, DEVICE_LABELS, Metrics
 
     metrics = Metrics()
     labels_by_family: dict[str, set[str]] = {}
@@ -216,6 +218,8 @@ def defined_metrics() -> dict[str, set[str]]:
                 names[family.name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
         else:
             names[family.name] = labels
+    # The device gauges: a collector registers them for an agent's CUDA device (Metrics.watch_device).
+    names |= {name: set(DEVICE_LABELS) for name in DEVICE_GAUGES}
     assert names, "Metrics() defines no metric"
     return names
 
@@ -611,6 +615,96 @@ def test_systemd_coordinator_creates_its_ca_once() -> None:
     assert port_of(serve.enroll_listen) == 7071, "agents enroll at the coordinator's host on port 7071 by default"
 
 
+# --- the GPU template: one agent per GPU, instance N on cuda:N
+
+GPU_TEMPLATE = "peertrain-agent@.service"
+GPU_ENV_EXAMPLE = "agent-gpu.env.example"
+# What the template adds to peertrain-agent.service: its devices, and CUDA's numbering of them.
+GPU_ONLY_SETTINGS = {("Service", "DevicePolicy"), ("Service", "DeviceAllow"), ("Service", "Environment")}
+
+
+def gpu_instance(instance: str) -> list[tuple[str, str, str]]:
+    """The template's entries for one instance (%i expanded)."""
+    return [(section, key, value.replace("%i", instance)) for section, key, value in read_unit(SYSTEMD / GPU_TEMPLATE)]
+
+
+def test_systemd_gpu_template_verifies(tmp_path: Path) -> None:
+    tool = need("systemd-analyze")
+    stand_in = shutil.which("true") or "/bin/true"
+    text = (SYSTEMD / GPU_TEMPLATE).read_text().replace("/opt/peertrain/.venv/bin/nodeagent", stand_in)
+    (tmp_path / GPU_TEMPLATE).write_text(text)
+    # A template is verified through an instance, which systemd-analyze loads from the template beside it.
+    result = run([tool, "verify", "--man=no", str(tmp_path / "peertrain-agent@0.service")], cwd=tmp_path)
+    output = result.stdout + result.stderr
+    ours = [line for line in output.splitlines() if "peertrain-agent@" in line or str(tmp_path) in line]
+    assert result.returncode == 0 and not ours, f"systemd-analyze verify peertrain-agent@0.service:\n{output}"
+    result = run([tool, "security", "--offline=true", "--threshold=30", str(tmp_path / "peertrain-agent@0.service")],
+                 cwd=tmp_path)
+    exposure = re.search(r"Overall exposure level for \S+: ([0-9.]+)", result.stdout)
+    assert exposure, result.stdout + result.stderr
+    assert result.returncode == 0 and float(exposure.group(1)) <= 3.0, result.stdout[-2000:]
+
+
+def test_systemd_gpu_template_keeps_the_agent_units_settings_per_instance() -> None:
+    """Every setting of peertrain-agent.service (hardening, restarts, limits) is in the template, with the state and
+    cache directories of the instance; what it adds is about the GPUs only."""
+    plain = read_unit(SYSTEMD / "peertrain-agent.service")
+    template = read_unit(SYSTEMD / GPU_TEMPLATE)
+    own = {"Description", "Environment", "EnvironmentFile", "ExecStart"}
+    expected = {(section, key, value.replace("peertrain/agent", "peertrain/agent-gpu%i"))
+                for section, key, value in plain if key not in own}
+    assert expected <= set(template), f"missing from the template: {sorted(expected - set(template))}"
+    added = {(section, key) for section, key, _ in set(template) - expected} - {("Unit", "Description")}
+    added -= {("Service", key) for key in ("EnvironmentFile", "ExecStart")}
+    assert added <= GPU_ONLY_SETTINGS, sorted(added - GPU_ONLY_SETTINGS)
+    entries = gpu_instance("0")
+    assert unit_value(entries, "DevicePolicy") == "closed"
+    assert {value.split()[0] for value in unit_values(entries, "DeviceAllow")} == {
+        "char-nvidia", "char-nvidia-frontend", "char-nvidia-uvm", "char-nvidia-caps"}
+    assert unit_environment(entries)["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID", "cuda:N must be the GPU nvidia-smi calls N"
+
+
+@pytest.mark.parametrize("instance", ["0", "1", "7"])
+def test_systemd_gpu_instance_runs_an_agent_of_its_own_on_its_gpu(instance: str, monkeypatch: pytest.MonkeyPatch
+                                                                  ) -> None:
+    """Instance N: --device cuda:N, its own state directory (node id, checkpoints, its certificate) and cache, and the
+    ports of /etc/peertrain/agent-gpuN.env, a file the instance cannot start without (no default ports two instances
+    would share). The example is GPU 0's, by the scheme it states: peers 7100+N, lanes 7200+N, metrics 9401+N."""
+    entries = gpu_instance(instance)
+    state_dir = f"/var/lib/peertrain/agent-gpu{instance}"
+    assert unit_value(entries, "EnvironmentFile") == f"/etc/peertrain/agent-gpu{instance}.env"
+    assert unit_value(entries, "StateDirectory") == state_dir.removeprefix("/var/lib/")
+    assert state_dir in unit_value(entries, "ReadWritePaths").split()
+    env = unit_environment(entries)
+    assert env["XDG_CACHE_HOME"] == f"/var/cache/{unit_value(entries, 'CacheDirectory')}"
+    assert unit_value(entries, "CacheDirectory") == f"peertrain/agent-gpu{instance}"
+    example = read_env_file(SYSTEMD / GPU_ENV_EXAMPLE)
+    n = int(instance)
+    # This instance's file, made from the example as it says: its ports moved by N, its own name.
+    instance_file = example | {
+        "PEERTRAIN_LISTEN": f"0.0.0.0:{7100 + n}", "PEERTRAIN_LANE_PORT": str(7200 + n),
+        "PEERTRAIN_METRICS_LISTEN": f"0.0.0.0:{9401 + n}",
+        "PEERTRAIN_AGENT_ARGS": example["PEERTRAIN_AGENT_ARGS"].replace(":7100", f":{7100 + n}").replace(
+            "-gpu0", f"-gpu{instance}"),
+    }
+    if n == 0:
+        assert instance_file == example, "agent-gpu.env.example is not GPU 0's by its own scheme"
+    exec_start = unit_value(entries, "ExecStart")
+    used = set(re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", exec_start))
+    assert used <= set(env) | set(example), f"no value anywhere for {sorted(used - set(env) - set(example))}"
+    unused = {key for key in example if key not in used and not read_from_environment("nodeagent", key, monkeypatch)}
+    assert not unused, f"{GPU_ENV_EXAMPLE} sets {sorted(unused)}, which the template never passes to nodeagent"
+    for key in ("PEERTRAIN_JOIN_TOKEN", "PEERTRAIN_CA_FINGERPRINT"):
+        assert example[key] == "" and key not in exec_start
+    args = parse_cli("nodeagent", expand_exec(exec_start, env | instance_file)[1:], f"peertrain-agent@{instance}")
+    assert args.command == "serve" and not args.insecure
+    assert args.device == f"cuda:{instance}"
+    assert (str(args.state_dir), str(args.tls_dir)) == (state_dir, f"{state_dir}/tls")
+    assert (port_of(args.listen), args.lane_port, port_of(args.metrics_listen)) == (7100 + n, 7200 + n, 9401 + n)
+    assert port_of(args.advertise) == port_of(args.listen)
+    assert args.name.endswith(f"-gpu{instance}")
+
+
 def test_sysusers_creates_the_service_user(tmp_path: Path) -> None:
     tool = need("systemd-sysusers")
     result = run([tool, f"--root={tmp_path}", "--dry-run", str(SYSTEMD / "peertrain.sysusers.conf")])
@@ -799,6 +893,12 @@ def test_dashboard_has_the_operator_panels() -> None:
     assert {'"id"', '"source"', '"target"'} <= set(re.findall(r'"\w+"', refs["edges"]["expr"]))
     [organize] = graph["transformations"]
     assert set(organize["options"]["renameByName"].values()) == {"mainstat"}
+    memory = exprs["Device memory per node"]
+    for gauge in ("allocated", "reserved", "peak"):
+        assert f"max by (node, device) (peertrain_device_memory_{gauge}_bytes)" in memory
+    assert by_title["Device memory per node"]["fieldConfig"]["defaults"]["unit"] == "bytes"
+    assert "max by (node, device) (peertrain_device_utilization_ratio)" in exprs["Device utilisation per node"]
+    assert by_title["Device utilisation per node"]["fieldConfig"]["defaults"]["unit"] == "percentunit"
 
 
 def test_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:
@@ -900,12 +1000,18 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 @pytest.mark.slow
-def test_dashboard_and_rules_against_live_prometheus(tmp_path: Path) -> None:
+def test_dashboard_and_rules_against_live_prometheus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     prometheus = need("prometheus")
+    from fakecuda import fake_cuda, fake_pynvml
+
     from nodeagent.metrics import Metrics
 
     job = "job-0001"
     agent, coordinator = Metrics(), Metrics()
+    # n0 on a (faked) GPU: its device gauges, read at each scrape.
+    fake_cuda(monkeypatch, index=0)
+    fake_pynvml(monkeypatch, utilization_percent=60)
+    agent.watch_device("n0", "cuda:0")
     stop = threading.Event()
     feeder = threading.Thread(target=feed, args=(agent, coordinator, job, stop), daemon=True)
     with serving(agent.registry) as agent_port, serving(coordinator.registry) as coordinator_port:
@@ -1331,6 +1437,54 @@ def test_compose_never_runs_insecure() -> None:
         assert compose_environment(service).get("PEERTRAIN_INSECURE", "") in {"", "0"}, name
 
 
+# What a service of the CUDA file may set. Compose merges a mapping (build, deploy) key by key and replaces the
+# rest, `command` whole; `merge_compose` does the same for these keys.
+COMPOSE_CUDA_KEYS = {"image", "build", "command", "deploy"}
+
+
+def merge_compose(base: Any, override: Any) -> Any:
+    """`docker compose -f base -f override` for mappings and the keys of COMPOSE_CUDA_KEYS: mappings merge, anything
+    else in the override replaces the base's."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        return {key: merge_compose(base[key], value) if key in base else value for key, value in override.items()} | {
+            key: value for key, value in base.items() if key not in override}
+    return override
+
+
+def test_compose_cuda_file_puts_each_agent_on_a_gpu_of_its_own() -> None:
+    """Merged over the CPU file, the CUDA file runs every agent from the CUDA image with one GPU reserved (a distinct
+    one each, by nvidia-smi index) and --device=cuda: the container sees only its GPU, as cuda:0. Nothing else of the
+    agents changes, and the other services stay as they are."""
+    base = compose()
+    override = load_yaml(COMPOSE_CUDA_FILE)
+    merged = merge_compose(base, override)
+    agents = {name for name, service in peertrain_services(base).items() if compose_command(name, service)[0] ==
+              "nodeagent"}
+    assert set(override["services"]) == agents, "every agent, and only the agents, on a GPU"
+    assert {name: merged["services"][name] for name in set(base["services"]) - agents} == {
+        name: base["services"][name] for name in set(base["services"]) - agents}
+    reserved: list[str] = []
+    for name in sorted(agents):
+        assert set(override["services"][name]) <= COMPOSE_CUDA_KEYS, f"{name}: merged here as compose would not"
+        service = merged["services"][name]
+        assert service["image"] == "peertrain:cuda"
+        assert service["build"]["dockerfile"] == "deploy/docker/Dockerfile.cuda"
+        assert (COMPOSE_CUDA_FILE.parent / service["build"]["context"]).resolve() == ROOT
+        script, command = compose_command(name, service)
+        args = parse_cli(script, command, f"compose (cuda) {name}")
+        assert args.device == "cuda", f"{name}: --device={args.device}"
+        _, base_command = compose_command(name, base["services"][name])
+        assert [a for a in command if not a.startswith("--device=")] == [
+            a for a in base_command if not a.startswith("--device=")], f"{name}: more than --device differs"
+        [device] = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        assert "count" not in device, f"{name}: reserve a GPU by index, one per agent"
+        [index] = device["device_ids"]
+        assert isinstance(index, str) and index.isdigit(), f"{name}: device_ids are strings of nvidia-smi indices"
+        reserved.append(index)
+    assert len(set(reserved)) == len(agents), f"agents share GPUs: {reserved}"
+
+
 def test_compose_prometheus_and_grafana_mounts() -> None:
     spec = compose()
     prometheus = spec["services"]["prometheus"]
@@ -1568,3 +1722,104 @@ def test_kubectl_kustomize_renders() -> None:
     assert result.returncode == 0, result.stderr
     rendered = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
     assert len(rendered) == len(k8s_documents())
+
+
+# --- the CUDA variant (deploy/k8s-cuda): an overlay of the base whose agents run on a GPU each
+
+
+def strategic_merge(base: Any, patch: Any) -> Any:
+    """A strategic merge patch as kustomize applies these: mappings merge key by key; lists of mappings that all have
+    a name (containers, env, volumes) merge item by item by name; any other value of the patch replaces the base's."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        merged = dict(base)
+        for key, value in patch.items():
+            merged[key] = strategic_merge(base[key], value) if key in base else value
+        return merged
+    named = isinstance(base, list) and isinstance(patch, list) and all(
+        isinstance(item, dict) and "name" in item for item in [*base, *patch])
+    if named:
+        by_name = {item["name"]: item for item in patch}
+        merged_list = [strategic_merge(item, by_name.pop(item["name"])) if item["name"] in by_name else item
+                       for item in base]
+        return merged_list + list(by_name.values())
+    return patch
+
+
+def k8s_cuda_documents() -> list[dict[str, Any]]:
+    """The overlay built here as kustomize builds it: its base's documents with its patches merged in."""
+    kustomization = load_yaml(K8S_CUDA / "kustomization.yaml")
+    assert kustomization["resources"] == [str(Path("..") / K8S.name)], "the overlay's base is deploy/k8s"
+    documents = k8s_documents()
+    for entry in kustomization["patches"]:
+        patch = load_yaml(K8S_CUDA / entry["path"])
+        key = (patch["kind"], patch["metadata"]["name"])
+        [index] = [i for i, doc in enumerate(documents) if (doc["kind"], doc["metadata"]["name"]) == key]
+        documents[index] = strategic_merge(documents[index], patch)
+    return documents
+
+
+def check_cuda_variant(base: list[dict[str, Any]], cuda: list[dict[str, Any]]) -> None:
+    """The CUDA variant of `base`: the agents run the CUDA image with --device cuda and one GPU each (the NVIDIA device
+    plugin's resource nvidia.com/gpu, in their limits), tolerate the GPU nodes' taint, and nothing else changes."""
+    def by_key(documents: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+        return {(doc["kind"], doc["metadata"]["name"]): doc for doc in documents}
+
+    base_docs, cuda_docs = by_key(base), by_key(cuda)
+    assert set(cuda_docs) == set(base_docs)
+    config, agents = ("ConfigMap", "peertrain-config"), ("StatefulSet", "peertrain-agent")
+    for key in set(base_docs) - {config, agents}:
+        assert cuda_docs[key] == base_docs[key], f"the CUDA variant changes {key}"
+    assert cuda_docs[config]["data"] == base_docs[config]["data"] | {"PEERTRAIN_DEVICE": "cuda"}
+    assert base_docs[config]["data"]["PEERTRAIN_DEVICE"] == "cpu", "the base stays CPU"
+
+    statefulset = cuda_docs[agents]
+    pod = statefulset["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    [base_container] = base_docs[agents]["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "peertrain:cuda" and base_container["image"] == "peertrain:cpu"
+    assert "-t peertrain:cuda" in (DEPLOY / "docker" / "Dockerfile.cuda").read_text(), "the image the overlay names"
+    limits = container["resources"]["limits"]
+    assert int(limits["nvidia.com/gpu"]) == 1, "one GPU per agent"
+    assert "nvidia.com/gpu" not in base_container["resources"]["limits"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    # Without those, the agents are the base's.
+    undone = json.loads(json.dumps(statefulset))
+    undone_pod = undone["spec"]["template"]["spec"]
+    del undone_pod["tolerations"]
+    undone_pod["containers"][0]["image"] = base_container["image"]
+    del undone_pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+    assert undone == base_docs[agents]
+    agent = parse_cli(*k8s_command(container, k8s_env(container, cuda, "peertrain-agent-0")), "k8s-cuda agent")
+    assert agent.device == "cuda", "the container sees its one GPU as cuda:0"
+
+
+def test_k8s_cuda_overlay_puts_each_agent_on_a_gpu() -> None:
+    check_cuda_variant(k8s_documents(), k8s_cuda_documents())
+
+
+def test_kubectl_kustomize_renders_the_cuda_overlay_as_built_here() -> None:
+    kubectl = need("kubectl")
+    rendered = {}
+    for directory in (K8S, K8S_CUDA):
+        result = run([kubectl, "kustomize", str(directory)], timeout=60)
+        assert result.returncode == 0, result.stderr
+        rendered[directory] = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    check_cuda_variant(rendered[K8S], rendered[K8S_CUDA])
+    built = sorted(k8s_cuda_documents(), key=lambda doc: (doc["kind"], doc["metadata"]["name"]))
+    assert sorted(rendered[K8S_CUDA], key=lambda doc: (doc["kind"], doc["metadata"]["name"])) == built
+
+
+def test_operations_guide_runs_the_gpu_files_that_ship() -> None:
+    """docs/operations.md, "Running on GPUs": its commands name the GPU deployment files, and every file under deploy/
+    it names exists."""
+    guide = (ROOT / "docs" / "operations.md").read_text()
+    section = guide[guide.index("## Running on GPUs"):]
+    section = section[:section.index("\n## ", 1)]
+    for command in ("systemctl enable --now peertrain-agent@0 peertrain-agent@1",
+                    "docker compose -f deploy/docker-compose.yml -f deploy/docker-compose.cuda.yml up",
+                    "kubectl apply -k deploy/k8s-cuda"):
+        assert command in section, command
+    named = {path.rstrip(".,)") for path in re.findall(r"deploy/[\w./@-]+", section)}
+    missing = sorted(path for path in named if not (ROOT / path).exists())
+    assert not missing, f"the guide names files that do not ship: {missing}"
+    assert "nvidia.com/gpu" in section, "the device plugin's resource name"

@@ -104,20 +104,24 @@ class ListCertificatesReply(_message.Message):
     def __init__(self, certificates: _Optional[_Iterable[_Union[CertificateInfo, _Mapping]]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("node_id", "peer_address", "metrics_address", "name", "device", "version")
+    __slots__ = ("node_id", "peer_address", "metrics_address", "name", "device", "version", "device_name", "device_memory_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     peer_address: str
     metrics_address: str
     name: str
     device: str
     version: str
-    def __init__(self, node_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., name: _Optional[str] = ..., device: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+    device_name: str
+    device_memory_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., name: _Optional[str] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., device_name: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("node_id", "heartbeat_interval_s")
@@ -497,7 +501,7 @@ class ListNodesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "name", "peer_address", "metrics_address", "up", "last_seen_unix", "job_id", "rank", "device", "draining")
+    __slots__ = ("node_id", "name", "peer_address", "metrics_address", "up", "last_seen_unix", "job_id", "rank", "device", "draining", "device_name", "device_memory_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -508,6 +512,8 @@ class NodeInfo(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     name: str
     peer_address: str
@@ -518,7 +524,9 @@ class NodeInfo(_message.Message):
     rank: int
     device: str
     draining: bool
-    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., peer_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., up: _Optional[bool] = ..., last_seen_unix: _Optional[float] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
+    device_name: str
+    device_memory_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., peer_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., up: _Optional[bool] = ..., last_seen_unix: _Optional[float] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., draining: _Optional[bool] = ..., device_name: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class ListNodesReply(_message.Message):
     __slots__ = ("nodes",)

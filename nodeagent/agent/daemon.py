@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import torch
 
 from nodeagent import __version__
 from nodeagent._proto import coordinator_pb2, coordinator_pb2_grpc
@@ -24,12 +25,13 @@ from nodeagent.agent.enroll import EnrollmentError, enroll, needs_renewal, renew
 from nodeagent.agent.forward import FORWARDED, EventForwarder
 from nodeagent.agent.runner import JobRunner
 from nodeagent.metrics import Metrics
-from nodeagent.rpc import GRPC_OPTIONS, SERVER_OPTIONS, Backoff, failure_reason, split_address
+from nodeagent.rpc import GRPC_OPTIONS, MAX_FIELD_CHARS, SERVER_OPTIONS, Backoff, failure_reason, split_address
 from nodeagent.runtime.limits import PEER_SERVER_THREADS
 from nodeagent.runtime.peer_service import PEER_RULES, PeerServicer, ServingState, add_peer_servicer
 from nodeagent.security.authz import Authorizer
 from nodeagent.security.pki import Identity
 from nodeagent.security.tls import INSECURE_WARNING, TlsDir, TlsError, Transport
+from nodeagent.training.device import describe_device
 
 log = logging.getLogger("nodeagent")
 
@@ -52,7 +54,7 @@ class AgentConfig:
     metrics_listen: str | None = "0.0.0.0:9401"
     state_dir: Path = Path("/var/lib/peertrain/agent")
     data_dir: str | None = None
-    device: str = "cpu"
+    device: str = "cpu"  # resolved (nodeagent.training.device.resolve_device): cpu, cuda:0, ...
     name: str = field(default_factory=socket.gethostname)
     slowdown: float = 1.0
     lane_port: int = 0  # TCP port of the tensor lanes beside the peer service (0: any free port)
@@ -77,6 +79,7 @@ class Agent:
         self._servicer: PeerServicer | None = None
         self._channel: grpc.Channel | None = None
         self._stub: coordinator_pb2_grpc.CoordinatorStub | None = None
+        self.device = describe_device(torch.device(config.device))
         self.peer_address = ""
         self.metrics_address = ""
         self._threads: list[threading.Thread] = []
@@ -132,6 +135,7 @@ class Agent:
         if not self._register():
             return False
         self.metrics.agent_info.labels(self.node_id, config.name, __version__, self.peer_address, config.device).set(1)
+        self.metrics.watch_device(self.node_id, config.device)
         logging.getLogger("nodeagent").addHandler(self.events)
         for target, name in ((self._watch_loop, "watch"), (self._heartbeat_loop, "heartbeat"),
                              (self._events_loop, "events")):
@@ -213,6 +217,8 @@ class Agent:
                     coordinator_pb2.RegisterRequest(
                         node_id=self.node_id, peer_address=self.peer_address, metrics_address=self.metrics_address,
                         name=self.config.name, device=self.config.device, version=__version__,
+                        # Bounded as the coordinator checks it: a long card name must not get this node refused.
+                        device_name=self.device.name[:MAX_FIELD_CHARS], device_memory_bytes=self.device.memory_bytes,
                     ),
                     timeout=5,
                 )

@@ -57,16 +57,11 @@ def resolve_device(choice: str) -> torch.device:
 
 @dataclass(frozen=True)
 class DeviceInfo:
-    """What an agent tells of its device (shown by `coordinator nodes`)."""
+    """What an agent tells of its device at registration (`coordinator nodes` shows it: coordinator.display)."""
 
     device: str  # cpu, cuda:0, ...
     name: str  # the card's name, or "cpu"
     memory_bytes: int  # the device's total memory; 0 for the CPU
-
-    def __str__(self) -> str:
-        if not self.memory_bytes:
-            return self.device
-        return f"{self.device} ({self.name}, {self.memory_bytes / 2**30:.0f} GiB)"
 
 
 def describe_device(device: torch.device) -> DeviceInfo:
