@@ -5,7 +5,7 @@ STAMP := .venv/.installed
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: demo test lint proto bench bootstrap data clean
+.PHONY: demo test test-gpu lint proto bench bootstrap data clean
 
 $(STAMP): pyproject.toml constraints.txt
 	deploy/bootstrap.sh venv
@@ -23,6 +23,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	deploy/bootstrap.sh data prometheus
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The CUDA half of the suite (tests marked cuda), on a machine where torch sees a GPU; then the GPU benchmark.
+test-gpu: $(STAMP)
+	deploy/bootstrap.sh data
+	$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: torch sees no CUDA device')"
+	$(BIN)/python -m pytest -q -m cuda $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
