@@ -15,7 +15,7 @@ Prints "no CUDA device" and exits 0 where torch sees none. Otherwise measures, i
 - staging: a 44 MB and a 400 MB Push between two processes through the peer service with lanes, a CUDA tensor
   to a receiver that delivers on CUDA (pinned staging both ways) against a CPU tensor to a CPU receiver.
 An agent's steps/s is read from its progress reports between its first and its last (evaluations excluded).
-Targets (TARGETS.md, "On a GPU"): one agent alone >= 0.9x the bare step; 4 agents with PDMM-ISVR >= 0.7x four
+Targets (docs/results.md, "On a GPU"): one agent alone >= 0.9x the bare step; 4 agents with PDMM-ISVR >= 0.7x four
 bare loops sharing the GPU; every GPU job >= 3x its CPU twin on ResNet-20, accuracy within 1 point; staging Push
 >= 0.9x the CPU Push. It asserts nothing.
 """
