@@ -632,12 +632,12 @@ class NodeDriver:
     def progress(self) -> Progress:
         """The node's progress now; `finished` once its last step is done and evaluated."""
         now = self.clock()
-        sent, received = self.traffic.totals()
-        peers = {*self.traffic.sent, *self.traffic.received, *self._exchanges_with, *self._failures_with,
-                 *self._edges} - self._dropped
+        sent_to, received_from = self.traffic.snapshot()
+        sent, received = sum(sent_to.values()), sum(received_from.values())
+        peers = {*sent_to, *received_from, *self._exchanges_with, *self._failures_with, *self._edges} - self._dropped
         edges = sorted(
             (self._edge(peer).counters(
-                self.peer_name(peer), now, (self.traffic.sent.get(peer, 0), self.traffic.received.get(peer, 0)),
+                self.peer_name(peer), now, (sent_to.get(peer, 0), received_from.get(peer, 0)),
                 self._exchanges_with.get(peer, 0), self._failures_with.get(peer, 0), self._in_flight.get(peer),
                 self.algorithm.clock, self.algorithm.consensus_distance(peer) if peer >= 0 else None)
              for peer in peers),

@@ -89,6 +89,12 @@ class Traffic:
         with self._lock:
             return sum(self.sent.values()), sum(self.received.values())
 
+    def snapshot(self) -> tuple[dict[int, int], dict[int, int]]:
+        """Bytes sent and received per peer, taken at one moment: a report's totals are the sums of its per-edge
+        figures even while network threads keep counting."""
+        with self._lock:
+            return dict(self.sent), dict(self.received)
+
 
 def ring_allreduce_bytes(payload: int, ranks: int) -> int:
     """Bytes each rank sends (and receives) in a ring all-reduce of `payload` bytes: 2 (n - 1) / n of it. The
