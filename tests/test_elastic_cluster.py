@@ -76,7 +76,7 @@ def test_agents_join_and_leave_a_running_gossip_job_which_finishes_with_the_join
         wait_for(cluster, job_id, lambda s: changes(s.run_dir) == (JOINING, 1), "two agents to join and one to leave",
                  timeout_s=120)
         changed_s = time.monotonic() - started
-        final = cluster.wait(job_id, 120)
+        final = cluster.wait(job_id, 600)  # 68 to 136 s on 2 cores: a bound, not a speed
         finished_s = time.monotonic() - started
         agent_logs = "".join(cluster.log_of(f"agent-{i}") for i in range(FIRST + JOINING))
 
