@@ -442,7 +442,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host, _port = split_address(args.listen)
     config = CoordinatorConfig(
         state_dir=args.state_dir, runs_dir=args.runs_dir, heartbeat_timeout_s=args.heartbeat_timeout,
-        rendezvous_host=host,
     )
     with hold_state_dir(config.state_dir):
         writable_directory(config.run_root, "runs directory")

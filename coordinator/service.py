@@ -16,7 +16,6 @@ from pathlib import Path
 
 import grpc
 from pydantic import ValidationError
-from torch.distributed import TCPStore
 
 from coordinator.ca import DEFAULT_TOKEN_TTL_S, CAError, ClusterCA
 from coordinator.jobs import (
@@ -28,6 +27,7 @@ from coordinator.jobs import (
     with_topology,
 )
 from coordinator.ps_service import PSService
+from coordinator.rendezvous import Rendezvous, RendezvousError, request_problem
 from coordinator.store import JobRow, MemberRow, NodeRow, Store
 from coordinator.topology import Topology, build_topology
 from nodeagent._proto import coordinator_pb2 as pb
@@ -96,7 +96,7 @@ _OPERATOR = frozenset({Role.OPERATOR})
 # Who may call what on the coordinator. A node acts only as itself (the handlers check the node id fields).
 COORDINATOR_RULES = rules_for("peertrain.v1.Coordinator", {
     **dict.fromkeys(("Register", "Heartbeat", "WatchAssignment", "ReportMetrics", "ReportFailure", "Deregister",
-                     "ReportEvents", "JobReady", "PsPush", "PsPull", "PsReport"), _NODE),
+                     "ReportEvents", "JobReady", "PsPush", "PsPull", "PsReport", "Rendezvous"), _NODE),
     **dict.fromkeys(("SubmitJob", "StopJob", "ListNodes", "JobStatus", "ListJobs", "JobEvents", "RemoveNode",
                      "DrainNode",
                      "CreateJoinToken", "RevokeCertificate", "ListCertificates", "ChangeTopology"), _OPERATOR),
@@ -111,7 +111,6 @@ class CoordinatorConfig:
     heartbeat_interval_s: float = 2.0
     heartbeat_timeout_s: float = 15.0
     ps_fsync: bool = False  # also fsync the parameter server's state before answering (survives a machine crash)
-    rendezvous_host: str = "127.0.0.1"  # where all-reduce rendezvous stores listen: the coordinator's listen host
 
     @property
     def run_root(self) -> Path:
@@ -182,7 +181,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.stopping = threading.Event()
         self._topologies: dict[tuple[str, int], Topology] = {}  # by job and topology version
         self._unplannable: set[tuple[str, int]] = set()  # (elastic job, member count) its graph does not fit
-        self._rendezvous: dict[str, tuple[TCPStore, str]] = {}  # job -> its store and key prefix
+        self.rendezvous = Rendezvous()
         self._run_logs: dict[str, RunLog] = {}
         self._event_logs: dict[str, EventLog] = {}
         self._event_allowance: dict[str, tuple[float, float]] = {}  # node -> (events it may add, when counted)
@@ -199,9 +198,6 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._silence_counts_from = time.time() + config.heartbeat_timeout_s
 
     def start(self) -> None:
-        # The rendezvous of running all-reduce jobs, on the ports their agents know (after a restart).
-        for job in self.store.jobs(("RUNNING",)):
-            self._rendezvous_of(job, JobSpec.from_json(job.spec_json))
         self._monitor.start()
 
     def authorizer(self) -> Authorizer | None:
@@ -223,8 +219,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.stopping.set()
         self.changes.bump()
         self.ps.close_all()
-        with self._schedule_lock:  # the rendezvous ports are free for the next service on this state (a restart)
-            self._rendezvous.clear()
+        self.rendezvous.close_all()
         self._monitor.join(timeout=5)
         self.store.close()
 
@@ -437,7 +432,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         parameter server close."""
         if not self.store.end_job(job.job_id, state, reason):
             return
-        self._end_rendezvous(job.job_id)
+        self.rendezvous.end(job.job_id)
         self.ps.close(job.job_id)
         self.metrics.forget_job(job.job_id)
         with self._live_edges_lock:
@@ -493,41 +488,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             version=self.changes.version, job_id=job.job_id, state=pb.JOB_RUNNING, job_spec_json=spec_json,
             rank=rank, world_size=job.world_size, neighbors=neighbors, self_weight=plan.self_weight,
             run_dir=job.run_dir, peer_schedule=[pb.PeerSet(ranks=peers) for peers in plan.peer_schedule],
-            rejoin=rows[rank].progress.time > 0, revoked_serials=revoked, **self._rendezvous_of(job, spec),
+            rejoin=rows[rank].progress.time > 0, revoked_serials=revoked,
             topology_version=job.topology_version, switch_step=job.switch_step, topology_kind=spec.topology.kind,
             joined_at_step=rows[rank].joined_step,
         )
-
-    def _rendezvous_of(self, job: JobRow, spec: JobSpec) -> dict[str, int | str]:
-        """All-reduce jobs meet at a torch.distributed store that the coordinator hosts for the job's life, on its
-        listen host, under a secret key prefix (the store has no credentials of its own). Its port and key are kept
-        in the job's row: a restarted coordinator binds the same port again, and the agents' store clients connect
-        again to it (nodeagent.agent.collective)."""
-        if lookup(spec.algorithm.name).family is not Family.COLLECTIVE:
-            return {}
-        with self._schedule_lock:
-            if job.job_id not in self._rendezvous:
-                row = self.store.job(job.job_id)
-                port, key = (row.rendezvous_port, row.rendezvous_key) if row is not None else (0, "")
-                try:
-                    store = TCPStore(self.config.rendezvous_host, port, spec.nodes + 1, is_master=True,
-                                     wait_for_workers=False)
-                except RuntimeError as error:  # the port was taken meanwhile: the agents cannot meet any more
-                    log.error("job %s: the rendezvous store cannot listen on port %d again (%s); a new one",
-                              job.job_id, port, error)
-                    store = TCPStore(self.config.rendezvous_host, 0, spec.nodes + 1, is_master=True,
-                                     wait_for_workers=False)
-                    key = ""
-                key = key or secrets.token_hex(16)
-                self._rendezvous[job.job_id] = (store, key)
-                if (store.port, key) != (port, row.rendezvous_key if row is not None else ""):
-                    self.store.set_rendezvous(job.job_id, store.port, key)
-            store, key = self._rendezvous[job.job_id]
-            return {"rendezvous_port": store.port, "rendezvous_key": key}
-
-    def _end_rendezvous(self, job_id: str) -> None:
-        with self._schedule_lock:
-            self._rendezvous.pop(job_id, None)
 
     # -- agent calls ---------------------------------------------------------------------------------------------
 
@@ -668,6 +632,28 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 break
             version = self.changes.wait_past(version, deadline - time.monotonic())
         return self._ready_reply(job.job_id, released=False)
+
+    def Rendezvous(self, request, context):
+        """One operation on the job's rendezvous store (coordinator.rendezvous), for a node that holds a rank of
+        the running all-reduce job: nothing of a job is readable or writable by any other caller."""
+        node_id = self._as_node(context, request.node_id)
+        if problem := request_problem(request):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        membership = self.store.running_membership(node_id)
+        job = membership[0] if membership is not None and membership[0].job_id == request.job_id else None
+        spec = JobSpec.from_json(job.spec_json) if job is not None else None
+        if spec is None or lookup(spec.algorithm.name).family is not Family.COLLECTIVE:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"node {node_id[:64]!r} holds no rank of the running "
+                          f"all-reduce job {request.job_id[:MAX_JOB_REFERENCE_CHARS]!r}")
+        assert spec is not None
+        store, made = self.rendezvous.store(request.job_id, spec.max_nodes)
+        if made and self.store.job(request.job_id).state != "RUNNING":  # it ended meanwhile: the store goes too
+            self.rendezvous.end(request.job_id)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"job {request.job_id} is not running")
+        try:
+            return store.answer(request)
+        except RendezvousError as error:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
 
     def _ready_reply(self, job_id: str, released: bool) -> pb.JobReadyReply:
         """The answer to a ready report: released (start), waiting (for the ranks named) or ended (the reason)."""

@@ -16,6 +16,7 @@ from hostile import channel_as
 
 from coordinator.ca import ClusterCA
 from coordinator.ps_service import add_coordinator_servicer
+from coordinator.rendezvous import Rendezvous
 from coordinator.service import CoordinatorConfig, CoordinatorService, EnrollmentService
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc, wire_pb2
@@ -128,6 +129,8 @@ def test_handshake_fails_without_a_certificate_of_the_cluster(secure, tmp_path):
     for what, client in clients.items():
         assert client.code("ListNodes", pb.ListNodesRequest()) is grpc.StatusCode.UNAVAILABLE, what
         assert client.code("SubmitJob", pb.SubmitJobRequest(spec_yaml=SPEC)) is grpc.StatusCode.UNAVAILABLE, what
+        assert client.code("Rendezvous", rendezvous("x", pb.RENDEZVOUS_CHECK, "knocks")) is \
+            grpc.StatusCode.UNAVAILABLE, what
     assert secure.service.store.jobs(("PENDING", "RUNNING")) == []
 
 
@@ -205,6 +208,97 @@ def test_parameter_server_calls_only_as_the_rank_the_node_holds(secure):
                                                  data=data_to_proto(FASHION_MNIST))) is grpc.StatusCode.OK
     assert a.code("PsPull", pb.PsPullRequest(job_id=job_id, rank=ranks["node-a"], node_id="node-a")) is \
         grpc.StatusCode.OK
+
+
+ALLREDUCE = """
+name: ar
+nodes: 2
+steps: 10
+algorithm: {name: allreduce}
+data: {dataset: fashion-mnist, split: iid}
+"""
+
+
+def rendezvous(job_id: str, op: int, *keys: str, node_id: str = "", **fields) -> pb.RendezvousRequest:
+    return pb.RendezvousRequest(node_id=node_id, job_id=job_id, op=op, keys=list(keys), **fields)
+
+
+def test_an_allreduce_jobs_rendezvous_is_its_members_alone(secure):
+    """Every operation an outsider of the collective used on the old open store, tried by every kind of caller
+    that is not a member of the job: refused, and the members' keys stay as they were."""
+    a, b = secure.client(Role.NODE, "node-a"), secure.client(Role.NODE, "node-b")
+    _register(a, "", 7001)
+    _register(b, "", 7002)
+    operator = secure.client(Role.OPERATOR, "alice")
+    job_id = operator.stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=ALLREDUCE), timeout=30).job_id
+    outsider, peer_of_other_job = secure.client(Role.NODE, "node-c"), secure.client(Role.NODE, "node-d")
+    _register(outsider, "", 7003)
+    _register(peer_of_other_job, "", 7004)
+    other_job = operator.stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=SPEC), timeout=30).job_id
+    assert {m.node_id for m in secure.service.store.members(other_job)} == {"node-c", "node-d"}
+    # The members' own keys: the quorum counters and a gloo address.
+    a.stub.Rendezvous(rendezvous(job_id, pb.RENDEZVOUS_ADD, "knocks", amount=2), timeout=5)
+    a.stub.Rendezvous(rendezvous(job_id, pb.RENDEZVOUS_SET, "q/0/pg//0/0", value=b"address of rank 0"), timeout=5)
+    attempts = [
+        rendezvous(job_id, pb.RENDEZVOUS_CHECK, "knocks"),
+        rendezvous(job_id, pb.RENDEZVOUS_GET, "q/0/pg//0/0"),
+        rendezvous(job_id, pb.RENDEZVOUS_WAIT, "q/0/members", wait_s=10),  # refused at once, not held
+        rendezvous(job_id, pb.RENDEZVOUS_ADD, "knocks", amount=1),  # forced regroups
+        rendezvous(job_id, pb.RENDEZVOUS_COMPARE_SET, "q/1/members", expected=b"", value=b"-"),  # quorums given up
+        rendezvous(job_id, pb.RENDEZVOUS_SET, "q/1/pg//0/0", value=b"garbage"),  # gloo's keys pre-written
+        rendezvous(job_id, pb.RENDEZVOUS_SET, "big", value=b"x" * 60_000),
+        rendezvous(job_id, pb.RENDEZVOUS_DELETE, "knocks"),
+        rendezvous(job_id, pb.RENDEZVOUS_ADD, "knocks", amount=1, node_id="node-a"),  # as a member, by its id
+    ]
+    callers = {"a node of no job": outsider, "a node of another job": peer_of_other_job, "an operator": operator}
+    for who, caller in callers.items():
+        for request in attempts:
+            code = caller.code("Rendezvous", request)
+            assert code is grpc.StatusCode.PERMISSION_DENIED, (who, request.op, code)
+    # A member reaches its own job only.
+    assert a.code("Rendezvous", rendezvous(other_job, pb.RENDEZVOUS_CHECK, "knocks")) is \
+        grpc.StatusCode.PERMISSION_DENIED
+    # Bounded before anything is stored, whoever asks.
+    for request in (rendezvous(job_id, pb.RENDEZVOUS_SET, "v", value=b"x" * ((64 << 10) + 1)),
+                    rendezvous(job_id, pb.RENDEZVOUS_SET, "k" * 257, value=b""),
+                    rendezvous(job_id, pb.RENDEZVOUS_CHECK, *[f"k{i}" for i in range(65)]),
+                    rendezvous(job_id, pb.RENDEZVOUS_GET, "k", wait_s=3600),
+                    rendezvous(job_id, pb.RENDEZVOUS_ADD, "q/0/pg//0/0", amount=1),  # not a counter
+                    rendezvous(job_id, 99, "k")):
+        assert a.code("Rendezvous", request) in (grpc.StatusCode.INVALID_ARGUMENT,
+                                                 grpc.StatusCode.FAILED_PRECONDITION), request
+    assert b.stub.Rendezvous(rendezvous(job_id, pb.RENDEZVOUS_ADD, "knocks", amount=0), timeout=5).number == 2
+    assert b.stub.Rendezvous(rendezvous(job_id, pb.RENDEZVOUS_GET, "q/0/pg//0/0"), timeout=5).value == \
+        b"address of rank 0"
+    for key in ("q/1/members", "q/1/pg//0/0", "big", "v"):
+        assert not b.stub.Rendezvous(rendezvous(job_id, pb.RENDEZVOUS_CHECK, key), timeout=5).found, key
+    # A revoked member is refused before its job is looked at.
+    operator.stub.RevokeCertificate(pb.RevokeCertificateRequest(name="node-b"), timeout=5)
+    assert b.code("Rendezvous", rendezvous(job_id, pb.RENDEZVOUS_CHECK, "knocks")) is \
+        grpc.StatusCode.UNAUTHENTICATED
+    assert secure.service.store.job(job_id).state == "RUNNING"
+
+
+def test_a_jobs_rendezvous_store_keeps_its_latest_keys_within_its_bounds():
+    store, made = Rendezvous().store("job", 2)
+    assert made
+
+    def answer(op: int, key: str, **fields) -> pb.RendezvousReply:
+        return store.answer(rendezvous("job", op, key, **fields))
+
+    for number in range(store.max_keys * 2):
+        answer(pb.RENDEZVOUS_SET, f"q/{number}/here/0", value=b"1")
+        answer(pb.RENDEZVOUS_ADD, "knocks", amount=1)  # written at every quorum: never the oldest
+    assert answer(pb.RENDEZVOUS_ADD, "knocks", amount=0).number == store.max_keys * 2
+    assert not answer(pb.RENDEZVOUS_CHECK, "q/0/here/0").found
+    assert answer(pb.RENDEZVOUS_CHECK, f"q/{store.max_keys * 2 - 1}/here/0").found
+    value = b"x" * (64 << 10)
+    for number in range(2 * store.max_bytes // len(value)):
+        answer(pb.RENDEZVOUS_SET, f"big/{number}", value=value)
+    kept = [n for n in range(2 * store.max_bytes // len(value)) if answer(pb.RENDEZVOUS_CHECK, f"big/{n}").found]
+    assert kept == list(range(kept[0], 2 * store.max_bytes // len(value)))
+    assert len(kept) * len(value) <= store.max_bytes
+    assert answer(pb.RENDEZVOUS_GET, "absent", wait_s=0.05).found is False
 
 
 def test_enrollment_with_a_one_time_token_and_a_pinned_fingerprint(secure, tmp_path):

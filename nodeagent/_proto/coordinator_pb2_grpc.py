@@ -75,6 +75,11 @@ class CoordinatorStub:
                 request_serializer=peertrain_dot_v1_dot_coordinator__pb2.JobReadyRequest.SerializeToString,
                 response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.JobReadyReply.FromString,
                 _registered_method=True)
+        self.Rendezvous = channel.unary_unary(
+                '/peertrain.v1.Coordinator/Rendezvous',
+                request_serializer=peertrain_dot_v1_dot_coordinator__pb2.RendezvousRequest.SerializeToString,
+                response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.RendezvousReply.FromString,
+                _registered_method=True)
         self.SubmitJob = channel.unary_unary(
                 '/peertrain.v1.Coordinator/SubmitJob',
                 request_serializer=peertrain_dot_v1_dot_coordinator__pb2.SubmitJobRequest.SerializeToString,
@@ -213,6 +218,17 @@ class CoordinatorServicer:
         of its data, which must be every rank's, and the answer says whether to start. With the job's start barrier
         the coordinator holds the answer (up to wait_s) until every rank is ready or the job ends; a job without
         the barrier, or one whose barrier passed (a restarted rank), is released at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rendezvous(self, request, context):
+        """-- The all-reduce rendezvous (issue 21) --
+        A running all-reduce job's key-value store, where its members form their quorums and gloo groups
+        (nodeagent.agent.rendezvous: a torch.distributed Store over this call). Only a node that holds a rank of the
+        job reaches the job's keys; others get PERMISSION_DENIED. Each job's store is bounded in keys and bytes (the
+        keys written least recently go first) and each value in size. GET and WAIT hold the answer up to wait_s.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -375,6 +391,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.JobReady,
                     request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.JobReadyRequest.FromString,
                     response_serializer=peertrain_dot_v1_dot_coordinator__pb2.JobReadyReply.SerializeToString,
+            ),
+            'Rendezvous': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rendezvous,
+                    request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.RendezvousRequest.FromString,
+                    response_serializer=peertrain_dot_v1_dot_coordinator__pb2.RendezvousReply.SerializeToString,
             ),
             'SubmitJob': grpc.unary_unary_rpc_method_handler(
                     servicer.SubmitJob,
@@ -673,6 +694,33 @@ class Coordinator:
             '/peertrain.v1.Coordinator/JobReady',
             peertrain_dot_v1_dot_coordinator__pb2.JobReadyRequest.SerializeToString,
             peertrain_dot_v1_dot_coordinator__pb2.JobReadyReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rendezvous(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peertrain.v1.Coordinator/Rendezvous',
+            peertrain_dot_v1_dot_coordinator__pb2.RendezvousRequest.SerializeToString,
+            peertrain_dot_v1_dot_coordinator__pb2.RendezvousReply.FromString,
             options,
             channel_credentials,
             insecure,
