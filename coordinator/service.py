@@ -42,7 +42,7 @@ from nodeagent.jobspec import (
     parse_job_yaml,
 )
 from nodeagent.metrics import Metrics
-from nodeagent.rpc import MAX_FIELD_CHARS, address_problem, name_problem, node_id_problem
+from nodeagent.rpc import MAX_FIELD_CHARS, address_problem, field_problem, name_key, node_id_problem
 from nodeagent.runtime import events
 from nodeagent.runtime.driver import IN_FLIGHT
 from nodeagent.runtime.events import Event, EventLog
@@ -65,6 +65,10 @@ WATCH_POLL_S = 1.0
 MAX_FAILURE_CHARS = 2000  # of a node's failure reason, as stored and shown
 CERTIFICATE_CHECK_S = 600.0  # how often the coordinator looks at its own certificate's expiry
 MAX_WATCHES_PER_NODE = 2  # an agent holds one; a second covers a reconnect racing the old stream's end
+# Calls one identity may have outstanding at once, of every kind: an agent holds a dozen at most (its watch, a ready
+# report or a rendezvous long poll, parameter-server pushes in flight, its beats and reports); the server's threads
+# (coordinator serve) are many times more, so no one identity starves the others.
+MAX_CALLS_PER_IDENTITY = 32
 DEFAULT_JOB_LIST = 100
 MAX_JOB_LIST = 10_000
 MAX_JOB_REFERENCE_CHARS = 128  # a job's id or name, as a person types it
@@ -139,17 +143,13 @@ def registration_problem(request: pb.RegisterRequest) -> str | None:
     """What is wrong with a registration, naming the field (None: nothing). An empty node_id asks for a new one."""
     problems = {
         "node_id": node_id_problem(request.node_id) if request.node_id else None,
-        "name": name_problem(request.name),
+        "name": field_problem(request.name),
         "peer_address": address_problem(request.peer_address),
         "metrics_address": address_problem(request.metrics_address) if request.metrics_address else None,
-        "device": _length_problem(request.device),
-        "version": _length_problem(request.version),
+        "device": field_problem(request.device),
+        "version": field_problem(request.version),
     }
     return next((f"{field}: {problem}" for field, problem in problems.items() if problem), None)
-
-
-def _length_problem(value: str) -> str | None:
-    return f"must be at most {MAX_FIELD_CHARS} characters" if len(value) > MAX_FIELD_CHARS else None
 
 
 def answers_as(transport: Transport, address: str, node_id: str) -> bool:
@@ -201,8 +201,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._monitor.start()
 
     def authorizer(self) -> Authorizer | None:
-        """The interceptor that admits calls by certificate role (None when insecure)."""
-        return Authorizer(COORDINATOR_RULES, self.ca.is_revoked) if self.ca is not None else None
+        """The interceptor that admits calls by certificate role, MAX_CALLS_PER_IDENTITY at once for each identity
+        (None when insecure)."""
+        if self.ca is None:
+            return None
+        return Authorizer(COORDINATOR_RULES, self.ca.is_revoked, MAX_CALLS_PER_IDENTITY)
 
     def _as_node(self, context: grpc.ServicerContext, claimed: str) -> str:
         """The node id this call acts as: its certificate's (a claimed id must agree), or, when insecure, the id
@@ -500,6 +503,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if problem:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         node_id = self._as_node(context, request.node_id)
+        name = request.name or request.peer_address
         known = self.store.node(node_id) if node_id else None
         if (known is not None and known.up and known.peer_address != request.peer_address
                 and answers_as(self.transport, known.peer_address, known.node_id)):
@@ -508,9 +512,21 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 f"node {known.node_id} is up at {known.peer_address} and answers there; two agents share its node id "
                 "(a copied state directory?)",
             )
+        # Another live node's address or name is its own while it answers there; one that does not is gone.
+        for other in self.store.nodes():
+            if other.node_id == node_id or not other.up or not (
+                    other.peer_address == request.peer_address or name_key(name) in (name_key(other.name),
+                                                                                    name_key(other.node_id))):
+                continue
+            if answers_as(self.transport, other.peer_address, other.node_id):
+                context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                              f"node {other.node_id} ({other.name}) is up at {other.peer_address} and answers there: "
+                              "its address and name are not another node's to take")
+            if self.store.mark_down(other.node_id):
+                log.info("%s is down: it does not answer at %s, which %s registers with", other.node_id,
+                         other.peer_address, node_id or "a new node")
         node_id = self.store.register_node(
-            node_id, request.name or request.peer_address, request.peer_address, request.metrics_address,
-            request.device or "cpu", request.version,
+            node_id, name, request.peer_address, request.metrics_address, request.device or "cpu", request.version,
         )
         log.info("registered %s (%s) at %s", node_id, request.name, request.peer_address)
         self.changes.bump()
@@ -738,16 +754,22 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return self.ca
 
     def RenewCertificate(self, request, context):
+        """A new certificate for the caller's identity, in the last third of its certificate's life and once per
+        certificate (ClusterCA.renew); a node's old certificate is revoked as the new one is issued."""
         ca = self._require_ca(context)
         identity = caller(context)
         assert identity is not None  # admitted by the authorizer
         try:
             public_key, _requested = pki.read_signing_request(request.csr_pem)
-            cert = ca.issue(public_key, identity.role, identity.name)
         except CertificateError as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        try:
+            cert = ca.renew(identity, public_key)
+        except CAError as error:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         renewed = pki.identity_of(cert)
         log.info("renewed the certificate of %s: serial %s replaces %s", identity, renewed.serial, identity.serial)
+        self.changes.bump()  # agents learn the superseded serial with their next assignment
         return pb.CertificateReply(certificate_pem=pki.certificate_pem(cert), name=renewed.name,
                                    serial=renewed.serial)
 
@@ -777,11 +799,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return pb.RevokeCertificateReply(serials=serials)
 
     def ListCertificates(self, request, context):
+        """The certificates that have not expired (revoked or not): what can still be presented."""
         ca = self._require_ca(context)
+        now = time.time()
         return pb.ListCertificatesReply(certificates=[
             pb.CertificateInfo(serial=c.serial, role=c.role, name=c.name, issued_unix=c.issued_unix,
                                not_after_unix=c.not_after_unix, revoked_unix=c.revoked_unix)
-            for c in ca.certificates()
+            for c in ca.certificates() if c.not_after_unix > now
         ])
 
     # -- operator calls ------------------------------------------------------------------------------------------
@@ -1003,7 +1027,10 @@ class EnrollmentService(coordinator_pb2_grpc.EnrollmentServicer):
             context.abort(grpc.StatusCode.ALREADY_EXISTS,
                           f"node id {name} holds a valid certificate; revoke it first (`coordinator cert revoke "
                           f"--name {name}`) or enroll under another --name")
-        cert = self.ca.issue(public_key, Role.NODE, name)
+        try:
+            cert = self.ca.issue(public_key, Role.NODE, name)
+        except CertificateError as error:  # the name went to another role meanwhile
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
         identity = pki.identity_of(cert)
         log.info("enrolled node %s (certificate %s)", name, identity.serial)
         return pb.CertificateReply(certificate_pem=pki.certificate_pem(cert), name=name, serial=identity.serial)

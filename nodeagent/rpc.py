@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+import unicodedata
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
@@ -54,11 +55,18 @@ def node_id_problem(node_id: str) -> str | None:
     return "must be 1 to 64 characters of A-Z a-z 0-9 _ . -"
 
 
-def name_problem(name: str) -> str | None:
-    """What is wrong with a node's human name (None: nothing); it is shown in tables, hence printable."""
-    if len(name) <= MAX_FIELD_CHARS and name.isprintable():
+def field_problem(value: str) -> str | None:
+    """What is wrong with a short field a node describes itself with (None: nothing): its name, device and version
+    are shown in tables, hence printable and short."""
+    if len(value) <= MAX_FIELD_CHARS and value.isprintable():
         return None
     return f"must be at most {MAX_FIELD_CHARS} printable characters"
+
+
+def name_key(name: str) -> str:
+    """What two names that look alike have in common: compatibility forms folded (NFKC), case folded, dots and
+    spaces at the ends dropped. No two live nodes share one (Register)."""
+    return unicodedata.normalize("NFKC", name).casefold().strip(" .")
 
 
 def address_problem(address: str) -> str | None:

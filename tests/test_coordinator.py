@@ -3,6 +3,7 @@
 import json
 import math
 import time
+import zlib
 from concurrent import futures
 
 import grpc
@@ -84,7 +85,9 @@ def coordinator(tmp_path):
 
 
 def register(stub, name: str, node_id: str = "") -> str:
-    request = pb.RegisterRequest(node_id=node_id, peer_address=f"127.0.0.1:{hash(name) % 1000 + 2000}", name=name)
+    # An address of its own (a node cannot take a live node's): a port from the name, the same in every run.
+    request = pb.RegisterRequest(node_id=node_id, peer_address=f"127.0.0.1:{zlib.crc32(name.encode()) % 40000 + 2000}",
+                                 name=name)
     return stub.Register(request, timeout=5).node_id
 
 

@@ -11,20 +11,24 @@ from pathlib import Path
 
 import grpc
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.x509.oid import NameOID
 from datafiles import FASHION_MNIST
 from hostile import channel_as
 
 from coordinator.ca import ClusterCA
+from coordinator.cli import main as cli_main
 from coordinator.ps_service import add_coordinator_servicer
 from coordinator.rendezvous import Rendezvous
 from coordinator.service import CoordinatorConfig, CoordinatorService, EnrollmentService
 from nodeagent._proto import coordinator_pb2 as pb
-from nodeagent._proto import coordinator_pb2_grpc, wire_pb2
-from nodeagent.agent.enroll import EnrollmentError, enroll
+from nodeagent._proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc, wire_pb2
+from nodeagent.agent.enroll import EnrollmentError, enroll, renew
 from nodeagent.metrics import Metrics
 from nodeagent.runtime.readiness import data_to_proto
 from nodeagent.security import pki
-from nodeagent.security.pki import Role
+from nodeagent.security.pki import CertificateError, Role
 from nodeagent.security.tls import TlsDir, Transport
 
 SPEC = """
@@ -85,9 +89,9 @@ class SecureCoordinator:
         self.enrollment.start()
         self.service.start()
 
-    def credentials(self, role: Role, name: str) -> Path:
+    def credentials(self, role: Role, name: str, lifetime: datetime.timedelta | None = None) -> Path:
         directory = self.root / f"{role}-{name}"
-        self.ca.issue_files(TlsDir(directory), role, name)
+        self.ca.issue_files(TlsDir(directory), role, name, lifetime)
         return directory
 
     def client(self, role: Role, name: str) -> Attacker:
@@ -181,6 +185,39 @@ def test_a_node_acts_only_as_itself(secure):
     }.items():
         assert a.code(method, request) is grpc.StatusCode.PERMISSION_DENIED, method
     assert secure.service.store.node("node-b").up
+
+
+class DescribedPeer(peer_pb2_grpc.PeerServicer):
+    """A node's peer port as the coordinator's probe finds it: it answers as its node."""
+
+    def __init__(self, directory: Path, node_id: str):
+        self.node_id = node_id
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        peer_pb2_grpc.add_PeerServicer_to_server(self, self.server)
+        self.address = f"127.0.0.1:{Transport(TlsDir(directory)).bind(self.server, '127.0.0.1:0')}"
+        self.server.start()
+
+    def Describe(self, request, context):
+        return peer_pb2.NodeDescription(node_id=self.node_id)
+
+
+def test_a_node_cannot_register_with_the_address_or_name_of_a_live_node(secure):
+    directory = secure.credentials(Role.NODE, "agent-0")
+    peer = DescribedPeer(directory, "agent-0")
+    honest = Attacker.with_dir(secure.address, directory)
+    honest.stub.Register(pb.RegisterRequest(peer_address=peer.address, name="agent-0"), timeout=5)
+    mallory = secure.client(Role.NODE, "mallory")
+    for request in (pb.RegisterRequest(peer_address=peer.address, name="mallory"),
+                    pb.RegisterRequest(peer_address="127.0.0.1:7999", name="Agent-0 "),
+                    pb.RegisterRequest(peer_address="127.0.0.1:7999", name="agent-0."),
+                    pb.RegisterRequest(peer_address="127.0.0.1:7999", name="\uff41gent-0")):  # a full-width a
+        assert mallory.code("Register", request) is grpc.StatusCode.ALREADY_EXISTS, request
+    assert [(n.node_id, n.peer_address, n.up) for n in secure.service.store.nodes()] == \
+        [("agent-0", peer.address, True)]
+    # Once agent-0 no longer answers there it is gone: its address goes to the node that registers with it.
+    peer.server.stop(grace=None).wait()
+    assert mallory.stub.Register(pb.RegisterRequest(peer_address=peer.address), timeout=5).node_id == "mallory"
+    assert not secure.service.store.node("agent-0").up
 
 
 def test_parameter_server_calls_only_as_the_rank_the_node_holds(secure):
@@ -321,6 +358,104 @@ def test_enrollment_with_a_one_time_token_and_a_pinned_fingerprint(secure, tmp_p
         enroll(secure.enroll_address, second.token, second.ca_fingerprint, "node-new", TlsDir(tmp_path / "dup"))
 
 
+LOOK_ALIKES = ("coordinator.", "coordinator", "Coordinator", "coordinator.peertrain", "x.peertrain", "peertrain",
+               "operator", "node", "agent-0.", "Agent-0", "agent-0..", ".agent-0", "agent-0-", "agent\u20100",
+               "\u0430gent-0", "agent-\uff10", "tester.", "a" * 64)
+
+
+def test_no_certificate_can_be_issued_for_a_name_that_passes_for_another(secure, tmp_path):
+    """Reserved names, the trust domain's names and every second form of a name (a trailing dot, upper case,
+    Unicode look-alikes) are refused at enrollment and offline, before a token is spent."""
+    operator = secure.client(Role.OPERATOR, "alice")
+    token = operator.stub.CreateJoinToken(pb.CreateJoinTokenRequest(ttl_s=60), timeout=5)
+    channel = grpc.secure_channel(secure.enroll_address, grpc.ssl_channel_credentials(secure.ca.cert_pem),
+                                  options=[("grpc.ssl_target_name_override", "coordinator")])
+    enrollment = coordinator_pb2_grpc.EnrollmentStub(channel)
+    for name in LOOK_ALIKES:
+        csr = x509.CertificateSigningRequestBuilder().subject_name(
+            x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])).sign(pki.new_private_key(), hashes.SHA256())
+        request = pb.EnrollRequest(token=token.token, csr_pem=csr.public_bytes(serialization.Encoding.PEM))
+        with pytest.raises(grpc.RpcError) as refused:
+            enrollment.Enroll(request, timeout=5)
+        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT, name
+        with pytest.raises(CertificateError):
+            secure.ca.issue(pki.new_private_key().public_key(), Role.NODE, name)
+    # A name is one role's: a node cannot be named as an operator is (nor the other way).
+    with pytest.raises(CertificateError, match="held by a operator certificate"):
+        secure.ca.issue(pki.new_private_key().public_key(), Role.NODE, "alice")
+    assert {c.name for c in secure.ca.certificates()} == {"coordinator", "alice"}
+    # The token was not spent on the refusals.
+    assert enroll(secure.enroll_address, token.token, token.ca_fingerprint, "agent-0", TlsDir(tmp_path / "a0")) == \
+        "agent-0"
+
+
+def impostor_certificate(ca: ClusterCA, role: Role, name: str, dns: list[str]) -> tuple[bytes, bytes]:
+    """A certificate of the cluster's CA as one issued before the names were checked (or by a careless CA): the
+    identity spiffe://peertrain/ROLE/NAME with the DNS names given. Its PEM and its key's."""
+    key = pki.new_private_key()
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])).issuer_name(ca.cert.subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.UniformResourceIdentifier(pki.spiffe_uri(role, name)),
+                                                        *map(x509.DNSName, dns)]), critical=False)
+            .sign(ca.key, hashes.SHA256()))
+    return pki.certificate_pem(cert), pki.private_key_pem(key)
+
+
+class Impostor(coordinator_pb2_grpc.CoordinatorServicer):
+    """A server that would take an agent's registration and an operator's calls."""
+
+    def __init__(self, cert_pem: bytes, key_pem: bytes, ca_pem: bytes):
+        self.calls: list[str] = []
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self, self.server)
+        credentials = grpc.ssl_server_credentials([(key_pem, cert_pem)], root_certificates=ca_pem,
+                                                  require_client_auth=True)
+        self.address = f"127.0.0.1:{self.server.add_secure_port('127.0.0.1:0', credentials)}"
+        self.server.start()
+
+    def Register(self, request, context):
+        self.calls.append("Register")
+        return pb.RegisterReply(node_id=request.node_id, heartbeat_interval_s=2)
+
+    def ListNodes(self, request, context):
+        self.calls.append("ListNodes")
+        return pb.ListNodesReply(nodes=[pb.NodeInfo(node_id="agent-0", peer_address="attacker:1", up=True)])
+
+
+def test_agents_and_the_cli_accept_only_a_coordinator_certificate_as_the_coordinator(secure, capsys):
+    agent = Transport(TlsDir(secure.credentials(Role.NODE, "agent-0")))
+    operator_dir = secure.credentials(Role.OPERATOR, "alice")
+    ca = secure.ca
+    mallory = TlsDir(secure.root / "node-m")
+    secure.ca.issue_files(mallory, Role.NODE, "mallory")
+    impostors = {
+        "a node certificate": (mallory.cert.read_bytes(), mallory.key.read_bytes()),
+        "a node named coordinator., as issued before names were checked": impostor_certificate(
+            ca, Role.NODE, "coordinator.", ["coordinator."]),
+        "a node with the coordinator's former DNS name": impostor_certificate(ca, Role.NODE, "x", ["coordinator"]),
+    }
+    for what, (cert_pem, key_pem) in impostors.items():
+        impostor = Impostor(cert_pem, key_pem, ca.cert_pem)
+        try:
+            with agent.channel(impostor.address) as channel, pytest.raises(grpc.RpcError) as refused:
+                coordinator_pb2_grpc.CoordinatorStub(channel).Register(
+                    pb.RegisterRequest(peer_address="127.0.0.1:7001"), timeout=5)
+            assert refused.value.code() is grpc.StatusCode.UNAVAILABLE, what
+            assert cli_main(["nodes", "--coordinator", impostor.address, "--tls-dir", str(operator_dir)]) == 1
+            out, err = capsys.readouterr()
+            assert out == "" and "UNAVAILABLE" in err, what
+            assert impostor.calls == [], what
+        finally:
+            impostor.server.stop(grace=None)
+    # The coordinator's own certificate passes.
+    with agent.channel(secure.address) as channel:
+        assert coordinator_pb2_grpc.CoordinatorStub(channel).Register(
+            pb.RegisterRequest(peer_address="127.0.0.1:7001"), timeout=5).node_id == "agent-0"
+
+
 def test_the_enrollment_port_serves_nothing_else_and_refuses_garbage(secure):
     channel = grpc.secure_channel(secure.enroll_address, grpc.ssl_channel_credentials(secure.ca.cert_pem),
                                   options=[("grpc.ssl_target_name_override", "coordinator")])
@@ -357,24 +492,48 @@ def test_revocation_is_enforced_at_once_and_sent_to_agents(secure):
     assert listed[revoked[0]].revoked_unix > 0
 
 
-def test_renewal_keeps_the_identity_and_role(secure, tmp_path):
-    directory = secure.credentials(Role.NODE, "node-a")
-    transport = Transport(TlsDir(directory))
-    before = transport.identity
-    from nodeagent.agent.enroll import renew
+def renewal(key_name: str = "node-a") -> pb.RenewCertificateRequest:
+    return pb.RenewCertificateRequest(csr_pem=pki.signing_request(pki.new_private_key(), Role.NODE, key_name))
 
-    stub = coordinator_pb2_grpc.CoordinatorStub(transport.channel(secure.address))
-    serial = renew(transport, stub)
-    after = transport.credentials().identity
-    assert (after.role, after.name) == (Role.NODE, "node-a")
-    assert serial == after.serial != before.serial
+
+def test_a_certificate_is_renewed_once_in_its_last_third_and_supersedes_the_old_one(secure):
+    fresh = secure.client(Role.NODE, "node-f")
+    assert fresh.code("RenewCertificate", renewal("node-f")) is grpc.StatusCode.FAILED_PRECONDITION
+    # In its last third (a minute left): a flood of renewals with the same key issues one certificate.
+    directory = secure.credentials(Role.NODE, "node-a", lifetime=datetime.timedelta(minutes=1))
+    old = Transport(TlsDir(directory)).identity
+    node = Attacker.with_dir(secure.address, directory)
+    request = renewal()
+    with futures.ThreadPoolExecutor(max_workers=8) as pool:
+        codes = list(pool.map(lambda _: node.code("RenewCertificate", request), range(64)))
+    assert codes.count(grpc.StatusCode.OK) == 1, codes
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED}
+    issued = [c for c in secure.ca.certificates() if c.name == "node-a"]
+    assert len(issued) == 2 and [c.serial for c in issued if c.revoked_unix] == [old.serial]
+    assert node.code("Heartbeat", pb.HeartbeatRequest()) is grpc.StatusCode.UNAUTHENTICATED  # superseded
+    # The agent's own renewal path writes the new certificate; `cert revoke --name` revokes every one of the name.
+    agent_dir = secure.credentials(Role.NODE, "node-b", lifetime=datetime.timedelta(minutes=1))
+    transport = Transport(TlsDir(agent_dir))
+    serial = renew(transport, coordinator_pb2_grpc.CoordinatorStub(transport.channel(secure.address)))
+    renewed = Attacker.with_dir(secure.address, agent_dir)
+    assert transport.credentials().identity.serial == serial
+    assert _register(renewed, "", 7002).node_id == "node-b"
+    operator = secure.client(Role.OPERATOR, "alice")
+    assert len(operator.stub.RevokeCertificate(pb.RevokeCertificateRequest(name="node-b"), timeout=5).serials) == 1
+    assert renewed.code("Heartbeat", pb.HeartbeatRequest()) is grpc.StatusCode.UNAUTHENTICATED
+    assert all(c.revoked_unix for c in secure.ca.certificates() if c.name == "node-b")
+
+
+def test_renewal_keeps_the_callers_identity_and_role(secure):
     # An operator renewing asks for a node's name in its request: the certificate still names the operator.
-    operator_dir = secure.credentials(Role.OPERATOR, "alice")
+    operator_dir = secure.credentials(Role.OPERATOR, "alice", lifetime=datetime.timedelta(minutes=1))
     operator = Attacker.with_dir(secure.address, operator_dir)
-    reply = operator.stub.RenewCertificate(pb.RenewCertificateRequest(
-        csr_pem=pki.signing_request(pki.new_private_key(), Role.NODE, "node-a")), timeout=5)
+    reply = operator.stub.RenewCertificate(renewal("node-a"), timeout=5)
     renewed = pki.identity_of(pki.load_certificate(reply.certificate_pem))
     assert (renewed.role, renewed.name) == (Role.OPERATOR, "alice")
+    # An operator keeps its other certificates (one per machine), but renews each once.
+    assert operator.code("RenewCertificate", renewal()) is grpc.StatusCode.FAILED_PRECONDITION
+    assert operator.code("ListCertificates", pb.ListCertificatesRequest()) is grpc.StatusCode.OK
 
 
 def test_the_coordinator_renews_its_own_certificate_near_expiry(tmp_path):

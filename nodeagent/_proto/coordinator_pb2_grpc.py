@@ -323,9 +323,11 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RenewCertificate(self, request, context):
-        """Certificates. A node or an operator: a new certificate for the caller's own identity, before the old one
-        expires (the old one stays valid until then). Operators: a one-time join token; revoke certificates (the
-        coordinator refuses them at once and tells agents, which refuse them too); list what the CA issued.
+        """Certificates. A node or an operator: a new certificate for the caller's own identity, in the last third of the
+        old one's life and once per certificate (FAILED_PRECONDITION otherwise, saying when); a node's old certificate
+        is revoked as the new one is issued (a node holds one live certificate). Operators: a one-time join token;
+        revoke certificates (the coordinator refuses them at once and tells agents, which refuse them too); list the
+        certificates that have not expired.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

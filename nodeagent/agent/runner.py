@@ -241,7 +241,8 @@ class JobRunner(threading.Thread):
         # The server family's workers say what they accept from the server (nodeagent.ps.worker.PSWorker).
         worker = cast(ServerExpectation, node.algorithm)
         return GrpcServerLink(
-            self.agent.stub, job_id=self.job_id, node_id=self.agent.node_id, rank=self.rank, world_size=spec.nodes,
+            lambda: self.agent.stub, job_id=self.job_id, node_id=self.agent.node_id, rank=self.rank,
+            world_size=spec.nodes,
             worker=worker, metrics=self.agent.metrics, traffic=driver.traffic, pool=self.pool,
             timeout_s=spec.wire.exchange_timeout_s, encoding=Encoding.from_name(spec.wire.encoding),
             chunk_bytes=spec.wire.chunk_bytes, max_message_bytes=spec.wire.max_message_bytes,
