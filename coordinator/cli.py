@@ -435,7 +435,7 @@ def _stub(args: argparse.Namespace) -> coordinator_pb2_grpc.CoordinatorStub:
 def cmd_serve(args: argparse.Namespace) -> int:
     from coordinator.ca import CAError, ClusterCA
     from coordinator.ps_service import add_coordinator_servicer
-    from coordinator.service import CoordinatorConfig, CoordinatorService, EnrollmentService
+    from coordinator.service import SERVER_THREADS, CoordinatorConfig, CoordinatorService, EnrollmentService
     from nodeagent.security.tls import INSECURE_WARNING, TlsDir, Transport
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s coordinator %(levelname)s: %(message)s")
@@ -458,10 +458,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics = Metrics()
         service = CoordinatorService(config, metrics, ca=ca, transport=transport)
         authorizer = service.authorizer()
-        # Every agent holds a thread with its assignment stream, and synchronous parameter-server pushes wait for
-        # their round on one: size the pool for a few hundred agents. Frame limits as on the peer service.
+        # Frame limits as on the peer service.
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=512, thread_name_prefix="coordinator"), options=SERVER_OPTIONS,
+            futures.ThreadPoolExecutor(max_workers=SERVER_THREADS, thread_name_prefix="coordinator"),
+            options=SERVER_OPTIONS,
             interceptors=[authorizer] if authorizer else None,
         )
         bound = transport.bind(server, args.listen)

@@ -65,9 +65,12 @@ WATCH_POLL_S = 1.0
 MAX_FAILURE_CHARS = 2000  # of a node's failure reason, as stored and shown
 CERTIFICATE_CHECK_S = 600.0  # how often the coordinator looks at its own certificate's expiry
 MAX_WATCHES_PER_NODE = 2  # an agent holds one; a second covers a reconnect racing the old stream's end
+# Every agent holds a thread with its assignment stream, and synchronous parameter-server pushes wait for their
+# round on one: the server's pool is sized for a few hundred agents.
+SERVER_THREADS = 512
 # Calls one identity may have outstanding at once, of every kind: an agent holds a dozen at most (its watch, a ready
 # report or a rendezvous long poll, parameter-server pushes in flight, its beats and reports); the server's threads
-# (coordinator serve) are many times more, so no one identity starves the others.
+# are many times more, so no one identity starves the others.
 MAX_CALLS_PER_IDENTITY = 32
 DEFAULT_JOB_LIST = 100
 MAX_JOB_LIST = 10_000

@@ -5,6 +5,9 @@ the test's CA. Each refusal is checked to leave the coordinator's state as it wa
 from __future__ import annotations
 
 import datetime
+import socket
+import threading
+from collections import Counter
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -21,7 +24,7 @@ from coordinator.ca import ClusterCA
 from coordinator.cli import main as cli_main
 from coordinator.ps_service import add_coordinator_servicer
 from coordinator.rendezvous import Rendezvous
-from coordinator.service import CoordinatorConfig, CoordinatorService, EnrollmentService
+from coordinator.service import SERVER_THREADS, CoordinatorConfig, CoordinatorService, EnrollmentService
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc, wire_pb2
 from nodeagent.agent.enroll import EnrollmentError, enroll, renew
@@ -69,14 +72,15 @@ class Attacker:
 
 
 class SecureCoordinator:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, heartbeat_timeout_s: float = 15.0):
         self.root = root
         self.ca = ClusterCA.init(root / "state")
         tls = TlsDir(root / "state" / "tls")
         self.ca.coordinator_credentials(tls)
-        self.service = CoordinatorService(CoordinatorConfig(state_dir=root / "state"), Metrics(), ca=self.ca,
-                                          transport=Transport(tls))
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16),
+        self.service = CoordinatorService(CoordinatorConfig(state_dir=root / "state",
+                                                            heartbeat_timeout_s=heartbeat_timeout_s), Metrics(),
+                                          ca=self.ca, transport=Transport(tls))
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=SERVER_THREADS),
                                   interceptors=[self.service.authorizer()])
         add_coordinator_servicer(self.service, self.server)
         self.address = f"127.0.0.1:{Transport(tls).bind(self.server, '127.0.0.1:0')}"
@@ -218,6 +222,44 @@ def test_a_node_cannot_register_with_the_address_or_name_of_a_live_node(secure):
     peer.server.stop(grace=None).wait()
     assert mallory.stub.Register(pb.RegisterRequest(peer_address=peer.address), timeout=5).node_id == "mallory"
     assert not secure.service.store.node("agent-0").up
+
+
+def test_one_nodes_flood_of_calls_that_hold_threads_leaves_the_other_nodes_up(tmp_path, caplog):
+    """3000 Register calls at once from one node, each making the coordinator probe a tarpit (an address that
+    accepts connections and never answers) for a second: beyond its limit they are refused at once, and an honest
+    node beating all along is never marked down, with a heartbeat timeout (1 s) shorter than the flood would hold
+    every server thread."""
+    coordinator = SecureCoordinator(tmp_path, heartbeat_timeout_s=1.0)
+    tarpits = [socket.create_server(("127.0.0.1", 0), backlog=4096) for _ in range(2)]
+    addresses = [f"127.0.0.1:{tarpit.getsockname()[1]}" for tarpit in tarpits]
+    honest = coordinator.client(Role.NODE, "honest")
+    _register(honest, "", 7001)
+    beats: list[grpc.StatusCode] = []
+    flooding = threading.Event()
+
+    def beat() -> None:
+        while not flooding.wait(0.1):
+            beats.append(honest.code("Heartbeat", pb.HeartbeatRequest()))
+
+    beating = threading.Thread(target=beat)
+    beating.start()
+    try:
+        directory = coordinator.credentials(Role.NODE, "mallory")
+        mallory = [Attacker(channel_as(coordinator.address, directory, "coordinator", separate=True)) for _ in range(8)]
+        mallory[0].stub.Register(pb.RegisterRequest(peer_address=addresses[0]), timeout=5)
+        # Each call moves mallory between the tarpits: the coordinator probes the one it is at.
+        flood = [mallory[i % 8].stub.Register.future(pb.RegisterRequest(peer_address=addresses[(i + 1) % 2]),
+                                                      timeout=60) for i in range(3000)]
+        codes = [call.code() for call in flood]
+    finally:
+        flooding.set()
+        beating.join()
+        for tarpit in tarpits:
+            tarpit.close()
+        coordinator.stop()
+    assert beats and set(beats) == {grpc.StatusCode.OK}
+    assert "no heartbeat from honest" not in caplog.text  # never marked down meanwhile
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) > 2000, Counter(codes)
 
 
 def test_parameter_server_calls_only_as_the_rank_the_node_holds(secure):
