@@ -42,7 +42,7 @@ from nodeagent.jobspec import (
     parse_job_yaml,
 )
 from nodeagent.metrics import Metrics
-from nodeagent.rpc import MAX_FIELD_CHARS, address_problem, field_problem, name_key, node_id_problem
+from nodeagent.rpc import MAX_FIELD_CHARS, address_problem, field_problem, name_key, node_id_problem, plain_text
 from nodeagent.runtime import events
 from nodeagent.runtime.driver import IN_FLIGHT
 from nodeagent.runtime.events import Event, EventLog
@@ -97,6 +97,9 @@ KNOWN_FAILURE_REASONS = frozenset({code.name.lower() for code in grpc.StatusCode
                                   {"rejected", "not_neighbor", "error", IN_FLIGHT})
 OTHER_REASON = "other"
 MAX_READY_WAIT_S = 10.0  # the longest a JobReady answer is held for the release (a long poll)
+# A node's times are its own clock's durations since it started the job, after the coordinator started it: a report
+# may exceed the coordinator's count by this much (clocks run at slightly different rates; reports take time).
+REPORT_CLOCK_SLACK_S = 60.0
 
 _NODE = frozenset({Role.NODE})
 _OPERATOR = frozenset({Role.OPERATOR})
@@ -579,11 +582,19 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def ReportMetrics(self, request, context):
         request.node_id = self._as_node(context, request.node_id)
-        progress = bounded_report(from_report(request, time=time.time()))
+        now = time.time()
+        progress = bounded_report(from_report(request, time=now))
+        job = self.store.job(request.job_id[:MAX_JOB_REFERENCE_CHARS])
+        if job is None or not any(m.rank == progress.rank and m.node_id == progress.node
+                                  for m in self.store.members(job.job_id)):
+            return pb.MetricsReply(job_active=False)  # not this node's rank: nothing is recorded
+        if problem := report_problem(progress, JobSpec.from_json(job.spec_json), job.started_unix, now):
+            field, why = problem
+            self.metrics.coordinator_refused_reports.labels(request.node_id, field).inc()
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"report of rank {request.rank} of job {job.job_id}: "
+                          f"{field}: {why}")
         if not self.store.record_progress(progress):
             return pb.MetricsReply(job_active=False)
-        job = self.store.job(request.job_id)
-        assert job is not None
         run_log = self._run_logs.get(job.job_id)
         if run_log is None:
             run_log = self._run_logs[job.job_id] = RunLog(job.run_dir)
@@ -598,7 +609,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return pb.MetricsReply(job_active=self.store.job(job.job_id).state == "RUNNING")
 
     def ReportFailure(self, request, context):
-        reason = request.reason[:MAX_FAILURE_CHARS] or "no reason given"
+        reason = plain_text(request.reason[:MAX_FAILURE_CHARS]).strip() or "no reason given"
         request.node_id = self._as_node(context, request.node_id)
         if not self.store.record_failure(request.job_id, request.rank, request.node_id, reason):
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"node {request.node_id[:64]!r} does not hold rank "
@@ -1041,12 +1052,37 @@ class EnrollmentService(coordinator_pb2_grpc.EnrollmentServicer):
 
 def bounded_report(progress: Progress) -> Progress:
     """A node's report as the coordinator keeps, logs and shows it: at most MAX_REPORTED_EDGES edges, names and
-    texts cut, failure reasons from the known set, and no number that is not one (an age that is not a finite,
-    non-negative number is unknown: NaN)."""
+    texts cut and plain (no terminal escapes, no control characters), failure reasons from the known set, and no
+    number that is not one (an age that is not a finite, non-negative number is unknown: NaN)."""
     return dataclasses.replace(
-        progress, waiting_for=progress.waiting_for[:MAX_WAITING_CHARS],
+        progress, waiting_for=plain_text(progress.waiting_for[:MAX_WAITING_CHARS]),
         edges=tuple(_bounded_edge(edge) for edge in progress.edges[:MAX_REPORTED_EDGES]),
     )
+
+
+def report_problem(progress: Progress, spec: JobSpec, started_unix: float, now: float) -> tuple[str, str] | None:
+    """What no run of the job can report, as the field and why (None: nothing): a step past the job's end, local
+    steps past it (but ESync's, which are many per step), a loss that is not a non-negative number, an accuracy
+    outside 0..1 (NaN: not measured yet), a time longer than the job has run. Checked before anything is stored."""
+    ran_s = max(0.0, now - started_unix) + REPORT_CLOCK_SLACK_S
+    local_steps_bounded = lookup(spec.algorithm.name).family is not Family.SERVER
+    problems = {
+        "step": not 0 <= progress.step <= spec.steps,
+        "local_steps": local_steps_bounded and progress.local_steps > spec.steps,
+        "loss": not (math.isnan(progress.loss) or 0 <= progress.loss < math.inf),
+        "test_loss": not (math.isnan(progress.test_loss) or 0 <= progress.test_loss < math.inf),
+        "test_accuracy": not (math.isnan(progress.test_accuracy) or 0 <= progress.test_accuracy <= 1),
+        "elapsed_s": not 0 <= progress.elapsed_s <= ran_s,
+        "compute_s": not 0 <= progress.compute_s <= ran_s,
+        "wait_s": not 0 <= progress.wait_s <= ran_s,
+    }
+    wrong = next((field for field, refused in problems.items() if refused), None)
+    if wrong is None:
+        return None
+    value = getattr(progress, wrong)
+    if isinstance(value, float):
+        return wrong, f"{value:.6g} is not a value a run of this job can have"
+    return wrong, f"{value} is not a value a run of this job can have (it has {spec.steps} steps)"
 
 
 def _bounded_edge(edge: EdgeCounters) -> EdgeCounters:
@@ -1055,7 +1091,7 @@ def _bounded_edge(edge: EdgeCounters) -> EdgeCounters:
         key = reason if reason in KNOWN_FAILURE_REASONS else OTHER_REASON
         reasons[key] = reasons.get(key, 0) + count
     return dataclasses.replace(
-        edge, peer=edge.peer[:MAX_FIELD_CHARS], failure_reasons=reasons,
+        edge, peer=plain_text(edge.peer[:MAX_FIELD_CHARS]), failure_reasons=reasons,
         last_message_age_s=_age(edge.last_message_age_s), message_interval_s=_age(edge.message_interval_s),
         in_flight_s=_age(edge.in_flight_s) if edge.in_flight_s > 0 else 0.0,
         last_failure_age_s=_age(edge.last_failure_age_s), consensus_distance=_age(edge.consensus_distance),

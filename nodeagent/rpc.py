@@ -69,6 +69,30 @@ def name_key(name: str) -> str:
     return unicodedata.normalize("NFKC", name).casefold().strip(" .")
 
 
+# A terminal escape sequence (ECMA-48): a control sequence (CSI ... final byte); a string (OSC, DCS, SOS, PM, APC) up
+# to its terminator, or to the end when it has none; or an escape with its intermediate and final bytes.
+_TERMINAL_ESCAPE = re.compile(
+    r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]"
+    r"|(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f]).*?(?:\x07|\x1b\\|\x9c|$)"
+    r"|\x1b[ -/]*[0-~]?",
+    re.DOTALL,
+)
+
+
+def plain_text(text: str) -> str:
+    """Another process's words as the coordinator keeps them: terminal escape sequences dropped whole, line breaks
+    and tabs made spaces, and every other character that is not printable (controls, Unicode format characters
+    such as direction overrides) dropped. Nothing stored from a node can then move a terminal that shows it."""
+    text = _TERMINAL_ESCAPE.sub("", text)
+    return "".join(c if c.isprintable() else " " if c in "\t\n\r" else "" for c in text)
+
+
+def shown(text: str) -> str:
+    """Text from the coordinator as the command line prints it: line breaks kept, every other character that is
+    not printable written as its escape (\\x1b, \\u202e), whatever the coordinator sent."""
+    return "".join(c if c.isprintable() or c == "\n" else repr(c)[1:-1] for c in text)
+
+
 def address_problem(address: str) -> str | None:
     """What is wrong with an address a node advertises (None: nothing): HOST:PORT, PORT in 1..65535."""
     host, sep, port = address.rpartition(":")

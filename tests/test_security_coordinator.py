@@ -5,6 +5,7 @@ the test's CA. Each refusal is checked to leave the coordinator's state as it wa
 from __future__ import annotations
 
 import datetime
+import math
 import socket
 import threading
 from collections import Counter
@@ -378,6 +379,115 @@ def test_a_jobs_rendezvous_store_keeps_its_latest_keys_within_its_bounds():
     assert kept == list(range(kept[0], 2 * store.max_bytes // len(value)))
     assert len(kept) * len(value) <= store.max_bytes
     assert answer(pb.RENDEZVOUS_GET, "absent", wait_s=0.05).found is False
+
+
+RING = """
+name: ring
+nodes: 3
+steps: 1000
+algorithm: {name: dsgd}
+topology: {kind: ring}
+data: {dataset: fashion-mnist, split: iid}
+"""
+ESCAPES = "\x1b[2J\x1b[31mred\x1b[0m\x1b]0;owned\x07\x9b2J\u202eevil\x07\rline\nforged"
+RAW = ("\x1b", "\x07", "\x9b", "\u202e", "\r")
+
+
+def running(secure: SecureCoordinator, spec: str) -> tuple[str, dict[int, Attacker], Attacker]:
+    """A job running on three nodes of its own: its id, its members by rank, and an operator."""
+    clients = {name: secure.client(Role.NODE, name) for name in ("node-a", "node-b", "node-c")}
+    for port, client in enumerate(clients.values(), 7001):
+        _register(client, "", port)
+    operator = secure.client(Role.OPERATOR, "alice")
+    job_id = operator.stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=spec), timeout=30).job_id
+    return job_id, {m.rank: clients[m.node_id] for m in secure.service.store.members(job_id)}, operator
+
+
+def test_a_report_no_run_can_have_is_refused_counted_and_changes_nothing(secure):
+    job_id, members, operator = running(secure, RING)
+    for rank, member in members.items():
+        member.stub.ReportMetrics(pb.MetricsReport(job_id=job_id, rank=rank, step=100, loss=0.5, elapsed_s=10,
+                                                   test_accuracy=math.nan), timeout=5)
+    impossible = [{"step": 2**62, "loss": 4.6e27, "test_accuracy": 1.0}, {"step": -1}, {"step": 1001},
+                  {"local_steps": 2**62}, {"loss": -1.0}, {"loss": math.inf}, {"test_loss": -math.inf},
+                  {"test_accuracy": 1.5}, {"test_accuracy": -0.1}, {"elapsed_s": 1e9}, {"compute_s": -1.0},
+                  {"wait_s": math.inf}]
+    for fields in impossible:
+        report = pb.MetricsReport(job_id=job_id, rank=0, step=100, loss=0.5, elapsed_s=10, test_accuracy=math.nan)
+        for field, value in fields.items():
+            setattr(report, field, value)
+        assert members[0].code("ReportMetrics", report) is grpc.StatusCode.INVALID_ARGUMENT, fields
+    status = operator.stub.JobStatus(pb.JobStatusRequest(job_id=job_id), timeout=5)
+    assert status.state == pb.JOB_RUNNING
+    assert [(n.step, n.loss) for n in status.nodes] == [(100, 0.5)] * 3
+    refused = secure.service.metrics.registry.get_sample_value(
+        "peertrain_coordinator_refused_reports_total", {"node": secure.service.store.members(job_id)[0].node_id,
+                                                        "field": "step"})
+    assert refused == 3
+    # Its topology still changes: the switch step comes from the reports that were taken.
+    change = operator.stub.ChangeTopology(pb.ChangeTopologyRequest(job_id=job_id, kind="complete"), timeout=5)
+    assert change.switch_step < 1000
+
+
+def test_escape_codes_from_a_node_never_reach_the_operators_terminal(secure, capsys):
+    job_id, members, _ = running(secure, RING)  # the operator runs the command line below
+    member = members[1]
+    member.stub.ReportEvents(pb.EventReport(job_id=job_id, events=[
+        pb.JobEvent(kind="log", level="WARNING", message=ESCAPES)]), timeout=5)
+    member.stub.ReportMetrics(pb.MetricsReport(job_id=job_id, rank=1, step=3, waiting_for=ESCAPES, edges=[
+        pb.EdgeTraffic(peer=ESCAPES)]), timeout=5)
+    operator_dir = str(secure.root / "operator-alice")
+
+    def printed(*command: str) -> str:
+        assert cli_main([*command, "--coordinator", secure.address, "--tls-dir", operator_dir]) == 0
+        out, err = capsys.readouterr()
+        assert not any(code in out + err for code in RAW), (command, out)
+        assert "owned" not in out  # an OSC string is dropped whole
+        return out
+
+    assert "red" in printed("edges", job_id)  # the edge's peer and what the node waits for
+    member.stub.ReportFailure(pb.NodeFailure(job_id=job_id, rank=1, reason=ESCAPES), timeout=5)
+    for command in (["status", job_id], ["logs", job_id], ["jobs"]):
+        assert "redevil line forged" in printed(*command)  # its words, on one line
+    assert secure.service.store.job(job_id).state == "FAILED"
+
+
+class Liar(coordinator_pb2_grpc.CoordinatorServicer):
+    """A coordinator (or one in the middle) that sends escape codes in every text the command line prints."""
+
+    def JobStatus(self, request, context):
+        return pb.JobStatusReply(job_id=ESCAPES, name=ESCAPES, state=pb.JOB_FAILED, reason=ESCAPES, spec_yaml="",
+                                 run_dir=ESCAPES, nodes=[pb.NodeProgress(node_id=ESCAPES, failure=ESCAPES,
+                                                                         waiting_for=ESCAPES, state=ESCAPES)])
+
+    def JobEvents(self, request, context):
+        events = [] if request.offset else [pb.JobEvent(kind=ESCAPES, level=ESCAPES, message=ESCAPES, node_id=ESCAPES)]
+        return pb.JobEventsReply(job_id="j", state=pb.JOB_FAILED, events=events, next_offset=1)
+
+    def ListNodes(self, request, context):
+        return pb.ListNodesReply(nodes=[pb.NodeInfo(node_id=ESCAPES, name=ESCAPES, peer_address=ESCAPES,
+                                                    job_id=ESCAPES)])
+
+    def ListJobs(self, request, context):
+        return pb.ListJobsReply(jobs=[pb.JobInfo(job_id=ESCAPES, name=ESCAPES, reason=ESCAPES)])
+
+    def StopJob(self, request, context):
+        context.abort(grpc.StatusCode.NOT_FOUND, ESCAPES)
+
+
+def test_the_cli_escapes_every_text_of_the_coordinator_it_prints(capsys):
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(Liar(), server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    try:
+        for command in (["status", "j"], ["logs", "j"], ["nodes"], ["jobs"], ["stop", "j"]):
+            cli_main([*command, "--coordinator", address, "--insecure"])
+            out, err = capsys.readouterr()
+            assert not any(code in out + err for code in RAW), (command, out, err)
+            assert "\\x1b[2J" in out + err, command  # shown, as its escape
+    finally:
+        server.stop(grace=None)
 
 
 def test_enrollment_with_a_one_time_token_and_a_pinned_fingerprint(secure, tmp_path):
