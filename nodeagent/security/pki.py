@@ -10,8 +10,8 @@ coordinator certificate, whatever a node may be called.
 
 Names are one form only, so that no two look alike: lower-case DNS labels of a-z 0-9 and inner hyphens, joined by
 single dots, with no trailing dot (TLS name checks ignore case and a trailing dot; ASCII leaves no Unicode
-look-alike). Role names and the trust domain's names are reserved. Keys are ECDSA P-256: small certificates and
-cheap handshakes.
+look-alike). The coordinator's name and the trust domain's names are reserved. Keys are ECDSA P-256: small
+certificates and cheap handshakes.
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ class Role(StrEnum):
     COORDINATOR = "coordinator"
 
 
-# Names no node or operator may take: the roles' and the trust domain's (and the host's own).
-RESERVED_NAMES = frozenset({*(str(role) for role in Role), TRUST_DOMAIN, "localhost"})
+# Names no node or operator may take (nor any name under the trust domain); a name is also one role's only
+# (coordinator.ca: a node cannot take an operator's name).
+RESERVED_NAMES = frozenset({COORDINATOR_NAME, TRUST_DOMAIN})
 
 
 class CertificateError(Exception):
@@ -79,7 +80,7 @@ def name_problem(name: str) -> str | None:
         return (f"must be 1 to {MAX_NAME_CHARS} characters: labels of a-z 0-9 and inner hyphens, joined by single "
                 "dots, with no dot at the end")
     if name in RESERVED_NAMES or name.endswith(f".{TRUST_DOMAIN}"):
-        return f"is reserved (role names, {TRUST_DOMAIN!r} and the names under it)"
+        return f"is reserved ({COORDINATOR_NAME!r}, {TRUST_DOMAIN!r} and the names under it)"
     return None
 
 
