@@ -204,7 +204,20 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._silence_counts_from = time.time() + config.heartbeat_timeout_s
 
     def start(self) -> None:
+        if self.ca is not None:
+            self._warn_of_names_refused_now(self.ca)
         self._monitor.start()
+
+    @staticmethod
+    def _warn_of_names_refused_now(ca: ClusterCA) -> None:
+        """Certificates an earlier version issued under a name the naming rules refuse now (`agent-0.`, one that
+        passes for another) work until they are revoked: the operator is told which."""
+        now = time.time()
+        for cert in ca.certificates():
+            if cert.role != Role.COORDINATOR and not cert.revoked_unix and cert.not_after_unix > now and \
+                    (problem := pki.name_problem(cert.name)):
+                log.warning("the %s certificate %s of %r has a name that %s now: revoke it (`coordinator cert revoke "
+                            "--name NAME`)", cert.role, cert.serial, cert.name, problem)
 
     def authorizer(self) -> Authorizer | None:
         """The interceptor that admits calls by certificate role, MAX_CALLS_PER_IDENTITY at once for each identity

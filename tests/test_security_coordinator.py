@@ -5,9 +5,11 @@ the test's CA. Each refusal is checked to leave the coordinator's state as it wa
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import socket
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent import futures
@@ -539,6 +541,21 @@ def test_no_certificate_can_be_issued_for_a_name_that_passes_for_another(secure,
     # The token was not spent on the refusals.
     assert enroll(secure.enroll_address, token.token, token.ca_fingerprint, "agent-0", TlsDir(tmp_path / "a0")) == \
         "agent-0"
+
+
+def test_the_coordinator_names_the_live_certificates_an_earlier_version_issued_under_a_refused_name(tmp_path,
+                                                                                                 caplog):
+    coordinator = SecureCoordinator(tmp_path)
+    coordinator.stop()
+    cert_pem, _ = impostor_certificate(coordinator.ca, Role.NODE, "agent-0.", ["agent-0."])
+    serial = pki.identity_of(pki.load_certificate(cert_pem)).serial
+    with open(coordinator.ca.directory / "issued.jsonl", "a") as issued:  # as an earlier CA recorded it
+        issued.write(json.dumps({"serial": serial, "role": "node", "name": "agent-0.", "issued_unix": time.time(),
+                                 "not_after_unix": time.time() + 86400}) + "\n")
+    service = CoordinatorService(CoordinatorConfig(state_dir=tmp_path / "state"), Metrics(), ca=coordinator.ca)
+    service.start()
+    service.stop()
+    assert f"the node certificate {serial} of 'agent-0.' has a name that must be" in caplog.text
 
 
 def impostor_certificate(ca: ClusterCA, role: Role, name: str, dns: list[str]) -> tuple[bytes, bytes]:
