@@ -1,5 +1,10 @@
 """The cluster CA: its key and certificate, join tokens, issuance, renewal and revocation.
 
+A node holds one live certificate: a new one for its name (renewal, `cert issue --node`) supersedes the others,
+which are revoked as it is issued. A name is held by one role. A certificate is renewed once, in the last third of
+its life (pki.RENEWAL_SHARE), and only while it is the newest of its identity: a flood of renewals issues at most
+one certificate.
+
 Everything lives in files under STATE_DIR/ca, so that the offline commands (`coordinator ca init`, `cert issue`,
 `cert list`, `cert revoke`) and the running coordinator share it:
 - ca.key (mode 0600) and ca.crt;
@@ -26,12 +31,15 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from nodeagent.security.pki import (
+    COORDINATOR_DNS_NAME,
     COORDINATOR_NAME,
+    RENEWAL_SHARE,
     CertificateError,
     Identity,
     Role,
     certificate_pem,
     create_ca,
+    dns_names,
     fingerprint,
     identity_of,
     issue,
@@ -39,7 +47,7 @@ from nodeagent.security.pki import (
     load_private_key,
     new_private_key,
     private_key_pem,
-    remaining_fraction,
+    renewal_due,
 )
 from nodeagent.security.tls import Credentials, TlsDir, write_private_file
 
@@ -129,11 +137,40 @@ class ClusterCA:
 
     def issue(self, public_key: ec.EllipticCurvePublicKey, role: Role, name: str,
               lifetime: datetime.timedelta | None = None) -> x509.Certificate:
+        """A certificate for `role` `name`. Raises CertificateError for a name that is not allowed or that a live
+        certificate of another role holds."""
+        with self._locked():
+            return self._issue(public_key, role, name, lifetime)
+
+    def renew(self, current: Identity, public_key: ec.EllipticCurvePublicKey) -> x509.Certificate:
+        """A new certificate for the identity of the certificate `current`, which must be in the last third of its
+        life and the newest of its identity (renewed once). Raises CAError saying when it can be renewed."""
+        if not renewal_due(current, time.time()):
+            due = current.not_after_unix - RENEWAL_SHARE * (current.not_after_unix - current.not_before_unix)
+            raise CAError(f"certificate {current.serial} is renewed from {_day(due)} on, in the last third of its "
+                          "life")
+        with self._locked():
+            mine = [c for c in self.certificates() if (c.role, c.name) == (current.role, current.name)]
+            newest = max(mine, key=lambda c: c.issued_unix, default=None)
+            if newest is None or newest.serial != current.serial:
+                raise CAError(f"certificate {current.serial} was renewed already"
+                              f"{f' (by {newest.serial})' if newest else ''}: a certificate is renewed once")
+            return self._issue(public_key, current.role, current.name, None)
+
+    def _issue(self, public_key: ec.EllipticCurvePublicKey, role: Role, name: str,
+               lifetime: datetime.timedelta | None) -> x509.Certificate:
+        """Under the lock: issue, record, and for a node revoke the certificates it supersedes."""
+        held = [c for c in self.certificates() if c.name == name and _live(c)]
+        if any(c.role != role for c in held):
+            raise CertificateError(f"name {name!r} is held by a {held[0].role} certificate")
         cert = issue(self.key, self.cert, public_key, role, name, lifetime)
         identity = identity_of(cert)
-        with self._locked():
-            self._append("issued.jsonl", asdict(IssuedCertificate(
-                identity.serial, str(role), name, time.time(), identity.not_after_unix)))
+        self._append("issued.jsonl", asdict(IssuedCertificate(
+            identity.serial, str(role), name, time.time(), identity.not_after_unix)))
+        if role is Role.NODE:  # one live certificate per node: the new one supersedes the others
+            now = time.time()
+            for superseded in held:
+                self._append("revoked.jsonl", {"serial": superseded.serial, "revoked_unix": now})
         return cert
 
     def issue_files(self, tls_dir: TlsDir, role: Role, name: str,
@@ -145,12 +182,14 @@ class ClusterCA:
         return identity_of(cert)
 
     def coordinator_credentials(self, tls_dir: TlsDir) -> Identity:
-        """The coordinator's own certificate in `tls_dir`: issued when missing, from another CA, or past two
-        thirds of its life (checked at start and every few minutes while serving)."""
+        """The coordinator's own certificate in `tls_dir`: issued when missing, from another CA, without the DNS
+        name clients verify now (one issued before that name), or in the last third of its life (checked at start
+        and every few minutes while serving)."""
         if tls_dir.complete():
             try:
                 current = tls_dir.load()
-                if current.ca_pem == self.cert_pem and remaining_fraction(current.certificate) > 1 / 3:
+                if current.ca_pem == self.cert_pem and COORDINATOR_DNS_NAME in dns_names(current.certificate) and \
+                        not renewal_due(current.identity, time.time()):
                     return current.identity
             except Exception:  # unreadable or mismatched: replaced below
                 pass
@@ -244,8 +283,15 @@ class ClusterCA:
 
     def names_in_use(self) -> set[str]:
         """Names that hold a valid certificate (issued, not revoked, not expired)."""
-        now = time.time()
-        return {c.name for c in self.certificates() if not c.revoked_unix and c.not_after_unix > now}
+        return {c.name for c in self.certificates() if _live(c)}
+
+
+def _live(cert: IssuedCertificate) -> bool:
+    return not cert.revoked_unix and cert.not_after_unix > time.time()
+
+
+def _day(unix: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(unix))
 
 
 def _token_hash(token: str) -> str:

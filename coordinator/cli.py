@@ -45,7 +45,7 @@ from nodeagent._proto import coordinator_pb2_grpc
 from nodeagent.jobspec import DEFAULT_DATA_DIR, JobFile, JobSpecError, load_job_file, parse_job_yaml
 from nodeagent.listen import ListenError
 from nodeagent.metrics import Metrics
-from nodeagent.rpc import SERVER_OPTIONS, bind_grpc_server, split_address
+from nodeagent.rpc import SERVER_OPTIONS, bind_grpc_server, shown, split_address
 from nodeagent.runtime import events
 from nodeagent.security.pki import private_key_pem
 from nodeagent.statedir import StateDirError, hold_state_dir, writable_directory
@@ -387,8 +387,8 @@ def cmd_topology(args: argparse.Namespace) -> int:
         pb.ChangeTopologyRequest(job_id=args.job_id, kind=args.kind, options_json=json.dumps(options), seed=args.seed),
         timeout=10,
     )
-    print(f"{reply.job_id}: topology {reply.previous_kind} -> {args.kind} (version {reply.topology_version}); every "
-          f"node switches just before step {reply.switch_step}")
+    print(shown(f"{reply.job_id}: topology {reply.previous_kind} -> {args.kind} (version {reply.topology_version}); "
+                f"every node switches just before step {reply.switch_step}"))
     return 0
 
 
@@ -439,14 +439,13 @@ def _stub(args: argparse.Namespace) -> coordinator_pb2_grpc.CoordinatorStub:
 def cmd_serve(args: argparse.Namespace) -> int:
     from coordinator.ca import CAError, ClusterCA
     from coordinator.ps_service import add_coordinator_servicer
-    from coordinator.service import CoordinatorConfig, CoordinatorService, EnrollmentService
+    from coordinator.service import SERVER_THREADS, CoordinatorConfig, CoordinatorService, EnrollmentService
     from nodeagent.security.tls import INSECURE_WARNING, TlsDir, Transport
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s coordinator %(levelname)s: %(message)s")
     host, _port = split_address(args.listen)
     config = CoordinatorConfig(
         state_dir=args.state_dir, runs_dir=args.runs_dir, heartbeat_timeout_s=args.heartbeat_timeout,
-        rendezvous_host=host,
     )
     with hold_state_dir(config.state_dir):
         writable_directory(config.run_root, "runs directory")
@@ -463,10 +462,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics = Metrics()
         service = CoordinatorService(config, metrics, ca=ca, transport=transport)
         authorizer = service.authorizer()
-        # Every agent holds a thread with its assignment stream, and synchronous parameter-server pushes wait for
-        # their round on one: size the pool for a few hundred agents. Frame limits as on the peer service.
+        # Frame limits as on the peer service.
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=512, thread_name_prefix="coordinator"), options=SERVER_OPTIONS,
+            futures.ThreadPoolExecutor(max_workers=SERVER_THREADS, thread_name_prefix="coordinator"),
+            options=SERVER_OPTIONS,
             interceptors=[authorizer] if authorizer else None,
         )
         bound = transport.bind(server, args.listen)
@@ -531,10 +530,10 @@ def cmd_ca(args: argparse.Namespace) -> int:
 
 def cmd_token(args: argparse.Namespace) -> int:
     reply = _stub(args).CreateJoinToken(pb.CreateJoinTokenRequest(ttl_s=args.ttl), timeout=10)
-    print(reply.token)
+    print(shown(reply.token))
     print(f"valid once, until {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(reply.expires_unix))}; on the new "
           f"node:\n  nodeagent serve --coordinator {args.coordinator} --join-token TOKEN --ca-fingerprint "
-          f"{reply.ca_fingerprint}", file=sys.stderr)
+          f"{shown(reply.ca_fingerprint)}", file=sys.stderr)
     return 0
 
 
@@ -547,7 +546,7 @@ def cmd_cert(args: argparse.Namespace) -> int:
             raise SystemExit("coordinator: cert revoke needs --serial SERIAL or --name NAME")
         reply = stub.RevokeCertificate(pb.RevokeCertificateRequest(serial=args.serial or "", name=args.name or ""),
                                        timeout=10)
-        print(f"revoked: {', '.join(reply.serials) or 'nothing new (already revoked)'}")
+        print(shown(f"revoked: {', '.join(reply.serials) or 'nothing new (already revoked)'}"))
         return 0
     reply = stub.ListCertificates(pb.ListCertificatesRequest(), timeout=10)
     if args.json:
@@ -557,7 +556,7 @@ def cmd_cert(args: argparse.Namespace) -> int:
     for c in reply.certificates:
         expires = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.not_after_unix))
         revoked = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.revoked_unix)) if c.revoked_unix else "-"
-        print(f"{c.serial:<42} {c.role:<12} {c.name:<24} {expires:<17} {revoked}")
+        print(shown(f"{c.serial:<42} {c.role:<12} {c.name:<24} {expires:<17} {revoked}"))
     return 0
 
 
@@ -588,10 +587,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
     # The text as loaded: an edge file the job names is inlined, since the coordinator reads no files.
     stub = _stub(args)
     reply = stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=job.text), timeout=30)
-    print(reply.job_id, flush=True)
-    print(f"state: {state_name(reply.state)}; run dir: {reply.run_dir}", file=sys.stderr)
+    print(shown(reply.job_id), flush=True)
+    print(shown(f"state: {state_name(reply.state)}; run dir: {reply.run_dir}"), file=sys.stderr)
     if reply.warning:
-        print(f"warning: {reply.warning}", file=sys.stderr)
+        print(shown(f"warning: {reply.warning}"), file=sys.stderr)
     return follow_job(stub, reply.job_id, args.coordinator) if args.follow else 0
 
 
@@ -609,7 +608,7 @@ def follow_job(stub: coordinator_pb2_grpc.CoordinatorStub, reference: str, addre
     offset = 0
     lost_since: float | None = None
     try:
-        with ProgressView(f"{job_id}", steps, status.world_size) as view:
+        with ProgressView(shown(job_id), steps, status.world_size) as view:
             while True:
                 try:
                     reply = stub.JobEvents(pb.JobEventsRequest(job_id=job_id, offset=offset), timeout=10)
@@ -620,12 +619,12 @@ def follow_job(stub: coordinator_pb2_grpc.CoordinatorStub, reference: str, addre
                     lost_since = lost_since or time.monotonic()
                     if time.monotonic() - lost_since > FOLLOW_RECONNECT_S:
                         raise
-                    view.log(f"coordinator {address}: {rpc_error_line(error, None)}; trying again")
+                    view.log(shown(f"coordinator {address}: {rpc_error_line(error, None)}; trying again"))
                     time.sleep(FOLLOW_POLL_S * 5)
                     continue
                 lost_since = None
                 for event in reply.events:
-                    view.log(events.from_proto(job_id, event).line())
+                    view.log(shown(events.from_proto(job_id, event).line()))
                 offset = reply.next_offset
                 final = status.state in (pb.JOB_FINISHED, pb.JOB_FAILED, pb.JOB_STOPPED)
                 show_progress(view, status)
@@ -634,10 +633,10 @@ def follow_job(stub: coordinator_pb2_grpc.CoordinatorStub, reference: str, addre
                 if not final:
                     time.sleep(FOLLOW_POLL_S)
     except KeyboardInterrupt:
-        print(f"\nstopped following; job {job_id} goes on (`coordinator follow {job_id}` again, `coordinator stop "
-              f"{job_id}` to stop it)", file=sys.stderr)
+        print(shown(f"\nstopped following; job {job_id} goes on (`coordinator follow {job_id}` again, `coordinator "
+                    f"stop {job_id}` to stop it)"), file=sys.stderr)
         return EXIT_INTERRUPTED
-    print(status_text(status))
+    print(shown(status_text(status)))
     return {pb.JOB_FINISHED: EXIT_FINISHED, pb.JOB_STOPPED: EXIT_STOPPED}.get(status.state, EXIT_FAILED)
 
 
@@ -650,7 +649,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
         reply = stub.JobEvents(request, timeout=10)
         for proto in reply.events:
             event = events.from_proto(reply.job_id, proto)
-            print(json.dumps(dataclasses.asdict(event)) if args.json else event.line(), flush=True)
+            print(json.dumps(dataclasses.asdict(event)) if args.json else shown(event.line()), flush=True)
         request.job_id = reply.job_id  # the job first named, even if a newer one takes its name
         request.offset = reply.next_offset
         final = reply.state in (pb.JOB_FINISHED, pb.JOB_FAILED, pb.JOB_STOPPED)
@@ -672,7 +671,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         else:
             node = stub.DrainNode(pb.DrainRequest(node_id=args.node_id, drain=not args.undo), timeout=10)
             job = f"; it finishes rank {node.rank} of job {node.job_id} first" if node.job_id and node.draining else ""
-            print(f"{args.node_id}: {'draining' if node.draining else 'in service'}{job}")
+            print(shown(f"{args.node_id}: {'draining' if node.draining else 'in service'}{job}"))
         return 0
     reply = stub.ListNodes(pb.ListNodesRequest(), timeout=10)
     if args.json:
@@ -682,10 +681,10 @@ def cmd_nodes(args: argparse.Namespace) -> int:
           "device")
     for n in reply.nodes:
         state = ("up" if n.up else "down") + (", drain" if n.draining else "")
-        print(
+        print(shown(
             f"{n.node_id:<14} {n.name:<16} {state:<8} {n.peer_address:<22} "
             f"{n.metrics_address:<22} {n.job_id or '-':<32} {n.rank if n.job_id else '-'!s:<4} {device_text(n)}"
-        )
+        ))
     return 0
 
 
@@ -709,9 +708,9 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         duration = f"{end - job.started_unix:.0f} s" if job.started_unix else "-"
         # An elastic job: its members now and, in brackets, its least and most.
         nodes = f"{job.world_size} ({job.min_nodes}..{job.max_nodes})" if job.max_nodes else str(job.world_size)
-        print(f"{job.job_id:<40} {job.name:<20} {state_name(job.state):<9} {nodes:>12}  "
-              f"{_clock(job.created_unix, '%Y-%m-%d %H:%M:%S'):<19}  {_clock(job.started_unix):<8}  "
-              f"{_clock(job.ended_unix):<8}  {duration:>8}  {' '.join(job.reason.split())[:80]}")
+        print(shown(f"{job.job_id:<40} {job.name:<20} {state_name(job.state):<9} {nodes:>12}  "
+                    f"{_clock(job.created_unix, '%Y-%m-%d %H:%M:%S'):<19}  {_clock(job.started_unix):<8}  "
+                    f"{_clock(job.ended_unix):<8}  {duration:>8}  {' '.join(job.reason.split())[:80]}"))
     return 0
 
 
@@ -721,7 +720,7 @@ def _clock(unix: float, layout: str = "%H:%M:%S") -> str:
 
 def cmd_status(args: argparse.Namespace) -> int:
     status = _stub(args).JobStatus(pb.JobStatusRequest(job_id=args.job_id), timeout=10)
-    print(json.dumps(_as_json(status)) if args.json else status_text(status))
+    print(json.dumps(_as_json(status)) if args.json else shown(status_text(status)))
     return 0
 
 
@@ -761,13 +760,13 @@ def cmd_edges(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(edges_json(status, interval)))
     else:
-        print(edges_text(status, interval))
+        print(shown(edges_text(status, interval)))
     return 0
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
     reply = _stub(args).StopJob(pb.StopJobRequest(job_id=args.job_id), timeout=10)
-    print(f"{reply.job_id}: {state_name(reply.state)}")
+    print(shown(f"{reply.job_id}: {state_name(reply.state)}"))
     return 0
 
 
@@ -950,7 +949,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"coordinator: {error}", file=sys.stderr)
         return 1
     except grpc.RpcError as error:
-        print(f"coordinator: {rpc_error_line(error, getattr(args, 'coordinator', None))}", file=sys.stderr)
+        print(shown(f"coordinator: {rpc_error_line(error, getattr(args, 'coordinator', None))}"), file=sys.stderr)
         return 1
 
 

@@ -19,6 +19,7 @@ from coordinator.report import ReportError, write_report
 from coordinator.simulate import reference_spec, simulate
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.jobspec import JobSpecError, parse_job_spec
+from nodeagent.rpc import shown
 from nodeagent.training.data import DataError, describe_dataset
 
 
@@ -65,7 +66,7 @@ def run_demo(args: argparse.Namespace) -> int:
             job_id = cluster.submit(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
             with ProgressView(spec.algorithm.name, spec.steps, spec.nodes) as view:
                 status = cluster.wait(job_id, args.timeout, lambda status: show_progress(view, status))
-            print(status_text(status))
+            print(shown(status_text(status)))
             results.append((spec.algorithm.name, status))
             if status.state != pb.JOB_FINISHED:
                 return 1

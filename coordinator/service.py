@@ -16,7 +16,6 @@ from pathlib import Path
 
 import grpc
 from pydantic import ValidationError
-from torch.distributed import TCPStore
 
 from coordinator.ca import DEFAULT_TOKEN_TTL_S, CAError, ClusterCA
 from coordinator.jobs import (
@@ -28,6 +27,7 @@ from coordinator.jobs import (
     with_topology,
 )
 from coordinator.ps_service import PSService
+from coordinator.rendezvous import Rendezvous, RendezvousError, request_problem
 from coordinator.store import JobRow, MemberRow, NodeRow, Store
 from coordinator.topology import Topology, build_topology
 from nodeagent._proto import coordinator_pb2 as pb
@@ -42,7 +42,15 @@ from nodeagent.jobspec import (
     parse_job_yaml,
 )
 from nodeagent.metrics import Metrics
-from nodeagent.rpc import MAX_DEVICE_MEMORY_BYTES, MAX_FIELD_CHARS, address_problem, name_problem, node_id_problem
+from nodeagent.rpc import (
+    MAX_DEVICE_MEMORY_BYTES,
+    MAX_FIELD_CHARS,
+    address_problem,
+    field_problem,
+    name_key,
+    node_id_problem,
+    plain_text,
+)
 from nodeagent.runtime import events
 from nodeagent.runtime.driver import IN_FLIGHT
 from nodeagent.runtime.events import Event, EventLog
@@ -65,6 +73,13 @@ WATCH_POLL_S = 1.0
 MAX_FAILURE_CHARS = 2000  # of a node's failure reason, as stored and shown
 CERTIFICATE_CHECK_S = 600.0  # how often the coordinator looks at its own certificate's expiry
 MAX_WATCHES_PER_NODE = 2  # an agent holds one; a second covers a reconnect racing the old stream's end
+# Every agent holds a thread with its assignment stream, and synchronous parameter-server pushes wait for their
+# round on one: the server's pool is sized for a few hundred agents.
+SERVER_THREADS = 512
+# Calls one identity may have outstanding at once, of every kind: an agent holds a dozen at most (its watch, a ready
+# report or a rendezvous long poll, parameter-server pushes in flight, its beats and reports); the server's threads
+# are many times more, so no one identity starves the others.
+MAX_CALLS_PER_IDENTITY = 32
 DEFAULT_JOB_LIST = 100
 MAX_JOB_LIST = 10_000
 MAX_JOB_REFERENCE_CHARS = 128  # a job's id or name, as a person types it
@@ -90,13 +105,16 @@ KNOWN_FAILURE_REASONS = frozenset({code.name.lower() for code in grpc.StatusCode
                                   {"rejected", "not_neighbor", "error", IN_FLIGHT})
 OTHER_REASON = "other"
 MAX_READY_WAIT_S = 10.0  # the longest a JobReady answer is held for the release (a long poll)
+# A node's times are its own clock's durations since it started the job, after the coordinator started it: a report
+# may exceed the coordinator's count by this much (clocks run at slightly different rates; reports take time).
+REPORT_CLOCK_SLACK_S = 60.0
 
 _NODE = frozenset({Role.NODE})
 _OPERATOR = frozenset({Role.OPERATOR})
 # Who may call what on the coordinator. A node acts only as itself (the handlers check the node id fields).
 COORDINATOR_RULES = rules_for("peertrain.v1.Coordinator", {
     **dict.fromkeys(("Register", "Heartbeat", "WatchAssignment", "ReportMetrics", "ReportFailure", "Deregister",
-                     "ReportEvents", "JobReady", "PsPush", "PsPull", "PsReport"), _NODE),
+                     "ReportEvents", "JobReady", "PsPush", "PsPull", "PsReport", "Rendezvous"), _NODE),
     **dict.fromkeys(("SubmitJob", "StopJob", "ListNodes", "JobStatus", "ListJobs", "JobEvents", "RemoveNode",
                      "DrainNode",
                      "CreateJoinToken", "RevokeCertificate", "ListCertificates", "ChangeTopology"), _OPERATOR),
@@ -111,7 +129,6 @@ class CoordinatorConfig:
     heartbeat_interval_s: float = 2.0
     heartbeat_timeout_s: float = 15.0
     ps_fsync: bool = False  # also fsync the parameter server's state before answering (survives a machine crash)
-    rendezvous_host: str = "127.0.0.1"  # where all-reduce rendezvous stores listen: the coordinator's listen host
 
     @property
     def run_root(self) -> Path:
@@ -140,20 +157,16 @@ def registration_problem(request: pb.RegisterRequest) -> str | None:
     """What is wrong with a registration, naming the field (None: nothing). An empty node_id asks for a new one."""
     problems = {
         "node_id": node_id_problem(request.node_id) if request.node_id else None,
-        "name": name_problem(request.name),
+        "name": field_problem(request.name),
         "peer_address": address_problem(request.peer_address),
         "metrics_address": address_problem(request.metrics_address) if request.metrics_address else None,
-        "device": _length_problem(request.device),
-        "version": _length_problem(request.version),
-        "device_name": name_problem(request.device_name),
+        "device": field_problem(request.device),
+        "version": field_problem(request.version),
+        "device_name": field_problem(request.device_name),
         "device_memory_bytes": (f"must be at most {MAX_DEVICE_MEMORY_BYTES} (1 PiB)"
                                 if request.device_memory_bytes > MAX_DEVICE_MEMORY_BYTES else None),
     }
     return next((f"{field}: {problem}" for field, problem in problems.items() if problem), None)
-
-
-def _length_problem(value: str) -> str | None:
-    return f"must be at most {MAX_FIELD_CHARS} characters" if len(value) > MAX_FIELD_CHARS else None
 
 
 def answers_as(transport: Transport, address: str, node_id: str) -> bool:
@@ -185,7 +198,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.stopping = threading.Event()
         self._topologies: dict[tuple[str, int], Topology] = {}  # by job and topology version
         self._unplannable: set[tuple[str, int]] = set()  # (elastic job, member count) its graph does not fit
-        self._rendezvous: dict[str, tuple[TCPStore, str]] = {}  # job -> its store and key prefix
+        self.rendezvous = Rendezvous()
         self._run_logs: dict[str, RunLog] = {}
         self._event_logs: dict[str, EventLog] = {}
         self._event_allowance: dict[str, tuple[float, float]] = {}  # node -> (events it may add, when counted)
@@ -202,14 +215,27 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._silence_counts_from = time.time() + config.heartbeat_timeout_s
 
     def start(self) -> None:
-        # The rendezvous of running all-reduce jobs, on the ports their agents know (after a restart).
-        for job in self.store.jobs(("RUNNING",)):
-            self._rendezvous_of(job, JobSpec.from_json(job.spec_json))
+        if self.ca is not None:
+            self._warn_of_names_refused_now(self.ca)
         self._monitor.start()
 
+    @staticmethod
+    def _warn_of_names_refused_now(ca: ClusterCA) -> None:
+        """Certificates an earlier version issued under a name the naming rules refuse now (`agent-0.`, one that
+        passes for another) work until they are revoked: the operator is told which."""
+        now = time.time()
+        for cert in ca.certificates():
+            if cert.role != Role.COORDINATOR and not cert.revoked_unix and cert.not_after_unix > now and \
+                    (problem := pki.name_problem(cert.name)):
+                log.warning("the %s certificate %s of %r has a name that %s now: revoke it (`coordinator cert revoke "
+                            "--name NAME`)", cert.role, cert.serial, cert.name, problem)
+
     def authorizer(self) -> Authorizer | None:
-        """The interceptor that admits calls by certificate role (None when insecure)."""
-        return Authorizer(COORDINATOR_RULES, self.ca.is_revoked) if self.ca is not None else None
+        """The interceptor that admits calls by certificate role, MAX_CALLS_PER_IDENTITY at once for each identity
+        (None when insecure)."""
+        if self.ca is None:
+            return None
+        return Authorizer(COORDINATOR_RULES, self.ca.is_revoked, MAX_CALLS_PER_IDENTITY)
 
     def _as_node(self, context: grpc.ServicerContext, claimed: str) -> str:
         """The node id this call acts as: its certificate's (a claimed id must agree), or, when insecure, the id
@@ -226,8 +252,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.stopping.set()
         self.changes.bump()
         self.ps.close_all()
-        with self._schedule_lock:  # the rendezvous ports are free for the next service on this state (a restart)
-            self._rendezvous.clear()
+        self.rendezvous.close_all()
         self._monitor.join(timeout=5)
         self.store.close()
 
@@ -440,7 +465,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         parameter server close."""
         if not self.store.end_job(job.job_id, state, reason):
             return
-        self._end_rendezvous(job.job_id)
+        self.rendezvous.end(job.job_id)
         self.ps.close(job.job_id)
         self.metrics.forget_job(job.job_id)
         with self._live_edges_lock:
@@ -496,41 +521,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             version=self.changes.version, job_id=job.job_id, state=pb.JOB_RUNNING, job_spec_json=spec_json,
             rank=rank, world_size=job.world_size, neighbors=neighbors, self_weight=plan.self_weight,
             run_dir=job.run_dir, peer_schedule=[pb.PeerSet(ranks=peers) for peers in plan.peer_schedule],
-            rejoin=rows[rank].progress.time > 0, revoked_serials=revoked, **self._rendezvous_of(job, spec),
+            rejoin=rows[rank].progress.time > 0, revoked_serials=revoked,
             topology_version=job.topology_version, switch_step=job.switch_step, topology_kind=spec.topology.kind,
             joined_at_step=rows[rank].joined_step,
         )
-
-    def _rendezvous_of(self, job: JobRow, spec: JobSpec) -> dict[str, int | str]:
-        """All-reduce jobs meet at a torch.distributed store that the coordinator hosts for the job's life, on its
-        listen host, under a secret key prefix (the store has no credentials of its own). Its port and key are kept
-        in the job's row: a restarted coordinator binds the same port again, and the agents' store clients connect
-        again to it (nodeagent.agent.collective)."""
-        if lookup(spec.algorithm.name).family is not Family.COLLECTIVE:
-            return {}
-        with self._schedule_lock:
-            if job.job_id not in self._rendezvous:
-                row = self.store.job(job.job_id)
-                port, key = (row.rendezvous_port, row.rendezvous_key) if row is not None else (0, "")
-                try:
-                    store = TCPStore(self.config.rendezvous_host, port, spec.nodes + 1, is_master=True,
-                                     wait_for_workers=False)
-                except RuntimeError as error:  # the port was taken meanwhile: the agents cannot meet any more
-                    log.error("job %s: the rendezvous store cannot listen on port %d again (%s); a new one",
-                              job.job_id, port, error)
-                    store = TCPStore(self.config.rendezvous_host, 0, spec.nodes + 1, is_master=True,
-                                     wait_for_workers=False)
-                    key = ""
-                key = key or secrets.token_hex(16)
-                self._rendezvous[job.job_id] = (store, key)
-                if (store.port, key) != (port, row.rendezvous_key if row is not None else ""):
-                    self.store.set_rendezvous(job.job_id, store.port, key)
-            store, key = self._rendezvous[job.job_id]
-            return {"rendezvous_port": store.port, "rendezvous_key": key}
-
-    def _end_rendezvous(self, job_id: str) -> None:
-        with self._schedule_lock:
-            self._rendezvous.pop(job_id, None)
 
     # -- agent calls ---------------------------------------------------------------------------------------------
 
@@ -539,6 +533,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if problem:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         node_id = self._as_node(context, request.node_id)
+        name = request.name or request.peer_address
         known = self.store.node(node_id) if node_id else None
         if (known is not None and known.up and known.peer_address != request.peer_address
                 and answers_as(self.transport, known.peer_address, known.node_id)):
@@ -547,9 +542,22 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 f"node {known.node_id} is up at {known.peer_address} and answers there; two agents share its node id "
                 "(a copied state directory?)",
             )
+        # Another live node's address or name is its own while it answers there; one that does not is gone.
+        for other in self.store.nodes():
+            if other.node_id == node_id or not other.up or not (
+                    other.peer_address == request.peer_address or name_key(name) in (name_key(other.name),
+                                                                                    name_key(other.node_id))):
+                continue
+            if answers_as(self.transport, other.peer_address, other.node_id):
+                context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                              f"node {other.node_id} ({other.name}) is up at {other.peer_address} and answers there: "
+                              "its address and name are not another node's to take")
+            if self.store.mark_down(other.node_id):
+                log.info("%s is down: it does not answer at %s, which %s registers with", other.node_id,
+                         other.peer_address, node_id or "a new node")
         node_id = self.store.register_node(
-            node_id, request.name or request.peer_address, request.peer_address, request.metrics_address,
-            request.device or "cpu", request.version, request.device_name, request.device_memory_bytes,
+            node_id, name, request.peer_address, request.metrics_address, request.device or "cpu", request.version,
+            request.device_name, request.device_memory_bytes,
         )
         log.info("registered %s (%s) at %s", node_id, request.name, request.peer_address)
         self.changes.bump()
@@ -599,11 +607,19 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def ReportMetrics(self, request, context):
         request.node_id = self._as_node(context, request.node_id)
-        progress = bounded_report(from_report(request, time=time.time()))
+        now = time.time()
+        progress = bounded_report(from_report(request, time=now))
+        job = self.store.job(request.job_id[:MAX_JOB_REFERENCE_CHARS])
+        if job is None or not any(m.rank == progress.rank and m.node_id == progress.node
+                                  for m in self.store.members(job.job_id)):
+            return pb.MetricsReply(job_active=False)  # not this node's rank: nothing is recorded
+        if problem := report_problem(progress, JobSpec.from_json(job.spec_json), job.started_unix, now):
+            field, why = problem
+            self.metrics.coordinator_refused_reports.labels(request.node_id, field).inc()
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"report of rank {request.rank} of job {job.job_id}: "
+                          f"{field}: {why}")
         if not self.store.record_progress(progress):
             return pb.MetricsReply(job_active=False)
-        job = self.store.job(request.job_id)
-        assert job is not None
         run_log = self._run_logs.get(job.job_id)
         if run_log is None:
             run_log = self._run_logs[job.job_id] = RunLog(job.run_dir)
@@ -618,7 +634,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return pb.MetricsReply(job_active=self.store.job(job.job_id).state == "RUNNING")
 
     def ReportFailure(self, request, context):
-        reason = request.reason[:MAX_FAILURE_CHARS] or "no reason given"
+        reason = plain_text(request.reason[:MAX_FAILURE_CHARS]).strip() or "no reason given"
         request.node_id = self._as_node(context, request.node_id)
         if not self.store.record_failure(request.job_id, request.rank, request.node_id, reason):
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"node {request.node_id[:64]!r} does not hold rank "
@@ -671,6 +687,28 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 break
             version = self.changes.wait_past(version, deadline - time.monotonic())
         return self._ready_reply(job.job_id, released=False)
+
+    def Rendezvous(self, request, context):
+        """One operation on the job's rendezvous store (coordinator.rendezvous), for a node that holds a rank of
+        the running all-reduce job: nothing of a job is readable or writable by any other caller."""
+        node_id = self._as_node(context, request.node_id)
+        if problem := request_problem(request):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        membership = self.store.running_membership(node_id)
+        job = membership[0] if membership is not None and membership[0].job_id == request.job_id else None
+        spec = JobSpec.from_json(job.spec_json) if job is not None else None
+        if spec is None or lookup(spec.algorithm.name).family is not Family.COLLECTIVE:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"node {node_id[:64]!r} holds no rank of the running "
+                          f"all-reduce job {request.job_id[:MAX_JOB_REFERENCE_CHARS]!r}")
+        assert spec is not None
+        store, made = self.rendezvous.store(request.job_id, spec.max_nodes)
+        if made and self.store.job(request.job_id).state != "RUNNING":  # it ended meanwhile: the store goes too
+            self.rendezvous.end(request.job_id)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"job {request.job_id} is not running")
+        try:
+            return store.answer(request)
+        except RendezvousError as error:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
 
     def _ready_reply(self, job_id: str, released: bool) -> pb.JobReadyReply:
         """The answer to a ready report: released (start), waiting (for the ranks named) or ended (the reason)."""
@@ -755,16 +793,22 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return self.ca
 
     def RenewCertificate(self, request, context):
+        """A new certificate for the caller's identity, in the last third of its certificate's life and once per
+        certificate (ClusterCA.renew); a node's old certificate is revoked as the new one is issued."""
         ca = self._require_ca(context)
         identity = caller(context)
         assert identity is not None  # admitted by the authorizer
         try:
             public_key, _requested = pki.read_signing_request(request.csr_pem)
-            cert = ca.issue(public_key, identity.role, identity.name)
         except CertificateError as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        try:
+            cert = ca.renew(identity, public_key)
+        except CAError as error:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         renewed = pki.identity_of(cert)
         log.info("renewed the certificate of %s: serial %s replaces %s", identity, renewed.serial, identity.serial)
+        self.changes.bump()  # agents learn the superseded serial with their next assignment
         return pb.CertificateReply(certificate_pem=pki.certificate_pem(cert), name=renewed.name,
                                    serial=renewed.serial)
 
@@ -794,11 +838,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return pb.RevokeCertificateReply(serials=serials)
 
     def ListCertificates(self, request, context):
+        """The certificates that have not expired (revoked or not): what can still be presented."""
         ca = self._require_ca(context)
+        now = time.time()
         return pb.ListCertificatesReply(certificates=[
             pb.CertificateInfo(serial=c.serial, role=c.role, name=c.name, issued_unix=c.issued_unix,
                                not_after_unix=c.not_after_unix, revoked_unix=c.revoked_unix)
-            for c in ca.certificates()
+            for c in ca.certificates() if c.not_after_unix > now
         ])
 
     # -- operator calls ------------------------------------------------------------------------------------------
@@ -1021,7 +1067,10 @@ class EnrollmentService(coordinator_pb2_grpc.EnrollmentServicer):
             context.abort(grpc.StatusCode.ALREADY_EXISTS,
                           f"node id {name} holds a valid certificate; revoke it first (`coordinator cert revoke "
                           f"--name {name}`) or enroll under another --name")
-        cert = self.ca.issue(public_key, Role.NODE, name)
+        try:
+            cert = self.ca.issue(public_key, Role.NODE, name)
+        except CertificateError as error:  # the name went to another role meanwhile
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
         identity = pki.identity_of(cert)
         log.info("enrolled node %s (certificate %s)", name, identity.serial)
         return pb.CertificateReply(certificate_pem=pki.certificate_pem(cert), name=name, serial=identity.serial)
@@ -1029,12 +1078,37 @@ class EnrollmentService(coordinator_pb2_grpc.EnrollmentServicer):
 
 def bounded_report(progress: Progress) -> Progress:
     """A node's report as the coordinator keeps, logs and shows it: at most MAX_REPORTED_EDGES edges, names and
-    texts cut, failure reasons from the known set, and no number that is not one (an age that is not a finite,
-    non-negative number is unknown: NaN)."""
+    texts cut and plain (no terminal escapes, no control characters), failure reasons from the known set, and no
+    number that is not one (an age that is not a finite, non-negative number is unknown: NaN)."""
     return dataclasses.replace(
-        progress, waiting_for=progress.waiting_for[:MAX_WAITING_CHARS],
+        progress, waiting_for=plain_text(progress.waiting_for[:MAX_WAITING_CHARS]),
         edges=tuple(_bounded_edge(edge) for edge in progress.edges[:MAX_REPORTED_EDGES]),
     )
+
+
+def report_problem(progress: Progress, spec: JobSpec, started_unix: float, now: float) -> tuple[str, str] | None:
+    """What no run of the job can report, as the field and why (None: nothing): a step past the job's end, local
+    steps past it (but ESync's, which are many per step), a loss that is not a non-negative number, an accuracy
+    outside 0..1 (NaN: not measured yet), a time longer than the job has run. Checked before anything is stored."""
+    ran_s = max(0.0, now - started_unix) + REPORT_CLOCK_SLACK_S
+    local_steps_bounded = lookup(spec.algorithm.name).family is not Family.SERVER
+    problems = {
+        "step": not 0 <= progress.step <= spec.steps,
+        "local_steps": local_steps_bounded and progress.local_steps > spec.steps,
+        "loss": not (math.isnan(progress.loss) or 0 <= progress.loss < math.inf),
+        "test_loss": not (math.isnan(progress.test_loss) or 0 <= progress.test_loss < math.inf),
+        "test_accuracy": not (math.isnan(progress.test_accuracy) or 0 <= progress.test_accuracy <= 1),
+        "elapsed_s": not 0 <= progress.elapsed_s <= ran_s,
+        "compute_s": not 0 <= progress.compute_s <= ran_s,
+        "wait_s": not 0 <= progress.wait_s <= ran_s,
+    }
+    wrong = next((field for field, refused in problems.items() if refused), None)
+    if wrong is None:
+        return None
+    value = getattr(progress, wrong)
+    if isinstance(value, float):
+        return wrong, f"{value:.6g} is not a value a run of this job can have"
+    return wrong, f"{value} is not a value a run of this job can have (it has {spec.steps} steps)"
 
 
 def _bounded_edge(edge: EdgeCounters) -> EdgeCounters:
@@ -1043,7 +1117,7 @@ def _bounded_edge(edge: EdgeCounters) -> EdgeCounters:
         key = reason if reason in KNOWN_FAILURE_REASONS else OTHER_REASON
         reasons[key] = reasons.get(key, 0) + count
     return dataclasses.replace(
-        edge, peer=edge.peer[:MAX_FIELD_CHARS], failure_reasons=reasons,
+        edge, peer=plain_text(edge.peer[:MAX_FIELD_CHARS]), failure_reasons=reasons,
         last_message_age_s=_age(edge.last_message_age_s), message_interval_s=_age(edge.message_interval_s),
         in_flight_s=_age(edge.in_flight_s) if edge.in_flight_s > 0 else 0.0,
         last_failure_age_s=_age(edge.last_failure_age_s), consensus_distance=_age(edge.consensus_distance),

@@ -75,10 +75,6 @@ COLUMNS_ADDED = {
         # as JSON; '' before the first), and when the last rank became ready (0: not yet).
         "data_json": "TEXT NOT NULL DEFAULT ''",
         "released_unix": "REAL NOT NULL DEFAULT 0",
-        # All-reduce jobs: the port and key prefix of the job's rendezvous store, bound again after a restart
-        # (0 and '': none yet).
-        "rendezvous_port": "INTEGER NOT NULL DEFAULT 0",
-        "rendezvous_key": "TEXT NOT NULL DEFAULT ''",
     },
     "members": {
         "test_loss": "REAL",
@@ -143,8 +139,6 @@ class JobRow:
     switch_step: int = 0
     data_json: str = ""
     released_unix: float = 0.0
-    rendezvous_port: int = 0
-    rendezvous_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -329,11 +323,6 @@ class Store:
                 (topology_json, version, switch_step, job_id, version - 1),
             )
             return cursor.rowcount == 1
-
-    def set_rendezvous(self, job_id: str, port: int, key: str) -> None:
-        """Where an all-reduce job's rendezvous store listens, kept for a restart of the coordinator."""
-        with self._tx() as db:
-            db.execute("UPDATE jobs SET rendezvous_port=?, rendezvous_key=? WHERE job_id=?", (port, key, job_id))
 
     def set_pending_reason(self, job_id: str, reason: str) -> None:
         with self._tx() as db:

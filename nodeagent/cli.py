@@ -17,7 +17,7 @@ from nodeagent import __version__
 from nodeagent.agent import Agent, AgentConfig
 from nodeagent.agent.daemon import RegistrationRefused
 from nodeagent.listen import ListenError
-from nodeagent.rpc import name_problem
+from nodeagent.rpc import field_problem
 from nodeagent.statedir import StateDirError, hold_state_dir
 from nodeagent.training.device import DeviceError, resolve_device
 from nodeagent.training.models import module_problem
@@ -116,7 +116,7 @@ def serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"nodeagent: {error}") from None
     if args.torch_threads < 0:
         raise SystemExit("nodeagent: --torch-threads must be >= 0")
-    if problem := name_problem(args.name):
+    if problem := field_problem(args.name):
         raise SystemExit(f"nodeagent: --name {problem}")
     for module in args.allow_import:
         if problem := module_problem(module):

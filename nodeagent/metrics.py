@@ -162,6 +162,11 @@ class Metrics:
         self.coordinator_heartbeats = Counter(
             "peertrain_coordinator_heartbeats", "Heartbeats received from node agents", registry=r
         )
+        self.coordinator_refused_reports = Counter(
+            "peertrain_coordinator_refused_reports",
+            "Progress reports refused for a figure no run can have (a step past the job's end, a time in the future, "
+            "an accuracy outside 0..1), by node and by the field named", ["node", "field"], registry=r,
+        )
         # The parameter server hosted by the coordinator (centralised algorithms); `node` is the worker.
         self.ps_bytes_upstream = Counter(
             "peertrain_ps_upstream_bytes", "Payload bytes of pushes and step reports, worker to server", node,

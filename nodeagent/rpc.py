@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+import unicodedata
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
@@ -55,11 +56,42 @@ def node_id_problem(node_id: str) -> str | None:
     return "must be 1 to 64 characters of A-Z a-z 0-9 _ . -"
 
 
-def name_problem(name: str) -> str | None:
-    """What is wrong with a node's human name (None: nothing); it is shown in tables, hence printable."""
-    if len(name) <= MAX_FIELD_CHARS and name.isprintable():
+def field_problem(value: str) -> str | None:
+    """What is wrong with a short field a node describes itself with (None: nothing): its name, device and version
+    are shown in tables, hence printable and short."""
+    if len(value) <= MAX_FIELD_CHARS and value.isprintable():
         return None
     return f"must be at most {MAX_FIELD_CHARS} printable characters"
+
+
+def name_key(name: str) -> str:
+    """What two names that look alike have in common: compatibility forms folded (NFKC), case folded, dots and
+    spaces at the ends dropped. No two live nodes share one (Register)."""
+    return unicodedata.normalize("NFKC", name).casefold().strip(" .")
+
+
+# A terminal escape sequence (ECMA-48): a control sequence (CSI ... final byte); a string (OSC, DCS, SOS, PM, APC) up
+# to its terminator, or to the end when it has none; or an escape with its intermediate and final bytes.
+_TERMINAL_ESCAPE = re.compile(
+    r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]"
+    r"|(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f]).*?(?:\x07|\x1b\\|\x9c|$)"
+    r"|\x1b[ -/]*[0-~]?",
+    re.DOTALL,
+)
+
+
+def plain_text(text: str) -> str:
+    """Another process's words as the coordinator keeps them: terminal escape sequences dropped whole, line breaks
+    and tabs made spaces, and every other character that is not printable (controls, Unicode format characters
+    such as direction overrides) dropped. Nothing stored from a node can then move a terminal that shows it."""
+    text = _TERMINAL_ESCAPE.sub("", text)
+    return "".join(c if c.isprintable() else " " if c in "\t\n\r" else "" for c in text)
+
+
+def shown(text: str) -> str:
+    """Text from the coordinator as the command line prints it: line breaks kept, every other character that is
+    not printable written as its escape (\\x1b, \\u202e), whatever the coordinator sent."""
+    return "".join(c if c.isprintable() or c == "\n" else repr(c)[1:-1] for c in text)
 
 
 def address_problem(address: str) -> str | None:

@@ -1,8 +1,9 @@
 """The all-reduce survives lost members: three processes average step by step through the agent's Collective, on
-a TCPStore of the test's own (the coordinator's rendezvous). A member killed mid-job, or stopped, aborts the step
-on the others within the step timeout; they go on as a quorum of two; the member that comes back (restarted from
-an old state, or continued) takes the others' state at a later step; every step's mean is over the quorum that
-took it, and all ranks end bit-identical. The store restarted mid-job (a coordinator restart) does not stop it."""
+the coordinator's rendezvous store served by a gRPC server of the test's own, reached as agents reach it. A member
+killed mid-job, or stopped, aborts the step on the others within the step timeout; they go on as a quorum of two;
+the member that comes back (restarted from an old state, or continued) takes the others' state at a later step;
+every step's mean is over the quorum that took it, and all ranks end bit-identical. The store restarted mid-job (a
+coordinator restart) does not stop it."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ import os
 import signal
 import threading
 import time
+from concurrent import futures
 from datetime import timedelta
 
+import grpc
 import pytest
 import torch
-import torch.distributed as dist
 
+from coordinator.rendezvous import Rendezvous
+from nodeagent._proto import coordinator_pb2_grpc
 from nodeagent.metrics import Metrics
 from nodeagent.runtime.progress import Traffic
 from nodeagent.wire.message import Kind, Message
@@ -44,11 +48,14 @@ class Member:
 
 def run_rank(port: int, rank: int, start: int, value: float, dies_at: int | None, progress, go, results) -> None:
     from nodeagent.agent.collective import Collective, QuorumOptions
+    from nodeagent.agent.rendezvous import CoordinatorStore
 
     torch.set_num_threads(1)
     member = Member(rank, start, value)
     options = QuorumOptions(step_timeout_s=STEP_TIMEOUT_S, join_s=JOIN_S, min_members=2, wait_s=60.0)
-    collective = Collective("127.0.0.1", port, "secret", rank, WORLD, Metrics(), "job", f"node{rank}", Traffic(),
+    stub = coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    store = CoordinatorStore(lambda: stub, "job", f"node{rank}", timedelta(seconds=STEP_TIMEOUT_S))
+    collective = Collective(store, rank, WORLD, Metrics(), "job", f"node{rank}", Traffic(),
                             member=member, stop=threading.Event(), options=options)
     took_up, committed, longest = [], [], 0.0
     quorums: list[tuple[int, ...]] = []  # the members of each all-reduce that completed, in order
@@ -89,8 +96,8 @@ def run_rank(port: int, rank: int, start: int, value: float, dies_at: int | None
 
 
 class Ranks:
-    def __init__(self, store: dist.TCPStore):
-        self.port = store.port
+    def __init__(self, server: RendezvousServer):
+        self.port = server.port
         self.spawn = multiprocessing.get_context("spawn")
         self.results = self.spawn.Queue()
         self.progress = self.spawn.Array("i", [-1] * WORLD)
@@ -142,9 +149,23 @@ class Ranks:
                 process.join()
 
 
-def master_store(port: int = 0) -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", port, None, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=30))
+class RendezvousServer(coordinator_pb2_grpc.CoordinatorServicer):
+    """The coordinator's rendezvous store of job "job", served to every caller (who may call it is the service's
+    to check: test_security_coordinator)."""
+
+    def __init__(self, port: int = 0):
+        self.job, _ = Rendezvous().store("job", WORLD)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self, self.server)
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
+        self.server.start()
+
+    def Rendezvous(self, request, context):
+        return self.job.answer(request)
+
+    def stop(self) -> None:
+        self.job.close()
+        self.server.stop(grace=None).wait()
 
 
 def expected_w(committed: list[tuple[int, tuple[int, ...]]]) -> list[float]:
@@ -165,8 +186,8 @@ def check_replicas(finished: dict[int, tuple]) -> None:
 
 
 def test_a_killed_member_is_dropped_and_when_restarted_takes_the_others_state():
-    store = master_store()
-    ranks = Ranks(store)
+    server = RendezvousServer()
+    ranks = Ranks(server)
     try:
         ranks.start_with_rank_2_killed_at(20)
         ranks.wait_step(0, 40)  # the others went on without it
@@ -174,6 +195,7 @@ def test_a_killed_member_is_dropped_and_when_restarted_takes_the_others_state():
         finished = ranks.finish()
     finally:
         ranks.close()
+        server.stop()
     check_replicas(finished)
     sizes = {step: len(quorum) for step, quorum in finished[0][2]}
     assert sizes[19] == 3 and sizes[20] == 2 and sizes[40] == 2
@@ -186,8 +208,8 @@ def test_a_killed_member_is_dropped_and_when_restarted_takes_the_others_state():
 
 
 def test_a_stopped_member_is_dropped_within_the_step_timeout_and_takes_the_state_when_it_continues():
-    store = master_store()
-    ranks = Ranks(store)
+    server = RendezvousServer()
+    ranks = Ranks(server)
     try:
         for rank in range(WORLD):
             ranks.start(rank)
@@ -200,6 +222,7 @@ def test_a_stopped_member_is_dropped_within_the_step_timeout_and_takes_the_state
         finished = ranks.finish()
     finally:
         ranks.close()
+        server.stop()
     check_replicas(finished)
     for rank in (0, 1):
         assert finished[rank][3] < STEP_TIMEOUT_S + JOIN_S + 5.0, finished[rank][3]
@@ -208,20 +231,19 @@ def test_a_stopped_member_is_dropped_within_the_step_timeout_and_takes_the_state
 
 
 def test_the_job_goes_on_through_a_restart_of_the_rendezvous_store():
-    store = master_store()
-    port = store.port
-    ranks = Ranks(store)
+    server = RendezvousServer()
+    ranks = Ranks(server)
     try:
         ranks.start_with_rank_2_killed_at(10)
         ranks.wait_step(0, 20)  # the others went on without it, in a quorum formed in the first store
-        del store  # the coordinator goes away ...
+        server.stop()  # the coordinator goes away ...
         time.sleep(1.0)
-        store = master_store(port)  # ... and comes back on the same port, with nothing in it
+        server = RendezvousServer(ranks.port)  # ... and comes back on the same port, with nothing in it
         ranks.wait_step(0, 30)
         ranks.start(2, start=3, value=STALE)  # the quorum with it forms through the fresh store
         finished = ranks.finish()
     finally:
         ranks.close()
+        server.stop()
     check_replicas(finished)
     assert finished[2][1] and finished[2][1][0][0] == 3
-    assert store.port == port

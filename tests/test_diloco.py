@@ -1,21 +1,26 @@
 """DiLoCo (nodeagent.algorithms.diloco): its mathematics with an in-test all-reduce and push-sum, the low-precision
 codec, the streaming schedule, recovery from the group's state, validation, and short simulated jobs."""
 
+import threading
 from collections import defaultdict
 
+import grpc
 import pytest
 import torch
 import yaml
 from devices import DEVICES
 from exact_linear import ZeroLoss, batch, linear_model
+from hostile import channel_as, listening_ports
 from torch import nn
 
+from coordinator.ca import ClusterCA
 from coordinator.cluster import LocalCluster
 from coordinator.jobs import validate_job
 from coordinator.simulate import simulate
 from coordinator.topology import out_peers as schedule_out_peers
 from coordinator.topology import schedule_period
 from nodeagent._proto import coordinator_pb2 as pb
+from nodeagent._proto import coordinator_pb2_grpc
 from nodeagent.algorithms.allreduce import AllReduceSGD
 from nodeagent.algorithms.base import ALLREDUCE_RANK, FlatParameters, Neighbor, NodeContext, Route
 from nodeagent.algorithms.diloco import DiLoCo, GossipDiLoCo, ServerDiLoCo
@@ -23,6 +28,8 @@ from nodeagent.jobspec import AlgorithmSpec, JobSpecError, parse_job_spec
 from nodeagent.ps import OuterServer, ProtocolError
 from nodeagent.ps.messages import ServerPush
 from nodeagent.runtime.progress import ring_allgather_bytes, ring_allreduce_bytes
+from nodeagent.security.pki import Role
+from nodeagent.security.tls import TlsDir
 from nodeagent.wire import Kind, Message, WireError, lowprecision
 
 SGD_INNER = {"inner_optimizer": "sgd"}
@@ -654,3 +661,63 @@ def test_diloco_trains_on_agents(cluster, fashion_mnist_dir, algorithm, options,
         else:  # the final report may come before the last sync's pushes are counted: they travel as the job ends
             pushes, rest = divmod(node.bytes_sent, per_sync // 2)
             assert rest == 0 and (syncs - 1) * 2 <= pushes <= syncs * 2
+
+
+@pytest.mark.slow
+def test_an_allreduce_and_a_diloco_job_finish_while_an_outsider_attacks_their_rendezvous(cluster, fashion_mnist_dir):
+    """What an outsider did to the open rendezvous store (list its keys, bump the knock counter, give up every quorum
+    ahead of the members, pre-write gloo's keys of the next quorums, store large values), tried all along two jobs
+    with a node certificate of the cluster that holds no rank, with an operator's, and without one: every call is
+    refused, both jobs finish, and the coordinator listens on no port but its gRPC, enrollment and metrics ports."""
+    outsider = cluster.root / "outsider-tls"
+    if not TlsDir(outsider).complete():
+        ClusterCA.load(cluster.root / "coordinator").issue_files(TlsDir(outsider), Role.NODE, "outsider")
+    data = {"data_dir": str(fashion_mnist_dir), "split": "iid", "batch_size": 32, "test_limit": 500}
+    jobs = [cluster.submit(yaml.safe_dump({
+        "name": algorithm, "nodes": 2, "steps": 60, "eval_every": 60, "algorithm": {"name": algorithm, **options},
+        "model": {"name": "logistic"}, "data": data}))
+        for algorithm, options in (("allreduce", {"lr": 0.05}),
+                                   ("diloco", {"lr": 1e-3, "options": {"inner_steps": 20, "precision": "int8"}}))]
+    callers = {"a node of no job": channel_as(cluster.address, outsider, "coordinator"),
+               "an operator": channel_as(cluster.address, cluster.operator_tls, "coordinator"),
+               "no certificate": channel_as(cluster.address, None, "coordinator", ca=cluster.operator_tls)}
+    answers: dict[str, set[str]] = {who: set() for who in callers}
+    done = threading.Event()
+
+    def attack() -> None:
+        stubs = {who: coordinator_pb2_grpc.CoordinatorStub(channel) for who, channel in callers.items()}
+        number = 0
+        while not done.wait(0.2):
+            for job_id in jobs:
+                for request in (
+                    pb.RendezvousRequest(job_id=job_id, op=pb.RENDEZVOUS_CHECK, keys=["next", "knocks"]),
+                    pb.RendezvousRequest(job_id=job_id, op=pb.RENDEZVOUS_ADD, keys=["knocks"], amount=1),
+                    *(pb.RendezvousRequest(job_id=job_id, op=pb.RENDEZVOUS_COMPARE_SET, keys=[f"q/{n}/members"],
+                                           value=b"-") for n in range(number, number + 40)),
+                    *(pb.RendezvousRequest(job_id=job_id, op=pb.RENDEZVOUS_SET, keys=[f"q/{n}/pg//0/{r}"],
+                                           value=b"garbage") for n in range(number, number + 40) for r in (0, 1)),
+                    pb.RendezvousRequest(job_id=job_id, op=pb.RENDEZVOUS_SET, keys=["big"], value=bytes(60_000)),
+                ):
+                    for who, stub in stubs.items():
+                        try:
+                            stub.Rendezvous(request, timeout=5)
+                            answers[who].add("OK")
+                        except grpc.RpcError as error:
+                            answers[who].add(error.code().name)
+            number += 1
+
+    attacker = threading.Thread(target=attack)
+    attacker.start()
+    try:
+        statuses = [cluster.wait(job_id, timeout_s=240) for job_id in jobs]
+    finally:
+        done.set()
+        attacker.join()
+    for status in statuses:
+        assert status.state == pb.JOB_FINISHED, status.reason
+        assert all(node.step == 60 for node in status.nodes)
+    assert answers == {"a node of no job": {"PERMISSION_DENIED"}, "an operator": {"PERMISSION_DENIED"},
+                       "no certificate": {"UNAVAILABLE"}}
+    coordinator_ports = {int(address.rsplit(":", 1)[1])
+                         for address in (cluster.address, cluster.enroll_address, cluster.metrics_address)}
+    assert listening_ports(cluster.processes["coordinator"].pid) == coordinator_ports

@@ -78,7 +78,7 @@ class Coordinator:
 
     def client(self, job_id: str, node_id: str, rank: int, world_size: int, worker, timeout_s: float = 30.0
                ) -> GrpcServerLink:
-        return GrpcServerLink(self.stub, job_id=job_id, node_id=node_id, rank=rank, world_size=world_size,
+        return GrpcServerLink(lambda: self.stub, job_id=job_id, node_id=node_id, rank=rank, world_size=world_size,
                               worker=worker, metrics=Metrics(), traffic=Traffic(), pool=futures.ThreadPoolExecutor(1),
                               timeout_s=timeout_s)
 

@@ -1,5 +1,5 @@
 """Forming an all-reduce quorum when things go wrong between a quorum's closing and its gloo group: ranks as threads
-of this process, on a TCPStore of the test's own (the coordinator's rendezvous).
+of this process, on an in-process store (the coordinator's rendezvous).
 
 A rank that came to a quorum and was lost before the group formed (its key is there, it never joins gloo) costs
 the others one failed group, not the job: they form the next quorum without it, even when the wait for a quorum is
@@ -23,7 +23,6 @@ from nodeagent.wire.message import Kind, Message
 
 STEP_TIMEOUT_S = 1.5
 JOIN_S = 0.5
-KEY = "job-key"
 
 
 class Member:
@@ -34,9 +33,9 @@ class Member:
         return Message(Kind.PARAMS, self.rank, -1, {"w": torch.zeros(2)}, clock=0)
 
 
-def collective(port: int, rank: int, world: int, told: list[str], wait_s: float) -> Collective:
+def collective(store: dist.Store, rank: int, world: int, told: list[str], wait_s: float) -> Collective:
     options = QuorumOptions(step_timeout_s=STEP_TIMEOUT_S, join_s=JOIN_S, min_members=2, wait_s=wait_s)
-    return Collective("127.0.0.1", port, KEY, rank, world, Metrics(), "job", f"node{rank}", Traffic(),
+    return Collective(store, rank, world, Metrics(), "job", f"node{rank}", Traffic(),
                       member=Member(rank), stop=threading.Event(), options=options,
                       announce=lambda message, level, step: told.append(f"{level} {message}"), gloo_host="127.0.0.1")
 
@@ -64,15 +63,16 @@ def mean_in_threads(collectives: list[Collective]) -> list[Message | BaseExcepti
 
 
 @pytest.fixture
-def store() -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+def store() -> dist.Store:
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=30))
+    return store
 
 
-def ghost(store: dist.TCPStore, rank: int, quorums: range) -> None:
+def ghost(store: dist.Store, rank: int, quorums: range) -> None:
     """Rank `rank` came to these quorums, and was lost before their groups formed."""
-    prefix = dist.PrefixStore(f"{KEY}/", store)
     for number in quorums:
-        prefix.set(f"q/{number}/here/{rank}", "1")
+        store.set(f"q/{number}/here/{rank}", "1")
 
 
 def test_a_rank_lost_between_a_quorum_and_its_group_costs_one_group_not_the_job(store):
@@ -80,7 +80,7 @@ def test_a_rank_lost_between_a_quorum_and_its_group_costs_one_group_not_the_job(
     told: list[str] = []
     # The wait for a quorum (2 s) is shorter than a failed group (1.5 s) plus the next quorum's join time: it starts
     # again once enough ranks came.
-    ranks = [collective(store.port, rank, 3, told, wait_s=2.0) for rank in (0, 1)]
+    ranks = [collective(store, rank, 3, told, wait_s=2.0) for rank in (0, 1)]
     answers = mean_in_threads(ranks)
     for answer in answers:
         assert isinstance(answer, Message), answer
@@ -92,7 +92,7 @@ def test_a_rank_lost_between_a_quorum_and_its_group_costs_one_group_not_the_job(
 def test_a_rank_that_keeps_being_lost_before_the_group_fails_the_job_naming_why(store):
     ghost(store, 2, range(MAX_FAILED_GROUPS + 1))
     told: list[str] = []
-    ranks = [collective(store.port, rank, 3, told, wait_s=30.0) for rank in (0, 1)]
+    ranks = [collective(store, rank, 3, told, wait_s=30.0) for rank in (0, 1)]
     answers = mean_in_threads(ranks)
     for answer in answers:
         assert isinstance(answer, GroupLost), answer
@@ -101,7 +101,7 @@ def test_a_rank_that_keeps_being_lost_before_the_group_fails_the_job_naming_why(
 
 def test_a_rank_whose_store_fails_after_the_quorum_closed_still_joins_its_group(store):
     told: list[str] = []
-    ranks = [collective(store.port, rank, 2, told, wait_s=30.0) for rank in (0, 1)]
+    ranks = [collective(store, rank, 2, told, wait_s=30.0) for rank in (0, 1)]
     failed = []
 
     def failing_once(look):  # the first look at the store that finds the quorum closed with rank 1 fails instead
@@ -122,3 +122,26 @@ def test_a_rank_whose_store_fails_after_the_quorum_closed_still_joins_its_group(
         assert answer.tensors["g"].tolist() == [0.5, 0.5]
     assert [member.last_number for member in ranks] == [0, 0]  # both in the quorum closed with them, none failed
     assert not any("was not formed" in line for line in told), told
+
+
+def test_a_gloo_connection_on_a_members_place_that_is_not_the_member_drops_the_group(store):
+    """Gloo's pair connections carry no credentials: a new quorum's agreement checks each member's token against
+    the one it wrote to the rendezvous store. A token that differs, as from a process that took rank 1's place on a
+    pair, drops the group on every member before any state travels, and the ranks form the next quorum."""
+    told: list[str] = []
+    ranks = [collective(store, rank, 2, told, wait_s=30.0) for rank in (0, 1)]
+    form_group = ranks[0]._group
+
+    def group_with_a_stranger(number, members, step):
+        formed = form_group(number, members, step)
+        if number == 0:
+            store.set("q/0/here/1", "7")  # not the token rank 1 sends
+        return formed
+
+    ranks[0]._group = group_with_a_stranger
+    answers = mean_in_threads(ranks)
+    for answer in answers:
+        assert isinstance(answer, Message), answer
+        assert answer.tensors["g"].tolist() == [0.5, 0.5]
+    assert [member.last_number for member in ranks] == [1, 1]
+    assert sum("the gloo connection of rank 1 in quorum 0 is not from rank 1" in line for line in told) == 2, told

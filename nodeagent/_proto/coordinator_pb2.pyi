@@ -16,12 +16,31 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_FINISHED: _ClassVar[JobState]
     JOB_STOPPED: _ClassVar[JobState]
     JOB_FAILED: _ClassVar[JobState]
+
+class RendezvousOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RENDEZVOUS_OP_UNSPECIFIED: _ClassVar[RendezvousOp]
+    RENDEZVOUS_SET: _ClassVar[RendezvousOp]
+    RENDEZVOUS_GET: _ClassVar[RendezvousOp]
+    RENDEZVOUS_ADD: _ClassVar[RendezvousOp]
+    RENDEZVOUS_COMPARE_SET: _ClassVar[RendezvousOp]
+    RENDEZVOUS_CHECK: _ClassVar[RendezvousOp]
+    RENDEZVOUS_WAIT: _ClassVar[RendezvousOp]
+    RENDEZVOUS_DELETE: _ClassVar[RendezvousOp]
 JOB_STATE_UNSPECIFIED: JobState
 JOB_PENDING: JobState
 JOB_RUNNING: JobState
 JOB_FINISHED: JobState
 JOB_STOPPED: JobState
 JOB_FAILED: JobState
+RENDEZVOUS_OP_UNSPECIFIED: RendezvousOp
+RENDEZVOUS_SET: RendezvousOp
+RENDEZVOUS_GET: RendezvousOp
+RENDEZVOUS_ADD: RendezvousOp
+RENDEZVOUS_COMPARE_SET: RendezvousOp
+RENDEZVOUS_CHECK: RendezvousOp
+RENDEZVOUS_WAIT: RendezvousOp
+RENDEZVOUS_DELETE: RendezvousOp
 
 class EnrollRequest(_message.Message):
     __slots__ = ("token", "csr_pem")
@@ -178,7 +197,7 @@ class PeerSet(_message.Message):
     def __init__(self, ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("version", "job_id", "state", "job_spec_json", "rank", "world_size", "neighbors", "self_weight", "run_dir", "peer_schedule", "rendezvous_port", "rejoin", "revoked_serials", "rendezvous_key", "topology_version", "switch_step", "topology_kind", "joined_at_step")
+    __slots__ = ("version", "job_id", "state", "job_spec_json", "rank", "world_size", "neighbors", "self_weight", "run_dir", "peer_schedule", "rejoin", "revoked_serials", "topology_version", "switch_step", "topology_kind", "joined_at_step")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -189,10 +208,8 @@ class Assignment(_message.Message):
     SELF_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     RUN_DIR_FIELD_NUMBER: _ClassVar[int]
     PEER_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
-    RENDEZVOUS_PORT_FIELD_NUMBER: _ClassVar[int]
     REJOIN_FIELD_NUMBER: _ClassVar[int]
     REVOKED_SERIALS_FIELD_NUMBER: _ClassVar[int]
-    RENDEZVOUS_KEY_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_VERSION_FIELD_NUMBER: _ClassVar[int]
     SWITCH_STEP_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -207,15 +224,13 @@ class Assignment(_message.Message):
     self_weight: float
     run_dir: str
     peer_schedule: _containers.RepeatedCompositeFieldContainer[PeerSet]
-    rendezvous_port: int
     rejoin: bool
     revoked_serials: _containers.RepeatedScalarFieldContainer[str]
-    rendezvous_key: str
     topology_version: int
     switch_step: int
     topology_kind: str
     joined_at_step: int
-    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., job_spec_json: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., neighbors: _Optional[_Iterable[_Union[Neighbor, _Mapping]]] = ..., self_weight: _Optional[float] = ..., run_dir: _Optional[str] = ..., peer_schedule: _Optional[_Iterable[_Union[PeerSet, _Mapping]]] = ..., rendezvous_port: _Optional[int] = ..., rejoin: _Optional[bool] = ..., revoked_serials: _Optional[_Iterable[str]] = ..., rendezvous_key: _Optional[str] = ..., topology_version: _Optional[int] = ..., switch_step: _Optional[int] = ..., topology_kind: _Optional[str] = ..., joined_at_step: _Optional[int] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., job_spec_json: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., neighbors: _Optional[_Iterable[_Union[Neighbor, _Mapping]]] = ..., self_weight: _Optional[float] = ..., run_dir: _Optional[str] = ..., peer_schedule: _Optional[_Iterable[_Union[PeerSet, _Mapping]]] = ..., rejoin: _Optional[bool] = ..., revoked_serials: _Optional[_Iterable[str]] = ..., topology_version: _Optional[int] = ..., switch_step: _Optional[int] = ..., topology_kind: _Optional[str] = ..., joined_at_step: _Optional[int] = ...) -> None: ...
 
 class MetricsReport(_message.Message):
     __slots__ = ("node_id", "job_id", "rank", "step", "loss", "test_accuracy", "test_loss", "elapsed_s", "finished", "bytes_sent", "bytes_received", "compute_s", "wait_s", "exchanges", "exchange_failures", "edges", "local_steps", "waiting_for")
@@ -403,6 +418,36 @@ class JobReadyReply(_message.Message):
     waiting_for: str
     reason: str
     def __init__(self, released: _Optional[bool] = ..., job_state: _Optional[_Union[JobState, str]] = ..., waiting_for: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RendezvousRequest(_message.Message):
+    __slots__ = ("node_id", "job_id", "op", "keys", "value", "expected", "amount", "wait_s")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    AMOUNT_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    job_id: str
+    op: RendezvousOp
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    value: bytes
+    expected: bytes
+    amount: int
+    wait_s: float
+    def __init__(self, node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., op: _Optional[_Union[RendezvousOp, str]] = ..., keys: _Optional[_Iterable[str]] = ..., value: _Optional[bytes] = ..., expected: _Optional[bytes] = ..., amount: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class RendezvousReply(_message.Message):
+    __slots__ = ("found", "value", "number")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    value: bytes
+    number: int
+    def __init__(self, found: _Optional[bool] = ..., value: _Optional[bytes] = ..., number: _Optional[int] = ...) -> None: ...
 
 class NodeFailureReply(_message.Message):
     __slots__ = ("job_state",)

@@ -75,6 +75,11 @@ class CoordinatorStub:
                 request_serializer=peertrain_dot_v1_dot_coordinator__pb2.JobReadyRequest.SerializeToString,
                 response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.JobReadyReply.FromString,
                 _registered_method=True)
+        self.Rendezvous = channel.unary_unary(
+                '/peertrain.v1.Coordinator/Rendezvous',
+                request_serializer=peertrain_dot_v1_dot_coordinator__pb2.RendezvousRequest.SerializeToString,
+                response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.RendezvousReply.FromString,
+                _registered_method=True)
         self.SubmitJob = channel.unary_unary(
                 '/peertrain.v1.Coordinator/SubmitJob',
                 request_serializer=peertrain_dot_v1_dot_coordinator__pb2.SubmitJobRequest.SerializeToString,
@@ -218,6 +223,17 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rendezvous(self, request, context):
+        """-- The all-reduce rendezvous (issue 21) --
+        A running all-reduce job's key-value store, where its members form their quorums and gloo groups
+        (nodeagent.agent.rendezvous: a torch.distributed Store over this call). Only a node that holds a rank of the
+        job reaches the job's keys; others get PERMISSION_DENIED. Each job's store is bounded in keys and bytes (the
+        keys written least recently go first) and each value in size. GET and WAIT hold the answer up to wait_s.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SubmitJob(self, request, context):
         """Operator calls (the CLI).
         """
@@ -307,9 +323,11 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RenewCertificate(self, request, context):
-        """Certificates. A node or an operator: a new certificate for the caller's own identity, before the old one
-        expires (the old one stays valid until then). Operators: a one-time join token; revoke certificates (the
-        coordinator refuses them at once and tells agents, which refuse them too); list what the CA issued.
+        """Certificates. A node or an operator: a new certificate for the caller's own identity, in the last third of the
+        old one's life and once per certificate (FAILED_PRECONDITION otherwise, saying when); a node's old certificate
+        is revoked as the new one is issued (a node holds one live certificate). Operators: a one-time join token;
+        revoke certificates (the coordinator refuses them at once and tells agents, which refuse them too); list the
+        certificates that have not expired.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -375,6 +393,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.JobReady,
                     request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.JobReadyRequest.FromString,
                     response_serializer=peertrain_dot_v1_dot_coordinator__pb2.JobReadyReply.SerializeToString,
+            ),
+            'Rendezvous': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rendezvous,
+                    request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.RendezvousRequest.FromString,
+                    response_serializer=peertrain_dot_v1_dot_coordinator__pb2.RendezvousReply.SerializeToString,
             ),
             'SubmitJob': grpc.unary_unary_rpc_method_handler(
                     servicer.SubmitJob,
@@ -673,6 +696,33 @@ class Coordinator:
             '/peertrain.v1.Coordinator/JobReady',
             peertrain_dot_v1_dot_coordinator__pb2.JobReadyRequest.SerializeToString,
             peertrain_dot_v1_dot_coordinator__pb2.JobReadyReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rendezvous(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peertrain.v1.Coordinator/Rendezvous',
+            peertrain_dot_v1_dot_coordinator__pb2.RendezvousRequest.SerializeToString,
+            peertrain_dot_v1_dot_coordinator__pb2.RendezvousReply.FromString,
             options,
             channel_credentials,
             insecure,

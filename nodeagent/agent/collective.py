@@ -3,13 +3,14 @@
 Why gloo behind a quorum, not a ring on peertrain's own transport: the design forbids a hand-written ring
 all-reduce, gloo is already the job's collective and is fast on loopback and Ethernet, and what it
 lacks (taking members out and back in) sits well outside it: a gloo group is fixed, so each change of membership
-forms a new one, a *quorum*, through the job's rendezvous store at the coordinator (a torch TCPStore). Running
+forms a new one, a *quorum*, through the job's rendezvous store at the coordinator (a torch.distributed Store over
+the coordinator's Rendezvous call, which only the job's members reach: nodeagent.agent.rendezvous). Running
 quorums need the store only to notice a member that waits to come back; a store that is away (the coordinator
 restarting) holds no step up.
 
-Quorums are numbered. Under the job's key prefix the store holds `next`, the number of the quorum being formed;
-`knocks`, counting the ranks that came to form one (what running members look at); and per quorum n: `q/n/here/R`
-for each rank R that came, `q/n/members`, written once (compare-and-set) by the first rank that closes it: `knocks`
+Quorums are numbered. The job's store holds `next`, the number of the quorum being formed; `knocks`, counting the
+ranks that came to form one (what running members look at); and per quorum n: `q/n/here/R` for each rank R that
+came (its token, below), `q/n/members`, written once (compare-and-set) by the first rank that closes it: `knocks`
 then and the ranks present then, in order; or `-` when it was given up; and `q/n/pg/`, the gloo group's own keys. A
 rank forms quorum max(`next`, its last + 1): a fresh store (coordinator restarted) thus never takes the numbers back
 below the ones the ranks have seen. It says it is there and closes the quorum once every rank of the job is there,
@@ -36,6 +37,11 @@ all seen the same sum, leaves the quorum after that step and forms the next with
 Every new quorum first agrees on the state: each member gives (the last quorum it held the job's state in, its
 step), -1 for a rank that restarted from its checkpoint; the greatest pair wins, held by the lowest rank with it,
 whose `group_state()` (parameters, momentum, and for DiLoCo the outer and inner optimizers' state) is broadcast.
+The same all-gather carries each member's token, a random number it wrote to the store with its presence: gloo's
+pair connections have no credentials, and a process that reaches a member's gloo port before the member's peer
+does can take the peer's place (gloo matches a connection to its pair by a small sequence number). A member whose
+gathered tokens are not the store's drops the group before any state or gradient travels on it, and the quorum is
+formed again.
 A rank with another pair takes it up: the all-reduce answers it a PARAMS message at that step, instead of a mean,
 and the algorithm takes the job up from it. A restarted rank never gives the state while a live one is present;
 a member whose step completed where the others' failed (gloo failed after some had their answer) brings the
@@ -57,16 +63,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from nodeagent.agent.rendezvous import CALL_TIMEOUT_S
 from nodeagent.algorithms.base import ALLREDUCE_RANK
 from nodeagent.metrics import Metrics
 from nodeagent.runtime.driver import ALLREDUCE_NAME
@@ -77,12 +85,9 @@ log = logging.getLogger("nodeagent")
 
 PRESENCE_POLL_S = 0.1  # how often a rank forming a quorum looks at who came
 WATCH_POLL_S = 0.5  # how often a member of a running quorum looks for a rank waiting in the next one
-STORE_CONNECT_S = 5.0  # how long one connection to the store is tried for before the call counts as failed
 WAIT_LOGGED_AFTER_S = 10.0
 MAX_FAILED_GROUPS = 3  # quorums in a row whose gloo group did not form (each within step_timeout_s) fail the job
 ABANDONED = "-"
-
-T = TypeVar("T")
 
 
 class GroupMember(Protocol):
@@ -112,60 +117,23 @@ class Quorum:
     group: dist.ProcessGroup
 
 
-class RendezvousStore:
-    """The job's rendezvous store at the coordinator, under the job's key prefix, connected again after it went
-    away (the coordinator restarted on the same port). A failed call raises RuntimeError and the next one
-    connects anew."""
-
-    def __init__(self, host: str, port: int, key: str, connect_s: float = STORE_CONNECT_S):
-        self.host, self.port, self.key = host, port, key
-        self.connect_s = connect_s
-        self._store: dist.Store | None = None
-
-    def call(self, operation: Callable[[dist.Store], T]) -> T:
-        if self._store is None:
-            server = dist.TCPStore(self.host, self.port, None, is_master=False,
-                                   timeout=timedelta(seconds=self.connect_s))
-            self._store = dist.PrefixStore(f"{self.key}/", server)
-        try:
-            return operation(self._store)
-        except RuntimeError:  # DistNetworkError, DistStoreError: the server went away, or a call timed out
-            self._store = None
-            raise
-
-    def store(self) -> dist.Store:
-        """The connected store itself, for gloo's own rendezvous of a group."""
-        return self.call(lambda store: store)
-
-    def next_number(self, at_least: int) -> int:
-        """Move `next` on to at least `at_least` (never back), atomically; its value now."""
-        while True:
-            current = int(self.call(lambda store: store.add("next", 0)))
-            if current >= at_least:
-                return current
-            swapped = self.call(lambda s, c=current: s.compare_set("next", str(c), str(at_least)))
-            if int(swapped) == at_least:
-                return at_least
-
-
 class Collective:
-    def __init__(self, host: str, port: int, key: str, rank: int, world_size: int, metrics: Metrics,
+    def __init__(self, store: dist.Store, rank: int, world_size: int, metrics: Metrics,
                  job_id: str, node_id: str, traffic: Traffic, *, member: GroupMember, stop: threading.Event,
                  options: QuorumOptions, announce: Callable[[str, str, int], None] | None = None,
                  gloo_host: str = ""):
-        """`member`: the node's algorithm, whose state the quorum hands on; `announce(message, level, step)`: a job
-        event of this node (quorum changes), besides the log; `gloo_host`: the address the quorum's other members
-        reach this rank's gloo pairs at (the agent's advertised host). Gloo's default resolves the machine's
-        hostname, often to a loopback address that other machines, or agents in other network namespaces, cannot
-        reach; '' keeps it."""
-        if port == 0:
-            raise RuntimeError("the assignment names no rendezvous for this all-reduce job")
+        """`store`: the job's rendezvous, whose calls raise RuntimeError when they fail (kept for gloo's groups,
+        which call back into it); `member`: the node's algorithm, whose state the quorum hands on;
+        `announce(message, level, step)`: a job event of this node (quorum changes), besides the log; `gloo_host`:
+        the address the quorum's other members reach this rank's gloo pairs at (the agent's advertised host).
+        Gloo's default resolves the machine's hostname, often to a loopback address that other machines, or agents
+        in other network namespaces, cannot reach; '' keeps it."""
+        self.store = store
         self.rank = rank
         self.world_size = world_size
         self.options = options
         self.timeout = timedelta(seconds=options.step_timeout_s)
         self.gloo_host = gloo_host
-        self.store = RendezvousStore(host, port, key, connect_s=max(STORE_CONNECT_S, options.step_timeout_s))
         self.seconds = metrics.exchange_seconds.labels(job_id, node_id, ALLREDUCE_NAME)
         self.quorum_size = metrics.quorum_size.labels(job_id, node_id)
         self.aborted_steps = metrics.aborted_steps.labels(job_id, node_id)
@@ -179,9 +147,9 @@ class Collective:
         self.held_in = -1  # the last quorum whose state this rank holds; -1: restarted, from its checkpoint
         self.waiting = threading.Event()  # a rank waits in the quorum after this one
         self._knocks = 0  # `knocks` when this rank's quorum was closed
+        self._token = (-1, 0)  # the quorum number this rank came to last, and its token there
         self._closed = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name=f"quorum-watch-{job_id}", daemon=True)
-        self._watcher_store = RendezvousStore(host, port, key, connect_s=1.0)
         self._finisher = threading.Thread(target=self._serve_finished, name=f"quorum-final-{job_id}", daemon=True)
 
     def mean(self, message: Message) -> Message:
@@ -280,16 +248,16 @@ class Collective:
             now = time.monotonic()
             try:
                 if number < 0:
-                    number = self.store.next_number(self.last_number + 1)
+                    number = self._next_number(self.last_number + 1)
                     arrived = 0.0
                 elif again:  # after a store error: a store that came back empty never goes below this quorum
-                    self.store.next_number(number)
+                    self._next_number(number)
                 closed = self._members(number)
                 if closed is None:
                     if not arrived or again:  # (again: a store that came back empty lost this rank's key)
-                        self.store.call(lambda s, n=number: s.set(f"q/{n}/here/{self.rank}", "1"))
+                        self.store.set(f"q/{number}/here/{self.rank}", str(self._token_in(number)))
                         if knocked_in != number:
-                            self.store.call(lambda s: s.add("knocks", 1))
+                            self.store.add("knocks", 1)
                             knocked_in = number
                         arrived = arrived or now
                     closed = self._maybe_close(number, now - arrived)
@@ -297,12 +265,12 @@ class Collective:
                 if closed is not None:
                     knocks, members = closed
                     if self.rank not in members:  # closed without this rank: wait in the next one
-                        number = self.store.next_number(number + 1)
+                        number = self._next_number(number + 1)
                         arrived = 0.0
                         continue
                     self._knocks = knocks
                     with contextlib.suppress(RuntimeError):  # every member moves `next` on: one is enough
-                        self.store.next_number(number + 1)
+                        self._next_number(number + 1)
                     joined = members
             except RuntimeError as failure:  # the store away (perhaps back fresh): this quorum again, once it answers
                 if _first_line(failure) != error:
@@ -336,18 +304,32 @@ class Collective:
             if self.stop.wait(PRESENCE_POLL_S):
                 continue
 
+    def _next_number(self, at_least: int) -> int:
+        """Move `next` on to at least `at_least` (never back), atomically; its value now."""
+        while True:
+            current = int(self.store.add("next", 0))
+            if current >= at_least:
+                return current
+            if int(self.store.compare_set("next", str(current), str(at_least))) == at_least:
+                return at_least
+
+    def _token_in(self, number: int) -> int:
+        """This rank's token in quorum `number`: a new random one for each quorum (one seen on a taken gloo pair
+        is of no use in the next)."""
+        if self._token[0] != number:
+            self._token = (number, secrets.randbits(62))
+        return self._token[1]
+
     def _members(self, number: int) -> tuple[int, tuple[int, ...]] | None:
         """`knocks` when quorum `number` was closed and its members (() when it was given up), or None while it is
         not closed."""
         key = f"q/{number}/members"
-        if not self.store.call(lambda s: s.check([key])):
+        if not self.store.check([key]):
             return None
-        value = self.store.call(lambda s: s.get(key)).decode()
-        return _closed(value)
+        return _closed(self.store.get(key).decode())
 
     def _present(self, number: int) -> list[int]:
-        return [rank for rank in range(self.world_size)
-                if self.store.call(lambda s, r=rank: s.check([f"q/{number}/here/{r}"]))]
+        return [rank for rank in range(self.world_size) if self.store.check([f"q/{number}/here/{rank}"])]
 
     def _absent(self, number: int) -> list[int]:
         try:
@@ -360,11 +342,11 @@ class Collective:
         """Close quorum `number` if it may be closed now, or give it up when the ranks went on past it; its members
         once closed (by this rank or another), else None."""
         key = f"q/{number}/members"
-        if int(self.store.call(lambda s: s.add("next", 0))) > number:
-            closed = self.store.call(lambda s: s.compare_set(key, "", ABANDONED)).decode()
+        if int(self.store.add("next", 0)) > number:
+            closed = self.store.compare_set(key, "", ABANDONED).decode()
         else:
             # `knocks` first: a rank that knocks after it and is not among those present is noticed at the next step
-            knocks = int(self.store.call(lambda s: s.add("knocks", 0)))
+            knocks = int(self.store.add("knocks", 0))
             present = self._present(number)
             everyone = len(present) == self.world_size
             # The job's first quorum: its ranks start together, and one later than a step's timeout counts as lost.
@@ -372,7 +354,7 @@ class Collective:
             if not everyone and (len(present) < self.options.min_members or waited_s < join_s):
                 return None
             value = f"{knocks}|{','.join(map(str, present))}"
-            closed = self.store.call(lambda s: s.compare_set(key, "", value)).decode()
+            closed = self.store.compare_set(key, "", value).decode()
         return _closed(closed)
 
     def _group(self, number: int, members: tuple[int, ...], step: int) -> Quorum:
@@ -381,7 +363,7 @@ class Collective:
             options = dist.ProcessGroupGloo._Options()
             options._timeout = self.timeout
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.gloo_host)]
-        group = dist.ProcessGroupGloo(dist.PrefixStore(f"q/{number}/pg/", self.store.store()),
+        group = dist.ProcessGroupGloo(dist.PrefixStore(f"q/{number}/pg/", self.store),
                                       members.index(self.rank), len(members), options)
         previous = self.last_number
         self.last_number = number
@@ -399,9 +381,13 @@ class Collective:
         """The state every member of a new quorum takes the job up from (see the module's text): a PARAMS message
         when this rank's state is not it, else None (its own state is the quorum's)."""
         state = self.member.group_state()
-        mine = torch.tensor([self.held_in, state.clock], dtype=torch.int64)
-        keys = [torch.zeros(2, dtype=torch.int64) for _ in quorum.members]
+        mine = torch.tensor([self.held_in, state.clock, self._token_in(quorum.number)], dtype=torch.int64)
+        keys = [torch.zeros(3, dtype=torch.int64) for _ in quorum.members]
         quorum.group.allgather([keys], [mine]).wait()
+        for rank, key in zip(quorum.members, keys, strict=True):
+            if int(key[2]) != int(self.store.get(f"q/{quorum.number}/here/{rank}")):
+                raise RuntimeError(f"the gloo connection of rank {rank} in quorum {quorum.number} is not from rank "
+                                   f"{rank} (its token differs from the rendezvous store's): the group is dropped")
         pairs = [(int(k[0]), int(k[1])) for k in keys]
         best = max(pairs)
         source = pairs.index(best)  # the lowest member with it
@@ -432,14 +418,14 @@ class Collective:
             if quorum is None or self.waiting.is_set():
                 continue
             try:
-                if self._knocked(self._watcher_store) and self.quorum is quorum:
+                if self._knocked() and self.quorum is quorum:
                     self.waiting.set()
             except RuntimeError as error:
                 log.debug("job %s: the rendezvous store does not answer (%s)", self.job_id, _first_line(error))
 
-    def _knocked(self, store: RendezvousStore) -> bool:
+    def _knocked(self) -> bool:
         """Whether a rank came to form a quorum since this one did (or the store restarted empty)."""
-        return int(store.call(lambda s: s.add("knocks", 0))) != self._knocks
+        return int(self.store.add("knocks", 0)) != self._knocks
 
     def hand_over(self) -> None:
         """This rank took the job's last step: from now on, until the job ends, it hands the final state to a rank
@@ -451,7 +437,7 @@ class Collective:
     def _serve_finished(self) -> None:
         while not self._closed.wait(WATCH_POLL_S) and not self.stop.is_set():
             try:
-                if not self._knocked(self.store):  # the runner is done with this store
+                if not self._knocked():  # the runner is done with this store
                     continue
                 self._leave()
                 step = self.member.group_state().clock
@@ -472,7 +458,7 @@ class Collective:
         self.quorum = None
         for thread in (self._watcher, self._finisher):
             if thread.ident is not None and thread is not threading.current_thread():  # not left in a store call
-                thread.join(timeout=WATCH_POLL_S + STORE_CONNECT_S)  # when the process exits
+                thread.join(timeout=WATCH_POLL_S + CALL_TIMEOUT_S)  # when the process exits
 
 
 def _closed(value: str) -> tuple[int, tuple[int, ...]]:

@@ -11,6 +11,7 @@ import hashlib
 import logging
 import socket
 import ssl
+import time
 
 import grpc
 from cryptography import x509
@@ -27,7 +28,7 @@ from nodeagent.security.pki import (
     load_certificate,
     new_private_key,
     private_key_pem,
-    remaining_fraction,
+    renewal_due,
     signed_by,
     signing_request,
 )
@@ -36,7 +37,6 @@ from nodeagent.security.tls import Credentials, TlsDir, Transport
 log = logging.getLogger("nodeagent")
 
 ENROLL_TIMEOUT_S = 15.0
-RENEW_BELOW = 1 / 3  # renew once less than a third of the certificate's life is left
 
 
 class EnrollmentError(Exception):
@@ -107,12 +107,13 @@ def _checked(cert_pem: bytes, ca_pem: bytes, key) -> x509.Certificate:
 
 
 def needs_renewal(transport: Transport) -> bool:
-    return remaining_fraction(transport.credentials().certificate) < RENEW_BELOW
+    return renewal_due(transport.credentials().identity, time.time())
 
 
 def renew(transport: Transport, stub: coordinator_pb2_grpc.CoordinatorStub) -> str:
     """A new key and certificate for this node's identity, written over the old ones; returns the new serial. The
-    old certificate stays valid until it expires, so calls in flight on it go on."""
+    new certificate supersedes the old one, which the coordinator revokes: the caller makes its links again (new
+    connections present the new certificate)."""
     assert transport.tls_dir is not None
     current = transport.credentials()
     key = new_private_key()

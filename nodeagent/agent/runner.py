@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from typing import TYPE_CHECKING, cast
 
 import grpc
@@ -36,6 +37,7 @@ from nodeagent.agent.checkpoint import checkpoint_path, restore_checkpoint, save
 from nodeagent.agent.collective import Collective, GroupMember, QuorumOptions
 from nodeagent.agent.dispatch import Dispatch
 from nodeagent.agent.forward import FORWARDED
+from nodeagent.agent.rendezvous import CoordinatorStore
 from nodeagent.algorithms import Family, Neighbor
 from nodeagent.jobspec import JobSpec
 from nodeagent.ps.link import ServerExpectation
@@ -78,7 +80,6 @@ class JobRunner(threading.Thread):
         )
         self.self_weight = assignment.self_weight
         self.peer_schedule = tuple(tuple(peers.ranks) for peers in assignment.peer_schedule)
-        self.rendezvous = (assignment.rendezvous_port, assignment.rendezvous_key)
         self.rejoin = assignment.rejoin  # this rank ran before: a restart
         self.joined_at = assignment.joined_at_step  # this rank joined the running job (elastic): its switch step
         # A runner that starts after a change starts in its version (its neighbours above).
@@ -243,7 +244,8 @@ class JobRunner(threading.Thread):
         # The server family's workers say what they accept from the server (nodeagent.ps.worker.PSWorker).
         worker = cast(ServerExpectation, node.algorithm)
         return GrpcServerLink(
-            self.agent.stub, job_id=self.job_id, node_id=self.agent.node_id, rank=self.rank, world_size=spec.nodes,
+            lambda: self.agent.stub, job_id=self.job_id, node_id=self.agent.node_id, rank=self.rank,
+            world_size=spec.nodes,
             worker=worker, metrics=self.agent.metrics, traffic=driver.traffic, pool=self.pool,
             timeout_s=spec.wire.exchange_timeout_s, encoding=Encoding.from_name(spec.wire.encoding),
             chunk_bytes=spec.wire.chunk_bytes, max_message_bytes=spec.wire.max_message_bytes,
@@ -252,7 +254,6 @@ class JobRunner(threading.Thread):
     def _collective(self, node: Node, driver: NodeDriver) -> Collective | None:
         if type(node.algorithm).family is not Family.COLLECTIVE:
             return None
-        host, _ = split_address(self.agent.config.coordinator)
         failure = self.spec.failure
         # A rank waits for a quorum as long as the coordinator lets a lost node come back, and a step's timeout more.
         options = QuorumOptions(step_timeout_s=failure.step_timeout_s, join_s=failure.join_s,
@@ -262,7 +263,9 @@ class JobRunner(threading.Thread):
         def announce(message: str, level: str, step: int) -> None:
             self.agent.event(self.job_id, events.QUORUM, message, level, step)
 
-        self.collective = Collective(host, *self.rendezvous, self.rank, self.spec.nodes, self.agent.metrics,
+        store = CoordinatorStore(lambda: self.agent.stub, self.job_id, self.agent.node_id,
+                                 timedelta(seconds=failure.step_timeout_s))
+        self.collective = Collective(store, self.rank, self.spec.nodes, self.agent.metrics,
                                      self.job_id, self.agent.node_id, driver.traffic,
                                      member=cast(GroupMember, node.algorithm), stop=self.stop_event, options=options,
                                      announce=announce, gloo_host=split_address(self.agent.peer_address)[0])

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from nodeagent._proto import coordinator_pb2 as pb
+from nodeagent.rpc import plain_text
 
 EVENTS_FILE = "events.jsonl"
 MAX_MESSAGE_CHARS = 2000  # of one event's text: a node's words are cut there before they are stored or shown
@@ -63,8 +64,9 @@ class Event:
 
 
 def bounded(text: str) -> str:
-    """A node's words, cut to MAX_MESSAGE_CHARS and stripped of control characters other than newlines and tabs."""
-    cleaned = "".join(c if c.isprintable() or c in "\n\t" else "?" for c in text[:MAX_MESSAGE_CHARS])
+    """Words for an event, cut to MAX_MESSAGE_CHARS, on one line and plain (nodeagent.rpc.plain_text): no node's
+    event can move the terminal of `coordinator logs`."""
+    cleaned = plain_text(text[:MAX_MESSAGE_CHARS])
     return cleaned if len(text) <= MAX_MESSAGE_CHARS else cleaned + " [cut]"
 
 

@@ -531,6 +531,8 @@ class PeerClient:
         # Server-streaming calls are consumed by the calling thread rather than by a thread gRPC starts per call.
         options = [*GRPC_OPTIONS, (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
         self._secure = transport is not None and transport.secure
+        # The credentials the channel was made with (None: plaintext), to tell when they were renewed since.
+        self.credentials = transport.credentials() if transport is not None and transport.secure else None
         if transport is None:
             self.channel = grpc.insecure_channel(address, options=options)
         else:
@@ -768,7 +770,8 @@ class PeerClient:
 class GrpcPeers:
     """The agent's peer transport for one job: a PeerClient per neighbour address, calls that block until done and
     raise SendFailed (with the gRPC status as reason) when they fail. Addresses change with the assignment. With a
-    `transport` each neighbour must prove to be the node that `state.names` says its rank is."""
+    `transport` each neighbour must prove to be the node that `state.names` says its rank is; once this node's
+    certificate is renewed (its old one revoked), the next call to a neighbour dials it again with the new one."""
 
     def __init__(self, state: ServingState, addresses: dict[int, str], metrics: Metrics, timeout_s: float,
                  transport: Transport | None = None):
@@ -778,6 +781,7 @@ class GrpcPeers:
         self.timeout_s = timeout_s
         self.transport = transport
         self._clients: dict[tuple[str, str], PeerClient] = {}  # by address and node id
+        self._replaced: list[PeerClient] = []  # dialled with a renewed certificate: calls on them may still run
         self._lock = threading.Lock()
 
     def update(self, addresses: dict[int, str], state: ServingState) -> None:
@@ -790,8 +794,12 @@ class GrpcPeers:
         if address is None:
             raise SendFailed("not_neighbor", f"rank {rank} is not a neighbour of rank {self.state.rank}, no address")
         key = (address, self.state.name_of(rank))
+        credentials = self.transport.credentials() if self.transport is not None and self.transport.secure else None
         with self._lock:
             client = self._clients.get(key)
+            if client is not None and client.credentials is not credentials:
+                self._replaced.append(client)
+                client = None
             if client is None:
                 client = self._clients[key] = PeerClient(address, transport=self.transport, server_name=key[1])
             return client
@@ -817,7 +825,8 @@ class GrpcPeers:
 
     def close(self) -> None:
         with self._lock:
-            clients, self._clients = list(self._clients.values()), {}
+            clients, self._clients = [*self._clients.values(), *self._replaced], {}
+            self._replaced = []
         for client in clients:
             client.close()
 

@@ -57,13 +57,15 @@ TRANSIENT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDE
 
 
 class GrpcServerLink(ServerLink):
-    """One worker of one job, talking to its parameter server through the coordinator's stub."""
+    """One worker of one job, talking to its parameter server through the coordinator's stub: `stub()` is the
+    current one (the agent dials the coordinator again with a renewed certificate)."""
 
-    def __init__(self, stub: coordinator_pb2_grpc.CoordinatorStub, *, job_id: str, node_id: str, rank: int,
+    def __init__(self, stub: Callable[[], coordinator_pb2_grpc.CoordinatorStub], *, job_id: str, node_id: str,
+                 rank: int,
                  world_size: int, worker: ServerExpectation, metrics: Metrics, traffic: Traffic, pool: futures.Executor,
                  timeout_s: float, encoding: Encoding = Encoding.RAW, chunk_bytes: int = 1 << 20,
                  max_message_bytes: int = 1 << 30):
-        self.stub = stub
+        self._stub = stub
         self.job_id = job_id
         self.node_id = node_id
         self.rank = rank
@@ -127,7 +129,7 @@ class GrpcServerLink(ServerLink):
         started = time.perf_counter()
         frames = encode(push_message(push, self.rank, self.world_size), job_id=self.job_id, sender_id=self.node_id,
                         encoding=self.encoding, chunk_bytes=self.chunk_bytes)
-        reply = self.stub.PsPush(counted(frames, self._sent), timeout=self.timeout_s,
+        reply = self._stub().PsPush(counted(frames, self._sent), timeout=self.timeout_s,
                                  metadata=((PUSH_ID_HEADER, push_id),))
         if reply.rejected:
             log.info("job %s: push rejected (%s); pulling the model", self.job_id, reply.rejected)
@@ -149,7 +151,7 @@ class GrpcServerLink(ServerLink):
             shapes = [(h.name, tuple(h.shape)) for h in manifest.tensors]
             return self.worker.server_specs(Kind(manifest.kind), shapes)
 
-        replies = self.stub.PsPull(request, timeout=self.timeout_s)
+        replies = self._stub().PsPull(request, timeout=self.timeout_s)
         try:
             model = model_of(decode(counted(replies, self._received), expect, self.max_message_bytes))
             self.worker.check_server_message(model)
@@ -164,7 +166,7 @@ class GrpcServerLink(ServerLink):
         request = pb.PsReportRequest(job_id=self.job_id, rank=self.rank, node_id=self.node_id,
                                      version=report.version, round_step=report.round_step, duration_s=step_s)
         started = time.perf_counter()
-        reply = self.stub.PsReport(request, timeout=self.timeout_s)
+        reply = self._stub().PsReport(request, timeout=self.timeout_s)
         self._seconds.observe(time.perf_counter() - started)
         self._sent(request.ByteSize())
         self._received(reply.ByteSize())

@@ -3,8 +3,15 @@ issuance, and the identity a certificate carries.
 
 An identity is a role and a name, written in the certificate as a URI subject alternative name
 `spiffe://peertrain/ROLE/NAME` (the SPIFFE form, so that the role cannot be confused with a host name). Node and
-coordinator certificates also carry a DNS name that TLS clients verify: a node's id, or `coordinator`. Keys are
-ECDSA P-256: small certificates and cheap handshakes.
+coordinator certificates also carry a DNS name that TLS clients verify (gRPC's Python client checks DNS names, not
+URIs): a node's its id; the coordinator's `coordinator.peertrain`, a name under the trust domain, which the CA gives
+to no other role. Agents and the command line verify that name, so a server they accept as the coordinator holds a
+coordinator certificate, whatever a node may be called.
+
+Names are one form only, so that no two look alike: lower-case DNS labels of a-z 0-9 and inner hyphens, joined by
+single dots, with no trailing dot (TLS name checks ignore case and a trailing dot; ASCII leaves no Unicode
+look-alike). The coordinator's name and the trust domain's names are reserved. Keys are ECDSA P-256: small
+certificates and cheap handshakes.
 """
 
 from __future__ import annotations
@@ -23,12 +30,19 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 TRUST_DOMAIN = "peertrain"
-COORDINATOR_NAME = "coordinator"  # the DNS name of every coordinator certificate, which agents and the CLI verify
-NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9.-]{0,62}")  # DNS-safe: names are verified as TLS host names
+COORDINATOR_NAME = "coordinator"  # the name in every coordinator certificate's identity
+# The DNS name agents and the command line verify: only coordinator certificates carry a name under the trust domain.
+COORDINATOR_DNS_NAME = f"{COORDINATOR_NAME}.{TRUST_DOMAIN}"
+_LABEL = r"[a-z0-9](?:[a-z0-9-]*[a-z0-9])?"
+NAME_PATTERN = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")  # verified as TLS host names: DNS labels, one form only
+MAX_NAME_CHARS = 63
 NODE_LIFETIME = datetime.timedelta(days=30)
 OPERATOR_LIFETIME = datetime.timedelta(days=90)
 CA_LIFETIME = datetime.timedelta(days=3650)
 CLOCK_SKEW = datetime.timedelta(minutes=5)  # certificates start this early: clocks of a cluster differ a little
+# A certificate is renewed once less than this share of its life is left (agents and the coordinator renew their
+# own then), and the CA renews none earlier.
+RENEWAL_SHARE = 1 / 3
 MAX_PEM_BYTES = 16 << 10  # a certificate or a signing request from the network
 
 
@@ -36,6 +50,11 @@ class Role(StrEnum):
     NODE = "node"
     OPERATOR = "operator"
     COORDINATOR = "coordinator"
+
+
+# Names no node or operator may take (nor any name under the trust domain); a name is also one role's only
+# (coordinator.ca: a node cannot take an operator's name).
+RESERVED_NAMES = frozenset({COORDINATOR_NAME, TRUST_DOMAIN})
 
 
 class CertificateError(Exception):
@@ -47,6 +66,7 @@ class Identity:
     role: Role
     name: str
     serial: str  # hex, as `coordinator cert list` shows and `cert revoke` takes
+    not_before_unix: float
     not_after_unix: float
     sha256: str  # of the DER certificate, hex
 
@@ -56,10 +76,11 @@ class Identity:
 
 def name_problem(name: str) -> str | None:
     """What is wrong with the name of a node or operator (None: nothing)."""
-    if not NAME_PATTERN.fullmatch(name):
-        return "must be 1 to 63 characters of a-z 0-9 . - starting with a letter or digit"
-    if name == COORDINATOR_NAME:
-        return f"{COORDINATOR_NAME!r} is the coordinator's name"
+    if len(name) > MAX_NAME_CHARS or not NAME_PATTERN.fullmatch(name):
+        return (f"must be 1 to {MAX_NAME_CHARS} characters: labels of a-z 0-9 and inner hyphens, joined by single "
+                "dots, with no dot at the end")
+    if name in RESERVED_NAMES or name.endswith(f".{TRUST_DOMAIN}"):
+        return f"is reserved ({COORDINATOR_NAME!r}, {TRUST_DOMAIN!r} and the names under it)"
     return None
 
 
@@ -167,8 +188,13 @@ def issue(ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, public_
     now = _now()
     sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(spiffe_uri(role, name))]
     usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
-    if role is not Role.OPERATOR:
+    if role is Role.NODE:
         sans.append(x509.DNSName(name))
+    if role is Role.COORDINATOR:
+        # Before issue 21 clients verified `coordinator`: kept beside the name they verify now, for those not
+        # upgraded yet (no node can be called `coordinator`, nor anything a TLS check takes for it).
+        sans += [x509.DNSName(COORDINATOR_DNS_NAME), x509.DNSName(COORDINATOR_NAME)]
+    if role is not Role.OPERATOR:
         usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
     cert = (
         x509.CertificateBuilder()
@@ -203,8 +229,16 @@ def identity_of(cert: x509.Certificate) -> Identity:
     role_name, _, name = uris[0].removeprefix(prefix).partition("/")
     if role_name not in Role._value2member_map_ or not name:
         raise CertificateError("the certificate's peertrain identity has no known role")
-    return Identity(Role(role_name), name, format(cert.serial_number, "x"), cert.not_valid_after_utc.timestamp(),
-                    fingerprint(cert))
+    return Identity(Role(role_name), name, format(cert.serial_number, "x"), cert.not_valid_before_utc.timestamp(),
+                    cert.not_valid_after_utc.timestamp(), fingerprint(cert))
+
+
+def dns_names(cert: x509.Certificate) -> list[str]:
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    return sans.get_values_for_type(x509.DNSName)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -222,8 +256,7 @@ def signed_by(cert: x509.Certificate, ca_cert: x509.Certificate) -> bool:
     return True
 
 
-def remaining_fraction(cert: x509.Certificate, now: datetime.datetime | None = None) -> float:
-    """The share of the certificate's lifetime still ahead (0 once expired): rotation starts below a third."""
-    now = now or _now()
-    start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
-    return max(0.0, (end - now) / (end - start)) if end > start else 0.0
+def renewal_due(identity: Identity, now: float) -> bool:
+    """Whether less than RENEWAL_SHARE of the certificate's life is ahead at Unix time `now`."""
+    start, end = identity.not_before_unix, identity.not_after_unix
+    return end <= start or (end - now) / (end - start) < RENEWAL_SHARE

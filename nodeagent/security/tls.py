@@ -22,7 +22,7 @@ from cryptography import x509
 
 from nodeagent.rpc import bind_grpc_server
 from nodeagent.security.pki import (
-    COORDINATOR_NAME,
+    COORDINATOR_DNS_NAME,
     CertificateError,
     Identity,
     identity_of,
@@ -203,9 +203,10 @@ class Transport:
         ListenError naming the address when it cannot be had."""
         return bind_grpc_server(server, address, self.server_credentials() if self.secure else None)
 
-    def channel(self, address: str, server_name: str = COORDINATOR_NAME,
+    def channel(self, address: str, server_name: str = COORDINATOR_DNS_NAME,
                 options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
-        """A channel to `address` whose server must prove to be `server_name` (a node id, or the coordinator)."""
+        """A channel to `address` whose server must prove to be `server_name`: a node id, or by default the
+        coordinator (the DNS name only coordinator certificates carry)."""
         if not self.secure:
             return grpc.insecure_channel(address, options=list(options))
         current = self.credentials()
