@@ -18,6 +18,7 @@ from datetime import timedelta
 import grpc
 import pytest
 import torch
+from devices import DEVICES
 
 from coordinator.rendezvous import Rendezvous
 from nodeagent._proto import coordinator_pb2_grpc
@@ -38,20 +39,21 @@ STALE = 99.0  # the value of a restarted rank's parameters, as from an old check
 class Member:
     """A node of the collective family reduced to its state: w, and the step it is at."""
 
-    def __init__(self, rank: int, clock: int, value: float):
+    def __init__(self, rank: int, clock: int, value: float, device: str):
         self.rank, self.clock = rank, clock
-        self.w = torch.full((4,), value)
+        self.w = torch.full((4,), value, device=device)
 
     def group_state(self) -> Message:
         return Message(Kind.PARAMS, self.rank, -1, {"w": self.w.clone()}, clock=self.clock)
 
 
-def run_rank(port: int, rank: int, start: int, value: float, dies_at: int | None, progress, go, results) -> None:
+def run_rank(port: int, rank: int, start: int, value: float, dies_at: int | None, progress, go, results,
+             device: str) -> None:
     from nodeagent.agent.collective import Collective, QuorumOptions
     from nodeagent.agent.rendezvous import CoordinatorStore
 
     torch.set_num_threads(1)
-    member = Member(rank, start, value)
+    member = Member(rank, start, value, device)
     options = QuorumOptions(step_timeout_s=STEP_TIMEOUT_S, join_s=JOIN_S, min_members=2, wait_s=60.0)
     stub = coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
     store = CoordinatorStore(lambda: stub, "job", f"node{rank}", timedelta(seconds=STEP_TIMEOUT_S))
@@ -74,8 +76,8 @@ def run_rank(port: int, rank: int, start: int, value: float, dies_at: int | None
             os._exit(0)  # as kill -9, while the others are in the step's all-reduce
         time.sleep(STEP_S)
         progress[rank] = member.clock
-        gradient = Message(Kind.GRADIENT, rank, -1, {"g": torch.full((4,), float(rank + member.clock))},
-                           clock=member.clock)
+        gradient = Message(Kind.GRADIENT, rank, -1,
+                           {"g": torch.full((4,), float(rank + member.clock), device=device)}, clock=member.clock)
         started = time.monotonic()
         answer = collective.mean(gradient)
         longest = max(longest, time.monotonic() - started)
@@ -83,7 +85,7 @@ def run_rank(port: int, rank: int, start: int, value: float, dies_at: int | None
             took_up.append((member.clock, answer.clock))
             member.w, member.clock = answer.tensors["w"].clone(), answer.clock
         else:
-            assert answer.clock == member.clock
+            assert answer.clock == member.clock and answer.tensors["g"].device == member.w.device
             committed.append((member.clock, quorums[-1]))
             member.w -= answer.tensors["g"]
             member.clock += 1
@@ -96,8 +98,9 @@ def run_rank(port: int, rank: int, start: int, value: float, dies_at: int | None
 
 
 class Ranks:
-    def __init__(self, server: RendezvousServer):
+    def __init__(self, server: RendezvousServer, device: str = "cpu"):
         self.port = server.port
+        self.device = device  # where the members' state and gradients live (the all-reduce runs on host copies)
         self.spawn = multiprocessing.get_context("spawn")
         self.results = self.spawn.Queue()
         self.progress = self.spawn.Array("i", [-1] * WORLD)
@@ -106,7 +109,7 @@ class Ranks:
 
     def start(self, rank: int, start: int = 0, value: float = 0.0, dies_at: int | None = None):
         process = self.spawn.Process(target=run_rank, args=(self.port, rank, start, value, dies_at, self.progress,
-                                                            self.go, self.results))
+                                                            self.go, self.results, self.device))
         process.start()
         self.processes.append(process)
         return process
@@ -185,9 +188,10 @@ def check_replicas(finished: dict[int, tuple]) -> None:
     assert weights[0] == expected_w(committed)
 
 
-def test_a_killed_member_is_dropped_and_when_restarted_takes_the_others_state():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_killed_member_is_dropped_and_when_restarted_takes_the_others_state(device):
     server = RendezvousServer()
-    ranks = Ranks(server)
+    ranks = Ranks(server, device)
     try:
         ranks.start_with_rank_2_killed_at(20)
         ranks.wait_step(0, 40)  # the others went on without it
