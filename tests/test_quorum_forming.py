@@ -10,6 +10,7 @@ quorum's group, rather than skipping to the next quorum while the others wait fo
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -145,3 +146,60 @@ def test_a_gloo_connection_on_a_members_place_that_is_not_the_member_drops_the_g
         assert answer.tensors["g"].tolist() == [0.5, 0.5]
     assert [member.last_number for member in ranks] == [1, 1]
     assert sum("the gloo connection of rank 1 in quorum 0 is not from rank 1" in line for line in told) == 2, told
+
+
+class SlowPresence(dist.Store):
+    """An in-process store where rank 2's saying it is there (its `here` key) is slow to come back, as a call to the
+    coordinator's rendezvous can be: another rank may close the quorum in the meantime."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = dist.HashStore()
+        self.inner.set_timeout(timedelta(seconds=30))
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.inner.set(key, value)
+        if key.endswith("q/0/here/2"):
+            time.sleep(0.3)
+
+    def get(self, key: str) -> bytes:
+        return self.inner.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.inner.add(key, amount)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return self.inner.compare_set(key, expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(keys)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self.inner.set_timeout(timeout)
+
+
+def test_a_member_slow_to_say_it_is_there_is_not_taken_for_a_rank_waiting_to_come_in():
+    store = SlowPresence()
+    told: list[str] = []
+    collectives = [collective(store, rank, 3, told, wait_s=30.0) for rank in range(3)]
+    members = []
+    answers = []
+    for member in collectives:  # the watcher's question, asked of each member once the step is done
+        original = member._all_reduce
+
+        def recording(quorum, message, member=member, original=original):
+            answer = original(quorum, message)
+            members.append(quorum.members)
+            answers.append(member._knocked())
+            return answer
+
+        member._all_reduce = recording
+    results = mean_in_threads(collectives)
+    assert all(isinstance(result, Message) for result in results), results
+    assert members == [(0, 1, 2)] * 3
+    # Every member knocked before it was found present: none of them counts as a rank that came since (each such
+    # mistake costs the job a regroup after the step).
+    assert answers == [False, False, False]

@@ -255,10 +255,11 @@ class Collective:
                 closed = self._members(number)
                 if closed is None:
                     if not arrived or again:  # (again: a store that came back empty lost this rank's key)
-                        self.store.set(f"q/{number}/here/{self.rank}", str(self._token_in(number)))
+                        # The knock before the presence: a rank found present has been counted (_maybe_close).
                         if knocked_in != number:
                             self.store.add("knocks", 1)
                             knocked_in = number
+                        self.store.set(f"q/{number}/here/{self.rank}", str(self._token_in(number)))
                         arrived = arrived or now
                     closed = self._maybe_close(number, now - arrived)
                 again = False
@@ -345,9 +346,11 @@ class Collective:
         if int(self.store.add("next", 0)) > number:
             closed = self.store.compare_set(key, "", ABANDONED).decode()
         else:
-            # `knocks` first: a rank that knocks after it and is not among those present is noticed at the next step
-            knocks = int(self.store.add("knocks", 0))
+            # The presence first, then `knocks`: every rank present knocked before it said so, so the members never
+            # take one of their own for a rank waiting (each a regroup, frequent with a store a call away). A rank
+            # counted here but not present knocks again in the next quorum, where the members notice it.
             present = self._present(number)
+            knocks = int(self.store.add("knocks", 0))
             everyone = len(present) == self.world_size
             # The job's first quorum: its ranks start together, and one later than a step's timeout counts as lost.
             join_s = self.options.join_s if number > 0 else max(self.options.join_s, self.options.step_timeout_s)
