@@ -355,14 +355,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         join the running elastic jobs that may grow, oldest first."""
         with self._schedule_lock:
             for job in self.store.jobs(("PENDING",)):
+                spec = JobSpec.from_json(job.spec_json)
                 nodes = self.store.nodes()
-                idle = self._idle(nodes)
+                idle = self._idle(nodes, spec)
                 if len(idle) < job.world_size:
-                    reason = self._wait_reason(job.world_size, nodes)
+                    reason = self._wait_reason(job.world_size, nodes, spec)
                     if reason != job.reason:
                         self.store.set_pending_reason(job.job_id, reason)
                     continue
-                taken = idle[: JobSpec.from_json(job.spec_json).max_nodes]
+                taken = idle[: spec.max_nodes]
                 self.store.start_job(job.job_id, taken)
                 log.info("job %s started on %s", job.job_id, ", ".join(taken))
                 self._event(job, events.STARTED, "running on " + ", ".join(
@@ -378,9 +379,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             if not spec.elastic or job.world_size >= spec.max_nodes or (spec.start.barrier and not job.released_unix):
                 continue
             nodes = self.store.nodes()
-            idle = self._idle(nodes)
+            idle = self._idle(nodes, spec)
             if not idle:
-                return
+                continue
             members = self.store.members(job.job_id)
             if not self._change_pending(job, members, {n.node_id: n for n in nodes}):
                 self._replan(job, members, idle[: spec.max_nodes - len(members)], [], "")
@@ -444,18 +445,26 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.changes.bump()
         return True
 
-    def _idle(self, nodes: list[NodeRow]) -> list[str]:
-        busy = self.store.busy_node_ids()
-        return [n.node_id for n in nodes if n.up and not n.draining and n.node_id not in busy]
+    @staticmethod
+    def _usable(node: NodeRow, spec: JobSpec) -> bool:
+        """Whether `node` may take a rank of `spec`: up, not draining, and on a CUDA device where the job needs one
+        (training.precision fp16)."""
+        return node.up and not node.draining and (spec.training.precision != "fp16" or node.device.startswith("cuda"))
 
-    def _wait_reason(self, needed: int, nodes: list[NodeRow]) -> str:
+    def _idle(self, nodes: list[NodeRow], spec: JobSpec) -> list[str]:
+        busy = self.store.busy_node_ids()
+        return [n.node_id for n in nodes if self._usable(n, spec) and n.node_id not in busy]
+
+    def _wait_reason(self, needed: int, nodes: list[NodeRow], spec: JobSpec) -> str:
         """What a job of `needed` nodes waits for, or "" if it can start now."""
-        idle = len(self._idle(nodes))
+        idle = len(self._idle(nodes, spec))
         if idle >= needed:
             return ""
-        usable = sum(n.up and not n.draining for n in nodes)
+        usable = sum(self._usable(n, spec) for n in nodes)
         if usable < needed:
-            return (f"needs {needed} agents; {usable} {_are(usable)} up and not draining ({len(nodes)} registered): "
+            which = "agents on a CUDA device (training.precision fp16)" if spec.training.precision == "fp16" else \
+                "agents"
+            return (f"needs {needed} {which}; {usable} {_are(usable)} up and not draining ({len(nodes)} registered): "
                     f"it starts when {needed - usable} more join")
         return (f"needs {needed} idle agents; {idle} {_are(idle)} idle now, the others run jobs: it starts when they "
                 "end")
@@ -855,7 +864,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             validate_job(spec)
         except JobSpecError as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid job spec: {error}")
-        warning = self._wait_reason(spec.min_nodes, self.store.nodes())
+        warning = self._wait_reason(spec.min_nodes, self.store.nodes(), spec)
         job_id = f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
         run_dir = self.config.run_root / job_id
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -90,8 +90,8 @@ class TrainingSpec(_Strict):
 
     precision: Precision = Field(
         "fp32", description="arithmetic of the forward and backward passes: fp32, or bf16/fp16 under autocast with "
-        "fp32 master weights (fp16 with a dynamic loss scale; it needs a CUDA device). Exchanges and updates stay in "
-        "fp32")
+        "fp32 master weights (fp16 with a dynamic loss scale; it needs a CUDA device: the coordinator places it "
+        "only on agents on one). Exchanges and updates stay in fp32")
 
 
 class TopologySpec(_Strict):

@@ -234,6 +234,21 @@ def test_a_job_too_large_waits_with_its_reason_and_does_not_hold_back_a_smaller_
     assert first_assignment(stub, ids[0]).job_id == small.job_id
 
 
+
+def test_an_fp16_job_runs_only_on_agents_with_a_cuda_device(coordinator):
+    start, _ = coordinator
+    _, stub = start()
+    on_cpu = [register(stub, f"c{i}") for i in range(3)]
+    fp16 = job(name="half", nodes=2, training={"precision": "fp16"})
+    waiting = stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=fp16), timeout=5)
+    assert waiting.state == pb.JOB_PENDING
+    assert "needs 2 agents on a CUDA device (training.precision fp16); 0 are up" in waiting.warning
+    on_gpu = [stub.Register(pb.RegisterRequest(peer_address=f"127.0.0.1:{7100 + i}", name=f"g{i}", device=f"cuda:{i}"),
+                            timeout=5).node_id for i in range(2)]
+    status = stub.JobStatus(pb.JobStatusRequest(job_id=waiting.job_id), timeout=5)
+    assert status.state == pb.JOB_RUNNING and {n.node_id for n in status.nodes} == set(on_gpu)
+    assert first_assignment(stub, on_cpu[0]).job_id == ""  # the CPU agents stay free for other jobs
+
 def test_a_node_failure_fails_the_job_with_its_reason_and_frees_the_agents(coordinator):
     start, _ = coordinator
     _, stub = start()
