@@ -32,6 +32,9 @@ from pathlib import Path
 
 import grpc
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from hostile import listening_ports  # the security tests' port scan: the same outsider
+
 import coordinator.service
 from coordinator.ca import ClusterCA
 from coordinator.ps_service import add_coordinator_servicer
@@ -168,24 +171,6 @@ def rank_main(port: int, rank: int, stop, results) -> None:
     results.close()
     results.join_thread()
     os._exit(0)
-
-
-def listening_ports(pid: int) -> set[int]:
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
-    ports = set()
-    for table in ("tcp", "tcp6"):
-        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:
-                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
 
 
 def gloo_once(window_s: float, outsider: bool) -> None:
