@@ -76,9 +76,9 @@ def device_memory(device: torch.device) -> int:
     return describe_device(device).memory_bytes
 
 
-def fits_on_device(nbytes: int, device: torch.device, fraction: float = DATA_ON_DEVICE_FRACTION) -> bool:
+def fits_on_device(nbytes: int, device: torch.device) -> bool:
     """Whether `nbytes` of data should live on `device` for the whole job: always on the CPU; on a GPU when it
-    takes at most `fraction` of its memory."""
+    takes at most DATA_ON_DEVICE_FRACTION of its memory."""
     if device.type == "cpu":
         return True
-    return nbytes <= fraction * device_memory(device)
+    return nbytes <= DATA_ON_DEVICE_FRACTION * device_memory(device)
