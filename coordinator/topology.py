@@ -84,6 +84,7 @@ class Topology:
     nodes: int
     edges: tuple[Edge, ...]
     passive: frozenset[int] = frozenset()
+    schedule_period: int = 1  # a dynamic kind's iterations before its rotation repeats (1: a static graph)
     # (interval, seed) -> phase draws (see phase_draws): drawn once, read by every node's plan.
     _draws: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -708,4 +709,4 @@ def _union_of_period(spec: TopologySpec, nodes: int) -> Topology:
         for offset in sequence
     ]
     passive = frozenset(rank for rank in range(nodes) if is_passive(spec.kind, rank))
-    return Topology(nodes, _normalise(edges), passive)
+    return Topology(nodes, _normalise(edges), passive, period)

@@ -721,3 +721,15 @@ def test_an_allreduce_and_a_diloco_job_finish_while_an_outsider_attacks_their_re
     coordinator_ports = {int(address.rsplit(":", 1)[1])
                          for address in (cluster.address, cluster.enroll_address, cluster.metrics_address)}
     assert listening_ports(cluster.processes["coordinator"].pid) == coordinator_ports
+
+
+@pytest.mark.parametrize(("nodes", "inner_steps"), [(8, 1), (8, 2), (16, 2)])
+def test_gossip_rounds_left_unset_are_held_to_the_bound_of_a_sync_that_the_nodes_could_not_finish(nodes, inner_steps):
+    """The earlier hang: one period of the n-peer exponential graph (log2 n rounds) longer than a sync's steps."""
+    spec = {"name": "d", "nodes": nodes, "steps": 10 * inner_steps, "topology": {"kind": "npeer-exponential"},
+            "algorithm": {"name": "diloco-gossip", "options": {"inner_steps": inner_steps}}}
+    with pytest.raises(JobSpecError, match=r"options\.gossip_rounds \(unset: one period of npeer-exponential's "
+                       r"schedule, \d rounds\): at most inner_steps / fragments"):
+        validate_job(parse_job_spec(spec))
+    spec["algorithm"]["options"]["gossip_rounds"] = inner_steps  # what the user can run instead
+    validate_job(parse_job_spec(spec))

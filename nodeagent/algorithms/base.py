@@ -146,6 +146,12 @@ class Graph(Protocol):
 
     def degree(self, rank: int) -> int: ...
 
+    @property
+    def schedule_period(self) -> int:
+        """Iterations after which a time-varying graph's schedule repeats (the length of each node's
+        `peer_schedule`); 1 for a static graph."""
+        ...
+
 
 # A minibatch loss as a step returns it: a float on the CPU; on a GPU the 0-dim tensor itself, read (float()) only
 # where a number is needed, so that a step does not wait for the device to finish it.

@@ -567,9 +567,15 @@ class GossipDiLoCo(_DiLoCo):
         if alone and topology.nodes > 1:
             raise JobSpecError(f"topology: ranks {alone} have no neighbour to gossip with")
         gap = options.inner_steps // options.fragments
-        if options.gossip_rounds is not None and options.gossip_rounds > gap:
-            raise JobSpecError(f"algorithm.options.gossip_rounds: at most inner_steps / fragments ({gap}): a sync's "
-                               "rounds are numbered by the steps up to the next sync")
+        # The default, one period of the graph's schedule, is held to the same bound as a number the user sets: a
+        # sync's later rounds would be filed under the next sync, and the nodes would stop.
+        rounds = options.gossip_rounds or topology.schedule_period
+        if rounds > gap:
+            given = "" if options.gossip_rounds else (f" (unset: one period of {spec.topology.kind}'s schedule, "
+                                                      f"{rounds} rounds)")
+            raise JobSpecError(f"algorithm.options.gossip_rounds{given}: at most inner_steps / fragments ({gap}): a "
+                               "sync's rounds are numbered by the steps up to the next sync; set fewer rounds or "
+                               "more inner steps")
 
     # -- push-sum ------------------------------------------------------------------------------------------------
 
