@@ -534,6 +534,7 @@ def job(algorithm, options, steps=100, topology="ring", **extra):
     ("diloco", {"inner_steps": 4, "fragments": 5}, 100, "ring", {}, r"options\.fragments"),
     ("diloco", {"inner_steps": 10, "fragments": 2, "overlap_steps": 5}, 100, "ring", {}, r"options\.overlap_steps"),
     ("diloco", {"inner_steps": 10, "int8_chunk": 64}, 100, "ring", {}, r"options\.int8_chunk"),
+    ("diloco", {"inner_steps": 10, "overlap_mix": 0.3}, 100, "ring", {}, r"options\.overlap_mix: applies only"),
     ("diloco", {"inner_steps": 10, "precision": "int4"}, 100, "ring", {}, r"options\.precision"),
     ("diloco", {"inner_steps": 10, "outer_lr": 0}, 100, "ring", {}, r"options\.outer_lr"),
     ("diloco", {"inner_steps": 10, "outer_momentum": 1.0}, 100, "ring", {}, r"options\.outer_momentum"),

@@ -136,7 +136,7 @@ class DiLoCoOptions(AlgorithmOptions):
     fragments: int = Field(1, ge=1, description="F: fragments synchronised in turn (streaming DiLoCo); 1: all at once")
     overlap_steps: int = Field(0, ge=0, description="tau: inner steps a sync overlaps before its update is applied")
     overlap_mix: float = Field(0.5, ge=0, lt=1, description="alpha: with tau > 0, the weight of the local fragment "
-                               "in the merge alpha * local + (1 - alpha) * global")
+                               "in the merge alpha * local + (1 - alpha) * global (refused without an overlap)")
 
 
 @dataclass
@@ -198,6 +198,9 @@ class _DiLoCo(Algorithm):
                                "that a fragment's sync is applied before the next one is sent")
         if options.int8_chunk and options.precision != "int8":
             raise JobSpecError("algorithm.options.int8_chunk: applies only to precision int8")
+        if "overlap_mix" in options.model_fields_set and options.overlap_steps == 0:
+            raise JobSpecError("algorithm.options.overlap_mix: applies only with overlap_steps > 0 (without an "
+                               "overlap the global fragment replaces the local one)")
 
     # -- the schedule --------------------------------------------------------------------------------------------
 
