@@ -198,7 +198,8 @@ class _DiLoCo(Algorithm):
                                "that a fragment's sync is applied before the next one is sent")
         if options.int8_chunk and options.precision != "int8":
             raise JobSpecError("algorithm.options.int8_chunk: applies only to precision int8")
-        if "overlap_mix" in options.model_fields_set and options.overlap_steps == 0:
+        default_mix = type(options).model_fields["overlap_mix"].default  # what `coordinator init` writes out
+        if options.overlap_steps == 0 and options.overlap_mix != default_mix:
             raise JobSpecError("algorithm.options.overlap_mix: applies only with overlap_steps > 0 (without an "
                                "overlap the global fragment replaces the local one)")
 
