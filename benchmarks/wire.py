@@ -276,8 +276,9 @@ def peer_client(conn: Connection, ports: tuple[int, int, int], numel: int, chunk
             framed.push(states[encoding], message, CALL_TIMEOUT_S, metrics)
         elif what == "push-tls":
             secure.push(states[encoding], message, CALL_TIMEOUT_S, metrics)
-        elif what == "exchange":
-            answer = laned.exchange(states[encoding], message, CALL_TIMEOUT_S, metrics)
+        elif what in ("exchange", "exchange-tls"):
+            client = laned if what == "exchange" else secure
+            answer = client.exchange(states[encoding], message, CALL_TIMEOUT_S, metrics)
             if answer.payload_bytes != 4 * numel:
                 raise RuntimeError(f"exchange answered {answer.payload_bytes} bytes, expected {4 * numel}")
             del answer
@@ -377,7 +378,8 @@ METHODS = [
     ("push", "raw"), ("push", "fp16"), ("push", "bf16"), ("exchange", "raw"), ("push-frames", "raw"),
     ("push-tls", "raw"), ("gloo", "raw"),
 ]
-SERVER_OF = {"push-frames": 1, "push-tls": 2}  # which peer server a method calls (else 0: plaintext with lanes)
+SERVER_OF = {"push-frames": 1, "push-tls": 2, "exchange-tls": 2}  # which peer server a method calls (else 0: plaintext
+# with lanes)
 
 
 @dataclass

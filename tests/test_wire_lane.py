@@ -53,6 +53,14 @@ JOB = "job-lanes"
 N = 300_000  # 1.2 MB: several staging chunks, and more than a loopback socket buffers at once
 
 
+@pytest.fixture(autouse=True)
+def payload_lanes_only(monkeypatch):
+    """This module tests payload lanes beside gRPC calls: the path of payloads striped over several lanes, and of
+    every call to a peer that serves no direct lanes (tests/test_direct_lanes.py tests those). A client that is
+    refused a direct lane takes this path; here it does not ask."""
+    monkeypatch.setattr(PeerClient, "_direct_lane", lambda self, state, timeout: None)
+
+
 def make_state(rank: int, inbox: queue.Queue, served: dict, specs: dict, **fields) -> ServingState:
     def expected(sender: int, kind: Kind) -> list[TensorSpec]:
         if sender not in specs:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import wire_pb2 as peertrain_dot_v1_dot_wire__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17peertrain/v1/peer.proto\x12\x0cpeertrain.v1\x1a\x17peertrain/v1/wire.proto\"K\n\x0bLaneRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0erequester_rank\x18\x02 \x01(\r\x12\x14\n\x0crequester_id\x18\x03 \x01(\t\"5\n\tLaneGrant\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x0b\n\x03key\x18\x03 \x01(\x0c\"\x88\x01\n\x0bPullRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0erequester_rank\x18\x02 \x01(\r\x12\x14\n\x0crequester_id\x18\x03 \x01(\t\x12\'\n\x04kind\x18\x04 \x01(\x0e\x32\x19.peertrain.v1.MessageKind\x12\x12\n\nlane_token\x18\x05 \x01(\x0c\"#\n\tPushReply\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\"\x11\n\x0f\x44\x65scribeRequest\"\xcd\x01\n\x0fNodeDescription\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x11\n\talgorithm\x18\x04 \x01(\t\x12\r\n\x05\x63lock\x18\x05 \x01(\x03\x12\x0c\n\x04loss\x18\x06 \x01(\x01\x12\x16\n\x0eneighbor_ranks\x18\x07 \x03(\r\x12\x32\n\x0eserved_tensors\x18\x08 \x03(\x0b\x32\x1a.peertrain.v1.TensorHeader\x12\x0f\n\x07version\x18\t \x01(\t2\xb9\x03\n\x04Peer\x12\x38\n\x08\x45xchange\x12\x13.peertrain.v1.Frame\x1a\x13.peertrain.v1.Frame(\x01\x30\x01\x12\x38\n\x04Pull\x12\x19.peertrain.v1.PullRequest\x1a\x13.peertrain.v1.Frame0\x01\x12\x36\n\x04Push\x12\x13.peertrain.v1.Frame\x1a\x17.peertrain.v1.PushReply(\x01\x12H\n\x08\x44\x65scribe\x12\x1d.peertrain.v1.DescribeRequest\x1a\x1d.peertrain.v1.NodeDescription\x12>\n\x08OpenLane\x12\x19.peertrain.v1.LaneRequest\x1a\x17.peertrain.v1.LaneGrant\x12;\n\nPushOnLane\x12\x14.peertrain.v1.Frames\x1a\x17.peertrain.v1.PushReply\x12>\n\x0e\x45xchangeOnLane\x12\x14.peertrain.v1.Frames\x1a\x14.peertrain.v1.Frames0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17peertrain/v1/peer.proto\x12\x0cpeertrain.v1\x1a\x17peertrain/v1/wire.proto\"[\n\x0bLaneRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0erequester_rank\x18\x02 \x01(\r\x12\x14\n\x0crequester_id\x18\x03 \x01(\t\x12\x0e\n\x06\x64irect\x18\x04 \x01(\x08\"E\n\tLaneGrant\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x0b\n\x03key\x18\x03 \x01(\x0c\x12\x0e\n\x06\x64irect\x18\x04 \x01(\x08\"\x88\x01\n\x0bPullRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0erequester_rank\x18\x02 \x01(\r\x12\x14\n\x0crequester_id\x18\x03 \x01(\t\x12\'\n\x04kind\x18\x04 \x01(\x0e\x32\x19.peertrain.v1.MessageKind\x12\x12\n\nlane_token\x18\x05 \x01(\x0c\"#\n\tPushReply\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\"\x11\n\x0f\x44\x65scribeRequest\"\xcd\x01\n\x0fNodeDescription\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x11\n\talgorithm\x18\x04 \x01(\t\x12\r\n\x05\x63lock\x18\x05 \x01(\x03\x12\x0c\n\x04loss\x18\x06 \x01(\x01\x12\x16\n\x0eneighbor_ranks\x18\x07 \x03(\r\x12\x32\n\x0eserved_tensors\x18\x08 \x03(\x0b\x32\x1a.peertrain.v1.TensorHeader\x12\x0f\n\x07version\x18\t \x01(\t2\xb9\x03\n\x04Peer\x12\x38\n\x08\x45xchange\x12\x13.peertrain.v1.Frame\x1a\x13.peertrain.v1.Frame(\x01\x30\x01\x12\x38\n\x04Pull\x12\x19.peertrain.v1.PullRequest\x1a\x13.peertrain.v1.Frame0\x01\x12\x36\n\x04Push\x12\x13.peertrain.v1.Frame\x1a\x17.peertrain.v1.PushReply(\x01\x12H\n\x08\x44\x65scribe\x12\x1d.peertrain.v1.DescribeRequest\x1a\x1d.peertrain.v1.NodeDescription\x12>\n\x08OpenLane\x12\x19.peertrain.v1.LaneRequest\x1a\x17.peertrain.v1.LaneGrant\x12;\n\nPushOnLane\x12\x14.peertrain.v1.Frames\x1a\x17.peertrain.v1.PushReply\x12>\n\x0e\x45xchangeOnLane\x12\x14.peertrain.v1.Frames\x1a\x14.peertrain.v1.Frames0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'peertrain.v1.peer_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LANEREQUEST']._serialized_start=66
-  _globals['_LANEREQUEST']._serialized_end=141
-  _globals['_LANEGRANT']._serialized_start=143
-  _globals['_LANEGRANT']._serialized_end=196
-  _globals['_PULLREQUEST']._serialized_start=199
-  _globals['_PULLREQUEST']._serialized_end=335
-  _globals['_PUSHREPLY']._serialized_start=337
-  _globals['_PUSHREPLY']._serialized_end=372
-  _globals['_DESCRIBEREQUEST']._serialized_start=374
-  _globals['_DESCRIBEREQUEST']._serialized_end=391
-  _globals['_NODEDESCRIPTION']._serialized_start=394
-  _globals['_NODEDESCRIPTION']._serialized_end=599
-  _globals['_PEER']._serialized_start=602
-  _globals['_PEER']._serialized_end=1043
+  _globals['_LANEREQUEST']._serialized_end=157
+  _globals['_LANEGRANT']._serialized_start=159
+  _globals['_LANEGRANT']._serialized_end=228
+  _globals['_PULLREQUEST']._serialized_start=231
+  _globals['_PULLREQUEST']._serialized_end=367
+  _globals['_PUSHREPLY']._serialized_start=369
+  _globals['_PUSHREPLY']._serialized_end=404
+  _globals['_DESCRIBEREQUEST']._serialized_start=406
+  _globals['_DESCRIBEREQUEST']._serialized_end=423
+  _globals['_NODEDESCRIPTION']._serialized_start=426
+  _globals['_NODEDESCRIPTION']._serialized_end=631
+  _globals['_PEER']._serialized_start=634
+  _globals['_PEER']._serialized_end=1075
 # @@protoc_insertion_point(module_scope)

@@ -8,24 +8,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LaneRequest(_message.Message):
-    __slots__ = ("job_id", "requester_rank", "requester_id")
+    __slots__ = ("job_id", "requester_rank", "requester_id", "direct")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REQUESTER_RANK_FIELD_NUMBER: _ClassVar[int]
     REQUESTER_ID_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     requester_rank: int
     requester_id: str
-    def __init__(self, job_id: _Optional[str] = ..., requester_rank: _Optional[int] = ..., requester_id: _Optional[str] = ...) -> None: ...
+    direct: bool
+    def __init__(self, job_id: _Optional[str] = ..., requester_rank: _Optional[int] = ..., requester_id: _Optional[str] = ..., direct: _Optional[bool] = ...) -> None: ...
 
 class LaneGrant(_message.Message):
-    __slots__ = ("port", "token", "key")
+    __slots__ = ("port", "token", "key", "direct")
     PORT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_FIELD_NUMBER: _ClassVar[int]
     port: int
     token: bytes
     key: bytes
-    def __init__(self, port: _Optional[int] = ..., token: _Optional[bytes] = ..., key: _Optional[bytes] = ...) -> None: ...
+    direct: bool
+    def __init__(self, port: _Optional[int] = ..., token: _Optional[bytes] = ..., key: _Optional[bytes] = ..., direct: _Optional[bool] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("job_id", "requester_rank", "requester_id", "kind", "lane_token")

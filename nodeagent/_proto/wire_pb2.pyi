@@ -108,3 +108,15 @@ class Frames(_message.Message):
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     frames: _containers.RepeatedCompositeFieldContainer[Frame]
     def __init__(self, frames: _Optional[_Iterable[_Union[Frame, _Mapping]]] = ...) -> None: ...
+
+class LaneCall(_message.Message):
+    __slots__ = ("frames", "answer_wanted", "status", "details")
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_WANTED_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    frames: Frames
+    answer_wanted: bool
+    status: int
+    details: str
+    def __init__(self, frames: _Optional[_Union[Frames, _Mapping]] = ..., answer_wanted: _Optional[bool] = ..., status: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...

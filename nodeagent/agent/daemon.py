@@ -120,7 +120,8 @@ class Agent:
         host, _port = split_address(config.listen)
         # Payload bytes of exchanges travel on lanes beside gRPC, on the same host as the peer service.
         self._servicer = PeerServicer(self.serving, self.metrics, __version__, node_id=lambda: self.node_id,
-                                      lane_host=host, lane_port=config.lane_port, secure=self.transport.secure)
+                                      lane_host=host, lane_port=config.lane_port, secure=self.transport.secure,
+                                      revoked=self.is_revoked)
         add_peer_servicer(self._servicer, self._server)
         bound = self.transport.bind(self._server, config.listen)
         self._server.start()

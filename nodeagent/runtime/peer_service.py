@@ -41,7 +41,17 @@ from nodeagent.wire.decoder import Receiver
 from nodeagent.wire.encoder import Outgoing, plan
 from nodeagent.wire.errors import Status, WireError
 from nodeagent.wire.frames import MAX_CONTROL_FRAME_BYTES, counted, new_stream_id, serialize
-from nodeagent.wire.lane import KEY_BYTES, LaneHub, LaneSocket, dial, split_host, stripes_for
+from nodeagent.wire.lane import (
+    DIRECT_IDLE_S,
+    KEY_BYTES,
+    LaneHub,
+    LaneSocket,
+    dial,
+    read_call,
+    send_call,
+    split_host,
+    stripes_for,
+)
 from nodeagent.wire.message import DTYPE_NAMES, Encoding, Kind, Message, TensorSpec
 from nodeagent.wire.pool import BufferPool
 from nodeagent.wire.striping import run_on_lanes
@@ -62,6 +72,7 @@ MAX_DETAIL_CHARS = 300  # of a refusal's details: they may quote what the caller
 # with RESOURCE_EXHAUSTED rather than held (a flood, or a node too slow for its peers), and no server thread waits.
 INBOX_MESSAGES_PER_PEER = 8
 LANE_RETRY_S = 30.0  # after a peer refused lanes (or could not be dialled), frames only for this long
+DIRECT_RETRY_S = 1.0  # after a direct lane could not be opened, calls go over gRPC for this long
 LANE_SETUP_TIMEOUT_S = 5.0
 IDLE_LANES_PER_PEER = 8
 # A client's lane payloads are written by these threads while the calling thread runs the gRPC call itself
@@ -210,13 +221,17 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         lane_port: int = 0,
         secure: bool = False,
         limits: StreamLimits = DEFAULT_LIMITS,
+        revoked: Callable[[Identity], bool] = lambda identity: False,
     ):
         self._current = current
         self._metrics = metrics
         self._version = version
         self._node_id = node_id
         self.secure = secure
-        self.lanes = LaneHub(lane_host, lane_port, sealed=secure) if lane_host is not None else None
+        self._limits = limits
+        self._revoked = revoked  # checked on every call of a direct lane (the daemon's Authorizer checks gRPC calls)
+        self.lanes = LaneHub(lane_host, lane_port, sealed=secure, serve=self._serve_direct) \
+            if lane_host is not None else None
         self._streams = StreamGuard(limits, metrics)
 
     def close(self) -> None:
@@ -455,8 +470,102 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"rank {request.requester_rank} is not a peer here")
         self.lanes.forget_job(state.job_id)
         # On a secure server the grant's key, which only this reply carries, is what makes the lane this caller's.
-        grant = self.lanes.grant(state.job_id, request.requester_rank, identity.name if identity else None)
-        return peer_pb2.LaneGrant(port=self.lanes.port, token=grant.token, key=grant.key or b"")
+        direct = request.direct and self.lanes.serve is not None
+        grant = self.lanes.grant(state.job_id, request.requester_rank, identity.name if identity else None,
+                                 direct=direct, holder=identity)
+        return peer_pb2.LaneGrant(port=self.lanes.port, token=grant.token, key=grant.key or b"", direct=direct)
+
+    # -- direct lanes (nodeagent/wire/lane.py) -----------------------------------------------------------------
+
+    def _serve_direct(self, lane: LaneSocket) -> None:
+        """Serve the calls of a direct lane one after the other (the lane hub's thread of this lane), until the lane
+        fails, waits DIRECT_IDLE_S for a call, or a call is refused (then the lane is closed: its byte stream may
+        hold a payload nobody read)."""
+        while not lane.closed:
+            lane.set_timeout(DIRECT_IDLE_S)
+            try:
+                call = read_call(lane)
+            except WireError:
+                return
+            if not self._direct_call(lane, call):
+                return
+
+    def _direct_call(self, lane: LaneSocket, call: wire_pb2.LaneCall) -> bool:
+        """One call of a direct lane: the request decoded and checked as any stream, then the answer; whether the
+        lane is still in step. The lane speaks for the rank of the job and, under TLS, the node (`lane.holder`)
+        that OpenLane authorised."""
+        identity = lane.holder if isinstance(lane.holder, Identity) else None
+        src = identity.name if identity is not None else "unknown"
+        state = self._current()
+        dst = state.node_id if state is not None else self._node_id()
+        try:
+            if identity is not None and self._revoked(identity):
+                raise WireError("revoked", f"certificate {identity.serial} is revoked", Status.UNAUTHENTICATED)
+            if state is None or state.job_id != lane.job_id:
+                raise WireError("wrong_job", "this node no longer runs the lane's job", Status.FAILED_PRECONDITION)
+            message = self._receive_direct(state, lane, identity, call)
+            if call.answer_wanted:
+                reply = state.snapshot().message_for(message.sender, message.kind)
+                if reply is None:
+                    raise WireError("not_served", f"this node serves no {message.kind.name.lower()}",
+                                    Status.FAILED_PRECONDITION)
+            if state.inbox.qsize() >= state.max_inbox:
+                raise WireError("inbox_full", f"{state.max_inbox} messages wait for this node already",
+                                Status.RESOURCE_EXHAUSTED)
+            state.inbox.put(message)
+        except WireError as error:
+            self._metrics.stream_rejections.labels(src, dst, error.reason).inc()
+            code = grpc_code(error.status)
+            with contextlib.suppress(OSError):
+                send_call(lane, wire_pb2.LaneCall(status=code.value[0], details=_clip(str(error))))
+            return False
+        try:
+            if not call.answer_wanted:
+                send_call(lane, wire_pb2.LaneCall())
+                return True
+            outgoing = state.outgoing(reply)
+            stream_id = new_stream_id()
+            frames = outgoing.lane_frames([lane.token], stream_id, [(0, outgoing.total)])
+            # Counted as it goes out (the caller may read the answer before this thread runs again).
+            state.sent_to(self._metrics, message.sender)(outgoing.total)
+            self._metrics.edge_messages_sent.labels(state.job_id, state.node_id, state.name_of(message.sender)).inc()
+            send_call(lane, wire_pb2.LaneCall(frames=wire_pb2.Frames(frames=frames)), outgoing.lane_pieces(stream_id),
+                      outgoing.total)
+        except OSError:
+            return False
+        return True
+
+    def _receive_direct(self, state: ServingState, lane: LaneSocket, identity: Identity | None,
+                        call: wire_pb2.LaneCall) -> Message:
+        """Decode a direct lane's request, its payload read from the lane; WireError when it is refused."""
+        node = identity.name if identity is not None else None
+
+        def expect(manifest: wire_pb2.Manifest) -> list[TensorSpec]:
+            if manifest.sender_rank != lane.rank:
+                raise WireError("wrong_identity", f"the lane speaks for rank {lane.rank}, not {manifest.sender_rank}",
+                                Status.PERMISSION_DENIED)
+            state.check_peer(manifest.sender_rank, manifest.sender_id, node)
+            specs = state.expectation(manifest)
+            # As a stream's budget (limits.py): the idle time and the payload at the least rate.
+            nbytes = sum(spec.numel * spec.dtype.itemsize for spec in specs)
+            lane.set_timeout(self._limits.idle_s + nbytes / self._limits.min_bytes_per_s)
+            return specs
+
+        def resolve(lane_frame: wire_pb2.Lane, manifest: wire_pb2.Manifest) -> LaneSocket:
+            if lane_frame.token != lane.token:
+                raise WireError("bad_lane", "a direct lane's call names another lane")
+            return lane
+
+        receiver = state.receiver(expect, resolve)
+        try:
+            for frame in call.frames.frames:
+                receiver.feed(frame)
+            message = receiver.result()
+        except WireError as error:
+            raise error.with_traceback(None) from None  # the receive buffers go back to the pool at once
+        state.received_from(self._metrics, message.sender)(receiver.received)
+        self._metrics.edge_messages_received.labels(state.job_id, state.name_of(message.sender), state.node_id).inc()
+        return message
 
     def Describe(self, request, context):
         """What this node is: to its neighbours all of it; to the coordinator, which asks whether a node still
@@ -514,6 +623,9 @@ def _abort_on_failure(lanes: list[LaneSocket], call: grpc.Future) -> None:
             lane.abort()
 
 
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
 def _identity(data: bytes) -> bytes:
     return data
 
@@ -560,14 +672,19 @@ class PeerClient:
         self._host = split_host(address) if lanes else None
         self._idle: dict[tuple[str, int], list[LaneSocket]] = {}
         self._no_lanes_until = 0.0
+        self._direct: dict[tuple[str, int], LaneSocket] = {}  # by job and this node's rank
+        self._no_direct_until = 0.0
         self._lock = threading.Lock()
 
     def close(self) -> None:
         with self._lock:
             idle = [lane for lanes in self._idle.values() for lane in lanes]
             self._idle.clear()
+            direct, self._direct = list(self._direct.values()), {}
         for lane in idle:
             lane.close()
+        for lane in direct:  # a call in flight on it ends with an error, its thread closes it
+            lane.abort()
         self.channel.close()
 
     # -- lanes -----------------------------------------------------------------------------------------------
@@ -586,24 +703,109 @@ class PeerClient:
                     lanes.append(lane)
                 else:
                     lane.close()  # the peer closed it (another job, a restart, too many lanes): open another
-        setup = min(timeout, LANE_SETUP_TIMEOUT_S)
         while len(lanes) < count:
             try:
-                grant = self.stub.OpenLane(
-                    peer_pb2.LaneRequest(job_id=state.job_id, requester_rank=state.rank, requester_id=state.node_id),
-                    timeout=setup,
-                )
-                # Beside a TLS channel a lane must be sealed: no payload byte goes out in the clear.
-                if (self._secure or grant.key) and len(grant.key) != KEY_BYTES:
-                    raise OSError(f"the peer grants a lane with a key of {len(grant.key)} bytes")
-                lanes.append(dial(self._host, grant.port, grant.token, state.job_id, state.rank, setup,
-                                  grant.key or None))
+                lane = self._open_lane(state, timeout, direct=False)
+                assert lane is not None
+                lanes.append(lane)
             except (grpc.RpcError, OSError):
                 # UNIMPLEMENTED: the peer offers no lanes; others (no job yet, an unreachable port): later again.
                 if not lanes:
                     self._no_lanes_until = time.monotonic() + LANE_RETRY_S
                 break
         return lanes
+
+    def _open_lane(self, state: ServingState, timeout: float, direct: bool) -> LaneSocket | None:
+        """A new lane to this peer; None when a `direct` one was asked for and the peer grants only payload lanes
+        (it predates them). Raises grpc.RpcError or OSError."""
+        assert self._host is not None
+        setup = min(timeout, LANE_SETUP_TIMEOUT_S)
+        grant = self.stub.OpenLane(
+            peer_pb2.LaneRequest(job_id=state.job_id, requester_rank=state.rank, requester_id=state.node_id,
+                                 direct=direct),
+            timeout=setup,
+        )
+        # Beside a TLS channel a lane must be sealed: no payload byte goes out in the clear.
+        if (self._secure or grant.key) and len(grant.key) != KEY_BYTES:
+            raise OSError(f"the peer grants a lane with a key of {len(grant.key)} bytes")
+        if direct and not grant.direct:
+            return None
+        lane = dial(self._host, grant.port, grant.token, state.job_id, state.rank, setup, grant.key or None)
+        lane.direct = direct
+        return lane
+
+    def _direct_lane(self, state: ServingState, timeout: float) -> LaneSocket | None:
+        """This node's direct lane to the peer for `state`'s job, held for one call (its lock); None when the peer
+        serves none (the call goes over gRPC then) or another call of this node's is on it."""
+        if self._host is None or time.monotonic() < self._no_direct_until:
+            return None
+        key = (state.job_id, state.rank)
+        with self._lock:
+            lane = self._direct.get(key)
+            if lane is not None:
+                if not lane.lock.acquire(blocking=False):
+                    return None
+                if lane.alive():
+                    return lane
+                del self._direct[key]  # the peer closed it (idle, a refusal, a restart): open another
+                lane.close()
+                lane.lock.release()
+        try:
+            lane = self._open_lane(state, timeout, direct=True)
+        except (grpc.RpcError, OSError):  # the peer may not serve the job yet: the call goes over gRPC
+            self._no_direct_until = time.monotonic() + DIRECT_RETRY_S
+            return None
+        if lane is None:  # a peer that predates direct lanes
+            self._no_direct_until = time.monotonic() + LANE_RETRY_S
+            return None
+        lane.lock.acquire()
+        with self._lock:
+            former = self._direct.get(key)
+            self._direct[key] = lane
+        if former is not None:
+            former.abort()  # a call on it still holds it; nothing new goes on it
+        return lane
+
+    def _call_direct(self, lane: LaneSocket, state: ServingState, outgoing: Outgoing, peer: int, timeout: float,
+                     sent: Callable[[int], None], metrics: Metrics, answer_wanted: bool) -> Message | None:
+        """One call on a direct lane: the request and its payload, then the answer (with `answer_wanted`, the
+        peer's message, checked like any received stream). Raises SendFailed; the lane is closed after any
+        failure, as its byte stream may be out of step."""
+        deadline = time.monotonic() + timeout
+        lane.set_timeout(timeout)
+        ok = False
+        try:
+            stream_id = new_stream_id()
+            frames = outgoing.lane_frames([lane.token], stream_id, [(0, outgoing.total)])
+            send_call(lane, wire_pb2.LaneCall(frames=wire_pb2.Frames(frames=frames), answer_wanted=answer_wanted),
+                      outgoing.lane_pieces(stream_id), outgoing.total)
+            answer = read_call(lane)
+            if answer.status:
+                code = _STATUS_CODES.get(answer.status, grpc.StatusCode.UNKNOWN)
+                raise SendFailed(code.name.lower(), _clip(answer.details))
+            sent(outgoing.total)
+            reply = None
+            if answer_wanted:
+                receiver = self._reply_receiver(state, peer, [lane], deadline)
+                for frame in answer.frames.frames:
+                    receiver.feed(frame)
+                reply = receiver.result()
+                state.received_from(metrics, peer)(receiver.received)
+                metrics.edge_messages_received.labels(state.job_id, state.name_of(peer), state.node_id).inc()
+            ok = True
+            return reply
+        except OSError as error:
+            raise SendFailed("unavailable", f"the direct lane failed: {error}") from None
+        except WireError as error:
+            raise SendFailed("unavailable" if error.reason == "truncated" else "rejected", str(error)) from None
+        finally:
+            if not ok:
+                lane.abort()
+                with self._lock:
+                    if self._direct.get((lane.job_id, lane.rank)) is lane:
+                        del self._direct[(lane.job_id, lane.rank)]
+                lane.close()
+            lane.lock.release()
 
     def _give_back(self, lane: LaneSocket, ok: bool) -> None:
         if not ok or lane.closed:
@@ -665,8 +867,12 @@ class PeerClient:
         deadline = time.monotonic() + timeout
         sent = state.sent_to(metrics, message.receiver)
         outgoing = state.outgoing(message)
-        lanes = self._lanes(state, timeout, stripes_for(outgoing.total, sealed=self._secure))
-        if not lanes:
+        stripes = stripes_for(outgoing.total, sealed=self._secure)
+        direct = self._direct_lane(state, timeout) if stripes == 1 else None
+        lanes = self._lanes(state, timeout, stripes) if direct is None else []
+        if direct is not None:
+            self._call_direct(direct, state, outgoing, message.receiver, timeout, sent, metrics, answer_wanted=False)
+        elif not lanes:
             self._push_call(counted(outgoing.serialized_frames(), sent), timeout=timeout)
         else:
             request, lanes, deliver = self._plan_lanes(outgoing, lanes)
@@ -690,6 +896,23 @@ class PeerClient:
     def _incoming(state: ServingState, replies, peer: int, metrics: Metrics, lanes: list[LaneSocket] = (),
                   deadline: float | None = None, batched: bool = False) -> Message:
         """Decode the peer's answer, checked like any received stream, and count it on the edge."""
+        receiver = PeerClient._reply_receiver(state, peer, lanes, deadline)
+        try:
+            for item in replies:
+                for frame in item.frames if batched else (item,):
+                    receiver.feed(frame)
+            reply = receiver.result()
+        except WireError:
+            replies.cancel()
+            raise
+        state.received_from(metrics, peer)(receiver.received)
+        metrics.edge_messages_received.labels(state.job_id, state.name_of(peer), state.node_id).inc()
+        return reply
+
+    @staticmethod
+    def _reply_receiver(state: ServingState, peer: int, lanes: Iterable[LaneSocket],
+                        deadline: float | None) -> Receiver:
+        """The receiver of the answer of `peer` to a call of this node's, its payload on one of `lanes`."""
 
         def expect_reply(manifest: wire_pb2.Manifest) -> list[TensorSpec]:
             if manifest.sender_rank != peer:
@@ -704,18 +927,7 @@ class PeerClient:
                 lane.set_timeout(deadline - time.monotonic())
             return lane
 
-        receiver = state.receiver(expect_reply, resolve)
-        try:
-            for item in replies:
-                for frame in item.frames if batched else (item,):
-                    receiver.feed(frame)
-            reply = receiver.result()
-        except WireError:
-            replies.cancel()
-            raise
-        state.received_from(metrics, peer)(receiver.received)
-        metrics.edge_messages_received.labels(state.job_id, state.name_of(peer), state.node_id).inc()
-        return reply
+        return state.receiver(expect_reply, resolve)
 
     def exchange(self, state: ServingState, message: Message, timeout: float, metrics: Metrics) -> Message:
         """Send our message, return the peer's reply for the same edge. Counts traffic on the edge."""
@@ -726,8 +938,15 @@ class PeerClient:
         outgoing = state.outgoing(message)
         # The peer answers on the same lanes, striped as for our own payload (both ends of an edge send the same
         # tensor set, so the two payloads are alike in size).
-        lanes = self._lanes(state, timeout, stripes_for(outgoing.total, sealed=self._secure))
-        if not lanes:
+        stripes = stripes_for(outgoing.total, sealed=self._secure)
+        direct = self._direct_lane(state, timeout) if stripes == 1 else None
+        lanes = self._lanes(state, timeout, stripes) if direct is None else []
+        if direct is not None:
+            answer = self._call_direct(direct, state, outgoing, message.receiver, timeout, sent, metrics,
+                                       answer_wanted=True)
+            assert answer is not None
+            reply = answer
+        elif not lanes:
             replies = self._exchange_call(counted(outgoing.serialized_frames(), sent), timeout=timeout)
             reply = self._incoming(state, replies, message.receiver, metrics)
         else:

@@ -14,6 +14,8 @@ class Status(enum.Enum):
     INVALID_ARGUMENT = enum.auto()
     FAILED_PRECONDITION = enum.auto()
     PERMISSION_DENIED = enum.auto()
+    UNAUTHENTICATED = enum.auto()
+    RESOURCE_EXHAUSTED = enum.auto()
 
 
 class WireError(Exception):

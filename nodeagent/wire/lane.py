@@ -30,26 +30,41 @@ each, cost about four times the CPU; benchmarks/wire.py). Plaintext lanes carry 
 A connection holds a handshake slot until it has presented its token, at most HANDSHAKE_TIMEOUT_S: nothing is
 known of it yet but its source address, which is bounded on its own (MAX_HANDSHAKES_PER_SOURCE) so that idle
 connections from one place leave slots for everyone else.
+
+Direct lanes: a message of a training round is often small, and a gRPC call per message costs milliseconds in
+Python (a call object, a request-consuming thread, several wake-ups a side) where its bytes cost microseconds. A
+lane granted `direct` carries whole calls itself: the caller writes a LaneCall (its length, 4 bytes big-endian,
+at most MAX_CONTROL_FRAME_BYTES, then the message: the Manifest, Lane and End frames of a stream, the Lane frame
+naming this lane) and the stream's payload; the hub's end reads it in a thread of its own (`serve`), validates and
+decodes it as any stream, and answers with a LaneCall of its own (a status, and for an Exchange its message and
+payload). The trust is the grant's: a direct lane speaks for the one rank of one job, and under TLS the one node,
+that OpenLane authorised, sealed with the key only that node received; each call is checked again against the
+current job, the caller's edge and the revoked certificates. A direct lane that waits DIRECT_IDLE_S for a call is
+closed; after any refusal it is closed too (its byte stream may hold a payload nobody read).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ipaddress
+import itertools
 import secrets
 import socket
 import struct
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from google.protobuf.message import DecodeError
 
+from nodeagent._proto import wire_pb2
 from nodeagent.listen import listen_socket
 from nodeagent.wire.decoder import LaneReader
 from nodeagent.wire.errors import WireError
+from nodeagent.wire.frames import MAX_CONTROL_FRAME_BYTES
 
 TOKEN_BYTES = 32
 KEY_BYTES = 32  # AES-256
@@ -59,6 +74,14 @@ HANDSHAKE_TIMEOUT_S = 5.0  # a connection's whole handshake: its token
 MAX_HANDSHAKES = 32  # connections still to present their token; more are closed at once
 MAX_HANDSHAKES_PER_SOURCE = 8  # of those, from one source address (an IPv6 /64: one host may hold all of it)
 LANES_PER_PEER = 16  # open lanes per node (under TLS) or per (job, rank); the oldest idle one makes room, else refused
+# Of those, direct lanes (each holds a serving thread while open): a node uses one per neighbour and job; a few more
+# let a restarted neighbour open its new one before the old one is found closed.
+DIRECT_LANES_PER_PEER = 4
+DIRECT_IDLE_S = 60.0  # a direct lane with no call for this long is closed (its caller opens another when needed)
+CALL_LENGTH = struct.Struct(">I")
+# A call whose payload is at most this is written in one piece (one system call, one TCP segment train): below
+# it, the copy costs less than the calls it saves.
+COALESCE_BYTES = 64 << 10
 DEFAULT_TIMEOUT_S = 60.0  # lane I/O of a call without a deadline
 # A payload is striped over one lane per STRIPE_BYTES, at most MAX_STRIPES: one TCP connection on loopback stalls
 # on its own window and wake-ups; a few side by side overlap those stalls (measured: 44 MB in one lane 17 ms,
@@ -135,6 +158,8 @@ class LaneSocket(LaneReader):
         self._plaintext = memoryview(b"")  # of the last record opened, not read yet
         self.lock = threading.Lock()
         self.closed = False
+        self.direct = False  # a direct lane: it carries whole calls (see the module's docstring)
+        self.holder: object = None  # who a hub's lane was granted to, as the granting call knew it (an Identity)
         self.last_used = time.monotonic()
         self.deadline = self.last_used + DEFAULT_TIMEOUT_S
 
@@ -303,6 +328,39 @@ class _Granted:
     grantee: str | None  # the node OpenLane's caller proved to be (None: an insecure hub)
     key: bytes | None
     expires: float
+    direct: bool = False
+    holder: object = None
+
+
+def send_call(lane: LaneSocket, call: wire_pb2.LaneCall, payload: Iterable[memoryview | bytes] = (),
+              payload_bytes: int = 0) -> None:
+    """Write a call (or an answer) on a direct lane, then its payload; a small one in one piece. Raises OSError."""
+    body = call.SerializeToString()
+    head = CALL_LENGTH.pack(len(body)) + body
+    if payload_bytes <= COALESCE_BYTES:
+        lane.send((b"".join((head, *(bytes(piece) for piece in payload))),))
+    else:
+        lane.send(itertools.chain((head,), payload))
+
+
+def read_call(lane: LaneSocket) -> wire_pb2.LaneCall:
+    """Read the next call (or answer) of a direct lane, by the lane's deadline; its payload stays on the lane for
+    the stream's receiver. Raises WireError."""
+    length_bytes = bytearray(CALL_LENGTH.size)
+    lane.read_into(memoryview(length_bytes))
+    (length,) = CALL_LENGTH.unpack(length_bytes)
+    if length > MAX_CONTROL_FRAME_BYTES:
+        lane.abort()
+        raise WireError("bad_lane", f"a lane call of {length} bytes, at most {MAX_CONTROL_FRAME_BYTES}")
+    body = bytearray(length)
+    lane.read_into(memoryview(body))
+    call = wire_pb2.LaneCall()
+    try:
+        call.ParseFromString(bytes(body))
+    except DecodeError:
+        lane.abort()
+        raise WireError("bad_lane", "a lane call that does not parse") from None
+    return call
 
 
 def _source_of(host: str) -> str:
@@ -338,10 +396,14 @@ class LaneHub:
     """The receiving side: a listener on `host`, tokens granted per (job, rank), lanes by token. A `sealed` hub
     (beside mutual TLS) grants a key with each token and seals every lane with it."""
 
-    def __init__(self, host: str, port: int = 0, sealed: bool = False):
+    def __init__(self, host: str, port: int = 0, sealed: bool = False,
+                 serve: Callable[[LaneSocket], None] | None = None):
+        """`serve(lane)` serves a direct lane's calls, in a thread of its own, holding the lane; the hub closes the
+        lane when it returns. Without it no direct lane is granted."""
         self._listener = listen_socket(host, port, backlog=64)  # ListenError naming host:port if it cannot
         self.port = self._listener.getsockname()[1]
         self.sealed = sealed
+        self.serve = serve
         self._grants: dict[bytes, _Granted] = {}
         self._lanes: dict[bytes, LaneSocket] = {}
         self._handshaking: dict[str, int] = {}  # source -> its connections still in their handshake
@@ -350,16 +412,20 @@ class LaneHub:
         self._thread = threading.Thread(target=self._accept, name=f"lanes-{self.port}", daemon=True)
         self._thread.start()
 
-    def grant(self, job_id: str, rank: int, grantee: str | None = None) -> Grant:
+    def grant(self, job_id: str, rank: int, grantee: str | None = None, *, direct: bool = False,
+              holder: object = None) -> Grant:
         """A one-time token for a lane of `rank` of `job_id`, granted to node `grantee` (its lanes count against
-        LANES_PER_PEER together); on a sealed hub with the lane's key."""
+        LANES_PER_PEER together); on a sealed hub with the lane's key. A `direct` lane is served by `serve`, which
+        finds `holder` on it (`direct` needs `serve`)."""
+        if direct and self.serve is None:
+            raise ValueError("this hub serves no direct lanes")
         token = secrets.token_bytes(TOKEN_BYTES)
         key = secrets.token_bytes(KEY_BYTES) if self.sealed else None
         now = time.monotonic()
         with self._lock:
             for stale in [t for t, g in self._grants.items() if g.expires < now]:
                 del self._grants[stale]
-            self._grants[token] = _Granted(job_id, rank, grantee, key, now + GRANT_TTL_S)
+            self._grants[token] = _Granted(job_id, rank, grantee, key, now + GRANT_TTL_S, direct, holder)
         return Grant(token, key)
 
     def _accept(self) -> None:
@@ -404,16 +470,31 @@ class LaneHub:
                 if grant is None or grant.expires < time.monotonic() or self._closed:
                     raise OSError("unknown or expired lane token")
                 candidate = LaneSocket(conn, grant.job_id, grant.rank, token, grant.grantee, grant.key)
+                candidate.direct, candidate.holder = grant.direct, grant.holder
                 if not self._make_room(candidate):
                     raise OSError(f"{candidate.owner} has {LANES_PER_PEER} lanes in use")
+                if candidate.direct:
+                    direct = sum(other.direct and other.owner == candidate.owner for other in self._lanes.values())
+                    if direct >= DIRECT_LANES_PER_PEER:
+                        raise OSError(f"{candidate.owner} has {DIRECT_LANES_PER_PEER} direct lanes open")
+                    candidate.lock.acquire()  # its serving thread's, for as long as it lives
                 lane = self._lanes[token] = candidate
             conn.sendall(READY)
+            if lane.direct:
+                threading.Thread(target=self._serve_direct, args=(lane,), name="lane-direct", daemon=True).start()
         except OSError:
             if lane is not None:
                 with self._lock:
                     if self._lanes.get(lane.token) is lane:
                         del self._lanes[lane.token]
             conn.close()
+
+    def _serve_direct(self, lane: LaneSocket) -> None:
+        assert self.serve is not None
+        try:
+            self.serve(lane)
+        finally:
+            self.release(lane, False)
 
     @staticmethod
     def _retire(lane: LaneSocket) -> None:

@@ -1,0 +1,321 @@
+"""Benchmark: what a training round costs, peertrain's agents against the loops a user writes by hand.
+
+    python benchmarks/rounds.py [--models logistic cnn resnet20] [--sections loops agents exchange]
+                                [--security insecure tls] [--seconds 12] [--data-dir DIR]
+
+Measures, in one run, on this machine's CPUs (4 processes a side, torch 1 thread each, Fashion-MNIST, batch 64 for
+logistic and the cnn, 32 for ResNet-20 (`resnet-cifar`, depth 20, on 28x28 grey images), iid shards):
+- loops: the hand-written torch.distributed gloo loops of each family, on 4 processes: D-PSGD on a ring (each step:
+  forward, backward, `isend` the parameters to both ring neighbours and `irecv` theirs, average the three, SGD
+  step) and all-reduce SGD (each step: forward, backward, `all_reduce` of the flattened gradient, SGD step). Steps/s
+  per process, timed after a warm-up for `--seconds`.
+- agents: peertrain on 4 real agents (processes on loopback: `--insecure`, and mutual TLS) with sync DSGD, SGP,
+  all-reduce SGD, AD-PSGD and PDMM-ISVR (one exchange per step, like the loops); steps/s per node from the nodes'
+  progress reports between their first and last (evaluations excluded), and where an agent's round goes from the
+  driver's own accounting (compute, waiting for neighbours, the rest: sending, receiving and bookkeeping in the
+  runner thread).
+- exchange: the fixed cost of one exchange between two processes through the peer service (`PeerClient.exchange`,
+  the agent's own client and servicer): the time of an exchange of a 1-element tensor, and the slope (bytes/s) from
+  an exchange of 1 MB; insecure and under mutual TLS.
+Targets (issue 23): peertrain's sync DSGD and all-reduce SGD >= 1.0x the hand-written loop of their family on every
+model insecure, >= 0.9x with mutual TLS; the fixed cost of an exchange under 1 ms on loopback. It asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from nodeagent.jobspec import DEFAULT_DATA_DIR
+
+MODELS: dict[str, tuple[dict[str, Any], int]] = {  # name -> (model spec, batch size)
+    "logistic": ({"name": "logistic"}, 64),
+    "cnn": ({"name": "cnn"}, 64),
+    "resnet20": ({"name": "resnet-cifar", "options": {"depth": 20}}, 32),
+}
+# Each job's algorithm section: one exchange (or push, or all-reduce) per step, as in the hand-written loops.
+JOBS: dict[str, dict[str, Any]] = {
+    "dsgd-sync": {"name": "dsgd", "mode": "sync", "lr": 0.05},
+    "sgp": {"name": "sgp", "lr": 0.05},
+    "allreduce": {"name": "allreduce", "lr": 0.05},
+    "ad-psgd": {"name": "ad-psgd", "lr": 0.05},
+    "pdmm-isvr": {"name": "pdmm-isvr", "lr": 0.05, "interval": 1},
+}
+FAMILY = {"dsgd-sync": "d-psgd", "sgp": "d-psgd", "ad-psgd": "d-psgd", "pdmm-isvr": "d-psgd",
+          "allreduce": "allreduce"}
+TARGETED = ("dsgd-sync", "allreduce")  # the jobs with a target against their family's loop
+NODES = 4
+WARMUP_STEPS = 5
+JOB_TIMEOUT_S = 600.0
+EXCHANGE_REPEATS = 200
+
+
+# -- the hand-written loops -----------------------------------------------------------------------------------------
+
+
+def hand_written(conn: Connection, rank: int, port: int, family: str, model_name: str, data_dir: str,
+                 seconds: float) -> None:
+    """One process of the loop a user writes with torch.distributed gloo; sends back its steps/s."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from nodeagent.jobspec import ModelSpec
+    from nodeagent.training.data import load_dataset
+    from nodeagent.training.models import build_model
+
+    torch.set_num_threads(1)
+    spec, batch = MODELS[model_name]
+    train = load_dataset("fashion-mnist", data_dir, "train", 40 * batch * NODES)
+    images, labels = train.normalised, train.labels
+    shard = range(rank * 40 * batch, (rank + 1) * 40 * batch, batch)
+    batches = [(images[i : i + batch], labels[i : i + batch]) for i in shard]
+    torch.manual_seed(0)
+    model = build_model(ModelSpec(**spec), train.input_shape, 10)
+    parameters = list(model.parameters())
+    optimizer = torch.optim.SGD(parameters, lr=0.05)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=NODES,
+                            timeout=timedelta(seconds=120))
+    left, right = (rank - 1) % NODES, (rank + 1) % NODES
+
+    def step(index: int) -> None:
+        x, y = batches[index % len(batches)]
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        if family == "allreduce":
+            grads = torch.cat([p.grad.reshape(-1) for p in parameters])
+            dist.all_reduce(grads)
+            grads /= NODES
+            offset = 0
+            for p in parameters:
+                p.grad.copy_(grads[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+            optimizer.step()
+            return
+        flat = torch.cat([p.detach().reshape(-1) for p in parameters])
+        from_left, from_right = torch.empty_like(flat), torch.empty_like(flat)
+        requests = [dist.isend(flat, left), dist.isend(flat, right), dist.irecv(from_left, left),
+                    dist.irecv(from_right, right)]
+        for request in requests:
+            request.wait()
+        mixed = (flat + from_left + from_right) / 3
+        offset = 0
+        with torch.no_grad():
+            for p in parameters:
+                p.copy_(mixed[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+        optimizer.step()
+
+    for index in range(WARMUP_STEPS):
+        step(index)
+    dist.barrier()
+    started = time.perf_counter()
+    steps = 0
+    # Every rank runs the same number of steps (a rank that stopped early would leave its neighbours waiting):
+    # rank 0 decides when the time is up and tells the others in the all-reduce of a flag every 10 steps.
+    while True:
+        for _ in range(10):
+            step(WARMUP_STEPS + steps)
+            steps += 1
+        flag = torch.tensor([1.0 if time.perf_counter() - started >= seconds else 0.0])
+        dist.broadcast(flag, 0)
+        if flag.item():
+            break
+    elapsed = time.perf_counter() - started
+    dist.destroy_process_group()
+    conn.send(steps / elapsed)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def loop_rate(family: str, model_name: str, data_dir: str, seconds: float) -> float:
+    """Steps/s per process of the hand-written loop of `family`, the mean over its 4 processes."""
+    context = mp.get_context("spawn")
+    port = free_port()
+    pipes, processes = [], []
+    for rank in range(NODES):
+        parent, child = context.Pipe()
+        process = context.Process(target=hand_written, args=(child, rank, port, family, model_name, data_dir,
+                                                               seconds))
+        process.start()
+        pipes.append(parent)
+        processes.append(process)
+    try:
+        rates = []
+        for parent in pipes:
+            if not parent.poll(seconds + 300):
+                raise RuntimeError(f"the hand-written {family} loop on {model_name} did not finish")
+            rates.append(parent.recv())
+        return statistics.mean(rates)
+    finally:
+        for process in processes:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+
+
+# -- the agents -----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class JobFigures:
+    steps_per_s: float  # per node, the mean over the nodes
+    compute_share: float  # of the nodes' elapsed time, from the driver's accounting
+    wait_share: float
+
+
+def job_spec(model_name: str, job: str, steps: int, data_dir: str) -> dict:
+    spec, batch = MODELS[model_name]
+    return {
+        "name": f"rounds-{model_name}-{job}", "nodes": NODES, "steps": steps, "eval_every": steps, "seed": 1,
+        "algorithm": JOBS[job], "model": spec,
+        "data": {"data_dir": data_dir, "split": "iid", "batch_size": batch, "test_limit": 500},
+        "topology": {"kind": "ring", "seed": 1},
+    }
+
+
+def run_job(cluster: Any, spec: dict) -> JobFigures:
+    """Submit `spec` and follow it to its end. Steps/s from each node's reports between its first and its last;
+    the shares of compute and waiting over the same span."""
+    from nodeagent._proto import coordinator_pb2 as pb
+
+    seen: dict[int, list[pb.NodeProgress]] = {}
+
+    def record(status: pb.JobStatusReply) -> None:
+        for node in status.nodes:
+            reports = seen.setdefault(node.rank, [])
+            if 0 < node.step < spec["steps"] and (not reports or reports[-1].step != node.step):
+                copy = pb.NodeProgress()
+                copy.CopyFrom(node)
+                reports.append(copy)
+
+    status = cluster.wait(cluster.submit(yaml.safe_dump(spec)), JOB_TIMEOUT_S, on_progress=record)
+    if status.state != pb.JOB_FINISHED:
+        raise RuntimeError(f"{spec['name']}: {pb.JobState.Name(status.state)} {status.reason}")
+    rates, computes, waits = [], [], []
+    for node in status.nodes:
+        reports = seen.get(node.rank, [])
+        if len(reports) < 2 or reports[-1].elapsed_s <= reports[0].elapsed_s:
+            raise RuntimeError(f"{spec['name']}: too short for two progress reports of rank {node.rank}: raise "
+                               "--seconds")
+        first, last = reports[0], reports[-1]
+        span = last.elapsed_s - first.elapsed_s
+        rates.append((last.step - first.step) / span)
+        computes.append((last.compute_s - first.compute_s) / span)
+        waits.append((last.wait_s - first.wait_s) / span)
+    return JobFigures(statistics.mean(rates), statistics.mean(computes), statistics.mean(waits))
+
+
+def agents(models: list[str], data_dir: str, root: Path, tls: bool, seconds: float,
+           loops: dict[tuple[str, str], float]) -> dict[tuple[str, str], JobFigures]:
+    from coordinator.cluster import LocalCluster
+
+    figures: dict[tuple[str, str], JobFigures] = {}
+    security = "tls" if tls else "insecure"
+    with LocalCluster(root=root / security, agents=NODES, data_dir=data_dir, tls=tls, log_level="WARNING") as cluster:
+        for model_name in models:
+            for job in JOBS:
+                # As many steps as the hand-written loop of its family makes in `seconds`, at least 30.
+                steps = max(30, int(loops.get((FAMILY[job], model_name), 30 / seconds) * seconds))
+                result = figures[model_name, job] = run_job(cluster, job_spec(model_name, job, steps, data_dir))
+                print(f"  {security} {model_name} {job}: {result.steps_per_s:.1f} steps/s per node (compute "
+                      f"{result.compute_share:.0%}, waiting {result.wait_share:.0%}, the rest "
+                      f"{1 - result.compute_share - result.wait_share:.0%})", flush=True)
+    return figures
+
+
+# -- the fixed cost of an exchange ----------------------------------------------------------------------------------
+
+
+def exchange_costs(tls: bool) -> tuple[float, float]:
+    """Seconds of an exchange of a 1-element tensor (the median), and the slope in bytes/s from one of 1 MB."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import wire
+
+    context = mp.get_context("spawn")
+    results = []
+    for numel in (1, 1 << 18):
+        config = wire.Config(sizes=(numel,), repeats=EXCHANGE_REPEATS if numel == 1 else 30, warmup=10,
+                             chunk_bytes=1 << 20, step_model="cnn", step_batch=64, steps=0, step_algorithm="auto",
+                             skip_steps=True, link_gbit=10.0)
+        method = ("exchange-tls", "raw") if tls else ("exchange", "raw")
+        size = wire.measure_size(context, config, numel, [method])
+        results.append(statistics.median(size.seconds[method]))
+    fixed, large = results
+    return fixed, (4 * (1 << 18) - 4) / max(1e-9, large - fixed)
+
+
+# -- the report -----------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--sections", nargs="+", default=["loops", "agents", "exchange"],
+                        choices=["loops", "agents", "exchange"])
+    parser.add_argument("--security", nargs="+", default=["insecure", "tls"], choices=["insecure", "tls"])
+    parser.add_argument("--seconds", type=float, default=12.0,
+                        help="how long each hand-written loop runs; each job is sized to about as long (default 12)")
+    parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    loops: dict[tuple[str, str], float] = {}
+    if "loops" in args.sections:
+        print("hand-written torch.distributed gloo loops, 4 processes:", flush=True)
+        for model_name in args.models:
+            for family in ("d-psgd", "allreduce"):
+                loops[family, model_name] = rate = loop_rate(family, model_name, args.data_dir, args.seconds)
+                print(f"  {model_name} {family}: {rate:.1f} steps/s per process", flush=True)
+    figures: dict[tuple[str, str, str], JobFigures] = {}
+    if "agents" in args.sections:
+        print("peertrain, 4 agents:", flush=True)
+        with tempfile.TemporaryDirectory(prefix="rounds-bench-") as root:
+            for security in args.security:
+                for (model_name, job), result in agents(args.models, args.data_dir, Path(root), security == "tls",
+                                                        args.seconds, loops).items():
+                    figures[security, model_name, job] = result
+    if "exchange" in args.sections:
+        print("the fixed cost of one exchange (two processes, the peer service):", flush=True)
+        for security in args.security:
+            fixed, slope = exchange_costs(security == "tls")
+            verdict = "met" if fixed < 1e-3 else "missed"
+            print(f"  {security}: {fixed * 1e3:.2f} ms for 1 element ({verdict}: < 1 ms), slope "
+                  f"{slope / 1e9:.2f} GB/s", flush=True)
+    if loops and figures:
+        print("against the hand-written loop of the family (steps/s per node):")
+        print(f"  {'model':<9} {'job':<10} {'security':<9} {'peertrain':>10} {'by hand':>9} {'ratio':>6}  target")
+        for (security, model_name, job), result in figures.items():
+            by_hand = loops.get((FAMILY[job], model_name))
+            if by_hand is None:
+                continue
+            ratio = result.steps_per_s / by_hand
+            goal = (1.0 if security == "insecure" else 0.9) if job in TARGETED else None
+            verdict = "" if goal is None else f"{'met' if ratio >= goal else 'missed'} (>= {goal:.1f}x)"
+            print(f"  {model_name:<9} {job:<10} {security:<9} {result.steps_per_s:>10.1f} {by_hand:>9.1f} "
+                  f"{ratio:>5.2f}x  {verdict}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

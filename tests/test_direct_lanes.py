@@ -1,0 +1,287 @@
+"""Direct lanes: a neighbour's Push and Exchange carried whole on one lane (nodeagent/wire/lane.py), over real TCP on
+loopback, plaintext and sealed beside mutual TLS.
+
+A message on a direct lane is checked as a gRPC stream is: the sender's rank and name against the lane's grant and
+the caller's certificate, the manifest against the job, the values finite, the inbox bounded; a refused call
+leaves the node's inbox untouched, is counted, and closes the lane; the client's next call opens another. A
+revoked certificate's open lane delivers nothing more. A peer that serves no direct lanes is called over gRPC.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+import torch
+
+from nodeagent._proto import peer_pb2, peer_pb2_grpc, wire_pb2
+from nodeagent.algorithms.base import SendFailed, Snapshot
+from nodeagent.metrics import Metrics
+from nodeagent.rpc import GRPC_OPTIONS
+from nodeagent.runtime import peer_service
+from nodeagent.runtime.peer_service import PeerClient, PeerServicer, ServingState, add_peer_servicer
+from nodeagent.security.pki import Role
+from nodeagent.security.tls import Transport
+from nodeagent.wire import Encoding, Kind, Message, TensorSpec, WireError
+from nodeagent.wire.encoder import plan
+from nodeagent.wire.frames import new_stream_id
+from nodeagent.wire.lane import CALL_LENGTH, LaneSocket, dial, read_call, send_call
+
+pytestmark = pytest.mark.integration
+
+JOB = "job-direct"
+N = 1000
+NAMES = {0: "n0", 1: "n1", 2: "n2"}
+
+
+def serving(rank: int, inbox: queue.Queue, served: dict[str, torch.Tensor]) -> ServingState:
+    specs = [TensorSpec("w", torch.float32, (N,))]
+
+    def expected(sender: int, kind: Kind) -> list[TensorSpec]:
+        if sender == rank or sender not in NAMES:
+            raise WireError("not_neighbor", f"rank {sender} is not a neighbour")
+        return specs
+
+    snapshot = Snapshot(rank=rank, clock=5, loss=0.5, served={(None, Kind.PARAMS): served})
+    return ServingState(job_id=JOB, node_id=NAMES[rank], rank=rank, algorithm_name="test", names=NAMES,
+                        expected=expected, snapshot=lambda: snapshot, inbox=inbox, encoding=Encoding.RAW,
+                        chunk_bytes=1 << 16, max_message_bytes=1 << 20)
+
+
+class Node:
+    """Rank 1 (n1) serving on loopback with lanes; with a `transport`, under its mutual TLS (lanes sealed)."""
+
+    def __init__(self, transport: Transport | None = None):
+        self.inbox: queue.Queue = queue.Queue()
+        self.metrics = Metrics()
+        self.served = {"w": torch.arange(N, dtype=torch.float32)}
+        self.state: ServingState | None = serving(1, self.inbox, self.served)
+        self.revoked: set[str] = set()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=GRPC_OPTIONS)
+        self.servicer = PeerServicer(lambda: self.state, self.metrics, "test", node_id=lambda: "n1",
+                                     lane_host="127.0.0.1", secure=transport is not None,
+                                     revoked=lambda identity: identity.name in self.revoked)
+        add_peer_servicer(self.servicer, self.server)
+        port = transport.bind(self.server, "127.0.0.1:0") if transport else self.server.add_insecure_port(
+            "127.0.0.1:0")
+        self.address = f"127.0.0.1:{port}"
+        self.server.start()
+
+    def close(self) -> None:
+        self.servicer.close()
+        self.server.stop(grace=None)
+
+    def direct_lanes(self) -> list[LaneSocket]:
+        assert self.servicer.lanes is not None
+        return [lane for lane in self.servicer.lanes._lanes.values() if lane.direct]
+
+    def sample(self, name: str, **labels: str) -> float:
+        return self.metrics.registry.get_sample_value(name, labels) or 0.0
+
+    def rejections(self, src: str, reason: str) -> float:
+        return self.sample("peertrain_stream_rejections_total", src=src, dst="n1", reason=reason)
+
+
+@pytest.fixture
+def node():
+    served = Node()
+    yield served
+    served.close()
+
+
+@pytest.fixture
+def tls(cluster_pki):
+    """n1 under mutual TLS, and `client(name)`: a PeerClient dialling it with node `name`'s certificate."""
+    served = Node(Transport(cluster_pki(Role.NODE, "n1")))
+    clients: list[PeerClient] = []
+
+    def client(name: str) -> PeerClient:
+        clients.append(PeerClient(served.address, transport=Transport(cluster_pki(Role.NODE, name)),
+                                  server_name="n1"))
+        return clients[-1]
+
+    yield served, client
+    for made in clients:
+        made.close()
+    served.close()
+
+
+def message(rank: int = 0, value: float | None = None, seed: int = 0) -> Message:
+    tensor = torch.randn(N, generator=torch.Generator().manual_seed(seed)) if value is None else torch.full(
+        (N,), value)
+    return Message(Kind.PARAMS, rank, 1, {"w": tensor}, clock=3)
+
+
+def wait_for(condition, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+# -- round trips --------------------------------------------------------------------------------------------------
+
+
+def test_push_and_exchange_travel_on_one_direct_lane_and_count_as_before(node):
+    client, metrics = PeerClient(node.address), Metrics()
+    state = serving(0, queue.Queue(), {})
+    for seed in range(3):
+        client.push(state, message(seed=seed), timeout=10, metrics=metrics)
+        assert torch.equal(node.inbox.get_nowait().tensors["w"], message(seed=seed).tensors["w"])
+    reply = client.exchange(state, message(seed=7), timeout=10, metrics=metrics)
+    assert torch.equal(reply.tensors["w"], node.served["w"]) and reply.sender == 1 and reply.clock == 5
+    assert torch.equal(node.inbox.get_nowait().tensors["w"], message(seed=7).tensors["w"])
+    # Four calls, one direct lane granted once; no payload lane.
+    assert len(node.direct_lanes()) == 1 and len(node.servicer.lanes._lanes) == 1 and not client._idle
+    payload = 4 * N
+    assert node.sample("peertrain_edge_bytes_received_total", job_id=JOB, src="n0", dst="n1") == 4 * payload
+    assert node.sample("peertrain_edge_messages_received_total", job_id=JOB, src="n0", dst="n1") == 4
+    assert node.sample("peertrain_edge_bytes_sent_total", job_id=JOB, src="n1", dst="n0") == payload
+    client_sample = metrics.registry.get_sample_value
+    assert client_sample("peertrain_edge_bytes_sent_total", {"job_id": JOB, "src": "n0", "dst": "n1"}) == 4 * payload
+    assert client_sample("peertrain_edge_bytes_received_total", {"job_id": JOB, "src": "n1", "dst": "n0"}) == payload
+    client.close()
+
+
+def test_a_direct_lane_beside_tls_is_sealed_and_speaks_for_its_node(tls):
+    node, client_of = tls
+    client = client_of("n0")
+    reply = client.exchange(serving(0, queue.Queue(), {}), message(), timeout=10, metrics=Metrics())
+    assert torch.equal(reply.tensors["w"], node.served["w"])
+    (lane,) = node.direct_lanes()
+    assert lane.sealed and lane.grantee == "n0"
+    # n2's certificate asking for rank 0's lane gets none, and its call over gRPC is refused.
+    node.inbox.get_nowait()
+    impostor = client_of("n2")
+    with pytest.raises(grpc.RpcError) as refused:
+        impostor.push(serving(0, queue.Queue(), {}), message(), timeout=10, metrics=Metrics())
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert node.inbox.empty() and node.direct_lanes() == [lane]
+
+
+def test_a_revoked_certificate_delivers_nothing_more_on_its_open_lane(tls):
+    node, client_of = tls
+    client, state = client_of("n0"), serving(0, queue.Queue(), {})
+    client.push(state, message(), timeout=10, metrics=Metrics())
+    node.inbox.get_nowait()
+    node.revoked.add("n0")
+    with pytest.raises(SendFailed) as refused:
+        client.push(state, message(seed=1), timeout=10, metrics=Metrics())
+    assert refused.value.reason == "unauthenticated"
+    assert node.inbox.empty() and node.rejections("n0", "revoked") == 1
+    assert wait_for(lambda: not node.direct_lanes())
+
+
+# -- refusals -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("value", "reason"), [(math.nan, "non_finite"), (math.inf, "non_finite")])
+def test_a_refused_call_leaves_the_inbox_and_the_next_call_opens_another_lane(node, value, reason):
+    client, state = PeerClient(node.address), serving(0, queue.Queue(), {})
+    client.push(state, message(), timeout=10, metrics=Metrics())
+    node.inbox.get_nowait()
+    (first,) = node.direct_lanes()
+    with pytest.raises(SendFailed) as refused:
+        client.exchange(state, message(value=value), timeout=10, metrics=Metrics())
+    assert refused.value.reason == "invalid_argument" and reason in str(refused.value)
+    assert node.inbox.empty() and node.rejections("unknown", reason) == 1
+    assert wait_for(lambda: first not in node.direct_lanes())
+    client.push(state, message(seed=4), timeout=10, metrics=Metrics())
+    assert torch.equal(node.inbox.get_nowait().tensors["w"], message(seed=4).tensors["w"])
+    assert node.direct_lanes() and node.direct_lanes()[0] is not first
+    client.close()
+
+
+def test_a_full_inbox_refuses_the_call(node):
+    client, state = PeerClient(node.address), serving(0, queue.Queue(), {})
+    assert node.state is not None
+    for _ in range(node.state.max_inbox):
+        node.inbox.put(message())
+    with pytest.raises(SendFailed) as refused:
+        client.push(state, message(seed=1), timeout=10, metrics=Metrics())
+    assert refused.value.reason == "resource_exhausted"
+    assert node.inbox.qsize() == node.state.max_inbox
+    client.close()
+
+
+def test_a_node_that_no_longer_runs_the_job_answers_failed_precondition(node):
+    client, state = PeerClient(node.address), serving(0, queue.Queue(), {})
+    client.push(state, message(), timeout=10, metrics=Metrics())
+    node.state = None
+    with pytest.raises(SendFailed) as refused:
+        client.push(state, message(), timeout=10, metrics=Metrics())
+    assert refused.value.reason == "failed_precondition"
+    client.close()
+
+
+def raw_direct_lane(node: Node, rank: int) -> LaneSocket:
+    """A direct lane granted to `rank`, as a client built from the proto files would open it."""
+    stub = peer_pb2_grpc.PeerStub(grpc.insecure_channel(node.address))
+    grant = stub.OpenLane(peer_pb2.LaneRequest(job_id=JOB, requester_rank=rank, requester_id=NAMES[rank],
+                                               direct=True), timeout=10)
+    assert grant.direct
+    return dial("127.0.0.1", grant.port, grant.token, JOB, rank, 10)
+
+
+def test_a_lane_granted_to_one_rank_cannot_send_as_another(node):
+    lane = raw_direct_lane(node, 2)
+    outgoing = plan(message(rank=0), job_id=JOB, sender_id="n0")
+    stream_id = new_stream_id()
+    frames = outgoing.lane_frames([lane.token], stream_id, [(0, outgoing.total)])
+    send_call(lane, wire_pb2.LaneCall(frames=wire_pb2.Frames(frames=frames)), outgoing.lane_pieces(stream_id),
+              outgoing.total)
+    answer = read_call(lane)
+    assert answer.status == grpc.StatusCode.PERMISSION_DENIED.value[0] and "wrong_identity" in answer.details
+    assert node.inbox.empty()
+    lane.close()
+
+
+@pytest.mark.parametrize("garbage", [CALL_LENGTH.pack(64 << 20), CALL_LENGTH.pack(5) + b"\xff" * 5],
+                         ids=["too_long", "not_protobuf"])
+def test_a_call_that_does_not_parse_closes_the_lane(node, garbage):
+    lane = raw_direct_lane(node, 0)
+    lane.sock.sendall(garbage)
+    lane.sock.settimeout(5)
+    assert lane.sock.recv(1) == b""  # closed, unanswered
+    assert node.inbox.empty() and wait_for(lambda: not node.direct_lanes())
+    lane.close()
+
+
+# -- lifetimes ----------------------------------------------------------------------------------------------------
+
+
+def test_an_idle_direct_lane_is_closed_and_the_next_call_opens_another(node, monkeypatch):
+    monkeypatch.setattr(peer_service, "DIRECT_IDLE_S", 0.2)
+    client, state = PeerClient(node.address), serving(0, queue.Queue(), {})
+    client.push(state, message(), timeout=10, metrics=Metrics())
+    (first,) = node.direct_lanes()
+    assert wait_for(lambda: not node.direct_lanes())
+    client.push(state, message(seed=2), timeout=10, metrics=Metrics())
+    assert node.inbox.qsize() == 2 and node.direct_lanes()[0] is not first
+    client.close()
+
+
+def test_a_peer_without_direct_lanes_is_called_over_grpc(node):
+    assert node.servicer.lanes is not None
+    node.servicer.lanes.serve = None  # as a node that predates direct lanes: it grants payload lanes only
+    client, state = PeerClient(node.address), serving(0, queue.Queue(), {})
+    reply = client.exchange(state, message(), timeout=10, metrics=Metrics())
+    assert torch.equal(reply.tensors["w"], node.served["w"]) and node.inbox.qsize() == 1
+    assert not node.direct_lanes() and client._idle[(JOB, 0)]
+    client.close()
+
+
+def test_lanes_closing_under_a_client_send_its_calls_over_grpc(node):
+    client, state = PeerClient(node.address), serving(0, queue.Queue(), {})
+    client.push(state, message(), timeout=10, metrics=Metrics())
+    (lane,) = node.direct_lanes()
+    node.servicer.close()  # its lanes: the gRPC server still serves
+    assert wait_for(lambda: lane.closed)
+    client.push(state, message(seed=3), timeout=10, metrics=Metrics())
+    assert node.inbox.qsize() == 2 and not node.direct_lanes()
+    client.close()
+
