@@ -225,17 +225,19 @@ def run_job(cluster: Any, spec: dict) -> JobFigures:
     return JobFigures(statistics.mean(rates), statistics.mean(computes), statistics.mean(waits))
 
 
-def agents(models: list[str], data_dir: str, root: Path, tls: bool, seconds: float,
-           loops: dict[tuple[str, str], float]) -> dict[tuple[str, str], JobFigures]:
+def agents(models: list[str], jobs: list[str], data_dir: str, root: Path, tls: bool, seconds: float,
+           loops: dict[tuple[str, str], float], default_steps: int) -> dict[tuple[str, str], JobFigures]:
     from coordinator.cluster import LocalCluster
 
     figures: dict[tuple[str, str], JobFigures] = {}
     security = "tls" if tls else "insecure"
     with LocalCluster(root=root / security, agents=NODES, data_dir=data_dir, tls=tls, log_level="WARNING") as cluster:
         for model_name in models:
-            for job in JOBS:
-                # As many steps as the hand-written loop of its family makes in `seconds`, at least 30.
-                steps = max(30, int(loops.get((FAMILY[job], model_name), 30 / seconds) * seconds))
+            for job in jobs:
+                # As many steps as the hand-written loop of its family makes in `seconds` (without the loops
+                # measured, `steps`), at least 30.
+                by_hand = loops.get((FAMILY[job], model_name))
+                steps = max(30, int(by_hand * seconds) if by_hand is not None else default_steps)
                 result = figures[model_name, job] = run_job(cluster, job_spec(model_name, job, steps, data_dir))
                 print(f"  {security} {model_name} {job}: {result.steps_per_s:.1f} steps/s per node (compute "
                       f"{result.compute_share:.0%}, waiting {result.wait_share:.0%}, the rest "
@@ -273,9 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--sections", nargs="+", default=["loops", "agents", "exchange"],
                         choices=["loops", "agents", "exchange"])
+    parser.add_argument("--jobs", nargs="+", default=list(JOBS), choices=list(JOBS))
     parser.add_argument("--security", nargs="+", default=["insecure", "tls"], choices=["insecure", "tls"])
     parser.add_argument("--seconds", type=float, default=12.0,
                         help="how long each hand-written loop runs; each job is sized to about as long (default 12)")
+    parser.add_argument("--steps", type=int, default=300,
+                        help="steps of each job when the loops are not measured in the same run (default 300)")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -284,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     if "loops" in args.sections:
         print("hand-written torch.distributed gloo loops, 4 processes:", flush=True)
         for model_name in args.models:
-            for family in ("d-psgd", "allreduce"):
+            for family in sorted({FAMILY[job] for job in args.jobs}):
                 loops[family, model_name] = rate = loop_rate(family, model_name, args.data_dir, args.seconds)
                 print(f"  {model_name} {family}: {rate:.1f} steps/s per process", flush=True)
     figures: dict[tuple[str, str, str], JobFigures] = {}
@@ -292,8 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         print("peertrain, 4 agents:", flush=True)
         with tempfile.TemporaryDirectory(prefix="rounds-bench-") as root:
             for security in args.security:
-                for (model_name, job), result in agents(args.models, args.data_dir, Path(root), security == "tls",
-                                                        args.seconds, loops).items():
+                measured = agents(args.models, args.jobs, args.data_dir, Path(root), security == "tls", args.seconds,
+                                  loops, args.steps)
+                for (model_name, job), result in measured.items():
                     figures[security, model_name, job] = result
     if "exchange" in args.sections:
         print("the fixed cost of one exchange (two processes, the peer service):", flush=True)

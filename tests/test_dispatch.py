@@ -85,6 +85,19 @@ def test_peer_routes_go_to_the_peer_transport_and_their_answers_come_back(route)
     assert (reply.answer is None) == (route == Route.PUSH)
 
 
+def test_a_delivered_push_is_settled_without_waking_the_runner_and_a_failed_one_wakes_it():
+    posted: list = []
+    settled: list = []
+    d = Dispatch(posted.append, futures.ThreadPoolExecutor(max_workers=1), FakePeers(), settle=settled.append)
+    t = Transmission(Send(Route.PUSH, 3, Kind.PARAMS, Message(Kind.PARAMS, 0, 3, TENSORS)))
+    perform(d, t)
+    assert settled == [Reply(t, None)] and posted == []
+    failing = Dispatch(posted.append, futures.ThreadPoolExecutor(max_workers=1),
+                       FakePeers(SendFailed("unavailable", "gone", transient=True)), settle=settled.append)
+    perform(failing, t)
+    assert posted == [Failure(t, "unavailable", True)] and len(settled) == 1
+
+
 @pytest.mark.parametrize(
     ("error", "reason", "transient"),
     [(SendFailed("unavailable", "gone", transient=True), "unavailable", True),

@@ -18,6 +18,7 @@ delivered), and hands the change to the driver, which switches just before that 
 
 from __future__ import annotations
 
+import collections
 import gc
 import logging
 import queue
@@ -204,8 +205,9 @@ class JobRunner(threading.Thread):
             agent.set_serving(self.serving)
             self.peers = GrpcPeers(self.serving, self.addresses, agent.metrics, spec.wire.exchange_timeout_s,
                                    transport=agent.transport)
+        settled: collections.deque[Arrival] = collections.deque()
         dispatch = Dispatch(self.inbox.put, self.pool, self.peers, self._server_link(node, driver),
-                            self._collective(node, driver))
+                            self._collective(node, driver), settle=settled.append)
         if not self._wait_for_release(describe_data(node)):
             return
         if not spec.start.barrier:  # with the barrier every neighbour serves the job already
@@ -234,7 +236,8 @@ class JobRunner(threading.Thread):
             gauged.update(reported)
             agent.report(to_report(report.progress))
 
-        NodeLoop(driver, dispatch, self.inbox, publish, self.stop_event, self.slowdown, self.topology_changes).run()
+        NodeLoop(driver, dispatch, self.inbox, publish, self.stop_event, self.slowdown, self.topology_changes,
+                 settled).run()
 
     def _server_link(self, node: Node, driver: NodeDriver) -> GrpcServerLink | None:
         if type(node.algorithm).family is not Family.SERVER:
@@ -363,6 +366,7 @@ class NodeLoop:
     stop: threading.Event
     slowdown: float = 1.0
     topology_changes: queue.Queue[TopologyChange] = field(default_factory=queue.Queue)  # from the watch thread
+    settled: collections.deque[Arrival] = field(default_factory=collections.deque)  # arrivals that woke no one
 
     def run(self) -> None:
         # OpenMP's thread count is per thread: a thread that has not been told computes with the library's default
@@ -406,6 +410,8 @@ class NodeLoop:
 
     def _collect(self, block: bool = False) -> None:
         """Hand the driver everything that arrived; with `block`, wait a little for the first item."""
+        while self.settled:
+            self.driver.arrived(self.settled.popleft())
         try:
             item = self.inbox.get(timeout=WAIT_POLL_S) if block else self.inbox.get_nowait()
         except queue.Empty:

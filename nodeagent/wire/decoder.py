@@ -3,8 +3,9 @@
 The receiver checks the manifest within fixed limits (`check_limits`), then against what it expects for the edge
 and kind, before it allocates anything, writes the bytes straight into the destination buffers (one per expected
 tensor, or one arena from a `BufferPool`), and only hands the tensors over once the End frame has confirmed the
-stream is complete and every floating tensor is finite. Any deviation raises `WireError`; nothing outside the
-decoder's own buffers has been touched at that point, so callers reject the stream and keep their state.
+stream is complete and every floating tensor is finite (checked as the bytes land where they can be: staging.py).
+Any deviation raises `WireError`; nothing outside the decoder's own buffers has been touched at that point, so
+callers reject the stream and keep their state.
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ class Receiver:
         for spec, encoding, destination in zip(expected, encodings, self.destinations, strict=True):
             wire = wire_dtype(spec.dtype, encoding)
             if wire == spec.dtype and not destination.is_cuda:
-                sink: Sink = DirectSink(byte_view(destination))
+                sink: Sink = DirectSink(byte_view(destination), spec.dtype, spec.name)
             else:
                 sink = StagedSink(destination, wire, self.chunk_bytes)
             self.sinks.append(sink)
@@ -307,8 +308,8 @@ class Receiver:
         # encodings are checked as decoded: a float32 beyond float16's range arrives as an infinity.
         if not math.isfinite(manifest.weight):
             raise WireError("non_finite", "the push-sum weight is not finite")
-        for spec, destination in zip(self.specs, self.destinations, strict=True):
-            if not all_finite(destination):
+        for spec, destination, sink in zip(self.specs, self.destinations, self.sinks, strict=True):
+            if not (isinstance(sink, DirectSink) and sink.checks_finite) and not all_finite(destination):
                 raise WireError("non_finite", f"tensor {spec.name!r} has non-finite values")
         tensors = {
             spec.name: destination.view(spec.shape)

@@ -24,12 +24,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from nodeagent.wire.errors import WireError
+from nodeagent.wire.message import all_finite
 from nodeagent.wire.pool import BufferPool
 
 RING = 3  # staging buffers per transfer: one being filled or sent, the others in flight
 # Conversions run on at least this many bytes at a time, however small the frames: fewer calls, and the same
 # vectorised conversion as a whole-tensor one (torch's scalar and vector paths differ in NaN payloads).
 STAGE_MIN_BYTES = 64 << 10
+FINITE_CHECK_BYTES = 256 << 10  # a slice of received values checked while it is in cache (DirectSink)
 # A GPU's copies go through a deeper ring of larger pinned buffers: each copy and its event cost a fixed few
 # microseconds, and the copy engine moves 4 MiB in under 0.1 ms. Measured on an H100 (docs/results.md, "GPU"):
 # a 44 MB Push CUDA to CUDA at 1.08x the CPU Push with 3 buffers of 1 MiB, 1.44x with 4 of 4 MiB.
@@ -241,24 +244,55 @@ class Sink:
 
 
 class DirectSink(Sink):
-    """Bytes straight into host memory (a CPU destination of the wire dtype, or a top-k staging array)."""
+    """Bytes straight into host memory (a CPU destination of the wire dtype, or a top-k staging array).
 
-    def __init__(self, target: np.ndarray):
+    With a floating `dtype` the values are checked finite as they land, a slice of FINITE_CHECK_BYTES at a time
+    while it is in cache, rather than in a second pass over the whole tensor once it is complete (44 MB: 17-21 ms
+    to decode with that pass, against 7 ms without a check); a non-finite value raises WireError ("non_finite",
+    naming tensor `name`)."""
+
+    def __init__(self, target: np.ndarray, dtype: torch.dtype | None = None, name: str = ""):
         self.target = target
         self.nbytes = target.size
         self.filled = 0
+        self.dtype = dtype if dtype is not None and dtype.is_floating_point else None
+        self.itemsize = dtype.itemsize if dtype is not None else 1
+        self.name = name
+        self.checked = 0  # bytes checked finite so far
+
+    @property
+    def checks_finite(self) -> bool:
+        return self.dtype is not None
+
+    def _check(self) -> None:
+        """Check the whole elements filled since the last check."""
+        if self.dtype is None:
+            return
+        end = self.filled - self.filled % self.itemsize
+        if end > self.checked:
+            values = torch.from_numpy(self.target[self.checked : end]).view(self.dtype)
+            if not all_finite(values):
+                raise WireError("non_finite", f"tensor {self.name!r} has non-finite values")
+            self.checked = end
 
     def write(self, data: memoryview) -> None:
         n = len(data)
         self.target[self.filled : self.filled + n] = np.frombuffer(data, np.uint8)
         self.filled += n
+        self._check()
 
     def read_from(self, read_into: ReadInto, count: int) -> None:
-        read_into(memoryview(self.target)[self.filled : self.filled + count])
-        self.filled += count
+        view = memoryview(self.target)
+        step = FINITE_CHECK_BYTES if self.dtype is not None else count
+        stop = self.filled + count
+        while self.filled < stop:
+            n = min(step, stop - self.filled)
+            read_into(view[self.filled : self.filled + n])
+            self.filled += n
+            self._check()
 
     def part(self, start: int, stop: int) -> Sink:
-        return DirectSink(self.target[start:stop])
+        return DirectSink(self.target[start:stop], self.dtype, self.name)
 
 
 class StagedSink(Sink):

@@ -52,9 +52,10 @@ def overlaps(sizes: Sequence[int], start: int, stop: int) -> Iterator[tuple[int,
 
 
 def run_on_lanes(tasks: Sequence[Callable[[], None]], lanes: Sequence[LaneReader], pool: futures.Executor) -> None:
-    """Run one task per lane at once, the first in this thread and the others in `pool`. When one fails, every
-    lane is aborted (the others stop waiting on their sockets), all tasks are waited for, and the first WireError
-    is raised, else the first error."""
+    """Run one task per lane at once, the first in this thread and the others in `pool`. When one of several
+    fails, every lane is aborted (the others stop waiting on their sockets), all tasks are waited for, and the first
+    WireError is raised, else the first error. A single lane is left to the caller, which may still answer on it
+    (a direct lane's refusal)."""
     pending = [pool.submit(task) for task in tasks[1:]]
     errors: list[BaseException] = []
     try:
@@ -70,6 +71,7 @@ def run_on_lanes(tasks: Sequence[Callable[[], None]], lanes: Sequence[LaneReader
         except BaseException as error:
             errors.append(error)
     if errors:
-        for lane in lanes:
-            lane.abort()
+        if len(lanes) > 1:
+            for lane in lanes:
+                lane.abort()
         raise next((e for e in errors if isinstance(e, WireError)), errors[0])
