@@ -116,10 +116,19 @@ class WireSpec(_Strict):
                                       "(or one call to the parameter server) before it gives it up")
 
 
+# The fixed cost of one message between agents (a direct-lane exchange of one element on loopback, insecure,
+# benchmarks/rounds.py "exchange" on a 2-core machine; docs/results.md, "Rounds").
+MESSAGE_COST_S = 0.0003
+
+
 class NetworkSpec(_Strict):
     """The simulator's network model: every directed link has this latency and bandwidth."""
 
     latency_s: float = Field(0.0005, ge=0, description="one-way latency of a message")
+    message_cost_s: float = Field(
+        MESSAGE_COST_S, ge=0, le=1, description="the fixed cost of a message beside its bytes and latency (the "
+        "call, the wake-ups and the checks at both ends), for which its link is busy; the default is what "
+        "benchmarks/rounds.py measured for an exchange of one element between two agents on loopback")
     bandwidth_bytes_per_s: float = Field(125e6, gt=0, description="per-link bandwidth (default 1 Gbit/s)")
     loss: float = Field(0.0, ge=0, lt=1, description="probability that a message is lost (the sender times out)")
     timeout_s: float = Field(1.0, gt=0, description="how long a sender waits for a lost message")

@@ -58,7 +58,7 @@ def test_asynchronous_workers_do_not_wait_for_the_slowest(fashion_mnist_dir, nam
 
 def test_the_servers_interface_is_shared_and_counts_both_directions(fashion_mnist_dir):
     # Four equal workers, a model of 31,400 bytes and 3.14 MB/s: each transfer takes 10 ms, one at a time.
-    network = {"bandwidth_bytes_per_s": 3.14e6, "latency_s": 0.0}
+    network = {"bandwidth_bytes_per_s": 3.14e6, "latency_s": 0.0, "message_cost_s": 0.0}
     mesh = run(fashion_mnist_dir, "ssgd", 5, speeds=[10.0] * 4, network=network)
     # Round 1: a 0.1 s step, four pushes in a row (40 ms), four models in a row (40 ms): 0.18 s. Later rounds:
     # the worker served first steps first, so the pushes no longer queue: the last one waits only for its own

@@ -81,15 +81,16 @@ def test_same_seed_same_result_other_seed_other_timing(fashion_mnist_dir):
 
 
 def test_slow_links_cost_virtual_time_in_synchronous_rounds(fashion_mnist_dir):
+    cost = 0.002  # each message's fixed cost
     fast = spec(fashion_mnist_dir, algorithm={"mode": "sync"},
-                simulation={"network": {"bandwidth_bytes_per_s": 1e9, "latency_s": 0.0}})
+                simulation={"network": {"bandwidth_bytes_per_s": 1e9, "latency_s": 0.0, "message_cost_s": cost}})
     slow = spec(fashion_mnist_dir, algorithm={"mode": "sync"},
-                simulation={"network": {"bandwidth_bytes_per_s": 1e6, "latency_s": 0.0}})
+                simulation={"network": {"bandwidth_bytes_per_s": 1e6, "latency_s": 0.0, "message_cost_s": cost}})
     fast_mesh, slow_mesh = simulate(fast).mesh, simulate(slow).mesh
     message_bytes = fast_mesh.nodes[0].node.algorithm.w.numel() * 4
-    # Each round: compute, then two messages over links of their own: one message's transfer time per round.
-    assert fast_mesh.now == pytest.approx(60 * (0.01 + message_bytes / 1e9), rel=1e-6)
-    assert slow_mesh.now == pytest.approx(60 * (0.01 + message_bytes / 1e6), rel=1e-6)
+    # Each round: compute, then two messages over links of their own: one message's time per round.
+    assert fast_mesh.now == pytest.approx(60 * (0.01 + cost + message_bytes / 1e9), rel=1e-6)
+    assert slow_mesh.now == pytest.approx(60 * (0.01 + cost + message_bytes / 1e6), rel=1e-6)
     # Same mathematics, whatever the network: synchronous rounds do not depend on timing.
     for a, b in zip(fast_mesh.nodes, slow_mesh.nodes, strict=True):
         assert torch.equal(a.node.algorithm.w, b.node.algorithm.w)

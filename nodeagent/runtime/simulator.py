@@ -2,7 +2,8 @@
 
 Local steps run for real (real tensors, real gradients) but cost virtual time: the step time of a node is
 `step_time_s / speed` (times a seeded jitter); a message on a directed link waits for the link to be free,
-takes `bytes / bandwidth`, then `latency`. Lost messages make the sender time out; nodes that are down or cut
+takes its fixed cost (`message_cost_s`: what the agents pay per message beside its bytes) and `bytes / bandwidth`,
+then `latency`. Lost messages make the sender time out; nodes that are down or cut
 off by a partition refuse connections at once, and a node that is down does not step. A step's sends leave when
 its computation is done, and a peer answers an exchange from the snapshot it published at the end of its last
 completed step, as the agent's servicer does. Everything else (what to do next, flow control, retries,
@@ -272,7 +273,7 @@ class VirtualMesh:
     def _arrival(self, link: tuple[int, int], size: int) -> float:
         """When `size` bytes sent now on `link` arrive (a link carries one message at a time)."""
         start = max(self.now, self._link_free_at.get(link, 0.0))
-        finish = start + size / self.network.bandwidth_bytes_per_s
+        finish = start + self.network.message_cost_s + size / self.network.bandwidth_bytes_per_s
         self._link_free_at[link] = finish
         return finish + self.network.latency_s
 
@@ -358,7 +359,8 @@ class VirtualMesh:
         else:
             share = ring_allreduce_bytes(message.payload_bytes, count)
             latencies = 2 * (count - 1)
-        duration = share / self.network.bandwidth_bytes_per_s + latencies * self.network.latency_s
+        duration = share / self.network.bandwidth_bytes_per_s + \
+            latencies * (self.network.latency_s + self.network.message_cost_s)
         messages = [parts[rank][1] for rank in range(count)]
         stacked = {name: torch.stack([m.tensors[name] for m in messages]) for name in messages[0].tensors}
         result_tensors = stacked if gather else {name: tensor.mean(dim=0) for name, tensor in stacked.items()}
