@@ -14,6 +14,9 @@ logistic and the cnn, 32 for ResNet-20 (`resnet-cifar`, depth 20, on 28x28 grey 
   progress reports between their first and last (evaluations excluded), and where an agent's round goes from the
   driver's own accounting (compute, waiting for neighbours, the rest: sending, receiving and bookkeeping in the
   runner thread).
+- with agents and exchange measured: the same jobs (logistic and the cnn) in the simulator, with the agents'
+  compute time per step and the measured exchange (fixed cost and slope) as its network; steps/s against the
+  agents' (target: within 20%).
 - exchange: the fixed cost of one exchange between two processes through the peer service (`PeerClient.exchange`,
   the agent's own client and servicer): the time of an exchange of a 1-element tensor, and the slope (bytes/s) from
   an exchange of 1 MB; insecure and under mutual TLS.
@@ -59,6 +62,8 @@ NODES = 4
 WARMUP_STEPS = 5
 JOB_TIMEOUT_S = 600.0
 EXCHANGE_REPEATS = 200
+# The simulator computes every step for real, in one process: ResNet-20's would take as long as the agents' run.
+SIMULATED_MODELS = ("logistic", "cnn")
 
 
 # -- the hand-written loops -----------------------------------------------------------------------------------------
@@ -181,6 +186,12 @@ class JobFigures:
     steps_per_s: float  # per node, the mean over the nodes
     compute_share: float  # of the nodes' elapsed time, from the driver's accounting
     wait_share: float
+    steps: int
+
+    @property
+    def step_s(self) -> float:
+        """Compute time per step."""
+        return self.compute_share / self.steps_per_s
 
 
 def job_spec(model_name: str, job: str, steps: int, data_dir: str) -> dict:
@@ -222,7 +233,7 @@ def run_job(cluster: Any, spec: dict) -> JobFigures:
         rates.append((last.step - first.step) / span)
         computes.append((last.compute_s - first.compute_s) / span)
         waits.append((last.wait_s - first.wait_s) / span)
-    return JobFigures(statistics.mean(rates), statistics.mean(computes), statistics.mean(waits))
+    return JobFigures(statistics.mean(rates), statistics.mean(computes), statistics.mean(waits), spec["steps"])
 
 
 def agents(models: list[str], jobs: list[str], data_dir: str, root: Path, tls: bool, seconds: float,
@@ -266,6 +277,22 @@ def exchange_costs(tls: bool) -> tuple[float, float]:
     return fixed, (4 * (1 << 18) - 4) / max(1e-9, large - fixed)
 
 
+# -- the simulator's model of the same jobs ---------------------------------------------------------------------------
+
+
+def simulated_rate(model_name: str, job: str, figures: JobFigures, data_dir: str, message_cost_s: float,
+                   bytes_per_s: float) -> float:
+    """Steps/s per node of the same job in the simulator, its step time the agents' compute per step and its
+    network the measured fixed cost and slope of an exchange (no latency beside them: loopback)."""
+    from coordinator.simulate import simulate
+    from nodeagent.jobspec import parse_job_spec
+
+    spec = job_spec(model_name, job, figures.steps, data_dir)
+    spec["simulation"] = {"step_time_s": figures.step_s, "network": {
+        "latency_s": 0.0, "message_cost_s": message_cost_s, "bandwidth_bytes_per_s": bytes_per_s}}
+    return figures.steps / simulate(parse_job_spec(spec)).mesh.now
+
+
 # -- the report -----------------------------------------------------------------------------------------------------
 
 
@@ -301,10 +328,11 @@ def main(argv: list[str] | None = None) -> int:
                                   loops, args.steps)
                 for (model_name, job), result in measured.items():
                     figures[security, model_name, job] = result
+    costs: dict[str, tuple[float, float]] = {}
     if "exchange" in args.sections:
         print("the fixed cost of one exchange (two processes, the peer service):", flush=True)
         for security in args.security:
-            fixed, slope = exchange_costs(security == "tls")
+            costs[security] = fixed, slope = exchange_costs(security == "tls")
             verdict = "met" if fixed < 1e-3 else "missed"
             print(f"  {security}: {fixed * 1e3:.2f} ms for 1 element ({verdict}: < 1 ms), slope "
                   f"{slope / 1e9:.2f} GB/s", flush=True)
@@ -320,6 +348,18 @@ def main(argv: list[str] | None = None) -> int:
             verdict = "" if goal is None else f"{'met' if ratio >= goal else 'missed'} (>= {goal:.1f}x)"
             print(f"  {model_name:<9} {job:<10} {security:<9} {result.steps_per_s:>10.1f} {by_hand:>9.1f} "
                   f"{ratio:>5.2f}x  {verdict}")
+    if costs and figures:
+        print("the simulator's model of the same jobs (its step time the agents' compute per step, its network the "
+              "measured exchange):")
+        print(f"  {'model':<9} {'job':<10} {'security':<9} {'agents':>8} {'simulated':>10} {'ratio':>6}  target")
+        for (security, model_name, job), result in figures.items():
+            if security not in costs or model_name not in SIMULATED_MODELS:
+                continue
+            simulated = simulated_rate(model_name, job, result, args.data_dir, *costs[security])
+            ratio = simulated / result.steps_per_s
+            verdict = "met" if abs(ratio - 1) <= 0.2 else "missed"
+            print(f"  {model_name:<9} {job:<10} {security:<9} {result.steps_per_s:>8.1f} {simulated:>10.1f} "
+                  f"{ratio:>5.2f}x  {verdict} (within 20%)", flush=True)
     return 0
 
 
