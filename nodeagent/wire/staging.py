@@ -32,7 +32,9 @@ RING = 3  # staging buffers per transfer: one being filled or sent, the others i
 # Conversions run on at least this many bytes at a time, however small the frames: fewer calls, and the same
 # vectorised conversion as a whole-tensor one (torch's scalar and vector paths differ in NaN payloads).
 STAGE_MIN_BYTES = 64 << 10
-FINITE_CHECK_BYTES = 256 << 10  # a slice of received values checked while it is in cache (DirectSink)
+# A slice of received values checked while it is in cache (DirectSink). A multiple of a sealed lane's record
+# (lane.RECORD_BYTES, 1 MiB): a slice smaller than a record costs each record an extra copy out of scratch.
+FINITE_CHECK_BYTES = 4 << 20
 # A GPU's copies go through a deeper ring of larger pinned buffers: each copy and its event cost a fixed few
 # microseconds, and the copy engine moves 4 MiB in under 0.1 ms. Measured on an H100 (docs/results.md, "GPU"):
 # a 44 MB Push CUDA to CUDA at 1.08x the CPU Push with 3 buffers of 1 MiB, 1.44x with 4 of 4 MiB.
