@@ -172,11 +172,12 @@ def peer_server(conn: Connection, numel: int, chunk: int, lanes: bool, tls_dir: 
     from nodeagent.algorithms.base import Snapshot
     from nodeagent.metrics import Metrics
     from nodeagent.rpc import GRPC_OPTIONS
-    from nodeagent.runtime.peer_service import PeerServicer, ServingState, add_peer_servicer
+    from nodeagent.runtime.peer_service import PeerServicer, ServingState, add_peer_servicer, serve_promptly
     from nodeagent.wire.errors import WireError
     from nodeagent.wire.message import Encoding, Kind, TensorSpec
 
     torch.set_num_threads(1)
+    serve_promptly()  # as the agent does
     spec = TensorSpec(TENSOR_NAME, torch.float32, (numel,))
 
     def expected(sender: int, kind: Kind) -> list[TensorSpec]:
@@ -233,11 +234,12 @@ def peer_client(conn: Connection, ports: tuple[int, int, int], numel: int, chunk
 
     from nodeagent.algorithms.base import Snapshot
     from nodeagent.metrics import Metrics
-    from nodeagent.runtime.peer_service import PeerClient, ServingState
+    from nodeagent.runtime.peer_service import PeerClient, ServingState, serve_promptly
     from nodeagent.wire.errors import WireError
     from nodeagent.wire.message import Encoding, Kind, Message, TensorSpec
 
     torch.set_num_threads(1)
+    serve_promptly()  # as the agent does
     spec = TensorSpec(TENSOR_NAME, torch.float32, (numel,))
     message = Message(Kind.PARAMS, 0, 1, {TENSOR_NAME: torch.randn(numel)})
 

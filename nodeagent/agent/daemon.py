@@ -27,7 +27,7 @@ from nodeagent.agent.runner import JobRunner
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import GRPC_OPTIONS, MAX_FIELD_CHARS, SERVER_OPTIONS, Backoff, failure_reason, split_address
 from nodeagent.runtime.limits import PEER_SERVER_THREADS
-from nodeagent.runtime.peer_service import PEER_RULES, PeerServicer, ServingState, add_peer_servicer
+from nodeagent.runtime.peer_service import PEER_RULES, PeerServicer, ServingState, add_peer_servicer, serve_promptly
 from nodeagent.security.authz import Authorizer
 from nodeagent.security.pki import Identity
 from nodeagent.security.tls import INSECURE_WARNING, TlsDir, TlsError, Transport
@@ -113,6 +113,7 @@ class Agent:
             self.node_id = self.transport.credentials().identity.name  # who this node is: its certificate says
             interceptors.append(Authorizer(PEER_RULES, self.is_revoked))
         self.metrics.insecure_mode.set(int(not self.transport.secure))
+        serve_promptly()
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=PEER_SERVER_THREADS, thread_name_prefix="peer"),
             options=SERVER_OPTIONS, maximum_concurrent_rpcs=PEER_SERVER_THREADS, interceptors=interceptors,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -71,6 +72,11 @@ MAX_DETAIL_CHARS = 300  # of a refusal's details: they may quote what the caller
 # synchronous neighbour is at most a round or two ahead, an exchange or two in flight). Beyond, a stream is refused
 # with RESOURCE_EXHAUSTED rather than held (a flood, or a node too slow for its peers), and no server thread waits.
 INBOX_MESSAGES_PER_PEER = 8
+# A thread that wakes from a socket must take the GIL back before it can go on; with Python's default switch
+# interval (5 ms) it waits up to that long while another thread runs Python code (the runner between steps, another
+# lane). An agent runs with this interval instead (`serve_promptly`): a direct-lane exchange of one element between
+# two processes went from 6.3 ms to 1.2 ms (medians) on a loaded 2-core machine, the minimum 1.0-1.1 ms either way.
+GIL_SWITCH_INTERVAL_S = 0.0005
 LANE_RETRY_S = 30.0  # after a peer refused lanes (or could not be dialled), frames only for this long
 DIRECT_RETRY_S = 1.0  # after a direct lane could not be opened, calls go over gRPC for this long
 LANE_SETUP_TIMEOUT_S = 5.0
@@ -79,6 +85,11 @@ IDLE_LANES_PER_PEER = 8
 # (blocking calls poll their own completion queue: no thread is started per call, unlike gRPC's futures).
 # A writer is held for as long as its peer takes to read (at most the call's deadline), hence a generous bound.
 _LANE_WRITERS = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="lane-writer")
+
+
+def serve_promptly() -> None:
+    """Let this process's I/O threads take the GIL back promptly (GIL_SWITCH_INTERVAL_S)."""
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
 
 
 @dataclass(frozen=True)
