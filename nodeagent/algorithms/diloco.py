@@ -426,9 +426,14 @@ class DiLoCo(_DiLoCo):
         if pending is not None and pending.residual_before is not None and "residual" in tensors:
             part = self.fragment_slice(pending.fragment)
             tensors["residual"][part] = pending.residual_before
-        synced = pending is None and self.fragment_due(self.clock) is not None
-        tensors["synced"] = torch.tensor([1.0 if synced else 0.0], dtype=self.w.dtype, device=self.w.device)
+        tensors["synced"] = torch.tensor([1.0 if self.round_applied() else 0.0], dtype=self.w.dtype,
+                                         device=self.w.device)
         return Message(Kind.PARAMS, self.context.rank, ALLREDUCE_RANK, tensors, clock=self.clock)
+
+    def round_applied(self) -> bool:
+        """Whether the sync sent at this step is applied already (the clock does not move at a sync: a quorum's
+        agreement must not take an applied sync for a pending one at the same step)."""
+        return self.pending is None and self.fragment_due(self.clock) is not None
 
     def _take_group_state(self, message: Message) -> None:
         with torch.no_grad():
