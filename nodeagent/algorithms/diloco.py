@@ -61,19 +61,41 @@ Averaging routes:
   coordinator restart like every parameter-server job. One fragment (F = 1) and no overlap: a round is the
   whole model. `max_update_norm` bounds each worker's pseudo-gradient before the mean.
 - `diloco-gossip`, push-sum (Kempe et al. 2003, as in SGP) on the job's graph, `gossip_rounds` = G rounds per
-  sync (default: one period of a time-varying graph's schedule, 1 on a static graph). Node i starts the sync with
-  x_i = Delta_i, weight y_i = 1. Round g, with the k out-peers of gossip iteration s G + g (s: the
-  sync's index, the same on every node): the node pushes each out-peer the share (x_i / (k + 1), y_i / (k + 1)),
-  keeps x_i - k D(Q(share)) and y_i / (k + 1), then adds the shares it receives. After G rounds its estimate is
-  x_i / y_i. What is exact and what is not:
-  * the mass: sum_i x_i = sum_i Delta_i (plus residuals) after every round, exactly, quantised or not (a node
-    keeps what its pushes' rounding took off); on the circulant graphs (every node receives as many shares as it
-    sends) y_i stays 1, so the mean over the nodes of the estimates is exactly Delta, and the network's mean
-    parameters follow the DiLoCo recursion exactly (it is linear in Delta);
-  * each node's estimate: on the one-peer exponential graph (`npeer-exponential`, n a power of two) one period,
-    log2 n rounds, gives every node the exact average (to float rounding); with fewer rounds a node's estimate
-    is the average of the 2^G nodes its rounds reached, so the nodes' theta_i drift apart by the difference,
-    a random walk that the later rounds do not pull back (no parameter consensus).
+  sync (default: one period of a time-varying graph's schedule, 1 on a static graph), of the pseudo-gradients and
+  of the global parameters together: each node keeps its own theta_i and u_i. Node i starts the sync of fragment f
+  with the numerators x_i = Delta_i, t_i = theta_i[f] and the weight y_i = 1. Round g, with the k out-peers of
+  gossip iteration s G + g (s: the sync's index, the same on every node): the node pushes each out-peer the share
+  (x_i / (k + 1), t_i / (k + 1), y_i / (k + 1)) (x in the job's precision, t in the parameters' dtype), keeps
+  x_i - k D(Q(x share)), t_i - k t share and y_i / (k + 1), then adds the shares it receives. After G rounds, with
+  D_i = x_i / y_i and T_i = t_i / y_i its estimates of the means:
+      u_i     <- mu u_i + D_i
+      theta_i <- T_i - eta (D_i + mu u_i)           (`outer_nesterov: false`: T_i - eta u_i)
+      w_i     <- theta_i                             (or the overlap's merge, as above).
+  In matrix form over the nodes, with P the G rounds' mixing matrix (column-stochastic; doubly stochastic on the
+  circulant graphs: ring, torus, exponential graphs, where every node receives as many shares as it sends and
+  y_i stays 1): Theta <- P Theta - eta (P Delta + mu U), U <- mu U + P Delta.
+  * The mean is exact on the circulant graphs: 1^T P = 1^T, so the mean over the nodes of theta_i and u_i follows
+    the DiLoCo recursion on the mean of the Delta_i exactly (it is linear), quantised shares included (a node keeps
+    what its pushes' rounding took off: sum_i x_i is exact after every round). On a graph where nodes receive
+    unequal numbers of shares (y_i != 1) only the sums of the numerators are exact.
+  * Each node's estimate is exact only when P is the exact average: one period (log2 n rounds) of the one-peer
+    exponential graph (`npeer-exponential`) with n a power of two; then every theta_i is the all-reduce route's
+    theta (to float rounding). With 6 or 12 nodes one period of that graph is not the exact average, nor is any
+    number of rounds on a ring or a torus.
+  * The disagreement is bounded by design. Let E = Theta - 1 theta_bar^T and lambda = ||P - 11^T / n|| < 1 on a
+    connected graph (the second singular value of P; P's powers contract what is not the mean). Mixing the
+    parameters contracts the disagreement at every sync by lambda while each sync adds at most eta (||Delta -
+    1 Delta_bar^T|| + mu ||U - 1 u_bar^T||), itself bounded when the Delta_i are (H inner steps of bounded
+    gradients, u's disagreement then at most that of P Delta over 1 - mu): so ||E|| <= eta C / (1 - lambda), a
+    geometric series, not a random walk. Gossiping the pseudo-gradients alone (this route before) had
+    Theta <- Theta - eta (P Delta + mu U) with nothing pulling the theta_i together: every inexact average was
+    integrated into each replica, and on heterogeneous data their spread grew without bound.
+  The global parameters travel in their own dtype: in int8 their rounding (relative to the largest parameter, not
+  to the pseudo-gradient) would be re-injected into the disagreement at every sync. A sync thus moves the
+  fragment's pseudo-gradient in the job's precision and its parameters in full per push.
+  The rounds of a sync are numbered by the steps after it (a push's clock is the sync's step plus its round), so G
+  must be at most H / F, the steps to the next sync, defaults included (validated at submit); otherwise a sync's
+  later rounds would be filed under the next sync.
   Lossy shares need no error feedback across syncs here (`error_feedback` is the all-reduce route's): the rounding
   of a push stays in its sender's numerator within the sync.
   No collective, no coordinator in the loop: pushes go to neighbours and are retried until delivered.
@@ -113,7 +135,9 @@ from nodeagent.ps.worker import PSWorker
 from nodeagent.wire import lowprecision
 from nodeagent.wire.errors import WireError
 from nodeagent.wire.lowprecision import Precision
-from nodeagent.wire.message import Kind, Message, TensorSpec
+from nodeagent.wire.message import Kind, Message, TensorSpec, all_finite
+
+THETA = "theta"  # diloco-gossip: the global parameters' share in a push
 
 
 class DiLoCoOptions(AlgorithmOptions):
@@ -148,7 +172,8 @@ class PendingSync:
     apply_at: int
     residual_before: torch.Tensor | None  # the fragment's residual before this sync took its rounding
     mean: torch.Tensor | None = None  # the averaged pseudo-gradient of the fragment, once known
-    # gossip only: the round being absorbed, the push-sum numerator and weight
+    # gossip only: the round being absorbed, the push-sum numerator (the fragment's padded pseudo-gradient, then its
+    # padded global parameters) and weight
     round: int = 0
     x: torch.Tensor | None = None
     weight: float = 1.0
@@ -544,12 +569,23 @@ class ServerDiLoCo(_DiLoCo, PSWorker):
 
 class GossipDiLoCoOptions(DiLoCoOptions):
     gossip_rounds: int | None = Field(
-        None, ge=1, description="push-sum rounds per sync; unset: one period of a time-varying graph's schedule "
-        "(log2 n on npeer-exponential: the exact average), 1 on a static graph")
+        None, ge=1, description="push-sum rounds per sync, at most inner_steps / fragments; unset: one period of a "
+        "time-varying graph's schedule (log2 n on npeer-exponential: the exact average when n is a power of two), 1 "
+        "on a static graph")
 
 
 class GossipDiLoCo(_DiLoCo):
-    """Decentralised DiLoCo: pseudo-gradients averaged by push-sum gossip on the job's graph, no collective."""
+    """Decentralised DiLoCo: pseudo-gradients and global parameters averaged together by push-sum gossip on the job's
+    graph, no collective. After G rounds node i holds D_i and T_i, its estimates of the mean pseudo-gradient and of
+    the mean global parameters, and steps u_i <- mu u_i + D_i, theta_i <- T_i - eta (D_i + mu u_i). The mixing of
+    the parameters contracts the replicas' disagreement at every sync by lambda < 1 (the mixing's second singular
+    value) while each sync adds a bounded amount, so it stays bounded (at most eta C / (1 - lambda)); gossiping the
+    pseudo-gradients alone let it grow without bound. Exact: the mean over the nodes of theta_i on the circulant
+    graphs (ring, torus, exponential graphs), which follows DiLoCo on the mean pseudo-gradient, quantised shares
+    included; each node's theta_i only after one period of npeer-exponential with a power-of-two node count (log2 n
+    rounds). Not exact: each node's estimate on a ring, a torus, or npeer-exponential with 6 or 12 nodes, at any
+    number of rounds. Each push carries the pseudo-gradient in the job's precision and the parameters in their own
+    dtype. gossip_rounds, set or default, must be at most inner_steps / fragments (validated)."""
 
     name = "diloco-gossip"
     family = Family.PEER
@@ -592,7 +628,8 @@ class GossipDiLoCo(_DiLoCo):
         return self.sync_index(pending.sent_at, pending.fragment) * self.rounds + pending.round
 
     def _sync_sends(self, pending: PendingSync, value: torch.Tensor) -> list[Send]:
-        pending.x, pending.weight = value, 1.0
+        theta = self.padded(self.global_w.detach()[self.fragment_slice(pending.fragment)])
+        pending.x, pending.weight = torch.cat([value, theta]), 1.0
         pending.shares = defaultdict(dict)
         for clock in sorted(self.early):
             if clock < pending.sent_at + self.rounds:  # this sync's, or repeated deliveries of one absorbed
@@ -602,13 +639,16 @@ class GossipDiLoCo(_DiLoCo):
         return self._round_sends(pending)
 
     def _round_sends(self, pending: PendingSync) -> list[Send]:
-        """Split (x, weight) among this round's out-peers and this node; the pushes of the shares."""
+        """Split (x, weight) among this round's out-peers and this node; the pushes of the shares: the pseudo-gradient
+        in the job's precision, the global parameters (`theta`) in their own dtype."""
         assert pending.x is not None
         peers = self.context.out_peers(self._iteration(pending))
         share = pending.x / (len(peers) + 1)
-        tensors = self.encode(share)
-        sent = self.decode(tensors) if self.lossy else share
-        pending.x = pending.x - len(peers) * sent  # what the rounding took off stays here: the mass is exact
+        length = self.fragment_length
+        tensors = {**self.encode(share[:length]), THETA: share[length:].clone()}
+        if self.lossy:
+            share[:length] = self.decode(tensors)
+        pending.x = pending.x - len(peers) * share  # what the rounding took off stays here: the mass is exact
         pending.weight /= len(peers) + 1
         clock = pending.sent_at + pending.round
         return [Send(Route.PUSH, peer, Kind.PUSHSUM,
@@ -634,8 +674,17 @@ class GossipDiLoCo(_DiLoCo):
             if pending.round < self.rounds:
                 self._outbox.extend(self._round_sends(pending))
             else:
-                pending.mean = pending.x / pending.weight
+                pending.mean = pending.x / pending.weight  # the pseudo-gradient's estimate, then theta's
                 self._apply_due()
+
+    def outer_step(self, fragment: int, mean: torch.Tensor) -> None:
+        """The outer step from the gossiped global parameters: theta_i <- the estimate of their mean, then DiLoCo's
+        step on the estimate of the mean pseudo-gradient (the module's text)."""
+        part = self.fragment_slice(fragment)
+        length = self.fragment_length
+        with torch.no_grad():
+            self.global_w[part] = mean[length : length + part.stop - part.start]
+        super().outer_step(fragment, mean[:length])
 
     def _start_sync(self, fragment: int) -> None:
         super()._start_sync(fragment)
@@ -644,7 +693,10 @@ class GossipDiLoCo(_DiLoCo):
     def receive(self, message: Message) -> None:
         if message.kind != Kind.PUSHSUM:
             return
-        share = (self.decode(message.tensors), message.weight)
+        theta = message.tensors[THETA].to(device=self.w.device, dtype=self.w.dtype)
+        if not all_finite(theta):
+            raise WireError("not_finite", "a push-sum share's parameters hold NaN or infinity")
+        share = (torch.cat([self.decode(message.tensors), theta]), message.weight)
         pending = self.pending
         if pending is not None and pending.sent_at <= message.clock < pending.sent_at + self.rounds:
             if message.clock < pending.sent_at + pending.round or pending.mean is not None:
@@ -672,4 +724,4 @@ class GossipDiLoCo(_DiLoCo):
         self.reject_unless_neighbor(peer)
         if kind != Kind.PUSHSUM:
             raise WireError("unexpected_kind", f"{self.name} accepts only pushsum, not {kind.name.lower()}")
-        return self.wire_specs()
+        return [*self.wire_specs(), TensorSpec(THETA, self.w.dtype, (self.fragment_length,))]
