@@ -279,11 +279,19 @@ def test_gossip_diloco_keeps_its_replicas_together_on_a_ring_with_heterogeneous_
         if step % 2:
             thetas = torch.stack([node.global_w for node in nodes])
             spreads.append(float((thetas - thetas.mean(0)).abs().max()))
-    # The disagreement settles (pseudo-gradients alone: past 1e5 after 50 syncs, growing geometrically), within
-    # the spread of the data (targets 0 to 7).
-    assert max(spreads[150:]) <= 1.01 * min(spreads[150:]) and max(spreads) < 7.0
+    # The disagreement settles (pseudo-gradients alone: past 1e5 after 50 syncs, growing geometrically), well
+    # within the spread of the data (targets 0 to 7; 3.8 with the outer momentum kept local, which the ring's
+    # negative eigenvalue -1/3 drives).
+    assert max(spreads[150:]) <= 1.01 * min(spreads[150:]) and max(spreads) < 3.0
     mean = torch.stack([node.global_w for node in nodes]).mean()
     assert abs(float(mean) - 3.5) < 1e-6  # on a circulant graph the mean follows DiLoCo on the mean exactly
+
+
+@pytest.mark.parametrize(("world", "inner_steps", "rounds"), [(8, 10, 3), (12, 10, 4), (6, 2, 2), (1, 5, 1)])
+def test_gossip_rounds_left_unset_on_a_static_graph_are_log2_n_at_most_the_steps_to_the_next_sync(world, inner_steps,
+                                                                                                 rounds):
+    nodes = ring(world, {"inner_steps": inner_steps})
+    assert [node.rounds for node in nodes] == [rounds] * world
 
 
 def test_gossip_shares_that_come_early_or_twice_are_counted_once():

@@ -61,41 +61,45 @@ Averaging routes:
   coordinator restart like every parameter-server job. One fragment (F = 1) and no overlap: a round is the
   whole model. `max_update_norm` bounds each worker's pseudo-gradient before the mean.
 - `diloco-gossip`, push-sum (Kempe et al. 2003, as in SGP) on the job's graph, `gossip_rounds` = G rounds per
-  sync (default: one period of a time-varying graph's schedule, 1 on a static graph), of the pseudo-gradients and
-  of the global parameters together: each node keeps its own theta_i and u_i. Node i starts the sync of fragment f
-  with the numerators x_i = Delta_i, t_i = theta_i[f] and the weight y_i = 1. Round g, with the k out-peers of
-  gossip iteration s G + g (s: the sync's index, the same on every node): the node pushes each out-peer the share
-  (x_i / (k + 1), t_i / (k + 1), y_i / (k + 1)) (x in the job's precision, t in the parameters' dtype), keeps
-  x_i - k D(Q(x share)), t_i - k t share and y_i / (k + 1), then adds the shares it receives. After G rounds, with
-  D_i = x_i / y_i and T_i = t_i / y_i its estimates of the means:
-      u_i     <- mu u_i + D_i
-      theta_i <- T_i - eta (D_i + mu u_i)           (`outer_nesterov: false`: T_i - eta u_i)
-      w_i     <- theta_i                             (or the overlap's merge, as above).
-  In matrix form over the nodes, with P the G rounds' mixing matrix (column-stochastic; doubly stochastic on the
-  circulant graphs: ring, torus, exponential graphs, where every node receives as many shares as it sends and
-  y_i stays 1): Theta <- P Theta - eta (P Delta + mu U), U <- mu U + P Delta.
-  * The mean is exact on the circulant graphs: 1^T P = 1^T, so the mean over the nodes of theta_i and u_i follows
-    the DiLoCo recursion on the mean of the Delta_i exactly (it is linear), quantised shares included (a node keeps
-    what its pushes' rounding took off: sum_i x_i is exact after every round). On a graph where nodes receive
-    unequal numbers of shares (y_i != 1) only the sums of the numerators are exact.
-  * Each node's estimate is exact only when P is the exact average: one period (log2 n rounds) of the one-peer
-    exponential graph (`npeer-exponential`) with n a power of two; then every theta_i is the all-reduce route's
-    theta (to float rounding). With 6 or 12 nodes one period of that graph is not the exact average, nor is any
+  sync (default: one period of a time-varying graph's schedule; ceil(log2 n) on a static graph, at most H / F). Each
+  node keeps its own theta_i and u_i, takes its outer step locally on its own pseudo-gradient, and the nodes
+  average the results, outer momentum and global parameters together (NoLoCo's idea, arXiv:2506.10911, that the
+  replicas are pulled together by averaging their parameters rather than an exact all-reduce; here by push-sum on
+  the job's graph). At the sync of fragment f node i computes
+      u_i^+ = mu u_i + Delta_i,   theta_i^+ = theta_i - eta (Delta_i + mu u_i^+)   (`outer_nesterov: false`: eta u_i^+)
+  and starts push-sum with the numerator x_i = (u_i^+, theta_i^+) and the weight y_i = 1. Round g, with the k
+  out-peers of gossip iteration s G + g (s: the sync's index, the same on every node): the node pushes each out-peer
+  the share (x_i / (k + 1), y_i / (k + 1)) (u in the job's precision, theta in the parameters' dtype), keeps
+  x_i - k D(Q(share)) and y_i / (k + 1), then adds the shares it receives. After G rounds its estimates x_i / y_i
+  become its u_i and theta_i, and w_i <- theta_i (or the overlap's merge, as above).
+  In matrix form over the nodes, P the G rounds' mixing matrix (column-stochastic; doubly stochastic on the graphs
+  where every node receives as many shares as it sends, as the ring, torus and exponential graphs: y_i stays 1):
+      U <- P (mu U + Delta),   Theta <- P (Theta - eta (Delta + mu (mu U + Delta))).
+  * The mean is exact on those graphs: 1^T P = 1^T and the step is linear, so the mean over the nodes of (u_i,
+    theta_i) follows the DiLoCo recursion on the mean of the Delta_i exactly, lossy shares included (a node keeps
+    what its pushes' rounding took off: sum_i x_i is exact after every round). Where nodes receive unequal numbers
+    of shares (y_i != 1) only the sums of the numerators are exact.
+  * Each node's state is exact only where P is the exact average: one period (log2 n rounds) of the one-peer
+    exponential graph (`npeer-exponential`) with n a power of two; then every (u_i, theta_i) is the all-reduce
+    route's (to float rounding). With 6 or 12 nodes one period of that graph is not the exact average, nor is any
     number of rounds on a ring or a torus.
-  * The disagreement is bounded by design. Let E = Theta - 1 theta_bar^T and lambda = ||P - 11^T / n|| < 1 on a
-    connected graph (the second singular value of P; P's powers contract what is not the mean). Mixing the
-    parameters contracts the disagreement at every sync by lambda while each sync adds at most eta (||Delta -
-    1 Delta_bar^T|| + mu ||U - 1 u_bar^T||), itself bounded when the Delta_i are (H inner steps of bounded
-    gradients, u's disagreement then at most that of P Delta over 1 - mu): so ||E|| <= eta C / (1 - lambda), a
-    geometric series, not a random walk. Gossiping the pseudo-gradients alone (this route before) had
-    Theta <- Theta - eta (P Delta + mu U) with nothing pulling the theta_i together: every inexact average was
-    integrated into each replica, and on heterogeneous data their spread grew without bound.
-  The global parameters travel in their own dtype: in int8 their rounding (relative to the largest parameter, not
-  to the pseudo-gradient) would be re-injected into the disagreement at every sync. A sync thus moves the
-  fragment's pseudo-gradient in the job's precision and its parameters in full per push.
+  * The disagreement is bounded by design. With local quadratic losses around each node's optimum, Delta_i =
+    a (theta_i - opt_i), a in (0, 1); along an eigenvector of P with eigenvalue lambda the disagreement (theta, u)
+    evolves by lambda M, M = [[1 - eta a (1 + mu), -eta mu^2], [a, mu]] the matrix of DiLoCo's own outer
+    iteration (stable, spectral radius rho(M) <= 1, where DiLoCo converges), driven by the differences of the
+    optima. |lambda| < 1 on a connected graph (after G rounds, |lambda|^G): the disagreement contracts at every
+    sync and stays below the forcing over 1 - |lambda| rho(M), a geometric series. Two earlier forms do not hold:
+    gossiping Delta alone (this route before) left Theta <- Theta - eta (P Delta + mu U) with nothing pulling the
+    theta_i together, a random walk (on a ring of 8 with heterogeneous data the spread reached 94 in 120 syncs);
+    gossiping Delta and theta but keeping u local gives the matrix [[lambda (1 - eta a (1 + mu)), -eta mu^2],
+    [lambda a, mu]], unstable for negative lambda (lambda = -0.5, a = 0.5, eta = 0.7, mu = 0.9: spectral radius
+    1.02; measured: the torus's spread grew).
+  The global parameters travel in their own dtype: in int8 their rounding (relative to the largest parameter) would
+  be re-injected into the disagreement at every sync. A push thus carries the fragment's outer momentum in the job's
+  precision and its global parameters in full.
   The rounds of a sync are numbered by the steps after it (a push's clock is the sync's step plus its round), so G
-  must be at most H / F, the steps to the next sync, defaults included (validated at submit); otherwise a sync's
-  later rounds would be filed under the next sync.
+  must be at most H / F, the steps to the next sync, defaults included (a set G or a time-varying graph's period
+  above it is refused at submit); otherwise a sync's later rounds would be filed under the next sync.
   Lossy shares need no error feedback across syncs here (`error_feedback` is the all-reduce route's): the rounding
   of a push stays in its sender's numerator within the sync.
   No collective, no coordinator in the loop: pushes go to neighbours and are retried until delivered.
@@ -172,8 +176,8 @@ class PendingSync:
     apply_at: int
     residual_before: torch.Tensor | None  # the fragment's residual before this sync took its rounding
     mean: torch.Tensor | None = None  # the averaged pseudo-gradient of the fragment, once known
-    # gossip only: the round being absorbed, the push-sum numerator (the fragment's padded pseudo-gradient, then its
-    # padded global parameters) and weight
+    # gossip only: the round being absorbed, the push-sum numerator (the fragment's padded outer momentum, then its
+    # padded global parameters, after the node's local outer step) and weight
     round: int = 0
     x: torch.Tensor | None = None
     weight: float = 1.0
@@ -303,14 +307,26 @@ class _DiLoCo(Algorithm):
     def outer_step(self, fragment: int, mean: torch.Tensor) -> None:
         """The outer Nesterov step on the fragment's mean pseudo-gradient, and the restart (or merge) of its local
         parameters from the new global ones."""
-        options = self.options
         part = self.fragment_slice(fragment)
-        delta = mean[: part.stop - part.start]
+        momentum, theta = self.outer_update(part, mean[: part.stop - part.start])
         with torch.no_grad():
-            momentum = self.outer_momentum[part]
-            momentum.mul_(options.outer_momentum).add_(delta)
+            self.outer_momentum[part] = momentum
+            self.global_w[part] = theta
+            self.restart(part)
+
+    def outer_update(self, part: slice, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fragment's outer momentum and global parameters after a step on `delta` (this node's state is left
+        as it is): u' = mu u + delta, theta' = theta - eta (delta + mu u') (or theta - eta u')."""
+        options = self.options
+        with torch.no_grad():
+            momentum = self.outer_momentum[part] * options.outer_momentum + delta
             direction = delta.add(momentum, alpha=options.outer_momentum) if options.outer_nesterov else momentum
-            self.global_w[part] -= options.outer_lr * direction
+            return momentum, self.global_w[part] - options.outer_lr * direction
+
+    def restart(self, part: slice) -> None:
+        """The fragment's local parameters restart from its new global ones, or, with an overlap, are merged."""
+        options = self.options
+        with torch.no_grad():
             if options.overlap_steps:
                 self.w[part] = options.overlap_mix * self.w[part] + (1 - options.overlap_mix) * self.global_w[part]
             else:
@@ -570,22 +586,31 @@ class ServerDiLoCo(_DiLoCo, PSWorker):
 class GossipDiLoCoOptions(DiLoCoOptions):
     gossip_rounds: int | None = Field(
         None, ge=1, description="push-sum rounds per sync, at most inner_steps / fragments; unset: one period of a "
-        "time-varying graph's schedule (log2 n on npeer-exponential: the exact average when n is a power of two), 1 "
-        "on a static graph")
+        "time-varying graph's schedule (log2 n on npeer-exponential: the exact average when n is a power of two), "
+        "ceil(log2 n) on a static graph (at most inner_steps / fragments)")
+
+
+def default_rounds(options: GossipDiLoCoOptions, nodes: int, period: int) -> int:
+    """The push-sum rounds of a sync when `gossip_rounds` is unset, the same on every node: one `period` of a
+    time-varying graph's schedule; on a static graph (period 0) ceil(log2 n), at most H / F."""
+    if period:
+        return period
+    return max(1, min(math.ceil(math.log2(max(nodes, 1))), options.inner_steps // options.fragments))
 
 
 class GossipDiLoCo(_DiLoCo):
-    """Decentralised DiLoCo: pseudo-gradients and global parameters averaged together by push-sum gossip on the job's
-    graph, no collective. After G rounds node i holds D_i and T_i, its estimates of the mean pseudo-gradient and of
-    the mean global parameters, and steps u_i <- mu u_i + D_i, theta_i <- T_i - eta (D_i + mu u_i). The mixing of
-    the parameters contracts the replicas' disagreement at every sync by lambda < 1 (the mixing's second singular
-    value) while each sync adds a bounded amount, so it stays bounded (at most eta C / (1 - lambda)); gossiping the
-    pseudo-gradients alone let it grow without bound. Exact: the mean over the nodes of theta_i on the circulant
-    graphs (ring, torus, exponential graphs), which follows DiLoCo on the mean pseudo-gradient, quantised shares
-    included; each node's theta_i only after one period of npeer-exponential with a power-of-two node count (log2 n
-    rounds). Not exact: each node's estimate on a ring, a torus, or npeer-exponential with 6 or 12 nodes, at any
-    number of rounds. Each push carries the pseudo-gradient in the job's precision and the parameters in their own
-    dtype. gossip_rounds, set or default, must be at most inner_steps / fragments (validated)."""
+    """Decentralised DiLoCo: each node takes its outer step on its own pseudo-gradient, then the nodes average their
+    outer momenta and global parameters by push-sum gossip on the job's graph, no collective: u_i <- P (mu u_i +
+    Delta_i), theta_i <- P (theta_i - eta (Delta_i + mu (mu u_i + Delta_i))), P the mixing of G rounds. Along each
+    eigenvector of P (eigenvalue lambda, |lambda| < 1 on a connected graph) the replicas' disagreement evolves by
+    lambda times DiLoCo's own outer iteration, so it contracts at every sync and stays bounded however
+    heterogeneous the data (gossiping the pseudo-gradients alone let it grow without bound). Exact: the mean over
+    the nodes of theta_i and u_i on graphs where every node receives as many shares as it sends (ring, torus,
+    exponential graphs), which follows DiLoCo on the mean pseudo-gradient, lossy shares included; each node's
+    theta_i only after one period of npeer-exponential with a power-of-two node count (log2 n rounds). Not exact:
+    each node's state on a ring, a torus, or npeer-exponential with 6 or 12 nodes, at any number of rounds. A push
+    carries the outer momentum in the job's precision and the global parameters in their own dtype. gossip_rounds
+    must be at most inner_steps / fragments: set, or a time-varying graph's period, it is refused above that."""
 
     name = "diloco-gossip"
     family = Family.PEER
@@ -595,7 +620,8 @@ class GossipDiLoCo(_DiLoCo):
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         super().__init__(model, context, loss_fn)
-        self.rounds = self.options.gossip_rounds or max(1, len(context.peer_schedule))
+        self.rounds = self.options.gossip_rounds or default_rounds(self.options, context.world_size,
+                                                                   len(context.peer_schedule))
         self.residual = None  # a push's rounding stays in the sender's numerator: nothing is carried to later syncs
         # Shares of syncs this node has not started yet: clock -> sender -> (decoded share, weight).
         self.early: dict[int, dict[int, tuple[torch.Tensor, float]]] = defaultdict(dict)
@@ -612,9 +638,10 @@ class GossipDiLoCo(_DiLoCo):
         if alone and topology.nodes > 1:
             raise JobSpecError(f"topology: ranks {alone} have no neighbour to gossip with")
         gap = options.inner_steps // options.fragments
-        # The default, one period of the graph's schedule, is held to the same bound as a number the user sets: a
+        # The default is held to the same bound as a number the user sets (a static graph's is capped by it): a
         # sync's later rounds would be filed under the next sync, and the nodes would stop.
-        rounds = options.gossip_rounds or topology.schedule_period
+        period = topology.schedule_period if topology.schedule_period > 1 else 0
+        rounds = options.gossip_rounds or default_rounds(options, topology.nodes, period)
         if rounds > gap:
             given = "" if options.gossip_rounds else (f" (unset: one period of {spec.topology.kind}'s schedule, "
                                                       f"{rounds} rounds)")
@@ -628,8 +655,9 @@ class GossipDiLoCo(_DiLoCo):
         return self.sync_index(pending.sent_at, pending.fragment) * self.rounds + pending.round
 
     def _sync_sends(self, pending: PendingSync, value: torch.Tensor) -> list[Send]:
-        theta = self.padded(self.global_w.detach()[self.fragment_slice(pending.fragment)])
-        pending.x, pending.weight = torch.cat([value, theta]), 1.0
+        part = self.fragment_slice(pending.fragment)
+        momentum, theta = self.outer_update(part, value[: part.stop - part.start])  # the local outer step
+        pending.x, pending.weight = torch.cat([self.padded(momentum), self.padded(theta)]), 1.0
         pending.shares = defaultdict(dict)
         for clock in sorted(self.early):
             if clock < pending.sent_at + self.rounds:  # this sync's, or repeated deliveries of one absorbed
@@ -639,7 +667,7 @@ class GossipDiLoCo(_DiLoCo):
         return self._round_sends(pending)
 
     def _round_sends(self, pending: PendingSync) -> list[Send]:
-        """Split (x, weight) among this round's out-peers and this node; the pushes of the shares: the pseudo-gradient
+        """Split (x, weight) among this round's out-peers and this node; the pushes of the shares: the outer momentum
         in the job's precision, the global parameters (`theta`) in their own dtype."""
         assert pending.x is not None
         peers = self.context.out_peers(self._iteration(pending))
@@ -674,17 +702,18 @@ class GossipDiLoCo(_DiLoCo):
             if pending.round < self.rounds:
                 self._outbox.extend(self._round_sends(pending))
             else:
-                pending.mean = pending.x / pending.weight  # the pseudo-gradient's estimate, then theta's
+                pending.mean = pending.x / pending.weight  # the estimates of the outer momentum's mean, then theta's
                 self._apply_due()
 
     def outer_step(self, fragment: int, mean: torch.Tensor) -> None:
-        """The outer step from the gossiped global parameters: theta_i <- the estimate of their mean, then DiLoCo's
-        step on the estimate of the mean pseudo-gradient (the module's text)."""
+        """The gossip's estimates of the means of the nodes' outer momenta and global parameters after their local
+        outer steps (the module's text) become this node's."""
         part = self.fragment_slice(fragment)
-        length = self.fragment_length
+        length, size = self.fragment_length, part.stop - part.start
         with torch.no_grad():
-            self.global_w[part] = mean[length : length + part.stop - part.start]
-        super().outer_step(fragment, mean[:length])
+            self.outer_momentum[part] = mean[:size]
+            self.global_w[part] = mean[length : length + size]
+            self.restart(part)
 
     def _start_sync(self, fragment: int) -> None:
         super()._start_sync(fragment)
