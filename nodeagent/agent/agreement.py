@@ -25,6 +25,18 @@ from dataclasses import dataclass
 
 import torch
 
+from nodeagent.wire.message import Message
+
+
+@dataclass(frozen=True)
+class MemberState:
+    """A member's state as the agreement needs it, taken at one moment: its group state (a PARAMS message at its
+    step) and whether the round of that step is applied. Taken where the member runs, when it asks for a collective:
+    a member that trains on meanwhile (DiLoCo's overlapped steps) hands the state of that moment."""
+
+    message: Message
+    applied: bool
+
 
 @dataclass(frozen=True, order=True)
 class StateKey:

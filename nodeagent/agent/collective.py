@@ -84,7 +84,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from nodeagent.agent.agreement import StateKey, Vote, agree, decide
+from nodeagent.agent.agreement import MemberState, StateKey, Vote, agree, decide
 from nodeagent.agent.process_group import GroupFactory, ProcessGroup, gloo_groups
 from nodeagent.agent.quorum import MAX_FAILED_GROUPS, GroupLost, QuorumForming, QuorumOptions, first_line
 from nodeagent.agent.rendezvous import CALL_TIMEOUT_S
@@ -157,24 +157,26 @@ class Collective:
         """The last quorum this rank was in."""
         return self.forming.last_number
 
-    def mean(self, message: Message) -> Message:
+    def mean(self, message: Message, state: MemberState | None = None) -> Message:
         """The mean of the message's tensors over the members of the quorum, as a message from ALLREDUCE_RANK; or,
         when this rank took up a new quorum's state instead, that state (a PARAMS message at its step). A PARAMS
         message (this rank's group state) heals instead: it forms a quorum and answers the group's state, or the
-        message itself when this rank's state is the quorum's."""
-        return self._collect(message, self._all_reduce)
+        message itself when this rank's state is the quorum's. `state`: the member's state when it asked (what a new
+        quorum's agreement uses); None: read from the member then (one that does not change meanwhile)."""
+        return self._collect(message, self._all_reduce, state)
 
-    def gather(self, message: Message) -> Message:
+    def gather(self, message: Message, state: MemberState | None = None) -> Message:
         """Every member's tensors of the message, stacked in rank order along a new first dimension (tensors that
         cannot be summed: int8 codes); or, like `mean`, the state of a new quorum."""
-        return self._collect(message, self._all_gather)
+        return self._collect(message, self._all_gather, state)
 
-    def _collect(self, message: Message, collective: Callable[[Quorum, Message], Message]) -> Message:
+    def _collect(self, message: Message, collective: Callable[[Quorum, Message], Message],
+                 state: MemberState | None) -> Message:
         while True:
             agreeing = self.quorum is None
             try:
                 if self.quorum is None:
-                    taken = self._enter(message.clock)
+                    taken = self._enter(message.clock, state)
                     if taken is not None:
                         return taken
                     agreeing = False
@@ -248,7 +250,7 @@ class Collective:
 
     # -- a new quorum ------------------------------------------------------------------------------------------
 
-    def _enter(self, step: int) -> Message | None:
+    def _enter(self, step: int, state: MemberState | None) -> Message | None:
         """Form the next quorum with this rank in it and agree on its state (see `_agree`)."""
         previous = self.forming.last_number
 
@@ -266,13 +268,13 @@ class Collective:
                    "INFO", step)
         if self._watcher.ident is None:
             self._watcher.start()
-        return self._agree(self.quorum)
+        return self._agree(self.quorum, state or MemberState(self.member.group_state(), self.member.round_applied()))
 
-    def _agree(self, quorum: Quorum) -> Message | None:
+    def _agree(self, quorum: Quorum, member: MemberState) -> Message | None:
         """The state every member of a new quorum takes the job up from (nodeagent.agent.agreement): a PARAMS
         message when this rank's state is not it, else None (its own state is the quorum's)."""
-        state = self.member.group_state()
-        mine = StateKey(self.held_in, state.clock, self.member.round_applied(), self.forming.token_in(quorum.number))
+        state = member.message
+        mine = StateKey(self.held_in, state.clock, member.applied, self.forming.token_in(quorum.number))
         keys = [StateKey.decode(key) for key in quorum.group.all_gather(mine.encode())]
         for rank, key in zip(quorum.members, keys, strict=True):
             if key.token != self.forming.token_of(quorum.number, rank):
@@ -324,7 +326,7 @@ class Collective:
                 if not self.forming.knocked_since(self._knocks):  # the runner is done with this store
                     continue
                 self._leave()
-                self._enter(self.member.group_state().clock)
+                self._enter(self.member.group_state().clock, None)  # the algorithm no longer changes
             except RuntimeError as error:  # the store away, a member lost: the next look tries again
                 self._leave()
                 log.debug("job %s: handing the final state over failed (%s)", self.job_id, first_line(error))
