@@ -684,7 +684,9 @@ def cluster(request, tmp_path_factory, fashion_mnist_dir):
 @pytest.mark.parametrize(("algorithm", "options", "topology", "per_sync"), [
     ("diloco", {"inner_steps": 20, "precision": "int8", "fragments": 2, "overlap_steps": 2}, "ring",
      ring_allgather_bytes(MODEL_BYTES // 4 // 2 + 4, 4)),
-    ("diloco-gossip", {"inner_steps": 20, "precision": "bf16"}, "npeer-exponential", 2 * MODEL_BYTES // 2),
+    # gossip: 2 pushes a sync, each the outer momentum in bf16 and the global parameters in float32
+    ("diloco-gossip", {"inner_steps": 20, "precision": "bf16"}, "npeer-exponential",
+     2 * (MODEL_BYTES // 2 + MODEL_BYTES)),
     ("diloco-ps", {"inner_steps": 20, "precision": "int8"}, "ring", MODEL_BYTES // 4 + 4),
 ])
 def test_diloco_trains_on_agents(cluster, fashion_mnist_dir, algorithm, options, topology, per_sync):
