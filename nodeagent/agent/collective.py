@@ -191,7 +191,7 @@ class Collective:
                 if not agreeing:
                     self.aborted_steps.inc()
                 self._tell(f"rank {self.rank}: {what} step {message.clock} failed ({first_line(error)}); the step "
-                           "is applied nowhere and the quorum formed again", "WARNING", message.clock)
+                           "is aborted (applied nowhere) and the quorum formed again", "WARNING", message.clock)
 
     def _round(self, quorum: Quorum, message: Message, collective: Callable[[Quorum, Message], Message]) -> Message:
         """One round: the collective, then the commit vote; the answer only when every member voted it complete."""
