@@ -17,17 +17,27 @@ an all-gather's n - 1 payloads, and each push). Accuracy is the mean over the wo
 Targets: DiLoCo within 1 point of AllReduce SGD's accuracy with at least 100x fewer bytes per worker; decentralised
 DiLoCo within 1.5 points, with no collective.
 
+`--gossip` runs the gossip table instead (issue 24): decentralised DiLoCo on a ring, a torus, the static exponential
+graph and the one-peer exponential graph (its default rounds: one period), with 6, 8 and 12 nodes, on heterogeneous
+data (the class-window split), against DiLoCo over the all-reduce with as many nodes. Each run measures the
+replicas' spread after every sync, sqrt(mean_i ||theta_i - mean theta||^2) over the nodes' global parameters right
+after they applied it, and reports it after the first sync, at its largest, and after the last (bounded: the last
+is no larger than the largest of the first half); the target is the final accuracy within 1.5 points of DiLoCo
+over the all-reduce.
+
     .venv/bin/python benchmarks/diloco.py                       # 16 simulated jobs of 500 steps (see results.md)
     .venv/bin/python benchmarks/diloco.py --quick               # 200 steps, H = 50, 100, 200: a few minutes
     .venv/bin/python benchmarks/diloco.py --agents              # also a shorter run on 8 local agents (gRPC, gloo)
     .venv/bin/python benchmarks/diloco.py --agents --no-simulator --agent-steps 100 --agent-inner-steps 50
     .venv/bin/python benchmarks/diloco.py --runs-dir DIR        # keep the run directories: coordinator report DIR/*
     .venv/bin/python benchmarks/diloco.py --only 'AllReduce SGD,DiLoCo H=100,DiLoCo PS'   # some of the runs
+    .venv/bin/python benchmarks/diloco.py --gossip --gossip-steps 5000 --gossip-inner-steps 10   # 500 syncs
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import tempfile
 import time
@@ -35,10 +45,12 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import yaml
 
 from coordinator.simulate import simulate
 from nodeagent.jobspec import DEFAULT_DATA_DIR, JobSpec, parse_job_spec
+from nodeagent.runtime.simulator import VirtualMesh
 
 NODES = 8
 TARGET_RATIO = 100.0
@@ -107,6 +119,107 @@ def simulated(split: str, variant: Variant, args: argparse.Namespace) -> Outcome
     return outcome
 
 
+@dataclass(frozen=True)
+class GossipCase:
+    topology: str
+    nodes: int
+    algorithm: str = "diloco-gossip"
+
+
+@dataclass(frozen=True)
+class GossipOutcome:
+    case: GossipCase
+    rounds: int  # push-sum rounds per sync (0: the all-reduce)
+    bytes_per_worker: float
+    accuracy: float
+    spreads: tuple[float, ...]  # after each sync
+
+
+class SpreadMeter:
+    """The replicas' spread after each sync, sqrt(mean_i ||theta_i - mean theta||^2), from each node's global
+    parameters right after it applied the sync (the nodes apply it at different virtual times): a simulation's
+    `on_progress`. One fragment, no overlap: node i has applied clock // H syncs, less the one out."""
+
+    def __init__(self, nodes: int, inner_steps: int):
+        self.nodes, self.inner_steps = nodes, inner_steps
+        self.applied = [0] * nodes
+        self.sums: dict[int, torch.Tensor] = {}
+        self.squares: dict[int, float] = {}
+        self.counts: dict[int, int] = {}
+        self.spreads: list[float] = []
+
+    def __call__(self, mesh: VirtualMesh) -> None:
+        for sim in mesh.nodes:
+            algorithm = sim.node.algorithm
+            done = algorithm.clock // self.inner_steps - (algorithm.pending is not None)
+            while self.applied[sim.rank] < done:
+                self.applied[sim.rank] += 1
+                sync = self.applied[sim.rank]
+                theta = algorithm.global_w.detach().to(torch.float64)
+                self.sums[sync] = self.sums.get(sync, torch.zeros_like(theta)) + theta
+                self.squares[sync] = self.squares.get(sync, 0.0) + float(theta @ theta)
+                self.counts[sync] = self.counts.get(sync, 0) + 1
+                if self.counts[sync] == self.nodes:
+                    mean = self.sums.pop(sync) / self.nodes
+                    variance = self.squares.pop(sync) / self.nodes - float(mean @ mean)
+                    self.spreads.append(math.sqrt(max(0.0, variance)))
+                    del self.counts[sync]
+
+
+def gossip_job(case: GossipCase, args: argparse.Namespace) -> dict:
+    return {
+        "name": f"gossip-{case.algorithm}-{case.topology}-{case.nodes}",
+        "nodes": case.nodes, "steps": args.gossip_steps, "eval_every": args.gossip_steps, "seed": 0,
+        "algorithm": {"name": case.algorithm, "lr": args.inner_lr, "mode": "sync",
+                      "options": {"inner_steps": args.gossip_inner_steps}},
+        "model": {"name": args.gossip_model},
+        "data": {"data_dir": args.data_dir, "split": "class-window", "batch_size": 32, "test_limit": args.test_limit},
+        "topology": {"kind": case.topology, "seed": 1},
+        "simulation": {"step_time_s": 0.01, "network": {"bandwidth_bytes_per_s": 125e6, "latency_s": 1e-4}},
+    }
+
+
+def gossip_simulated(case: GossipCase, args: argparse.Namespace) -> GossipOutcome:
+    spec: JobSpec = parse_job_spec(gossip_job(case, args))
+    meter = SpreadMeter(case.nodes, args.gossip_inner_steps)
+    result = simulate(spec, on_progress=meter)
+    sent = sum(p.bytes_sent for p in result.progress) / len(result.progress)
+    rounds = getattr(result.mesh.nodes[0].node.algorithm, "rounds", 0)
+    outcome = GossipOutcome(case, rounds, sent, 100 * result.mean_accuracy, tuple(meter.spreads))
+    print(f"  {case.algorithm:<14} {case.topology:<18} {case.nodes:>3} nodes  accuracy {outcome.accuracy:6.2f}  "
+          f"spread first {outcome.spreads[0]:.4f} max {max(outcome.spreads):.4f} last {outcome.spreads[-1]:.4f}  "
+          f"(wall {result.wall_s:.0f} s)", flush=True)
+    return outcome
+
+
+def gossip_table(outcomes: list[GossipOutcome], args: argparse.Namespace) -> None:
+    syncs = args.gossip_steps // args.gossip_inner_steps
+    print(f"\nGossip DiLoCo, class-window split, {args.gossip_model}, {args.gossip_steps} steps, "
+          f"H = {args.gossip_inner_steps} ({syncs} syncs); spread sqrt(mean_i ||theta_i - mean theta||^2)")
+    print(f"{'graph':<18} {'nodes':>5} {'rounds':>6} {'MB/worker':>10} {'spread 1st':>10} {'max':>8} {'last':>8} "
+          f"{'bounded':>7} {'accuracy':>8} {'all-reduce':>10} {'gap':>6}  target")
+    for o in outcomes:
+        if o.case.algorithm != "diloco-gossip":
+            continue
+        reference = next(r for r in outcomes if r.case.algorithm == "diloco" and r.case.nodes == o.case.nodes)
+        gap = reference.accuracy - o.accuracy
+        half = o.spreads[: max(1, len(o.spreads) // 2)]
+        bounded = o.spreads[-1] <= max(half) * 1.001
+        met = "met" if gap <= TARGET_GAP_GOSSIP else "NOT met"
+        print(f"{o.case.topology:<18} {o.case.nodes:>5} {o.rounds:>6} {o.bytes_per_worker / 1e6:10.2f} "
+              f"{o.spreads[0]:10.4f} {max(o.spreads):8.4f} {o.spreads[-1]:8.4f} {'yes' if bounded else 'NO':>7} "
+              f"{o.accuracy:8.2f} {reference.accuracy:10.2f} {gap:6.2f}  <= {TARGET_GAP_GOSSIP} points: {met}")
+
+
+def gossip(args: argparse.Namespace) -> None:
+    cases = [GossipCase(topology, nodes) for nodes in args.gossip_nodes for topology in args.gossip_topologies]
+    cases += [GossipCase("ring", nodes, "diloco") for nodes in args.gossip_nodes]  # the reference, all-reduce
+    print(f"gossip DiLoCo against DiLoCo over the all-reduce, {len(cases)} simulated jobs:", flush=True)
+    with ProcessPoolExecutor(args.workers) as pool:
+        outcomes = list(pool.map(gossip_simulated, cases, [args] * len(cases)))
+    gossip_table(outcomes, args)
+
+
 def on_agents(split: str, variant: Variant, args: argparse.Namespace, cluster) -> Outcome:
     from nodeagent._proto import coordinator_pb2 as pb
 
@@ -166,7 +279,17 @@ def main() -> None:
     parser.add_argument("--agent-timeout", type=float, default=1800)
     parser.add_argument("--no-simulator", action="store_true", help="only the agents' runs")
     parser.add_argument("--data-dir", default=os.environ.get("PEERTRAIN_DATA_DIR", DEFAULT_DATA_DIR))
+    parser.add_argument("--gossip", action="store_true", help="the gossip table only (see above)")
+    parser.add_argument("--gossip-nodes", type=lambda s: [int(n) for n in s.split(",")], default=[6, 8, 12])
+    parser.add_argument("--gossip-topologies", type=lambda s: s.split(","),
+                        default=["ring", "torus", "exponential", "npeer-exponential"])
+    parser.add_argument("--gossip-steps", type=int, default=5000, help="local steps per node of the gossip runs")
+    parser.add_argument("--gossip-inner-steps", type=int, default=10, help="H of the gossip runs")
+    parser.add_argument("--gossip-model", default="logistic")
     args = parser.parse_args()
+    if args.gossip:
+        gossip(args)
+        return
     if args.quick:
         args.steps, args.inner_steps = 200, [50, 100, 200]
     if "AllReduce SGD" not in [variant.label for variant in variants(args)]:

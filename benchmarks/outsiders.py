@@ -137,6 +137,9 @@ def rank_main(port: int, rank: int, stop, results) -> None:
         def group_state(self) -> Message:
             return Message(Kind.PARAMS, rank, -1, {"w": torch.zeros(2)}, clock=self.clock)
 
+        def round_applied(self) -> bool:
+            return False
+
     member, told = Member(), []
     stub = coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
     collective = Collective(CoordinatorStore(lambda: stub, "job", f"n{rank}", timedelta(seconds=STEP_TIMEOUT_S)),
@@ -144,13 +147,13 @@ def rank_main(port: int, rank: int, stop, results) -> None:
                             options=QuorumOptions(STEP_TIMEOUT_S, join_s=0.5, min_members=2, wait_s=600),
                             announce=lambda message, level, step: told.append(message), gloo_host="127.0.0.1")
     if rank == 0:
-        form = collective._group
+        form = collective.groups
 
-        def late(number, members, step):
+        def late(number, members, index):
             time.sleep(LATE_S)
-            return form(number, members, step)
+            return form(number, members, index)
 
-        collective._group = late
+        collective.groups = late
     results.put(("pid", rank, os.getpid()))
     steps = wrong = 0
     while not stop.is_set():

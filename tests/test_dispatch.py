@@ -3,12 +3,15 @@ comes back to the runner as a Reply or a Failure that says why."""
 
 from __future__ import annotations
 
+import threading
 from concurrent import futures
 
 import pytest
 import torch
 
+from nodeagent.agent.agreement import MemberState
 from nodeagent.agent.dispatch import Dispatch
+from nodeagent.agent.quorum import GroupLost
 from nodeagent.algorithms.base import ALLREDUCE_RANK, Route, Send, SendFailed
 from nodeagent.ps.link import Answered, ServerLink
 from nodeagent.ps.messages import SERVER_RANK, ReadyAnswer, ServerPull, ServerPush, StepReport
@@ -56,7 +59,7 @@ class FakeLink(ServerLink):
 
 
 class FakeAllReduce:
-    def mean(self, message: Message) -> Message:
+    def mean(self, message: Message, state: MemberState | None = None) -> Message:
         return Message(message.kind, ALLREDUCE_RANK, message.receiver, {"w": message.tensors["w"] / 2},
                        clock=message.clock)
 
@@ -137,3 +140,51 @@ def test_a_server_send_without_a_link_is_a_defect_said_at_once():
     d, _ = dispatch(FakePeers())
     with pytest.raises(RuntimeError, match="has none"):
         d.perform(Transmission(Send(Route.SERVER, SERVER_RANK, Kind.PARAMS, ServerPull())))
+
+
+class BlockingAllReduce:
+    """An all-reduce that answers once released, recording the state it was given and the thread it ran in."""
+
+    def __init__(self, error: BaseException | None = None):
+        self.release = threading.Event()
+        self.error = error
+        self.calls: list[tuple[MemberState | None, str]] = []
+
+    def mean(self, message: Message, state: MemberState | None = None) -> Message:
+        self.calls.append((state, threading.current_thread().name))
+        assert self.release.wait(timeout=30)
+        if self.error is not None:
+            raise self.error
+        return Message(message.kind, ALLREDUCE_RANK, message.receiver, dict(message.tensors), clock=message.clock)
+
+
+def test_an_allreduce_on_the_collectives_thread_lets_the_caller_go_on_with_its_state_taken_when_asked():
+    posted: list = []
+    allreduce = BlockingAllReduce()
+    states = iter([MemberState(Message(Kind.PARAMS, 1, ALLREDUCE_RANK, TENSORS, clock=7), applied=False)])
+    with futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="collectives") as collectives:
+        d = Dispatch(posted.append, collectives, FakePeers(), None, allreduce, collectives=collectives,
+                     state_of=lambda: next(states))
+        t = Transmission(Send(Route.ALLREDUCE, ALLREDUCE_RANK, Kind.GRADIENT,
+                              Message(Kind.GRADIENT, 1, 1, TENSORS, clock=7)))
+        d.perform(t)
+        assert posted == []  # the caller goes on (the node's next inner steps) while the collective runs
+        allreduce.release.set()
+    ((state, thread),) = allreduce.calls
+    assert state is not None and state.message.clock == 7 and thread.startswith("collectives")
+    (reply,) = posted
+    assert reply.transmission is t and reply.answer.clock == 7
+    d.check()  # nothing failed
+
+
+def test_what_fails_the_collectives_thread_is_raised_in_the_callers():
+    posted: list = []
+    allreduce = BlockingAllReduce(GroupLost("ranks [2] did not come"))
+    allreduce.release.set()
+    with futures.ThreadPoolExecutor(max_workers=1) as collectives:
+        d = Dispatch(posted.append, collectives, FakePeers(), None, allreduce, collectives=collectives)
+        d.perform(Transmission(Send(Route.ALLREDUCE, ALLREDUCE_RANK, Kind.GRADIENT,
+                                    Message(Kind.GRADIENT, 1, 1, TENSORS))))
+    assert posted == []
+    with pytest.raises(GroupLost, match="did not come"):
+        d.check()

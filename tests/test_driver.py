@@ -346,3 +346,22 @@ def test_per_edge_accounting_last_message_in_flight_staleness_and_failures_by_re
     assert one.failure_reasons == {"in_flight": 1} and math.isnan(one.last_failure_age_s)  # a skip is no call
     assert one.in_flight_s == 5.0 and one.last_message_age_s == 5.0 and one.staleness_steps == 2
     assert one.message_interval_s == 4.0  # two messages, 4 s apart
+
+
+def test_a_restarted_collective_node_asks_for_the_groups_state_before_its_first_step():
+    torch.manual_seed(0)
+    context = NodeContext(0, 2, (), AlgorithmSpec(name="allreduce", lr=0.1))
+    allreduce = build_algorithm(nn.Linear(3, 2), context)
+    clock = Clock()
+    driver = NodeDriver(ScriptedNode(allreduce, clock), job="job", name="rank0", clock=clock, metrics=Metrics(),
+                        name_of=lambda rank: f"rank{rank}")
+    driver.rejoin()
+    decision = driver.next()
+    (heal,) = decision.sends
+    assert decision.action is Action.WAIT
+    assert (heal.send.route, heal.send.kind, heal.send.message.clock) == (Route.ALLREDUCE, Kind.PARAMS, 0)
+    assert driver.next().action is Action.WAIT and not driver.next().sends  # asked once, until the answer
+    group = {"w": torch.full_like(allreduce.w, 0.5)}
+    driver.arrived(Reply(heal, Message(Kind.PARAMS, -1, 0, group, clock=3)))
+    assert driver.next().action is Action.STEP
+    assert allreduce.clock == 3 and torch.equal(allreduce.w, group["w"])  # its first step is the group's next

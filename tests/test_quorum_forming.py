@@ -33,6 +33,9 @@ class Member:
     def group_state(self) -> Message:
         return Message(Kind.PARAMS, self.rank, -1, {"w": torch.zeros(2)}, clock=0)
 
+    def round_applied(self) -> bool:
+        return False
+
 
 def collective(store: dist.Store, rank: int, world: int, told: list[str], wait_s: float) -> Collective:
     options = QuorumOptions(step_timeout_s=STEP_TIMEOUT_S, join_s=JOIN_S, min_members=2, wait_s=wait_s)
@@ -114,8 +117,8 @@ def test_a_rank_whose_store_fails_after_the_quorum_closed_still_joins_its_group(
             return closed
         return looking
 
-    ranks[1]._members = failing_once(ranks[1]._members)
-    ranks[1]._maybe_close = failing_once(ranks[1]._maybe_close)
+    ranks[1].forming._members = failing_once(ranks[1].forming._members)
+    ranks[1].forming._maybe_close = failing_once(ranks[1].forming._maybe_close)
     answers = mean_in_threads(ranks)
     assert failed == [0]
     for answer in answers:
@@ -131,15 +134,15 @@ def test_a_gloo_connection_on_a_members_place_that_is_not_the_member_drops_the_g
     pair, drops the group on every member before any state travels, and the ranks form the next quorum."""
     told: list[str] = []
     ranks = [collective(store, rank, 2, told, wait_s=30.0) for rank in (0, 1)]
-    form_group = ranks[0]._group
+    form_group = ranks[0].groups
 
-    def group_with_a_stranger(number, members, step):
-        formed = form_group(number, members, step)
+    def group_with_a_stranger(number, members, index):
+        formed = form_group(number, members, index)
         if number == 0:
             store.set("q/0/here/1", "7")  # not the token rank 1 sends
         return formed
 
-    ranks[0]._group = group_with_a_stranger
+    ranks[0].groups = group_with_a_stranger
     answers = mean_in_threads(ranks)
     for answer in answers:
         assert isinstance(answer, Message), answer
@@ -193,7 +196,7 @@ def test_a_member_slow_to_say_it_is_there_is_not_taken_for_a_rank_waiting_to_com
         def recording(quorum, message, member=member, original=original):
             answer = original(quorum, message)
             members.append(quorum.members)
-            answers.append(member._knocked())
+            answers.append(member.forming.knocked_since(member._knocks))
             return answer
 
         member._all_reduce = recording

@@ -1,9 +1,14 @@
 """Performs the node driver's transmissions on the agent: each route to its transport, the outcome back to the
 runner as a Reply or a Failure (nodeagent.runtime.driver).
 
-Peer calls block until their answer, so they run on a small pool; the all-reduce (or all-gather) runs in the
-calling thread (the node can do nothing until every rank has contributed); calls to the parameter server go to the
-node's ServerLink, which chooses its own threads. The transports are injected, so the routing can be tested with fakes.
+Peer calls block until their answer, so they run on a small pool; the all-reduce (or all-gather) runs on a pool
+of its own, one thread (collectives in the order they were asked for), so that the node goes on while it runs:
+streaming DiLoCo's overlapped inner steps proceed while a fragment is averaged, and the driver keeps reporting
+progress while a quorum forms (without that pool, the collective runs in the calling thread). The member's state
+that a new quorum's agreement may need is taken in the calling thread when the collective is asked for
+(`state_of`), as the node trains on meanwhile; what fails the collective's thread (too few members for a quorum)
+is raised in the caller's by `check()`. Calls to the parameter server go to the node's ServerLink, which chooses
+its own threads. The transports are injected, so the routing can be tested with fakes.
 
 A delivered push's receipt changes nothing the runner waits for (only the edge's accounting), so it is `settle`d:
 handed over with the next arrival instead of waking the runner (a wake-up per receipt cost a synchronous round two
@@ -17,6 +22,7 @@ from collections.abc import Callable
 from concurrent import futures
 from typing import Protocol
 
+from nodeagent.agent.agreement import MemberState
 from nodeagent.algorithms.base import Route, SendFailed
 from nodeagent.ps.link import ServerLink
 from nodeagent.ps.messages import ServerAnswer
@@ -24,6 +30,8 @@ from nodeagent.runtime.driver import Arrival, Failure, Reply, Transmission
 from nodeagent.wire.message import Kind, Message
 
 log = logging.getLogger("nodeagent")
+
+Collect = Callable[[Message, MemberState | None], Message]
 
 
 class PeerTransport(Protocol):
@@ -38,17 +46,18 @@ class PeerTransport(Protocol):
 
 
 class AllReduce(Protocol):
-    """The mean of a message's tensors over every rank, or every rank's tensors gathered
-    (nodeagent.agent.collective.Collective)."""
+    """The mean of a message's tensors over every rank, or every rank's tensors gathered, given the member's state
+    when it asked (nodeagent.agent.collective.Collective)."""
 
-    def mean(self, message: Message) -> Message: ...
+    def mean(self, message: Message, state: MemberState | None = None) -> Message: ...
 
-    def gather(self, message: Message) -> Message: ...
+    def gather(self, message: Message, state: MemberState | None = None) -> Message: ...
 
 
 class Dispatch:
     def __init__(self, post: Callable[[Arrival], None], pool: futures.Executor, peers: PeerTransport,
-                 server: ServerLink | None = None, allreduce: AllReduce | None = None,
+                 server: ServerLink | None = None, allreduce: AllReduce | None = None, *,
+                 collectives: futures.Executor | None = None, state_of: Callable[[], MemberState] | None = None,
                  settle: Callable[[Arrival], None] | None = None):
         self.post = post
         self.settle = settle if settle is not None else post
@@ -56,6 +65,9 @@ class Dispatch:
         self.peers = peers
         self.server = server
         self.allreduce = allreduce
+        self.collectives = collectives
+        self.state_of = state_of
+        self.failure: BaseException | None = None  # what ended the collectives' thread, for `check()`
 
     def perform(self, t: Transmission) -> None:
         send = t.send
@@ -66,11 +78,30 @@ class Dispatch:
         elif send.route in (Route.ALLREDUCE, Route.ALLGATHER):
             if self.allreduce is None:
                 raise RuntimeError(f"an all-reduce, but this job has none: {send}")
-            assert isinstance(send.message, Message)
             collect = self.allreduce.mean if send.route == Route.ALLREDUCE else self.allreduce.gather
-            self.post(Reply(t, collect(send.message)))
+            state = self.state_of() if self.state_of is not None else None
+            if self.collectives is None:
+                self.post(Reply(t, self._collective(t, collect, state)))
+            else:
+                self.collectives.submit(self._collect, t, collect, state)
         else:
             self.pool.submit(self._call_peer, t)
+
+    @staticmethod
+    def _collective(t: Transmission, collect: Collect, state: MemberState | None) -> Message:
+        assert isinstance(t.send.message, Message)
+        return collect(t.send.message, state)
+
+    def _collect(self, t: Transmission, collect: Collect, state: MemberState | None) -> None:
+        try:
+            self.post(Reply(t, self._collective(t, collect, state)))
+        except BaseException as error:  # GroupLost, or a defect: the job fails in the runner's thread
+            self.failure = error
+
+    def check(self) -> None:
+        """Raise what ended a collective in its own thread, as it would have been raised inline."""
+        if self.failure is not None:
+            raise self.failure
 
     def _call_peer(self, t: Transmission) -> None:
         send = t.send

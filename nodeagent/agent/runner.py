@@ -34,6 +34,7 @@ import grpc
 import torch
 
 from nodeagent._proto import coordinator_pb2
+from nodeagent.agent.agreement import MemberState
 from nodeagent.agent.checkpoint import checkpoint_path, restore_checkpoint, save_checkpoint
 from nodeagent.agent.collective import Collective, GroupMember, QuorumOptions
 from nodeagent.agent.dispatch import Dispatch
@@ -96,6 +97,9 @@ class JobRunner(threading.Thread):
         self._lock = threading.Lock()  # between the watch thread's updates and the runner's serving state
         self.update(assignment)
         self.pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"exchange-{self.job_id}")
+        # One collective at a time, in order; its thread computes as the runner's does (NodeLoop.run).
+        self.collective_pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"allreduce-{self.job_id}",
+                                                          initializer=same_threads, initargs=(torch.get_num_threads(),))
         self.slowdown = agent.config.slowdown * self.spec.slowdown.get(self.rank, 1.0)
         self.device = torch.device(agent.config.device)
 
@@ -151,6 +155,7 @@ class JobRunner(threading.Thread):
                 self.serving = None
                 self.agent.set_serving(None)
             self.pool.shutdown(wait=False, cancel_futures=True)
+            self.collective_pool.shutdown(wait=False, cancel_futures=True)
             if self.collective is not None:
                 self.collective.close()
             if self.peers is not None:
@@ -206,8 +211,13 @@ class JobRunner(threading.Thread):
             self.peers = GrpcPeers(self.serving, self.addresses, agent.metrics, spec.wire.exchange_timeout_s,
                                    transport=agent.transport)
         settled: collections.deque[Arrival] = collections.deque()
-        dispatch = Dispatch(self.inbox.put, self.pool, self.peers, self._server_link(node, driver),
-                            self._collective(node, driver), settle=settled.append)
+        collective = self._collective(node, driver)
+        dispatch = Dispatch(self.inbox.put, self.pool, self.peers, self._server_link(node, driver), collective,
+                            settle=settled.append)
+        if collective is not None:  # the collectives on a thread of their own: the node goes on meanwhile
+            member = cast(GroupMember, node.algorithm)
+            dispatch.collectives = self.collective_pool
+            dispatch.state_of = lambda: MemberState(member.group_state(), member.round_applied())
         if not self._wait_for_release(describe_data(node)):
             return
         if not spec.start.barrier:  # with the barrier every neighbour serves the job already
@@ -373,9 +383,10 @@ class NodeLoop:
         # (every core) until some operation happens to apply the process's setting (`--torch-threads`), and sums
         # split over other thread counts differ in their last bits. Applied here, every step of the node computes
         # alike, however the thread started and whatever ran in it first.
-        torch.set_num_threads(torch.get_num_threads())
+        same_threads(torch.get_num_threads())
         driver, dispatch = self.driver, self.dispatch
         while not self.stop.is_set():
+            dispatch.check()
             self._collect()
             while not self.topology_changes.empty():
                 driver.change_topology(self.topology_changes.get_nowait())
@@ -422,3 +433,8 @@ class NodeLoop:
                 item = self.inbox.get_nowait()
             except queue.Empty:
                 return
+
+
+def same_threads(count: int) -> None:
+    """Tell this thread the process's OpenMP thread count (see NodeLoop.run)."""
+    torch.set_num_threads(count)

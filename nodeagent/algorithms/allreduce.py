@@ -63,6 +63,10 @@ class AllReduceSGD(Algorithm):
             tensors["momentum"] = buffer.clone() if buffer is not None else torch.zeros_like(self.w)
         return Message(Kind.PARAMS, self.context.rank, ALLREDUCE_RANK, tensors, clock=self.clock)
 
+    def round_applied(self) -> bool:
+        """The mean of a step is applied with the step (the clock moves): the step this node is at never is."""
+        return False
+
     def receive(self, message: Message) -> None:
         if message.kind == Kind.PARAMS:  # the group was formed again: take the job up from its state
             with torch.no_grad():

@@ -61,19 +61,45 @@ Averaging routes:
   coordinator restart like every parameter-server job. One fragment (F = 1) and no overlap: a round is the
   whole model. `max_update_norm` bounds each worker's pseudo-gradient before the mean.
 - `diloco-gossip`, push-sum (Kempe et al. 2003, as in SGP) on the job's graph, `gossip_rounds` = G rounds per
-  sync (default: one period of a time-varying graph's schedule, 1 on a static graph). Node i starts the sync with
-  x_i = Delta_i, weight y_i = 1. Round g, with the k out-peers of gossip iteration s G + g (s: the
-  sync's index, the same on every node): the node pushes each out-peer the share (x_i / (k + 1), y_i / (k + 1)),
-  keeps x_i - k D(Q(share)) and y_i / (k + 1), then adds the shares it receives. After G rounds its estimate is
-  x_i / y_i. What is exact and what is not:
-  * the mass: sum_i x_i = sum_i Delta_i (plus residuals) after every round, exactly, quantised or not (a node
-    keeps what its pushes' rounding took off); on the circulant graphs (every node receives as many shares as it
-    sends) y_i stays 1, so the mean over the nodes of the estimates is exactly Delta, and the network's mean
-    parameters follow the DiLoCo recursion exactly (it is linear in Delta);
-  * each node's estimate: on the one-peer exponential graph (`npeer-exponential`, n a power of two) one period,
-    log2 n rounds, gives every node the exact average (to float rounding); with fewer rounds a node's estimate
-    is the average of the 2^G nodes its rounds reached, so the nodes' theta_i drift apart by the difference,
-    a random walk that the later rounds do not pull back (no parameter consensus).
+  sync (default: one period of a time-varying graph's schedule; ceil(log2 n) on a static graph, at most H / F). Each
+  node keeps its own theta_i and u_i, takes its outer step locally on its own pseudo-gradient, and the nodes
+  average the results, outer momentum and global parameters together (NoLoCo's idea, arXiv:2506.10911, that the
+  replicas are pulled together by averaging their parameters rather than an exact all-reduce; here by push-sum on
+  the job's graph). At the sync of fragment f node i computes
+      u_i^+ = mu u_i + Delta_i,   theta_i^+ = theta_i - eta (Delta_i + mu u_i^+)   (`outer_nesterov: false`: eta u_i^+)
+  and starts push-sum with the numerator x_i = (u_i^+, theta_i^+) and the weight y_i = 1. Round g, with the k
+  out-peers of gossip iteration s G + g (s: the sync's index, the same on every node): the node pushes each out-peer
+  the share (x_i / (k + 1), y_i / (k + 1)) (u in the job's precision, theta in the parameters' dtype), keeps
+  x_i - k D(Q(share)) and y_i / (k + 1), then adds the shares it receives. After G rounds its estimates x_i / y_i
+  become its u_i and theta_i, and w_i <- theta_i (or the overlap's merge, as above).
+  In matrix form over the nodes, P the G rounds' mixing matrix (column-stochastic; doubly stochastic on the graphs
+  where every node receives as many shares as it sends, as the ring, torus and exponential graphs: y_i stays 1):
+      U <- P (mu U + Delta),   Theta <- P (Theta - eta (Delta + mu (mu U + Delta))).
+  * The mean is exact on those graphs: 1^T P = 1^T and the step is linear, so the mean over the nodes of (u_i,
+    theta_i) follows the DiLoCo recursion on the mean of the Delta_i exactly, lossy shares included (a node keeps
+    what its pushes' rounding took off: sum_i x_i is exact after every round). Where nodes receive unequal numbers
+    of shares (y_i != 1) only the sums of the numerators are exact.
+  * Each node's state is exact only where P is the exact average: one period (log2 n rounds) of the one-peer
+    exponential graph (`npeer-exponential`) with n a power of two; then every (u_i, theta_i) is the all-reduce
+    route's (to float rounding). With 6 or 12 nodes one period of that graph is not the exact average, nor is any
+    number of rounds on a ring or a torus.
+  * The disagreement is bounded by design. With local quadratic losses around each node's optimum, Delta_i =
+    a (theta_i - opt_i), a in (0, 1); along an eigenvector of P with eigenvalue lambda the disagreement (theta, u)
+    evolves by lambda M, M = [[1 - eta a (1 + mu), -eta mu^2], [a, mu]] the matrix of DiLoCo's own outer
+    iteration (stable, spectral radius rho(M) <= 1, where DiLoCo converges), driven by the differences of the
+    optima. |lambda| < 1 on a connected graph (after G rounds, |lambda|^G): the disagreement contracts at every
+    sync and stays below the forcing over 1 - |lambda| rho(M), a geometric series. Two earlier forms do not hold:
+    gossiping Delta alone (this route before) left Theta <- Theta - eta (P Delta + mu U) with nothing pulling the
+    theta_i together, a random walk (on a ring of 8 with heterogeneous data the spread reached 94 in 120 syncs);
+    gossiping Delta and theta but keeping u local gives the matrix [[lambda (1 - eta a (1 + mu)), -eta mu^2],
+    [lambda a, mu]], unstable for negative lambda (lambda = -0.5, a = 0.5, eta = 0.7, mu = 0.9: spectral radius
+    1.02; measured: the torus's spread grew).
+  The global parameters travel in their own dtype: in int8 their rounding (relative to the largest parameter) would
+  be re-injected into the disagreement at every sync. A push thus carries the fragment's outer momentum in the job's
+  precision and its global parameters in full.
+  The rounds of a sync are numbered by the steps after it (a push's clock is the sync's step plus its round), so G
+  must be at most H / F, the steps to the next sync, defaults included (a set G or a time-varying graph's period
+  above it is refused at submit); otherwise a sync's later rounds would be filed under the next sync.
   Lossy shares need no error feedback across syncs here (`error_feedback` is the all-reduce route's): the rounding
   of a push stays in its sender's numerator within the sync.
   No collective, no coordinator in the loop: pushes go to neighbours and are retried until delivered.
@@ -113,7 +139,9 @@ from nodeagent.ps.worker import PSWorker
 from nodeagent.wire import lowprecision
 from nodeagent.wire.errors import WireError
 from nodeagent.wire.lowprecision import Precision
-from nodeagent.wire.message import Kind, Message, TensorSpec
+from nodeagent.wire.message import Kind, Message, TensorSpec, all_finite
+
+THETA = "theta"  # diloco-gossip: the global parameters' share in a push
 
 
 class DiLoCoOptions(AlgorithmOptions):
@@ -148,7 +176,8 @@ class PendingSync:
     apply_at: int
     residual_before: torch.Tensor | None  # the fragment's residual before this sync took its rounding
     mean: torch.Tensor | None = None  # the averaged pseudo-gradient of the fragment, once known
-    # gossip only: the round being absorbed, the push-sum numerator and weight
+    # gossip only: the round being absorbed, the push-sum numerator (the fragment's padded outer momentum, then its
+    # padded global parameters, after the node's local outer step) and weight
     round: int = 0
     x: torch.Tensor | None = None
     weight: float = 1.0
@@ -278,14 +307,26 @@ class _DiLoCo(Algorithm):
     def outer_step(self, fragment: int, mean: torch.Tensor) -> None:
         """The outer Nesterov step on the fragment's mean pseudo-gradient, and the restart (or merge) of its local
         parameters from the new global ones."""
-        options = self.options
         part = self.fragment_slice(fragment)
-        delta = mean[: part.stop - part.start]
+        momentum, theta = self.outer_update(part, mean[: part.stop - part.start])
         with torch.no_grad():
-            momentum = self.outer_momentum[part]
-            momentum.mul_(options.outer_momentum).add_(delta)
+            self.outer_momentum[part] = momentum
+            self.global_w[part] = theta
+            self.restart(part)
+
+    def outer_update(self, part: slice, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fragment's outer momentum and global parameters after a step on `delta` (this node's state is left
+        as it is): u' = mu u + delta, theta' = theta - eta (delta + mu u') (or theta - eta u')."""
+        options = self.options
+        with torch.no_grad():
+            momentum = self.outer_momentum[part] * options.outer_momentum + delta
             direction = delta.add(momentum, alpha=options.outer_momentum) if options.outer_nesterov else momentum
-            self.global_w[part] -= options.outer_lr * direction
+            return momentum, self.global_w[part] - options.outer_lr * direction
+
+    def restart(self, part: slice) -> None:
+        """The fragment's local parameters restart from its new global ones, or, with an overlap, are merged."""
+        options = self.options
+        with torch.no_grad():
             if options.overlap_steps:
                 self.w[part] = options.overlap_mix * self.w[part] + (1 - options.overlap_mix) * self.global_w[part]
             else:
@@ -426,9 +467,14 @@ class DiLoCo(_DiLoCo):
         if pending is not None and pending.residual_before is not None and "residual" in tensors:
             part = self.fragment_slice(pending.fragment)
             tensors["residual"][part] = pending.residual_before
-        synced = pending is None and self.fragment_due(self.clock) is not None
-        tensors["synced"] = torch.tensor([1.0 if synced else 0.0], dtype=self.w.dtype, device=self.w.device)
+        tensors["synced"] = torch.tensor([1.0 if self.round_applied() else 0.0], dtype=self.w.dtype,
+                                         device=self.w.device)
         return Message(Kind.PARAMS, self.context.rank, ALLREDUCE_RANK, tensors, clock=self.clock)
+
+    def round_applied(self) -> bool:
+        """Whether the sync sent at this step is applied already (the clock does not move at a sync: a quorum's
+        agreement must not take an applied sync for a pending one at the same step)."""
+        return self.pending is None and self.fragment_due(self.clock) is not None
 
     def _take_group_state(self, message: Message) -> None:
         with torch.no_grad():
@@ -539,12 +585,32 @@ class ServerDiLoCo(_DiLoCo, PSWorker):
 
 class GossipDiLoCoOptions(DiLoCoOptions):
     gossip_rounds: int | None = Field(
-        None, ge=1, description="push-sum rounds per sync; unset: one period of a time-varying graph's schedule "
-        "(log2 n on npeer-exponential: the exact average), 1 on a static graph")
+        None, ge=1, description="push-sum rounds per sync, at most inner_steps / fragments; unset: one period of a "
+        "time-varying graph's schedule (log2 n on npeer-exponential: the exact average when n is a power of two), "
+        "ceil(log2 n) on a static graph (at most inner_steps / fragments)")
+
+
+def default_rounds(options: GossipDiLoCoOptions, nodes: int, period: int) -> int:
+    """The push-sum rounds of a sync when `gossip_rounds` is unset, the same on every node: one `period` of a
+    time-varying graph's schedule; on a static graph (period 0) ceil(log2 n), at most H / F."""
+    if period:
+        return period
+    return max(1, min(math.ceil(math.log2(max(nodes, 1))), options.inner_steps // options.fragments))
 
 
 class GossipDiLoCo(_DiLoCo):
-    """Decentralised DiLoCo: pseudo-gradients averaged by push-sum gossip on the job's graph, no collective."""
+    """Decentralised DiLoCo: each node takes its outer step on its own pseudo-gradient, then the nodes average their
+    outer momenta and global parameters by push-sum gossip on the job's graph, no collective: u_i <- P (mu u_i +
+    Delta_i), theta_i <- P (theta_i - eta (Delta_i + mu (mu u_i + Delta_i))), P the mixing of G rounds. Along each
+    eigenvector of P (eigenvalue lambda, |lambda| < 1 on a connected graph) the replicas' disagreement evolves by
+    lambda times DiLoCo's own outer iteration, so it contracts at every sync and stays bounded however
+    heterogeneous the data (gossiping the pseudo-gradients alone let it grow without bound). Exact: the mean over
+    the nodes of theta_i and u_i on graphs where every node receives as many shares as it sends (ring, torus,
+    exponential graphs), which follows DiLoCo on the mean pseudo-gradient, lossy shares included; each node's
+    theta_i only after one period of npeer-exponential with a power-of-two node count (log2 n rounds). Not exact:
+    each node's state on a ring, a torus, or npeer-exponential with 6 or 12 nodes, at any number of rounds. A push
+    carries the outer momentum in the job's precision and the global parameters in their own dtype. gossip_rounds
+    must be at most inner_steps / fragments: set, or a time-varying graph's period, it is refused above that."""
 
     name = "diloco-gossip"
     family = Family.PEER
@@ -554,7 +620,8 @@ class GossipDiLoCo(_DiLoCo):
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         super().__init__(model, context, loss_fn)
-        self.rounds = self.options.gossip_rounds or max(1, len(context.peer_schedule))
+        self.rounds = self.options.gossip_rounds or default_rounds(self.options, context.world_size,
+                                                                   len(context.peer_schedule))
         self.residual = None  # a push's rounding stays in the sender's numerator: nothing is carried to later syncs
         # Shares of syncs this node has not started yet: clock -> sender -> (decoded share, weight).
         self.early: dict[int, dict[int, tuple[torch.Tensor, float]]] = defaultdict(dict)
@@ -571,9 +638,10 @@ class GossipDiLoCo(_DiLoCo):
         if alone and topology.nodes > 1:
             raise JobSpecError(f"topology: ranks {alone} have no neighbour to gossip with")
         gap = options.inner_steps // options.fragments
-        # The default, one period of the graph's schedule, is held to the same bound as a number the user sets: a
+        # The default is held to the same bound as a number the user sets (a static graph's is capped by it): a
         # sync's later rounds would be filed under the next sync, and the nodes would stop.
-        rounds = options.gossip_rounds or topology.schedule_period
+        period = topology.schedule_period if topology.schedule_period > 1 else 0
+        rounds = options.gossip_rounds or default_rounds(options, topology.nodes, period)
         if rounds > gap:
             given = "" if options.gossip_rounds else (f" (unset: one period of {spec.topology.kind}'s schedule, "
                                                       f"{rounds} rounds)")
@@ -587,7 +655,9 @@ class GossipDiLoCo(_DiLoCo):
         return self.sync_index(pending.sent_at, pending.fragment) * self.rounds + pending.round
 
     def _sync_sends(self, pending: PendingSync, value: torch.Tensor) -> list[Send]:
-        pending.x, pending.weight = value, 1.0
+        part = self.fragment_slice(pending.fragment)
+        momentum, theta = self.outer_update(part, value[: part.stop - part.start])  # the local outer step
+        pending.x, pending.weight = torch.cat([self.padded(momentum), self.padded(theta)]), 1.0
         pending.shares = defaultdict(dict)
         for clock in sorted(self.early):
             if clock < pending.sent_at + self.rounds:  # this sync's, or repeated deliveries of one absorbed
@@ -597,13 +667,16 @@ class GossipDiLoCo(_DiLoCo):
         return self._round_sends(pending)
 
     def _round_sends(self, pending: PendingSync) -> list[Send]:
-        """Split (x, weight) among this round's out-peers and this node; the pushes of the shares."""
+        """Split (x, weight) among this round's out-peers and this node; the pushes of the shares: the outer momentum
+        in the job's precision, the global parameters (`theta`) in their own dtype."""
         assert pending.x is not None
         peers = self.context.out_peers(self._iteration(pending))
         share = pending.x / (len(peers) + 1)
-        tensors = self.encode(share)
-        sent = self.decode(tensors) if self.lossy else share
-        pending.x = pending.x - len(peers) * sent  # what the rounding took off stays here: the mass is exact
+        length = self.fragment_length
+        tensors = {**self.encode(share[:length]), THETA: share[length:].clone()}
+        if self.lossy:
+            share[:length] = self.decode(tensors)
+        pending.x = pending.x - len(peers) * share  # what the rounding took off stays here: the mass is exact
         pending.weight /= len(peers) + 1
         clock = pending.sent_at + pending.round
         return [Send(Route.PUSH, peer, Kind.PUSHSUM,
@@ -629,8 +702,18 @@ class GossipDiLoCo(_DiLoCo):
             if pending.round < self.rounds:
                 self._outbox.extend(self._round_sends(pending))
             else:
-                pending.mean = pending.x / pending.weight
+                pending.mean = pending.x / pending.weight  # the estimates of the outer momentum's mean, then theta's
                 self._apply_due()
+
+    def outer_step(self, fragment: int, mean: torch.Tensor) -> None:
+        """The gossip's estimates of the means of the nodes' outer momenta and global parameters after their local
+        outer steps (the module's text) become this node's."""
+        part = self.fragment_slice(fragment)
+        length, size = self.fragment_length, part.stop - part.start
+        with torch.no_grad():
+            self.outer_momentum[part] = mean[:size]
+            self.global_w[part] = mean[length : length + size]
+            self.restart(part)
 
     def _start_sync(self, fragment: int) -> None:
         super()._start_sync(fragment)
@@ -639,7 +722,10 @@ class GossipDiLoCo(_DiLoCo):
     def receive(self, message: Message) -> None:
         if message.kind != Kind.PUSHSUM:
             return
-        share = (self.decode(message.tensors), message.weight)
+        theta = message.tensors[THETA].to(device=self.w.device, dtype=self.w.dtype)
+        if not all_finite(theta):
+            raise WireError("not_finite", "a push-sum share's parameters hold NaN or infinity")
+        share = (torch.cat([self.decode(message.tensors), theta]), message.weight)
         pending = self.pending
         if pending is not None and pending.sent_at <= message.clock < pending.sent_at + self.rounds:
             if message.clock < pending.sent_at + pending.round or pending.mean is not None:
@@ -667,4 +753,4 @@ class GossipDiLoCo(_DiLoCo):
         self.reject_unless_neighbor(peer)
         if kind != Kind.PUSHSUM:
             raise WireError("unexpected_kind", f"{self.name} accepts only pushsum, not {kind.name.lower()}")
-        return self.wire_specs()
+        return [*self.wire_specs(), TensorSpec(THETA, self.w.dtype, (self.fragment_length,))]

@@ -39,7 +39,8 @@ The rules, each in one place:
 - Rejoining: a node restarted in a running job (its live state lost since its checkpoint) first pulls what each
   neighbour serves (`Algorithm.rejoin_kind()`), holding back everything else that arrives, then hands the states to
   `Algorithm.rejoin()`, whose sends let the neighbours finish the rounds they wait in; the pulls are retried like
-  pushes.
+  pushes. A node of the collective family heals instead: before its first step it sends its group state as a
+  PARAMS message on the all-reduce route, and waits for the group's (the all-reduce's answer).
 - Joining: a node that joins a running elastic job pulls what each neighbour serves (`Algorithm.join_kind()`) the
   same way, and hands the states to `Algorithm.join()` with the step its neighbours switch to the topology that
   includes it; it is not evaluated at the job's initial model (it starts from theirs). It gives up on a neighbour
@@ -67,12 +68,12 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from nodeagent.algorithms.base import ALLREDUCE_RANK, Loss, Neighbor, Route, Send
+from nodeagent.algorithms.base import ALLREDUCE_RANK, Family, Loss, Neighbor, Route, Send
 from nodeagent.metrics import Metrics
 from nodeagent.ps.messages import SERVER_NAME, SERVER_RANK, ServerAnswer
 from nodeagent.runtime.progress import EdgeCounters, Progress, Traffic
 from nodeagent.training.job import Node
-from nodeagent.wire.message import Message
+from nodeagent.wire.message import Kind, Message
 
 log = logging.getLogger("nodeagent")
 
@@ -258,6 +259,9 @@ class NodeDriver:
         self._dropped: set[int] = set()  # neighbours that switches dropped and none brought back: not reported
         self.switches: list[Switch] = []
         self._join_pulls: set[int] = set()  # ids of the pulls of rejoining
+        # A restarted node of the collective family: its request for the group's state, to send before its first
+        # step (a Send), then sent (its Transmission) until the answer came (None).
+        self._heal: Send | Transmission | None = None
         self._sequence = itertools.count()
         self._calls = itertools.count()
         self._incarnation = uuid.uuid4().hex[:12]  # call ids stay unique across restarts of the node
@@ -285,6 +289,8 @@ class NodeDriver:
             self._in_flight.pop(send.peer, None)
         if isinstance(item, Reply):
             self._edge_message(send.peer, item.answer if isinstance(item.answer, Message) else None)
+        if isinstance(item, Reply) and item.transmission is self._heal:
+            self._heal = None  # the group's state, handed to the algorithm at the next next(): healed
         if isinstance(item, Reply) and id(item.transmission) in self._join_pulls and self._joining is not None:
             self._join_pulls.discard(id(item.transmission))
             assert isinstance(item.answer, Message)
@@ -345,7 +351,13 @@ class NodeDriver:
 
     def rejoin(self) -> None:
         """This node's rank ran before, and its live state since its checkpoint is lost (a restart): before its next
-        step it takes the job up where its neighbours are, if its algorithm needs to."""
+        step it takes the job up where its neighbours are, if its algorithm needs to: from its neighbours' states, or
+        in the collective family from the group's, which the all-reduce answers to its own state sent as a PARAMS
+        message (nodeagent.agent.collective), before it trains steps it would throw away."""
+        if type(self.algorithm).family is Family.COLLECTIVE:
+            state = self.algorithm.group_state()  # type: ignore[attr-defined]
+            self._heal = Send(Route.ALLREDUCE, ALLREDUCE_RANK, Kind.PARAMS, state)
+            return
         if self.algorithm.rejoin_kind() is not None and self.algorithm.context.neighbors:
             self._joining = dict.fromkeys(self.algorithm.context.neighbor_ranks)
 
@@ -484,6 +496,11 @@ class NodeDriver:
             joined, sends = self._join()
             if not joined:  # what arrived meanwhile waits for the algorithm's new state
                 return Decision(Action.WAIT, tuple(sends), tuple(reports))
+        if isinstance(self._heal, Send):
+            (self._heal,) = self._transmissions([self._heal], math.nan)
+            return Decision(Action.WAIT, (*sends, self._heal), tuple(reports))
+        if self._heal is not None:  # the group's state has not come yet
+            return Decision(Action.WAIT, tuple(sends), tuple(reports))
         self._hand_over(sends)
         if self._switch():  # a synchronous round completed on receipt, and the switch step came with it
             self._hand_over(sends)

@@ -9,6 +9,10 @@ its computation is done, and a peer answers an exchange from the snapshot it pub
 completed step, as the agent's servicer does. Everything else (what to do next, flow control, retries,
 evaluation, accounting) is the driver's (nodeagent.runtime.driver).
 
+The all-reduce (Route.ALLREDUCE and ALLGATHER, the collective family) is the agents' quorum policy in virtual time
+(nodeagent.runtime.sim_collective): faults and partitions lose members, the others go on as a quorum without
+them, and a member that comes back takes the group's state.
+
 The parameter server (Route.SERVER, the centralised algorithms) is the same server half the coordinator hosts,
 in this process, behind `SimulatedServer`, the simulator's ServerLink. It has one network interface: pushes
 queue on its ingress and models on its egress, each at the network's bandwidth, plus the latency; step reports
@@ -36,8 +40,9 @@ import numpy as np
 import torch
 from prometheus_client import Counter
 
+from nodeagent.agent.quorum import QuorumOptions
 from nodeagent.algorithms import Family, Snapshot, build_server
-from nodeagent.algorithms.base import ALLREDUCE_RANK, Route, SendFailed
+from nodeagent.algorithms.base import Route, SendFailed
 from nodeagent.jobspec import SimulationSpec
 from nodeagent.metrics import Metrics
 from nodeagent.ps.esync import RoundMetrics
@@ -53,7 +58,7 @@ from nodeagent.ps.messages import (
 )
 from nodeagent.ps.server import ServerHalf
 from nodeagent.runtime.driver import Action, Arrival, Failure, NodeDriver, Reply, Report, Switch, Transmission
-from nodeagent.runtime.progress import ring_allgather_bytes, ring_allreduce_bytes
+from nodeagent.runtime.sim_collective import SimulatedQuorum
 from nodeagent.training.job import Node
 from nodeagent.wire.message import Message
 
@@ -150,7 +155,6 @@ class VirtualMesh:
         self._queue: list[tuple[float, int, Callable[[], None]]] = []
         self._sequence = itertools.count()
         self._link_free_at: dict[tuple[int, int], float] = {}
-        self._allreduce: dict[tuple[bool, int], dict[int, tuple[Transmission, Message]]] = {}  # by (gather, clock)
         # Each edge's byte counters, looked up once: a labelled lookup costs more than a small model's message.
         self._edge_counters: dict[tuple[int, int], tuple[Counter, Counter]] = {}
         # Each partition's group of every rank it names, once: asked per message, it cost O(nodes) each time.
@@ -167,6 +171,12 @@ class VirtualMesh:
                 )
                 for n in nodes
             ]
+        self.collective: SimulatedQuorum | None = None
+        if nodes and type(nodes[0].algorithm).family is Family.COLLECTIVE:
+            failure = nodes[0].spec.failure
+            self.collective = SimulatedQuorum(self, QuorumOptions(
+                step_timeout_s=failure.step_timeout_s, join_s=failure.join_s,
+                min_members=failure.quorum_minimum(len(nodes)), wait_s=failure.lost_grace_s + failure.step_timeout_s))
         self.server: SimulatedServer | None = None
         if nodes and type(nodes[0].algorithm).family is Family.SERVER:
             self.server = SimulatedServer(self, build_server(nodes[0].spec, nodes[0].batches.dataset.info))
@@ -260,7 +270,7 @@ class VirtualMesh:
         self._transmit(sim, sends)
         self._start(sim)
 
-    def _arrive(self, sim: SimNode, item: Arrival) -> None:
+    def arrive(self, sim: SimNode, item: Arrival) -> None:
         """Hand `item` to the node's driver, schedule the retries it asks for, and wake the node if it waits."""
         retry_at = sim.driver.arrived(item)
         if retry_at is not None:
@@ -281,7 +291,8 @@ class VirtualMesh:
         for t in transmissions:
             route = t.send.route
             if route in (Route.ALLREDUCE, Route.ALLGATHER):
-                self._contribute(sim, t)
+                assert self.collective is not None, f"{sim.name} sent to the all-reduce, but this job has none"
+                self.collective.contribute(sim, t)
             elif route == Route.SERVER:
                 assert sim.link is not None, f"{sim.name} sent to the parameter server, but this job has none"
                 sim.link.call(t.send.message, t.call_id, t.step_s, lambda answer, t=t: self._answered(sim, t, answer))
@@ -290,9 +301,9 @@ class VirtualMesh:
 
     def _answered(self, sim: SimNode, t: Transmission, answer: object) -> None:
         if isinstance(answer, SendFailed):
-            self._arrive(sim, Failure(t, answer.reason, answer.transient))
+            self.arrive(sim, Failure(t, answer.reason, answer.transient))
         else:
-            self._arrive(sim, Reply(t, answer))
+            self.arrive(sim, Reply(t, answer))
 
     def _to_peer(self, sim: SimNode, t: Transmission) -> None:
         src, dst = sim.rank, t.send.peer
@@ -304,11 +315,11 @@ class VirtualMesh:
             return
         message = t.send.message
         size = REQUEST_BYTES if message is None else message.payload_bytes
-        self._count(sim, self.nodes[dst], size)
+        self.count(sim, self.nodes[dst], size)
         self.at(self._arrival((src, dst), size), lambda: self._deliver(sim, t))
 
     def _give_up(self, sim: SimNode, t: Transmission, reason: str, when: float) -> None:
-        self.at(when, lambda: self._arrive(sim, Failure(t, reason)))
+        self.at(when, lambda: self.arrive(sim, Failure(t, reason)))
 
     def _deliver(self, sender: SimNode, t: Transmission) -> None:
         receiver = self.nodes[t.send.peer]
@@ -319,58 +330,28 @@ class VirtualMesh:
         message = t.send.message
         assert message is None or isinstance(message, Message)
         if t.send.route == Route.PUSH:
-            self._arrive(receiver, message)
-            self._arrive(sender, Reply(t, None))
+            self.arrive(receiver, message)
+            self.arrive(sender, Reply(t, None))
             return
         # An exchange or a pull: the peer answers from the snapshot of its last completed step.
         reply = receiver.visible.message_for(sender.rank, t.send.kind)
         if reply is None:
             self._give_up(sender, t, "failed_precondition", self.now)
             return
-        self._count(receiver, sender, reply.payload_bytes)
+        self.count(receiver, sender, reply.payload_bytes)
         arrival = self._arrival((receiver.rank, sender.rank), reply.payload_bytes)
         self.at(arrival, lambda: self._exchange_done(sender, t, reply))
         if message is not None:
-            self._arrive(receiver, message)
+            self.arrive(receiver, message)
 
     def _exchange_done(self, sender: SimNode, t: Transmission, reply: Message) -> None:
         if self.down_until(sender.rank, self.now) is not None:
             # The initiator went down meanwhile: the reply is lost with it, and the call failed.
-            self._arrive(sender, Failure(t, "unavailable"))
+            self.arrive(sender, Failure(t, "unavailable"))
             return
-        self._arrive(sender, Reply(t, reply))
+        self.arrive(sender, Reply(t, reply))
 
-    def _contribute(self, sim: SimNode, t: Transmission) -> None:
-        """A rank's part of an all-reduce or all-gather; once every rank's is in, all receive the mean (or every
-        rank's tensors, stacked) after the time a ring takes: for an all-reduce 2 (n - 1) / n of the bytes through
-        each link and 2 (n - 1) latencies, for an all-gather n - 1 messages and n - 1 latencies."""
-        message = t.send.message
-        assert isinstance(message, Message)
-        gather = t.send.route == Route.ALLGATHER
-        parts = self._allreduce.setdefault((gather, message.clock), {})
-        parts[sim.rank] = (t, message)
-        if len(parts) < len(self.nodes):
-            return
-        del self._allreduce[gather, message.clock]
-        count = len(self.nodes)
-        if gather:
-            share = ring_allgather_bytes(message.payload_bytes, count)
-            latencies = count - 1
-        else:
-            share = ring_allreduce_bytes(message.payload_bytes, count)
-            latencies = 2 * (count - 1)
-        duration = share / self.network.bandwidth_bytes_per_s + \
-            latencies * (self.network.latency_s + self.network.message_cost_s)
-        messages = [parts[rank][1] for rank in range(count)]
-        stacked = {name: torch.stack([m.tensors[name] for m in messages]) for name in messages[0].tensors}
-        result_tensors = stacked if gather else {name: tensor.mean(dim=0) for name, tensor in stacked.items()}
-        for rank, node in enumerate(self.nodes):
-            self._count(node, self.nodes[(rank + 1) % count], share)
-            result = Reply(parts[rank][0],
-                           Message(t.send.kind, ALLREDUCE_RANK, rank, result_tensors, clock=message.clock))
-            self.at(self.now + duration, lambda node=node, result=result: self._arrive(node, result))
-
-    def _count(self, src: SimNode, dst: SimNode, size: int) -> None:
+    def count(self, src: SimNode, dst: SimNode, size: int) -> None:
         src.driver.traffic.add_sent(dst.rank, size)
         dst.driver.traffic.add_received(src.rank, size)
         counters = self._edge_counters.get((src.rank, dst.rank))
