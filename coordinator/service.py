@@ -308,7 +308,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 if self._replan(job, members, [], [m for m, _ in lost], reason):
                     continue
             collective = algorithm.family is Family.COLLECTIVE
-            minimum = spec.failure.quorum_minimum(spec.max_nodes) if collective else 0
+            minimum = spec.quorum_minimum if collective else 0
             if collective and len(members) - len(lost) < minimum:
                 self._end_job(job, "FAILED", f"lost {ranks}: the all-reduce has {len(members) - len(lost)} members "
                               f"left, fewer than its quorum's minimum of {minimum}, for longer than the heartbeat "

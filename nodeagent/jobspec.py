@@ -190,10 +190,6 @@ class FailureSpec(_Strict):
         "majority of the job's nodes, so that two halves cut apart never both train); fewer for longer than "
         "`lost_grace_s` fail the job")
 
-    def quorum_minimum(self, nodes: int) -> int:
-        """The fewest members an all-reduce quorum of a job of `nodes` nodes may have."""
-        return min(self.min_members, nodes) if self.min_members else nodes // 2 + 1
-
 
 class StartSpec(_Strict):
     """How the job starts on its nodes."""
@@ -275,6 +271,13 @@ class JobSpec(_Strict):
         """The most ranks the job has: its size, or an elastic job's max (its data is split into that many
         shards)."""
         return self.nodes.max if isinstance(self.nodes, NodeRange) else self.nodes
+
+    @property
+    def quorum_minimum(self) -> int:
+        """The fewest members an all-reduce quorum of the job may have: `failure.min_members`, or a majority of its
+        most ranks (an elastic job's max: its nodes are built for that many, as every agent's spec is sized)."""
+        nodes = self.max_nodes
+        return min(self.failure.min_members, nodes) if self.failure.min_members else nodes // 2 + 1
 
     def sized(self, count: int | None = None) -> JobSpec:
         """The job with a fixed number of nodes, `count` (default: its most, `max_nodes`): what its nodes are built
