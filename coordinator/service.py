@@ -18,17 +18,18 @@ import grpc
 from pydantic import ValidationError
 
 from coordinator.ca import DEFAULT_TOKEN_TTL_S, CAError, ClusterCA
+from coordinator.control.records import Job, MemberRow, NodeRow
+from coordinator.control.sqlite import SqliteState
+from coordinator.control.states import JobState
 from coordinator.jobs import (
     check_topology_changes,
     plan_member,
     validate_job,
     validate_membership,
     validate_topology_change,
-    with_topology,
 )
 from coordinator.ps_service import PSService
 from coordinator.rendezvous import Rendezvous, RendezvousError, request_problem
-from coordinator.store import JobRow, MemberRow, NodeRow, Store
 from coordinator.topology import Topology, build_topology
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
@@ -66,9 +67,7 @@ log = logging.getLogger("coordinator")
 # How long Register waits for the old address of a node id to answer (see answers_as).
 PROBE_TIMEOUT_S = 1.0
 
-JOB_STATES = {
-    name: pb.JobState.Value(f"JOB_{name}") for name in ("PENDING", "RUNNING", "FINISHED", "STOPPED", "FAILED")
-}
+JOB_STATES = {state: pb.JobState.Value(f"JOB_{state.value}") for state in JobState}
 WATCH_POLL_S = 1.0
 MAX_FAILURE_CHARS = 2000  # of a node's failure reason, as stored and shown
 CERTIFICATE_CHECK_S = 600.0  # how often the coordinator looks at its own certificate's expiry
@@ -193,7 +192,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.transport = transport or Transport.insecure()
         self._watches: dict[str, int] = {}
         self._watches_lock = threading.Lock()
-        self.store = Store(config.state_dir / "coordinator.db")
+        self.store = SqliteState(config.state_dir / "coordinator.db")
         self.changes = _Changes()
         self.stopping = threading.Event()
         self._topologies: dict[tuple[str, int], Topology] = {}  # by job and topology version
@@ -285,8 +284,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         does an all-reduce job while its quorum keeps at least `failure.min_members`, and fails when fewer remain."""
         nodes = {n.node_id: n for n in self.store.nodes()}
         now = time.time()
-        for job in self.store.jobs(("RUNNING",)):
-            spec = JobSpec.from_json(job.spec_json)
+        for job in self.store.jobs((JobState.RUNNING,)):
+            spec = job.spec
             members = self.store.members(job.job_id)
             lost = []
             for member in members:
@@ -310,28 +309,29 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             collective = algorithm.family is Family.COLLECTIVE
             minimum = spec.quorum_minimum if collective else 0
             if collective and len(members) - len(lost) < minimum:
-                self._end_job(job, "FAILED", f"lost {ranks}: the all-reduce has {len(members) - len(lost)} members "
-                              f"left, fewer than its quorum's minimum of {minimum}, for longer than the heartbeat "
-                              f"timeout and the job's failure.lost_grace_s ({spec.failure.lost_grace_s:g} s) allow")
+                self._end_job(job, JobState.FAILED, f"lost {ranks}: the all-reduce has {len(members) - len(lost)} "
+                              f"members left, fewer than its quorum's minimum of {minimum}, for longer than the "
+                              f"heartbeat timeout and the job's failure.lost_grace_s ({spec.failure.lost_grace_s:g} "
+                              "s) allow")
             elif not collective and synchronous:
-                self._end_job(job, "FAILED", f"lost {ranks}: longer than the heartbeat timeout and the job's "
+                self._end_job(job, JobState.FAILED, f"lost {ranks}: longer than the heartbeat timeout and the job's "
                               f"failure.lost_grace_s ({spec.failure.lost_grace_s:g} s) allow a synchronous job")
             elif all(m.progress.finished or m.rank in {gone.rank for gone, _ in lost} for m in members):
-                self._end_job(job, "FINISHED", f"without the lost {ranks}")
+                self._end_job(job, JobState.FINISHED, f"without the lost {ranks}")
 
     def _review_start_barriers(self) -> None:
         """Fail each running job whose start barrier waited longer than its `start.timeout_s`, naming the ranks
         that never became ready."""
         now = time.time()
-        for job in self.store.jobs(("RUNNING",)):
+        for job in self.store.jobs((JobState.RUNNING,)):
             if job.released_unix:
                 continue
-            start = JobSpec.from_json(job.spec_json).start
+            start = job.spec.start
             if start.barrier and now - job.started_unix > start.timeout_s:
-                self._end_job(job, "FAILED", f"start barrier: {self._not_ready(job)} not ready within "
+                self._end_job(job, JobState.FAILED, f"start barrier: {self._not_ready(job)} not ready within "
                               f"start.timeout_s ({start.timeout_s:g} s) of the job's start")
 
-    def _not_ready(self, job: JobRow) -> str:
+    def _not_ready(self, job: Job) -> str:
         """The ranks of `job` that are not ready to start, with their nodes (and whether they are down)."""
         nodes = {n.node_id: n for n in self.store.nodes()}
         waiting = [m for m in self.store.members(job.job_id) if not m.ready]
@@ -354,8 +354,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         starts once its least members are idle, on as many idle nodes as it may have; the nodes still idle then
         join the running elastic jobs that may grow, oldest first."""
         with self._schedule_lock:
-            for job in self.store.jobs(("PENDING",)):
-                spec = JobSpec.from_json(job.spec_json)
+            for job in self.store.jobs((JobState.PENDING,)):
+                spec = job.spec
                 nodes = self.store.nodes()
                 idle = self._idle(nodes, spec)
                 if len(idle) < job.world_size:
@@ -374,8 +374,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def _grow_elastic_jobs(self) -> None:
         """Idle nodes join running elastic jobs below their most members, once a job has started (released at its
         start barrier) and its members have switched to its last change."""
-        for job in self.store.jobs(("RUNNING",)):
-            spec = JobSpec.from_json(job.spec_json)
+        for job in self.store.jobs((JobState.RUNNING,)):
+            spec = job.spec
             if not spec.elastic or job.world_size >= spec.max_nodes or (spec.start.barrier and not job.released_unix):
                 continue
             nodes = self.store.nodes()
@@ -386,11 +386,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             if not self._change_pending(job, members, {n.node_id: n for n in nodes}):
                 self._replan(job, members, idle[: spec.max_nodes - len(members)], [], "")
 
-    def _drain_member(self, job: JobRow, node_id: str) -> bool:
+    def _drain_member(self, job: Job, node_id: str) -> bool:
         """A drained member of an asynchronous elastic job leaves it now, while at least its least members remain
         and no change is under way; whether it left. (A synchronous job's neighbours would wait for its rounds:
         it stays, as in any job, until the job ends.)"""
-        spec = JobSpec.from_json(job.spec_json)
+        spec = job.spec
         if not spec.elastic or lookup(spec.algorithm.name).synchronous(spec.algorithm):
             return False
         members = self.store.members(job.job_id)
@@ -400,21 +400,21 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             return False
         return self._replan(job, members, [], leaving, "drained by an operator")
 
-    def _change_pending(self, job: JobRow, members: list[MemberRow], nodes: dict[str, NodeRow]) -> bool:
+    def _change_pending(self, job: Job, members: list[MemberRow], nodes: dict[str, NodeRow]) -> bool:
         """Whether some member that is up and not finished has not reached the step where the job switches to its
         latest change (one that joined has not reported from it yet): a new change waits until every one has."""
         return any(
             not m.progress.finished and m.progress.step < job.switch_step
             and m.node_id in nodes and nodes[m.node_id].up for m in members)
 
-    def _replan(self, job: JobRow, members: list[MemberRow], joining: list[str], leaving: list[MemberRow],
+    def _replan(self, job: Job, members: list[MemberRow], joining: list[str], leaving: list[MemberRow],
                 reason: str) -> bool:
         """An elastic job's new membership: `joining` nodes take the lowest free ranks, `leaving` members leave,
         and the graph (the same kind and seed) is planned again for the new member count. It reaches the members as
         a topology change (a new version, switched to just before one step for all, as `coordinator topology`
         does); the nodes that join start in it. Ranks stay with their members. False when the job cannot take it
         now: its graph does not fit the new count, or it ends before its members could all switch."""
-        spec = self._running_spec(job)
+        spec = job.running_spec
         gone = {m.rank for m in leaving}
         staying = [m for m in members if m.rank not in gone]
         held = {m.rank for m in staying}
@@ -469,7 +469,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return (f"needs {needed} idle agents; {idle} {_are(idle)} idle now, the others run jobs: it starts when they "
                 "end")
 
-    def _end_job(self, job: JobRow, state: str, reason: str = "") -> None:
+    def _end_job(self, job: Job, state: JobState, reason: str = "") -> None:
         """Finish, stop or fail an active job: its agents are freed (their assignment ends), and its rendezvous and
         parameter server close."""
         if not self.store.end_job(job.job_id, state, reason):
@@ -479,29 +479,22 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.metrics.forget_job(job.job_id)
         with self._live_edges_lock:
             self._live_edges.pop(job.job_id, None)
-        log.log(logging.WARNING if state == "FAILED" else logging.INFO, "job %s %s%s", job.job_id, state.lower(),
-                f": {reason}" if reason else "")
-        self._event(job, state.lower(), reason or f"job {state.lower()}", "ERROR" if state == "FAILED" else "INFO")
+        log.log(logging.WARNING if state == JobState.FAILED else logging.INFO, "job %s %s%s", job.job_id,
+                state.event_kind, f": {reason}" if reason else "")
+        self._event(job, state.event_kind, reason or f"job {state.event_kind}",
+                    "ERROR" if state == JobState.FAILED else "INFO")
         self.changes.bump()
         self._schedule()
 
     # -- assignments ---------------------------------------------------------------------------------------------
 
-    def _topology(self, job: JobRow, spec: JobSpec) -> Topology:
-        """The job's graph now, on its members now (`spec`: the job as it runs now, `_running_spec`)."""
+    def _topology(self, job: Job, spec: JobSpec) -> Topology:
+        """The job's graph now, on its members now (`spec`: the job as it runs now, `Job.running_spec`)."""
         key = (job.job_id, job.topology_version)
         topology = self._topologies.get(key)
         if topology is None:
             topology = self._topologies[key] = build_topology(spec.topology, job.world_size)
         return topology
-
-    @staticmethod
-    def _running_spec(job: JobRow) -> JobSpec:
-        """The job's spec with the topology it runs now (after `coordinator topology` changes)."""
-        spec = JobSpec.from_json(job.spec_json)
-        if job.topology_json:
-            spec = with_topology(spec, TopologySpec.model_validate_json(job.topology_json))
-        return spec
 
     def assignment_for(self, node_id: str) -> pb.Assignment:
         revoked = self.ca.live_revocations() if self.ca is not None else []
@@ -510,7 +503,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             return pb.Assignment(version=self.changes.version, state=pb.JOB_STATE_UNSPECIFIED,
                                  revoked_serials=revoked)
         job, rank = membership
-        spec = self._running_spec(job)
+        spec = job.running_spec
         rows = {m.rank: m for m in self.store.members(job.job_id)}
         plan = plan_member(spec, self._topology(job, spec), sorted(rows), rank)
         members = {m.rank: m.node_id for m in rows.values()}
@@ -525,7 +518,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 )
             )
         # An elastic job's nodes are built for its most members (its data split into that many shards).
-        spec_json = spec.sized().to_json() if spec.elastic else job.spec_json
+        spec_json = spec.sized().to_json() if spec.elastic else job.spec.to_json()
         return pb.Assignment(
             version=self.changes.version, job_id=job.job_id, state=pb.JOB_RUNNING, job_spec_json=spec_json,
             rank=rank, world_size=job.world_size, neighbors=neighbors, self_weight=plan.self_weight,
@@ -622,7 +615,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if job is None or not any(m.rank == progress.rank and m.node_id == progress.node
                                   for m in self.store.members(job.job_id)):
             return pb.MetricsReply(job_active=False)  # not this node's rank: nothing is recorded
-        if problem := report_problem(progress, JobSpec.from_json(job.spec_json), job.started_unix, now):
+        if problem := report_problem(progress, job.spec, job.started_unix, now):
             field, why = problem
             self.metrics.coordinator_refused_reports.labels(request.node_id, field).inc()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"report of rank {request.rank} of job {job.job_id}: "
@@ -634,13 +627,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             run_log = self._run_logs[job.job_id] = RunLog(job.run_dir)
         run_log.append(progress)
         with self._live_edges_lock:
-            if self.store.job(job.job_id).state == "RUNNING":
+            if self.store.job(job.job_id).state == JobState.RUNNING:
                 self._live_edges.setdefault(job.job_id, {})[progress.rank] = progress
-        if request.finished and job.state == "RUNNING":
+        if request.finished and job.state == JobState.RUNNING:
             members = self.store.members(job.job_id)
             if all(m.progress.finished for m in members):
-                self._end_job(job, "FINISHED")
-        return pb.MetricsReply(job_active=self.store.job(job.job_id).state == "RUNNING")
+                self._end_job(job, JobState.FINISHED)
+        return pb.MetricsReply(job_active=self.store.job(job.job_id).state == JobState.RUNNING)
 
     def ReportFailure(self, request, context):
         reason = plain_text(request.reason[:MAX_FAILURE_CHARS]).strip() or "no reason given"
@@ -651,7 +644,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         job = self.store.job(request.job_id)
         assert job is not None
         # The default policy: a node that cannot build or continue its job fails the job.
-        self._end_job(job, "FAILED", f"rank {request.rank} (node {request.node_id}) failed: {reason}")
+        self._end_job(job, JobState.FAILED, f"rank {request.rank} (node {request.node_id}) failed: {reason}")
         return pb.NodeFailureReply(job_state=JOB_STATES[self.store.job(job.job_id).state])
 
     def JobReady(self, request, context):
@@ -676,7 +669,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if readiness.data_json != data_to_json(data):
             agreed = data_from_json(readiness.data_json)
             ready = [m.rank for m in self.store.members(job.job_id) if m.ready]
-            self._end_job(job, "FAILED", f"rank {request.rank} (node {node_id}) has other data than rank"
+            self._end_job(job, JobState.FAILED, f"rank {request.rank} (node {node_id}) has other data than rank"
                           f"{'s' if len(ready) > 1 else ''} {', '.join(map(str, ready))}: "
                           f"{'; '.join(data_differences(data, agreed))}")
             return self._ready_reply(job.job_id, released=False)
@@ -684,7 +677,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self._event(job, events.RELEASED, f"every rank is ready, {time.time() - job.started_unix:.2f} s after "
                         f"the job started: released ({data})")
             self.changes.bump()
-        if readiness.released or not JobSpec.from_json(job.spec_json).start.barrier:
+        if readiness.released or not job.spec.start.barrier:
             return self._ready_reply(job.job_id, released=True)
         # Held until the last rank is ready or the job ends (both bump the changes), or until wait_s.
         deadline = time.monotonic() + request.wait_s
@@ -692,7 +685,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         while context.is_active() and not self.stopping.is_set() and time.monotonic() < deadline:
             current = self.store.job(job.job_id)
             assert current is not None
-            if current.state != "RUNNING" or current.released_unix:
+            if current.state != JobState.RUNNING or current.released_unix:
                 break
             version = self.changes.wait_past(version, deadline - time.monotonic())
         return self._ready_reply(job.job_id, released=False)
@@ -705,13 +698,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         membership = self.store.running_membership(node_id)
         job = membership[0] if membership is not None and membership[0].job_id == request.job_id else None
-        spec = JobSpec.from_json(job.spec_json) if job is not None else None
+        spec = job.spec if job is not None else None
         if spec is None or lookup(spec.algorithm.name).family is not Family.COLLECTIVE:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"node {node_id[:64]!r} holds no rank of the running "
                           f"all-reduce job {request.job_id[:MAX_JOB_REFERENCE_CHARS]!r}")
         assert spec is not None
         store, made = self.rendezvous.store(request.job_id, spec.max_nodes)
-        if made and self.store.job(request.job_id).state != "RUNNING":  # it ended meanwhile: the store goes too
+        if made and self.store.job(request.job_id).state != JobState.RUNNING:  # it ended meanwhile: the store goes too
             self.rendezvous.end(request.job_id)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"job {request.job_id} is not running")
         try:
@@ -723,7 +716,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         """The answer to a ready report: released (start), waiting (for the ranks named) or ended (the reason)."""
         job = self.store.job(job_id)
         assert job is not None
-        if job.state != "RUNNING":
+        if job.state != JobState.RUNNING:
             return pb.JobReadyReply(job_state=JOB_STATES[job.state], reason=job.reason)
         released = released or bool(job.released_unix)
         return pb.JobReadyReply(job_state=pb.JOB_RUNNING, released=released,
@@ -769,11 +762,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self._event_allowance[node_id] = (allowance - kept, now)
             return kept
 
-    def _event(self, job: JobRow, kind: str, message: str, level: str = "INFO") -> None:
+    def _event(self, job: Job, kind: str, message: str, level: str = "INFO") -> None:
         """One of the coordinator's own events of a job."""
         self._record(job, Event(time.time(), job.job_id, kind, events.bounded(message), level))
 
-    def _record(self, job: JobRow, event: Event) -> None:
+    def _record(self, job: Job, event: Event) -> None:
         with self._events_lock:
             event_log = self._event_logs.get(job.job_id)
             if event_log is None:
@@ -870,7 +863,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "job.yaml").write_text(request.spec_yaml)
         (run_dir / "job.json").write_text(spec.model_dump_json(indent=2))
-        self.store.add_job(job_id, spec.name, spec.to_json(), request.spec_yaml, spec.min_nodes, str(run_dir))
+        self.store.add_job(job_id, spec, request.spec_yaml, str(run_dir))
         nodes = f"{spec.min_nodes}..{spec.max_nodes} nodes (elastic)" if spec.elastic else f"{spec.nodes} nodes"
         log.info("job %s submitted: %s on %s", job_id, spec.algorithm.name, nodes)
         job = self.store.job(job_id)
@@ -888,17 +881,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         job = self.store.find_job(request.job_id[:MAX_JOB_REFERENCE_CHARS])
         if job is None:
             context.abort(grpc.StatusCode.NOT_FOUND, _no_job(request.job_id))
-        self._end_job(job, "STOPPED", "stopped by an operator")
+        self._end_job(job, JobState.STOPPED, "stopped by an operator")
         return pb.StopJobReply(state=JOB_STATES[self.store.job(job.job_id).state], job_id=job.job_id)
 
     def ChangeTopology(self, request, context):
         job = self.store.find_job(request.job_id[:MAX_JOB_REFERENCE_CHARS])
         if job is None:
             context.abort(grpc.StatusCode.NOT_FOUND, _no_job(request.job_id))
-        if job.state != "RUNNING":
+        if job.state != JobState.RUNNING:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"job {job.job_id} is {job.state.lower()}: only a running job's topology can change")
-        spec = self._running_spec(job)
+        spec = job.running_spec
         try:
             check_topology_changes(spec)
         except JobSpecError as error:
@@ -1139,9 +1132,9 @@ def _age(value: float) -> float:
     return value if math.isfinite(value) and value >= 0 else math.nan
 
 
-def _elastic_range(job: JobRow) -> dict[str, int]:
+def _elastic_range(job: Job) -> dict[str, int]:
     """An elastic job's least and most members, as JobInfo and JobStatusReply give them (none for a fixed size)."""
-    spec = JobSpec.from_json(job.spec_json)
+    spec = job.spec
     return {"min_nodes": spec.min_nodes, "max_nodes": spec.max_nodes} if spec.elastic else {}
 
 

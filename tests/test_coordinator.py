@@ -442,14 +442,14 @@ def test_the_nodes_command_shows_each_nodes_device_with_its_name_and_memory(coor
 def test_a_database_from_before_the_device_columns_gets_them_and_keeps_its_nodes(tmp_path):
     import sqlite3
 
-    from coordinator.store import SCHEMA, Store
+    from coordinator.control.sqlite import SCHEMA, SqliteState
 
     path = tmp_path / "coordinator.db"
     with sqlite3.connect(path) as old:  # the tables' first version, as an older coordinator wrote them
         old.executescript(SCHEMA)
         old.execute("INSERT INTO nodes VALUES ('n0', 'old', '127.0.0.1:7100', '', 'cuda:0', '0.1.0', 1.0, 1.0, 1)")
     old.close()
-    store = Store(path)
+    store = SqliteState(path)
     [node] = store.nodes()
     assert (node.node_id, node.device, node.device_name, node.device_memory_bytes) == ("n0", "cuda:0", "", 0)
     store.register_node("n0", "old", "127.0.0.1:7100", "", "cuda:0", "0.1.0", "NVIDIA H100 80GB HBM3", 2**36)
