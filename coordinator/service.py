@@ -10,7 +10,7 @@ import math
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,19 +18,15 @@ import grpc
 from pydantic import ValidationError
 
 from coordinator.ca import DEFAULT_TOKEN_TTL_S, CAError, ClusterCA
+from coordinator.control.plane import ControlPlane, Effect, JobEnded, JobEvent, TopologyRefused
 from coordinator.control.records import Job, MemberRow, NodeRow
 from coordinator.control.sqlite import SqliteState
 from coordinator.control.states import JobState
 from coordinator.jobs import (
-    check_topology_changes,
-    plan_member,
     validate_job,
-    validate_membership,
-    validate_topology_change,
 )
 from coordinator.ps_service import PSService
 from coordinator.rendezvous import Rendezvous, RendezvousError, request_problem
-from coordinator.topology import Topology, build_topology
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 from nodeagent.algorithms import Family, lookup
@@ -56,7 +52,7 @@ from nodeagent.runtime import events
 from nodeagent.runtime.driver import IN_FLIGHT
 from nodeagent.runtime.events import Event, EventLog
 from nodeagent.runtime.progress import EdgeCounters, Progress, RunLog, from_report, to_node_progress
-from nodeagent.runtime.readiness import data_differences, data_from_json, data_from_proto, data_problem, data_to_json
+from nodeagent.runtime.readiness import data_from_proto, data_problem
 from nodeagent.security import pki
 from nodeagent.security.authz import Authorizer, rules_for
 from nodeagent.security.pki import CertificateError, Role
@@ -82,12 +78,6 @@ MAX_CALLS_PER_IDENTITY = 32
 DEFAULT_JOB_LIST = 100
 MAX_JOB_LIST = 10_000
 MAX_JOB_REFERENCE_CHARS = 128  # a job's id or name, as a person types it
-# A topology change: every node switches just before the same step, the highest step reported so far plus the
-# steps the fastest node takes in SWITCH_LEAD_S (at least MIN_SWITCH_MARGIN_STEPS). Nodes report every second and
-# the new assignment reaches them within milliseconds, so a node that has passed the step before it learns of the
-# change (it then switches at once, and says so) is one that ran several seconds ahead of its reports.
-SWITCH_LEAD_S = 5.0
-MIN_SWITCH_MARGIN_STEPS = 10
 MAX_TOPOLOGY_OPTIONS_CHARS = 65_536  # of a change's options as JSON (an edge list of a few thousand edges)
 MAX_EVENTS_PER_REPORT = 64
 # Each node may add EVENT_BURST events at once and EVENT_RATE_PER_S on average: a node that logs in a loop fills
@@ -195,8 +185,6 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.store = SqliteState(config.state_dir / "coordinator.db")
         self.changes = _Changes()
         self.stopping = threading.Event()
-        self._topologies: dict[tuple[str, int], Topology] = {}  # by job and topology version
-        self._unplannable: set[tuple[str, int]] = set()  # (elastic job, member count) its graph does not fit
         self.rendezvous = Rendezvous()
         self._run_logs: dict[str, RunLog] = {}
         self._event_logs: dict[str, EventLog] = {}
@@ -206,12 +194,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         # debugging figures, refreshed every second, kept in memory only and dropped when the job ends.
         self._live_edges: dict[str, dict[int, Progress]] = {}
         self._live_edges_lock = threading.Lock()  # a report racing its job's end leaves nothing behind
-        self._schedule_lock = threading.Lock()
+        # The rules (coordinator.control.plane) see one event at a time: their effects are applied before the next.
+        self.plane = ControlPlane(self.store, time.time, config.heartbeat_timeout_s)
+        self._plane_lock = threading.Lock()
         self.ps = PSService(self.store, metrics, fsync=config.ps_fsync)
         self._monitor = threading.Thread(target=self._monitor_loop, name="liveness", daemon=True)
-        # After a restart the agents' heartbeats need a timeout's time to come back: until then no node is marked
-        # down for silence (its last heartbeat went to the coordinator that stopped).
-        self._silence_counts_from = time.time() + config.heartbeat_timeout_s
 
     def start(self) -> None:
         if self.ca is not None:
@@ -266,79 +253,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 # the server presents the new one to new connections.
                 renewal_checked = time.monotonic()
                 self.ca.coordinator_credentials(self.transport.tls_dir)
-            self._review_start_barriers()
-            if time.time() >= self._silence_counts_from:
-                down = self.store.mark_silent_nodes_down(self.config.heartbeat_timeout_s)
-                if down:
-                    log.warning("no heartbeat from %s: marked down", ", ".join(down))
-                    self.changes.bump()
-                self._review_running_jobs()
-            self._schedule()
+            self._control(self.plane.tick)
             self._update_gauges()
-
-    def _review_running_jobs(self) -> None:
-        """Apply each running job's failure policy to its lost nodes (silent for longer than the heartbeat timeout
-        plus the job's `failure.lost_grace_s`): an asynchronous elastic job that keeps at least its least members
-        plans its graph again without them (they leave it); otherwise a synchronous job fails, since its other nodes
-        would wait forever, and an asynchronous job goes on without them, and finishes once every other node has; so
-        does an all-reduce job while its quorum keeps at least `failure.min_members`, and fails when fewer remain."""
-        nodes = {n.node_id: n for n in self.store.nodes()}
-        now = time.time()
-        for job in self.store.jobs((JobState.RUNNING,)):
-            spec = job.spec
-            members = self.store.members(job.job_id)
-            lost = []
-            for member in members:
-                node = nodes.get(member.node_id)
-                silent = now - node.last_seen_unix if node is not None else math.inf
-                if (node is None or not node.up) and not member.progress.finished and \
-                        silent > self.config.heartbeat_timeout_s + spec.failure.lost_grace_s:
-                    lost.append((member, silent))
-            if not lost:
-                continue
-            ranks = ", ".join(f"rank {m.rank} (node {m.node_id}, silent for {silent:.0f} s)" for m, silent in lost)
-            algorithm = lookup(spec.algorithm.name)
-            synchronous = algorithm.synchronous(spec.algorithm)
-            if spec.elastic and not synchronous and len(members) - len(lost) >= spec.min_nodes:
-                if self._change_pending(job, members, nodes):
-                    continue  # the members switch to the last change first; the next review plans the leave
-                reason = f"no heartbeat for longer than the heartbeat timeout and failure.lost_grace_s " \
-                         f"({spec.failure.lost_grace_s:g} s)"
-                if self._replan(job, members, [], [m for m, _ in lost], reason):
-                    continue
-            collective = algorithm.family is Family.COLLECTIVE
-            minimum = spec.quorum_minimum if collective else 0
-            if collective and len(members) - len(lost) < minimum:
-                self._end_job(job, JobState.FAILED, f"lost {ranks}: the all-reduce has {len(members) - len(lost)} "
-                              f"members left, fewer than its quorum's minimum of {minimum}, for longer than the "
-                              f"heartbeat timeout and the job's failure.lost_grace_s ({spec.failure.lost_grace_s:g} "
-                              "s) allow")
-            elif not collective and synchronous:
-                self._end_job(job, JobState.FAILED, f"lost {ranks}: longer than the heartbeat timeout and the job's "
-                              f"failure.lost_grace_s ({spec.failure.lost_grace_s:g} s) allow a synchronous job")
-            elif all(m.progress.finished or m.rank in {gone.rank for gone, _ in lost} for m in members):
-                self._end_job(job, JobState.FINISHED, f"without the lost {ranks}")
-
-    def _review_start_barriers(self) -> None:
-        """Fail each running job whose start barrier waited longer than its `start.timeout_s`, naming the ranks
-        that never became ready."""
-        now = time.time()
-        for job in self.store.jobs((JobState.RUNNING,)):
-            if job.released_unix:
-                continue
-            start = job.spec.start
-            if start.barrier and now - job.started_unix > start.timeout_s:
-                self._end_job(job, JobState.FAILED, f"start barrier: {self._not_ready(job)} not ready within "
-                              f"start.timeout_s ({start.timeout_s:g} s) of the job's start")
-
-    def _not_ready(self, job: Job) -> str:
-        """The ranks of `job` that are not ready to start, with their nodes (and whether they are down)."""
-        nodes = {n.node_id: n for n in self.store.nodes()}
-        waiting = [m for m in self.store.members(job.job_id) if not m.ready]
-        described = ", ".join(
-            f"{m.rank} (node {m.node_id}{'' if m.node_id in nodes and nodes[m.node_id].up else ', down'})"
-            for m in waiting)
-        return f"rank{'s' if len(waiting) > 1 else ''} {described}"
 
     def _update_gauges(self) -> None:
         nodes = self.store.nodes()
@@ -348,153 +264,27 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         for state in JOB_STATES:
             self.metrics.coordinator_jobs.labels(state.lower()).set(len(self.store.jobs((state,))))
 
-    def _schedule(self) -> None:
-        """Start pending jobs, oldest first, on idle nodes that are up and not draining (in registration order). A
-        job that does not fit waits, with the reason, and does not hold back a smaller one that fits. An elastic job
-        starts once its least members are idle, on as many idle nodes as it may have; the nodes still idle then
-        join the running elastic jobs that may grow, oldest first."""
-        with self._schedule_lock:
-            for job in self.store.jobs((JobState.PENDING,)):
-                spec = job.spec
-                nodes = self.store.nodes()
-                idle = self._idle(nodes, spec)
-                if len(idle) < job.world_size:
-                    reason = self._wait_reason(job.world_size, nodes, spec)
-                    if reason != job.reason:
-                        self.store.set_pending_reason(job.job_id, reason)
-                    continue
-                taken = idle[: spec.max_nodes]
-                self.store.start_job(job.job_id, taken)
-                log.info("job %s started on %s", job.job_id, ", ".join(taken))
-                self._event(job, events.STARTED, "running on " + ", ".join(
-                    f"rank {rank} {node}" for rank, node in enumerate(taken)))
+    # -- the rules' effects ---------------------------------------------------------------------------------------
+
+    def _control(self, event: Callable[..., list[Effect]], *args: object) -> None:
+        """Hand an event to the control plane and apply its effects."""
+        with self._plane_lock:
+            self._apply(event(*args))
+
+    def _apply(self, effects: list[Effect]) -> None:
+        for effect in effects:
+            if isinstance(effect, JobEnded):
+                self.rendezvous.end(effect.job.job_id)
+                self.ps.close(effect.job.job_id)
+                self.metrics.forget_job(effect.job.job_id)
+                with self._live_edges_lock:
+                    self._live_edges.pop(effect.job.job_id, None)
+            elif isinstance(effect, JobEvent):
+                self._event(effect.job, effect.kind, effect.message, effect.level)
+            else:
                 self.changes.bump()
-            self._grow_elastic_jobs()
-
-    def _grow_elastic_jobs(self) -> None:
-        """Idle nodes join running elastic jobs below their most members, once a job has started (released at its
-        start barrier) and its members have switched to its last change."""
-        for job in self.store.jobs((JobState.RUNNING,)):
-            spec = job.spec
-            if not spec.elastic or job.world_size >= spec.max_nodes or (spec.start.barrier and not job.released_unix):
-                continue
-            nodes = self.store.nodes()
-            idle = self._idle(nodes, spec)
-            if not idle:
-                continue
-            members = self.store.members(job.job_id)
-            if not self._change_pending(job, members, {n.node_id: n for n in nodes}):
-                self._replan(job, members, idle[: spec.max_nodes - len(members)], [], "")
-
-    def _drain_member(self, job: Job, node_id: str) -> bool:
-        """A drained member of an asynchronous elastic job leaves it now, while at least its least members remain
-        and no change is under way; whether it left. (A synchronous job's neighbours would wait for its rounds:
-        it stays, as in any job, until the job ends.)"""
-        spec = job.spec
-        if not spec.elastic or lookup(spec.algorithm.name).synchronous(spec.algorithm):
-            return False
-        members = self.store.members(job.job_id)
-        leaving = [m for m in members if m.node_id == node_id]
-        nodes = {n.node_id: n for n in self.store.nodes()}
-        if len(members) - len(leaving) < spec.min_nodes or self._change_pending(job, members, nodes):
-            return False
-        return self._replan(job, members, [], leaving, "drained by an operator")
-
-    def _change_pending(self, job: Job, members: list[MemberRow], nodes: dict[str, NodeRow]) -> bool:
-        """Whether some member that is up and not finished has not reached the step where the job switches to its
-        latest change (one that joined has not reported from it yet): a new change waits until every one has."""
-        return any(
-            not m.progress.finished and m.progress.step < job.switch_step
-            and m.node_id in nodes and nodes[m.node_id].up for m in members)
-
-    def _replan(self, job: Job, members: list[MemberRow], joining: list[str], leaving: list[MemberRow],
-                reason: str) -> bool:
-        """An elastic job's new membership: `joining` nodes take the lowest free ranks, `leaving` members leave,
-        and the graph (the same kind and seed) is planned again for the new member count. It reaches the members as
-        a topology change (a new version, switched to just before one step for all, as `coordinator topology`
-        does); the nodes that join start in it. Ranks stay with their members. False when the job cannot take it
-        now: its graph does not fit the new count, or it ends before its members could all switch."""
-        spec = job.running_spec
-        gone = {m.rank for m in leaving}
-        staying = [m for m in members if m.rank not in gone]
-        held = {m.rank for m in staying}
-        free = [rank for rank in range(spec.max_nodes) if rank not in held][: len(joining)]
-        count = len(staying) + len(free)
-        try:
-            validate_membership(spec, count)
-        except JobSpecError as error:
-            if (job.job_id, count) not in self._unplannable:  # said once: the join is tried again every second
-                self._unplannable.add((job.job_id, count))
-                log.warning("job %s: cannot plan %d members: %s", job.job_id, count, error)
-            return False
-        switch_step = self._switch_step(members)
-        if switch_step >= spec.steps:
-            return False
-        version = job.topology_version + 1
-        joined = list(zip(free, joining, strict=False))
-        if not self.store.change_members(job.job_id, version, switch_step, joined, sorted(gone)):
-            return False
-        planned = f"{count} members; {spec.topology.kind} planned again (version {version}) from step {switch_step}"
-        for rank, node_id in joined:
-            self._event(job, events.JOINED, f"node {node_id} joined as rank {rank}: {planned}")
-        for member in leaving:
-            self._event(job, events.LEFT, f"rank {member.rank} (node {member.node_id}) left: {reason}; {planned}",
-                        "WARNING")
-        log.info("job %s: %s%s: %s", job.job_id, ", ".join(f"{node} joins as rank {rank}" for rank, node in joined),
-                 ", ".join(f"rank {m.rank} leaves" for m in leaving), planned)
-        self.changes.bump()
-        return True
-
-    @staticmethod
-    def _usable(node: NodeRow, spec: JobSpec) -> bool:
-        """Whether `node` may take a rank of `spec`: up, not draining, and on a CUDA device where the job needs one
-        (training.precision fp16)."""
-        return node.up and not node.draining and (spec.training.precision != "fp16" or node.device.startswith("cuda"))
-
-    def _idle(self, nodes: list[NodeRow], spec: JobSpec) -> list[str]:
-        busy = self.store.busy_node_ids()
-        return [n.node_id for n in nodes if self._usable(n, spec) and n.node_id not in busy]
-
-    def _wait_reason(self, needed: int, nodes: list[NodeRow], spec: JobSpec) -> str:
-        """What a job of `needed` nodes waits for, or "" if it can start now."""
-        idle = len(self._idle(nodes, spec))
-        if idle >= needed:
-            return ""
-        usable = sum(self._usable(n, spec) for n in nodes)
-        if usable < needed:
-            which = "agents on a CUDA device (training.precision fp16)" if spec.training.precision == "fp16" else \
-                "agents"
-            return (f"needs {needed} {which}; {usable} {_are(usable)} up and not draining ({len(nodes)} registered): "
-                    f"it starts when {needed - usable} more join")
-        return (f"needs {needed} idle agents; {idle} {_are(idle)} idle now, the others run jobs: it starts when they "
-                "end")
-
-    def _end_job(self, job: Job, state: JobState, reason: str = "") -> None:
-        """Finish, stop or fail an active job: its agents are freed (their assignment ends), and its rendezvous and
-        parameter server close."""
-        if not self.store.end_job(job.job_id, state, reason):
-            return
-        self.rendezvous.end(job.job_id)
-        self.ps.close(job.job_id)
-        self.metrics.forget_job(job.job_id)
-        with self._live_edges_lock:
-            self._live_edges.pop(job.job_id, None)
-        log.log(logging.WARNING if state == JobState.FAILED else logging.INFO, "job %s %s%s", job.job_id,
-                state.event_kind, f": {reason}" if reason else "")
-        self._event(job, state.event_kind, reason or f"job {state.event_kind}",
-                    "ERROR" if state == JobState.FAILED else "INFO")
-        self.changes.bump()
-        self._schedule()
 
     # -- assignments ---------------------------------------------------------------------------------------------
-
-    def _topology(self, job: Job, spec: JobSpec) -> Topology:
-        """The job's graph now, on its members now (`spec`: the job as it runs now, `Job.running_spec`)."""
-        key = (job.job_id, job.topology_version)
-        topology = self._topologies.get(key)
-        if topology is None:
-            topology = self._topologies[key] = build_topology(spec.topology, job.world_size)
-        return topology
 
     def assignment_for(self, node_id: str) -> pb.Assignment:
         revoked = self.ca.live_revocations() if self.ca is not None else []
@@ -505,7 +295,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         job, rank = membership
         spec = job.running_spec
         rows = {m.rank: m for m in self.store.members(job.job_id)}
-        plan = plan_member(spec, self._topology(job, spec), sorted(rows), rank)
+        plan = self.plane.plan(job, list(rows.values()), rank)
         members = {m.rank: m.node_id for m in rows.values()}
         neighbors = []
         for neighbor in plan.neighbors:
@@ -562,8 +352,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             request.device_name, request.device_memory_bytes,
         )
         log.info("registered %s (%s) at %s", node_id, request.name, request.peer_address)
-        self.changes.bump()
-        self._schedule()
+        self._control(self.plane.nodes_changed)
         return pb.RegisterReply(node_id=node_id, heartbeat_interval_s=self.config.heartbeat_interval_s)
 
     def Heartbeat(self, request, context):
@@ -572,7 +361,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         known, came_back = self.store.touch_node(node_id)
         if came_back:
             log.info("%s is up again", node_id)
-            self.changes.bump()
+            self._control(self.plane.nodes_changed)
         return pb.HeartbeatReply(known=known, assignment_version=self.changes.version)
 
     def WatchAssignment(self, request, context):
@@ -594,18 +383,23 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     del self._watches[node_id]
 
     def _watch(self, node_id: str, context) -> Iterator[pb.Assignment]:
+        """The node's assignment now, then each time it changes. It is computed again only after a change that may
+        alter it (the changes' version moved); the wait ends every WATCH_POLL_S to see whether the stream ended."""
         last_sent: bytes | None = None
-        version = self.changes.version
+        computed: int | None = None
         while context.is_active() and not self.stopping.is_set():
-            assignment = self.assignment_for(node_id)
-            unversioned = pb.Assignment()
-            unversioned.CopyFrom(assignment)
-            unversioned.version = 0
-            content = unversioned.SerializeToString(deterministic=True)
-            if content != last_sent:
-                last_sent = content
-                yield assignment
-            version = self.changes.wait_past(version, WATCH_POLL_S)
+            version = self.changes.version
+            if version != computed:
+                computed = version
+                assignment = self.assignment_for(node_id)
+                unversioned = pb.Assignment()
+                unversioned.CopyFrom(assignment)
+                unversioned.version = 0
+                content = unversioned.SerializeToString(deterministic=True)
+                if content != last_sent:
+                    last_sent = content
+                    yield assignment
+            self.changes.wait_past(version, WATCH_POLL_S)
 
     def ReportMetrics(self, request, context):
         request.node_id = self._as_node(context, request.node_id)
@@ -629,10 +423,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         with self._live_edges_lock:
             if self.store.job(job.job_id).state == JobState.RUNNING:
                 self._live_edges.setdefault(job.job_id, {})[progress.rank] = progress
-        if request.finished and job.state == JobState.RUNNING:
-            members = self.store.members(job.job_id)
-            if all(m.progress.finished for m in members):
-                self._end_job(job, JobState.FINISHED)
+        if request.finished:
+            self._control(self.plane.reported, job)
         return pb.MetricsReply(job_active=self.store.job(job.job_id).state == JobState.RUNNING)
 
     def ReportFailure(self, request, context):
@@ -643,8 +435,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                           f"{request.rank} of job {request.job_id[:64]!r}")
         job = self.store.job(request.job_id)
         assert job is not None
-        # The default policy: a node that cannot build or continue its job fails the job.
-        self._end_job(job, JobState.FAILED, f"rank {request.rank} (node {request.node_id}) failed: {reason}")
+        self._control(self.plane.failed, job, request.rank, request.node_id, reason)
         return pb.NodeFailureReply(job_state=JOB_STATES[self.store.job(job.job_id).state])
 
     def JobReady(self, request, context):
@@ -663,22 +454,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"node {node_id[:64]!r} does not hold rank "
                           f"{request.rank} of job {request.job_id!r}")
         assert job is not None
-        readiness = self.store.mark_ready(job.job_id, request.rank, node_id, data_to_json(data))
-        if readiness is None:  # the job is not running (any more)
-            return self._ready_reply(job.job_id, released=False)
-        if readiness.data_json != data_to_json(data):
-            agreed = data_from_json(readiness.data_json)
-            ready = [m.rank for m in self.store.members(job.job_id) if m.ready]
-            self._end_job(job, JobState.FAILED, f"rank {request.rank} (node {node_id}) has other data than rank"
-                          f"{'s' if len(ready) > 1 else ''} {', '.join(map(str, ready))}: "
-                          f"{'; '.join(data_differences(data, agreed))}")
-            return self._ready_reply(job.job_id, released=False)
-        if readiness.released_now:
-            self._event(job, events.RELEASED, f"every rank is ready, {time.time() - job.started_unix:.2f} s after "
-                        f"the job started: released ({data})")
-            self.changes.bump()
-        if readiness.released or not job.spec.start.barrier:
-            return self._ready_reply(job.job_id, released=True)
+        with self._plane_lock:
+            outcome, effects = self.plane.ready(job, request.rank, node_id, data)
+            self._apply(effects)
+        if not outcome.running or outcome.released:
+            return self._ready_reply(job.job_id, released=outcome.released)
         # Held until the last rank is ready or the job ends (both bump the changes), or until wait_s.
         deadline = time.monotonic() + request.wait_s
         version = self.changes.version
@@ -720,7 +500,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             return pb.JobReadyReply(job_state=JOB_STATES[job.state], reason=job.reason)
         released = released or bool(job.released_unix)
         return pb.JobReadyReply(job_state=pb.JOB_RUNNING, released=released,
-                                waiting_for="" if released else self._not_ready(job))
+                                waiting_for="" if released else self.plane.not_ready(job))
 
     def Deregister(self, request, context):
         node_id = self._as_node(context, request.node_id)
@@ -857,7 +637,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             validate_job(spec)
         except JobSpecError as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid job spec: {error}")
-        warning = self._wait_reason(spec.min_nodes, self.store.nodes(), spec)
+        warning = self.plane.wait_reason(spec.min_nodes, self.store.nodes(), spec)
         job_id = f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
         run_dir = self.config.run_root / job_id
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -871,7 +651,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         operator = caller(context) if self.ca is not None else None
         self._event(job, events.SUBMITTED, f"{spec.algorithm.name} on {nodes}, {spec.steps} steps"
                     + (f", by operator {operator.name}" if operator is not None else ""))
-        self._schedule()
+        self._control(self.plane.submitted)
         job = self.store.job(job_id)
         assert job is not None
         return pb.SubmitJobReply(job_id=job_id, state=JOB_STATES[job.state], run_dir=str(run_dir),
@@ -881,46 +661,29 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         job = self.store.find_job(request.job_id[:MAX_JOB_REFERENCE_CHARS])
         if job is None:
             context.abort(grpc.StatusCode.NOT_FOUND, _no_job(request.job_id))
-        self._end_job(job, JobState.STOPPED, "stopped by an operator")
+        self._control(self.plane.stopped, job)
         return pb.StopJobReply(state=JOB_STATES[self.store.job(job.job_id).state], job_id=job.job_id)
 
     def ChangeTopology(self, request, context):
         job = self.store.find_job(request.job_id[:MAX_JOB_REFERENCE_CHARS])
         if job is None:
             context.abort(grpc.StatusCode.NOT_FOUND, _no_job(request.job_id))
-        if job.state != JobState.RUNNING:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"job {job.job_id} is {job.state.lower()}: only a running job's topology can change")
-        spec = job.running_spec
         try:
-            check_topology_changes(spec)
-        except JobSpecError as error:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"job {job.job_id}: {error}")
+            self.plane.check_topology_change(job)
+        except TopologyRefused as error:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         topology_spec = self._requested_topology(request, context)
         try:
-            validate_topology_change(spec.sized(job.world_size), topology_spec)
+            with self._plane_lock:
+                changed, effects = self.plane.topology_requested(job, topology_spec)
+                self._apply(effects)
         except JobSpecError as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid topology for job {job.job_id}: {error}")
-        members = self.store.members(job.job_id)
-        running = [m.progress for m in members if not m.progress.finished]
-        if job.switch_step and running and min(p.step for p in running) < job.switch_step:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"job {job.job_id} has not reached step {job.switch_step} yet, where it switches to version "
-                          f"{job.topology_version} of its topology: change it again once it has")
-        switch_step = self._switch_step(members)
-        if switch_step >= spec.steps:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"job {job.job_id} ends at step {spec.steps}, before the earliest step its nodes could all "
-                          f"switch at ({switch_step})")
-        version = job.topology_version + 1
-        if not self.store.change_topology(job.job_id, topology_spec.model_dump_json(), version, switch_step):
-            context.abort(grpc.StatusCode.ABORTED, f"job {job.job_id} ended or changed meanwhile; try again")
-        message = f"topology {spec.topology.kind} -> {topology_spec.kind} (version {version}) at step {switch_step}"
-        self._event(job, events.TOPOLOGY, message)
-        log.info("job %s: %s, by an operator", job.job_id, message)
-        self.changes.bump()
-        return pb.ChangeTopologyReply(job_id=job.job_id, topology_version=version, switch_step=switch_step,
-                                      previous_kind=spec.topology.kind)
+        except TopologyRefused as error:
+            code = grpc.StatusCode.ABORTED if error.kind == "aborted" else grpc.StatusCode.FAILED_PRECONDITION
+            context.abort(code, str(error))
+        return pb.ChangeTopologyReply(job_id=job.job_id, topology_version=changed.version,
+                                      switch_step=changed.switch_step, previous_kind=changed.previous_kind)
 
     @staticmethod
     def _requested_topology(request: pb.ChangeTopologyRequest, context) -> TopologySpec:
@@ -938,16 +701,6 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             return TopologySpec(kind=request.kind, seed=request.seed, options=options)
         except ValidationError as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, format_validation_error(error, "topology"))
-
-    @staticmethod
-    def _switch_step(members: list[MemberRow]) -> int:
-        """The step every node switches at: the highest reported so far plus what the fastest node steps in
-        SWITCH_LEAD_S (see there). A node's rate counts the steps it took itself (a node that joined or rejoined
-        started at its neighbours' step)."""
-        rate = max(((m.progress.local_steps or m.progress.step) / m.progress.elapsed_s for m in members
-                    if m.progress.elapsed_s > 0), default=0.0)
-        highest = max((m.progress.step for m in members), default=0)
-        return highest + max(MIN_SWITCH_MARGIN_STEPS, math.ceil(rate * SWITCH_LEAD_S))
 
     def ListNodes(self, request, context):
         return pb.ListNodesReply(nodes=[self._node_info(n) for n in self.store.nodes()])
@@ -980,11 +733,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if not self.store.set_draining(request.node_id, request.drain):
             context.abort(grpc.StatusCode.NOT_FOUND, f"no node {request.node_id[:64]!r}")
         log.info("%s %s by an operator", request.node_id, "drained" if request.drain else "back in service")
-        membership = self.store.running_membership(request.node_id) if request.drain else None
-        if membership is not None:
-            self._drain_member(membership[0], request.node_id)
-        self.changes.bump()
-        self._schedule()
+        self._control(self.plane.drained if request.drain else self.plane.nodes_changed,
+                      *([request.node_id] if request.drain else []))
         node = self.store.node(request.node_id)
         assert node is not None
         return self._node_info(node)
