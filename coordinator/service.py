@@ -18,7 +18,15 @@ import grpc
 from pydantic import ValidationError
 
 from coordinator.ca import DEFAULT_TOKEN_TTL_S, CAError, ClusterCA
-from coordinator.control.plane import ControlPlane, Effect, JobEnded, JobEvent, TopologyRefused
+from coordinator.control.plane import (
+    HEARTBEAT_INTERVAL_S,
+    HEARTBEAT_TIMEOUT_S,
+    ControlPlane,
+    Effect,
+    JobEnded,
+    JobEvent,
+    TopologyRefused,
+)
 from coordinator.control.records import Job, MemberRow, NodeRow
 from coordinator.control.sqlite import SqliteState
 from coordinator.control.states import JobState
@@ -115,8 +123,8 @@ COORDINATOR_RULES = rules_for("peertrain.v1.Coordinator", {
 class CoordinatorConfig:
     state_dir: Path
     runs_dir: Path | None = None
-    heartbeat_interval_s: float = 2.0
-    heartbeat_timeout_s: float = 15.0
+    heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
+    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
     ps_fsync: bool = False  # also fsync the parameter server's state before answering (survives a machine crash)
 
     @property

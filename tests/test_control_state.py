@@ -72,11 +72,12 @@ def test_a_node_registers_beats_goes_silent_and_comes_back(state, clock):
     assert state.node(made).last_seen_unix == clock.now
 
 
-def test_nodes_come_in_registration_order(state, clock):
+def test_nodes_come_in_registration_order_even_at_the_same_time(state, clock):
     for node_id in ("c", "a", "b"):
         register(state, node_id)
         clock.now += 1
-    assert [n.node_id for n in state.nodes()] == ["c", "a", "b"]
+    register(state, "z", "rank10", "rank2")  # at one time
+    assert [n.node_id for n in state.nodes()] == ["c", "a", "b", "z", "rank10", "rank2"]
 
 
 def test_a_known_node_registers_again_with_its_new_address_and_device(state, clock):
@@ -258,3 +259,12 @@ def test_removing_a_node_forgets_its_memberships_of_ended_jobs(state, clock):
     state.end_job("j1", JobState.FINISHED)
     state.remove_node("a")
     assert [m.node_id for m in state.members("j1")] == ["b"]
+
+
+def test_the_barrier_waits_for_a_member_that_joined_and_not_for_one_that_left(state, clock):
+    running(state, clock, nodes=("a", "b", "c"), job_spec=spec(nodes={"min": 2, "max": 4}))
+    register(state, "d")
+    assert not state.mark_ready("j1", 0, "a", "{}").released
+    assert state.change_members("j1", 2, 5, [(3, "d")], [1])
+    assert not state.mark_ready("j1", 2, "c", "{}").released
+    assert state.mark_ready("j1", 3, "d", "{}").released_now

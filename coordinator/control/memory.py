@@ -33,6 +33,9 @@ class MemoryState(ControlState):
         self._nodes: dict[str, NodeRow] = {}
         self._jobs: dict[str, Job] = {}  # in the order added
         self._members: dict[str, dict[int, _Member]] = {}  # by job, then rank
+        # Per job, its members not ready yet: a ready report is counted off, not found by a walk over every member
+        # (10,000 simulated ranks report ready at once).
+        self._not_ready: dict[str, int] = {}
         self._order = itertools.count()  # ties of created_unix keep the order added, as SQLite's rowid does
 
     def close(self) -> None:
@@ -73,8 +76,8 @@ class MemoryState(ControlState):
         return [n.node_id for n in silent]
 
     def nodes(self) -> list[NodeRow]:
-        with self._lock:
-            return sorted(self._nodes.values(), key=lambda n: (n.registered_unix, n.node_id))
+        with self._lock:  # those registered at the same time in the order registered (a stable sort)
+            return sorted(self._nodes.values(), key=lambda n: n.registered_unix)
 
     def node(self, node_id: str) -> NodeRow | None:
         return self._nodes.get(node_id)
@@ -112,6 +115,7 @@ class MemoryState(ControlState):
             self._jobs[job_id] = Job(job_id, spec.name, spec, spec, spec_yaml, JobState.PENDING, spec.min_nodes,
                                      self.clock(), run_dir)
             self._members[job_id] = {}
+            self._not_ready[job_id] = 0
 
     def job(self, job_id: str) -> Job | None:
         return self._jobs.get(job_id)
@@ -182,6 +186,7 @@ class MemoryState(ControlState):
                 if rank in members:
                     raise KeyError(f"job {job_id} has a rank {rank}")
                 members[rank] = _Member(MemberRow(job_id, rank, node_id, Progress(job_id, rank, node_id)))
+            self._not_ready[job_id] += len(node_ids)
             self._replace(job, state=JobState.RUNNING, reason="", started_unix=self.clock(),
                           world_size=len(node_ids))
 
@@ -201,9 +206,14 @@ class MemoryState(ControlState):
                 if member is not None and not member.left_unix:
                     member.left_unix = now
                     member.row = dataclasses.replace(member.row, left=True)
+                    self._not_ready[job_id] -= not member.ready_unix
             for rank, node_id in joined:
+                replaced = members.get(rank)
+                if replaced is not None and not replaced.left_unix and not replaced.ready_unix:
+                    self._not_ready[job_id] -= 1
                 members[rank] = _Member(MemberRow(job_id, rank, node_id, Progress(job_id, rank, node_id),
                                                  joined_step=switch_step))
+                self._not_ready[job_id] += 1
             self._replace(job, topology_version=version, switch_step=switch_step,
                           world_size=sum(not m.left_unix for m in members.values()))
             return True
@@ -236,8 +246,8 @@ class MemoryState(ControlState):
             if not member.ready_unix:
                 member.ready_unix = now
                 member.row = dataclasses.replace(member.row, ready=True)
-            waiting = any(not m.ready_unix and not m.left_unix for m in self._members[job_id].values())
-            released_now = not released and not waiting
+                self._not_ready[job_id] -= 1
+            released_now = not released and not self._not_ready[job_id]
             self._replace(job, data_json=agreed, released_unix=now if released_now else job.released_unix)
             return Readiness(agreed, released or released_now, released_now)
 

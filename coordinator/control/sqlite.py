@@ -182,7 +182,7 @@ class SqliteState(ControlState):
         return [r[0] for r in rows]
 
     def nodes(self) -> list[NodeRow]:
-        rows = self._query(f"SELECT {', '.join(_NODE_FIELDS)} FROM nodes ORDER BY registered_unix, node_id")
+        rows = self._query(f"SELECT {', '.join(_NODE_FIELDS)} FROM nodes ORDER BY registered_unix, rowid")
         return [_node_row(r) for r in rows]
 
     def node(self, node_id: str) -> NodeRow | None:
