@@ -812,7 +812,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise SystemExit(f"coordinator: {args.job_file}: {error}") from None
     except DataError as error:
         raise SystemExit(f"coordinator: {error}") from None
-    state = "finished" if result.mesh.finished else "running"
+    state = result.job.state.event_kind + (f": {result.job.reason}" if result.job.state == "FAILED" else "")
     print(f"job {job_id} ({spec.name}): {state}, {spec.nodes} nodes, run dir {run_dir}")
     print(format_status(result.progress))
     print(f"virtual time {result.mesh.now:.2f} s, wall time {result.wall_s:.1f} s; metrics log {run_dir}/metrics.jsonl")
