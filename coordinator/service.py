@@ -29,7 +29,7 @@ from coordinator.control.plane import (
 )
 from coordinator.control.records import Job, MemberRow, NodeRow
 from coordinator.control.sqlite import SqliteState
-from coordinator.control.states import JobState
+from coordinator.control.states import JobState, MemberState
 from coordinator.jobs import (
     validate_job,
 )
@@ -741,8 +741,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if not self.store.set_draining(request.node_id, request.drain):
             context.abort(grpc.StatusCode.NOT_FOUND, f"no node {request.node_id[:64]!r}")
         log.info("%s %s by an operator", request.node_id, "drained" if request.drain else "back in service")
-        self._control(self.plane.drained if request.drain else self.plane.nodes_changed,
-                      *([request.node_id] if request.drain else []))
+        if request.drain:
+            self._control(self.plane.drained, request.node_id)
+        else:
+            self._control(self.plane.nodes_changed)
         node = self.store.node(request.node_id)
         assert node is not None
         return self._node_info(node)
@@ -795,12 +797,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     @staticmethod
     def _member_state(member: MemberRow, node: NodeRow | None) -> str:
-        if member.left:
-            return "left"
-        if member.failure:
-            return "failed"
-        if member.progress.finished:
-            return "finished"
+        """A member's state as `coordinator status` shows it: left, failed or finished, else whether its node is
+        up."""
+        if member.state in (MemberState.LEFT, MemberState.FAILED, MemberState.FINISHED):
+            return member.state.lower()
         return "up" if node is not None and node.up else "down"
 
 
@@ -900,6 +900,3 @@ def _no_job(reference: str) -> str:
     return (f"no job {reference[:MAX_JOB_REFERENCE_CHARS]!r}: give a job's id, a unique prefix of it, or its name "
             "(`coordinator jobs` lists them)")
 
-
-def _are(count: int) -> str:
-    return "is" if count == 1 else "are"
