@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 import coordinator.cli as cli
+import coordinator.service as service_module
 from coordinator.cli import main as coordinator_main
 from coordinator.ps_service import add_coordinator_servicer
 from coordinator.service import CoordinatorConfig, CoordinatorService
@@ -96,6 +97,24 @@ def first_assignment(stub, node_id: str) -> pb.Assignment:
     assignment = next(stream)
     stream.cancel()
     return assignment
+
+
+def test_a_watched_assignment_is_computed_again_only_after_a_change(coordinator_service, monkeypatch):
+    """A watch does not rebuild its node's assignment on a timer, only after a change that may alter it (here, a
+    job starting on it)."""
+    service, stub = coordinator_service
+    monkeypatch.setattr(service_module, "WATCH_POLL_S", 0.02)  # the stream looks whether it ended this often
+    ids = [register(stub, f"w{i}") for i in range(2)]
+    computed: list[str] = []
+    original = service.assignment_for
+    monkeypatch.setattr(service, "assignment_for", lambda node_id: computed.append(node_id) or original(node_id))
+    stream = stub.WatchAssignment(pb.WatchAssignmentRequest(node_id=ids[0]), timeout=10)
+    assert next(stream).state == pb.JOB_STATE_UNSPECIFIED
+    time.sleep(0.5)  # some 25 looks, no change
+    assert computed == [ids[0]]
+    stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=job(nodes=2)), timeout=5)
+    assert next(stream).state == pb.JOB_RUNNING
+    stream.cancel()
 
 
 def test_invalid_job_is_refused_with_the_field(coordinator):
