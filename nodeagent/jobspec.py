@@ -126,7 +126,9 @@ class NetworkSpec(_Strict):
 
 
 class FaultSpec(_Strict):
-    """A node that is down (neither steps nor answers) between two virtual times."""
+    """A node that is down (neither steps nor answers nor beats) between two virtual times. The coordinator's failure
+    policy applies as on agents: down for longer than the heartbeat timeout (15 s) and `failure.lost_grace_s`, it
+    fails a synchronous job, and an asynchronous one finishes without it once the others have."""
 
     node: int = Field(ge=0, description="rank of the node")
     down_from: float = Field(ge=0, description="virtual time (s) at which it goes down")
