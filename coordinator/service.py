@@ -438,13 +438,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def ReportFailure(self, request, context):
         reason = plain_text(request.reason[:MAX_FAILURE_CHARS]).strip() or "no reason given"
         request.node_id = self._as_node(context, request.node_id)
-        if not self.store.record_failure(request.job_id, request.rank, request.node_id, reason):
+        with self._plane_lock:
+            held, effects = self.plane.failed(request.job_id, request.rank, request.node_id, reason)
+            self._apply(effects)
+        job = self.store.job(request.job_id)
+        if not held or job is None:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"node {request.node_id[:64]!r} does not hold rank "
                           f"{request.rank} of job {request.job_id[:64]!r}")
-        job = self.store.job(request.job_id)
         assert job is not None
-        self._control(self.plane.failed, job, request.rank, request.node_id, reason)
-        return pb.NodeFailureReply(job_state=JOB_STATES[self.store.job(job.job_id).state])
+        return pb.NodeFailureReply(job_state=JOB_STATES[job.state])
 
     def JobReady(self, request, context):
         node_id = self._as_node(context, request.node_id)

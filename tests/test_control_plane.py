@@ -217,8 +217,10 @@ def test_a_rank_with_other_data_fails_the_job_naming_what_differs(cluster):
 def test_a_node_that_reports_a_failure_fails_its_job(cluster):
     cluster.register("a", "b")
     job_id = cluster.submit(spec(2))
-    cluster.state.record_failure(job_id, 1, "b", "out of memory")
-    cluster.apply(cluster.plane.failed(cluster.job(job_id), 1, "b", "out of memory"))
+    assert cluster.plane.failed(job_id, 1, "a", "not a's rank") == (False, [])
+    held, effects = cluster.plane.failed(job_id, 1, "b", "out of memory")
+    assert held and [e.state for e in effects if isinstance(e, JobEnded)] == [JobState.FAILED]
+    cluster.apply(effects)
     assert cluster.job(job_id).state == JobState.FAILED
     assert cluster.job(job_id).reason == "rank 1 (node b) failed: out of memory"
     assert cluster.state.members(job_id)[1].state == MemberState.FAILED

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from coordinator.control.records import Job, MemberRow, NodeRow
 from coordinator.control.state import ControlState
-from coordinator.control.states import JobState
+from coordinator.control.states import JobState, MemberState
 from coordinator.jobs import (
     NodePlan,
     check_topology_changes,
@@ -165,11 +165,16 @@ class ControlPlane:
             self._end_job(job, JobState.FINISHED, "", effects)
         return effects.items
 
-    def failed(self, job: Job, rank: int, node_id: str, reason: str) -> list[Effect]:
-        """The default policy: a node that cannot build or continue its job fails the job."""
+    def failed(self, job_id: str, rank: int, node_id: str, reason: str) -> tuple[bool, list[Effect]]:
+        """A node cannot build or continue its job: the default policy fails the job. False (and nothing changes)
+        when that node does not hold that rank of that job."""
+        if not self.state.record_failure(job_id, rank, node_id, reason):
+            return False, []
+        job = self.state.job(job_id)
+        assert job is not None
         effects = Effects()
         self._end_job(job, JobState.FAILED, f"rank {rank} (node {node_id}) failed: {reason}", effects)
-        return effects.items
+        return True, effects.items
 
     def ready(self, job: Job, rank: int, node_id: str, data: DatasetInfo) -> tuple[ReadyOutcome, list[Effect]]:
         """A rank is ready to start, with its data: the job is released when its last rank is; a rank whose data
@@ -202,8 +207,8 @@ class ControlPlane:
             spec = job.spec
             if spec.elastic and not lookup(spec.algorithm.name).synchronous(spec.algorithm):
                 members = self.state.members(job.job_id)
-                leaving = [m for m in members if m.node_id == node_id]
-                if len(members) - len(leaving) >= spec.min_nodes and not self._change_pending(job, members):
+                leaving = [m for m in members if m.node_id == node_id and m.state != MemberState.FAILED]
+                if leaving and len(members) - len(leaving) >= spec.min_nodes and not self._change_pending(job, members):
                     self._replan(job, members, [], leaving, "drained by an operator", effects)
         self._schedule(effects)
         return effects.items
@@ -302,7 +307,9 @@ class ControlPlane:
             for member in members:
                 node = nodes.get(member.node_id)
                 silent = now - node.last_seen_unix if node is not None else math.inf
-                if (node is None or not node.up) and not member.progress.finished and \
+                # A member that finished is not lost; one that failed has failed the job already.
+                gone = node is None or not node.up
+                if gone and member.state not in (MemberState.FINISHED, MemberState.FAILED) and \
                         silent > self.heartbeat_timeout_s + spec.failure.lost_grace_s:
                     lost.append((member, silent))
             if not lost:
