@@ -785,6 +785,7 @@ def _load_job(path: Path) -> JobFile:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from coordinator.control.states import JobState
     from coordinator.simulate import SimulationProgress, simulate
     from nodeagent.training.data import DataError
     from nodeagent.training.device import DeviceError, resolve_device
@@ -812,7 +813,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise SystemExit(f"coordinator: {args.job_file}: {error}") from None
     except DataError as error:
         raise SystemExit(f"coordinator: {error}") from None
-    state = "finished" if result.mesh.finished else "running"
+    state = result.job.state.event_kind + (f": {result.job.reason}" if result.job.state == JobState.FAILED else "")
     print(f"job {job_id} ({spec.name}): {state}, {spec.nodes} nodes, run dir {run_dir}")
     print(format_status(result.progress))
     print(f"virtual time {result.mesh.now:.2f} s, wall time {result.wall_s:.1f} s; metrics log {run_dir}/metrics.jsonl")

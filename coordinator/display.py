@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from coordinator.progress_view import ProgressView
@@ -90,8 +90,13 @@ def _fmt(value: float, pattern: str = "{:.4f}") -> str:
 
 def mean_accuracy(nodes: Sequence[Progress]) -> float:
     """The mean test accuracy of the nodes evaluated so far (NaN if none is)."""
-    values = [n.test_accuracy for n in nodes if not math.isnan(n.test_accuracy)]
-    return sum(values) / len(values) if values else math.nan
+    return mean_measured(n.test_accuracy for n in nodes)
+
+
+def mean_measured(values: Iterable[float]) -> float:
+    """The mean of the values measured (NaN: not measured; NaN if none is)."""
+    measured = [value for value in values if not math.isnan(value)]
+    return sum(measured) / len(measured) if measured else math.nan
 
 
 def format_status(nodes: Sequence[Progress], states: dict[int, str] | None = None,

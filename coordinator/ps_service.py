@@ -36,7 +36,8 @@ from typing import Any
 import grpc
 import torch
 
-from coordinator.store import Store
+from coordinator.control.state import ControlState
+from coordinator.control.states import JobState
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc, wire_pb2
 from nodeagent.algorithms import Family, build_server, lookup
@@ -237,7 +238,7 @@ class PSJob:
 class PSService:
     """The parameter-server calls of the coordinator's servicer."""
 
-    def __init__(self, store: Store, metrics: Metrics, fsync: bool = False):
+    def __init__(self, store: ControlState, metrics: Metrics, fsync: bool = False):
         self.store = store
         self.metrics = metrics
         self.fsync = fsync
@@ -262,9 +263,9 @@ class PSService:
 
     def _load(self, job_id: str) -> PSJob:
         row = self.store.job(job_id)
-        if row is None or row.state != "RUNNING":
+        if row is None or row.state != JobState.RUNNING:
             raise WireError("wrong_job", f"job {job_id!r} is not running", Status.FAILED_PRECONDITION)
-        spec = JobSpec.from_json(row.spec_json)
+        spec = row.spec
         if lookup(spec.algorithm.name).family is not Family.SERVER:
             raise WireError("no_server", f"job {job_id!r} runs {spec.algorithm.name}, which has no parameter "
                             "server", Status.FAILED_PRECONDITION)

@@ -10,7 +10,7 @@ import math
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,18 +18,23 @@ import grpc
 from pydantic import ValidationError
 
 from coordinator.ca import DEFAULT_TOKEN_TTL_S, CAError, ClusterCA
+from coordinator.control.plane import (
+    HEARTBEAT_INTERVAL_S,
+    HEARTBEAT_TIMEOUT_S,
+    ControlPlane,
+    Effect,
+    JobEnded,
+    JobEvent,
+    TopologyRefused,
+)
+from coordinator.control.records import Job, MemberRow, NodeRow
+from coordinator.control.sqlite import SqliteState
+from coordinator.control.states import JobState, MemberState
 from coordinator.jobs import (
-    check_topology_changes,
-    plan_member,
     validate_job,
-    validate_membership,
-    validate_topology_change,
-    with_topology,
 )
 from coordinator.ps_service import PSService
 from coordinator.rendezvous import Rendezvous, RendezvousError, request_problem
-from coordinator.store import JobRow, MemberRow, NodeRow, Store
-from coordinator.topology import Topology, build_topology
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 from nodeagent.algorithms import Family, lookup
@@ -55,7 +60,7 @@ from nodeagent.runtime import events
 from nodeagent.runtime.driver import IN_FLIGHT
 from nodeagent.runtime.events import Event, EventLog
 from nodeagent.runtime.progress import EdgeCounters, Progress, RunLog, from_report, to_node_progress
-from nodeagent.runtime.readiness import data_differences, data_from_json, data_from_proto, data_problem, data_to_json
+from nodeagent.runtime.readiness import data_from_proto, data_problem
 from nodeagent.security import pki
 from nodeagent.security.authz import Authorizer, rules_for
 from nodeagent.security.pki import CertificateError, Role
@@ -66,9 +71,7 @@ log = logging.getLogger("coordinator")
 # How long Register waits for the old address of a node id to answer (see answers_as).
 PROBE_TIMEOUT_S = 1.0
 
-JOB_STATES = {
-    name: pb.JobState.Value(f"JOB_{name}") for name in ("PENDING", "RUNNING", "FINISHED", "STOPPED", "FAILED")
-}
+JOB_STATES = {state: pb.JobState.Value(f"JOB_{state.value}") for state in JobState}
 WATCH_POLL_S = 1.0
 MAX_FAILURE_CHARS = 2000  # of a node's failure reason, as stored and shown
 CERTIFICATE_CHECK_S = 600.0  # how often the coordinator looks at its own certificate's expiry
@@ -83,12 +86,6 @@ MAX_CALLS_PER_IDENTITY = 32
 DEFAULT_JOB_LIST = 100
 MAX_JOB_LIST = 10_000
 MAX_JOB_REFERENCE_CHARS = 128  # a job's id or name, as a person types it
-# A topology change: every node switches just before the same step, the highest step reported so far plus the
-# steps the fastest node takes in SWITCH_LEAD_S (at least MIN_SWITCH_MARGIN_STEPS). Nodes report every second and
-# the new assignment reaches them within milliseconds, so a node that has passed the step before it learns of the
-# change (it then switches at once, and says so) is one that ran several seconds ahead of its reports.
-SWITCH_LEAD_S = 5.0
-MIN_SWITCH_MARGIN_STEPS = 10
 MAX_TOPOLOGY_OPTIONS_CHARS = 65_536  # of a change's options as JSON (an edge list of a few thousand edges)
 MAX_EVENTS_PER_REPORT = 64
 # Each node may add EVENT_BURST events at once and EVENT_RATE_PER_S on average: a node that logs in a loop fills
@@ -126,8 +123,8 @@ COORDINATOR_RULES = rules_for("peertrain.v1.Coordinator", {
 class CoordinatorConfig:
     state_dir: Path
     runs_dir: Path | None = None
-    heartbeat_interval_s: float = 2.0
-    heartbeat_timeout_s: float = 15.0
+    heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
+    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
     ps_fsync: bool = False  # also fsync the parameter server's state before answering (survives a machine crash)
 
     @property
@@ -193,11 +190,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.transport = transport or Transport.insecure()
         self._watches: dict[str, int] = {}
         self._watches_lock = threading.Lock()
-        self.store = Store(config.state_dir / "coordinator.db")
+        self.store = SqliteState(config.state_dir / "coordinator.db")
         self.changes = _Changes()
         self.stopping = threading.Event()
-        self._topologies: dict[tuple[str, int], Topology] = {}  # by job and topology version
-        self._unplannable: set[tuple[str, int]] = set()  # (elastic job, member count) its graph does not fit
         self.rendezvous = Rendezvous()
         self._run_logs: dict[str, RunLog] = {}
         self._event_logs: dict[str, EventLog] = {}
@@ -207,12 +202,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         # debugging figures, refreshed every second, kept in memory only and dropped when the job ends.
         self._live_edges: dict[str, dict[int, Progress]] = {}
         self._live_edges_lock = threading.Lock()  # a report racing its job's end leaves nothing behind
-        self._schedule_lock = threading.Lock()
+        # The rules (coordinator.control.plane) see one event at a time: their effects are applied before the next.
+        self.plane = ControlPlane(self.store, time.time, config.heartbeat_timeout_s)
+        self._plane_lock = threading.Lock()
         self.ps = PSService(self.store, metrics, fsync=config.ps_fsync)
         self._monitor = threading.Thread(target=self._monitor_loop, name="liveness", daemon=True)
-        # After a restart the agents' heartbeats need a timeout's time to come back: until then no node is marked
-        # down for silence (its last heartbeat went to the coordinator that stopped).
-        self._silence_counts_from = time.time() + config.heartbeat_timeout_s
 
     def start(self) -> None:
         if self.ca is not None:
@@ -267,78 +261,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 # the server presents the new one to new connections.
                 renewal_checked = time.monotonic()
                 self.ca.coordinator_credentials(self.transport.tls_dir)
-            self._review_start_barriers()
-            if time.time() >= self._silence_counts_from:
-                down = self.store.mark_silent_nodes_down(self.config.heartbeat_timeout_s)
-                if down:
-                    log.warning("no heartbeat from %s: marked down", ", ".join(down))
-                    self.changes.bump()
-                self._review_running_jobs()
-            self._schedule()
+            self._control(self.plane.tick)
             self._update_gauges()
-
-    def _review_running_jobs(self) -> None:
-        """Apply each running job's failure policy to its lost nodes (silent for longer than the heartbeat timeout
-        plus the job's `failure.lost_grace_s`): an asynchronous elastic job that keeps at least its least members
-        plans its graph again without them (they leave it); otherwise a synchronous job fails, since its other nodes
-        would wait forever, and an asynchronous job goes on without them, and finishes once every other node has; so
-        does an all-reduce job while its quorum keeps at least `failure.min_members`, and fails when fewer remain."""
-        nodes = {n.node_id: n for n in self.store.nodes()}
-        now = time.time()
-        for job in self.store.jobs(("RUNNING",)):
-            spec = JobSpec.from_json(job.spec_json)
-            members = self.store.members(job.job_id)
-            lost = []
-            for member in members:
-                node = nodes.get(member.node_id)
-                silent = now - node.last_seen_unix if node is not None else math.inf
-                if (node is None or not node.up) and not member.progress.finished and \
-                        silent > self.config.heartbeat_timeout_s + spec.failure.lost_grace_s:
-                    lost.append((member, silent))
-            if not lost:
-                continue
-            ranks = ", ".join(f"rank {m.rank} (node {m.node_id}, silent for {silent:.0f} s)" for m, silent in lost)
-            algorithm = lookup(spec.algorithm.name)
-            synchronous = algorithm.synchronous(spec.algorithm)
-            if spec.elastic and not synchronous and len(members) - len(lost) >= spec.min_nodes:
-                if self._change_pending(job, members, nodes):
-                    continue  # the members switch to the last change first; the next review plans the leave
-                reason = f"no heartbeat for longer than the heartbeat timeout and failure.lost_grace_s " \
-                         f"({spec.failure.lost_grace_s:g} s)"
-                if self._replan(job, members, [], [m for m, _ in lost], reason):
-                    continue
-            collective = algorithm.family is Family.COLLECTIVE
-            minimum = spec.failure.quorum_minimum(spec.max_nodes) if collective else 0
-            if collective and len(members) - len(lost) < minimum:
-                self._end_job(job, "FAILED", f"lost {ranks}: the all-reduce has {len(members) - len(lost)} members "
-                              f"left, fewer than its quorum's minimum of {minimum}, for longer than the heartbeat "
-                              f"timeout and the job's failure.lost_grace_s ({spec.failure.lost_grace_s:g} s) allow")
-            elif not collective and synchronous:
-                self._end_job(job, "FAILED", f"lost {ranks}: longer than the heartbeat timeout and the job's "
-                              f"failure.lost_grace_s ({spec.failure.lost_grace_s:g} s) allow a synchronous job")
-            elif all(m.progress.finished or m.rank in {gone.rank for gone, _ in lost} for m in members):
-                self._end_job(job, "FINISHED", f"without the lost {ranks}")
-
-    def _review_start_barriers(self) -> None:
-        """Fail each running job whose start barrier waited longer than its `start.timeout_s`, naming the ranks
-        that never became ready."""
-        now = time.time()
-        for job in self.store.jobs(("RUNNING",)):
-            if job.released_unix:
-                continue
-            start = JobSpec.from_json(job.spec_json).start
-            if start.barrier and now - job.started_unix > start.timeout_s:
-                self._end_job(job, "FAILED", f"start barrier: {self._not_ready(job)} not ready within "
-                              f"start.timeout_s ({start.timeout_s:g} s) of the job's start")
-
-    def _not_ready(self, job: JobRow) -> str:
-        """The ranks of `job` that are not ready to start, with their nodes (and whether they are down)."""
-        nodes = {n.node_id: n for n in self.store.nodes()}
-        waiting = [m for m in self.store.members(job.job_id) if not m.ready]
-        described = ", ".join(
-            f"{m.rank} (node {m.node_id}{'' if m.node_id in nodes and nodes[m.node_id].up else ', down'})"
-            for m in waiting)
-        return f"rank{'s' if len(waiting) > 1 else ''} {described}"
 
     def _update_gauges(self) -> None:
         nodes = self.store.nodes()
@@ -348,160 +272,27 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         for state in JOB_STATES:
             self.metrics.coordinator_jobs.labels(state.lower()).set(len(self.store.jobs((state,))))
 
-    def _schedule(self) -> None:
-        """Start pending jobs, oldest first, on idle nodes that are up and not draining (in registration order). A
-        job that does not fit waits, with the reason, and does not hold back a smaller one that fits. An elastic job
-        starts once its least members are idle, on as many idle nodes as it may have; the nodes still idle then
-        join the running elastic jobs that may grow, oldest first."""
-        with self._schedule_lock:
-            for job in self.store.jobs(("PENDING",)):
-                spec = JobSpec.from_json(job.spec_json)
-                nodes = self.store.nodes()
-                idle = self._idle(nodes, spec)
-                if len(idle) < job.world_size:
-                    reason = self._wait_reason(job.world_size, nodes, spec)
-                    if reason != job.reason:
-                        self.store.set_pending_reason(job.job_id, reason)
-                    continue
-                taken = idle[: spec.max_nodes]
-                self.store.start_job(job.job_id, taken)
-                log.info("job %s started on %s", job.job_id, ", ".join(taken))
-                self._event(job, events.STARTED, "running on " + ", ".join(
-                    f"rank {rank} {node}" for rank, node in enumerate(taken)))
+    # -- the rules' effects ---------------------------------------------------------------------------------------
+
+    def _control(self, event: Callable[..., list[Effect]], *args: object) -> None:
+        """Hand an event to the control plane and apply its effects."""
+        with self._plane_lock:
+            self._apply(event(*args))
+
+    def _apply(self, effects: list[Effect]) -> None:
+        for effect in effects:
+            if isinstance(effect, JobEnded):
+                self.rendezvous.end(effect.job.job_id)
+                self.ps.close(effect.job.job_id)
+                self.metrics.forget_job(effect.job.job_id)
+                with self._live_edges_lock:
+                    self._live_edges.pop(effect.job.job_id, None)
+            elif isinstance(effect, JobEvent):
+                self._event(effect.job, effect.kind, effect.message, effect.level)
+            else:
                 self.changes.bump()
-            self._grow_elastic_jobs()
-
-    def _grow_elastic_jobs(self) -> None:
-        """Idle nodes join running elastic jobs below their most members, once a job has started (released at its
-        start barrier) and its members have switched to its last change."""
-        for job in self.store.jobs(("RUNNING",)):
-            spec = JobSpec.from_json(job.spec_json)
-            if not spec.elastic or job.world_size >= spec.max_nodes or (spec.start.barrier and not job.released_unix):
-                continue
-            nodes = self.store.nodes()
-            idle = self._idle(nodes, spec)
-            if not idle:
-                continue
-            members = self.store.members(job.job_id)
-            if not self._change_pending(job, members, {n.node_id: n for n in nodes}):
-                self._replan(job, members, idle[: spec.max_nodes - len(members)], [], "")
-
-    def _drain_member(self, job: JobRow, node_id: str) -> bool:
-        """A drained member of an asynchronous elastic job leaves it now, while at least its least members remain
-        and no change is under way; whether it left. (A synchronous job's neighbours would wait for its rounds:
-        it stays, as in any job, until the job ends.)"""
-        spec = JobSpec.from_json(job.spec_json)
-        if not spec.elastic or lookup(spec.algorithm.name).synchronous(spec.algorithm):
-            return False
-        members = self.store.members(job.job_id)
-        leaving = [m for m in members if m.node_id == node_id]
-        nodes = {n.node_id: n for n in self.store.nodes()}
-        if len(members) - len(leaving) < spec.min_nodes or self._change_pending(job, members, nodes):
-            return False
-        return self._replan(job, members, [], leaving, "drained by an operator")
-
-    def _change_pending(self, job: JobRow, members: list[MemberRow], nodes: dict[str, NodeRow]) -> bool:
-        """Whether some member that is up and not finished has not reached the step where the job switches to its
-        latest change (one that joined has not reported from it yet): a new change waits until every one has."""
-        return any(
-            not m.progress.finished and m.progress.step < job.switch_step
-            and m.node_id in nodes and nodes[m.node_id].up for m in members)
-
-    def _replan(self, job: JobRow, members: list[MemberRow], joining: list[str], leaving: list[MemberRow],
-                reason: str) -> bool:
-        """An elastic job's new membership: `joining` nodes take the lowest free ranks, `leaving` members leave,
-        and the graph (the same kind and seed) is planned again for the new member count. It reaches the members as
-        a topology change (a new version, switched to just before one step for all, as `coordinator topology`
-        does); the nodes that join start in it. Ranks stay with their members. False when the job cannot take it
-        now: its graph does not fit the new count, or it ends before its members could all switch."""
-        spec = self._running_spec(job)
-        gone = {m.rank for m in leaving}
-        staying = [m for m in members if m.rank not in gone]
-        held = {m.rank for m in staying}
-        free = [rank for rank in range(spec.max_nodes) if rank not in held][: len(joining)]
-        count = len(staying) + len(free)
-        try:
-            validate_membership(spec, count)
-        except JobSpecError as error:
-            if (job.job_id, count) not in self._unplannable:  # said once: the join is tried again every second
-                self._unplannable.add((job.job_id, count))
-                log.warning("job %s: cannot plan %d members: %s", job.job_id, count, error)
-            return False
-        switch_step = self._switch_step(members)
-        if switch_step >= spec.steps:
-            return False
-        version = job.topology_version + 1
-        joined = list(zip(free, joining, strict=False))
-        if not self.store.change_members(job.job_id, version, switch_step, joined, sorted(gone)):
-            return False
-        planned = f"{count} members; {spec.topology.kind} planned again (version {version}) from step {switch_step}"
-        for rank, node_id in joined:
-            self._event(job, events.JOINED, f"node {node_id} joined as rank {rank}: {planned}")
-        for member in leaving:
-            self._event(job, events.LEFT, f"rank {member.rank} (node {member.node_id}) left: {reason}; {planned}",
-                        "WARNING")
-        log.info("job %s: %s%s: %s", job.job_id, ", ".join(f"{node} joins as rank {rank}" for rank, node in joined),
-                 ", ".join(f"rank {m.rank} leaves" for m in leaving), planned)
-        self.changes.bump()
-        return True
-
-    @staticmethod
-    def _usable(node: NodeRow, spec: JobSpec) -> bool:
-        """Whether `node` may take a rank of `spec`: up, not draining, and on a CUDA device where the job needs one
-        (training.precision fp16)."""
-        return node.up and not node.draining and (spec.training.precision != "fp16" or node.device.startswith("cuda"))
-
-    def _idle(self, nodes: list[NodeRow], spec: JobSpec) -> list[str]:
-        busy = self.store.busy_node_ids()
-        return [n.node_id for n in nodes if self._usable(n, spec) and n.node_id not in busy]
-
-    def _wait_reason(self, needed: int, nodes: list[NodeRow], spec: JobSpec) -> str:
-        """What a job of `needed` nodes waits for, or "" if it can start now."""
-        idle = len(self._idle(nodes, spec))
-        if idle >= needed:
-            return ""
-        usable = sum(self._usable(n, spec) for n in nodes)
-        if usable < needed:
-            which = "agents on a CUDA device (training.precision fp16)" if spec.training.precision == "fp16" else \
-                "agents"
-            return (f"needs {needed} {which}; {usable} {_are(usable)} up and not draining ({len(nodes)} registered): "
-                    f"it starts when {needed - usable} more join")
-        return (f"needs {needed} idle agents; {idle} {_are(idle)} idle now, the others run jobs: it starts when they "
-                "end")
-
-    def _end_job(self, job: JobRow, state: str, reason: str = "") -> None:
-        """Finish, stop or fail an active job: its agents are freed (their assignment ends), and its rendezvous and
-        parameter server close."""
-        if not self.store.end_job(job.job_id, state, reason):
-            return
-        self.rendezvous.end(job.job_id)
-        self.ps.close(job.job_id)
-        self.metrics.forget_job(job.job_id)
-        with self._live_edges_lock:
-            self._live_edges.pop(job.job_id, None)
-        log.log(logging.WARNING if state == "FAILED" else logging.INFO, "job %s %s%s", job.job_id, state.lower(),
-                f": {reason}" if reason else "")
-        self._event(job, state.lower(), reason or f"job {state.lower()}", "ERROR" if state == "FAILED" else "INFO")
-        self.changes.bump()
-        self._schedule()
 
     # -- assignments ---------------------------------------------------------------------------------------------
-
-    def _topology(self, job: JobRow, spec: JobSpec) -> Topology:
-        """The job's graph now, on its members now (`spec`: the job as it runs now, `_running_spec`)."""
-        key = (job.job_id, job.topology_version)
-        topology = self._topologies.get(key)
-        if topology is None:
-            topology = self._topologies[key] = build_topology(spec.topology, job.world_size)
-        return topology
-
-    @staticmethod
-    def _running_spec(job: JobRow) -> JobSpec:
-        """The job's spec with the topology it runs now (after `coordinator topology` changes)."""
-        spec = JobSpec.from_json(job.spec_json)
-        if job.topology_json:
-            spec = with_topology(spec, TopologySpec.model_validate_json(job.topology_json))
-        return spec
 
     def assignment_for(self, node_id: str) -> pb.Assignment:
         revoked = self.ca.live_revocations() if self.ca is not None else []
@@ -510,9 +301,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             return pb.Assignment(version=self.changes.version, state=pb.JOB_STATE_UNSPECIFIED,
                                  revoked_serials=revoked)
         job, rank = membership
-        spec = self._running_spec(job)
+        spec = job.running_spec
         rows = {m.rank: m for m in self.store.members(job.job_id)}
-        plan = plan_member(spec, self._topology(job, spec), sorted(rows), rank)
+        plan = self.plane.plan(job, list(rows.values()), rank)
         members = {m.rank: m.node_id for m in rows.values()}
         neighbors = []
         for neighbor in plan.neighbors:
@@ -525,7 +316,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 )
             )
         # An elastic job's nodes are built for its most members (its data split into that many shards).
-        spec_json = spec.sized().to_json() if spec.elastic else job.spec_json
+        spec_json = spec.sized().to_json() if spec.elastic else job.spec.to_json()
         return pb.Assignment(
             version=self.changes.version, job_id=job.job_id, state=pb.JOB_RUNNING, job_spec_json=spec_json,
             rank=rank, world_size=job.world_size, neighbors=neighbors, self_weight=plan.self_weight,
@@ -569,8 +360,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             request.device_name, request.device_memory_bytes,
         )
         log.info("registered %s (%s) at %s", node_id, request.name, request.peer_address)
-        self.changes.bump()
-        self._schedule()
+        self._control(self.plane.nodes_changed)
         return pb.RegisterReply(node_id=node_id, heartbeat_interval_s=self.config.heartbeat_interval_s)
 
     def Heartbeat(self, request, context):
@@ -579,7 +369,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         known, came_back = self.store.touch_node(node_id)
         if came_back:
             log.info("%s is up again", node_id)
-            self.changes.bump()
+            self._control(self.plane.nodes_changed)
         return pb.HeartbeatReply(known=known, assignment_version=self.changes.version)
 
     def WatchAssignment(self, request, context):
@@ -601,18 +391,23 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     del self._watches[node_id]
 
     def _watch(self, node_id: str, context) -> Iterator[pb.Assignment]:
+        """The node's assignment now, then each time it changes. It is computed again only after a change that may
+        alter it (the changes' version moved); the wait ends every WATCH_POLL_S to see whether the stream ended."""
         last_sent: bytes | None = None
-        version = self.changes.version
+        computed: int | None = None
         while context.is_active() and not self.stopping.is_set():
-            assignment = self.assignment_for(node_id)
-            unversioned = pb.Assignment()
-            unversioned.CopyFrom(assignment)
-            unversioned.version = 0
-            content = unversioned.SerializeToString(deterministic=True)
-            if content != last_sent:
-                last_sent = content
-                yield assignment
-            version = self.changes.wait_past(version, WATCH_POLL_S)
+            version = self.changes.version
+            if version != computed:
+                computed = version
+                assignment = self.assignment_for(node_id)
+                unversioned = pb.Assignment()
+                unversioned.CopyFrom(assignment)
+                unversioned.version = 0
+                content = unversioned.SerializeToString(deterministic=True)
+                if content != last_sent:
+                    last_sent = content
+                    yield assignment
+            self.changes.wait_past(version, WATCH_POLL_S)
 
     def ReportMetrics(self, request, context):
         request.node_id = self._as_node(context, request.node_id)
@@ -622,7 +417,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if job is None or not any(m.rank == progress.rank and m.node_id == progress.node
                                   for m in self.store.members(job.job_id)):
             return pb.MetricsReply(job_active=False)  # not this node's rank: nothing is recorded
-        if problem := report_problem(progress, JobSpec.from_json(job.spec_json), job.started_unix, now):
+        if problem := report_problem(progress, job.spec, job.started_unix, now):
             field, why = problem
             self.metrics.coordinator_refused_reports.labels(request.node_id, field).inc()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"report of rank {request.rank} of job {job.job_id}: "
@@ -634,25 +429,24 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             run_log = self._run_logs[job.job_id] = RunLog(job.run_dir)
         run_log.append(progress)
         with self._live_edges_lock:
-            if self.store.job(job.job_id).state == "RUNNING":
+            if self.store.job(job.job_id).state == JobState.RUNNING:
                 self._live_edges.setdefault(job.job_id, {})[progress.rank] = progress
-        if request.finished and job.state == "RUNNING":
-            members = self.store.members(job.job_id)
-            if all(m.progress.finished for m in members):
-                self._end_job(job, "FINISHED")
-        return pb.MetricsReply(job_active=self.store.job(job.job_id).state == "RUNNING")
+        if request.finished:
+            self._control(self.plane.reported, job)
+        return pb.MetricsReply(job_active=self.store.job(job.job_id).state == JobState.RUNNING)
 
     def ReportFailure(self, request, context):
         reason = plain_text(request.reason[:MAX_FAILURE_CHARS]).strip() or "no reason given"
         request.node_id = self._as_node(context, request.node_id)
-        if not self.store.record_failure(request.job_id, request.rank, request.node_id, reason):
+        with self._plane_lock:
+            held, effects = self.plane.failed(request.job_id, request.rank, request.node_id, reason)
+            self._apply(effects)
+        job = self.store.job(request.job_id)
+        if not held or job is None:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"node {request.node_id[:64]!r} does not hold rank "
                           f"{request.rank} of job {request.job_id[:64]!r}")
-        job = self.store.job(request.job_id)
         assert job is not None
-        # The default policy: a node that cannot build or continue its job fails the job.
-        self._end_job(job, "FAILED", f"rank {request.rank} (node {request.node_id}) failed: {reason}")
-        return pb.NodeFailureReply(job_state=JOB_STATES[self.store.job(job.job_id).state])
+        return pb.NodeFailureReply(job_state=JOB_STATES[job.state])
 
     def JobReady(self, request, context):
         node_id = self._as_node(context, request.node_id)
@@ -670,29 +464,18 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"node {node_id[:64]!r} does not hold rank "
                           f"{request.rank} of job {request.job_id!r}")
         assert job is not None
-        readiness = self.store.mark_ready(job.job_id, request.rank, node_id, data_to_json(data))
-        if readiness is None:  # the job is not running (any more)
-            return self._ready_reply(job.job_id, released=False)
-        if readiness.data_json != data_to_json(data):
-            agreed = data_from_json(readiness.data_json)
-            ready = [m.rank for m in self.store.members(job.job_id) if m.ready]
-            self._end_job(job, "FAILED", f"rank {request.rank} (node {node_id}) has other data than rank"
-                          f"{'s' if len(ready) > 1 else ''} {', '.join(map(str, ready))}: "
-                          f"{'; '.join(data_differences(data, agreed))}")
-            return self._ready_reply(job.job_id, released=False)
-        if readiness.released_now:
-            self._event(job, events.RELEASED, f"every rank is ready, {time.time() - job.started_unix:.2f} s after "
-                        f"the job started: released ({data})")
-            self.changes.bump()
-        if readiness.released or not JobSpec.from_json(job.spec_json).start.barrier:
-            return self._ready_reply(job.job_id, released=True)
+        with self._plane_lock:
+            outcome, effects = self.plane.ready(job, request.rank, node_id, data)
+            self._apply(effects)
+        if not outcome.running or outcome.released:
+            return self._ready_reply(job.job_id, released=outcome.released)
         # Held until the last rank is ready or the job ends (both bump the changes), or until wait_s.
         deadline = time.monotonic() + request.wait_s
         version = self.changes.version
         while context.is_active() and not self.stopping.is_set() and time.monotonic() < deadline:
             current = self.store.job(job.job_id)
             assert current is not None
-            if current.state != "RUNNING" or current.released_unix:
+            if current.state != JobState.RUNNING or current.released_unix:
                 break
             version = self.changes.wait_past(version, deadline - time.monotonic())
         return self._ready_reply(job.job_id, released=False)
@@ -705,13 +488,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         membership = self.store.running_membership(node_id)
         job = membership[0] if membership is not None and membership[0].job_id == request.job_id else None
-        spec = JobSpec.from_json(job.spec_json) if job is not None else None
+        spec = job.spec if job is not None else None
         if spec is None or lookup(spec.algorithm.name).family is not Family.COLLECTIVE:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"node {node_id[:64]!r} holds no rank of the running "
                           f"all-reduce job {request.job_id[:MAX_JOB_REFERENCE_CHARS]!r}")
         assert spec is not None
         store, made = self.rendezvous.store(request.job_id, spec.max_nodes)
-        if made and self.store.job(request.job_id).state != "RUNNING":  # it ended meanwhile: the store goes too
+        if made and self.store.job(request.job_id).state != JobState.RUNNING:  # it ended meanwhile: the store goes too
             self.rendezvous.end(request.job_id)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"job {request.job_id} is not running")
         try:
@@ -723,11 +506,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         """The answer to a ready report: released (start), waiting (for the ranks named) or ended (the reason)."""
         job = self.store.job(job_id)
         assert job is not None
-        if job.state != "RUNNING":
+        if job.state != JobState.RUNNING:
             return pb.JobReadyReply(job_state=JOB_STATES[job.state], reason=job.reason)
         released = released or bool(job.released_unix)
         return pb.JobReadyReply(job_state=pb.JOB_RUNNING, released=released,
-                                waiting_for="" if released else self._not_ready(job))
+                                waiting_for="" if released else self.plane.not_ready(job))
 
     def Deregister(self, request, context):
         node_id = self._as_node(context, request.node_id)
@@ -769,11 +552,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self._event_allowance[node_id] = (allowance - kept, now)
             return kept
 
-    def _event(self, job: JobRow, kind: str, message: str, level: str = "INFO") -> None:
+    def _event(self, job: Job, kind: str, message: str, level: str = "INFO") -> None:
         """One of the coordinator's own events of a job."""
         self._record(job, Event(time.time(), job.job_id, kind, events.bounded(message), level))
 
-    def _record(self, job: JobRow, event: Event) -> None:
+    def _record(self, job: Job, event: Event) -> None:
         with self._events_lock:
             event_log = self._event_logs.get(job.job_id)
             if event_log is None:
@@ -864,13 +647,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             validate_job(spec)
         except JobSpecError as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid job spec: {error}")
-        warning = self._wait_reason(spec.min_nodes, self.store.nodes(), spec)
+        warning = self.plane.wait_reason(spec.min_nodes, self.store.nodes(), spec)
         job_id = f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
         run_dir = self.config.run_root / job_id
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "job.yaml").write_text(request.spec_yaml)
         (run_dir / "job.json").write_text(spec.model_dump_json(indent=2))
-        self.store.add_job(job_id, spec.name, spec.to_json(), request.spec_yaml, spec.min_nodes, str(run_dir))
+        self.store.add_job(job_id, spec, request.spec_yaml, str(run_dir))
         nodes = f"{spec.min_nodes}..{spec.max_nodes} nodes (elastic)" if spec.elastic else f"{spec.nodes} nodes"
         log.info("job %s submitted: %s on %s", job_id, spec.algorithm.name, nodes)
         job = self.store.job(job_id)
@@ -878,7 +661,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         operator = caller(context) if self.ca is not None else None
         self._event(job, events.SUBMITTED, f"{spec.algorithm.name} on {nodes}, {spec.steps} steps"
                     + (f", by operator {operator.name}" if operator is not None else ""))
-        self._schedule()
+        self._control(self.plane.submitted)
         job = self.store.job(job_id)
         assert job is not None
         return pb.SubmitJobReply(job_id=job_id, state=JOB_STATES[job.state], run_dir=str(run_dir),
@@ -888,46 +671,29 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         job = self.store.find_job(request.job_id[:MAX_JOB_REFERENCE_CHARS])
         if job is None:
             context.abort(grpc.StatusCode.NOT_FOUND, _no_job(request.job_id))
-        self._end_job(job, "STOPPED", "stopped by an operator")
+        self._control(self.plane.stopped, job)
         return pb.StopJobReply(state=JOB_STATES[self.store.job(job.job_id).state], job_id=job.job_id)
 
     def ChangeTopology(self, request, context):
         job = self.store.find_job(request.job_id[:MAX_JOB_REFERENCE_CHARS])
         if job is None:
             context.abort(grpc.StatusCode.NOT_FOUND, _no_job(request.job_id))
-        if job.state != "RUNNING":
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"job {job.job_id} is {job.state.lower()}: only a running job's topology can change")
-        spec = self._running_spec(job)
         try:
-            check_topology_changes(spec)
-        except JobSpecError as error:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"job {job.job_id}: {error}")
+            self.plane.check_topology_change(job)
+        except TopologyRefused as error:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         topology_spec = self._requested_topology(request, context)
         try:
-            validate_topology_change(spec.sized(job.world_size), topology_spec)
+            with self._plane_lock:
+                changed, effects = self.plane.topology_requested(job, topology_spec)
+                self._apply(effects)
         except JobSpecError as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid topology for job {job.job_id}: {error}")
-        members = self.store.members(job.job_id)
-        running = [m.progress for m in members if not m.progress.finished]
-        if job.switch_step and running and min(p.step for p in running) < job.switch_step:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"job {job.job_id} has not reached step {job.switch_step} yet, where it switches to version "
-                          f"{job.topology_version} of its topology: change it again once it has")
-        switch_step = self._switch_step(members)
-        if switch_step >= spec.steps:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"job {job.job_id} ends at step {spec.steps}, before the earliest step its nodes could all "
-                          f"switch at ({switch_step})")
-        version = job.topology_version + 1
-        if not self.store.change_topology(job.job_id, topology_spec.model_dump_json(), version, switch_step):
-            context.abort(grpc.StatusCode.ABORTED, f"job {job.job_id} ended or changed meanwhile; try again")
-        message = f"topology {spec.topology.kind} -> {topology_spec.kind} (version {version}) at step {switch_step}"
-        self._event(job, events.TOPOLOGY, message)
-        log.info("job %s: %s, by an operator", job.job_id, message)
-        self.changes.bump()
-        return pb.ChangeTopologyReply(job_id=job.job_id, topology_version=version, switch_step=switch_step,
-                                      previous_kind=spec.topology.kind)
+        except TopologyRefused as error:
+            code = grpc.StatusCode.ABORTED if error.kind == "aborted" else grpc.StatusCode.FAILED_PRECONDITION
+            context.abort(code, str(error))
+        return pb.ChangeTopologyReply(job_id=job.job_id, topology_version=changed.version,
+                                      switch_step=changed.switch_step, previous_kind=changed.previous_kind)
 
     @staticmethod
     def _requested_topology(request: pb.ChangeTopologyRequest, context) -> TopologySpec:
@@ -945,16 +711,6 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             return TopologySpec(kind=request.kind, seed=request.seed, options=options)
         except ValidationError as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, format_validation_error(error, "topology"))
-
-    @staticmethod
-    def _switch_step(members: list[MemberRow]) -> int:
-        """The step every node switches at: the highest reported so far plus what the fastest node steps in
-        SWITCH_LEAD_S (see there). A node's rate counts the steps it took itself (a node that joined or rejoined
-        started at its neighbours' step)."""
-        rate = max(((m.progress.local_steps or m.progress.step) / m.progress.elapsed_s for m in members
-                    if m.progress.elapsed_s > 0), default=0.0)
-        highest = max((m.progress.step for m in members), default=0)
-        return highest + max(MIN_SWITCH_MARGIN_STEPS, math.ceil(rate * SWITCH_LEAD_S))
 
     def ListNodes(self, request, context):
         return pb.ListNodesReply(nodes=[self._node_info(n) for n in self.store.nodes()])
@@ -987,11 +743,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if not self.store.set_draining(request.node_id, request.drain):
             context.abort(grpc.StatusCode.NOT_FOUND, f"no node {request.node_id[:64]!r}")
         log.info("%s %s by an operator", request.node_id, "drained" if request.drain else "back in service")
-        membership = self.store.running_membership(request.node_id) if request.drain else None
-        if membership is not None:
-            self._drain_member(membership[0], request.node_id)
-        self.changes.bump()
-        self._schedule()
+        if request.drain:
+            self._control(self.plane.drained, request.node_id)
+        else:
+            self._control(self.plane.nodes_changed)
         node = self.store.node(request.node_id)
         assert node is not None
         return self._node_info(node)
@@ -1044,12 +799,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     @staticmethod
     def _member_state(member: MemberRow, node: NodeRow | None) -> str:
-        if member.left:
-            return "left"
-        if member.failure:
-            return "failed"
-        if member.progress.finished:
-            return "finished"
+        """A member's state as `coordinator status` shows it: left, failed or finished, else whether its node is
+        up."""
+        if member.state in (MemberState.LEFT, MemberState.FAILED, MemberState.FINISHED):
+            return member.state.lower()
         return "up" if node is not None and node.up else "down"
 
 
@@ -1139,9 +892,9 @@ def _age(value: float) -> float:
     return value if math.isfinite(value) and value >= 0 else math.nan
 
 
-def _elastic_range(job: JobRow) -> dict[str, int]:
+def _elastic_range(job: Job) -> dict[str, int]:
     """An elastic job's least and most members, as JobInfo and JobStatusReply give them (none for a fixed size)."""
-    spec = JobSpec.from_json(job.spec_json)
+    spec = job.spec
     return {"min_nodes": spec.min_nodes, "max_nodes": spec.max_nodes} if spec.elastic else {}
 
 
@@ -1149,6 +902,3 @@ def _no_job(reference: str) -> str:
     return (f"no job {reference[:MAX_JOB_REFERENCE_CHARS]!r}: give a job's id, a unique prefix of it, or its name "
             "(`coordinator jobs` lists them)")
 
-
-def _are(count: int) -> str:
-    return "is" if count == 1 else "are"

@@ -5,6 +5,13 @@ built from one `nodeagent.training.job.JobData` (the job's data, split and initi
 neighbours the coordinator would assign, so a simulated node is the same object an agent trains. The run
 directory gets the same metrics log as a real run, with virtual time stamps.
 
+The job goes through the coordinator's own rules (coordinator.control.ControlPlane, on the in-memory state and the
+virtual clock): it is scheduled on the simulated nodes, released at its start barrier once every rank is ready,
+finished when every rank has, and the failure policy applies to nodes that are down (`simulation.faults`): one that
+is silent for longer than the heartbeat timeout and the job's `failure.lost_grace_s` fails a synchronous job, as it
+would on agents, and the run ends there. (An elastic job keeps its largest membership: its nodes do not leave or
+join while it runs.)
+
 `simulation.topology_changes` switches the job's topology while it runs, through the node driver's path of a
 real change (`NodeDriver.change_topology`): every node learns of every change at the start, so none is late, and
 switches just before the change's step. Each change is written to the run's events log, at the virtual time of
@@ -21,7 +28,11 @@ from pathlib import Path
 
 import torch
 
-from coordinator.display import mean_accuracy
+from coordinator.control.memory import MemoryState
+from coordinator.control.plane import HEARTBEAT_TIMEOUT_S, ControlPlane, Effect, JobEnded, JobEvent
+from coordinator.control.records import Job
+from coordinator.control.states import JobState
+from coordinator.display import mean_accuracy, mean_measured
 from coordinator.jobs import plan_node, validate_job, validate_topology_change, with_topology
 from coordinator.progress_view import ProgressView
 from nodeagent.jobspec import JobSpec
@@ -51,11 +62,77 @@ def build_nodes(spec: JobSpec, data_dir: str | None = None, allow_imports: Colle
     return nodes
 
 
+# How often simulated nodes beat and the coordinator's monitor looks at them, in virtual seconds (as agents beat and
+# the coordinator's monitor runs: `coordinator serve`).
+MONITOR_EVERY_S = 1.0
+
+
+class SimulatedCoordinator:
+    """The coordinator of a simulated job: its rules (ControlPlane) on the in-memory state and the mesh's virtual
+    clock. The simulated nodes register, the job is submitted and scheduled on them (rank r on the node of rank r),
+    every rank reports ready at the start and its progress as it goes; nodes that are up beat every
+    MONITOR_EVERY_S, when the monitor's tick applies the failure policy. A job that ends before every node has
+finished (failed, or finished without the lost) halts the mesh: its nodes are free, as agents are."""
+
+    def __init__(self, mesh: VirtualMesh, spec: JobSpec, device: torch.device, event_log: EventLog | None):
+        self.mesh = mesh
+        self.event_log = event_log
+        self.state = MemoryState(mesh.clock)
+        self.plane = ControlPlane(self.state, mesh.clock, HEARTBEAT_TIMEOUT_S)
+        self.job_id = spec.name
+        self._finished: set[int] = set()
+        for sim in mesh.nodes:
+            self.state.register_node(sim.name, sim.name, sim.name, "", device.type, "", "", 0)
+        self.state.add_job(self.job_id, spec, "", "")
+        self._apply(self.plane.submitted())
+        job = self.job
+        if job.state != JobState.RUNNING:
+            raise RuntimeError(f"the simulated job cannot start: it {job.reason}")
+        placed = [m.node_id for m in self.state.members(self.job_id)]
+        assert placed == [sim.name for sim in mesh.nodes], "ranks placed other than on their simulated nodes"
+        data = mesh.nodes[0].node.batches.dataset.info
+        for sim in mesh.nodes:
+            self._apply(self.plane.ready(job, sim.rank, sim.name, data)[1])
+        mesh.in_background(MONITOR_EVERY_S, self._tick)
+
+    @property
+    def job(self) -> Job:
+        job = self.state.job(self.job_id)
+        assert job is not None
+        return job
+
+    def report(self, progress: Progress) -> None:
+        """A node's progress report; once every rank has finished, the job is."""
+        self.state.record_progress(progress)
+        if progress.finished and progress.rank not in self._finished:
+            self._finished.add(progress.rank)
+            if len(self._finished) == len(self.mesh.nodes):  # asked once, not on each report (O(nodes) each)
+                self._apply(self.plane.reported(self.job))
+
+    def _tick(self) -> None:
+        now = self.mesh.now
+        for sim in self.mesh.nodes:
+            if self.mesh.down_until(sim.rank, now) is None:
+                self.state.touch_node(sim.name)
+        self._apply(self.plane.tick())
+        if self.job.state == JobState.RUNNING:
+            self.mesh.in_background(now + MONITOR_EVERY_S, self._tick)
+
+    def _apply(self, effects: list[Effect]) -> None:
+        for effect in effects:
+            if isinstance(effect, JobEvent) and self.event_log is not None:
+                self.event_log.append(Event(self.mesh.now, effect.job.job_id, effect.kind,
+                                            events.bounded(effect.message), effect.level))
+            elif isinstance(effect, JobEnded) and len(self._finished) < len(self.mesh.nodes):
+                self.mesh.halt()  # ended before every node finished (failed, or finished without the lost)
+
+
 @dataclass
 class SimulationResult:
     mesh: VirtualMesh
     run_dir: Path | None
     wall_s: float
+    job: Job  # as the coordinator's rules left it: finished, failed (and why), or still running
 
     @property
     def progress(self) -> list[Progress]:
@@ -89,11 +166,14 @@ def simulate(
         event_log.append(Event(0.0, spec.name, events.STARTED, f"simulating {spec.algorithm.name} on {spec.nodes} "
                                f"nodes, {spec.steps} steps"))
     finished: set[int] = set()
+    coordinator: SimulatedCoordinator | None = None
 
     def observe(mesh: VirtualMesh, sim: SimNode, report: Report) -> None:
         progress = report.progress
         if run_log is not None:
             run_log.append(progress)
+        assert coordinator is not None
+        coordinator.report(progress)
         if event_log is not None and progress.finished and progress.rank not in finished:
             finished.add(progress.rank)
             event_log.append(Event(mesh.now, spec.name, events.FINISHED, f"rank {progress.rank} finished at step "
@@ -102,12 +182,13 @@ def simulate(
 
     mesh = VirtualMesh(nodes, spec.name, spec.simulation, metrics or Metrics(), observe,
                        on_switch=topology_events(event_log) if event_log is not None else None)
+    coordinator = SimulatedCoordinator(mesh, spec, device, event_log)
     schedule_topology_changes(mesh, spec)
     mesh.run(on_event=on_progress)
-    if event_log is not None:
-        event_log.append(Event(mesh.now, spec.name, events.FINISHED if mesh.finished else events.STOPPED,
-                               "job finished" if mesh.finished else "the simulation ended before every node finished"))
-    return SimulationResult(mesh, run_dir, time.monotonic() - started)
+    job = coordinator.job
+    if event_log is not None and job.state == JobState.RUNNING:
+        event_log.append(Event(mesh.now, spec.name, events.STOPPED, "the simulation ended before every node finished"))
+    return SimulationResult(mesh, run_dir, time.monotonic() - started, job)
 
 
 def schedule_topology_changes(mesh: VirtualMesh, spec: JobSpec) -> None:
@@ -151,13 +232,14 @@ class SimulationProgress:
         self.last = -math.inf
 
     def __call__(self, mesh: VirtualMesh) -> None:
-        now = time.monotonic()
-        if now - self.last < self.every_s:
+        if time.monotonic() - self.last < self.every_s:
             return
-        self.last = now
+        # The nodes' steps and accuracies as they stand, not their full progress (every edge of every node): this
+        # runs between two events, and work here that grows with the node count made a run quadratic in it.
         steps = [sim.node.algorithm.clock for sim in mesh.nodes]
-        accuracy = mean_accuracy([sim.driver.progress() for sim in mesh.nodes])
+        accuracy = mean_measured(sim.driver.accuracy for sim in mesh.nodes)
         self.view.update(steps, accuracy, note=f"virtual {mesh.now:.1f} s")
+        self.last = time.monotonic()  # counted from the end of this update: a slow one cannot run back to back
 
 
 def reference_spec(spec: JobSpec) -> JobSpec:

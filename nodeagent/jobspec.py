@@ -135,7 +135,9 @@ class NetworkSpec(_Strict):
 
 
 class FaultSpec(_Strict):
-    """A node that is down (neither steps nor answers) between two virtual times."""
+    """A node that is down (neither steps nor answers nor beats) between two virtual times. The coordinator's failure
+    policy applies as on agents: down for longer than the heartbeat timeout (15 s) and `failure.lost_grace_s`, it
+    fails a synchronous job, and an asynchronous one finishes without it once the others have."""
 
     node: int = Field(ge=0, description="rank of the node")
     down_from: float = Field(ge=0, description="virtual time (s) at which it goes down")
@@ -198,10 +200,6 @@ class FailureSpec(_Strict):
         0, ge=0, le=MAX_NODES, description="all-reduce jobs: the fewest members a quorum may have to go on (0: a "
         "majority of the job's nodes, so that two halves cut apart never both train); fewer for longer than "
         "`lost_grace_s` fail the job")
-
-    def quorum_minimum(self, nodes: int) -> int:
-        """The fewest members an all-reduce quorum of a job of `nodes` nodes may have."""
-        return min(self.min_members, nodes) if self.min_members else nodes // 2 + 1
 
 
 class StartSpec(_Strict):
@@ -284,6 +282,13 @@ class JobSpec(_Strict):
         """The most ranks the job has: its size, or an elastic job's max (its data is split into that many
         shards)."""
         return self.nodes.max if isinstance(self.nodes, NodeRange) else self.nodes
+
+    @property
+    def quorum_minimum(self) -> int:
+        """The fewest members an all-reduce quorum of the job may have: `failure.min_members`, or a majority of its
+        most ranks (an elastic job's max: its nodes are built for that many, as every agent's spec is sized)."""
+        nodes = self.max_nodes
+        return min(self.failure.min_members, nodes) if self.failure.min_members else nodes // 2 + 1
 
     def sized(self, count: int | None = None) -> JobSpec:
         """The job with a fixed number of nodes, `count` (default: its most, `max_nodes`): what its nodes are built

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 import coordinator.cli as cli
+import coordinator.service as service_module
 from coordinator.cli import main as coordinator_main
 from coordinator.ps_service import add_coordinator_servicer
 from coordinator.service import CoordinatorConfig, CoordinatorService
@@ -96,6 +97,24 @@ def first_assignment(stub, node_id: str) -> pb.Assignment:
     assignment = next(stream)
     stream.cancel()
     return assignment
+
+
+def test_a_watched_assignment_is_computed_again_only_after_a_change(coordinator_service, monkeypatch):
+    """A watch does not rebuild its node's assignment on a timer, only after a change that may alter it (here, a
+    job starting on it)."""
+    service, stub = coordinator_service
+    monkeypatch.setattr(service_module, "WATCH_POLL_S", 0.02)  # the stream looks whether it ended this often
+    ids = [register(stub, f"w{i}") for i in range(2)]
+    computed: list[str] = []
+    original = service.assignment_for
+    monkeypatch.setattr(service, "assignment_for", lambda node_id: computed.append(node_id) or original(node_id))
+    stream = stub.WatchAssignment(pb.WatchAssignmentRequest(node_id=ids[0]), timeout=10)
+    assert next(stream).state == pb.JOB_STATE_UNSPECIFIED
+    time.sleep(0.5)  # some 25 looks, no change
+    assert computed == [ids[0]]
+    stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=job(nodes=2)), timeout=5)
+    assert next(stream).state == pb.JOB_RUNNING
+    stream.cancel()
 
 
 def test_invalid_job_is_refused_with_the_field(coordinator):
@@ -442,14 +461,14 @@ def test_the_nodes_command_shows_each_nodes_device_with_its_name_and_memory(coor
 def test_a_database_from_before_the_device_columns_gets_them_and_keeps_its_nodes(tmp_path):
     import sqlite3
 
-    from coordinator.store import SCHEMA, Store
+    from coordinator.control.sqlite import SCHEMA, SqliteState
 
     path = tmp_path / "coordinator.db"
     with sqlite3.connect(path) as old:  # the tables' first version, as an older coordinator wrote them
         old.executescript(SCHEMA)
         old.execute("INSERT INTO nodes VALUES ('n0', 'old', '127.0.0.1:7100', '', 'cuda:0', '0.1.0', 1.0, 1.0, 1)")
     old.close()
-    store = Store(path)
+    store = SqliteState(path)
     [node] = store.nodes()
     assert (node.node_id, node.device, node.device_name, node.device_memory_bytes) == ("n0", "cuda:0", "", 0)
     store.register_node("n0", "old", "127.0.0.1:7100", "", "cuda:0", "0.1.0", "NVIDIA H100 80GB HBM3", 2**36)

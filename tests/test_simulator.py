@@ -8,6 +8,7 @@ import torch
 from coordinator.simulate import simulate
 from nodeagent.jobspec import JobSpecError, parse_job_spec
 from nodeagent.metrics import Metrics
+from nodeagent.runtime.events import read_events
 from nodeagent.runtime.progress import read_run_log
 
 
@@ -122,3 +123,26 @@ def test_simulation_section_is_validated():
         parse_job_spec({"nodes": 2, "simulation": {"speeds": [1.0]}})
     with pytest.raises(JobSpecError, match=r"simulation\.faults"):
         parse_job_spec({"nodes": 2, "simulation": {"faults": [{"node": 3, "down_from": 0, "down_until": 1}]}})
+
+
+@pytest.mark.parametrize(("mode", "state"), [("sync", "FAILED"), ("async", "FINISHED")])
+def test_a_node_down_for_longer_than_the_failure_policy_allows_ends_the_job_as_on_agents(fashion_mnist_dir, tmp_path,
+                                                                                          mode, state):
+    """The coordinator's failure policy runs on the virtual clock: a node silent for longer than the heartbeat
+    timeout (15 s) and `failure.lost_grace_s` fails a synchronous job, and an asynchronous one finishes without it
+    once the others have; the run ends there, and its events say why."""
+    job = spec(fashion_mnist_dir, nodes=4, steps=20, eval_every=20, algorithm={"mode": mode},
+               failure={"lost_grace_s": 5},
+               simulation={"faults": [{"node": 2, "down_from": 0.05, "down_until": 1000}]})
+    result = simulate(job, tmp_path / "run")
+    assert result.job.state == state
+    assert 20 < result.mesh.now < 22  # silent since its last heartbeat, at 0 s, for longer than 15 + 5 s
+    assert result.mesh.nodes[2].node.algorithm.clock < 20
+    kinds = [(e.kind, e.message) for e in read_events(tmp_path / "run")[0]]
+    assert [kind for kind, _ in kinds].count("released") == 1  # at the start barrier, every rank ready
+    if state == "FAILED":
+        assert result.job.reason.startswith("lost rank 2 (node rank2, silent for 2")
+        assert kinds[-1] == ("failed", result.job.reason)
+    else:
+        assert all(sim.node.algorithm.clock == 20 for sim in result.mesh.nodes if sim.rank != 2)
+        assert kinds[-1][0] == "finished" and kinds[-1][1].startswith("without the lost rank 2 (node rank2")

@@ -9,7 +9,7 @@ import grpc
 import pytest
 import yaml
 
-from coordinator.store import Store
+from coordinator.control.sqlite import SqliteState
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.runtime.readiness import data_from_json, data_to_proto
 from nodeagent.training.data import DatasetInfo
@@ -69,7 +69,7 @@ def test_the_description_survives_a_restart(tmp_path, coordinator):
     job_id, nodes = running_job(stub, job(nodes=1), nodes=1)
     assert ready(stub, job_id, 0, nodes[0]).released
     service.store.close()
-    assert data_from_json(Store(tmp_path / "coordinator.db").job(job_id).data_json) == DATA
+    assert data_from_json(SqliteState(tmp_path / "coordinator.db").job(job_id).data_json) == DATA
 
 
 def test_without_the_barrier_each_rank_starts_once_built(coordinator):

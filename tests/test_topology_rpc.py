@@ -14,7 +14,7 @@ from test_coordinator import first_assignment, job, register
 import coordinator.cli as cli
 from coordinator.cli import main as coordinator_main
 from coordinator.cli import topology_options
-from coordinator.service import MIN_SWITCH_MARGIN_STEPS
+from coordinator.control.plane import MIN_SWITCH_MARGIN_STEPS
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.runtime.events import TOPOLOGY, read_events
 

@@ -270,7 +270,7 @@ class JobRunner(threading.Thread):
         failure = self.spec.failure
         # A rank waits for a quorum as long as the coordinator lets a lost node come back, and a step's timeout more.
         options = QuorumOptions(step_timeout_s=failure.step_timeout_s, join_s=failure.join_s,
-                                min_members=failure.quorum_minimum(self.spec.nodes),
+                                min_members=self.spec.quorum_minimum,
                                 wait_s=failure.lost_grace_s + failure.step_timeout_s)
 
         def announce(message: str, level: str, step: int) -> None:

@@ -152,7 +152,9 @@ class VirtualMesh:
         self.observe = observe
         self.rng = np.random.default_rng(simulation.seed)
         self.now = 0.0
-        self._queue: list[tuple[float, int, Callable[[], None]]] = []
+        self._queue: list[tuple[float, int, Callable[[], None], bool]] = []  # (time, sequence, action, background)
+        self._work = 0  # queued events that are not background: the run ends when none is left
+        self._started = False  # every node's first step is queued (the first run)
         self._sequence = itertools.count()
         self._link_free_at: dict[tuple[int, int], float] = {}
         # Each edge's byte counters, looked up once: a labelled lookup costs more than a small model's message.
@@ -195,15 +197,28 @@ class VirtualMesh:
     # -- the event loop ------------------------------------------------------------------------------------------
 
     def at(self, time: float, action: Callable[[], None]) -> None:
-        heapq.heappush(self._queue, (time, next(self._sequence), action))
+        heapq.heappush(self._queue, (time, next(self._sequence), action, False))
+        self._work += 1
+
+    def in_background(self, time: float, action: Callable[[], None]) -> None:
+        """Do `action` at `time` if the run lasts until then: an observer's periodic look (the coordinator's
+        monitor) that keeps the run going no longer than the nodes' own work."""
+        heapq.heappush(self._queue, (time, next(self._sequence), action, True))
+
+    def halt(self) -> None:
+        """Nothing more happens: the run ends now (the job ended, as the coordinator decided)."""
+        self._queue.clear()
+        self._work = 0
 
     def run(self, until: float = math.inf, on_event: Callable[[VirtualMesh], None] | None = None) -> None:
         with rare_full_collections():
-            if not self._queue and self.now == 0.0:
+            if not self._started:
+                self._started = True
                 for sim in self.nodes:
                     self.at(0.0, lambda sim=sim: self._start(sim))
-            while self._queue and self._queue[0][0] <= until:
-                self.now, _, action = heapq.heappop(self._queue)
+            while self._work and self._queue[0][0] <= until:
+                self.now, _, action, background = heapq.heappop(self._queue)
+                self._work -= not background
                 action()
                 if on_event is not None:
                     on_event(self)

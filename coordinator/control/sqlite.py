@@ -1,4 +1,4 @@
-"""The coordinator's state in SQLite (WAL): nodes, jobs, the ranks of each job, and node progress.
+"""The coordinator's ControlState in SQLite (WAL): nodes, jobs, the ranks of each job, and node progress.
 
 Everything the coordinator must not forget across a restart lives here; the servicer keeps only
 wake-up signals in memory. One connection guarded by a lock: the load is a few writes per second per node.
@@ -11,11 +11,14 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
+from coordinator.control.records import Job, MemberRow, NodeRow, Readiness, Specs
+from coordinator.control.state import ControlState
+from coordinator.control.states import ACTIVE_JOB_STATES, JobState, MemberState, check_job_move, check_member_move
+from nodeagent.jobspec import JobSpec
 from nodeagent.runtime.progress import Progress
 
 SCHEMA = """
@@ -100,70 +103,10 @@ _JOB_FIELDS = ("job_id", "name", "spec_json", "spec_yaml", "state", "world_size"
                *COLUMNS_ADDED["jobs"])
 _MEMBER_FIELDS = ("job_id", "rank", "node_id", "step", "loss", "test_accuracy", "finished", "updated_unix",
                   "bytes_sent", "bytes_received", *COLUMNS_ADDED["members"])
-FINAL_STATES = ("FINISHED", "STOPPED", "FAILED")
-
-ACTIVE_STATES = ("PENDING", "RUNNING")
-
-
-@dataclass(frozen=True)
-class NodeRow:
-    node_id: str
-    name: str
-    peer_address: str
-    metrics_address: str
-    device: str
-    version: str
-    registered_unix: float
-    last_seen_unix: float
-    up: bool
-    draining: bool = False
-    device_name: str = ""
-    device_memory_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class JobRow:
-    job_id: str
-    name: str
-    spec_json: str
-    spec_yaml: str
-    state: str
-    world_size: int
-    created_unix: float
-    run_dir: str
-    reason: str = ""
-    started_unix: float = 0.0
-    ended_unix: float = 0.0
-    topology_json: str = ""
-    topology_version: int = 1
-    switch_step: int = 0
-    data_json: str = ""
-    released_unix: float = 0.0
-
-
-@dataclass(frozen=True)
-class MemberRow:
-    job_id: str
-    rank: int
-    node_id: str
-    progress: Progress  # the last one the node reported (nothing measured before the first)
-    failure: str = ""  # why the node could not build or continue the job, in its words
-    ready: bool = False  # the node reported its rank ready to start
-    joined_step: int = 0  # joined the running job, in its topology from this step (0: a member from the start)
-    left: bool = False  # left the (elastic) job while it ran
-
-
-@dataclass(frozen=True)
-class Readiness:
-    """What a rank's ready report found (Store.mark_ready)."""
-
-    data_json: str  # the job's data description: the rank's own unless another rank's came first
-    released: bool  # every rank is ready
-    released_now: bool  # this report released the job
-
-
-class Store:
-    def __init__(self, path: Path):
+class SqliteState(ControlState):
+    def __init__(self, path: Path, clock: Callable[[], float] = time.time):
+        self.clock = clock
+        self._specs = Specs()
         path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -202,7 +145,7 @@ class Store:
         device_name: str, device_memory_bytes: int,
     ) -> str:
         """Insert a new node, or bring a known one back up with its new addresses and device; returns its id."""
-        now = time.time()
+        now = self.clock()
         with self._tx() as db:
             known = node_id and db.execute("SELECT 1 FROM nodes WHERE node_id = ?", (node_id,)).fetchone()
             if known:
@@ -228,18 +171,18 @@ class Store:
             row = db.execute("SELECT up FROM nodes WHERE node_id = ?", (node_id,)).fetchone()
             if row is None:
                 return False, False
-            db.execute("UPDATE nodes SET last_seen_unix=?, up=1 WHERE node_id=?", (time.time(), node_id))
+            db.execute("UPDATE nodes SET last_seen_unix=?, up=1 WHERE node_id=?", (self.clock(), node_id))
             return True, not row[0]
 
     def mark_silent_nodes_down(self, timeout_s: float) -> list[str]:
-        cutoff = time.time() - timeout_s
+        cutoff = self.clock() - timeout_s
         with self._tx() as db:
             rows = db.execute("SELECT node_id FROM nodes WHERE up=1 AND last_seen_unix < ?", (cutoff,)).fetchall()
             db.executemany("UPDATE nodes SET up=0 WHERE node_id=?", rows)
         return [r[0] for r in rows]
 
     def nodes(self) -> list[NodeRow]:
-        rows = self._query(f"SELECT {', '.join(_NODE_FIELDS)} FROM nodes ORDER BY registered_unix, node_id")
+        rows = self._query(f"SELECT {', '.join(_NODE_FIELDS)} FROM nodes ORDER BY registered_unix, rowid")
         return [_node_row(r) for r in rows]
 
     def node(self, node_id: str) -> NodeRow | None:
@@ -263,25 +206,32 @@ class Store:
 
     # -- jobs ----------------------------------------------------------------------------------------------------
 
-    def add_job(self, job_id: str, name: str, spec_json: str, spec_yaml: str, world_size: int, run_dir: str) -> None:
+    def add_job(self, job_id: str, spec: JobSpec, spec_yaml: str, run_dir: str) -> None:
         with self._tx() as db:
             db.execute(
                 "INSERT INTO jobs (job_id, name, spec_json, spec_yaml, state, world_size, created_unix, run_dir) "
                 "VALUES (?, ?, ?, ?, 'PENDING', ?, ?, ?)",
-                (job_id, name, spec_json, spec_yaml, world_size, time.time(), run_dir),
+                (job_id, spec.name, spec.to_json(), spec_yaml, spec.min_nodes, self.clock(), run_dir),
             )
+        self._specs.add(job_id, spec)
 
-    def job(self, job_id: str) -> JobRow | None:
+    def _job(self, row: tuple) -> Job:
+        """A jobs row as a Job: its spec parsed the first time the job is read (Specs)."""
+        fields = dict(zip(_JOB_FIELDS, row, strict=True))
+        job_id = fields["job_id"]
+        spec = self._specs.spec(job_id, fields.pop("spec_json"))
+        running = self._specs.running(job_id, spec, fields["topology_json"], fields["topology_version"])
+        return Job(**{**fields, "state": JobState(fields["state"])}, spec=spec, running_spec=running)
+
+    def job(self, job_id: str) -> Job | None:
         rows = self._query(f"SELECT {', '.join(_JOB_FIELDS)} FROM jobs WHERE job_id = ?", (job_id,))
-        return JobRow(*rows[0]) if rows else None
+        return self._job(rows[0]) if rows else None
 
-    def latest_job(self) -> JobRow | None:
+    def latest_job(self) -> Job | None:
         rows = self._query(f"SELECT {', '.join(_JOB_FIELDS)} FROM jobs ORDER BY created_unix DESC LIMIT 1")
-        return JobRow(*rows[0]) if rows else None
+        return self._job(rows[0]) if rows else None
 
-    def find_job(self, reference: str) -> JobRow | None:
-        """The job a person names: its id, else the newest job of that name, else the only job whose id starts
-        with `reference` (None when none or several do)."""
+    def find_job(self, reference: str) -> Job | None:
         fields = ", ".join(_JOB_FIELDS)
         for query, argument in (
             (f"SELECT {fields} FROM jobs WHERE job_id = ?", reference),
@@ -290,32 +240,31 @@ class Store:
         ):
             rows = self._query(query, (len(reference), reference) if argument is None else (argument,))
             if len(rows) == 1:
-                return JobRow(*rows[0])
+                return self._job(rows[0])
         return None
 
-    def all_jobs(self, limit: int) -> list[JobRow]:
-        """The newest `limit` jobs, newest first."""
+    def all_jobs(self, limit: int) -> list[Job]:
         rows = self._query(f"SELECT {', '.join(_JOB_FIELDS)} FROM jobs ORDER BY created_unix DESC LIMIT ?", (limit,))
-        return [JobRow(*r) for r in rows]
+        return [self._job(r) for r in rows]
 
-    def jobs(self, states: tuple[str, ...]) -> list[JobRow]:
-        marks = ",".join("?" * len(states))
+    def jobs(self, states: Iterable[JobState]) -> list[Job]:
+        wanted = tuple(JobState(state).value for state in states)
+        marks = ",".join("?" * len(wanted))
         rows = self._query(f"SELECT {', '.join(_JOB_FIELDS)} FROM jobs WHERE state IN ({marks}) ORDER BY created_unix",
-                           states)
-        return [JobRow(*r) for r in rows]
+                           wanted)
+        return [self._job(r) for r in rows]
 
-    def end_job(self, job_id: str, state: str, reason: str = "") -> bool:
-        """Move a pending or running job to a final state; whether it was still active."""
+    def end_job(self, job_id: str, state: JobState, reason: str = "") -> bool:
         with self._tx() as db:
-            cursor = db.execute(
-                "UPDATE jobs SET state=?, reason=?, ended_unix=? WHERE job_id=? AND state IN ('PENDING', 'RUNNING')",
-                (state, reason, time.time(), job_id),
-            )
-            return cursor.rowcount == 1
+            row = db.execute("SELECT state FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+            if row is None or JobState(row[0]) not in ACTIVE_JOB_STATES:
+                return False
+            check_job_move(job_id, JobState(row[0]), state)
+            db.execute("UPDATE jobs SET state=?, reason=?, ended_unix=? WHERE job_id=?",
+                       (state.value, reason, self.clock(), job_id))
+            return True
 
     def change_topology(self, job_id: str, topology_json: str, version: int, switch_step: int) -> bool:
-        """A running job's new topology (version `version`, taken from step `switch_step` on); False if the job is
-        not running or another change came first (its version is not `version` - 1)."""
         with self._tx() as db:
             cursor = db.execute(
                 "UPDATE jobs SET topology_json=?, topology_version=?, switch_step=? "
@@ -329,28 +278,28 @@ class Store:
             db.execute("UPDATE jobs SET reason=? WHERE job_id=? AND state='PENDING'", (reason, job_id))
 
     def start_job(self, job_id: str, node_ids: list[str]) -> None:
-        """Give the job its ranks (in the order given) and mark it running."""
         with self._tx() as db:
+            row = db.execute("SELECT state FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+            check_job_move(job_id, JobState(row[0]) if row else JobState.FAILED, JobState.RUNNING)
             db.executemany(
                 "INSERT INTO members (job_id, rank, node_id) VALUES (?, ?, ?)",
                 [(job_id, rank, node_id) for rank, node_id in enumerate(node_ids)],
             )
             db.execute("UPDATE jobs SET state='RUNNING', reason='', started_unix=?, world_size=? WHERE job_id=?",
-                       (time.time(), len(node_ids), job_id))
+                       (self.clock(), len(node_ids), job_id))
 
     def change_members(self, job_id: str, version: int, switch_step: int, joined: list[tuple[int, str]],
                        left: list[int]) -> bool:
-        """A running elastic job's new membership, in its topology's version `version` from step `switch_step`:
-        nodes that join, as (rank, node id), and the ranks that leave; the job's world size becomes its member
-        count. False if the job is not running or another change came first (its version is not `version` - 1)."""
         with self._tx() as db:
             cursor = db.execute(
                 "UPDATE jobs SET topology_version=?, switch_step=? WHERE job_id=? AND state='RUNNING' "
                 "AND topology_version=?", (version, switch_step, job_id, version - 1))
             if cursor.rowcount != 1:
                 return False
+            for rank in left:
+                check_member_move(job_id, rank, _member_state(db, job_id, rank), MemberState.LEFT)
             db.executemany("UPDATE members SET left_unix=? WHERE job_id=? AND rank=? AND left_unix=0",
-                           [(time.time(), job_id, rank) for rank in left])
+                           [(self.clock(), job_id, rank) for rank in left])
             db.executemany(
                 "INSERT OR REPLACE INTO members (job_id, rank, node_id, joined_step) VALUES (?, ?, ?, ?)",
                 [(job_id, rank, node_id, switch_step) for rank, node_id in joined])
@@ -359,16 +308,17 @@ class Store:
             return True
 
     def record_failure(self, job_id: str, rank: int, node_id: str, reason: str) -> bool:
-        """A node's failure in a job; False if that node does not hold that rank of that job."""
         with self._tx() as db:
+            held = db.execute("SELECT 1 FROM members WHERE job_id=? AND rank=? AND node_id=? AND left_unix=0",
+                              (job_id, rank, node_id)).fetchone()
+            if held is None:
+                return False
+            check_member_move(job_id, rank, _member_state(db, job_id, rank), MemberState.FAILED)
             cursor = db.execute("UPDATE members SET failure=? WHERE job_id=? AND rank=? AND node_id=? AND left_unix=0",
                                 (reason, job_id, rank, node_id))
             return cursor.rowcount == 1
 
     def mark_ready(self, job_id: str, rank: int, node_id: str, data_json: str) -> Readiness | None:
-        """A node's rank of a running job is ready to start, its data described by `data_json`: the first
-        description becomes the job's; a rank whose description differs is not marked. The job is released when
-        its last rank becomes ready. None if that node does not hold that rank of that running job."""
         with self._tx() as db:
             row = db.execute(
                 "SELECT j.data_json, j.released_unix FROM jobs j JOIN members m ON m.job_id = j.job_id "
@@ -380,7 +330,7 @@ class Store:
             agreed, released = row[0] or data_json, row[1]
             if agreed != data_json:
                 return Readiness(agreed, released > 0, released_now=False)
-            now = time.time()
+            now = self.clock()
             db.execute("UPDATE members SET ready_unix=? WHERE job_id=? AND rank=? AND ready_unix=0",
                        (now, job_id, rank))
             db.execute("UPDATE jobs SET data_json=? WHERE job_id=? AND data_json=''", (data_json, job_id))
@@ -399,8 +349,6 @@ class Store:
         return {r[0] for r in rows}
 
     def members(self, job_id: str, with_left: bool = False) -> list[MemberRow]:
-        """The job's members by rank; `with_left`: also those that left it (an elastic job's) and were not
-        replaced."""
         rows = self._query(f"SELECT {', '.join(_MEMBER_FIELDS)} FROM members WHERE job_id = ? "
                            f"{'' if with_left else 'AND left_unix = 0 '}ORDER BY rank", (job_id,))
         members = []
@@ -417,18 +365,16 @@ class Store:
                                      f["joined_step"], f["left_unix"] > 0))
         return members
 
-    def running_membership(self, node_id: str) -> tuple[JobRow, int] | None:
+    def running_membership(self, node_id: str) -> tuple[Job, int] | None:
         rows = self._query(
             f"SELECT {', '.join('j.' + field for field in _JOB_FIELDS)}, m.rank FROM members m JOIN jobs j "
             "ON j.job_id = m.job_id "
             "WHERE m.node_id = ? AND j.state = 'RUNNING' AND m.left_unix = 0",
             (node_id,),
         )
-        return (JobRow(*rows[0][:-1]), rows[0][-1]) if rows else None
+        return (self._job(rows[0][:-1]), rows[0][-1]) if rows else None
 
     def record_progress(self, progress: Progress) -> bool:
-        """Store a node's progress (an evaluation's figures stay until the next evaluation); returns False if
-        that node does not hold that rank of that job."""
         p = progress
         with self._tx() as db:
             cursor = db.execute(
@@ -441,6 +387,19 @@ class Store:
                  p.exchange_failures, p.local_steps, p.job, p.rank, p.node),
             )
             return cursor.rowcount == 1
+
+
+def _member_state(db: sqlite3.Connection, job_id: str, rank: int) -> MemberState:
+    failure, finished, ready_unix, left_unix = db.execute(
+        "SELECT failure, finished, ready_unix, left_unix FROM members WHERE job_id=? AND rank=?",
+        (job_id, rank)).fetchone()
+    if left_unix:
+        return MemberState.LEFT
+    if failure:
+        return MemberState.FAILED
+    if finished:
+        return MemberState.FINISHED
+    return MemberState.READY if ready_unix else MemberState.JOINED
 
 
 def _node_row(row: tuple) -> NodeRow:

@@ -1,0 +1,358 @@
+"""The coordinator's rules (coordinator.control.plane), driven as events against the in-memory state on a fake clock:
+the lifecycle of a job, scheduling, the start barrier, the failure policy and elastic replanning, each in
+milliseconds. The same scenarios run once on real agents in test_job_lifecycle, test_start_barrier and test_elastic.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.control.memory import MemoryState
+from coordinator.control.plane import (
+    MIN_SWITCH_MARGIN_STEPS,
+    AssignmentsChanged,
+    ControlPlane,
+    Effect,
+    JobEnded,
+    JobEvent,
+    TopologyRefused,
+)
+from coordinator.control.records import Job
+from coordinator.control.states import JobState, MemberState
+from nodeagent.jobspec import JobSpecError, TopologySpec, parse_job_spec
+from nodeagent.runtime import events
+from nodeagent.runtime.progress import Progress
+from nodeagent.training.data import DatasetInfo
+
+pytestmark = pytest.mark.unit
+
+TIMEOUT_S = 15.0  # the heartbeat timeout
+DATA = DatasetInfo((1, 28, 28), 10, 60_000, 10_000)
+OTHER_DATA = DatasetInfo((1, 28, 28), 10, 50_000, 10_000)
+
+
+class Cluster:
+    """A control plane on the memory state, a fake clock, and nodes that beat when told."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.state = MemoryState(self.clock)
+        self.plane = ControlPlane(self.state, self.clock, TIMEOUT_S)
+        self.effects: list[Effect] = []
+        self.count = 0
+
+    def clock(self) -> float:
+        return self.now
+
+    def apply(self, effects: list[Effect]) -> list[Effect]:
+        self.effects.extend(effects)
+        return effects
+
+    def register(self, *names: str, device: str = "cpu") -> None:
+        for name in names:
+            self.state.register_node(name, name, f"127.0.0.1:{7000 + self.count}", "", device, "1", "", 0)
+            self.count += 1
+            self.now += 0.001  # registration order
+            self.apply(self.plane.nodes_changed())
+
+    def submit(self, spec: dict) -> str:
+        job_id = f"job{len(self.state.all_jobs(1000))}"
+        self.state.add_job(job_id, parse_job_spec(spec), "", f"/runs/{job_id}")
+        self.apply(self.plane.submitted())
+        return job_id
+
+    def beat(self, *names: str) -> None:
+        for name in names:
+            self.state.touch_node(name)
+
+    def advance(self, seconds: float, beating: tuple[str, ...] = ()) -> None:
+        """Time passes a second at a time; the nodes `beating` beat every second, the monitor ticks."""
+        for _ in range(int(seconds)):
+            self.now += 1
+            self.beat(*beating)
+            self.apply(self.plane.tick())
+
+    def ready_all(self, job_id: str, data: DatasetInfo = DATA) -> None:
+        job = self.state.job(job_id)
+        for member in self.state.members(job_id):
+            self.apply(self.plane.ready(job, member.rank, member.node_id, data)[1])
+
+    def report(self, job_id: str, rank: int, step: int, finished: bool = False, elapsed_s: float = 0.0) -> None:
+        member = {m.rank: m for m in self.state.members(job_id)}[rank]
+        self.state.record_progress(Progress(job_id, rank, member.node_id, step=step, finished=finished,
+                                            elapsed_s=elapsed_s, local_steps=step, time=self.now))
+        if finished:
+            self.apply(self.plane.reported(self.state.job(job_id)))
+
+    def job(self, job_id: str) -> Job:
+        job = self.state.job(job_id)
+        assert job is not None
+        return job
+
+    def events(self, kind: str) -> list[str]:
+        return [e.message for e in self.effects if isinstance(e, JobEvent) and e.kind == kind]
+
+
+def spec(nodes: int | dict = 2, algorithm: str = "dsgd", mode: str | None = None, **fields: object) -> dict:
+    chosen: dict = {"name": algorithm}
+    if mode is not None:
+        chosen["mode"] = mode
+    return {"name": "t", "nodes": nodes, "steps": 100, "algorithm": chosen, "topology": {"kind": "ring"}, **fields}
+
+
+@pytest.fixture
+def cluster() -> Cluster:
+    return Cluster()
+
+
+# -- lifecycle and scheduling ------------------------------------------------------------------------------------------
+
+
+def test_a_job_starts_on_idle_nodes_and_finishes_when_every_rank_has(cluster):
+    cluster.register("a", "b", "c")
+    job_id = cluster.submit(spec(2))
+    job = cluster.job(job_id)
+    assert job.state == JobState.RUNNING
+    assert [(m.rank, m.node_id) for m in cluster.state.members(job_id)] == [(0, "a"), (1, "b")]
+    assert cluster.events(events.STARTED) == ["running on rank 0 a, rank 1 b"]
+    assert AssignmentsChanged() in cluster.effects
+    cluster.report(job_id, 0, 100, finished=True)
+    assert cluster.job(job_id).state == JobState.RUNNING
+    cluster.report(job_id, 1, 100, finished=True)
+    assert cluster.job(job_id).state == JobState.FINISHED
+    assert [e.state for e in cluster.effects if isinstance(e, JobEnded)] == [JobState.FINISHED]
+    assert cluster.events(events.FINISHED) == ["job finished"]
+
+
+def test_a_job_that_does_not_fit_waits_with_the_reason_and_starts_when_nodes_join(cluster):
+    cluster.register("a")
+    job_id = cluster.submit(spec(3))
+    assert cluster.job(job_id).state == JobState.PENDING
+    assert cluster.job(job_id).reason == ("needs 3 agents; 1 is up and not draining (1 registered): it starts when 2 "
+                                          "more join")
+    cluster.register("b", "c")
+    assert cluster.job(job_id).state == JobState.RUNNING and cluster.job(job_id).reason == ""
+
+
+def test_a_big_job_waiting_does_not_hold_back_a_smaller_one_that_fits(cluster):
+    cluster.register("a", "b")
+    first = cluster.submit(spec(2))
+    big = cluster.submit(spec(3))
+    small = cluster.submit(spec(2))
+    cluster.register("c", "d")
+    assert [cluster.job(j).state for j in (first, big, small)] == [JobState.RUNNING, JobState.PENDING,
+                                                                 JobState.RUNNING]
+    cluster.advance(1, beating=("a", "b", "c", "d"))  # the next pass says what the big job waits for now
+    assert cluster.job(big).reason == ("needs 3 idle agents; 0 are idle now, the others run jobs: it starts when they "
+                                       "end")
+    cluster.apply(cluster.plane.stopped(cluster.job(first)))
+    assert cluster.job(first).state == JobState.STOPPED
+    assert cluster.job(big).state == JobState.PENDING  # 2 idle: still one short
+    cluster.report(small, 0, 100, finished=True)
+    cluster.report(small, 1, 100, finished=True)
+    assert cluster.job(big).state == JobState.RUNNING
+
+
+def test_draining_and_fp16_keep_nodes_out_of_new_jobs(cluster):
+    cluster.register("a", "b")
+    cluster.register("gpu", device="cuda:0")
+    cluster.state.set_draining("a", True)
+    cluster.apply(cluster.plane.drained("a"))
+    job_id = cluster.submit(spec(2, training={"precision": "fp16"}))
+    assert cluster.job(job_id).reason.startswith("needs 2 agents on a CUDA device (training.precision fp16); 1 is up")
+    cluster.register("gpu2", device="cuda:1")
+    assert [m.node_id for m in cluster.state.members(job_id)] == ["gpu", "gpu2"]
+
+
+# -- the start barrier -------------------------------------------------------------------------------------------------
+
+
+def test_the_barrier_releases_every_rank_once_the_last_is_ready(cluster):
+    cluster.register("a", "b")
+    job_id = cluster.submit(spec(2))
+    job = cluster.job(job_id)
+    outcome, _ = cluster.plane.ready(job, 0, "a", DATA)
+    assert outcome.running and not outcome.released
+    assert cluster.plane.not_ready(cluster.job(job_id)) == "rank 1 (node b)"
+    outcome, effects = cluster.plane.ready(job, 1, "b", DATA)
+    assert outcome.released and AssignmentsChanged() in effects
+    assert [e.kind for e in effects if isinstance(e, JobEvent)] == [events.RELEASED]
+    assert cluster.job(job_id).released_unix == cluster.now
+
+
+def test_without_the_barrier_a_rank_starts_once_it_is_ready(cluster):
+    cluster.register("a", "b")
+    job_id = cluster.submit(spec(2, start={"barrier": False}))
+    outcome, _ = cluster.plane.ready(cluster.job(job_id), 0, "a", DATA)
+    assert outcome.released
+
+
+def test_a_barrier_that_times_out_fails_the_job_naming_the_ranks_never_ready(cluster):
+    cluster.register("a", "b", "c")
+    job_id = cluster.submit(spec(3, start={"timeout_s": 30}))
+    cluster.plane.ready(cluster.job(job_id), 1, "b", DATA)
+    cluster.advance(30, beating=("a", "b"))
+    assert cluster.job(job_id).state == JobState.RUNNING
+    cluster.advance(1, beating=("a", "b"))
+    job = cluster.job(job_id)
+    assert job.state == JobState.FAILED
+    assert job.reason == "start barrier: ranks 0 (node a), 2 (node c, down) not ready within start.timeout_s " \
+                         "(30 s) of the job's start"
+
+
+def test_a_rank_with_other_data_fails_the_job_naming_what_differs(cluster):
+    cluster.register("a", "b")
+    job_id = cluster.submit(spec(2))
+    cluster.plane.ready(cluster.job(job_id), 0, "a", DATA)
+    outcome, _ = cluster.plane.ready(cluster.job(job_id), 1, "b", OTHER_DATA)
+    assert not outcome.running
+    job = cluster.job(job_id)
+    assert job.state == JobState.FAILED
+    assert job.reason.startswith("rank 1 (node b) has other data than rank 0: ") and "60000" in job.reason
+
+
+# -- the failure policy ------------------------------------------------------------------------------------------------
+
+
+def test_a_node_that_reports_a_failure_fails_its_job(cluster):
+    cluster.register("a", "b")
+    job_id = cluster.submit(spec(2))
+    assert cluster.plane.failed(job_id, 1, "a", "not a's rank") == (False, [])
+    held, effects = cluster.plane.failed(job_id, 1, "b", "out of memory")
+    assert held and [e.state for e in effects if isinstance(e, JobEnded)] == [JobState.FAILED]
+    cluster.apply(effects)
+    assert cluster.job(job_id).state == JobState.FAILED
+    assert cluster.job(job_id).reason == "rank 1 (node b) failed: out of memory"
+    assert cluster.state.members(job_id)[1].state == MemberState.FAILED
+
+
+def test_silence_counts_only_a_heartbeat_timeout_after_the_coordinator_started(cluster):
+    cluster.register("a")
+    cluster.advance(TIMEOUT_S - 1)
+    assert cluster.state.node("a").up  # its last heartbeat went to the coordinator before this one
+    cluster.advance(2)
+    assert not cluster.state.node("a").up
+
+
+@pytest.mark.parametrize(("mode", "ends"), [("sync", JobState.FAILED), ("async", JobState.RUNNING)])
+def test_a_lost_node_fails_a_synchronous_job_and_not_an_asynchronous_one(cluster, mode, ends):
+    cluster.register("a", "b", "c")
+    job_id = cluster.submit(spec(3, mode=mode, failure={"lost_grace_s": 5}))
+    cluster.ready_all(job_id)
+    cluster.advance(TIMEOUT_S + 4, beating=("a", "b"))
+    assert cluster.job(job_id).state == JobState.RUNNING  # within the timeout and the grace
+    cluster.advance(2, beating=("a", "b"))
+    job = cluster.job(job_id)
+    assert job.state == ends
+    if ends == JobState.FAILED:
+        assert job.reason.startswith("lost rank 2 (node c, silent for 2") and "synchronous job" in job.reason
+        return
+    cluster.report(job_id, 0, 100, finished=True)
+    cluster.report(job_id, 1, 100, finished=True)
+    cluster.advance(1, beating=("a", "b"))
+    assert cluster.job(job_id).state == JobState.FINISHED
+    assert cluster.job(job_id).reason.startswith("without the lost rank 2 (node c")
+
+
+@pytest.mark.parametrize(("lost", "ends"), [(("d",), JobState.RUNNING), (("c", "d"), JobState.FAILED)])
+def test_an_all_reduce_job_goes_on_while_its_quorum_keeps_its_minimum(cluster, lost, ends):
+    nodes = ("a", "b", "c", "d")
+    cluster.register(*nodes)
+    job_id = cluster.submit(spec(4, algorithm="allreduce", failure={"lost_grace_s": 5}))
+    assert cluster.job(job_id).spec.quorum_minimum == 3
+    cluster.ready_all(job_id)
+    cluster.advance(TIMEOUT_S + 7, beating=tuple(n for n in nodes if n not in lost))
+    job = cluster.job(job_id)
+    assert job.state == ends
+    if ends == JobState.FAILED:
+        assert "the all-reduce has 2 members left, fewer than its quorum's minimum of 3" in job.reason
+
+
+# -- elastic jobs and topology changes ---------------------------------------------------------------------------------
+
+
+def elastic(low: int, high: int, **fields: object) -> dict:
+    return spec({"min": low, "max": high}, algorithm="gossip", **fields)
+
+
+def test_an_elastic_job_grows_once_released_and_a_drained_member_leaves(cluster):
+    cluster.register("a", "b", "c")
+    job_id = cluster.submit(elastic(3, 5))
+    assert cluster.job(job_id).world_size == 3
+    cluster.register("d")
+    assert cluster.job(job_id).world_size == 3  # not released yet: it grows after its start
+    cluster.ready_all(job_id)
+    cluster.advance(1, beating=("a", "b", "c", "d"))
+    job = cluster.job(job_id)
+    assert (job.world_size, job.topology_version, job.switch_step) == (4, 2, MIN_SWITCH_MARGIN_STEPS)
+    assert cluster.events(events.JOINED) == [f"node d joined as rank 3: 4 members; ring planned again (version 2) "
+                                             f"from step {MIN_SWITCH_MARGIN_STEPS}"]
+    for rank in range(4):
+        cluster.report(job_id, rank, MIN_SWITCH_MARGIN_STEPS)
+    cluster.state.set_draining("b", True)
+    cluster.apply(cluster.plane.drained("b"))
+    job = cluster.job(job_id)
+    assert (job.world_size, job.topology_version) == (3, 3)
+    assert [m.node_id for m in cluster.state.members(job_id)] == ["a", "c", "d"]
+    assert cluster.events(events.LEFT)[0].startswith("rank 1 (node b) left: drained by an operator; 3 members")
+
+
+def test_an_elastic_job_waits_for_its_members_to_switch_before_the_next_change(cluster):
+    cluster.register("a", "b", "c")
+    job_id = cluster.submit(elastic(2, 5))
+    cluster.ready_all(job_id)
+    cluster.register("d")
+    cluster.advance(1, beating=("a", "b", "c", "d"))
+    assert cluster.job(job_id).world_size == 4
+    cluster.register("e")
+    cluster.advance(1, beating=("a", "b", "c", "d", "e"))
+    assert cluster.job(job_id).world_size == 4  # no member has reached the switch step of the last change
+    with pytest.raises(TopologyRefused, match="has not reached step"):
+        cluster.plane.topology_requested(cluster.job(job_id), TopologySpec(kind="complete"))
+    for rank in range(4):
+        cluster.report(job_id, rank, MIN_SWITCH_MARGIN_STEPS)
+    cluster.advance(1, beating=("a", "b", "c", "d", "e"))
+    assert cluster.job(job_id).world_size == 5
+
+
+def test_a_lost_member_leaves_an_asynchronous_elastic_job_that_keeps_its_least(cluster):
+    cluster.register("a", "b", "c")
+    job_id = cluster.submit(elastic(2, 3, failure={"lost_grace_s": 5}))
+    cluster.ready_all(job_id)
+    cluster.advance(TIMEOUT_S + 7, beating=("a", "b"))
+    job = cluster.job(job_id)
+    assert (job.state, job.world_size) == (JobState.RUNNING, 2)
+    assert cluster.events(events.LEFT)[0].startswith("rank 2 (node c) left: no heartbeat for longer than")
+
+
+def test_a_topology_change_switches_every_node_at_one_step_ahead_of_the_fastest(cluster):
+    cluster.register("a", "b", "c")
+    job_id = cluster.submit(spec(3, algorithm="dsgd", mode="async"))
+    cluster.report(job_id, 0, 40, elapsed_s=2.0)  # 20 steps/s: 100 steps in SWITCH_LEAD_S
+    cluster.report(job_id, 1, 30, elapsed_s=2.0)
+    with pytest.raises(TopologyRefused, match="ends at step 100, before the earliest step its nodes could all "
+                                              "switch at \\(140\\)"):
+        cluster.plane.topology_requested(cluster.job(job_id), TopologySpec(kind="complete"))
+    cluster.report(job_id, 0, 4, elapsed_s=2.0)
+    cluster.report(job_id, 1, 3, elapsed_s=2.0)
+    changed, effects = cluster.plane.topology_requested(cluster.job(job_id), TopologySpec(kind="complete"))
+    assert (changed.version, changed.switch_step, changed.previous_kind) == (2, 4 + MIN_SWITCH_MARGIN_STEPS, "ring")
+    assert cluster.job(job_id).running_spec.topology.kind == "complete"
+    assert AssignmentsChanged() in effects
+
+
+def test_a_topology_that_does_not_fit_the_job_is_refused_before_anything_changes(cluster):
+    cluster.register("a", "b", "c")
+    job_id = cluster.submit(spec(3, algorithm="dsgd", mode="async"))
+    with pytest.raises(JobSpecError):
+        cluster.plane.topology_requested(cluster.job(job_id), TopologySpec(kind="torus", options={"rows": 5}))
+    assert cluster.job(job_id).topology_version == 1
+
+
+def test_each_member_is_planned_in_the_graph_its_job_runs_now(cluster):
+    cluster.register("a", "b", "c", "d")
+    job_id = cluster.submit(spec(4))
+    job = cluster.job(job_id)
+    plan = cluster.plane.plan(job, cluster.state.members(job_id), 0)
+    assert sorted(n.rank for n in plan.neighbors) == [1, 3]
+
