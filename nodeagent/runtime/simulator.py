@@ -178,7 +178,7 @@ class VirtualMesh:
             failure = nodes[0].spec.failure
             self.collective = SimulatedQuorum(self, QuorumOptions(
                 step_timeout_s=failure.step_timeout_s, join_s=failure.join_s,
-                min_members=failure.quorum_minimum(len(nodes)), wait_s=failure.lost_grace_s + failure.step_timeout_s))
+                min_members=nodes[0].spec.quorum_minimum, wait_s=failure.lost_grace_s + failure.step_timeout_s))
         self.server: SimulatedServer | None = None
         if nodes and type(nodes[0].algorithm).family is Family.SERVER:
             self.server = SimulatedServer(self, build_server(nodes[0].spec, nodes[0].batches.dataset.info))
