@@ -20,12 +20,32 @@ from nodeagent.metrics import Metrics
 from nodeagent.security.pki import Role, certificate_pem, create_ca, issue, new_private_key, private_key_pem
 from nodeagent.security.tls import Credentials, TlsDir
 
+# Every test module is in exactly one tier (pyproject's markers; `make test-fast` runs unit and integration).
+TIERS = ("unit", "integration", "cluster", "system")
+
 _IDX_STEMS = (
     "train-images-idx3-ubyte",
     "train-labels-idx1-ubyte",
     "t10k-images-idx3-ubyte",
     "t10k-labels-idx1-ubyte",
 )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Fail the run when a collected module is in no tier or in more than one: a module without one would be left out
+    of `make test-fast` (or in it by mistake) without anyone noticing."""
+    wrong = {}
+    for item in items:
+        module = item.module
+        if module is None or module.__name__ in wrong:
+            continue
+        marks = getattr(module, "pytestmark", [])
+        tiers = [mark.name for mark in (marks if isinstance(marks, list) else [marks]) if mark.name in TIERS]
+        if len(tiers) != 1:
+            wrong[module.__name__] = tiers
+    if wrong:
+        raise pytest.UsageError("each test module needs exactly one tier, `pytestmark = pytest.mark.<tier>` with "
+                                f"<tier> one of {', '.join(TIERS)}; these have {wrong}")
 
 
 @pytest.fixture(params=DEVICES)

@@ -16,7 +16,7 @@ from coordinator.cluster import LocalCluster
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.agent.checkpoint import checkpoint_path
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.cluster
 
 AGENTS = 8
 

@@ -20,7 +20,7 @@ from coordinator.cluster import LocalCluster
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.runtime.progress import Progress, read_run_log
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.cluster
 
 GROUPS = ((0, 1, 2, 3), (4, 5, 6, 7))
 PARTITION = "partition 0,1,2,3/4,5,6,7 at 2 for 5"

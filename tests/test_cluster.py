@@ -14,7 +14,7 @@ from coordinator.cluster import ClusterError, LocalCluster
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.runtime.progress import read_run_log
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.cluster
 
 
 def job_yaml(data_dir: str, steps: int, eval_every: int, name: str) -> str:

@@ -27,6 +27,8 @@ from nodeagent.wire.encoder import encode
 from nodeagent.wire.frames import MAX_CONTROL_FRAME_BYTES
 from nodeagent.wire.varint import encode_varint
 
+pytestmark = pytest.mark.integration
+
 Frames = list[wire_pb2.Frame]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -16,7 +16,7 @@ from nodeagent.jobspec import parse_job_spec
 from nodeagent.training.data import describe_dataset
 from nodeagent.training.models import flat_parameters, initial_model
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.cluster
 
 STEPS = 40
 

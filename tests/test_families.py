@@ -9,7 +9,7 @@ from coordinator.cluster import LocalCluster
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.runtime.progress import read_run_log
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.cluster
 
 FAMILIES = {
     "dsgd-sync": ({"name": "dsgd", "mode": "sync"}, {"kind": "ring"}),

@@ -12,7 +12,7 @@ import yaml
 from coordinator.cluster import LocalCluster
 from nodeagent._proto import coordinator_pb2 as pb
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import yaml
 from coordinator.cluster import LocalCluster
 from nodeagent._proto import coordinator_pb2 as pb
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.cluster
 
 AGENTS = 4
 

@@ -18,6 +18,8 @@ from coordinator.simulate import simulate
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.jobspec import load_job_file, parse_job_spec
 
+pytestmark = pytest.mark.cluster
+
 CLASSES = {"cifar10": 10, "npy": 3}
 
 
@@ -57,7 +59,6 @@ def test_a_job_on_the_users_data_learns_in_the_simulator(data_dirs, kind, algori
     assert result.mean_accuracy > 0.8, result.mean_accuracy
 
 
-@pytest.mark.slow
 def test_jobs_on_the_users_data_learn_on_agents(data_dirs, tmp_path):
     # No --data-dir on the agents: each job's data.data_dir is read.
     with LocalCluster(root=tmp_path, agents=2, heartbeat_timeout_s=3.0) as cluster:
