@@ -170,10 +170,13 @@ def test_float_precisions_travel_in_their_dtype_and_forged_values_are_refused():
         assert torch.allclose(lowprecision.decode(tensors, precision, 0, torch.float32), vector, rtol=1e-2, atol=1e-2)
     forged = lowprecision.encode(vector, "int8", 0)
     forged["scales"][0] = float("nan")
-    with pytest.raises(WireError):
+    # Counted under the reason every other NaN or infinity on the wire is (peertrain_stream_rejections_total).
+    with pytest.raises(WireError) as refused:
         lowprecision.decode(forged, "int8", 0, torch.float32)
-    with pytest.raises(WireError):
+    assert refused.value.reason == "non_finite"
+    with pytest.raises(WireError) as refused:
         lowprecision.decode({"delta": torch.tensor([float("inf")], dtype=torch.float16)}, "fp16", 0, torch.float32)
+    assert refused.value.reason == "non_finite"
 
 
 # -- push-sum gossip ---------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from nodeagent.security.pki import Identity, Role
 from nodeagent.security.tls import Transport, caller
 from nodeagent.wire.decoder import Receiver
 from nodeagent.wire.encoder import Outgoing, plan
-from nodeagent.wire.errors import Status, WireError
+from nodeagent.wire.errors import Reason, Status, WireError
 from nodeagent.wire.frames import MAX_CONTROL_FRAME_BYTES, counted, new_stream_id, serialize
 from nodeagent.wire.lane import KEY_BYTES, LaneHub, LaneSocket, dial, split_host, stripes_for
 from nodeagent.wire.message import DTYPE_NAMES, Encoding, Kind, Message, TensorSpec
@@ -130,19 +130,21 @@ class ServingState:
         if node is None:
             return
         if not self.is_neighbor(node):
-            raise WireError("not_neighbor", f"node {node} is no neighbour of {self.node_id}", Status.PERMISSION_DENIED)
+            raise WireError(Reason.NOT_NEIGHBOR,
+                            f"node {node} is no neighbour of {self.node_id}", Status.PERMISSION_DENIED)
         if rank == self.rank or self.names.get(rank) != node or claimed_id != node:
-            raise WireError("wrong_identity", f"node {node} may send only as itself on its own edge, not as rank "
+            raise WireError(Reason.WRONG_IDENTITY, f"node {node} may send only as itself on its own edge, not as rank "
                             f"{rank}", Status.PERMISSION_DENIED)
 
     def expectation(self, manifest: wire_pb2.Manifest) -> list[TensorSpec]:
         if manifest.job_id != self.job_id:
             raise WireError(
-                "wrong_job", f"stream for job {manifest.job_id!r}, this node runs {self.job_id!r}",
+                Reason.WRONG_JOB, f"stream for job {manifest.job_id!r}, this node runs {self.job_id!r}",
                 Status.FAILED_PRECONDITION,
             )
         if manifest.receiver_rank != self.rank:
-            raise WireError("wrong_receiver", f"stream for rank {manifest.receiver_rank}, this node is {self.rank}")
+            raise WireError(Reason.WRONG_RECEIVER,
+                            f"stream for rank {manifest.receiver_rank}, this node is {self.rank}")
         return self.expected(manifest.sender_rank, Kind(manifest.kind))
 
     def outgoing(self, message: Message) -> Outgoing:
@@ -272,7 +274,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         src = identity.name if identity is not None else "unknown"
         stream = self._streams.open(key, context, src, state.node_id)
         if stream is None:
-            self._metrics.stream_rejections.labels(src, state.node_id, "too_many_streams").inc()
+            self._metrics.stream_rejections.labels(src, state.node_id, Reason.TOO_MANY_STREAMS).inc()
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"too_many_streams: at most {self._streams.limits.streams_per_peer} at once from one peer")
         try:
@@ -297,7 +299,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
 
         def resolve(lane: wire_pb2.Lane, manifest: wire_pb2.Manifest) -> LaneSocket:
             if self.lanes is None:
-                raise WireError("bad_lane", "this node offers no lanes")
+                raise WireError(Reason.BAD_LANE, "this node offers no lanes")
             socket = self.lanes.claim(lane.token, state.job_id, manifest.sender_rank)
             claimed.append(socket)
             socket.set_timeout(_remaining(context, stream))
@@ -358,7 +360,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
     def _enqueue(self, state: ServingState, message: Message, context: grpc.ServicerContext) -> None:
         """Put a received message on the node's inbox, or refuse its stream when the inbox is full."""
         if state.inbox.qsize() >= state.max_inbox:
-            self._metrics.stream_rejections.labels("unknown", state.node_id, "inbox_full").inc()
+            self._metrics.stream_rejections.labels("unknown", state.node_id, Reason.INBOX_FULL).inc()
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"inbox_full: {state.max_inbox} messages wait for this node already")
         state.inbox.put(message)
@@ -471,7 +473,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         elif state is None or not state.is_neighbor(identity.name):
             dst = state.node_id if state is not None else self._node_id()
             self._refuse(context, identity, dst, WireError(
-                "not_neighbor", f"node {identity.name} is no neighbour of {dst}", Status.PERMISSION_DENIED))
+                Reason.NOT_NEIGHBOR, f"node {identity.name} is no neighbour of {dst}", Status.PERMISSION_DENIED))
         snapshot = state.snapshot()
         served = []
         for (_peer, kind), tensors in snapshot.served.items():
@@ -499,11 +501,12 @@ def _frames_of(request: bytes) -> Iterator[wire_pb2.Frame]:
     """The frames of a PushOnLane or ExchangeOnLane request: the manifest, lane and end frames of a stream whose
     payload is on lanes (never chunks), parsed only within the decoder's limit of such frames."""
     if len(request) > MAX_CONTROL_FRAME_BYTES:
-        raise WireError("too_large", f"a request of {len(request)} bytes on lanes, at most {MAX_CONTROL_FRAME_BYTES}")
+        raise WireError(Reason.TOO_LARGE,
+                        f"a request of {len(request)} bytes on lanes, at most {MAX_CONTROL_FRAME_BYTES}")
     try:
         frames = wire_pb2.Frames.FromString(request).frames
     except DecodeError:
-        raise WireError("bad_frame", "a request on lanes that does not parse") from None
+        raise WireError(Reason.BAD_FRAME, "a request on lanes that does not parse") from None
     yield from frames
 
 
@@ -693,13 +696,13 @@ class PeerClient:
 
         def expect_reply(manifest: wire_pb2.Manifest) -> list[TensorSpec]:
             if manifest.sender_rank != peer:
-                raise WireError("wrong_sender", f"reply from rank {manifest.sender_rank}, asked {peer}")
+                raise WireError(Reason.WRONG_SENDER, f"reply from rank {manifest.sender_rank}, asked {peer}")
             return state.expectation(manifest)
 
         def resolve(lane_frame: wire_pb2.Lane, manifest: wire_pb2.Manifest) -> LaneSocket:
             lane = next((lane for lane in lanes if lane.token == lane_frame.token), None)
             if lane is None:
-                raise WireError("bad_lane", "the reply names a lane this call did not offer")
+                raise WireError(Reason.BAD_LANE, "the reply names a lane this call did not offer")
             if deadline is not None:
                 lane.set_timeout(deadline - time.monotonic())
             return lane

@@ -49,7 +49,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from nodeagent.listen import listen_socket
 from nodeagent.wire.decoder import LaneReader
-from nodeagent.wire.errors import WireError
+from nodeagent.wire.errors import Reason, WireError
 
 TOKEN_BYTES = 32
 KEY_BYTES = 32  # AES-256
@@ -161,7 +161,7 @@ class LaneSocket(LaneReader):
             self._arm(socket.SO_RCVTIMEO)
             n = self.sock.recv_into(view, len(view), socket.MSG_WAITALL)
             if n == 0:
-                raise WireError("truncated", "the lane closed before the stream's payload was complete")
+                raise WireError(Reason.TRUNCATED, "the lane closed before the stream's payload was complete")
             view = view[n:]
 
     def _send_exactly(self, view: memoryview) -> None:
@@ -186,7 +186,8 @@ class LaneSocket(LaneReader):
             self._receive_exactly(length_bytes)
             (length,) = RECORD_LENGTH.unpack(length_bytes)
             if not TAG_BYTES < length <= RECORD_BYTES + TAG_BYTES:
-                raise WireError("bad_lane", f"a sealed record of {length} bytes, at most {RECORD_BYTES + TAG_BYTES}")
+                raise WireError(Reason.BAD_LANE,
+                                f"a sealed record of {length} bytes, at most {RECORD_BYTES + TAG_BYTES}")
             ciphertext = scratch[RECORD_LENGTH.size : RECORD_LENGTH.size + length]
             self._receive_exactly(ciphertext)
             plaintext_bytes = length - TAG_BYTES
@@ -195,7 +196,7 @@ class LaneSocket(LaneReader):
             try:
                 opener.cipher.decrypt_into(opener.nonce(), ciphertext, length_bytes, target)
             except InvalidTag:
-                raise WireError("bad_lane", "a sealed lane record failed authentication") from None
+                raise WireError(Reason.BAD_LANE, "a sealed lane record failed authentication") from None
             if fits:
                 view = view[plaintext_bytes:]
             else:
@@ -209,10 +210,10 @@ class LaneSocket(LaneReader):
                 self._receive_exactly(view)
         except (TimeoutError, BlockingIOError):
             self.abort()
-            raise WireError("truncated", "the lane's payload did not arrive in time") from None
+            raise WireError(Reason.TRUNCATED, "the lane's payload did not arrive in time") from None
         except OSError as error:
             self.abort()
-            raise WireError("truncated", f"the lane failed: {error}") from None
+            raise WireError(Reason.TRUNCATED, f"the lane failed: {error}") from None
         except WireError:
             self.abort()
             raise
@@ -446,11 +447,11 @@ class LaneHub:
         with self._lock:
             lane = self._lanes.get(bytes(token))
         if lane is None or lane.closed:
-            raise WireError("bad_lane", "no open lane has this token")
+            raise WireError(Reason.BAD_LANE, "no open lane has this token")
         if (lane.job_id, lane.rank) != (job_id, rank):
-            raise WireError("bad_lane", f"the lane belongs to rank {lane.rank} of another stream's sender or job")
+            raise WireError(Reason.BAD_LANE, f"the lane belongs to rank {lane.rank} of another stream's sender or job")
         if not lane.lock.acquire(blocking=False):
-            raise WireError("bad_lane", "the lane is in use by another stream")
+            raise WireError(Reason.BAD_LANE, "the lane is in use by another stream")
         return lane
 
     def release(self, lane: LaneSocket, ok: bool) -> None:
