@@ -10,8 +10,10 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from clusters import agents_up
 from devices import DEVICES
 
+from coordinator.cluster import LocalCluster
 from coordinator.ps_service import add_coordinator_servicer
 from coordinator.service import CoordinatorConfig, CoordinatorService
 from nodeagent._proto import coordinator_pb2_grpc
@@ -67,6 +69,21 @@ def fashion_mnist_dir() -> Path:
             "dataset-fashion-mnist (make data) or set PEERTRAIN_DATA_DIR to a directory holding the IDX files"
         )
     return directory
+
+
+@pytest.fixture(scope="session")
+def four_agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """One coordinator and 4 agent processes on the CPU, started once and shared by the cluster tests that fit it
+    (through `cluster` or `agents_up`): no --data-dir on the agents (each job names its data.data_dir), the default
+    heartbeat timeout."""
+    with LocalCluster(root=tmp_path_factory.mktemp("four-agents"), agents=4) as running:
+        yield running
+
+
+@pytest.fixture
+def cluster(four_agents: LocalCluster) -> LocalCluster:
+    """The shared cluster of 4 agents (four_agents), each up."""
+    return agents_up(four_agents)
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import threading
 import grpc
 import pytest
 import yaml
+from clusters import agents_up
 from devices import DEVICES
 from hostile import channel_as, listening_ports
 from test_diloco import MODEL_BYTES
@@ -22,11 +23,13 @@ pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture(scope="module", params=DEVICES)
-def cluster(request, tmp_path_factory, fashion_mnist_dir):
-    with LocalCluster(root=tmp_path_factory.mktemp("diloco"), agents=4, data_dir=str(fashion_mnist_dir),
-                      device=request.param) as running:
+def cluster(request, tmp_path_factory, four_agents):
+    """Four agents on one device: on the CPU the shared cluster (four_agents), on a GPU four that share it."""
+    if request.param == "cpu":
+        yield agents_up(four_agents)
+        return
+    with LocalCluster(root=tmp_path_factory.mktemp("diloco"), agents=4, device=request.param) as running:
         yield running
-
 
 @pytest.mark.parametrize(("algorithm", "options", "topology", "per_sync"), [
     ("diloco", {"inner_steps": 20, "precision": "int8", "fragments": 2, "overlap_steps": 2}, "ring",

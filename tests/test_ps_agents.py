@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from coordinator.cluster import LocalCluster
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.runtime.progress import read_run_log
 
@@ -29,12 +28,6 @@ ALGORITHMS = {
     "diloco-ps": ({"name": "diloco-ps", "lr": 1e-3, "options": {"inner_steps": 10, "precision": "int8"}}, 150, {}),
 }
 ROUNDS = {"diloco-ps": 15}  # the server's versions in a job of its steps (one per step otherwise)
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, fashion_mnist_dir):
-    with LocalCluster(root=tmp_path_factory.mktemp("ps"), agents=4, data_dir=str(fashion_mnist_dir)) as running:
-        yield running
 
 
 def job(name: str, fashion_mnist_dir, **overrides) -> dict:
