@@ -33,6 +33,7 @@ from coordinator.topology import Topology, build_topology
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 from nodeagent.algorithms import Family, lookup
+from nodeagent.defaults import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
 from nodeagent.jobspec import (
     MAX_NODES,
     JobSpec,
@@ -126,8 +127,8 @@ COORDINATOR_RULES = rules_for("peertrain.v1.Coordinator", {
 class CoordinatorConfig:
     state_dir: Path
     runs_dir: Path | None = None
-    heartbeat_interval_s: float = 2.0
-    heartbeat_timeout_s: float = 15.0
+    heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
+    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
     ps_fsync: bool = False  # also fsync the parameter server's state before answering (survives a machine crash)
 
     @property

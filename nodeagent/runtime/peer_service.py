@@ -37,6 +37,7 @@ from nodeagent.runtime.progress import Traffic
 from nodeagent.security.authz import rules_for
 from nodeagent.security.pki import Identity, Role
 from nodeagent.security.tls import Transport, caller
+from nodeagent.text import clip
 from nodeagent.wire.decoder import Receiver
 from nodeagent.wire.encoder import Outgoing, plan
 from nodeagent.wire.errors import Reason, Status, WireError
@@ -170,10 +171,6 @@ def _remaining(context: grpc.ServicerContext, stream: Stream) -> float:
     return min(budget, max(0.001, remaining - min(1.0, 0.1 * remaining)))
 
 
-def _clip(text: str) -> str:
-    return text if len(text) <= MAX_DETAIL_CHARS else f"{text[:MAX_DETAIL_CHARS]}..."
-
-
 def _write_share(outgoing: Outgoing, lane: LaneSocket, stream_id: bytes, share: tuple[int, int],
                  seconds: float | None) -> None:
     lane.set_timeout(seconds)
@@ -254,7 +251,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         """Count a refused call and end it with the error's status; the details are clipped."""
         src = identity.name if identity is not None else "unknown"
         self._metrics.stream_rejections.labels(src, dst, error.reason).inc()
-        context.abort(grpc_code(error.status), _clip(str(error)))
+        context.abort(grpc_code(error.status), clip(str(error), MAX_DETAIL_CHARS))
 
     def _admit(self, context: grpc.ServicerContext, state: ServingState, identity: Identity | None, rank: int,
                claimed_id: str) -> None:
@@ -404,7 +401,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             try:
                 state.expected(request.requester_rank, kind)
             except WireError as error:
-                context.abort(grpc_code(error.status), _clip(str(error)))
+                context.abort(grpc_code(error.status), clip(str(error), MAX_DETAIL_CHARS))
             reply = state.snapshot().message_for(request.requester_rank, kind)
             if reply is None:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node serves no {kind.name.lower()}")
