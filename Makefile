@@ -24,7 +24,7 @@ test: $(STAMP)
 	deploy/bootstrap.sh data prometheus
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-# The unit and integration tiers (pyproject's markers): no agent processes, a few minutes.
+# The unit and integration tiers (pyproject's markers): no cluster of agents, a few minutes.
 test-fast: $(STAMP)
 	deploy/bootstrap.sh data
 	$(BIN)/python -m pytest -q -m "unit or integration" $(PYTEST_ARGS)
