@@ -5,7 +5,7 @@ STAMP := .venv/.installed
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: demo test test-gpu lint proto bench bootstrap data clean
+.PHONY: demo test test-fast test-gpu lint proto bench bootstrap data clean
 
 $(STAMP): pyproject.toml constraints.txt
 	deploy/bootstrap.sh venv
@@ -23,6 +23,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	deploy/bootstrap.sh data prometheus
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The unit and integration tiers (pyproject's markers): no cluster of agents, a few minutes.
+test-fast: $(STAMP)
+	deploy/bootstrap.sh data
+	$(BIN)/python -m pytest -q -m "unit or integration" $(PYTEST_ARGS)
 
 # The CUDA half of the suite (tests marked cuda), on a machine where torch sees a GPU; then the GPU benchmark.
 test-gpu: $(STAMP)

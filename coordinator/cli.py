@@ -42,6 +42,13 @@ from coordinator.progress_view import PLAIN_EVERY_S, ProgressView
 from nodeagent import __version__
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc
+from nodeagent.defaults import (
+    COORDINATOR_ADDRESS,
+    COORDINATOR_METRICS_PORT,
+    COORDINATOR_PORT,
+    ENROLL_PORT,
+    HEARTBEAT_TIMEOUT_S,
+)
 from nodeagent.jobspec import DEFAULT_DATA_DIR, JobFile, JobSpecError, load_job_file, parse_job_yaml
 from nodeagent.listen import ListenError
 from nodeagent.metrics import Metrics
@@ -67,7 +74,7 @@ def _add_coordinator_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--coordinator",
         help="coordinator address HOST:PORT (env PEERTRAIN_COORDINATOR, config `coordinator`; default "
-        "127.0.0.1:7070)",
+        f"{COORDINATOR_ADDRESS})",
     )
     parser.add_argument(
         "--tls-dir", type=Path,
@@ -102,13 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve agents and operators under mutual TLS with the cluster CA of STATE_DIR/ca (`coordinator "
         "ca init` creates it), and new nodes' enrollment on --enroll-listen.",
     )
-    serve.add_argument("--listen", default="0.0.0.0:7070", help="gRPC address HOST:PORT (default %(default)s)")
+    serve.add_argument("--listen", default=f"0.0.0.0:{COORDINATOR_PORT}",
+                       help="gRPC address HOST:PORT (default %(default)s)")
     serve.add_argument(
-        "--enroll-listen", default="0.0.0.0:7071",
+        "--enroll-listen", default=f"0.0.0.0:{ENROLL_PORT}",
         help="enrollment address HOST:PORT, where nodes trade a join token for a certificate (default %(default)s)",
     )
     serve.add_argument(
-        "--metrics-listen", default="0.0.0.0:9400", help="Prometheus /metrics address (default %(default)s)"
+        "--metrics-listen", default=f"0.0.0.0:{COORDINATOR_METRICS_PORT}",
+        help="Prometheus /metrics address (default %(default)s)",
     )
     serve.add_argument(
         "--state-dir", type=Path, default=DEFAULT_STATE_DIR,
@@ -122,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--runs-dir", type=Path, help="where run directories go (default STATE_DIR/runs)")
     serve.add_argument(
-        "--heartbeat-timeout", type=float, default=15.0,
+        "--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S,
         help="seconds without a heartbeat after which a node is marked down (default %(default)s)",
     )
     serve.add_argument("--ready-file", type=Path, help="write the bound addresses here as JSON once serving")
@@ -403,7 +412,7 @@ def _client_settings(args: argparse.Namespace) -> tuple[str, Path | None]:
         except (OSError, tomllib.TOMLDecodeError) as error:
             raise SystemExit(f"coordinator: cannot read the config file {config_path}: {error}") from None
     address = args.coordinator or os.environ.get("PEERTRAIN_COORDINATOR") or config.get("coordinator") or \
-        "127.0.0.1:7070"
+        COORDINATOR_ADDRESS
     insecure = args.insecure or os.environ.get("PEERTRAIN_INSECURE", "") not in ("", "0") or \
         bool(config.get("insecure"))
     if insecure:

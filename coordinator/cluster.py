@@ -38,6 +38,11 @@ class ClusterError(RuntimeError):
     pass
 
 
+# How long the coordinator and the agents may take to come up, each importing torch: a bound for a busy machine (8
+# agents on 2 shared cores took more than 60 s), not a speed; a process that exits is noticed at once.
+START_TIMEOUT_S = 300.0
+
+
 @dataclass
 class LocalCluster:
     root: Path
@@ -113,9 +118,9 @@ class LocalCluster:
         if not tls_dir.complete():
             ca.issue_files(tls_dir, Role.NODE, f"agent-{index}")
 
-    def start(self, timeout_s: float = 60.0) -> None:
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Start the coordinator and the agents, and wait until every agent registered; on any failure (or an
-        interrupt) stop what was started before raising."""
+        interrupt) stop what was started before raising. A process that exits fails the start at once."""
         try:
             self._start(timeout_s)
         except BaseException:

@@ -61,7 +61,7 @@ from nodeagent.security.tls import caller
 from nodeagent.training.data import DatasetInfo
 from nodeagent.wire.decoder import decode
 from nodeagent.wire.encoder import encode
-from nodeagent.wire.errors import Status, WireError
+from nodeagent.wire.errors import Reason, Status, WireError
 from nodeagent.wire.frames import counted
 from nodeagent.wire.message import Encoding, Kind
 
@@ -250,28 +250,28 @@ class PSService:
         that holds `rank` of it as `node_id`: under TLS its certificate must name that node."""
         identity = caller(context)
         if identity is not None and identity.name != node_id:
-            raise WireError("not_member", f"node {identity.name} cannot act as node {node_id[:64]!r}",
+            raise WireError(Reason.NOT_MEMBER, f"node {identity.name} cannot act as node {node_id[:64]!r}",
                             Status.PERMISSION_DENIED)
         with self._lock:
             job = self._jobs.get(job_id)
             if job is None or job.closed:
                 job = self._load(job_id)
         if job.members.get(rank) != node_id:
-            raise WireError("not_member", f"node {node_id[:64]!r} does not hold rank {rank} of job {job_id}",
+            raise WireError(Reason.NOT_MEMBER, f"node {node_id[:64]!r} does not hold rank {rank} of job {job_id}",
                             Status.PERMISSION_DENIED)
         return job
 
     def _load(self, job_id: str) -> PSJob:
         row = self.store.job(job_id)
         if row is None or row.state != JobState.RUNNING:
-            raise WireError("wrong_job", f"job {job_id!r} is not running", Status.FAILED_PRECONDITION)
+            raise WireError(Reason.WRONG_JOB, f"job {job_id!r} is not running", Status.FAILED_PRECONDITION)
         spec = row.spec
         if lookup(spec.algorithm.name).family is not Family.SERVER:
-            raise WireError("no_server", f"job {job_id!r} runs {spec.algorithm.name}, which has no parameter "
+            raise WireError(Reason.NO_SERVER, f"job {job_id!r} runs {spec.algorithm.name}, which has no parameter "
                             "server", Status.FAILED_PRECONDITION)
         members = {m.rank: m.node_id for m in self.store.members(job_id)}
         if not row.data_json:  # every worker reports ready, with its data, before its first call
-            raise WireError("not_ready", f"job {job_id!r}: no worker has described its data yet",
+            raise WireError(Reason.NOT_READY, f"job {job_id!r}: no worker has described its data yet",
                             Status.FAILED_PRECONDITION)
         job = self._jobs[job_id] = PSJob(job_id, spec, Path(row.run_dir), members, self.metrics,
                                          data_from_json(row.data_json), self.fsync)
@@ -313,10 +313,10 @@ class PSService:
             job = self.job(manifest.job_id, manifest.sender_rank, manifest.sender_id, context)
             server_rank = server_wire_rank(job.spec.nodes)
             if manifest.receiver_rank != server_rank:
-                raise WireError("wrong_receiver", f"a push to the server goes to rank {server_rank}")
+                raise WireError(Reason.WRONG_RECEIVER, f"a push to the server goes to rank {server_rank}")
             total = sum(header.byte_length for header in manifest.tensors)
             if total > job.spec.wire.max_message_bytes:
-                raise WireError("too_large", f"a push of {total} bytes exceeds the job's limit")
+                raise WireError(Reason.TOO_LARGE, f"a push of {total} bytes exceeds the job's limit")
             found["job"] = job
             shapes = [(header.name, tuple(header.shape)) for header in manifest.tensors]
             return job.half.push_specs(Kind(manifest.kind), shapes)

@@ -28,6 +28,7 @@ from nodeagent.jobspec import JobSpec
 from nodeagent.ps.messages import SERVER_NAME
 from nodeagent.runtime.events import EVENTS_FILE, TOPOLOGY, Event, read_events
 from nodeagent.runtime.progress import LOG_FILE, Progress, read_run_log
+from nodeagent.text import clip
 
 REPORT_FILE = "report.html"
 DEFAULT_ACCURACIES = (0.6, 0.7, 0.8)  # the table's "time to reach" columns
@@ -356,8 +357,7 @@ def _markers(runs: Sequence[Run]) -> list[Marker]:
 
 
 def _short(text: str) -> str:
-    line = " ".join(text.split())
-    return line if len(line) <= MAX_MARKER_CHARS else line[: MAX_MARKER_CHARS - 1] + "…"
+    return clip(" ".join(text.split()), MAX_MARKER_CHARS)
 
 
 def _figures(runs: Sequence[Run], out: Path) -> list[Plot]:

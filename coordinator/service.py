@@ -19,8 +19,6 @@ from pydantic import ValidationError
 
 from coordinator.ca import DEFAULT_TOKEN_TTL_S, CAError, ClusterCA
 from coordinator.control.plane import (
-    HEARTBEAT_INTERVAL_S,
-    HEARTBEAT_TIMEOUT_S,
     ControlPlane,
     Effect,
     JobEnded,
@@ -38,6 +36,7 @@ from coordinator.rendezvous import Rendezvous, RendezvousError, request_problem
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 from nodeagent.algorithms import Family, lookup
+from nodeagent.defaults import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
 from nodeagent.jobspec import (
     MAX_NODES,
     JobSpec,

@@ -29,12 +29,13 @@ from pathlib import Path
 import torch
 
 from coordinator.control.memory import MemoryState
-from coordinator.control.plane import HEARTBEAT_TIMEOUT_S, ControlPlane, Effect, JobEnded, JobEvent
+from coordinator.control.plane import ControlPlane, Effect, JobEnded, JobEvent
 from coordinator.control.records import Job
 from coordinator.control.states import JobState
 from coordinator.display import mean_accuracy, mean_measured
 from coordinator.jobs import plan_node, validate_job, validate_topology_change, with_topology
 from coordinator.progress_view import ProgressView
+from nodeagent.defaults import HEARTBEAT_TIMEOUT_S
 from nodeagent.jobspec import JobSpec
 from nodeagent.metrics import Metrics
 from nodeagent.runtime import events

@@ -24,7 +24,8 @@ from typing import Literal, get_args
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from nodeagent.jobspec import TopologySpec, cut, shown
+from nodeagent.jobspec import MAX_SHOWN_CHARS, TopologySpec, shown
+from nodeagent.text import clip
 
 Edge = tuple[int, int]
 WeightKind = Literal["uniform", "metropolis-hastings"]
@@ -411,7 +412,8 @@ def _check_option_names(spec: TopologySpec) -> None:
     allowed = sorted(kind_options(spec.kind).model_fields)
     unknown = sorted(set(spec.options) - set(allowed))
     if unknown:
-        raise ValueError(f"topology {spec.kind!r}: unknown option(s) {cut(', '.join(unknown))}; allowed: "
+        shown_unknown = clip(", ".join(unknown), MAX_SHOWN_CHARS)
+        raise ValueError(f"topology {spec.kind!r}: unknown option(s) {shown_unknown}; allowed: "
                          f"{', '.join(allowed) or 'none'}")
 
 

@@ -16,6 +16,7 @@ import torch
 from nodeagent import __version__
 from nodeagent.agent import Agent, AgentConfig
 from nodeagent.agent.daemon import RegistrationRefused
+from nodeagent.defaults import AGENT_METRICS_PORT, AGENT_PORT, COORDINATOR_ADDRESS, ENROLL_PORT
 from nodeagent.listen import ListenError
 from nodeagent.rpc import field_problem
 from nodeagent.statedir import StateDirError, hold_state_dir
@@ -37,10 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
         "it is assigned, serves its neighbours over gRPC and exposes Prometheus metrics.",
     )
     serve.add_argument(
-        "--coordinator", default=os.environ.get("PEERTRAIN_COORDINATOR", "127.0.0.1:7070"),
+        "--coordinator", default=os.environ.get("PEERTRAIN_COORDINATOR", COORDINATOR_ADDRESS),
         help="coordinator address HOST:PORT (env PEERTRAIN_COORDINATOR; default %(default)s)",
     )
-    serve.add_argument("--listen", default="0.0.0.0:7100",
+    serve.add_argument("--listen", default=f"0.0.0.0:{AGENT_PORT}",
                        help="peer service address HOST:PORT; port 0 picks one (default %(default)s)")
     serve.add_argument(
         "--lane-port", type=int, default=0,
@@ -48,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--advertise", help="address neighbours dial (default: the listen address, or the hostname)")
     serve.add_argument(
-        "--metrics-listen", default="0.0.0.0:9401", help="Prometheus /metrics address HOST:PORT (default %(default)s)"
+        "--metrics-listen", default=f"0.0.0.0:{AGENT_METRICS_PORT}",
+        help="Prometheus /metrics address HOST:PORT (default %(default)s)",
     )
     serve.add_argument(
         "--state-dir", type=Path, default=Path(os.environ.get("PEERTRAIN_STATE_DIR", "/var/lib/peertrain/agent")),
@@ -90,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--enroll-address",
-        help="the coordinator's enrollment address HOST:PORT (default: the coordinator's host, port 7071)",
+        help=f"the coordinator's enrollment address HOST:PORT (default: the coordinator's host, port {ENROLL_PORT})",
     )
     serve.add_argument(
         "--insecure", action="store_true",

@@ -20,6 +20,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
+from nodeagent.text import clip
+
 DEFAULT_DATA_DIR = "/usr/share/datasets/fashion-mnist"
 Mode = Literal["async", "sync"]
 # The formats of data a job can name (nodeagent.training.data reads them).
@@ -347,12 +349,7 @@ class JobSpecError(ValueError):
 
 def shown(value: object) -> str:
     """`value` as an error repeats it: its repr, cut (a job may hold a megabyte in one string)."""
-    return cut(repr(value))
-
-
-def cut(text: str) -> str:
-    """At most MAX_SHOWN_CHARS of `text`, for an error that repeats what a job wrote."""
-    return text if len(text) <= MAX_SHOWN_CHARS else f"{text[:MAX_SHOWN_CHARS - 3]}..."
+    return clip(repr(value), MAX_SHOWN_CHARS)
 
 
 def format_validation_error(error: ValidationError, prefix: str = "", unknown: str = "") -> str:
@@ -392,7 +389,7 @@ def _job_mapping(text: str) -> dict[str, Any]:
     except yaml.YAMLError as error:
         raise JobSpecError(f"not valid YAML: {_yaml_problem(error)}") from None
     except ValueError as error:  # a value the safe constructor refuses: an integer of 5000 digits, a 13th month
-        raise JobSpecError(f"not valid YAML: a value cannot be read: {cut(str(error))}") from None
+        raise JobSpecError(f"not valid YAML: a value cannot be read: {clip(str(error), MAX_SHOWN_CHARS)}") from None
     if data is None:  # nothing but blanks and comments: a file cut short, not a request for the default job
         raise JobSpecError("the job file is empty")
     if not isinstance(data, dict):

@@ -10,8 +10,10 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from clusters import agents_up
 from devices import DEVICES
 
+from coordinator.cluster import LocalCluster
 from coordinator.ps_service import add_coordinator_servicer
 from coordinator.service import CoordinatorConfig, CoordinatorService
 from nodeagent._proto import coordinator_pb2_grpc
@@ -20,12 +22,32 @@ from nodeagent.metrics import Metrics
 from nodeagent.security.pki import Role, certificate_pem, create_ca, issue, new_private_key, private_key_pem
 from nodeagent.security.tls import Credentials, TlsDir
 
+# Every test module is in exactly one tier (pyproject's markers; `make test-fast` runs unit and integration).
+TIERS = ("unit", "integration", "cluster", "system")
+
 _IDX_STEMS = (
     "train-images-idx3-ubyte",
     "train-labels-idx1-ubyte",
     "t10k-images-idx3-ubyte",
     "t10k-labels-idx1-ubyte",
 )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Fail the run when a collected module is in no tier or in more than one: a module without one would be left out
+    of `make test-fast` (or in it by mistake) without anyone noticing."""
+    wrong = {}
+    for item in items:
+        module = item.module
+        if module is None or module.__name__ in wrong:
+            continue
+        marks = getattr(module, "pytestmark", [])
+        tiers = [mark.name for mark in (marks if isinstance(marks, list) else [marks]) if mark.name in TIERS]
+        if len(tiers) != 1:
+            wrong[module.__name__] = tiers
+    if wrong:
+        raise pytest.UsageError("each test module needs exactly one tier, `pytestmark = pytest.mark.<tier>` with "
+                                f"<tier> one of {', '.join(TIERS)}; these have {wrong}")
 
 
 @pytest.fixture(params=DEVICES)
@@ -47,6 +69,21 @@ def fashion_mnist_dir() -> Path:
             "dataset-fashion-mnist (make data) or set PEERTRAIN_DATA_DIR to a directory holding the IDX files"
         )
     return directory
+
+
+@pytest.fixture(scope="session")
+def four_agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """One coordinator and 4 agent processes on the CPU, started once and shared by the cluster tests that fit it
+    (through `cluster` or `agents_up`): no --data-dir on the agents (each job names its data.data_dir), the default
+    heartbeat timeout."""
+    with LocalCluster(root=tmp_path_factory.mktemp("four-agents"), agents=4) as running:
+        yield running
+
+
+@pytest.fixture
+def cluster(four_agents: LocalCluster) -> LocalCluster:
+    """The shared cluster of 4 agents (four_agents), each up."""
+    return agents_up(four_agents)
 
 
 @pytest.fixture

@@ -12,6 +12,8 @@ from nodeagent.training.models import build_model
 from nodeagent.wire import WireError
 from nodeagent.wire.sparse import Codec, Residual, compress, decode_sparse, densify, encode_sparse, select_topk, traffic
 
+pytestmark = pytest.mark.unit
+
 
 def vec(*values: float) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32)

@@ -12,6 +12,8 @@ from nodeagent.algorithms.base import Neighbor, NodeContext, Route
 from nodeagent.jobspec import AlgorithmSpec
 from nodeagent.wire import Kind, Message, WireError
 
+pytestmark = pytest.mark.unit
+
 KIND = "bipartite-exponential"
 
 

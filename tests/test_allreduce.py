@@ -9,6 +9,8 @@ from nodeagent.algorithms.base import ALLREDUCE_RANK, NodeContext, Route
 from nodeagent.jobspec import AlgorithmSpec
 from nodeagent.wire import Kind, Message, WireError
 
+pytestmark = pytest.mark.unit
+
 
 def make(rank, world, model, lr=0.1, momentum=0.0, nesterov=False, l2=0.0, loss_fn=None):
     spec = AlgorithmSpec(name="allreduce", lr=lr, momentum=momentum, nesterov=nesterov, l2=l2)

@@ -16,20 +16,16 @@ from coordinator.cluster import LocalCluster
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.agent.checkpoint import checkpoint_path
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.cluster
 
 AGENTS = 8
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, fashion_mnist_dir):
-    running = LocalCluster(root=tmp_path_factory.mktemp("faults"), agents=AGENTS, data_dir=str(fashion_mnist_dir),
-                           heartbeat_timeout_s=5.0)
-    running.start(timeout_s=300)  # 8 agents on a shared 2-core machine take a while to import torch
-    try:
+    with LocalCluster(root=tmp_path_factory.mktemp("faults"), agents=AGENTS, data_dir=str(fashion_mnist_dir),
+                      heartbeat_timeout_s=5.0) as running:
         yield running
-    finally:
-        running.stop()
 
 
 def allreduce_job(steps: int, name: str) -> str:

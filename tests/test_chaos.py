@@ -13,6 +13,8 @@ import pytest
 from coordinator.chaos import Chaos, Fault, Kind, PrivateNetworkCluster, check_schedule
 from coordinator.cluster import LocalCluster
 
+pytestmark = pytest.mark.integration
+
 
 def state_of(process: subprocess.Popen) -> str:
     """The process's state letter in /proc: T stopped; S or R (just woken) running."""

@@ -16,6 +16,8 @@ import yaml
 from coordinator.cli import main as coordinator_main
 from nodeagent.cli import main as nodeagent_main
 
+pytestmark = pytest.mark.system
+
 TIMEOUT_S = 60.0
 # A directory nobody may create files in, root included (sysfs).
 UNWRITABLE = Path("/sys")
@@ -80,7 +82,6 @@ def test_a_job_file_that_cannot_be_read_is_refused_in_one_line_naming_it(tmp_pat
     assert refusal.value.code == f"coordinator: cannot read {path}: {reason}"
 
 
-@pytest.mark.slow
 def test_a_binary_job_file_ends_the_process_with_one_line_and_no_traceback(tmp_path):
     """The refusals above, end to end: what a user sees from the installed command."""
     path = tmp_path / "job.yaml"
@@ -101,7 +102,6 @@ def test_a_coordinator_that_is_not_there_is_one_line_with_its_address_and_the_co
     assert line.startswith(f"coordinator: {address}: UNAVAILABLE: "), line
 
 
-@pytest.mark.slow
 def test_submit_to_a_coordinator_that_is_not_there_is_one_line_with_its_address(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump({"name": "edges", "nodes": 2, "steps": 5}))
@@ -115,7 +115,6 @@ def test_submit_to_a_coordinator_that_is_not_there_is_one_line_with_its_address(
 
 # -- stdout closed -------------------------------------------------------------------------------------------------
 
-@pytest.mark.slow
 def test_inspect_into_a_closed_pipe_exits_quietly_as_sigpipe_would(tmp_path, fashion_mnist_dir):
     """`coordinator inspect JOB.yaml | head -1`: the reader is gone before the table is written."""
     path = tmp_path / "job.yaml"
@@ -135,7 +134,6 @@ def test_inspect_into_a_closed_pipe_exits_quietly_as_sigpipe_would(tmp_path, fas
 
 # -- directories the daemons cannot use ----------------------------------------------------------------------------
 
-@pytest.mark.slow
 def test_the_coordinator_refuses_a_state_dir_it_cannot_create(tmp_path):
     state = a_file(tmp_path) / "state"
     result = run("coordinator.cli", "serve", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
@@ -143,14 +141,12 @@ def test_the_coordinator_refuses_a_state_dir_it_cannot_create(tmp_path):
     assert_one_line_error(result, f"coordinator: cannot create state directory {state}: Not a directory")
 
 
-@pytest.mark.slow
 def test_the_coordinator_refuses_a_state_dir_it_cannot_write_in(tmp_path):
     result = run("coordinator.cli", "serve", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
                  "--state-dir", str(UNWRITABLE))
     assert_one_line_error(result, f"coordinator: cannot write in state directory {UNWRITABLE}: Permission denied")
 
 
-@pytest.mark.slow
 def test_the_coordinator_refuses_a_runs_dir_it_cannot_create(tmp_path):
     runs = a_file(tmp_path) / "runs"
     result = run("coordinator.cli", "serve", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
@@ -158,7 +154,6 @@ def test_the_coordinator_refuses_a_runs_dir_it_cannot_create(tmp_path):
     assert_one_line_error(result, f"coordinator: cannot create runs directory {runs}: Not a directory")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", ["cannot create", "cannot write in"])
 def test_the_agent_refuses_a_state_dir_it_cannot_use(tmp_path, case):
     state = a_file(tmp_path) / "state" if case == "cannot create" else UNWRITABLE

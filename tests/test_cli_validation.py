@@ -13,6 +13,8 @@ import yaml
 from coordinator.cli import main as coordinator_main
 from nodeagent._proto import coordinator_pb2 as pb
 
+pytestmark = pytest.mark.integration
+
 NOWHERE = "127.0.0.1:9"  # nothing listens there
 
 REFUSED = {

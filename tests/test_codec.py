@@ -21,11 +21,13 @@ import pytest
 import torch
 
 from nodeagent._proto import wire_pb2
-from nodeagent.wire import DTYPES, Encoding, Kind, Message, Status, TensorSpec, WireError, specs_of
+from nodeagent.wire import DTYPES, Encoding, Kind, Message, Reason, Status, TensorSpec, WireError, specs_of
 from nodeagent.wire.decoder import MAX_TENSORS, decode
 from nodeagent.wire.encoder import encode
 from nodeagent.wire.frames import MAX_CONTROL_FRAME_BYTES
 from nodeagent.wire.varint import encode_varint
+
+pytestmark = pytest.mark.integration
 
 Frames = list[wire_pb2.Frame]
 
@@ -812,3 +814,9 @@ def test_lossless_check_uses_numpy_view() -> None:
     # c_order_le_bytes, the independent reference used above, really is little-endian C order.
     tensor = torch.tensor([[1, 2], [3, 4]], dtype=torch.int16).t()
     assert c_order_le_bytes(tensor) == np.array([1, 0, 3, 0, 2, 0, 4, 0], dtype=np.uint8).tobytes()
+
+
+def test_every_reason_a_receiver_gives_is_explained_to_operators():
+    """The `reason` label of peertrain_stream_rejections_total is what an operator sees: each is in the guide."""
+    guide = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    assert [reason.value for reason in Reason if f"`{reason.value}`" not in guide] == []

@@ -14,6 +14,8 @@ from nodeagent.wire.decoder import decode
 from nodeagent.wire.encoder import encode
 from nodeagent.wire.message import all_finite
 
+pytestmark = pytest.mark.unit
+
 Frames = list[wire_pb2.Frame]
 
 REASONS = {

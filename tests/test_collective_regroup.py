@@ -26,7 +26,7 @@ from nodeagent.metrics import Metrics
 from nodeagent.runtime.progress import Traffic
 from nodeagent.wire.message import Kind, Message
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.cluster
 
 WORLD = 3
 STEPS = 80

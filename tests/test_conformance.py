@@ -20,6 +20,8 @@ from nodeagent.jobspec import JobSpec, JobSpecError, parse_job_spec
 from nodeagent.runtime.progress import read_run_log
 from nodeagent.training.models import initial_model
 
+pytestmark = pytest.mark.unit
+
 ALGORITHMS = sorted(REGISTRY)
 # A topology each algorithm accepts: AD-PSGD's bipartite kind, SGP's time-varying one, a ring otherwise.
 TOPOLOGY = {"ad-psgd": "bipartite-exponential", "sgp": "dynamic-exponential", "osgp": "dynamic-exponential"}

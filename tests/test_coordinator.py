@@ -20,6 +20,8 @@ from nodeagent._proto import coordinator_pb2_grpc
 from nodeagent.jobspec import JobSpec, JobSpecError, parse_job_yaml
 from nodeagent.metrics import Metrics
 
+pytestmark = pytest.mark.integration
+
 
 def job(**overrides) -> str:
     spec = {"name": "t", "nodes": 3, "steps": 10, "algorithm": {"interval": 4}, "topology": {"kind": "ring"}}

@@ -25,6 +25,8 @@ from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 from nodeagent.rpc import Backoff
 
+pytestmark = pytest.mark.system
+
 START_TIMEOUT_S = 60.0
 EXIT_TIMEOUT_S = 60.0
 
@@ -147,7 +149,6 @@ def running(tmp_path_factory) -> Iterator[Running]:
 
 # -- a second daemon -----------------------------------------------------------------------------------------------
 
-@pytest.mark.slow
 @pytest.mark.parametrize("port", ["peer", "lanes", "metrics"])
 def test_a_second_agent_on_a_used_port_exits_naming_the_address(running, tmp_path, port):
     ports = {"peer": free_port(), "lanes": free_port(), "metrics": free_port()}
@@ -159,7 +160,6 @@ def test_a_second_agent_on_a_used_port_exits_naming_the_address(running, tmp_pat
     assert "second" not in {n.name for n in running.stub().ListNodes(pb.ListNodesRequest(), timeout=5).nodes}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("port", ["grpc", "metrics"])
 def test_a_second_coordinator_on_a_used_port_exits_naming_the_address(running, tmp_path, port):
     used = int(running.coordinator.rpartition(":")[2]) if port == "grpc" else running.coordinator_metrics
@@ -169,7 +169,6 @@ def test_a_second_coordinator_on_a_used_port_exits_naming_the_address(running, t
     running.assert_still_working()
 
 
-@pytest.mark.slow
 def test_a_second_agent_on_a_held_state_dir_exits_naming_it(running):
     pid = running.processes[1].pid
     result = run_to_exit(command("nodeagent.cli", *agent_args(running.coordinator, running.agent_state, "second",
@@ -180,7 +179,6 @@ def test_a_second_agent_on_a_held_state_dir_exits_naming_it(running):
     running.assert_still_working()
 
 
-@pytest.mark.slow
 def test_a_second_coordinator_on_a_held_state_dir_exits_naming_it(running):
     pid = running.processes[0].pid
     result = run_to_exit(command("coordinator.cli", *coordinator_args(running.coordinator_state, free_port(),
@@ -191,7 +189,6 @@ def test_a_second_coordinator_on_a_held_state_dir_exits_naming_it(running):
     running.assert_still_working()
 
 
-@pytest.mark.slow
 def test_an_agent_with_the_node_id_of_a_live_agent_is_refused(running, tmp_path):
     """A state directory copied from a running agent (a cloned disk): the copy may not take the node over."""
     copy = tmp_path / "copy"
@@ -346,7 +343,6 @@ def test_backoff_logs_the_first_failure_then_a_summary_a_minute_and_the_recovery
     ]
 
 
-@pytest.mark.slow
 def test_an_agent_stopped_while_it_cannot_register_exits_0_and_logs_the_failure_once(tmp_path):
     nowhere = f"127.0.0.1:{free_port()}"  # nothing listens there
     log_path = tmp_path / "agent.log"

@@ -22,6 +22,8 @@ from nodeagent.training.data import (
     read_idx,
 )
 
+pytestmark = pytest.mark.integration
+
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 
 

@@ -17,6 +17,8 @@ from nodeagent.jobspec import parse_job_spec
 from nodeagent.training.data import DataError, DatasetInfo, describe_dataset, load_dataset
 from nodeagent.training.models import initial_model
 
+pytestmark = pytest.mark.unit
+
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
 

@@ -31,6 +31,8 @@ from typing import Any
 import pytest
 import yaml
 
+pytestmark = pytest.mark.system
+
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 SYSTEMD = DEPLOY / "systemd"
@@ -1002,7 +1004,6 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
     pytest.fail(f"timed out waiting for {what}")
 
 
-@pytest.mark.slow
 def test_dashboard_and_rules_against_live_prometheus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     prometheus = need("prometheus")
     from fakecuda import fake_cuda, fake_pynvml
@@ -1135,7 +1136,6 @@ EDGE_DEBUGGING_PANELS = ("Edge last message age and call in flight", "Neighbour 
                          "Consensus distance per edge", "Edge message interval")
 
 
-@pytest.mark.slow
 def test_prometheus_scrapes_a_local_cluster(tmp_path: Path, fashion_mnist_dir: Path) -> None:
     """The real server scrapes a coordinator and 4 agents on loopback while they train."""
     need("prometheus")

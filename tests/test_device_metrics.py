@@ -22,6 +22,8 @@ from nodeagent._proto import coordinator_pb2_grpc
 from nodeagent.agent.daemon import Agent, AgentConfig
 from nodeagent.metrics import DEVICE_GAUGES, Metrics
 
+pytestmark = pytest.mark.integration
+
 
 def device_samples(text: str) -> dict[str, tuple[dict[str, str], float]]:
     """The peertrain_device_* samples of a /metrics text: name -> (labels, value); one series each."""

@@ -25,6 +25,8 @@ from nodeagent.training.data import load_dataset
 from nodeagent.training.device import DeviceError, resolve_device
 from nodeagent.training.loop import BatchStream
 
+pytestmark = pytest.mark.integration
+
 
 def small_job(fashion_mnist_dir: Path, algorithm: dict, **extra) -> dict:
     return {

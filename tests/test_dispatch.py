@@ -18,6 +18,8 @@ from nodeagent.ps.messages import SERVER_RANK, ReadyAnswer, ServerPull, ServerPu
 from nodeagent.runtime.driver import Failure, Reply, Transmission
 from nodeagent.wire.message import Kind, Message
 
+pytestmark = pytest.mark.unit
+
 TENSORS = {"w": torch.ones(2)}
 
 

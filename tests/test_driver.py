@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 from torch import nn
 
@@ -18,6 +19,8 @@ from nodeagent.runtime import driver as driver_module
 from nodeagent.runtime.driver import Action, Failure, NodeDriver, Reply
 from nodeagent.training.loop import EvalResult
 from nodeagent.wire.message import Kind, Message
+
+pytestmark = pytest.mark.unit
 
 
 class Clock:

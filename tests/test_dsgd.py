@@ -10,6 +10,8 @@ from nodeagent.algorithms import Neighbor, NodeContext, Route, build_algorithm
 from nodeagent.jobspec import AlgorithmSpec
 from nodeagent.wire import Kind, Message, WireError
 
+pytestmark = pytest.mark.unit
+
 
 def linear_model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)

@@ -17,6 +17,8 @@ from nodeagent.runtime.simulator import VirtualMesh
 from nodeagent.training.job import Node
 from nodeagent.wire import Kind, Message, WireError
 
+pytestmark = pytest.mark.unit
+
 DIM = 5
 SAMPLES = 20
 STEPS = 800  # lockstep rounds of the convergence tests

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import yaml
 from prometheus_client import generate_latest
 
@@ -16,6 +17,8 @@ from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import MAX_FIELD_CHARS
 from nodeagent.runtime.progress import EdgeCounters, Progress, RunLog, read_run_log, to_report
+
+pytestmark = pytest.mark.integration
 
 
 def test_the_coordinator_bounds_what_a_report_says_of_its_edges():

@@ -18,7 +18,7 @@ from coordinator.cli import main as coordinator_main
 from coordinator.cluster import LocalCluster
 from nodeagent._proto import coordinator_pb2 as pb
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.cluster
 
 NAMED_WITHIN_S = 10.0
 

@@ -30,6 +30,8 @@ from nodeagent.runtime.driver import JOIN_PULL_ATTEMPTS, Action, Failure, NodeDr
 from nodeagent.runtime.events import JOINED, LEFT, read_events
 from nodeagent.wire import Kind, Message
 
+pytestmark = pytest.mark.integration
+
 coordinator = test_coordinator.coordinator  # the fixture: (start, stop_all) of in-process coordinators
 
 

@@ -13,7 +13,7 @@ from coordinator.cluster import LocalCluster
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.runtime.events import JOINED, LEFT, read_events
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.cluster
 
 FIRST = 4  # agents the job starts on
 JOINING = 2  # agents started while it runs

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from clusters import agents_up
 from devices import DEVICES
 
 from coordinator.cluster import LocalCluster
@@ -16,7 +17,7 @@ from nodeagent.jobspec import parse_job_spec
 from nodeagent.training.data import describe_dataset
 from nodeagent.training.models import flat_parameters, initial_model
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.cluster
 
 STEPS = 40
 
@@ -46,12 +47,13 @@ CASES = {
 
 
 @pytest.fixture(scope="module", params=DEVICES)
-def cluster(request, tmp_path_factory, fashion_mnist_dir):
-    """Four agents on one device (the CPU, or one GPU they share), compared with the simulator on that device."""
-    root = tmp_path_factory.mktemp("equivalence")
-    with LocalCluster(root=root, agents=4, data_dir=str(fashion_mnist_dir), device=request.param) as running:
+def cluster(request, tmp_path_factory, four_agents):
+    """Four agents on one device: on the CPU the shared cluster (four_agents), on a GPU four that share it."""
+    if request.param == "cpu":
+        yield agents_up(four_agents)
+        return
+    with LocalCluster(root=tmp_path_factory.mktemp("equivalence"), agents=4, device=request.param) as running:
         yield running
-
 
 def job_of(case: Case, fashion_mnist_dir: Path) -> dict:
     return {

@@ -17,6 +17,8 @@ from nodeagent.ps import (
     steps_before_asking,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def test_decision_table():
     slow = WorkerReport(steps=1, duration=10.0, end=0.0)  # its current step should end at t = 10

@@ -16,6 +16,8 @@ from nodeagent.agent.forward import MAX_PENDING, EventForwarder
 from nodeagent.runtime import events
 from nodeagent.runtime.events import Event, EventLog, read_events
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture
 def stub(coordinator_stub):

@@ -5,11 +5,10 @@ import math
 import pytest
 import yaml
 
-from coordinator.cluster import LocalCluster
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.runtime.progress import read_run_log
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.cluster
 
 FAMILIES = {
     "dsgd-sync": ({"name": "dsgd", "mode": "sync"}, {"kind": "ring"}),
@@ -21,12 +20,6 @@ FAMILIES = {
     "ad-psgd": ({"name": "ad-psgd"}, {"kind": "bipartite-exponential"}),
     "allreduce": ({"name": "allreduce"}, {"kind": "ring"}),
 }
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, fashion_mnist_dir):
-    with LocalCluster(root=tmp_path_factory.mktemp("families"), agents=4, data_dir=str(fashion_mnist_dir)) as running:
-        yield running
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -24,6 +24,8 @@ from nodeagent.algorithms.gossip import (
 from nodeagent.jobspec import AlgorithmSpec
 from nodeagent.wire import Kind, Message, WireError
 
+pytestmark = pytest.mark.unit
+
 
 class FlatLoss(nn.Module):
     """A loss of fixed value and zero gradient: local steps leave w unchanged. The schema requires lr > 0, so

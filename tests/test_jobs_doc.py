@@ -25,6 +25,8 @@ from nodeagent.algorithms import REGISTRY
 from nodeagent.jobspec import AlgorithmSpec, JobSpec, JobSpecError, load_job_file, parse_job_spec
 from nodeagent.training.splits import SPLIT_OPTIONS
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_JOBS = sorted((ROOT / "deploy" / "jobs").glob("*.yaml"))
 

@@ -16,6 +16,8 @@ from nodeagent.training.data import Dataset, DatasetInfo, Normalisation, load_da
 from nodeagent.training.loop import BatchStream, evaluate
 from nodeagent.training.models import build_model
 
+pytestmark = pytest.mark.unit
+
 
 def in_memory(images: torch.Tensor, labels: torch.Tensor) -> Dataset:
     """A dataset of these float samples, taken as they are (no normalisation)."""

@@ -15,6 +15,8 @@ from torch import nn
 from nodeagent.jobspec import ModelSpec
 from nodeagent.training.models import MODELS, ModelError, build_model, flat_parameters, parameter_specs
 
+pytestmark = pytest.mark.unit
+
 SMALL_OPTIONS = {
     "logistic": {},
     "mlp": {"hidden": [32, 16]},

@@ -23,6 +23,8 @@ from nodeagent.runtime.driver import NodeDriver, Report
 from nodeagent.training.job import Node
 from nodeagent.wire.message import Kind, Message
 
+pytestmark = pytest.mark.unit
+
 
 class LoopbackPeers:
     """Delivers a node's sends straight into its peers' inboxes; exchanges and pulls are answered from the peer's

@@ -36,6 +36,8 @@ from nodeagent.security.pki import Role, certificate_pem, create_ca, issue, new_
 from nodeagent.security.tls import Credentials, TlsDir, Transport
 from nodeagent.wire import Encoding
 
+pytestmark = pytest.mark.integration
+
 JOB = "job-1"
 NAMES = {0: "n0", 1: "n1", 2: "n2"}
 CALL_TIMEOUT_S = 10.0

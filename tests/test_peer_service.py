@@ -19,6 +19,8 @@ from nodeagent.runtime.peer_service import PeerClient, PeerServicer, ServingStat
 from nodeagent.wire import Encoding, Kind, Message, Status, WireError
 from nodeagent.wire.encoder import encode
 
+pytestmark = pytest.mark.integration
+
 JOB = "job-1"
 
 

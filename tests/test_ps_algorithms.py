@@ -15,6 +15,8 @@ from nodeagent.training.models import build_model
 from nodeagent.wire.errors import WireError
 from nodeagent.wire.message import Kind, Message
 
+pytestmark = pytest.mark.unit
+
 
 def job(name: str, nodes: int = 3, **algorithm):
     return parse_job_spec({"name": name, "nodes": nodes, "algorithm": {"name": name, "lr": 0.1, **algorithm},

@@ -9,6 +9,8 @@ import torch
 
 from nodeagent.ps import AdaCompServer, ASGDServer, DCASGDServer, ESyncServer, ProtocolError, SSGDServer
 
+pytestmark = pytest.mark.unit
+
 
 def vec(*values: float) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32)

@@ -34,6 +34,8 @@ from nodeagent.wire.encoder import encode
 from nodeagent.wire.message import Kind, Message
 from nodeagent.wire.sparse import Codec, compress
 
+pytestmark = pytest.mark.integration
+
 
 class Coordinator:
     """A CoordinatorService behind a real gRPC server on loopback, restartable on the same state directory."""

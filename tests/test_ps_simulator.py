@@ -9,6 +9,8 @@ from coordinator.simulate import simulate
 from nodeagent.jobspec import parse_job_spec
 from nodeagent.ps import RoundMetrics
 
+pytestmark = pytest.mark.unit
+
 SPEEDS = [20.0, 20.0, 20.0, 1.0]
 
 

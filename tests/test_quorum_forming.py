@@ -22,6 +22,8 @@ from nodeagent.metrics import Metrics
 from nodeagent.runtime.progress import Traffic
 from nodeagent.wire.message import Kind, Message
 
+pytestmark = pytest.mark.unit
+
 STEP_TIMEOUT_S = 1.5
 JOIN_S = 0.5
 

@@ -24,6 +24,8 @@ from nodeagent.runtime.driver import NodeDriver, Report
 from nodeagent.training.job import Node
 from nodeagent.wire.message import Kind, Message
 
+pytestmark = pytest.mark.unit
+
 
 class Network:
     """Every node's inbox and published snapshot; a dead node refuses every call, as a killed process does."""

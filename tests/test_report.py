@@ -26,6 +26,8 @@ from nodeagent.metrics import Metrics
 from nodeagent.runtime.events import EVENTS_FILE, TOPOLOGY, Event, EventLog
 from nodeagent.runtime.progress import LOG_FILE, RunLog, read_run_log
 
+pytestmark = pytest.mark.integration
+
 HOSTILE = "<script>alert('x')</script>"
 CURVES = ("accuracy_time.png", "accuracy_steps.png", "accuracy_bytes.png", "test_loss_time.png",
           "train_loss_steps.png", "throughput.png", "computing_time_ratio.png")

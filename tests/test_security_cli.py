@@ -10,10 +10,13 @@ import sys
 import time
 import urllib.request
 
+import pytest
 from test_cli_edges import assert_one_line_error, nowhere, run
 
 from nodeagent.security.pki import Role
 from nodeagent.security.tls import TlsDir, Transport
+
+pytestmark = pytest.mark.system
 
 
 def test_ca_init_show_and_offline_issuance(tmp_path):

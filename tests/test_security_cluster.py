@@ -8,11 +8,14 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 from hostile import channel_as
 
 from coordinator.cluster import LocalCluster
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
+
+pytestmark = pytest.mark.cluster
 
 
 def describe_as(address: str, credentials: Path, server_name: str) -> grpc.StatusCode:

@@ -37,6 +37,8 @@ from nodeagent.security import pki
 from nodeagent.security.pki import CertificateError, Role
 from nodeagent.security.tls import TlsDir, Transport
 
+pytestmark = pytest.mark.integration
+
 SPEC = """
 name: t
 nodes: 2

@@ -16,6 +16,8 @@ from nodeagent.algorithms.sgp import SGP, OverlapSGP
 from nodeagent.jobspec import AlgorithmSpec
 from nodeagent.wire import Kind, Message, WireError
 
+pytestmark = pytest.mark.unit
+
 
 def make(cls, rank, world, schedule, neighbors, lr=0.1, options=None, loss_fn=None):
     spec = AlgorithmSpec(name=cls.name, lr=lr, options=options or {})

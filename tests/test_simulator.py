@@ -11,6 +11,8 @@ from nodeagent.metrics import Metrics
 from nodeagent.runtime.events import read_events
 from nodeagent.runtime.progress import read_run_log
 
+pytestmark = pytest.mark.unit
+
 
 def spec(fashion_mnist_dir, **overrides):
     base = {
@@ -35,7 +37,6 @@ def failures(metrics: Metrics, dst: str, reason: str) -> float:
     )
 
 
-@pytest.mark.slow
 def test_64_nodes_with_a_node_down_for_a_period(fashion_mnist_dir, tmp_path):
     job = spec(
         fashion_mnist_dir, nodes=64, steps=200, eval_every=100,

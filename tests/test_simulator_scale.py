@@ -10,6 +10,8 @@ from nodeagent.jobspec import parse_job_spec
 from nodeagent.training.job import build_node
 from nodeagent.training.loop import evaluate
 
+pytestmark = pytest.mark.unit
+
 
 def spec(fashion_mnist_dir, nodes=12, **model):
     return parse_job_spec({

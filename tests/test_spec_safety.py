@@ -38,6 +38,8 @@ from nodeagent.jobspec import (
 )
 from nodeagent.metrics import Metrics
 
+pytestmark = pytest.mark.integration
+
 USER_MODULE = "peertrain_spec_safety_models"
 FACTORY = """
 import math

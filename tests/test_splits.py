@@ -16,6 +16,8 @@ from nodeagent.training.splits import (
     split_indices,
 )
 
+pytestmark = pytest.mark.unit
+
 ALL_KINDS = [("iid", {}), ("class-window", {}), ("by-class", {}), ("dirichlet", {"alpha": 0.5})]
 
 

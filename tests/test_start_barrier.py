@@ -14,6 +14,8 @@ from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.runtime.readiness import data_from_json, data_to_proto
 from nodeagent.training.data import DatasetInfo
 
+pytestmark = pytest.mark.integration
+
 DATA = DatasetInfo((1, 28, 28), 10, 60_000, 10_000)
 
 

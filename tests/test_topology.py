@@ -31,6 +31,8 @@ from coordinator.topology import (
 )
 from nodeagent.jobspec import TopologySpec
 
+pytestmark = pytest.mark.unit
+
 
 def build(kind: str, nodes: int, seed: int = 0, **options: Any) -> Topology:
     return build_topology(TopologySpec(kind=kind, seed=seed, options=options), nodes)

@@ -25,6 +25,8 @@ from nodeagent.runtime.simulator import VirtualMesh
 from nodeagent.training.job import Node
 from nodeagent.wire import Kind, Message
 
+pytestmark = pytest.mark.unit
+
 NODES = 6
 
 

@@ -15,7 +15,7 @@ from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.runtime.events import TOPOLOGY, read_events
 from nodeagent.runtime.progress import read_run_log
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.cluster
 
 # Six agents rather than the eight of the issue: the machine that runs the tests has 2 CPUs, and on a ring of six
 # the distance-2 edges are still new edges (a multiplex ring of six has degree 4, not the complete graph).

@@ -18,6 +18,8 @@ from coordinator.control.plane import MIN_SWITCH_MARGIN_STEPS
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.runtime.events import TOPOLOGY, read_events
 
+pytestmark = pytest.mark.integration
+
 coordinator = test_coordinator.coordinator  # the fixture: (start, stop_all) of in-process coordinators
 
 

@@ -12,11 +12,12 @@ import yaml
 from datafiles import learnable, write_cifar10, write_npy
 
 from coordinator.cli import main as coordinator_main
-from coordinator.cluster import LocalCluster
 from coordinator.display import progress_of
 from coordinator.simulate import simulate
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.jobspec import load_job_file, parse_job_spec
+
+pytestmark = pytest.mark.cluster
 
 CLASSES = {"cifar10": 10, "npy": 3}
 
@@ -57,19 +58,17 @@ def test_a_job_on_the_users_data_learns_in_the_simulator(data_dirs, kind, algori
     assert result.mean_accuracy > 0.8, result.mean_accuracy
 
 
-@pytest.mark.slow
-def test_jobs_on_the_users_data_learn_on_agents(data_dirs, tmp_path):
+def test_jobs_on_the_users_data_learn_on_agents(cluster, data_dirs):
     # No --data-dir on the agents: each job's data.data_dir is read.
-    with LocalCluster(root=tmp_path, agents=2, heartbeat_timeout_s=3.0) as cluster:
-        submitted = {kind: cluster.submit(yaml.safe_dump(job(kind, data_dirs[kind]))) for kind in CLASSES}
-        submitted["npy, parameter server"] = cluster.submit(yaml.safe_dump(job("npy", data_dirs["npy"],
-                                                                               algorithm=SERVER)))
-        for kind, job_id in submitted.items():
-            status = cluster.wait(job_id, timeout_s=120)
-            assert status.state == pb.JOB_FINISHED, (kind, status.message)
-            accuracies = [node.test_accuracy for node in progress_of(status)]
-            assert [node.step for node in status.nodes] == [60, 60]
-            assert min(accuracies) > 0.8, (kind, accuracies)
+    submitted = {kind: cluster.submit(yaml.safe_dump(job(kind, data_dirs[kind]))) for kind in CLASSES}
+    submitted["npy, parameter server"] = cluster.submit(yaml.safe_dump(job("npy", data_dirs["npy"],
+                                                                           algorithm=SERVER)))
+    for kind, job_id in submitted.items():
+        status = cluster.wait(job_id, timeout_s=120)
+        assert status.state == pb.JOB_FINISHED, (kind, status.message)
+        accuracies = [node.test_accuracy for node in progress_of(status)]
+        assert [node.step for node in status.nodes] == [60, 60]
+        assert min(accuracies) > 0.8, (kind, accuracies)
 
 
 @pytest.mark.parametrize(("kind", "shape", "train", "test"), [("cifar10", "3x32x32", 300, 100),

@@ -6,6 +6,8 @@ import pytest
 
 from nodeagent.wire.varint import MAX_BYTES, decode_varint, decode_varints, encode_varint, encode_varints
 
+pytestmark = pytest.mark.unit
+
 VALUES = [0, 1, 127, 128, 300, 16_383, 16_384, 2**35 + 5, 2**63 - 1]
 
 

@@ -22,6 +22,8 @@ from nodeagent.wire.decoder import decode
 from nodeagent.wire.encoder import plan
 from nodeagent.wire.staging import StagedSink, StagedSource, source_for
 
+pytestmark = pytest.mark.integration
+
 WIRE = {Encoding.RAW: None, Encoding.FP16: torch.float16, Encoding.BF16: torch.bfloat16}
 CHUNK = 1 << 16  # many staging buffers for the sizes below, so the ring wraps several times
 

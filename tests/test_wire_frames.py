@@ -19,6 +19,8 @@ from nodeagent.wire.encoder import encode, plan
 from nodeagent.wire.frames import chunk_frame, counted, frame_body, serialize
 from nodeagent.wire.staging import RING, STAGE_MIN_BYTES, StagedSink, source_for
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("size", [0, 1, 127, 128, 300, 16_383, 16_384, 1 << 20])
 def test_hand_built_chunk_frames_are_protobuf_frames(size):

@@ -49,6 +49,8 @@ from nodeagent.wire.lane import (
     dial,
 )
 
+pytestmark = pytest.mark.integration
+
 JOB = "job-lanes"
 N = 300_000  # 1.2 MB: several staging chunks, and more than a loopback socket buffers at once
 

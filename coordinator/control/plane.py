@@ -37,9 +37,6 @@ from nodeagent.training.data import DatasetInfo
 
 log = logging.getLogger("coordinator")
 
-# How often agents beat, and how long a node may be silent before it is down (`coordinator serve --heartbeat-timeout`).
-HEARTBEAT_INTERVAL_S = 2.0
-HEARTBEAT_TIMEOUT_S = 15.0
 # A topology change: every node switches just before the same step, the highest step reported so far plus the
 # steps the fastest node takes in SWITCH_LEAD_S (at least MIN_SWITCH_MARGIN_STEPS). Nodes report every second and
 # the new assignment reaches them within milliseconds, so a node that has passed the step before it learns of the

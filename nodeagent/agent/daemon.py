@@ -24,6 +24,7 @@ from nodeagent._proto import coordinator_pb2, coordinator_pb2_grpc
 from nodeagent.agent.enroll import EnrollmentError, enroll, needs_renewal, renew
 from nodeagent.agent.forward import FORWARDED, EventForwarder
 from nodeagent.agent.runner import JobRunner
+from nodeagent.defaults import AGENT_METRICS_PORT, AGENT_PORT, COORDINATOR_ADDRESS, ENROLL_PORT, HEARTBEAT_INTERVAL_S
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import GRPC_OPTIONS, MAX_FIELD_CHARS, SERVER_OPTIONS, Backoff, failure_reason, split_address
 from nodeagent.runtime.limits import PEER_SERVER_THREADS
@@ -48,10 +49,10 @@ class RegistrationRefused(Exception):
 
 @dataclass(frozen=True)
 class AgentConfig:
-    coordinator: str = "127.0.0.1:7070"
-    listen: str = "0.0.0.0:7100"
+    coordinator: str = COORDINATOR_ADDRESS
+    listen: str = f"0.0.0.0:{AGENT_PORT}"
     advertise: str | None = None
-    metrics_listen: str | None = "0.0.0.0:9401"
+    metrics_listen: str | None = f"0.0.0.0:{AGENT_METRICS_PORT}"
     state_dir: Path = Path("/var/lib/peertrain/agent")
     data_dir: str | None = None
     device: str = "cpu"  # resolved (nodeagent.training.device.resolve_device): cpu, cuda:0, ...
@@ -61,7 +62,7 @@ class AgentConfig:
     tls_dir: Path | None = None  # this node's credentials (ca.crt, tls.crt, tls.key); None: insecure
     join_token: str = ""  # enroll with it when tls_dir holds no credentials yet
     ca_fingerprint: str = ""
-    enroll_address: str = ""  # the coordinator's enrollment port (default: its host, port 7071)
+    enroll_address: str = ""  # the coordinator's enrollment address (default: its host, ENROLL_PORT)
     allow_imports: tuple[str, ...] = ()  # modules a job's model may be imported from (nodeagent.training.models)
 
 
@@ -158,7 +159,7 @@ class Agent:
                     "`coordinator token create`), or put one there from `coordinator cert issue --node NAME`; "
                     "--insecure runs without, for local experiments only")
             host, _port = split_address(config.coordinator)
-            address = config.enroll_address or f"{host}:7071"
+            address = config.enroll_address or f"{host}:{ENROLL_PORT}"
             backoff = Backoff(f"enrollment at {address}", log)
             while not self.stopping.is_set():
                 try:
@@ -235,7 +236,7 @@ class Agent:
             if reply.node_id != self.node_id:
                 self.node_id = reply.node_id
                 (self.config.state_dir / "node_id").write_text(self.node_id + "\n")
-            self.heartbeat_interval = reply.heartbeat_interval_s or 2.0
+            self.heartbeat_interval = reply.heartbeat_interval_s or HEARTBEAT_INTERVAL_S
             self.registered = True
             return True
         return False

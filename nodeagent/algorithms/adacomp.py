@@ -30,7 +30,7 @@ from nodeagent.ps.messages import ServerModel, ServerPush
 from nodeagent.ps.rules import ParameterServer, ProtocolError
 from nodeagent.ps.server import ServerHalf, ServerOptions
 from nodeagent.ps.worker import PSWorker
-from nodeagent.wire.errors import WireError
+from nodeagent.wire.errors import Reason, WireError
 from nodeagent.wire.message import Kind, TensorSpec
 from nodeagent.wire.sparse import Codec, Residual, Sparse, compress, decode_sparse, encode_sparse
 
@@ -46,10 +46,10 @@ def max_payload_bytes(tensor_sizes: list[int]) -> int:
 def payload_spec(shapes: list[tuple[str, tuple[int, ...]]], tensor_sizes: list[int]) -> list[TensorSpec]:
     """The one uint8 tensor of a compact-encoded stream, of the length its manifest announces (bounded)."""
     if len(shapes) != 1 or shapes[0][0] != PAYLOAD or len(shapes[0][1]) != 1:
-        raise WireError("bad_manifest", f"expected one 1-D tensor {PAYLOAD!r}, got {[name for name, _ in shapes]}")
+        raise WireError(Reason.BAD_MANIFEST, f"expected one 1-D tensor {PAYLOAD!r}, got {[name for name, _ in shapes]}")
     length = shapes[0][1][0]
     if not 1 <= length <= max_payload_bytes(tensor_sizes):
-        raise WireError("too_large", f"a payload of {length} bytes cannot be a valid encoding of this model")
+        raise WireError(Reason.TOO_LARGE, f"a payload of {length} bytes cannot be a valid encoding of this model")
     return [TensorSpec(PAYLOAD, torch.uint8, (length,))]
 
 
@@ -86,7 +86,7 @@ class AdaCompServerHalf(ServerHalf):
 
     def push_specs(self, kind: Kind, shapes: list[tuple[str, tuple[int, ...]]]) -> list[TensorSpec]:
         if kind != Kind.GRADIENT:
-            raise WireError("unexpected_kind", f"adacomp pushes gradient, not {kind.name.lower()}")
+            raise WireError(Reason.UNEXPECTED_KIND, f"adacomp pushes gradient, not {kind.name.lower()}")
         return payload_spec(shapes, self.params.sizes)
 
     def decode(self, push: ServerPush) -> Sparse:
@@ -142,7 +142,7 @@ class AdaComp(PSWorker):
             try:
                 decode_sparse(model.tensors[PAYLOAD].numpy().tobytes(), self.params.sizes)
             except ValueError as error:
-                raise WireError("bad_payload", f"delta from the server: {error}") from None
+                raise WireError(Reason.BAD_PAYLOAD, f"delta from the server: {error}") from None
 
     def apply_model(self, model: ServerModel) -> None:
         if model.kind != Kind.DELTA:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from nodeagent.algorithms.base import ALLREDUCE_RANK, Algorithm, Family, NodeContext, Route, Send, Snapshot
-from nodeagent.wire.errors import WireError
+from nodeagent.wire.errors import Reason, WireError
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
 
@@ -99,7 +99,8 @@ class AllReduceSGD(Algorithm):
 
     def expected(self, peer: int, kind: Kind) -> list[TensorSpec]:
         if peer != ALLREDUCE_RANK:
-            raise WireError("not_neighbor", f"{self.name} takes messages only from the all-reduce, not rank {peer}")
+            raise WireError(Reason.NOT_NEIGHBOR,
+                            f"{self.name} takes messages only from the all-reduce, not rank {peer}")
         if kind != Kind.GRADIENT:
-            raise WireError("unexpected_kind", f"{self.name} accepts only gradient, not {kind.name.lower()}")
+            raise WireError(Reason.UNEXPECTED_KIND, f"{self.name} accepts only gradient, not {kind.name.lower()}")
         return self.params.specs

@@ -42,7 +42,7 @@ from torch import nn
 
 from nodeagent.jobspec import AlgorithmSpec, JobSpec, JobSpecError, Mode, Precision, format_validation_error
 from nodeagent.ps.messages import ServerAnswer, ServerRequest
-from nodeagent.wire.errors import WireError
+from nodeagent.wire.errors import Reason, WireError
 from nodeagent.wire.message import Kind, Message, TensorSpec, all_finite
 
 
@@ -92,6 +92,9 @@ class Route(enum.StrEnum):
     SERVER = "server"  # a ServerRequest to the parameter server; its ServerAnswer arrives through receive()
 
 
+# The failure reason of a send the runtime did not make (one exchange per edge in flight): no call was made, so it
+# says nothing about the peer.
+IN_FLIGHT = "in_flight"
 # The pseudo rank of messages that come from the runtime's all-reduce rather than from a peer (the parameter
 # server's is SERVER_RANK, nodeagent.ps.messages).
 ALLREDUCE_RANK = -1
@@ -369,13 +372,13 @@ class Algorithm(ABC):
 
     def reject_unless_neighbor(self, peer: int) -> None:
         if peer not in self.accepted_ranks:
-            raise WireError("not_neighbor", f"rank {peer} is not a neighbour of rank {self.context.rank}")
+            raise WireError(Reason.NOT_NEIGHBOR, f"rank {peer} is not a neighbour of rank {self.context.rank}")
 
     def neighbor_specs(self, peer: int, kind: Kind, accepted: Kind) -> list[TensorSpec]:
         """`expected` of an algorithm whose neighbours send one kind of message shaped like the model."""
         self.reject_unless_neighbor(peer)
         if kind != accepted:
-            raise WireError("unexpected_kind",
+            raise WireError(Reason.UNEXPECTED_KIND,
                             f"{self.name} accepts only {accepted.name.lower()}, not {kind.name.lower()}")
         return self.params.specs
 

@@ -137,7 +137,7 @@ from nodeagent.ps.rules import OuterServer, ParameterServer, ProtocolError, Push
 from nodeagent.ps.server import ServerHalf, ServerOptions
 from nodeagent.ps.worker import PSWorker
 from nodeagent.wire import lowprecision
-from nodeagent.wire.errors import WireError
+from nodeagent.wire.errors import Reason, WireError
 from nodeagent.wire.lowprecision import Precision
 from nodeagent.wire.message import Kind, Message, TensorSpec, all_finite
 
@@ -488,9 +488,10 @@ class DiLoCo(_DiLoCo):
 
     def expected(self, peer: int, kind: Kind) -> list[TensorSpec]:
         if peer != ALLREDUCE_RANK:
-            raise WireError("not_neighbor", f"{self.name} takes messages only from the all-reduce, not rank {peer}")
+            raise WireError(Reason.NOT_NEIGHBOR,
+                            f"{self.name} takes messages only from the all-reduce, not rank {peer}")
         if kind != Kind.DELTA:
-            raise WireError("unexpected_kind", f"{self.name} accepts only delta, not {kind.name.lower()}")
+            raise WireError(Reason.UNEXPECTED_KIND, f"{self.name} accepts only delta, not {kind.name.lower()}")
         return self.wire_specs()
 
 
@@ -559,7 +560,7 @@ class ServerDiLoCo(_DiLoCo, PSWorker):
         """The new global parameters after a round (the one this worker pushed to, or, when its push was refused or
         it rejoined, the current one): every worker restarts from them at step rounds * H."""
         if not isinstance(message, ServerModel):
-            raise WireError("not_server", f"{self.name} takes messages only from the server, not a "
+            raise WireError(Reason.NOT_SERVER, f"{self.name} takes messages only from the server, not a "
                             f"{type(message).__name__}")
         if not self.waiting:
             raise RuntimeError(f"rank {self.context.rank}: a model from the server arrived with no push out")
@@ -724,7 +725,7 @@ class GossipDiLoCo(_DiLoCo):
             return
         theta = message.tensors[THETA].to(device=self.w.device, dtype=self.w.dtype)
         if not all_finite(theta):
-            raise WireError("not_finite", "a push-sum share's parameters hold NaN or infinity")
+            raise WireError(Reason.NON_FINITE, "a push-sum share's parameters hold NaN or infinity")
         share = (torch.cat([self.decode(message.tensors), theta]), message.weight)
         pending = self.pending
         if pending is not None and pending.sent_at <= message.clock < pending.sent_at + self.rounds:
@@ -752,5 +753,5 @@ class GossipDiLoCo(_DiLoCo):
     def expected(self, peer: int, kind: Kind) -> list[TensorSpec]:
         self.reject_unless_neighbor(peer)
         if kind != Kind.PUSHSUM:
-            raise WireError("unexpected_kind", f"{self.name} accepts only pushsum, not {kind.name.lower()}")
+            raise WireError(Reason.UNEXPECTED_KIND, f"{self.name} accepts only pushsum, not {kind.name.lower()}")
         return [*self.wire_specs(), TensorSpec(THETA, self.w.dtype, (self.fragment_length,))]

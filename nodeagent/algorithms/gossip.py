@@ -44,7 +44,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from nodeagent.algorithms.base import Algorithm, AlgorithmOptions, NodeContext, Route, Send, Snapshot
+from nodeagent.algorithms.base import IN_FLIGHT, Algorithm, AlgorithmOptions, NodeContext, Route, Send, Snapshot
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
 # Flow control: the score range, the start, the random term and the rewards.
@@ -57,9 +57,6 @@ SUCCESS_REWARD = 10
 FAILURE_PENALTY = 100
 RECOVERY_PER_DRAW = 1  # points a peer gains each time another is picked (see PeerScores.pick)
 
-# A failure label meaning the runtime did not call the peer at all (its one-call-per-edge rule): it says nothing
-# about the peer, so it costs no score.
-LOCAL_SKIP = "in_flight"
 
 
 class GossipOptions(AlgorithmOptions):
@@ -186,7 +183,7 @@ class PairwiseGossip(Algorithm):
         if send.route != Route.PULL or fetch is None:
             return
         self._fetches.remove(fetch)
-        if reason != LOCAL_SKIP:
+        if reason != IN_FLIGHT:  # no call was made: it costs the peer no score
             self.scores.failed(send.peer)
         self._retry_excluding = send.peer
 

@@ -26,7 +26,7 @@ from nodeagent.ps.messages import ServerModel, ServerPush
 from nodeagent.ps.rules import ParameterServer, ProtocolError, PushResult, RoundServer
 from nodeagent.training.data import DatasetInfo
 from nodeagent.training.models import initial_model
-from nodeagent.wire.errors import WireError
+from nodeagent.wire.errors import Reason, WireError
 from nodeagent.wire.message import Kind, TensorSpec
 
 
@@ -92,7 +92,7 @@ class ServerHalf:
         """What a push stream of `kind` must hold; `shapes` are the manifest's (name, shape) pairs, for
         variable-length payloads. Raises WireError for a stream the server does not accept."""
         if kind != self.push_kind:
-            raise WireError("unexpected_kind", f"{self.spec.algorithm.name} pushes {self.push_kind.name.lower()}, "
+            raise WireError(Reason.UNEXPECTED_KIND, f"{self.spec.algorithm.name} pushes {self.push_kind.name.lower()}, "
                             f"not {kind.name.lower()}")
         return self.params.specs
 

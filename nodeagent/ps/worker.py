@@ -31,7 +31,7 @@ from nodeagent.jobspec import JobSpec
 from nodeagent.ps.messages import SERVER_RANK, ServerAnswer, ServerModel, ServerPull, ServerPush
 from nodeagent.ps.server import ServerHalf, ServerOptions, initial_parameters
 from nodeagent.training.data import DatasetInfo
-from nodeagent.wire.errors import WireError
+from nodeagent.wire.errors import Reason, WireError
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
 
@@ -84,7 +84,7 @@ class PSWorker(Algorithm):
 
     def receive(self, message: Message | ServerAnswer) -> None:
         if not isinstance(message, ServerModel):
-            raise WireError("not_server", f"{self.name} takes messages only from the server, not a "
+            raise WireError(Reason.NOT_SERVER, f"{self.name} takes messages only from the server, not a "
                             f"{type(message).__name__}")
         if not self.waiting:
             raise RuntimeError(f"rank {self.context.rank}: a model from the server arrived with no push out")
@@ -130,14 +130,14 @@ class PSWorker(Algorithm):
     def server_specs(self, kind: Kind, shapes: list[tuple[str, tuple[int, ...]]]) -> list[TensorSpec]:
         """What a stream from the server of `kind` must hold (`shapes` from its manifest)."""
         if kind != Kind.PARAMS:
-            raise WireError("unexpected_kind", f"{self.name} pulls params, not {kind.name.lower()}")
+            raise WireError(Reason.UNEXPECTED_KIND, f"{self.name} pulls params, not {kind.name.lower()}")
         return self.params.specs
 
     def check_server_message(self, model: ServerModel) -> None:
         """Content checks beyond the stream's shapes, before the model reaches `receive()`; WireError."""
 
     def expected(self, peer: int, kind: Kind) -> list[TensorSpec]:
-        raise WireError("not_neighbor", f"{self.name} exchanges only with the parameter server, not rank {peer}")
+        raise WireError(Reason.NOT_NEIGHBOR, f"{self.name} exchanges only with the parameter server, not rank {peer}")
 
     def _publish(self) -> Snapshot:
         # Nothing is served to peers; the snapshot reports clock and loss.

@@ -68,11 +68,12 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from nodeagent.algorithms.base import ALLREDUCE_RANK, Family, Loss, Neighbor, Route, Send
+from nodeagent.algorithms.base import ALLREDUCE_RANK, IN_FLIGHT, Family, Loss, Neighbor, Route, Send
 from nodeagent.metrics import Metrics
 from nodeagent.ps.messages import SERVER_NAME, SERVER_RANK, ServerAnswer
 from nodeagent.runtime.progress import EdgeCounters, Progress, Traffic
 from nodeagent.training.job import Node
+from nodeagent.wire.errors import Reason
 from nodeagent.wire.message import Kind, Message
 
 log = logging.getLogger("nodeagent")
@@ -83,14 +84,10 @@ WAIT_LOG_S = 10.0  # a wait longer than this is logged, once
 # A node that joins a running job gives up pulling from a neighbour after this many failed tries (about 15 s with
 # the back-off) and takes the model up from the others: that neighbour may be leaving the job.
 JOIN_PULL_ATTEMPTS = 5
-IN_FLIGHT = "in_flight"  # the failure reason of a send skipped by flow control
-FUTURE_CLOCK = "future_clock"  # the rejection reason of a message beyond the algorithm's rounds_ahead()
-FORMER_NEIGHBOR = "former_neighbor"  # the rejection reason of a message of a dropped edge after the switch
 # Messages of a neighbour to come are held until this node switches, at most this many per neighbour: beyond, its
-# oldest is dropped (counted as HELD_OVERFLOW). An asynchronous algorithm's newer message supersedes an older one,
-# and a synchronous neighbour runs at most its `rounds_ahead()` ahead, far fewer.
+# oldest is dropped (counted as Reason.HELD_OVERFLOW). An asynchronous algorithm's newer message supersedes an older
+# one, and a synchronous neighbour runs at most its `rounds_ahead()` ahead, far fewer.
 HELD_PER_PEER = 16
-HELD_OVERFLOW = "held_overflow"
 ALLREDUCE_NAME = "allreduce"  # the all-reduce in edge metrics
 
 
@@ -456,11 +453,11 @@ class NodeDriver:
             held = [index for index, kept in enumerate(self._held) if kept.sender == sender]
             if len(held) >= HELD_PER_PEER:
                 del self._held[held[0]]
-                self.metrics.stream_rejections.labels(self.peer_name(sender), self.name, HELD_OVERFLOW).inc()
+                self.metrics.stream_rejections.labels(self.peer_name(sender), self.name, Reason.HELD_OVERFLOW).inc()
             self._held.append(message)
             return False
         if sender in self._former and message.clock >= self._switched_at:
-            self.metrics.stream_rejections.labels(self.peer_name(sender), self.name, FORMER_NEIGHBOR).inc()
+            self.metrics.stream_rejections.labels(self.peer_name(sender), self.name, Reason.FORMER_NEIGHBOR).inc()
             return False
         return True
 
@@ -573,7 +570,7 @@ class NodeDriver:
         window = self.algorithm.rounds_ahead()
         if window is None or message.clock <= self.algorithm.clock + window:
             return False
-        self.metrics.stream_rejections.labels(self.peer_name(message.sender), self.name, FUTURE_CLOCK).inc()
+        self.metrics.stream_rejections.labels(self.peer_name(message.sender), self.name, Reason.FUTURE_CLOCK).inc()
         return True
 
     def _count_wait(self, now: float) -> None:

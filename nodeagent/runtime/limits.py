@@ -18,6 +18,7 @@ from typing import TypeVar
 import grpc
 
 from nodeagent.metrics import Metrics
+from nodeagent.wire.errors import Reason
 
 Item = TypeVar("Item")
 
@@ -72,13 +73,13 @@ class Stream:
     def seconds_left(self) -> float:
         return max(0.001, self.deadline - time.monotonic())
 
-    def overdue(self, now: float) -> tuple[str, str] | None:
+    def overdue(self, now: float) -> tuple[Reason, str] | None:
         """(reason, detail) when the stream must end now."""
         waiting_since = self.waiting_since
         if waiting_since is not None and now - waiting_since > self.limits.idle_s:
-            return "idle_timeout", f"no frame for {self.limits.idle_s:g} s"
+            return Reason.IDLE_TIMEOUT, f"no frame for {self.limits.idle_s:g} s"
         if now > self.deadline:
-            return "too_slow", f"the stream moves less than {self.limits.min_bytes_per_s:.0f} bytes/s"
+            return Reason.TOO_SLOW, f"the stream moves less than {self.limits.min_bytes_per_s:.0f} bytes/s"
         return None
 
 

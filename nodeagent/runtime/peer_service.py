@@ -38,9 +38,10 @@ from nodeagent.runtime.progress import Traffic
 from nodeagent.security.authz import rules_for
 from nodeagent.security.pki import Identity, Role
 from nodeagent.security.tls import Transport, caller
+from nodeagent.text import clip
 from nodeagent.wire.decoder import Receiver
 from nodeagent.wire.encoder import Outgoing, plan
-from nodeagent.wire.errors import Status, WireError
+from nodeagent.wire.errors import Reason, Status, WireError
 from nodeagent.wire.frames import MAX_CONTROL_FRAME_BYTES, counted, new_stream_id, serialize
 from nodeagent.wire.lane import (
     DIRECT_IDLE_S,
@@ -152,19 +153,21 @@ class ServingState:
         if node is None:
             return
         if not self.is_neighbor(node):
-            raise WireError("not_neighbor", f"node {node} is no neighbour of {self.node_id}", Status.PERMISSION_DENIED)
+            raise WireError(Reason.NOT_NEIGHBOR,
+                            f"node {node} is no neighbour of {self.node_id}", Status.PERMISSION_DENIED)
         if rank == self.rank or self.names.get(rank) != node or claimed_id != node:
-            raise WireError("wrong_identity", f"node {node} may send only as itself on its own edge, not as rank "
+            raise WireError(Reason.WRONG_IDENTITY, f"node {node} may send only as itself on its own edge, not as rank "
                             f"{rank}", Status.PERMISSION_DENIED)
 
     def expectation(self, manifest: wire_pb2.Manifest) -> list[TensorSpec]:
         if manifest.job_id != self.job_id:
             raise WireError(
-                "wrong_job", f"stream for job {manifest.job_id!r}, this node runs {self.job_id!r}",
+                Reason.WRONG_JOB, f"stream for job {manifest.job_id!r}, this node runs {self.job_id!r}",
                 Status.FAILED_PRECONDITION,
             )
         if manifest.receiver_rank != self.rank:
-            raise WireError("wrong_receiver", f"stream for rank {manifest.receiver_rank}, this node is {self.rank}")
+            raise WireError(Reason.WRONG_RECEIVER,
+                            f"stream for rank {manifest.receiver_rank}, this node is {self.rank}")
         return self.expected(manifest.sender_rank, Kind(manifest.kind))
 
     def outgoing(self, message: Message) -> Outgoing:
@@ -188,10 +191,6 @@ def _remaining(context: grpc.ServicerContext, stream: Stream) -> float:
     if remaining is None:
         return budget
     return min(budget, max(0.001, remaining - min(1.0, 0.1 * remaining)))
-
-
-def _clip(text: str) -> str:
-    return text if len(text) <= MAX_DETAIL_CHARS else f"{text[:MAX_DETAIL_CHARS]}..."
 
 
 def _write_share(outgoing: Outgoing, lane: LaneSocket, stream_id: bytes, share: tuple[int, int],
@@ -278,7 +277,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         """Count a refused call and end it with the error's status; the details are clipped."""
         src = identity.name if identity is not None else "unknown"
         self._metrics.stream_rejections.labels(src, dst, error.reason).inc()
-        context.abort(grpc_code(error.status), _clip(str(error)))
+        context.abort(grpc_code(error.status), clip(str(error), MAX_DETAIL_CHARS))
 
     def _admit(self, context: grpc.ServicerContext, state: ServingState, identity: Identity | None, rank: int,
                claimed_id: str) -> None:
@@ -298,7 +297,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         src = identity.name if identity is not None else "unknown"
         stream = self._streams.open(key, context, src, state.node_id)
         if stream is None:
-            self._metrics.stream_rejections.labels(src, state.node_id, "too_many_streams").inc()
+            self._metrics.stream_rejections.labels(src, state.node_id, Reason.TOO_MANY_STREAMS).inc()
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"too_many_streams: at most {self._streams.limits.streams_per_peer} at once from one peer")
         try:
@@ -323,7 +322,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
 
         def resolve(lane: wire_pb2.Lane, manifest: wire_pb2.Manifest) -> LaneSocket:
             if self.lanes is None:
-                raise WireError("bad_lane", "this node offers no lanes")
+                raise WireError(Reason.BAD_LANE, "this node offers no lanes")
             socket = self.lanes.claim(lane.token, state.job_id, manifest.sender_rank)
             claimed.append(socket)
             socket.set_timeout(_remaining(context, stream))
@@ -384,7 +383,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
     def _enqueue(self, state: ServingState, message: Message, context: grpc.ServicerContext) -> None:
         """Put a received message on the node's inbox, or refuse its stream when the inbox is full."""
         if state.inbox.qsize() >= state.max_inbox:
-            self._metrics.stream_rejections.labels("unknown", state.node_id, "inbox_full").inc()
+            self._metrics.stream_rejections.labels("unknown", state.node_id, Reason.INBOX_FULL).inc()
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"inbox_full: {state.max_inbox} messages wait for this node already")
         state.inbox.put(message)
@@ -428,7 +427,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             try:
                 state.expected(request.requester_rank, kind)
             except WireError as error:
-                context.abort(grpc_code(error.status), _clip(str(error)))
+                context.abort(grpc_code(error.status), clip(str(error), MAX_DETAIL_CHARS))
             reply = state.snapshot().message_for(request.requester_rank, kind)
             if reply is None:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node serves no {kind.name.lower()}")
@@ -511,24 +510,24 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         dst = state.node_id if state is not None else self._node_id()
         try:
             if identity is not None and self._revoked(identity):
-                raise WireError("revoked", f"certificate {identity.serial} is revoked", Status.UNAUTHENTICATED)
+                raise WireError(Reason.REVOKED, f"certificate {identity.serial} is revoked", Status.UNAUTHENTICATED)
             if state is None or state.job_id != lane.job_id:
-                raise WireError("wrong_job", "this node no longer runs the lane's job", Status.FAILED_PRECONDITION)
+                raise WireError(Reason.WRONG_JOB, "this node no longer runs the lane's job", Status.FAILED_PRECONDITION)
             message = self._receive_direct(state, lane, identity, call)
             if call.answer_wanted:
                 reply = state.snapshot().message_for(message.sender, message.kind)
                 if reply is None:
-                    raise WireError("not_served", f"this node serves no {message.kind.name.lower()}",
+                    raise WireError(Reason.NOT_SERVED, f"this node serves no {message.kind.name.lower()}",
                                     Status.FAILED_PRECONDITION)
             if state.inbox.qsize() >= state.max_inbox:
-                raise WireError("inbox_full", f"{state.max_inbox} messages wait for this node already",
+                raise WireError(Reason.INBOX_FULL, f"{state.max_inbox} messages wait for this node already",
                                 Status.RESOURCE_EXHAUSTED)
             state.inbox.put(message)
         except WireError as error:
             self._metrics.stream_rejections.labels(src, dst, error.reason).inc()
             code = grpc_code(error.status)
             with contextlib.suppress(OSError):
-                send_call(lane, wire_pb2.LaneCall(status=code.value[0], details=_clip(str(error))))
+                send_call(lane, wire_pb2.LaneCall(status=code.value[0], details=clip(str(error), MAX_DETAIL_CHARS)))
             return False
         try:
             if not call.answer_wanted:
@@ -553,8 +552,8 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
 
         def expect(manifest: wire_pb2.Manifest) -> list[TensorSpec]:
             if manifest.sender_rank != lane.rank:
-                raise WireError("wrong_identity", f"the lane speaks for rank {lane.rank}, not {manifest.sender_rank}",
-                                Status.PERMISSION_DENIED)
+                raise WireError(Reason.WRONG_IDENTITY, f"the lane speaks for rank {lane.rank}, not "
+                                f"{manifest.sender_rank}", Status.PERMISSION_DENIED)
             state.check_peer(manifest.sender_rank, manifest.sender_id, node)
             specs = state.expectation(manifest)
             # As a stream's budget (limits.py): the idle time and the payload at the least rate.
@@ -564,7 +563,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
 
         def resolve(lane_frame: wire_pb2.Lane, manifest: wire_pb2.Manifest) -> LaneSocket:
             if lane_frame.token != lane.token:
-                raise WireError("bad_lane", "a direct lane's call names another lane")
+                raise WireError(Reason.BAD_LANE, "a direct lane's call names another lane")
             return lane
 
         receiver = state.receiver(expect, resolve)
@@ -591,7 +590,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         elif state is None or not state.is_neighbor(identity.name):
             dst = state.node_id if state is not None else self._node_id()
             self._refuse(context, identity, dst, WireError(
-                "not_neighbor", f"node {identity.name} is no neighbour of {dst}", Status.PERMISSION_DENIED))
+                Reason.NOT_NEIGHBOR, f"node {identity.name} is no neighbour of {dst}", Status.PERMISSION_DENIED))
         snapshot = state.snapshot()
         served = []
         for (_peer, kind), tensors in snapshot.served.items():
@@ -619,11 +618,12 @@ def _frames_of(request: bytes) -> Iterator[wire_pb2.Frame]:
     """The frames of a PushOnLane or ExchangeOnLane request: the manifest, lane and end frames of a stream whose
     payload is on lanes (never chunks), parsed only within the decoder's limit of such frames."""
     if len(request) > MAX_CONTROL_FRAME_BYTES:
-        raise WireError("too_large", f"a request of {len(request)} bytes on lanes, at most {MAX_CONTROL_FRAME_BYTES}")
+        raise WireError(Reason.TOO_LARGE,
+                        f"a request of {len(request)} bytes on lanes, at most {MAX_CONTROL_FRAME_BYTES}")
     try:
         frames = wire_pb2.Frames.FromString(request).frames
     except DecodeError:
-        raise WireError("bad_frame", "a request on lanes that does not parse") from None
+        raise WireError(Reason.BAD_FRAME, "a request on lanes that does not parse") from None
     yield from frames
 
 
@@ -793,7 +793,7 @@ class PeerClient:
             answer = read_call(lane)
             if answer.status:
                 code = _STATUS_CODES.get(answer.status, grpc.StatusCode.UNKNOWN)
-                raise SendFailed(code.name.lower(), _clip(answer.details))
+                raise SendFailed(code.name.lower(), clip(answer.details, MAX_DETAIL_CHARS))
             sent(outgoing.total)
             reply = None
             if answer_wanted:
@@ -927,13 +927,13 @@ class PeerClient:
 
         def expect_reply(manifest: wire_pb2.Manifest) -> list[TensorSpec]:
             if manifest.sender_rank != peer:
-                raise WireError("wrong_sender", f"reply from rank {manifest.sender_rank}, asked {peer}")
+                raise WireError(Reason.WRONG_SENDER, f"reply from rank {manifest.sender_rank}, asked {peer}")
             return state.expectation(manifest)
 
         def resolve(lane_frame: wire_pb2.Lane, manifest: wire_pb2.Manifest) -> LaneSocket:
             lane = next((lane for lane in lanes if lane.token == lane_frame.token), None)
             if lane is None:
-                raise WireError("bad_lane", "the reply names a lane this call did not offer")
+                raise WireError(Reason.BAD_LANE, "the reply names a lane this call did not offer")
             if deadline is not None:
                 lane.set_timeout(deadline - time.monotonic())
             return lane

@@ -45,7 +45,7 @@ from nodeagent.rpc import failure_reason
 from nodeagent.runtime.progress import Traffic
 from nodeagent.wire.decoder import decode
 from nodeagent.wire.encoder import encode
-from nodeagent.wire.errors import WireError
+from nodeagent.wire.errors import Reason, WireError
 from nodeagent.wire.frames import counted
 from nodeagent.wire.message import Encoding, Kind
 
@@ -144,10 +144,10 @@ class GrpcServerLink(ServerLink):
 
         def expect(manifest: wire_pb2.Manifest):
             if manifest.sender_rank != self.server_rank or manifest.receiver_rank != self.rank:
-                raise WireError("wrong_sender", f"a model for rank {manifest.receiver_rank} from rank "
+                raise WireError(Reason.WRONG_SENDER, f"a model for rank {manifest.receiver_rank} from rank "
                                 f"{manifest.sender_rank}")
             if manifest.job_id != self.job_id:
-                raise WireError("wrong_job", f"a model of job {manifest.job_id!r}")
+                raise WireError(Reason.WRONG_JOB, f"a model of job {manifest.job_id!r}")
             shapes = [(h.name, tuple(h.shape)) for h in manifest.tensors]
             return self.worker.server_specs(Kind(manifest.kind), shapes)
 

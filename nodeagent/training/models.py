@@ -21,7 +21,8 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 from torch import nn
 
-from nodeagent.jobspec import JobSpec, ModelSpec, cut, shown
+from nodeagent.jobspec import MAX_SHOWN_CHARS, JobSpec, ModelSpec, shown
+from nodeagent.text import clip
 from nodeagent.training.data import DatasetInfo
 
 __all__ = [
@@ -351,7 +352,7 @@ def _arguments(spec: ModelSpec, factory: Callable[..., nn.Module], input_shape: 
         signature.bind(**kwargs)
     except TypeError as error:
         raise ModelError(f"model {spec.name!r}: options {shown(sorted(spec.options))} do not fit: "
-                         f"{cut(str(error))}") from None
+                         f"{clip(str(error), MAX_SHOWN_CHARS)}") from None
     return kwargs
 
 

@@ -19,7 +19,7 @@ import torch
 
 from nodeagent._proto import wire_pb2
 from nodeagent.wire.encodings import wire_dtype, wire_encoding, wire_length
-from nodeagent.wire.errors import WireError
+from nodeagent.wire.errors import Reason, WireError
 from nodeagent.wire.frames import DEFAULT_CHUNK_BYTES, LANE_HEADER, LANE_MAGIC, STREAM_ID_BYTES, frame_body
 from nodeagent.wire.message import DTYPE_NAMES, DTYPES, Encoding, Kind, Message, TensorSpec, all_finite
 from nodeagent.wire.pool import BufferPool, aligned
@@ -57,15 +57,16 @@ MAX_STRING_CHARS = 256  # a tensor's name and dtype, the job id, the sender's id
 def check_limits(manifest: wire_pb2.Manifest) -> None:
     """Refuse a manifest beyond the limits above (reason "manifest_limit"), naming no unbounded field."""
     if len(manifest.tensors) > MAX_TENSORS:
-        raise WireError("manifest_limit", f"a manifest of {len(manifest.tensors)} tensors, at most {MAX_TENSORS}")
+        raise WireError(Reason.MANIFEST_LIMIT, f"a manifest of {len(manifest.tensors)} tensors, at most {MAX_TENSORS}")
     if max(len(manifest.job_id), len(manifest.sender_id)) > MAX_STRING_CHARS:
-        raise WireError("manifest_limit", f"a job or sender id longer than {MAX_STRING_CHARS} characters")
+        raise WireError(Reason.MANIFEST_LIMIT, f"a job or sender id longer than {MAX_STRING_CHARS} characters")
     for index, header in enumerate(manifest.tensors):
         if max(len(header.name), len(header.dtype)) > MAX_STRING_CHARS:
-            raise WireError("manifest_limit", f"tensor {index}: a name or dtype longer than {MAX_STRING_CHARS} "
+            raise WireError(Reason.MANIFEST_LIMIT, f"tensor {index}: a name or dtype longer than {MAX_STRING_CHARS} "
                             "characters")
         if len(header.shape) > MAX_DIMS:
-            raise WireError("manifest_limit", f"tensor {index}: a shape of {len(header.shape)} dimensions, at most "
+            raise WireError(Reason.MANIFEST_LIMIT,
+                            f"tensor {index}: a shape of {len(header.shape)} dimensions, at most "
                             f"{MAX_DIMS}")
 
 
@@ -73,40 +74,44 @@ def check_manifest(manifest: wire_pb2.Manifest, expected: Sequence[TensorSpec], 
     """Compare a manifest (within the limits of `check_limits`) with the tensors the receiver expects; returns each
     tensor's encoding."""
     if len(manifest.tensors) != len(expected):
-        raise WireError("bad_manifest", f"expected {len(expected)} tensors, got {len(manifest.tensors)}")
+        raise WireError(Reason.BAD_MANIFEST, f"expected {len(expected)} tensors, got {len(manifest.tensors)}")
     encodings = []
     total = 0
     for header, spec in zip(manifest.tensors, expected, strict=True):
         if header.name != spec.name:
-            raise WireError("bad_manifest", f"expected tensor {spec.name!r}, got {header.name!r}")
+            raise WireError(Reason.BAD_MANIFEST, f"expected tensor {spec.name!r}, got {header.name!r}")
         if DTYPES.get(header.dtype) != spec.dtype:
             raise WireError(
-                "bad_manifest", f"tensor {spec.name!r}: expected dtype {DTYPE_NAMES[spec.dtype]}, got {header.dtype!r}"
+                Reason.BAD_MANIFEST,
+                f"tensor {spec.name!r}: expected dtype {DTYPE_NAMES[spec.dtype]}, got {header.dtype!r}"
             )
         if tuple(header.shape) != spec.shape:
             raise WireError(
-                "bad_manifest", f"tensor {spec.name!r}: expected shape {list(spec.shape)}, got {list(header.shape)}"
+                Reason.BAD_MANIFEST,
+                f"tensor {spec.name!r}: expected shape {list(spec.shape)}, got {list(header.shape)}"
             )
         # ENCODING_TOPK (3) and topk_count stay in the proto for compatibility; no sender uses them any more, so
         # encoding 3 is refused like any unknown encoding, and so is a non-zero topk_count.
         if header.encoding not in Encoding._value2member_map_:
-            raise WireError("bad_manifest", f"tensor {spec.name!r}: unsupported encoding {header.encoding}")
+            raise WireError(Reason.BAD_MANIFEST, f"tensor {spec.name!r}: unsupported encoding {header.encoding}")
         encoding = Encoding(header.encoding)
         if encoding != wire_encoding(spec.dtype, encoding):
-            raise WireError("bad_manifest", f"tensor {spec.name!r}: encoding {encoding.name} does not fit {spec.dtype}")
+            raise WireError(Reason.BAD_MANIFEST,
+                            f"tensor {spec.name!r}: encoding {encoding.name} does not fit {spec.dtype}")
         if header.topk_count:
             raise WireError(
-                "bad_manifest", f"tensor {spec.name!r}: topk_count {header.topk_count} with encoding {encoding.name}"
+                Reason.BAD_MANIFEST,
+                f"tensor {spec.name!r}: topk_count {header.topk_count} with encoding {encoding.name}"
             )
         length = wire_length(spec, encoding)
         if header.byte_length != length:
             raise WireError(
-                "bad_manifest", f"tensor {spec.name!r}: byte_length {header.byte_length}, expected {length}"
+                Reason.BAD_MANIFEST, f"tensor {spec.name!r}: byte_length {header.byte_length}, expected {length}"
             )
         encodings.append(encoding)
         total += length
     if total > max_bytes:
-        raise WireError("too_large", f"stream of {total} bytes exceeds the limit of {max_bytes}")
+        raise WireError(Reason.TOO_LARGE, f"stream of {total} bytes exceeds the limit of {max_bytes}")
     return encodings
 
 
@@ -152,7 +157,7 @@ class Receiver:
         check_limits(manifest)
         # The kind is checked before `expect` sees the manifest, so expectations may rely on a valid kind.
         if manifest.kind not in Kind._value2member_map_:
-            raise WireError("bad_manifest", f"unknown message kind {manifest.kind}")
+            raise WireError(Reason.BAD_MANIFEST, f"unknown message kind {manifest.kind}")
         expected = list(self.expect(manifest))
         encodings = check_manifest(manifest, expected, self.max_bytes)
         self.manifest = manifest
@@ -189,22 +194,22 @@ class Receiver:
         self.frames += 1
         if self.frames == 1:
             if body != "manifest":
-                raise WireError("no_manifest", "a stream must start with a manifest frame")
+                raise WireError(Reason.NO_MANIFEST, "a stream must start with a manifest frame")
             assert isinstance(value, wire_pb2.Manifest)
             self._open(value)
             return
         if self.ended:
-            raise WireError("after_end", f"a {body or 'empty'} frame follows the end frame")
+            raise WireError(Reason.AFTER_END, f"a {body or 'empty'} frame follows the end frame")
         if body == "chunk":
             self._chunk(memoryview(value))  # type: ignore[arg-type]
         elif body == "end":
             assert isinstance(value, wire_pb2.End)
             if value.total_bytes != self.total:
-                raise WireError("bad_end", f"end frame says {value.total_bytes} bytes, manifest {self.total}")
+                raise WireError(Reason.BAD_END, f"end frame says {value.total_bytes} bytes, manifest {self.total}")
             if self.shares:
                 self._read_lanes()
             if self.received != self.total:
-                raise WireError("truncated", f"received {self.received} of {self.total} bytes")
+                raise WireError(Reason.TRUNCATED, f"received {self.received} of {self.total} bytes")
             for sink in self.sinks:
                 sink.finish()
             self.ended = True
@@ -212,16 +217,16 @@ class Receiver:
             assert isinstance(value, wire_pb2.Lane)
             self._lane(value)
         elif body == "manifest":
-            raise WireError("second_manifest", "a second manifest inside one stream")
+            raise WireError(Reason.SECOND_MANIFEST, "a second manifest inside one stream")
         else:
-            raise WireError("empty_frame", "a frame with no body")
+            raise WireError(Reason.EMPTY_FRAME, "a frame with no body")
 
     def _chunk(self, data: memoryview) -> None:
         if self.shares:
-            raise WireError("bad_lane", "chunk frames in a stream whose payload is on a lane")
+            raise WireError(Reason.BAD_LANE, "chunk frames in a stream whose payload is on a lane")
         n = len(data)
         if self.received + n > self.total:
-            raise WireError("too_long", f"more than the {self.total} bytes the manifest announced")
+            raise WireError(Reason.TOO_LONG, f"more than the {self.total} bytes the manifest announced")
         offset = 0
         while offset < n:
             while self.sinks[self.index].remaining == 0:
@@ -234,24 +239,24 @@ class Receiver:
 
     def _lane(self, lane: wire_pb2.Lane) -> None:
         if self.lanes is None:
-            raise WireError("bad_lane", "this receiver accepts no lanes here")
+            raise WireError(Reason.BAD_LANE, "this receiver accepts no lanes here")
         assert self.manifest is not None
         # The lane is taken first, so that a stream refused below still gets its lane closed: the sender may
         # have written to it already.
         reader = self.lanes(lane, self.manifest)
         if self.received:
-            raise WireError("bad_lane", "a lane frame after payload bytes in chunks")
+            raise WireError(Reason.BAD_LANE, "a lane frame after payload bytes in chunks")
         if any(reader is share[0] for share in self.shares):
-            raise WireError("bad_lane", "one lane named twice in a stream")
+            raise WireError(Reason.BAD_LANE, "one lane named twice in a stream")
         self.shares.append((reader, lane.offset, lane.total_bytes, lane.stream_id))
         if len(lane.stream_id) != STREAM_ID_BYTES:
-            raise WireError("bad_lane", f"stream id of {len(lane.stream_id)} bytes, expected {STREAM_ID_BYTES}")
+            raise WireError(Reason.BAD_LANE, f"stream id of {len(lane.stream_id)} bytes, expected {STREAM_ID_BYTES}")
         if lane.stream_id != self.shares[0][3]:
-            raise WireError("bad_lane", "the lanes of one stream name different stream ids")
+            raise WireError(Reason.BAD_LANE, "the lanes of one stream name different stream ids")
         if lane.offset != self.laned_to or (lane.total_bytes == 0 and self.total) \
                 or lane.total_bytes > self.total - self.laned_to:
             raise WireError(
-                "bad_lane", f"a lane with bytes [{lane.offset}, {lane.offset + lane.total_bytes}) after "
+                Reason.BAD_LANE, f"a lane with bytes [{lane.offset}, {lane.offset + lane.total_bytes}) after "
                 f"[0, {self.laned_to}) of {self.total}: lanes must tile the payload in order"
             )
         self.laned_to += lane.total_bytes
@@ -267,7 +272,7 @@ class Receiver:
                 try:
                     parts.append(sink.part(low, high))
                 except ValueError as error:
-                    raise WireError("bad_lane", f"a lane boundary splits an element: {error}") from None
+                    raise WireError(Reason.BAD_LANE, f"a lane boundary splits an element: {error}") from None
         return parts
 
     @staticmethod
@@ -276,7 +281,7 @@ class Receiver:
         reader.read_into(memoryview(header))
         magic, header_id, header_length = LANE_HEADER.unpack(header)
         if magic != LANE_MAGIC or header_id != stream_id or header_length != length:
-            raise WireError("bad_lane", "a lane's header does not match the stream")
+            raise WireError(Reason.BAD_LANE, "a lane's header does not match the stream")
         for part in parts:
             part.read_from(reader.read_into, part.nbytes)
             part.finish()
@@ -284,7 +289,7 @@ class Receiver:
     def _read_lanes(self) -> None:
         """Read every lane's part of the payload, the lanes concurrently; on any failure all of them stop."""
         if self.laned_to != self.total:
-            raise WireError("bad_lane", f"the lanes carry {self.laned_to} of the stream's {self.total} bytes")
+            raise WireError(Reason.BAD_LANE, f"the lanes carry {self.laned_to} of the stream's {self.total} bytes")
         jobs = [
             (reader, length, stream_id, self._parts(offset, offset + length))
             for reader, offset, length, stream_id in self.shares
@@ -297,20 +302,20 @@ class Receiver:
 
     def result(self) -> Message:
         if self.frames == 0:
-            raise WireError("truncated", "empty stream")
+            raise WireError(Reason.TRUNCATED, "empty stream")
         if not self.ended:
             raise WireError(
-                "truncated", f"stream ended without an end frame after {self.received} of {self.total} bytes"
+                Reason.TRUNCATED, f"stream ended without an end frame after {self.received} of {self.total} bytes"
             )
         manifest = self.manifest
         assert manifest is not None
         # One NaN or infinity mixed into a model spreads to every model of the job within a few exchanges. Lossy
         # encodings are checked as decoded: a float32 beyond float16's range arrives as an infinity.
         if not math.isfinite(manifest.weight):
-            raise WireError("non_finite", "the push-sum weight is not finite")
+            raise WireError(Reason.NON_FINITE, "the push-sum weight is not finite")
         for spec, destination, sink in zip(self.specs, self.destinations, self.sinks, strict=True):
             if not (isinstance(sink, DirectSink) and sink.checks_finite) and not all_finite(destination):
-                raise WireError("non_finite", f"tensor {spec.name!r} has non-finite values")
+                raise WireError(Reason.NON_FINITE, f"tensor {spec.name!r} has non-finite values")
         tensors = {
             spec.name: destination.view(spec.shape)
             for spec, destination in zip(self.specs, self.destinations, strict=True)

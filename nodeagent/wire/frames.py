@@ -15,7 +15,7 @@ from typing import TypeVar
 from google.protobuf.message import DecodeError
 
 from nodeagent._proto import wire_pb2
-from nodeagent.wire.errors import WireError
+from nodeagent.wire.errors import Reason, WireError
 from nodeagent.wire.varint import decode_varint, encode_varint
 
 # Chosen by benchmarks/wire.py (frames over gRPC: 1 MiB beat 256 KiB and 4 MiB; larger chunks also cost receiver
@@ -68,12 +68,12 @@ def frame_body(frame: wire_pb2.Frame | bytes | bytearray | memoryview) -> tuple[
     if payload is not None:
         return "chunk", payload
     if len(data) > MAX_CONTROL_FRAME_BYTES:
-        raise WireError("too_large", f"a frame of {len(data)} bytes that is not a chunk, at most "
+        raise WireError(Reason.TOO_LARGE, f"a frame of {len(data)} bytes that is not a chunk, at most "
                         f"{MAX_CONTROL_FRAME_BYTES}")
     try:
         parsed = wire_pb2.Frame.FromString(bytes(data))
     except DecodeError as error:
-        raise WireError("bad_frame", f"a frame that does not parse: {error}") from None
+        raise WireError(Reason.BAD_FRAME, f"a frame that does not parse: {error}") from None
     body = parsed.WhichOneof("body")
     return body, getattr(parsed, body) if body else None
 

@@ -63,7 +63,7 @@ from google.protobuf.message import DecodeError
 from nodeagent._proto import wire_pb2
 from nodeagent.listen import listen_socket
 from nodeagent.wire.decoder import LaneReader
-from nodeagent.wire.errors import WireError
+from nodeagent.wire.errors import Reason, WireError
 from nodeagent.wire.frames import MAX_CONTROL_FRAME_BYTES
 
 TOKEN_BYTES = 32
@@ -186,7 +186,7 @@ class LaneSocket(LaneReader):
             self._arm(socket.SO_RCVTIMEO)
             n = self.sock.recv_into(view, len(view), socket.MSG_WAITALL)
             if n == 0:
-                raise WireError("truncated", "the lane closed before the stream's payload was complete")
+                raise WireError(Reason.TRUNCATED, "the lane closed before the stream's payload was complete")
             view = view[n:]
 
     def _send_exactly(self, view: memoryview) -> None:
@@ -211,7 +211,8 @@ class LaneSocket(LaneReader):
             self._receive_exactly(length_bytes)
             (length,) = RECORD_LENGTH.unpack(length_bytes)
             if not TAG_BYTES < length <= RECORD_BYTES + TAG_BYTES:
-                raise WireError("bad_lane", f"a sealed record of {length} bytes, at most {RECORD_BYTES + TAG_BYTES}")
+                raise WireError(Reason.BAD_LANE,
+                                f"a sealed record of {length} bytes, at most {RECORD_BYTES + TAG_BYTES}")
             ciphertext = scratch[RECORD_LENGTH.size : RECORD_LENGTH.size + length]
             self._receive_exactly(ciphertext)
             plaintext_bytes = length - TAG_BYTES
@@ -220,7 +221,7 @@ class LaneSocket(LaneReader):
             try:
                 opener.cipher.decrypt_into(opener.nonce(), ciphertext, length_bytes, target)
             except InvalidTag:
-                raise WireError("bad_lane", "a sealed lane record failed authentication") from None
+                raise WireError(Reason.BAD_LANE, "a sealed lane record failed authentication") from None
             if fits:
                 view = view[plaintext_bytes:]
             else:
@@ -234,10 +235,10 @@ class LaneSocket(LaneReader):
                 self._receive_exactly(view)
         except (TimeoutError, BlockingIOError):
             self.abort()
-            raise WireError("truncated", "the lane's payload did not arrive in time") from None
+            raise WireError(Reason.TRUNCATED, "the lane's payload did not arrive in time") from None
         except OSError as error:
             self.abort()
-            raise WireError("truncated", f"the lane failed: {error}") from None
+            raise WireError(Reason.TRUNCATED, f"the lane failed: {error}") from None
         except WireError:
             self.abort()
             raise
@@ -351,7 +352,7 @@ def read_call(lane: LaneSocket) -> wire_pb2.LaneCall:
     (length,) = CALL_LENGTH.unpack(length_bytes)
     if length > MAX_CONTROL_FRAME_BYTES:
         lane.abort()
-        raise WireError("bad_lane", f"a lane call of {length} bytes, at most {MAX_CONTROL_FRAME_BYTES}")
+        raise WireError(Reason.BAD_LANE, f"a lane call of {length} bytes, at most {MAX_CONTROL_FRAME_BYTES}")
     body = bytearray(length)
     lane.read_into(memoryview(body))
     call = wire_pb2.LaneCall()
@@ -359,7 +360,7 @@ def read_call(lane: LaneSocket) -> wire_pb2.LaneCall:
         call.ParseFromString(bytes(body))
     except DecodeError:
         lane.abort()
-        raise WireError("bad_lane", "a lane call that does not parse") from None
+        raise WireError(Reason.BAD_LANE, "a lane call that does not parse") from None
     return call
 
 
@@ -527,11 +528,11 @@ class LaneHub:
         with self._lock:
             lane = self._lanes.get(bytes(token))
         if lane is None or lane.closed:
-            raise WireError("bad_lane", "no open lane has this token")
+            raise WireError(Reason.BAD_LANE, "no open lane has this token")
         if (lane.job_id, lane.rank) != (job_id, rank):
-            raise WireError("bad_lane", f"the lane belongs to rank {lane.rank} of another stream's sender or job")
+            raise WireError(Reason.BAD_LANE, f"the lane belongs to rank {lane.rank} of another stream's sender or job")
         if not lane.lock.acquire(blocking=False):
-            raise WireError("bad_lane", "the lane is in use by another stream")
+            raise WireError(Reason.BAD_LANE, "the lane is in use by another stream")
         return lane
 
     def release(self, lane: LaneSocket, ok: bool) -> None:

@@ -19,7 +19,7 @@ from typing import Literal
 
 import torch
 
-from nodeagent.wire.errors import WireError
+from nodeagent.wire.errors import Reason, WireError
 from nodeagent.wire.message import TensorSpec
 
 Precision = Literal["full", "fp16", "bf16", "int8"]
@@ -62,11 +62,11 @@ def decode(tensors: dict[str, torch.Tensor], precision: Precision, chunk: int, d
     if precision != "int8":
         delta = tensors["delta"].to(dtype)
         if not bool(torch.isfinite(delta).all()):
-            raise WireError("not_finite", "a low-precision vector holds NaN or infinity")
+            raise WireError(Reason.NON_FINITE, "a low-precision vector holds NaN or infinity")
         return delta
     codes, scales = tensors["codes"], tensors["scales"]
     if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
-        raise WireError("not_finite", "an int8 vector's scales must be finite and not negative")
+        raise WireError(Reason.NON_FINITE, "an int8 vector's scales must be finite and not negative")
     length = codes.numel()
     size = length if chunk == 0 else chunk
     padded = torch.zeros(scales.numel() * size, dtype=torch.float32, device=codes.device)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nodeagent.wire.errors import WireError
+from nodeagent.wire.errors import Reason, WireError
 from nodeagent.wire.message import all_finite
 from nodeagent.wire.varint import decode_varints, encode_varints
 
@@ -174,7 +174,7 @@ def encode_sparse(sparse: Sparse, tensor_sizes: Sequence[int], codec: Codec) -> 
 
 def decode_sparse(payload: bytes, tensor_sizes: Sequence[int]) -> Sparse:
     """Decode and validate a payload from the network; every malformation raises ValueError saying where, and a
-    NaN or an infinity among the values WireError("non_finite"), as in any other stream."""
+    NaN or an infinity among the values WireError(Reason.NON_FINITE), as in any other stream."""
     check_sizes(tensor_sizes)
     buf = np.frombuffer(payload, dtype=np.uint8)
     if buf.size == 0:
@@ -214,7 +214,7 @@ def decode_sparse(payload: bytes, tensor_sizes: Sequence[int]) -> Sparse:
         with np.errstate(over="ignore"):
             values = raw.astype(np.float32) * scale if codec == Codec.INT8 else raw.astype(np.float32)
         if not np.isfinite(values).all():
-            raise WireError("non_finite", f"tensor {t}: values have non-finite entries")
+            raise WireError(Reason.NON_FINITE, f"tensor {t}: values have non-finite entries")
         sparse.append((torch.from_numpy(indices.astype(np.int64)), torch.from_numpy(values)))
     if pos != buf.size:
         raise ValueError(f"{buf.size - pos} trailing bytes after the last tensor")

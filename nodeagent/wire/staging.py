@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from nodeagent.wire.errors import WireError
+from nodeagent.wire.errors import Reason, WireError
 from nodeagent.wire.message import all_finite
 from nodeagent.wire.pool import BufferPool
 
@@ -274,7 +274,7 @@ class DirectSink(Sink):
         if end > self.checked:
             values = torch.from_numpy(self.target[self.checked : end]).view(self.dtype)
             if not all_finite(values):
-                raise WireError("non_finite", f"tensor {self.name!r} has non-finite values")
+                raise WireError(Reason.NON_FINITE, f"tensor {self.name!r} has non-finite values")
             self.checked = end
 
     def write(self, data: memoryview) -> None:

@@ -1,0 +1,12 @@
+"""The ports and the heartbeat timing that the daemons, their command lines and their defaults share, in one place
+(the deploy files and docs/operations.md write the same numbers out for operators)."""
+
+COORDINATOR_PORT = 7070  # the coordinator's gRPC service, for agents and operators
+ENROLL_PORT = 7071  # the coordinator's enrollment service: a join token for a node certificate
+COORDINATOR_METRICS_PORT = 9400
+AGENT_PORT = 7100  # an agent's peer service
+AGENT_METRICS_PORT = 9401
+COORDINATOR_ADDRESS = f"127.0.0.1:{COORDINATOR_PORT}"  # where an agent or a command looks when told nothing
+
+HEARTBEAT_INTERVAL_S = 2.0  # how often an agent says it is up; the coordinator sends it at registration
+HEARTBEAT_TIMEOUT_S = 15.0  # a node silent for this long is marked down
