@@ -94,12 +94,19 @@ def run_job(cls: type[Algorithm], fault: Callable[[GroupFactory], FailsAfterTheO
     nodes = [algorithm(cls, rank) for rank in range(WORLD)]
     members = [collective(shared, rank, nodes[rank], faulty if rank == 1 and faulty else groups)
                for rank in range(WORLD)]
+    run_ranks(lambda rank: train(nodes[rank], members[rank], STEPS), members)
+    return nodes, members, faulty
+
+
+def run_ranks(body: Callable[[int], object], members: list[Collective]) -> None:
+    """`body(rank)` for every rank, each in a thread of its own; a rank that is done hands the final state over, as a
+    runner does, until every rank is; a rank's error fails the test once all stopped."""
     finished = threading.Barrier(WORLD)
     errors: list[BaseException] = []
 
     def rank_main(rank: int) -> None:
         try:
-            train(nodes[rank], members[rank], STEPS)
+            body(rank)
             members[rank].hand_over()
             finished.wait(timeout=60)
         except BaseException as error:  # the test's answer
@@ -114,7 +121,6 @@ def run_job(cls: type[Algorithm], fault: Callable[[GroupFactory], FailsAfterTheO
     for member in members:
         member.close()
     assert not errors, errors
-    return nodes, members, faulty
 
 
 def assert_identical(nodes: list[Algorithm], reference: list[Algorithm], own: bool = True) -> None:
@@ -183,36 +189,20 @@ def test_a_member_restarted_mid_job_takes_the_groups_state_before_its_first_step
     nodes = [algorithm(AllReduceSGD, rank) for rank in range(WORLD)]
     members = [collective(shared, rank, nodes[rank], groups, options) for rank in range(WORLD)]
     trained = threading.Event()  # ranks 0 and 1 took steps before rank 2 comes back
-    finished = threading.Barrier(WORLD)
     stepped: dict[int, list[int]] = {}
     healed: list[int] = []
-    errors: list[BaseException] = []
 
-    def rank_main(rank: int) -> None:
-        try:
-            node = nodes[rank]
-            if rank == 2:
-                trained.wait(timeout=60)
-                answer = members[2].mean(node.group_state())  # what the driver sends before a restarted node's step
-                assert answer.kind == Kind.PARAMS
-                node.receive(answer)
-                healed.append(node.clock)
-            stepped[rank] = train(node, members[rank], steps,
-                                  on_step=lambda clock: trained.set() if clock == 5 else None)
-            members[rank].hand_over()
-            finished.wait(timeout=60)
-        except BaseException as error:  # the test's answer
-            errors.append(error)
-            finished.abort()
+    def rank_body(rank: int) -> None:
+        node = nodes[rank]
+        if rank == 2:
+            trained.wait(timeout=60)
+            answer = members[2].mean(node.group_state())  # what the driver sends before a restarted node's step
+            assert answer.kind == Kind.PARAMS
+            node.receive(answer)
+            healed.append(node.clock)
+        stepped[rank] = train(node, members[rank], steps, on_step=lambda clock: trained.set() if clock == 5 else None)
 
-    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(WORLD)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    for member in members:
-        member.close()
-    assert not errors, errors
+    run_ranks(rank_body, members)
     (clock,) = healed
     assert 5 <= clock < steps  # the group's step, mid-job
     assert stepped[2][0] == clock  # its first step is the group's next: none trained from its old state
