@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import queue
+import threading
 import time
 from concurrent import futures
 
@@ -193,6 +194,18 @@ def test_a_refused_call_leaves_the_inbox_and_the_next_call_opens_another_lane(no
     client.push(state, message(seed=4), timeout=10, metrics=Metrics())
     assert torch.equal(node.inbox.get_nowait().tensors["w"], message(seed=4).tensors["w"])
     assert node.direct_lanes() and node.direct_lanes()[0] is not first
+    client.close()
+
+
+def test_a_peer_that_does_not_answer_fails_the_call_at_its_deadline_as_grpc_would(node, monkeypatch):
+    client, state = PeerClient(node.address), serving(0, queue.Queue(), {})
+    client.push(state, message(), timeout=10, metrics=Metrics())
+    answered = threading.Event()  # a peer cut off: the call is read, no answer comes
+    monkeypatch.setattr(node.servicer, "_direct_call", lambda lane, call: answered.wait(10) and False)
+    with pytest.raises(SendFailed) as lost:
+        client.push(state, message(seed=1), timeout=0.5, metrics=Metrics())
+    answered.set()
+    assert lost.value.reason == "deadline_exceeded"
     client.close()
 
 

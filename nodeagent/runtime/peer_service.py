@@ -637,6 +637,12 @@ def _abort_on_failure(lanes: list[LaneSocket], call: grpc.Future) -> None:
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
+def _lost(deadline: float) -> str:
+    """The failure reason of a direct-lane call whose lane failed: past its deadline, as gRPC names it (a peer cut
+    off by a partition answers nothing), else unavailable."""
+    return "deadline_exceeded" if time.monotonic() >= deadline else "unavailable"
+
+
 def _identity(data: bytes) -> bytes:
     return data
 
@@ -806,9 +812,9 @@ class PeerClient:
             ok = True
             return reply
         except OSError as error:
-            raise SendFailed("unavailable", f"the direct lane failed: {error}") from None
+            raise SendFailed(_lost(deadline), f"the direct lane failed: {error}") from None
         except WireError as error:
-            raise SendFailed("unavailable" if error.reason == "truncated" else "rejected", str(error)) from None
+            raise SendFailed(_lost(deadline) if error.reason == Reason.TRUNCATED else "rejected", str(error)) from None
         finally:
             if not ok:
                 lane.abort()
