@@ -3,6 +3,8 @@ SHELL := /bin/bash
 BIN := .venv/bin
 STAMP := .venv/.installed
 PYTEST_ARGS ?=
+# Two pytest-xdist workers: the cluster tests in one (tests/conftest.py groups them), everything else in the other.
+TEST_WORKERS ?= 2
 DEMO_ARGS ?=
 
 .PHONY: demo test test-fast test-gpu lint proto bench bootstrap data clean
@@ -22,12 +24,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	deploy/bootstrap.sh data prometheus
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The unit and integration tiers (pyproject's markers): no cluster of agents, a few minutes.
 test-fast: $(STAMP)
 	deploy/bootstrap.sh data
-	$(BIN)/python -m pytest -q -m "unit or integration" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "unit or integration" $(PYTEST_ARGS)
 
 # The CUDA half of the suite (tests marked cuda), on a machine where torch sees a GPU; then the GPU benchmark.
 test-gpu: $(STAMP)

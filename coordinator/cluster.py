@@ -249,6 +249,18 @@ class LocalCluster:
         self.processes[name].kill()
         self.processes[name].wait()
 
+    def stop_agent(self, index: int, grace_s: float = 30.0) -> None:
+        """Stop agent number `index` as an operator would (SIGTERM: it deregisters) and leave it out of the cluster:
+        an agent started beyond the first `agents` for a while."""
+        process = self.processes.pop(f"agent-{index}")
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
     def stop(self, grace_s: float = 10.0) -> None:
         if self._channel is not None:
             self._channel.close()

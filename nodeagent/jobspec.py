@@ -264,6 +264,8 @@ class JobSpec(_Strict):
     slowdown: dict[int, float] = Field(
         default_factory=dict, description="rank -> factor >= 1 that stretches each local step (heterogeneity)"
     )
+    min_step_s: float = Field(0.0, ge=0.0, le=60.0, description="every local step lasts at least this long, the rest "
+                              "slept: a fixed pace whatever the host (the simulator: at least this much virtual time)")
     failure: FailureSpec = Field(default_factory=FailureSpec, description="what a failed or lost node does to the "
                                  "job")
     start: StartSpec = Field(default_factory=StartSpec, description="how the job starts on its nodes")

@@ -8,7 +8,8 @@ evaluation).
 
 Slow devices: each local step is stretched by the product of the agent's `--slowdown` (the machine) and the job's
 `slowdown` of this rank (the experiment): after the step the runner sleeps (factor - 1) times the step's compute
-time, and the step counts as compute for that whole time (metrics, ESync step reports).
+time, and the step counts as compute for that whole time (metrics, ESync step reports). A job's `min_step_s` sets a
+pace instead: a step, stretched or not, lasts at least that long, whatever the host.
 
 Topology changes: an assignment with a newer `topology_version` names the new neighbours and the step to switch
 at. The runner adds the new neighbours' addresses and names to those it has (the old neighbours stay reachable and
@@ -246,8 +247,8 @@ class JobRunner(threading.Thread):
             gauged.update(reported)
             agent.report(to_report(report.progress))
 
-        NodeLoop(driver, dispatch, self.inbox, publish, self.stop_event, self.slowdown, self.topology_changes,
-                 settled).run()
+        NodeLoop(driver, dispatch, self.inbox, publish, self.stop_event, self.slowdown, self.spec.min_step_s,
+                 self.topology_changes, settled).run()
 
     def _server_link(self, node: Node, driver: NodeDriver) -> GrpcServerLink | None:
         if type(node.algorithm).family is not Family.SERVER:
@@ -375,6 +376,7 @@ class NodeLoop:
     publish: Callable[[Report], None]
     stop: threading.Event
     slowdown: float = 1.0
+    min_step_s: float = 0.0  # the job's pace: a step lasts at least this long
     topology_changes: queue.Queue[TopologyChange] = field(default_factory=queue.Queue)  # from the watch thread
     settled: collections.deque[Arrival] = field(default_factory=collections.deque)  # arrivals that woke no one
 
@@ -403,9 +405,10 @@ class NodeLoop:
                 self._collect(block=True)
                 continue
             duration = driver.step()
-            if self.slowdown > 1:
+            stretched = max(duration * self.slowdown, self.min_step_s)
+            if stretched > duration:
                 slept = time.perf_counter()
-                time.sleep(duration * (self.slowdown - 1))
+                time.sleep(stretched - duration)
                 duration += time.perf_counter() - slept
             self._collect()  # replies that came during the step free their edges for its sends
             for transmission in driver.stepped(duration):

@@ -169,7 +169,8 @@ class VirtualMesh:
                     node=n, name=self.name_of(n.rank), visible=n.algorithm.snapshot(),
                     driver=NodeDriver(n, job=job, name=self.name_of(n.rank), clock=self.clock, metrics=metrics,
                                       name_of=self.name_of),
-                    step_time_s=simulation.step_time_s / speeds[n.rank] * n.spec.slowdown.get(n.rank, 1.0),
+                    step_time_s=max(simulation.step_time_s / speeds[n.rank] * n.spec.slowdown.get(n.rank, 1.0),
+                                    n.spec.min_step_s),
                 )
                 for n in nodes
             ]
