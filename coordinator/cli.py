@@ -49,7 +49,15 @@ from nodeagent.defaults import (
     ENROLL_PORT,
     HEARTBEAT_TIMEOUT_S,
 )
-from nodeagent.jobspec import DEFAULT_DATA_DIR, JobFile, JobSpecError, load_job_file, parse_job_yaml
+from nodeagent.jobspec import (
+    DEFAULT_DATA_DIR,
+    JobFile,
+    JobSpecError,
+    Override,
+    load_job_file,
+    parse_job_yaml,
+    parse_override,
+)
 from nodeagent.listen import ListenError
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import SERVER_OPTIONS, bind_grpc_server, shown, split_address
@@ -85,6 +93,23 @@ def _add_coordinator_option(parser: argparse.ArgumentParser) -> None:
         "--insecure", action="store_true", default=None,
         help="plaintext, no certificate: only for a coordinator serving with --insecure (env PEERTRAIN_INSECURE=1)",
     )
+
+
+def _add_set_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="PATH=VALUE", dest="overrides",
+        help="override a field of the job file, e.g. --set algorithm.lr=0.05 --set nodes=16: PATH is the field's "
+        "dotted path (as in docs/jobs.md), VALUE is read as YAML (a number, true/false, a string, [a, b], {k: v}); "
+        "checked by the job's schema as if the file said it; repeat for several",
+    )
+
+
+def _overrides(args: argparse.Namespace) -> list[Override]:
+    """The command's `--set` options, parsed; SystemExit naming the one that is wrong."""
+    try:
+        return [parse_override(text) for text in args.overrides]
+    except JobSpecError as error:
+        raise SystemExit(f"coordinator: {error}") from None
 
 
 def _add_state_dir_option(parser: argparse.ArgumentParser) -> None:
@@ -180,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     submit.add_argument("job_file", type=Path, metavar="JOB.yaml")
     submit.add_argument("--follow", action="store_true", help="follow the job until it ends (as `follow JOB`)")
+    _add_set_option(submit)
     _add_coordinator_option(submit)
 
     follow = commands.add_parser(
@@ -255,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
         "faults, partitions). Writes the same metrics log as a real run.",
     )
     simulate.add_argument("job_file", type=Path, metavar="JOB.yaml")
+    _add_set_option(simulate)
     simulate.add_argument("--runs", type=Path, default=Path("runs"),
                           help="parent of the run directory (default %(default)s)")
     simulate.add_argument("--data-dir", default=os.environ.get("PEERTRAIN_DATA_DIR"),
@@ -290,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
         "inspect", help="show a job's topology and each node's data shard (counts and label histogram)"
     )
     inspect.add_argument("job_file", type=Path, metavar="JOB.yaml")
+    _add_set_option(inspect)
     inspect.add_argument("--data-dir", default=os.environ.get("PEERTRAIN_DATA_DIR"),
                          help="directory of the job's data (any data.dataset kind), overriding its data.data_dir "
                          "(env PEERTRAIN_DATA_DIR)")
@@ -342,6 +370,7 @@ def _add_job_file_commands(commands: argparse._SubParsersAction) -> None:
                       "`coordinator schema --markdown` lists them)")
     init.add_argument("--out", type=Path, default=Path("job.yaml"), help="the file to write (default %(default)s)")
     init.add_argument("--force", action="store_true", help="overwrite the file if it exists")
+    _add_set_option(init)
 
     validate = commands.add_parser(
         "validate", help="check job files as the coordinator would, without submitting them",
@@ -349,6 +378,7 @@ def _add_job_file_commands(commands: argparse._SubParsersAction) -> None:
         "model); exit 1 at the first that is refused, naming the field.",
     )
     validate.add_argument("job_files", type=Path, nargs="+", metavar="JOB.yaml")
+    _add_set_option(validate)
 
 
 # -- `coordinator topology` (a running job's topology changed) -----------------------------------------------------
@@ -592,7 +622,7 @@ def _issue_offline(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    job = _load_job(args.job_file)  # refused here, before anything reaches the coordinator
+    job = _load_job(args.job_file, args)  # refused here, before anything reaches the coordinator
     # The text as loaded: an edge file the job names is inlined, since the coordinator reads no files.
     stub = _stub(args)
     reply = stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=job.text), timeout=30)
@@ -779,12 +809,14 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_job(path: Path) -> JobFile:
-    """The job of `path`, validated as the coordinator validates it (schema, algorithm, options, topology)."""
+def _load_job(path: Path, args: argparse.Namespace) -> JobFile:
+    """The job of `path` with the command's `--set` overrides, validated as the coordinator validates it (schema,
+    algorithm, options, topology)."""
     from coordinator.jobs import validate_job
 
+    overrides = _overrides(args)
     try:
-        job = load_job_file(path)
+        job = load_job_file(path, overrides)
         validate_job(job.spec)
     except OSError as error:
         raise SystemExit(f"coordinator: cannot read {path}: {error.strerror}") from None
@@ -807,7 +839,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         device = resolve_device(args.device)
     except DeviceError as error:
         raise SystemExit(f"coordinator: {error}") from None
-    spec = _load_job(args.job_file).spec.sized()  # an elastic job is simulated at its largest size
+    spec = _load_job(args.job_file, args).spec.sized()  # an elastic job is simulated at its largest size
     if spec.training.precision == "fp16" and device.type != "cuda":
         raise SystemExit(f"coordinator: {args.job_file}: training.precision fp16 needs a CUDA device (--device cuda)")
     job_id = f"sim-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -872,7 +904,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from nodeagent.training.data import DataError, load_dataset
     from nodeagent.training.splits import describe_split, format_split_table, split_indices
 
-    spec = _load_job(args.job_file).spec
+    spec = _load_job(args.job_file, args).spec
     topology = validate_job(spec)
     spec = spec.sized()  # an elastic job at its largest size: its data is split into that many shards
     degrees = [topology.degree(rank) for rank in range(spec.nodes)]
@@ -908,7 +940,7 @@ def cmd_init(args: argparse.Namespace) -> int:
     from coordinator.jobschema import commented_job
 
     try:
-        text = commented_job(args.algorithm)
+        text = commented_job(args.algorithm, _overrides(args))
     except ValueError as error:
         raise SystemExit(f"coordinator: {error}") from None
     try:
@@ -925,7 +957,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     for path in args.job_files:
-        spec = _load_job(path).spec
+        spec = _load_job(path, args).spec
         nodes = f"{spec.min_nodes}..{spec.max_nodes} nodes (elastic)" if spec.elastic else f"{spec.nodes} nodes"
         print(f"{path}: valid: {spec.name}, {nodes}, {spec.algorithm.name} on {spec.topology.kind}, "
               f"{spec.steps} steps")
