@@ -48,6 +48,7 @@ from nodeagent.defaults import (
     COORDINATOR_PORT,
     ENROLL_PORT,
     HEARTBEAT_TIMEOUT_S,
+    KEEP_RUNS,
 )
 from nodeagent.jobspec import (
     DEFAULT_DATA_DIR,
@@ -73,6 +74,7 @@ EXIT_FINISHED, EXIT_FAILED, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 3, 130
 FOLLOW_EXIT_HELP = "0 finished, 1 failed (or the coordinator lost), 3 stopped, 130 interrupted (the job goes on)"
 FOLLOW_POLL_S = 1.0
 FOLLOW_RECONNECT_S = 60.0  # how long `follow` keeps trying to reach a coordinator that went away
+EXPORT_TIMEOUT_S = 600.0  # the whole download of a trained model
 
 
 def _add_coordinator_option(parser: argparse.ArgumentParser) -> None:
@@ -155,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
         "experiments only",
     )
     serve.add_argument("--runs-dir", type=Path, help="where run directories go (default STATE_DIR/runs)")
+    serve.add_argument(
+        "--keep-runs", type=int, default=KEEP_RUNS, metavar="N",
+        help="keep the run directories (metrics, events, trained models) of the newest N ended jobs and delete older "
+        "ones as jobs end; 0 keeps all (default %(default)s)",
+    )
     serve.add_argument(
         "--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S,
         help="seconds without a heartbeat after which a node is marked down (default %(default)s)",
@@ -302,9 +309,19 @@ def build_parser() -> argparse.ArgumentParser:
         "time and steps, traffic per edge as a matrix, throughput and computing time ratio per device, parameter-"
         "server traffic. Several runs are overlaid; a 1-node run or one labelled 'reference' is drawn dashed. RUN "
         "is a run directory, or a job (id, unique id prefix or name) whose run directory the coordinator names and "
-        "this machine can read.",
+        "this machine can read. With --model, instead: evaluate a model file `coordinator export` wrote on its "
+        "job's test set.",
     )
-    report.add_argument("runs", nargs="+", metavar="RUN", help="a run directory or a job")
+    report.add_argument("runs", nargs="*", metavar="RUN", help="a run directory or a job")
+    report.add_argument("--model", type=Path, metavar="MODEL.pt",
+                        help="evaluate this exported model on its job's test set and print its metric (and the one "
+                        "the job reported) instead of drawing runs")
+    report.add_argument("--data-dir", default=os.environ.get("PEERTRAIN_DATA_DIR"),
+                        help="with --model: directory of the job's data, overriding the job's data.data_dir (env "
+                        "PEERTRAIN_DATA_DIR)")
+    report.add_argument("--allow-import", action="append", default=[], metavar="PACKAGE.MODULE",
+                        help="with --model: a module the job's model factory may be imported from, as `coordinator "
+                        "simulate --allow-import`")
     report.add_argument("--out", type=Path,
                         help="output directory (default: RUN/report for one run, else ./report)")
     report.add_argument("--labels", nargs="+", metavar="LABEL", default=[],
@@ -312,6 +329,25 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--accuracies", default="0.6,0.7,0.8",
                         help="comma-separated accuracies for the table's time-to-reach columns (default %(default)s)")
     _add_coordinator_option(report)
+
+    export = commands.add_parser(
+        "export", help="write a job's trained model as a PyTorch file: its state_dict and a manifest",
+        description="Fetch a job's trained model from the coordinator (its ranks sent their final models there as "
+        "they finished) and write it as one file: torch.save({'state_dict': ..., 'manifest': ...}), which "
+        "torch.load(path, weights_only=True) reads. The state_dict's keys are the model's own; the manifest names "
+        "the job, its algorithm, the model's name and options, the data, the step and the job's metric. Default: the "
+        "job's consensus, the mean of the ranks' models for the peer-to-peer algorithms, the server's model for the "
+        "parameter-server ones, rank 0's for all-reduce. docs/operations.md shows how to load it.",
+    )
+    export.add_argument("job_id", metavar="JOB",
+                        help="a job's id, a unique prefix of it, or its name (the newest of that name)")
+    export.add_argument("--out", type=Path, required=True, metavar="MODEL.pt", help="the file to write")
+    export.add_argument("--rank", type=int, help="this rank's model instead of the job's consensus")
+    export.add_argument("--allow-import", action="append", default=[], metavar="PACKAGE.MODULE",
+                        help="a module the job's model factory may be imported from ('PACKAGE.MODULE:factory'), as "
+                        "`coordinator simulate --allow-import`: the model is rebuilt here to check and lay out what "
+                        "the coordinator sends")
+    _add_coordinator_option(export)
 
     inspect = commands.add_parser(
         "inspect", help="show a job's topology and each node's data shard (counts and label histogram)"
@@ -485,7 +521,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host, _port = split_address(args.listen)
     config = CoordinatorConfig(
         state_dir=args.state_dir, runs_dir=args.runs_dir, heartbeat_timeout_s=args.heartbeat_timeout,
+        keep_runs=args.keep_runs,
     )
+    if args.keep_runs < 0:
+        raise SystemExit("coordinator: --keep-runs must be >= 0")
     with hold_state_dir(config.state_dir):
         writable_directory(config.run_root, "runs directory")
         ca = None
@@ -861,7 +900,46 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from coordinator.export import ExportError, receive_model, write_model
+    from nodeagent.training.models import ModelError
+
+    _check_imports(args.allow_import)
+    if args.rank is not None and args.rank < 0:
+        raise SystemExit("coordinator: --rank must be >= 0")
+    request = pb.ExportModelRequest(job_id=args.job_id)
+    if args.rank is not None:
+        request.rank = args.rank
+    try:
+        state_dict, manifest = receive_model(_stub(args).ExportModel(request, timeout=EXPORT_TIMEOUT_S),
+                                             tuple(args.allow_import))
+    except (ExportError, ModelError) as error:
+        raise SystemExit(f"coordinator: {error}") from None
+    try:
+        write_model(args.out, state_dict, manifest)
+    except OSError as error:
+        raise SystemExit(f"coordinator: cannot write {args.out}: {error.strerror}") from None
+    metric = manifest["metric"]
+    parameters = sum(tensor.numel() for tensor in state_dict.values())
+    print(shown(f"wrote {args.out}: job {manifest['job_id']} ({manifest['algorithm']}), {manifest['source']} at "
+                f"step {manifest['step']}; model {manifest['model']['name']}, {parameters} values in "
+                f"{len(state_dict)} tensors; {metric['name']} {metric['value']:.4f} ({metric['of']})"))
+    return 0
+
+
+def _check_imports(modules: list[str]) -> None:
+    from nodeagent.training.models import module_problem
+
+    for module in modules:
+        if problem := module_problem(module):
+            raise SystemExit(f"coordinator: --allow-import {problem}")
+
+
 def cmd_report(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        return _report_model(args)
+    if not args.runs:
+        raise SystemExit("coordinator: report needs a RUN (a run directory or a job), or --model MODEL.pt")
     from coordinator.report import ReportError, write_report
 
     try:
@@ -876,6 +954,25 @@ def cmd_report(args: argparse.Namespace) -> int:
     except ReportError as error:
         raise SystemExit(f"coordinator: {error}") from None
     print(page)
+    return 0
+
+
+def _report_model(args: argparse.Namespace) -> int:
+    """`report --model`: the exported model evaluated on its job's test set, beside what the job reported."""
+    from coordinator.export import ExportError, evaluate_model_file
+    from nodeagent.training.data import DataError
+    from nodeagent.training.models import ModelError
+
+    _check_imports(args.allow_import)
+    try:
+        result, manifest = evaluate_model_file(args.model, args.data_dir, tuple(args.allow_import))
+    except (ExportError, ModelError, DataError) as error:
+        raise SystemExit(f"coordinator: {error}") from None
+    metric = manifest["metric"]
+    print(shown(f"{args.model}: job {manifest['job_id']} ({manifest['algorithm']}), {manifest['source']} at step "
+                f"{manifest['step']}: test accuracy {result.accuracy:.4f}, test loss {result.loss:.4f} on "
+                f"{manifest['data']['dataset']}; the job reported {metric['name']} {metric['value']:.4f} "
+                f"({metric['of']})"))
     return 0
 
 
@@ -976,7 +1073,8 @@ def main(argv: list[str] | None = None) -> int:
         "serve": cmd_serve, "ca": cmd_ca, "token": cmd_token, "cert": cmd_cert,
         "submit": cmd_submit, "follow": cmd_follow, "logs": cmd_logs, "jobs": cmd_jobs, "nodes": cmd_nodes,
         "status": cmd_status, "stop": cmd_stop, "edges": cmd_edges, "topology": cmd_topology,
-        "simulate": cmd_simulate, "report": cmd_report, "inspect": cmd_inspect, "demo": cmd_demo,
+        "simulate": cmd_simulate, "report": cmd_report, "export": cmd_export, "inspect": cmd_inspect,
+        "demo": cmd_demo,
         "schema": cmd_schema, "init": cmd_init, "validate": cmd_validate,
     }
     try:

@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import secrets
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,12 +32,13 @@ from coordinator.control.states import JobState, MemberState
 from coordinator.jobs import (
     validate_job,
 )
+from coordinator.model_store import ModelStore
 from coordinator.ps_service import PSService
 from coordinator.rendezvous import Rendezvous, RendezvousError, request_problem
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 from nodeagent.algorithms import Family, lookup
-from nodeagent.defaults import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
+from nodeagent.defaults import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, KEEP_RUNS
 from nodeagent.jobspec import (
     MAX_NODES,
     JobSpec,
@@ -110,10 +112,11 @@ _OPERATOR = frozenset({Role.OPERATOR})
 # Who may call what on the coordinator. A node acts only as itself (the handlers check the node id fields).
 COORDINATOR_RULES = rules_for("peertrain.v1.Coordinator", {
     **dict.fromkeys(("Register", "Heartbeat", "WatchAssignment", "ReportMetrics", "ReportFailure", "Deregister",
-                     "ReportEvents", "JobReady", "PsPush", "PsPull", "PsReport", "Rendezvous"), _NODE),
+                     "ReportEvents", "JobReady", "PsPush", "PsPull", "PsReport", "Rendezvous", "UploadModel"), _NODE),
     **dict.fromkeys(("SubmitJob", "StopJob", "ListNodes", "JobStatus", "ListJobs", "JobEvents", "RemoveNode",
                      "DrainNode",
-                     "CreateJoinToken", "RevokeCertificate", "ListCertificates", "ChangeTopology"), _OPERATOR),
+                     "CreateJoinToken", "RevokeCertificate", "ListCertificates", "ChangeTopology", "ExportModel"),
+                   _OPERATOR),
     "RenewCertificate": _NODE | _OPERATOR,
 })
 
@@ -125,6 +128,7 @@ class CoordinatorConfig:
     heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
     heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
     ps_fsync: bool = False  # also fsync the parameter server's state before answering (survives a machine crash)
+    keep_runs: int = KEEP_RUNS  # run directories of this many ended jobs are kept, the newest (0: all)
 
     @property
     def run_root(self) -> Path:
@@ -205,6 +209,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.plane = ControlPlane(self.store, time.time, config.heartbeat_timeout_s)
         self._plane_lock = threading.Lock()
         self.ps = PSService(self.store, metrics, fsync=config.ps_fsync)
+        self.models = ModelStore(self.store)
         self._monitor = threading.Thread(target=self._monitor_loop, name="liveness", daemon=True)
 
     def start(self) -> None:
@@ -283,6 +288,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             if isinstance(effect, JobEnded):
                 self.rendezvous.end(effect.job.job_id)
                 self.ps.close(effect.job.job_id)
+                self.models.forget(effect.job.job_id)
+                self._retire_run_dirs()
                 self.metrics.forget_job(effect.job.job_id)
                 with self._live_edges_lock:
                     self._live_edges.pop(effect.job.job_id, None)
@@ -290,6 +297,24 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 self._event(effect.job, effect.kind, effect.message, effect.level)
             else:
                 self.changes.bump()
+
+    def _retire_run_dirs(self) -> None:
+        """Delete the run directories of the ended jobs beyond the newest `keep_runs` (their metrics, events, models
+        and parameter-server state); the jobs stay listed. Only directories under the runs directory are touched."""
+        if not self.config.keep_runs:
+            return
+        ended = sorted(self.store.jobs((JobState.FINISHED, JobState.STOPPED, JobState.FAILED)),
+                       key=lambda job: job.ended_unix, reverse=True)
+        root = self.config.run_root.resolve()
+        for job in ended[self.config.keep_runs:]:
+            run_dir = Path(job.run_dir).resolve()
+            if run_dir.parent != root or not run_dir.is_dir():
+                continue
+            shutil.rmtree(run_dir, ignore_errors=True)
+            self._run_logs.pop(job.job_id, None)
+            with self._events_lock:
+                self._event_logs.pop(job.job_id, None)
+            log.info("job %s: run directory %s removed (--keep-runs %d)", job.job_id, run_dir, self.config.keep_runs)
 
     # -- assignments ---------------------------------------------------------------------------------------------
 
@@ -575,6 +600,18 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def PsReport(self, request, context):
         return self.ps.report(request, context)
+
+    # -- trained models (coordinator.model_store) -------------------------------------------------------------------
+
+    def UploadModel(self, request_iterator, context):
+        return self.models.upload(request_iterator, context)
+
+    def ExportModel(self, request, context):
+        reference = request.job_id[:MAX_JOB_REFERENCE_CHARS]
+        job = self.store.find_job(reference) if reference else self.store.latest_job()
+        if job is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, _no_job(reference) if reference else "no jobs yet")
+        yield from self.models.export(request, context, job)
 
     # -- certificates --------------------------------------------------------------------------------------------
 

@@ -218,6 +218,16 @@ class StartSpec(_Strict):
         "after the job started (the reason names the ranks and their nodes)")
 
 
+class CheckpointSpec(_Strict):
+    """What the agents keep of the job's checkpoints once it ended."""
+
+    keep: bool = Field(
+        False, description="keep every rank's last checkpoint (a flat parameter vector and the algorithm's state) on "
+        "its agent after the job ended, in STATE_DIR/checkpoints/kept, until an operator deletes it; false: the "
+        "agent deletes it when the job ends (unless its --keep-checkpoints keeps the last jobs'). The trained "
+        "model does not need it: each rank sends its final model to the coordinator (`coordinator export`)")
+
+
 class NodeRange(_Strict):
     """An elastic job's size: it starts on `min` agents (or on as many as are free, up to `max`), agents that become
     free join it while it has fewer than `max`, and a lost member leaves it while at least `min` remain."""
@@ -268,6 +278,8 @@ class JobSpec(_Strict):
     failure: FailureSpec = Field(default_factory=FailureSpec, description="what a failed or lost node does to the "
                                  "job")
     start: StartSpec = Field(default_factory=StartSpec, description="how the job starts on its nodes")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="what the agents keep of the "
+                                       "job's checkpoints once it ended")
 
     simulation: SimulationSpec = Field(default_factory=SimulationSpec, description="used by the simulator only")
 

@@ -1,7 +1,13 @@
 """A job's checkpoint on an agent: the algorithm's state_dict, written whole and renamed over the last one.
 
 Checkpoints are device-neutral: tensors are written from host memory and restored onto the device the algorithm
-computes on, so a job checkpointed on a GPU resumes on a CPU agent and the other way round."""
+computes on, so a job checkpointed on a GPU resumes on a CPU agent and the other way round.
+
+Retention: a checkpoint serves a rank that restarts while its job runs. Once the job ended on this agent it serves
+nothing (a job id is never run again, and each rank sent its final model to the coordinator as it finished, which is
+what `coordinator export` reads): the agent deletes it then, except the checkpoints of the last `--keep-checkpoints`
+jobs that ended here, and those of a job that asks to keep them (`checkpoint.keep`), which are moved to
+STATE_DIR/checkpoints/kept/ and never deleted by the agent."""
 
 from __future__ import annotations
 
@@ -16,8 +22,55 @@ from nodeagent.algorithms import Algorithm
 log = logging.getLogger("nodeagent")
 
 
+CHECKPOINTS_DIR = "checkpoints"
+KEPT_DIR = "kept"
+
+
 def checkpoint_path(state_dir: Path, job_id: str, rank: int) -> Path:
-    return state_dir / "checkpoints" / f"{job_id}-rank{rank}.pt"
+    return state_dir / CHECKPOINTS_DIR / f"{job_id}-rank{rank}.pt"
+
+
+def _job_of(path: Path) -> str:
+    return path.name.removesuffix(".pt").rsplit("-rank", 1)[0]
+
+
+def retire_checkpoints(state_dir: Path, ended: str | None = None, keep_ended: bool = False, keep_jobs: int = 0,
+                       running: str | None = None) -> list[Path]:
+    """Apply retention after the job `ended` ended on this agent (None: only sweep, as when the agent starts): its
+    checkpoints go to the kept directory if the job asked to keep them (`keep_ended`); then the checkpoints of every
+    job but `running` are deleted, except those of the `keep_jobs` jobs whose checkpoints were written last.
+    Returns the files deleted."""
+    directory = state_dir / CHECKPOINTS_DIR
+    if not directory.is_dir():
+        return []
+    if ended is not None and keep_ended:
+        kept = directory / KEPT_DIR
+        kept.mkdir(exist_ok=True)
+        for path in directory.glob("*.pt"):
+            if _job_of(path) == ended:
+                os.replace(path, kept / path.name)
+    last_written: dict[str, float] = {}
+    files: dict[str, list[Path]] = {}
+    for path in directory.glob("*.pt"):
+        job = _job_of(path)
+        if job == running:
+            continue
+        try:
+            written = path.stat().st_mtime
+        except FileNotFoundError:
+            continue
+        last_written[job] = max(last_written.get(job, 0.0), written)
+        files.setdefault(job, []).append(path)
+    newest_first = sorted(last_written, key=last_written.__getitem__, reverse=True)
+    deleted = []
+    for job in newest_first[keep_jobs:]:
+        for path in files[job]:
+            path.unlink(missing_ok=True)
+            deleted.append(path)
+    for leftover in directory.glob("*.tmp"):  # a write cut short by a crash
+        if _job_of(leftover.with_suffix(".pt")) != running:
+            leftover.unlink(missing_ok=True)
+    return deleted
 
 
 def save_checkpoint(path: Path, algorithm: Algorithm) -> None:
