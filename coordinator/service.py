@@ -28,6 +28,7 @@ from coordinator.control.plane import (
 )
 from coordinator.control.records import Job, MemberRow, NodeRow
 from coordinator.control.sqlite import SqliteState
+from coordinator.control.state import ControlState
 from coordinator.control.states import JobState, MemberState
 from coordinator.jobs import (
     validate_job,
@@ -299,22 +300,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 self.changes.bump()
 
     def _retire_run_dirs(self) -> None:
-        """Delete the run directories of the ended jobs beyond the newest `keep_runs` (their metrics, events, models
-        and parameter-server state); the jobs stay listed. Only directories under the runs directory are touched."""
-        if not self.config.keep_runs:
-            return
-        ended = sorted(self.store.jobs((JobState.FINISHED, JobState.STOPPED, JobState.FAILED)),
-                       key=lambda job: job.ended_unix, reverse=True)
-        root = self.config.run_root.resolve()
-        for job in ended[self.config.keep_runs:]:
-            run_dir = Path(job.run_dir).resolve()
-            if run_dir.parent != root or not run_dir.is_dir():
-                continue
-            shutil.rmtree(run_dir, ignore_errors=True)
-            self._run_logs.pop(job.job_id, None)
+        for job_id, run_dir in retire_run_dirs(self.store, self.config.run_root, self.config.keep_runs):
+            self._run_logs.pop(job_id, None)
             with self._events_lock:
-                self._event_logs.pop(job.job_id, None)
-            log.info("job %s: run directory %s removed (--keep-runs %d)", job.job_id, run_dir, self.config.keep_runs)
+                self._event_logs.pop(job_id, None)
+            log.info("job %s: run directory %s removed (--keep-runs %d)", job_id, run_dir, self.config.keep_runs)
 
     # -- assignments ---------------------------------------------------------------------------------------------
 
@@ -872,6 +862,24 @@ class EnrollmentService(coordinator_pb2_grpc.EnrollmentServicer):
         identity = pki.identity_of(cert)
         log.info("enrolled node %s (certificate %s)", name, identity.serial)
         return pb.CertificateReply(certificate_pem=pki.certificate_pem(cert), name=name, serial=identity.serial)
+
+
+def retire_run_dirs(store: ControlState, run_root: Path, keep: int) -> list[tuple[str, Path]]:
+    """Delete the run directories (metrics, events, trained models, parameter-server state) of the ended jobs beyond
+    the newest `keep` (0: keep all); the jobs stay listed. Only directories directly under `run_root` are touched.
+    Returns the jobs and directories removed."""
+    if not keep:
+        return []
+    ended = sorted(store.jobs((JobState.FINISHED, JobState.STOPPED, JobState.FAILED)),
+                   key=lambda job: job.ended_unix, reverse=True)
+    root = run_root.resolve()
+    removed = []
+    for job in ended[keep:]:
+        run_dir = Path(job.run_dir).resolve()
+        if run_dir.parent == root and run_dir.is_dir():
+            shutil.rmtree(run_dir, ignore_errors=True)
+            removed.append((job.job_id, run_dir))
+    return removed
 
 
 def bounded_report(progress: Progress) -> Progress:

@@ -155,7 +155,7 @@ def test_a_node_certificate_cannot_make_operator_calls(secure):
         "ListNodes": pb.ListNodesRequest(), "JobStatus": pb.JobStatusRequest(),
         "RemoveNode": pb.NodeRequest(node_id="node-a"), "DrainNode": pb.DrainRequest(node_id="node-a", drain=True),
         "CreateJoinToken": pb.CreateJoinTokenRequest(), "RevokeCertificate": pb.RevokeCertificateRequest(name="x"),
-        "ListCertificates": pb.ListCertificatesRequest(),
+        "ListCertificates": pb.ListCertificatesRequest(), "ExportModel": pb.ExportModelRequest(job_id="x"),
     }
     for method, request in denied.items():
         assert node.code(method, request) is grpc.StatusCode.PERMISSION_DENIED, method
@@ -171,6 +171,7 @@ def test_an_operator_certificate_cannot_act_as_a_node(secure):
         "Heartbeat": pb.HeartbeatRequest(node_id="alice"),
         "WatchAssignment": pb.WatchAssignmentRequest(node_id="alice"),
         "PsPull": pb.PsPullRequest(job_id="x"),
+        "UploadModel": iter([wire_pb2.Frame(manifest=wire_pb2.Manifest(job_id="x"))]),
     }.items():
         assert operator.code(method, request) is grpc.StatusCode.PERMISSION_DENIED, method
     assert secure.service.store.nodes() == []

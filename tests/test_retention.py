@@ -1,0 +1,83 @@
+"""Retention: what the agents keep of ended jobs' checkpoints (nodeagent.agent.checkpoint.retire_checkpoints) and
+what the coordinator keeps of ended jobs' run directories (coordinator.service.retire_run_dirs)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from coordinator.control.memory import MemoryState
+from coordinator.control.states import JobState
+from coordinator.service import retire_run_dirs
+from nodeagent.agent.checkpoint import CHECKPOINTS_DIR, KEPT_DIR, checkpoint_path, retire_checkpoints
+from nodeagent.jobspec import parse_job_spec
+
+pytestmark = pytest.mark.unit
+
+
+def checkpoints(state_dir: Path, jobs: list[str], ranks: int = 2) -> None:
+    """Checkpoints of `jobs`, written in that order (the last the newest)."""
+    for age, job in enumerate(reversed(jobs)):
+        for rank in range(ranks):
+            path = checkpoint_path(state_dir, job, rank)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"checkpoint")
+            os.utime(path, (1_000_000 - age, 1_000_000 - age))
+
+
+def jobs_left(state_dir: Path, where: str = "") -> set[str]:
+    return {path.name.rsplit("-rank", 1)[0] for path in (state_dir / CHECKPOINTS_DIR / where).glob("*.pt")}
+
+
+def test_an_ended_jobs_checkpoints_are_deleted_and_the_running_jobs_kept(tmp_path):
+    checkpoints(tmp_path, ["old-1", "running-2", "ended-3"])
+    deleted = retire_checkpoints(tmp_path, ended="ended-3", running="running-2")
+    assert jobs_left(tmp_path) == {"running-2"}
+    assert len(deleted) == 4
+
+
+def test_keep_checkpoints_keeps_the_jobs_that_ended_last(tmp_path):
+    checkpoints(tmp_path, ["job-a", "job-b", "job-c", "job-d"])
+    retire_checkpoints(tmp_path, ended="job-d", keep_jobs=2)
+    assert jobs_left(tmp_path) == {"job-c", "job-d"}
+
+
+def test_a_job_that_asks_to_keep_its_checkpoints_keeps_them_apart(tmp_path):
+    checkpoints(tmp_path, ["kept-job", "other"])
+    retire_checkpoints(tmp_path, ended="kept-job", keep_ended=True)
+    assert jobs_left(tmp_path) == set() and jobs_left(tmp_path, KEPT_DIR) == {"kept-job"}
+    checkpoints(tmp_path, ["next"])
+    retire_checkpoints(tmp_path, ended="next")  # later sweeps leave the kept ones alone
+    assert jobs_left(tmp_path, KEPT_DIR) == {"kept-job"}
+
+
+def test_a_sweep_without_an_ended_job_retires_what_ended_while_the_agent_was_away(tmp_path):
+    checkpoints(tmp_path, ["gone-while-away", "resumed"])
+    (tmp_path / CHECKPOINTS_DIR / "cut-short-rank0.tmp").write_bytes(b"half")
+    retire_checkpoints(tmp_path, running="resumed")
+    assert jobs_left(tmp_path) == {"resumed"}
+    assert not list((tmp_path / CHECKPOINTS_DIR).glob("*.tmp"))
+    assert retire_checkpoints(tmp_path / "nothing-here") == []
+
+
+def test_the_coordinator_keeps_the_run_directories_of_the_newest_ended_jobs(tmp_path):
+    clock = iter(range(100, 200))
+    store = MemoryState(clock=lambda: float(next(clock)))
+    runs = tmp_path / "runs"
+    outside = tmp_path / "elsewhere"
+    for index, (state, run_dir) in enumerate([(JobState.FINISHED, runs / "j0"), (JobState.FAILED, runs / "j1"),
+                                              (JobState.STOPPED, outside), (JobState.FINISHED, runs / "j3"),
+                                              (JobState.RUNNING, runs / "j4"), (JobState.FINISHED, runs / "j5")]):
+        run_dir.mkdir(parents=True)
+        store.add_job(f"j{index}", parse_job_spec({"name": f"j{index}", "nodes": 1}), "", str(run_dir))
+        store.start_job(f"j{index}", [f"node-{index}"])
+        if state != JobState.RUNNING:
+            store.end_job(f"j{index}", state)
+    assert retire_run_dirs(store, runs, keep=0) == []  # 0: keep all
+    removed = retire_run_dirs(store, runs, keep=2)
+    # The newest ended are j5 and j3; j2's directory is not under the runs directory, j4 still runs.
+    assert removed == [("j1", (runs / "j1").resolve()), ("j0", (runs / "j0").resolve())]
+    assert sorted(path.name for path in runs.iterdir()) == ["j3", "j4", "j5"] and outside.is_dir()
+    assert store.job("j0") is not None  # the job stays listed
