@@ -30,7 +30,8 @@ RETIRE_WAIT_S = 15.0  # the agents hear of the job's end on their assignment str
 def run_job(cluster: LocalCluster, data_dir: Path, name: str, algorithm: dict, **fields) -> pb.JobStatusReply:
     spec = {"name": f"export-{name}", "nodes": 4, "steps": 40, "eval_every": 20, "algorithm": {"lr": 0.05, **algorithm},
             "model": {"name": "logistic"}, "topology": {"kind": "ring"},
-            "data": {"data_dir": str(data_dir), "split": "iid", "batch_size": 50, "test_limit": TEST_LIMIT}, **fields}
+            "data": {"data_dir": str(data_dir), "split": "iid", "batch_size": 50, "test_limit": TEST_LIMIT}}
+    spec.update(fields)
     status = cluster.wait(cluster.submit(yaml.safe_dump(spec)), timeout_s=120)
     assert status.state == pb.JOB_FINISHED, status.reason
     return status
@@ -112,8 +113,11 @@ def test_an_all_reduce_job_exports_rank_0_and_keeps_the_checkpoints_it_asks_to(c
                                               fashion_mnist_dir)
     assert manifest["source"] == "rank 0" and manifest["metric"]["value"] == final_accuracy(status, 0)
     assert accuracy == pytest.approx(final_accuracy(status, 0), abs=1e-6)
-    assert wait_for_no_checkpoints(cluster, status.job_id) == []
     kept = checkpoints_of(cluster, status.job_id, KEPT_DIR)
     assert sorted(path.name for path in kept) == [f"{status.job_id}-rank{rank}.pt" for rank in range(4)]
+    # A job that ended after it (any job: the agents sweep when one ends) leaves them there.
+    later = run_job(cluster, fashion_mnist_dir, "after-kept", {"name": "allreduce"}, steps=4, eval_every=4)
+    assert wait_for_no_checkpoints(cluster, later.job_id) == []
+    assert sorted(checkpoints_of(cluster, status.job_id, KEPT_DIR)) == sorted(kept)
     for path in kept:
         path.unlink()

@@ -33,32 +33,36 @@ def jobs_left(state_dir: Path, where: str = "") -> set[str]:
 
 def test_an_ended_jobs_checkpoints_are_deleted_and_the_running_jobs_kept(tmp_path):
     checkpoints(tmp_path, ["old-1", "running-2", "ended-3"])
-    deleted = retire_checkpoints(tmp_path, ended="ended-3", running="running-2")
+    deleted = retire_checkpoints(tmp_path, running="running-2")
     assert jobs_left(tmp_path) == {"running-2"}
     assert len(deleted) == 4
 
 
-def test_keep_checkpoints_keeps_the_jobs_that_ended_last(tmp_path):
+def test_keep_checkpoints_keeps_the_jobs_whose_checkpoints_were_written_last(tmp_path):
     checkpoints(tmp_path, ["job-a", "job-b", "job-c", "job-d"])
-    retire_checkpoints(tmp_path, ended="job-d", keep_jobs=2)
+    retire_checkpoints(tmp_path, keep_jobs=2)
+    assert jobs_left(tmp_path) == {"job-c", "job-d"}
+    retire_checkpoints(tmp_path, keep_jobs=2, running="job-a")  # a running job counts not among the kept
     assert jobs_left(tmp_path) == {"job-c", "job-d"}
 
 
-def test_a_job_that_asks_to_keep_its_checkpoints_keeps_them_apart(tmp_path):
-    checkpoints(tmp_path, ["kept-job", "other"])
-    retire_checkpoints(tmp_path, ended="kept-job", keep_ended=True)
+def test_a_job_that_keeps_its_checkpoints_writes_them_where_retention_never_looks(tmp_path):
+    kept = checkpoint_path(tmp_path, "kept-job", 0, keep=True)
+    assert kept.parent == tmp_path / CHECKPOINTS_DIR / KEPT_DIR
+    kept.parent.mkdir(parents=True)
+    kept.write_bytes(b"checkpoint")
+    checkpoints(tmp_path, ["other"])
+    retire_checkpoints(tmp_path)
     assert jobs_left(tmp_path) == set() and jobs_left(tmp_path, KEPT_DIR) == {"kept-job"}
-    checkpoints(tmp_path, ["next"])
-    retire_checkpoints(tmp_path, ended="next")  # later sweeps leave the kept ones alone
-    assert jobs_left(tmp_path, KEPT_DIR) == {"kept-job"}
 
 
-def test_a_sweep_without_an_ended_job_retires_what_ended_while_the_agent_was_away(tmp_path):
-    checkpoints(tmp_path, ["gone-while-away", "resumed"])
+def test_a_write_cut_short_is_swept_too_and_a_missing_directory_is_nothing_to_do(tmp_path):
+    checkpoints(tmp_path, ["resumed"])
     (tmp_path / CHECKPOINTS_DIR / "cut-short-rank0.tmp").write_bytes(b"half")
+    (tmp_path / CHECKPOINTS_DIR / "resumed-rank0.tmp").write_bytes(b"half")  # the running job's: left to it
     retire_checkpoints(tmp_path, running="resumed")
     assert jobs_left(tmp_path) == {"resumed"}
-    assert not list((tmp_path / CHECKPOINTS_DIR).glob("*.tmp"))
+    assert [path.name for path in (tmp_path / CHECKPOINTS_DIR).glob("*.tmp")] == ["resumed-rank0.tmp"]
     assert retire_checkpoints(tmp_path / "nothing-here") == []
 
 

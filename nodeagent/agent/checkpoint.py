@@ -6,8 +6,8 @@ computes on, so a job checkpointed on a GPU resumes on a CPU agent and the other
 Retention: a checkpoint serves a rank that restarts while its job runs. Once the job ended on this agent it serves
 nothing (a job id is never run again, and each rank sent its final model to the coordinator as it finished, which is
 what `coordinator export` reads): the agent deletes it then, except the checkpoints of the last `--keep-checkpoints`
-jobs that ended here, and those of a job that asks to keep them (`checkpoint.keep`), which are moved to
-STATE_DIR/checkpoints/kept/ and never deleted by the agent."""
+jobs that ended here. A job that asks to keep its checkpoints (`checkpoint.keep`) writes them to
+STATE_DIR/checkpoints/kept/, which the agent never cleans."""
 
 from __future__ import annotations
 
@@ -26,32 +26,27 @@ CHECKPOINTS_DIR = "checkpoints"
 KEPT_DIR = "kept"
 
 
-def checkpoint_path(state_dir: Path, job_id: str, rank: int) -> Path:
-    return state_dir / CHECKPOINTS_DIR / f"{job_id}-rank{rank}.pt"
+def checkpoint_path(state_dir: Path, job_id: str, rank: int, keep: bool = False) -> Path:
+    """Where a rank's checkpoint lives: under STATE_DIR/checkpoints, or its kept/ directory for a job that keeps its
+    checkpoints (`checkpoint.keep`), which retention never touches."""
+    directory = state_dir / CHECKPOINTS_DIR
+    return (directory / KEPT_DIR if keep else directory) / f"{job_id}-rank{rank}.pt"
 
 
 def _job_of(path: Path) -> str:
-    return path.name.removesuffix(".pt").rsplit("-rank", 1)[0]
+    return path.name.removesuffix(".pt").removesuffix(".tmp").rsplit("-rank", 1)[0]
 
 
-def retire_checkpoints(state_dir: Path, ended: str | None = None, keep_ended: bool = False, keep_jobs: int = 0,
-                       running: str | None = None) -> list[Path]:
-    """Apply retention after the job `ended` ended on this agent (None: only sweep, as when the agent starts): its
-    checkpoints go to the kept directory if the job asked to keep them (`keep_ended`); then the checkpoints of every
-    job but `running` are deleted, except those of the `keep_jobs` jobs whose checkpoints were written last.
-    Returns the files deleted."""
+def retire_checkpoints(state_dir: Path, keep_jobs: int = 0, running: str | None = None) -> list[Path]:
+    """Delete the checkpoints of every job but `running` (this agent's job now, if any), except those of the
+    `keep_jobs` jobs whose checkpoints were written last; called when a job ended here and on the first assignment
+    after the agent started. The kept directory is left alone. Returns the files deleted."""
     directory = state_dir / CHECKPOINTS_DIR
     if not directory.is_dir():
         return []
-    if ended is not None and keep_ended:
-        kept = directory / KEPT_DIR
-        kept.mkdir(exist_ok=True)
-        for path in directory.glob("*.pt"):
-            if _job_of(path) == ended:
-                os.replace(path, kept / path.name)
     last_written: dict[str, float] = {}
     files: dict[str, list[Path]] = {}
-    for path in directory.glob("*.pt"):
+    for path in [*directory.glob("*.pt"), *directory.glob("*.tmp")]:  # a .tmp: a write cut short by a crash
         job = _job_of(path)
         if job == running:
             continue
@@ -67,9 +62,6 @@ def retire_checkpoints(state_dir: Path, ended: str | None = None, keep_ended: bo
         for path in files[job]:
             path.unlink(missing_ok=True)
             deleted.append(path)
-    for leftover in directory.glob("*.tmp"):  # a write cut short by a crash
-        if _job_of(leftover.with_suffix(".pt")) != running:
-            leftover.unlink(missing_ok=True)
     return deleted
 
 

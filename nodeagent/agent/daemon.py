@@ -331,7 +331,7 @@ class Agent:
                 runner.join(timeout=30)
                 self._runner = None
                 if not runner.is_alive():  # else it may still write a checkpoint: the next sweep takes it
-                    self._retire_checkpoints(current, runner.job_id, runner.spec.checkpoint.keep)
+                    self._retire_checkpoints(current)
                 runner = None
             elif not self._swept:  # checkpoints of jobs that ended while this agent was away
                 self._retire_checkpoints(current)
@@ -343,11 +343,10 @@ class Agent:
             else:
                 runner.update(assignment)
 
-    def _retire_checkpoints(self, running: str | None, ended: str | None = None, keep_ended: bool = False) -> None:
+    def _retire_checkpoints(self, running: str | None) -> None:
         self._swept = True
         try:
-            deleted = retire_checkpoints(self.config.state_dir, ended, keep_ended, self.config.keep_checkpoints,
-                                         running)
+            deleted = retire_checkpoints(self.config.state_dir, self.config.keep_checkpoints, running)
         except OSError as error:
             log.warning("could not delete the checkpoints of ended jobs: %s", error)
             return

@@ -178,7 +178,7 @@ class JobRunner(threading.Thread):
         node = build_node(spec, self.rank, self.neighbors, self.self_weight, agent.config.data_dir,
                           self.peer_schedule, allow_imports=agent.config.allow_imports, device=self.device)
         algorithm = node.algorithm
-        checkpoint = checkpoint_path(agent.config.state_dir, self.job_id, self.rank)
+        checkpoint = checkpoint_path(agent.config.state_dir, self.job_id, self.rank, spec.checkpoint.keep)
         # A node that joins takes the model from its neighbours; a checkpoint of this rank from an earlier stay in
         # the job is stale (unless this rank ran here already: a restart).
         resumed = (not self.joined_at or self.rejoin) and restore_checkpoint(checkpoint, algorithm)
