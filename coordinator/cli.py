@@ -869,11 +869,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from coordinator.simulate import SimulationProgress, simulate
     from nodeagent.training.data import DataError
     from nodeagent.training.device import DeviceError, resolve_device
-    from nodeagent.training.models import ModelError, module_problem
+    from nodeagent.training.models import ModelError
 
-    for module in args.allow_import:
-        if problem := module_problem(module):
-            raise SystemExit(f"coordinator: --allow-import {problem}")
+    _check_imports(args.allow_import)
     try:
         device = resolve_device(args.device)
     except DeviceError as error:
