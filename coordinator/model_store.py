@@ -182,8 +182,8 @@ class ModelStore:
             return self._server_model(job, described, members)
         elif family is Family.COLLECTIVE:  # every rank holds the same model: rank 0's, or the first that sent one
             ranks = [r for r in sorted(members) if model_path(job.run_dir, r).exists()][:1] or [0]
-        else:
-            ranks = sorted(members)
+        else:  # the members at the end (an elastic job's that left took no part in it)
+            ranks = sorted(r for r, member in members.items() if not member.left)
         missing = [r for r in ranks if not model_path(job.run_dir, r).exists()]
         if missing:
             raise LookupError(f"no model of rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}: "
