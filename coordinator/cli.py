@@ -48,8 +48,17 @@ from nodeagent.defaults import (
     COORDINATOR_PORT,
     ENROLL_PORT,
     HEARTBEAT_TIMEOUT_S,
+    KEEP_RUNS,
 )
-from nodeagent.jobspec import DEFAULT_DATA_DIR, JobFile, JobSpecError, load_job_file, parse_job_yaml
+from nodeagent.jobspec import (
+    DEFAULT_DATA_DIR,
+    JobFile,
+    JobSpecError,
+    Override,
+    load_job_file,
+    parse_job_yaml,
+    parse_override,
+)
 from nodeagent.listen import ListenError
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import SERVER_OPTIONS, bind_grpc_server, shown, split_address
@@ -65,6 +74,7 @@ EXIT_FINISHED, EXIT_FAILED, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 3, 130
 FOLLOW_EXIT_HELP = "0 finished, 1 failed (or the coordinator lost), 3 stopped, 130 interrupted (the job goes on)"
 FOLLOW_POLL_S = 1.0
 FOLLOW_RECONNECT_S = 60.0  # how long `follow` keeps trying to reach a coordinator that went away
+EXPORT_TIMEOUT_S = 600.0  # the whole download of a trained model
 
 
 def _add_coordinator_option(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +95,23 @@ def _add_coordinator_option(parser: argparse.ArgumentParser) -> None:
         "--insecure", action="store_true", default=None,
         help="plaintext, no certificate: only for a coordinator serving with --insecure (env PEERTRAIN_INSECURE=1)",
     )
+
+
+def _add_set_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="PATH=VALUE", dest="overrides",
+        help="override a field of the job file, e.g. --set algorithm.lr=0.05 --set nodes=16: PATH is the field's "
+        "dotted path (as in docs/jobs.md), VALUE is read as YAML (a number, true/false, a string, [a, b], {k: v}); "
+        "checked by the job's schema as if the file said it; repeat for several",
+    )
+
+
+def _overrides(args: argparse.Namespace) -> list[Override]:
+    """The command's `--set` options, parsed; SystemExit naming the one that is wrong."""
+    try:
+        return [parse_override(text) for text in args.overrides]
+    except JobSpecError as error:
+        raise SystemExit(f"coordinator: {error}") from None
 
 
 def _add_state_dir_option(parser: argparse.ArgumentParser) -> None:
@@ -130,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
         "experiments only",
     )
     serve.add_argument("--runs-dir", type=Path, help="where run directories go (default STATE_DIR/runs)")
+    serve.add_argument(
+        "--keep-runs", type=int, default=KEEP_RUNS, metavar="N",
+        help="keep the run directories (metrics, events, trained models) of the newest N ended jobs and delete older "
+        "ones as jobs end; 0 keeps all (default %(default)s)",
+    )
     serve.add_argument(
         "--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S,
         help="seconds without a heartbeat after which a node is marked down (default %(default)s)",
@@ -180,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     submit.add_argument("job_file", type=Path, metavar="JOB.yaml")
     submit.add_argument("--follow", action="store_true", help="follow the job until it ends (as `follow JOB`)")
+    _add_set_option(submit)
     _add_coordinator_option(submit)
 
     follow = commands.add_parser(
@@ -255,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
         "faults, partitions). Writes the same metrics log as a real run.",
     )
     simulate.add_argument("job_file", type=Path, metavar="JOB.yaml")
+    _add_set_option(simulate)
     simulate.add_argument("--runs", type=Path, default=Path("runs"),
                           help="parent of the run directory (default %(default)s)")
     simulate.add_argument("--data-dir", default=os.environ.get("PEERTRAIN_DATA_DIR"),
@@ -275,9 +309,19 @@ def build_parser() -> argparse.ArgumentParser:
         "time and steps, traffic per edge as a matrix, throughput and computing time ratio per device, parameter-"
         "server traffic. Several runs are overlaid; a 1-node run or one labelled 'reference' is drawn dashed. RUN "
         "is a run directory, or a job (id, unique id prefix or name) whose run directory the coordinator names and "
-        "this machine can read.",
+        "this machine can read. With --model, instead: evaluate a model file `coordinator export` wrote on its "
+        "job's test set.",
     )
-    report.add_argument("runs", nargs="+", metavar="RUN", help="a run directory or a job")
+    report.add_argument("runs", nargs="*", metavar="RUN", help="a run directory or a job")
+    report.add_argument("--model", type=Path, metavar="MODEL.pt",
+                        help="evaluate this exported model on its job's test set and print its metric (and the one "
+                        "the job reported) instead of drawing runs")
+    report.add_argument("--data-dir", default=os.environ.get("PEERTRAIN_DATA_DIR"),
+                        help="with --model: directory of the job's data, overriding the job's data.data_dir (env "
+                        "PEERTRAIN_DATA_DIR)")
+    report.add_argument("--allow-import", action="append", default=[], metavar="PACKAGE.MODULE",
+                        help="with --model: a module the job's model factory may be imported from, as `coordinator "
+                        "simulate --allow-import`")
     report.add_argument("--out", type=Path,
                         help="output directory (default: RUN/report for one run, else ./report)")
     report.add_argument("--labels", nargs="+", metavar="LABEL", default=[],
@@ -286,10 +330,30 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated accuracies for the table's time-to-reach columns (default %(default)s)")
     _add_coordinator_option(report)
 
+    export = commands.add_parser(
+        "export", help="write a job's trained model as a PyTorch file: its state_dict and a manifest",
+        description="Fetch a job's trained model from the coordinator (its ranks sent their final models there as "
+        "they finished) and write it as one file: torch.save({'state_dict': ..., 'manifest': ...}), which "
+        "torch.load(path, weights_only=True) reads. The state_dict's keys are the model's own; the manifest names "
+        "the job, its algorithm, the model's name and options, the data, the step and the job's metric. Default: the "
+        "job's consensus, the mean of the ranks' models for the peer-to-peer algorithms, the server's model for the "
+        "parameter-server ones, rank 0's for all-reduce. docs/operations.md shows how to load it.",
+    )
+    export.add_argument("job_id", metavar="JOB",
+                        help="a job's id, a unique prefix of it, or its name (the newest of that name)")
+    export.add_argument("--out", type=Path, required=True, metavar="MODEL.pt", help="the file to write")
+    export.add_argument("--rank", type=int, help="this rank's model instead of the job's consensus")
+    export.add_argument("--allow-import", action="append", default=[], metavar="PACKAGE.MODULE",
+                        help="a module the job's model factory may be imported from ('PACKAGE.MODULE:factory'), as "
+                        "`coordinator simulate --allow-import`: the model is rebuilt here to check and lay out what "
+                        "the coordinator sends")
+    _add_coordinator_option(export)
+
     inspect = commands.add_parser(
         "inspect", help="show a job's topology and each node's data shard (counts and label histogram)"
     )
     inspect.add_argument("job_file", type=Path, metavar="JOB.yaml")
+    _add_set_option(inspect)
     inspect.add_argument("--data-dir", default=os.environ.get("PEERTRAIN_DATA_DIR"),
                          help="directory of the job's data (any data.dataset kind), overriding its data.data_dir "
                          "(env PEERTRAIN_DATA_DIR)")
@@ -342,6 +406,7 @@ def _add_job_file_commands(commands: argparse._SubParsersAction) -> None:
                       "`coordinator schema --markdown` lists them)")
     init.add_argument("--out", type=Path, default=Path("job.yaml"), help="the file to write (default %(default)s)")
     init.add_argument("--force", action="store_true", help="overwrite the file if it exists")
+    _add_set_option(init)
 
     validate = commands.add_parser(
         "validate", help="check job files as the coordinator would, without submitting them",
@@ -349,6 +414,7 @@ def _add_job_file_commands(commands: argparse._SubParsersAction) -> None:
         "model); exit 1 at the first that is refused, naming the field.",
     )
     validate.add_argument("job_files", type=Path, nargs="+", metavar="JOB.yaml")
+    _add_set_option(validate)
 
 
 # -- `coordinator topology` (a running job's topology changed) -----------------------------------------------------
@@ -455,7 +521,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host, _port = split_address(args.listen)
     config = CoordinatorConfig(
         state_dir=args.state_dir, runs_dir=args.runs_dir, heartbeat_timeout_s=args.heartbeat_timeout,
+        keep_runs=args.keep_runs,
     )
+    if args.keep_runs < 0:
+        raise SystemExit("coordinator: --keep-runs must be >= 0")
     with hold_state_dir(config.state_dir):
         writable_directory(config.run_root, "runs directory")
         ca = None
@@ -592,7 +661,7 @@ def _issue_offline(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    job = _load_job(args.job_file)  # refused here, before anything reaches the coordinator
+    job = _load_job(args.job_file, args)  # refused here, before anything reaches the coordinator
     # The text as loaded: an edge file the job names is inlined, since the coordinator reads no files.
     stub = _stub(args)
     reply = stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=job.text), timeout=30)
@@ -779,12 +848,14 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_job(path: Path) -> JobFile:
-    """The job of `path`, validated as the coordinator validates it (schema, algorithm, options, topology)."""
+def _load_job(path: Path, args: argparse.Namespace) -> JobFile:
+    """The job of `path` with the command's `--set` overrides, validated as the coordinator validates it (schema,
+    algorithm, options, topology)."""
     from coordinator.jobs import validate_job
 
+    overrides = _overrides(args)
     try:
-        job = load_job_file(path)
+        job = load_job_file(path, overrides)
         validate_job(job.spec)
     except OSError as error:
         raise SystemExit(f"coordinator: cannot read {path}: {error.strerror}") from None
@@ -798,16 +869,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from coordinator.simulate import SimulationProgress, simulate
     from nodeagent.training.data import DataError
     from nodeagent.training.device import DeviceError, resolve_device
-    from nodeagent.training.models import ModelError, module_problem
+    from nodeagent.training.models import ModelError
 
-    for module in args.allow_import:
-        if problem := module_problem(module):
-            raise SystemExit(f"coordinator: --allow-import {problem}")
+    _check_imports(args.allow_import)
     try:
         device = resolve_device(args.device)
     except DeviceError as error:
         raise SystemExit(f"coordinator: {error}") from None
-    spec = _load_job(args.job_file).spec.sized()  # an elastic job is simulated at its largest size
+    spec = _load_job(args.job_file, args).spec.sized()  # an elastic job is simulated at its largest size
     if spec.training.precision == "fp16" and device.type != "cuda":
         raise SystemExit(f"coordinator: {args.job_file}: training.precision fp16 needs a CUDA device (--device cuda)")
     job_id = f"sim-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -829,7 +898,46 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from coordinator.export import ExportError, receive_model, write_model
+    from nodeagent.training.models import ModelError
+
+    _check_imports(args.allow_import)
+    if args.rank is not None and args.rank < 0:
+        raise SystemExit("coordinator: --rank must be >= 0")
+    request = pb.ExportModelRequest(job_id=args.job_id)
+    if args.rank is not None:
+        request.rank = args.rank
+    try:
+        state_dict, manifest = receive_model(_stub(args).ExportModel(request, timeout=EXPORT_TIMEOUT_S),
+                                             tuple(args.allow_import))
+    except (ExportError, ModelError) as error:
+        raise SystemExit(f"coordinator: {error}") from None
+    try:
+        write_model(args.out, state_dict, manifest)
+    except OSError as error:
+        raise SystemExit(f"coordinator: cannot write {args.out}: {error.strerror}") from None
+    metric = manifest["metric"]
+    parameters = sum(tensor.numel() for tensor in state_dict.values())
+    print(shown(f"wrote {args.out}: job {manifest['job_id']} ({manifest['algorithm']}), {manifest['source']} at "
+                f"step {manifest['step']}; model {manifest['model']['name']}, {parameters} values in "
+                f"{len(state_dict)} tensors; {metric['name']} {metric['value']:.4f} ({metric['of']})"))
+    return 0
+
+
+def _check_imports(modules: list[str]) -> None:
+    from nodeagent.training.models import module_problem
+
+    for module in modules:
+        if problem := module_problem(module):
+            raise SystemExit(f"coordinator: --allow-import {problem}")
+
+
 def cmd_report(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        return _report_model(args)
+    if not args.runs:
+        raise SystemExit("coordinator: report needs a RUN (a run directory or a job), or --model MODEL.pt")
     from coordinator.report import ReportError, write_report
 
     try:
@@ -844,6 +952,25 @@ def cmd_report(args: argparse.Namespace) -> int:
     except ReportError as error:
         raise SystemExit(f"coordinator: {error}") from None
     print(page)
+    return 0
+
+
+def _report_model(args: argparse.Namespace) -> int:
+    """`report --model`: the exported model evaluated on its job's test set, beside what the job reported."""
+    from coordinator.export import ExportError, evaluate_model_file
+    from nodeagent.training.data import DataError
+    from nodeagent.training.models import ModelError
+
+    _check_imports(args.allow_import)
+    try:
+        result, manifest = evaluate_model_file(args.model, args.data_dir, tuple(args.allow_import))
+    except (ExportError, ModelError, DataError) as error:
+        raise SystemExit(f"coordinator: {error}") from None
+    metric = manifest["metric"]
+    print(shown(f"{args.model}: job {manifest['job_id']} ({manifest['algorithm']}), {manifest['source']} at step "
+                f"{manifest['step']}: test accuracy {result.accuracy:.4f}, test loss {result.loss:.4f} on "
+                f"{manifest['data']['dataset']}; the job reported {metric['name']} {metric['value']:.4f} "
+                f"({metric['of']})"))
     return 0
 
 
@@ -872,7 +999,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from nodeagent.training.data import DataError, load_dataset
     from nodeagent.training.splits import describe_split, format_split_table, split_indices
 
-    spec = _load_job(args.job_file).spec
+    spec = _load_job(args.job_file, args).spec
     topology = validate_job(spec)
     spec = spec.sized()  # an elastic job at its largest size: its data is split into that many shards
     degrees = [topology.degree(rank) for rank in range(spec.nodes)]
@@ -908,7 +1035,7 @@ def cmd_init(args: argparse.Namespace) -> int:
     from coordinator.jobschema import commented_job
 
     try:
-        text = commented_job(args.algorithm)
+        text = commented_job(args.algorithm, _overrides(args))
     except ValueError as error:
         raise SystemExit(f"coordinator: {error}") from None
     try:
@@ -925,7 +1052,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     for path in args.job_files:
-        spec = _load_job(path).spec
+        spec = _load_job(path, args).spec
         nodes = f"{spec.min_nodes}..{spec.max_nodes} nodes (elastic)" if spec.elastic else f"{spec.nodes} nodes"
         print(f"{path}: valid: {spec.name}, {nodes}, {spec.algorithm.name} on {spec.topology.kind}, "
               f"{spec.steps} steps")
@@ -944,7 +1071,8 @@ def main(argv: list[str] | None = None) -> int:
         "serve": cmd_serve, "ca": cmd_ca, "token": cmd_token, "cert": cmd_cert,
         "submit": cmd_submit, "follow": cmd_follow, "logs": cmd_logs, "jobs": cmd_jobs, "nodes": cmd_nodes,
         "status": cmd_status, "stop": cmd_stop, "edges": cmd_edges, "topology": cmd_topology,
-        "simulate": cmd_simulate, "report": cmd_report, "inspect": cmd_inspect, "demo": cmd_demo,
+        "simulate": cmd_simulate, "report": cmd_report, "export": cmd_export, "inspect": cmd_inspect,
+        "demo": cmd_demo,
         "schema": cmd_schema, "init": cmd_init, "validate": cmd_validate,
     }
     try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+from collections.abc import Sequence
 from typing import Any, get_args
 
 import yaml
@@ -25,7 +26,7 @@ from pydantic import BaseModel
 
 from coordinator.topology import DYNAMIC_KINDS, KIND_MEANINGS, KINDS, EdgeListOptions, kind_options
 from nodeagent.algorithms import REGISTRY
-from nodeagent.jobspec import AlgorithmSpec, JobSpec
+from nodeagent.jobspec import AlgorithmSpec, JobSpec, JobSpecError, Override, apply_overrides, parse_job_spec
 from nodeagent.training.splits import SPLIT_MEANINGS, SPLIT_OPTIONS
 
 Schema = dict[str, Any]
@@ -61,6 +62,11 @@ fields are refused, and an error names the field that is wrong.
   comment, and the algorithm's own options;
 - `coordinator validate JOB.yaml` checks a job file as the coordinator would (schema, algorithm, options, topology)
   without submitting it; `coordinator inspect JOB.yaml` also shows its graph and each node's data shard;
+- `--set PATH=VALUE` on `submit`, `simulate`, `validate`, `inspect` and `init` changes one field without another
+  file: `coordinator simulate job.yaml --set algorithm.lr=0.05 --set nodes=16`. PATH is the field's dotted path as
+  in the tables below (`algorithm.options.outer_lr`, `simulation.network.latency_s`), VALUE is read as YAML (`0.05`,
+  `true`, `ring`, `[1, 2]`, `{{min: 2, max: 8}}`), and the job is checked as if the file said it: a path that names
+  no field, or a value of the wrong type, is refused naming the field;
 - `coordinator schema > job.schema.json` writes the JSON Schema of a job file, for editors that complete and check
   YAML against a schema (VS Code's YAML extension reads a first line `# yaml-language-server: $schema=job.schema.json`).
 
@@ -288,16 +294,29 @@ def _yaml_value(value: Any) -> str:
 # The commented job file (coordinator init)
 
 
-def commented_job(algorithm: str) -> str:
+def commented_job(algorithm: str, overrides: Sequence[Override] = ()) -> str:
     """A job file for `algorithm` with every field at its default, each under a comment giving its meaning, and
-    the algorithm's own options at their defaults. ValueError names the algorithms if it is not one."""
+    the algorithm's own options at their defaults; `overrides` (`--set PATH=VALUE`) replace defaults, checked as a
+    job file's fields are. ValueError names the algorithms if it is not one; JobSpecError the override that does not
+    fit."""
+    from coordinator.jobs import validate_job
+
     if algorithm not in REGISTRY:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(sorted(REGISTRY))}")
+    if any(override.path == ("algorithm", "name") for override in overrides):
+        raise JobSpecError("--set algorithm.name: name the algorithm as `coordinator init ALGORITHM`")
     schema = job_schema()
     defs = schema["$defs"]
     cls = REGISTRY[algorithm]
     values = JobSpec(name=algorithm, algorithm=AlgorithmSpec(name=algorithm)).model_dump(mode="json")
     values["algorithm"]["options"] = cls.Options().model_dump(mode="json", by_alias=True)
+    if overrides:
+        apply_overrides(values, overrides)
+        try:
+            validate_job(parse_job_spec(values))
+        except JobSpecError as error:
+            given = ", ".join(f"--set {override}" for override in overrides)
+            raise JobSpecError(f"{error} (with {given})") from None
     header = (f"A peertrain job: {algorithm}. {cls.__doc__ or ''} Written by `coordinator init` with every field "
               "at its default; docs/jobs.md explains each field, every algorithm, topology kind and split. Delete "
               "what you do not change.")

@@ -79,8 +79,9 @@ WAIT_SLICE_S = 0.5  # a waiting push checks this often whether its caller is sti
 def add_coordinator_servicer(servicer: object, server: grpc.Server) -> None:
     """Register the coordinator's servicer with the frames of PsPush as bytes, which the decoder reads within its
     limits (a manifest frame is refused above nodeagent.wire.frames.MAX_CONTROL_FRAME_BYTES before protobuf parses
-    it); the pushes are the only tensor streams a worker sends the coordinator."""
-    add_servicer(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, servicer, server, raw_requests=("PsPush",))
+    it); the pushes and the trained models (UploadModel) are the tensor streams a worker sends the coordinator."""
+    add_servicer(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, servicer, server,
+                 raw_requests=("PsPush", "UploadModel"))
 
 
 def status_of(failure: WireError | ProtocolError | JobClosed) -> tuple[grpc.StatusCode, str]:

@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import secrets
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,16 +28,18 @@ from coordinator.control.plane import (
 )
 from coordinator.control.records import Job, MemberRow, NodeRow
 from coordinator.control.sqlite import SqliteState
+from coordinator.control.state import ControlState
 from coordinator.control.states import JobState, MemberState
 from coordinator.jobs import (
     validate_job,
 )
+from coordinator.model_store import ModelStore
 from coordinator.ps_service import PSService
 from coordinator.rendezvous import Rendezvous, RendezvousError, request_problem
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 from nodeagent.algorithms import Family, lookup
-from nodeagent.defaults import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
+from nodeagent.defaults import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, KEEP_RUNS
 from nodeagent.jobspec import (
     MAX_NODES,
     JobSpec,
@@ -110,10 +113,11 @@ _OPERATOR = frozenset({Role.OPERATOR})
 # Who may call what on the coordinator. A node acts only as itself (the handlers check the node id fields).
 COORDINATOR_RULES = rules_for("peertrain.v1.Coordinator", {
     **dict.fromkeys(("Register", "Heartbeat", "WatchAssignment", "ReportMetrics", "ReportFailure", "Deregister",
-                     "ReportEvents", "JobReady", "PsPush", "PsPull", "PsReport", "Rendezvous"), _NODE),
+                     "ReportEvents", "JobReady", "PsPush", "PsPull", "PsReport", "Rendezvous", "UploadModel"), _NODE),
     **dict.fromkeys(("SubmitJob", "StopJob", "ListNodes", "JobStatus", "ListJobs", "JobEvents", "RemoveNode",
                      "DrainNode",
-                     "CreateJoinToken", "RevokeCertificate", "ListCertificates", "ChangeTopology"), _OPERATOR),
+                     "CreateJoinToken", "RevokeCertificate", "ListCertificates", "ChangeTopology", "ExportModel"),
+                   _OPERATOR),
     "RenewCertificate": _NODE | _OPERATOR,
 })
 
@@ -125,6 +129,7 @@ class CoordinatorConfig:
     heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
     heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
     ps_fsync: bool = False  # also fsync the parameter server's state before answering (survives a machine crash)
+    keep_runs: int = KEEP_RUNS  # run directories of this many ended jobs are kept, the newest (0: all)
 
     @property
     def run_root(self) -> Path:
@@ -205,6 +210,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.plane = ControlPlane(self.store, time.time, config.heartbeat_timeout_s)
         self._plane_lock = threading.Lock()
         self.ps = PSService(self.store, metrics, fsync=config.ps_fsync)
+        self.models = ModelStore(self.store)
         self._monitor = threading.Thread(target=self._monitor_loop, name="liveness", daemon=True)
 
     def start(self) -> None:
@@ -283,6 +289,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             if isinstance(effect, JobEnded):
                 self.rendezvous.end(effect.job.job_id)
                 self.ps.close(effect.job.job_id)
+                self.models.forget(effect.job.job_id)
+                self._retire_run_dirs()
                 self.metrics.forget_job(effect.job.job_id)
                 with self._live_edges_lock:
                     self._live_edges.pop(effect.job.job_id, None)
@@ -290,6 +298,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 self._event(effect.job, effect.kind, effect.message, effect.level)
             else:
                 self.changes.bump()
+
+    def _retire_run_dirs(self) -> None:
+        for job_id, run_dir in retire_run_dirs(self.store, self.config.run_root, self.config.keep_runs):
+            self._run_logs.pop(job_id, None)
+            with self._events_lock:
+                self._event_logs.pop(job_id, None)
+            log.info("job %s: run directory %s removed (--keep-runs %d)", job_id, run_dir, self.config.keep_runs)
 
     # -- assignments ---------------------------------------------------------------------------------------------
 
@@ -576,6 +591,18 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def PsReport(self, request, context):
         return self.ps.report(request, context)
 
+    # -- trained models (coordinator.model_store) -------------------------------------------------------------------
+
+    def UploadModel(self, request_iterator, context):
+        return self.models.upload(request_iterator, context)
+
+    def ExportModel(self, request, context):
+        reference = request.job_id[:MAX_JOB_REFERENCE_CHARS]
+        job = self.store.find_job(reference) if reference else self.store.latest_job()
+        if job is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, _no_job(reference) if reference else "no jobs yet")
+        yield from self.models.export(request, context, job)
+
     # -- certificates --------------------------------------------------------------------------------------------
 
     def _require_ca(self, context) -> ClusterCA:
@@ -835,6 +862,24 @@ class EnrollmentService(coordinator_pb2_grpc.EnrollmentServicer):
         identity = pki.identity_of(cert)
         log.info("enrolled node %s (certificate %s)", name, identity.serial)
         return pb.CertificateReply(certificate_pem=pki.certificate_pem(cert), name=name, serial=identity.serial)
+
+
+def retire_run_dirs(store: ControlState, run_root: Path, keep: int) -> list[tuple[str, Path]]:
+    """Delete the run directories (metrics, events, trained models, parameter-server state) of the ended jobs beyond
+    the newest `keep` (0: keep all); the jobs stay listed. Only directories directly under `run_root` are touched.
+    Returns the jobs and directories removed."""
+    if not keep:
+        return []
+    ended = sorted(store.jobs((JobState.FINISHED, JobState.STOPPED, JobState.FAILED)),
+                   key=lambda job: job.ended_unix, reverse=True)
+    root = run_root.resolve()
+    removed = []
+    for job in ended[keep:]:
+        run_dir = Path(job.run_dir).resolve()
+        if run_dir.parent == root and run_dir.is_dir():
+            shutil.rmtree(run_dir, ignore_errors=True)
+            removed.append((job.job_id, run_dir))
+    return removed
 
 
 def bounded_report(progress: Progress) -> Progress:

@@ -16,7 +16,7 @@ import torch
 from nodeagent import __version__
 from nodeagent.agent import Agent, AgentConfig
 from nodeagent.agent.daemon import RegistrationRefused
-from nodeagent.defaults import AGENT_METRICS_PORT, AGENT_PORT, COORDINATOR_ADDRESS, ENROLL_PORT
+from nodeagent.defaults import AGENT_METRICS_PORT, AGENT_PORT, COORDINATOR_ADDRESS, ENROLL_PORT, KEEP_CHECKPOINTS
 from nodeagent.listen import ListenError
 from nodeagent.rpc import field_problem
 from nodeagent.statedir import StateDirError, hold_state_dir
@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a module that jobs may name their model factory from ('PACKAGE.MODULE:factory'); repeat for several. "
         "Exactly that module: its package's other modules stay refused. Without it no job imports code here",
     )
+    serve.add_argument(
+        "--keep-checkpoints", type=int, default=KEEP_CHECKPOINTS, metavar="N",
+        help="keep the checkpoints of the last N jobs that ended here (default %(default)s: a job's checkpoints are "
+        "deleted when it ends; its ranks sent their final models to the coordinator, for `coordinator export`). A "
+        "job with `checkpoint.keep: true` keeps its own in STATE_DIR/checkpoints/kept",
+    )
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                        help="the least severe messages logged (default %(default)s)")
     return parser
@@ -118,6 +124,8 @@ def serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"nodeagent: {error}") from None
     if args.torch_threads < 0:
         raise SystemExit("nodeagent: --torch-threads must be >= 0")
+    if args.keep_checkpoints < 0:
+        raise SystemExit("nodeagent: --keep-checkpoints must be >= 0")
     if problem := field_problem(args.name):
         raise SystemExit(f"nodeagent: --name {problem}")
     for module in args.allow_import:
@@ -136,7 +144,7 @@ def serve(args: argparse.Namespace) -> int:
             tls_dir=None if args.insecure else args.tls_dir or Path(os.environ.get("PEERTRAIN_TLS_DIR") or
                                                                     args.state_dir / "tls"),
             join_token=args.join_token, ca_fingerprint=args.ca_fingerprint, enroll_address=args.enroll_address or "",
-            allow_imports=tuple(args.allow_import),
+            allow_imports=tuple(args.allow_import), keep_checkpoints=args.keep_checkpoints,
         )
     )
     stop = threading.Event()

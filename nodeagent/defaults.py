@@ -1,5 +1,5 @@
-"""The ports and the heartbeat timing that the daemons, their command lines and their defaults share, in one place
-(the deploy files and docs/operations.md write the same numbers out for operators)."""
+"""The ports, the heartbeat timing and the retention defaults that the daemons, their command lines and their
+defaults share, in one place (the deploy files and docs/operations.md write the same numbers out for operators)."""
 
 COORDINATOR_PORT = 7070  # the coordinator's gRPC service, for agents and operators
 ENROLL_PORT = 7071  # the coordinator's enrollment service: a join token for a node certificate
@@ -10,3 +10,6 @@ COORDINATOR_ADDRESS = f"127.0.0.1:{COORDINATOR_PORT}"  # where an agent or a com
 
 HEARTBEAT_INTERVAL_S = 2.0  # how often an agent says it is up; the coordinator sends it at registration
 HEARTBEAT_TIMEOUT_S = 15.0  # a node silent for this long is marked down
+
+KEEP_RUNS = 100  # the coordinator keeps the run directories of this many ended jobs, the newest (--keep-runs)
+KEEP_CHECKPOINTS = 0  # an agent keeps the checkpoints of this many jobs that ended on it (--keep-checkpoints)

@@ -13,9 +13,10 @@ command line that loads the job file (load_job_file) and sent inline.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
@@ -217,6 +218,16 @@ class StartSpec(_Strict):
         "after the job started (the reason names the ranks and their nodes)")
 
 
+class CheckpointSpec(_Strict):
+    """What the agents keep of the job's checkpoints once it ended."""
+
+    keep: bool = Field(
+        False, description="keep every rank's last checkpoint (a flat parameter vector and the algorithm's state) on "
+        "its agent after the job ended, in STATE_DIR/checkpoints/kept, until an operator deletes it; false: the "
+        "agent deletes it when the job ends (unless its --keep-checkpoints keeps the last jobs'). The trained "
+        "model does not need it: each rank sends its final model to the coordinator (`coordinator export`)")
+
+
 class NodeRange(_Strict):
     """An elastic job's size: it starts on `min` agents (or on as many as are free, up to `max`), agents that become
     free join it while it has fewer than `max`, and a lost member leaves it while at least `min` remain."""
@@ -269,6 +280,8 @@ class JobSpec(_Strict):
     failure: FailureSpec = Field(default_factory=FailureSpec, description="what a failed or lost node does to the "
                                  "job")
     start: StartSpec = Field(default_factory=StartSpec, description="how the job starts on its nodes")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="what the agents keep of the "
+                                       "job's checkpoints once it ended")
 
     simulation: SimulationSpec = Field(default_factory=SimulationSpec, description="used by the simulator only")
 
@@ -453,20 +466,111 @@ class JobFile:
     text: str  # what `coordinator submit` sends: the file's own text, or with the edge file it names inlined
 
 
-def load_job_file(path: str | Path) -> JobFile:
-    """The job of a YAML file. An edge-list topology may name its edge file (`options.path`, relative to the job
-    file's directory): it is read here and inlined as `options.edges`, since the coordinator reads no files.
-    OSError if the job file cannot be read; JobSpecError if it is not a job (binary, empty, too large, ...) or its
-    edge file cannot be used."""
+def load_job_file(path: str | Path, overrides: Sequence[Override] = ()) -> JobFile:
+    """The job of a YAML file, with `overrides` (`--set PATH=VALUE`) applied before it is validated. An edge-list
+    topology may name its edge file (`options.path`, relative to the job file's directory): it is read here and
+    inlined as `options.edges`, since the coordinator reads no files. OSError if the job file cannot be read;
+    JobSpecError if it is not a job (binary, empty, too large, ...), an override does not fit it, or its edge file
+    cannot be used."""
     path = Path(path)
     text = _read_text(path, "the job file")
     data = _job_mapping(text)
+    apply_overrides(data, overrides)
     edge_file = _inline_edge_file(data, path.parent)
-    if edge_file is None:
+    if edge_file is None and not overrides:
         return JobFile(parse_job_spec(data), text)
     text = yaml.dump(data, Dumper=_JobDumper, sort_keys=False, allow_unicode=True)
-    _check_size(text, f"with the edges of {shown(edge_file)} inlined, the job")
-    return JobFile(parse_job_yaml(text), text)  # parsed again: what submit sends is what was checked
+    what = "with the overrides" if edge_file is None else f"with the edges of {shown(edge_file)} inlined"
+    _check_size(text, f"{what}, the job")
+    try:
+        return JobFile(parse_job_yaml(text), text)  # parsed again: what submit sends is what was checked
+    except JobSpecError as error:
+        given = ", ".join(f"--set {override}" for override in overrides)
+        raise JobSpecError(f"{error}{f' (with {given})' if overrides else ''}") from None
+
+
+# -- Overrides on the command line: `--set algorithm.lr=0.05` ----------------------------------------------------
+
+MAX_OVERRIDES = 64
+
+
+@dataclass(frozen=True)
+class Override:
+    """One `--set PATH=VALUE`: a dotted path of the job's fields and the value that replaces what the job file says
+    there (read as YAML: `0.05` a number, `true` a boolean, `[1, 2]` a list, `ring` a string)."""
+
+    path: tuple[str, ...]
+    value: Any
+    text: str  # as given, for errors
+
+    def __str__(self) -> str:
+        return clip(self.text, MAX_SHOWN_CHARS)
+
+
+def parse_override(text: str) -> Override:
+    """`PATH=VALUE` as an Override; JobSpecError saying what is wrong. The path must name fields of the job's
+    sections (an error names the first that is not one); below a mapping of free keys (an algorithm's, a model's or a
+    split's options) any key is accepted here and checked by the job's own validation."""
+    path_text, separator, value_text = text.partition("=")
+    if not separator or not path_text.strip():
+        raise JobSpecError(f"--set {shown(text)}: write PATH=VALUE, e.g. algorithm.lr=0.05")
+    path = tuple(part.strip() for part in path_text.split("."))
+    if any(not part for part in path) or len(path) > MAX_YAML_DEPTH:
+        raise JobSpecError(f"--set {shown(text)}: {shown(path_text)} is no dotted path of fields")
+    _check_override_path(path)
+    try:
+        _check_size(value_text, "the value")
+        _check_yaml_shape(value_text)
+        value = yaml.load(value_text, Loader=yaml.CSafeLoader) if value_text.strip() else ""
+    except (JobSpecError, yaml.YAMLError, ValueError) as error:
+        raise JobSpecError(f"--set {shown(path_text)}: {shown(value_text)} is no YAML value: {error}") from None
+    return Override(path, value, text)
+
+
+def _check_override_path(path: tuple[str, ...]) -> None:
+    """JobSpecError unless `path` follows the fields of JobSpec's sections down to a field (or into a mapping of free
+    keys, whose keys the job's validation checks)."""
+    model: type[BaseModel] | None = JobSpec
+    for depth, part in enumerate(path):
+        where = ".".join(path[:depth]) or "the job"
+        if model is None:  # below a value that is no section: a free mapping's keys, or nothing
+            return
+        field = model.model_fields.get(part)
+        if field is None:
+            raise JobSpecError(f"--set {'.'.join(path)}: {where} has no field {shown(part)}; its fields: "
+                               f"{', '.join(model.model_fields)}")
+        model = _section_of(field.annotation)
+        if model is None and depth < len(path) - 1 and not _is_mapping(field.annotation):
+            raise JobSpecError(f"--set {'.'.join(path)}: {'.'.join(path[:depth + 1])} is a value, not a section")
+
+
+def _section_of(annotation: Any) -> type[BaseModel] | None:
+    """The section (a model) a field holds, if it holds one (`nodes` may: {min, max})."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for argument in get_args(annotation):
+        if (section := _section_of(argument)) is not None:
+            return section
+    return None
+
+
+def _is_mapping(annotation: Any) -> bool:
+    return get_origin(annotation) is dict
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[Override]) -> None:
+    """Set each override's value at its path in the job's mapping `data`, creating the sections it leaves out."""
+    if len(overrides) > MAX_OVERRIDES:
+        raise JobSpecError(f"{len(overrides)} overrides; at most {MAX_OVERRIDES}")
+    for override in overrides:
+        target = data
+        for depth, part in enumerate(override.path[:-1]):
+            below = target.setdefault(part, {})
+            if not isinstance(below, dict):
+                raise JobSpecError(f"--set {'.'.join(override.path)}: the job's "
+                                   f"{'.'.join(override.path[:depth + 1])} is {shown(below)}, not a mapping")
+            target = below
+        target[override.path[-1]] = override.value
 
 
 def _read_text(path: Path, what: str) -> str:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
+
+import torch
 
 from coordinator.cluster import LocalCluster
+from nodeagent.agent.checkpoint import checkpoint_path
 
 
 def agents_up(cluster: LocalCluster) -> LocalCluster:
@@ -15,3 +19,9 @@ def agents_up(cluster: LocalCluster) -> LocalCluster:
             cluster.start_agent(index)
     cluster.wait_for_nodes(cluster.agents, time.monotonic() + 120)
     return cluster
+
+
+def final_checkpoint(state_dir: Path, job_id: str, rank: int) -> dict:
+    """A rank's last checkpoint, of a job that keeps its checkpoints (`checkpoint: {keep: true}`), which stays on
+    its agent after the job ended."""
+    return torch.load(checkpoint_path(state_dir, job_id, rank, keep=True), weights_only=True)

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from clusters import final_checkpoint
 
 from coordinator.cluster import LocalCluster
 from nodeagent._proto import coordinator_pb2 as pb
-from nodeagent.agent.checkpoint import checkpoint_path
 
 pytestmark = pytest.mark.cluster
 
@@ -35,6 +35,7 @@ def allreduce_job(data_dir: Path) -> str:
         "model": {"name": "logistic"},
         "data": {"data_dir": str(data_dir), "split": "iid", "batch_size": 32, "test_limit": 500},
         "failure": {"step_timeout_s": 3.0, "join_s": 1.0}, "min_step_s": PACE_S,
+        "checkpoint": {"keep": True},  # read after the job ended (final_parameters)
     })
 
 
@@ -56,11 +57,9 @@ def agent_index(cluster: LocalCluster, status: pb.JobStatusReply, rank: int) -> 
 
 def final_parameters(cluster: LocalCluster, status: pb.JobStatusReply) -> dict[int, dict]:
     """Each rank's last checkpoint (written at the job's final evaluation), from its agent's state directory."""
-    out = {}
-    for node in status.nodes:
-        path = checkpoint_path(cluster.state_dir(agent_index(cluster, status, node.rank)), status.job_id, node.rank)
-        out[node.rank] = torch.load(Path(path), weights_only=True)
-    return out
+    return {node.rank: final_checkpoint(cluster.state_dir(agent_index(cluster, status, node.rank)), status.job_id,
+                                        node.rank)
+            for node in status.nodes}
 
 
 def others_past(rank: int, step: int):

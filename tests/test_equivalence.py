@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from clusters import agents_up
+from clusters import agents_up, final_checkpoint
 from devices import DEVICES
 
 from coordinator.cluster import LocalCluster
@@ -62,6 +62,7 @@ def job_of(case: Case, fashion_mnist_dir: Path) -> dict:
         "model": {"name": "logistic"},
         "data": {"data_dir": str(fashion_mnist_dir), "split": "class-window", "batch_size": 32, "test_limit": 500},
         "topology": {"kind": "ring", "seed": 2},
+        "checkpoint": {"keep": True},  # read after the job ended (agent_states)
     }
 
 
@@ -70,8 +71,7 @@ def agent_states(cluster: LocalCluster, status: pb.JobStatusReply) -> dict[int, 
     names = {n.node_id: n.name for n in cluster.nodes()}
     states = {}
     for member in status.nodes:
-        checkpoint = cluster.root / names[member.node_id] / "checkpoints" / f"{status.job_id}-rank{member.rank}.pt"
-        states[member.rank] = torch.load(checkpoint, weights_only=True)
+        states[member.rank] = final_checkpoint(cluster.root / names[member.node_id], status.job_id, member.rank)
     return states
 
 

@@ -155,7 +155,7 @@ def test_a_node_certificate_cannot_make_operator_calls(secure):
         "ListNodes": pb.ListNodesRequest(), "JobStatus": pb.JobStatusRequest(),
         "RemoveNode": pb.NodeRequest(node_id="node-a"), "DrainNode": pb.DrainRequest(node_id="node-a", drain=True),
         "CreateJoinToken": pb.CreateJoinTokenRequest(), "RevokeCertificate": pb.RevokeCertificateRequest(name="x"),
-        "ListCertificates": pb.ListCertificatesRequest(),
+        "ListCertificates": pb.ListCertificatesRequest(), "ExportModel": pb.ExportModelRequest(job_id="x"),
     }
     for method, request in denied.items():
         assert node.code(method, request) is grpc.StatusCode.PERMISSION_DENIED, method
@@ -171,6 +171,7 @@ def test_an_operator_certificate_cannot_act_as_a_node(secure):
         "Heartbeat": pb.HeartbeatRequest(node_id="alice"),
         "WatchAssignment": pb.WatchAssignmentRequest(node_id="alice"),
         "PsPull": pb.PsPullRequest(job_id="x"),
+        "UploadModel": iter([wire_pb2.Frame(manifest=wire_pb2.Manifest(job_id="x"))]),
     }.items():
         assert operator.code(method, request) is grpc.StatusCode.PERMISSION_DENIED, method
     assert secure.service.store.nodes() == []
@@ -285,6 +286,11 @@ def test_parameter_server_calls_only_as_the_rank_the_node_holds(secure):
     frames = iter([wire_pb2.Frame(manifest=manifest), wire_pb2.Frame(end=wire_pb2.End())])
     code = a.code("PsPush", frames, metadata=[("peertrain-push-id", "forged-1")])
     assert code is grpc.StatusCode.PERMISSION_DENIED
+    # A forged trained model: node-a's certificate sending as node-b, whose rank's model `export` would take.
+    manifest = wire_pb2.Manifest(job_id=job_id, sender_id="node-b", sender_rank=b_rank, kind=wire_pb2.KIND_PARAMS)
+    assert a.code("UploadModel", iter([wire_pb2.Frame(manifest=manifest), wire_pb2.Frame(end=wire_pb2.End())])) is \
+        grpc.StatusCode.PERMISSION_DENIED
+    assert not list(Path(secure.service.store.job(job_id).run_dir).glob("models/*"))
     # The honest pull of its own rank is served, once a worker described the data the server's model is shaped for.
     assert a.code("PsPull", pb.PsPullRequest(job_id=job_id, rank=ranks["node-a"], node_id="node-a")) is \
         grpc.StatusCode.FAILED_PRECONDITION

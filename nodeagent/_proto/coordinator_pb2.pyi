@@ -750,3 +750,47 @@ class PsReportReply(_message.Message):
     version: int
     steps_before_asking: int
     def __init__(self, ready: _Optional[bool] = ..., version: _Optional[int] = ..., steps_before_asking: _Optional[int] = ...) -> None: ...
+
+class UploadModelReply(_message.Message):
+    __slots__ = ("bytes_received",)
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    bytes_received: int
+    def __init__(self, bytes_received: _Optional[int] = ...) -> None: ...
+
+class ExportModelRequest(_message.Message):
+    __slots__ = ("job_id", "rank")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rank: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class ExportedModel(_message.Message):
+    __slots__ = ("job_id", "spec_json", "data", "source", "ranks", "step", "metric_name", "metric_value", "metric_of")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    METRIC_NAME_FIELD_NUMBER: _ClassVar[int]
+    METRIC_VALUE_FIELD_NUMBER: _ClassVar[int]
+    METRIC_OF_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    spec_json: str
+    data: DataDescription
+    source: str
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    step: int
+    metric_name: str
+    metric_value: float
+    metric_of: str
+    def __init__(self, job_id: _Optional[str] = ..., spec_json: _Optional[str] = ..., data: _Optional[_Union[DataDescription, _Mapping]] = ..., source: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., step: _Optional[int] = ..., metric_name: _Optional[str] = ..., metric_value: _Optional[float] = ..., metric_of: _Optional[str] = ...) -> None: ...
+
+class ModelExport(_message.Message):
+    __slots__ = ("model", "frame")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FRAME_FIELD_NUMBER: _ClassVar[int]
+    model: ExportedModel
+    frame: _wire_pb2.Frame
+    def __init__(self, model: _Optional[_Union[ExportedModel, _Mapping]] = ..., frame: _Optional[_Union[_wire_pb2.Frame, _Mapping]] = ...) -> None: ...

@@ -140,6 +140,16 @@ class CoordinatorStub:
                 request_serializer=peertrain_dot_v1_dot_coordinator__pb2.PsReportRequest.SerializeToString,
                 response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.PsReportReply.FromString,
                 _registered_method=True)
+        self.UploadModel = channel.stream_unary(
+                '/peertrain.v1.Coordinator/UploadModel',
+                request_serializer=peertrain_dot_v1_dot_wire__pb2.Frame.SerializeToString,
+                response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.UploadModelReply.FromString,
+                _registered_method=True)
+        self.ExportModel = channel.unary_stream(
+                '/peertrain.v1.Coordinator/ExportModel',
+                request_serializer=peertrain_dot_v1_dot_coordinator__pb2.ExportModelRequest.SerializeToString,
+                response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.ModelExport.FromString,
+                _registered_method=True)
         self.RenewCertificate = channel.unary_unary(
                 '/peertrain.v1.Coordinator/RenewCertificate',
                 request_serializer=peertrain_dot_v1_dot_coordinator__pb2.RenewCertificateRequest.SerializeToString,
@@ -322,13 +332,32 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def RenewCertificate(self, request, context):
+    def UploadModel(self, request_iterator, context):
         """Certificates. A node or an operator: a new certificate for the caller's own identity, in the last third of the
         old one's life and once per certificate (FAILED_PRECONDITION otherwise, saying when); a node's old certificate
         is revoked as the new one is issued (a node holds one live certificate). Operators: a one-time join token;
         revoke certificates (the coordinator refuses them at once and tells agents, which refuse them too); list the
         certificates that have not expired.
+        -- Trained models (issue 26) --
+        A node's model of a job it holds a rank of, as that rank finished (what its final evaluation used), sent before
+        its final report: the Frames of one stream (kind PARAMS, sender_rank its rank, clock its step), one tensor per
+        trainable parameter, named and shaped as the model's own. The coordinator checks it against the job's model
+        and keeps it in the job's run directory, where `ExportModel` finds it after the job ended.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportModel(self, request, context):
+        """Operator: a job's trained model. The first message describes it (ExportedModel), the others carry the Frames
+        of one stream of its parameters (manifest, chunks, end), as UploadModel's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewCertificate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -458,6 +487,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.PsReport,
                     request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.PsReportRequest.FromString,
                     response_serializer=peertrain_dot_v1_dot_coordinator__pb2.PsReportReply.SerializeToString,
+            ),
+            'UploadModel': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadModel,
+                    request_deserializer=peertrain_dot_v1_dot_wire__pb2.Frame.FromString,
+                    response_serializer=peertrain_dot_v1_dot_coordinator__pb2.UploadModelReply.SerializeToString,
+            ),
+            'ExportModel': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportModel,
+                    request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.ExportModelRequest.FromString,
+                    response_serializer=peertrain_dot_v1_dot_coordinator__pb2.ModelExport.SerializeToString,
             ),
             'RenewCertificate': grpc.unary_unary_rpc_method_handler(
                     servicer.RenewCertificate,
@@ -1047,6 +1086,60 @@ class Coordinator:
             '/peertrain.v1.Coordinator/PsReport',
             peertrain_dot_v1_dot_coordinator__pb2.PsReportRequest.SerializeToString,
             peertrain_dot_v1_dot_coordinator__pb2.PsReportReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadModel(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/peertrain.v1.Coordinator/UploadModel',
+            peertrain_dot_v1_dot_wire__pb2.Frame.SerializeToString,
+            peertrain_dot_v1_dot_coordinator__pb2.UploadModelReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/peertrain.v1.Coordinator/ExportModel',
+            peertrain_dot_v1_dot_coordinator__pb2.ExportModelRequest.SerializeToString,
+            peertrain_dot_v1_dot_coordinator__pb2.ModelExport.FromString,
             options,
             channel_credentials,
             insecure,

@@ -21,10 +21,18 @@ import torch
 
 from nodeagent import __version__
 from nodeagent._proto import coordinator_pb2, coordinator_pb2_grpc
+from nodeagent.agent.checkpoint import retire_checkpoints
 from nodeagent.agent.enroll import EnrollmentError, enroll, needs_renewal, renew
 from nodeagent.agent.forward import FORWARDED, EventForwarder
 from nodeagent.agent.runner import JobRunner
-from nodeagent.defaults import AGENT_METRICS_PORT, AGENT_PORT, COORDINATOR_ADDRESS, ENROLL_PORT, HEARTBEAT_INTERVAL_S
+from nodeagent.defaults import (
+    AGENT_METRICS_PORT,
+    AGENT_PORT,
+    COORDINATOR_ADDRESS,
+    ENROLL_PORT,
+    HEARTBEAT_INTERVAL_S,
+    KEEP_CHECKPOINTS,
+)
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import GRPC_OPTIONS, MAX_FIELD_CHARS, SERVER_OPTIONS, Backoff, failure_reason, split_address
 from nodeagent.runtime.limits import PEER_SERVER_THREADS
@@ -64,6 +72,7 @@ class AgentConfig:
     ca_fingerprint: str = ""
     enroll_address: str = ""  # the coordinator's enrollment address (default: its host, ENROLL_PORT)
     allow_imports: tuple[str, ...] = ()  # modules a job's model may be imported from (nodeagent.training.models)
+    keep_checkpoints: int = KEEP_CHECKPOINTS  # the checkpoints of this many jobs ended here are kept (checkpoint.py)
 
 
 class Agent:
@@ -76,6 +85,7 @@ class Agent:
         self._serving: ServingState | None = None
         self._runner: JobRunner | None = None
         self._runner_lock = threading.Lock()
+        self._swept = False  # checkpoint retention applied since this process started
         self._server: grpc.Server | None = None
         self._servicer: PeerServicer | None = None
         self._channel: grpc.Channel | None = None
@@ -313,12 +323,18 @@ class Agent:
         with self._runner_lock:
             runner = self._runner
             running = assignment.state == coordinator_pb2.JOB_RUNNING
+            current = assignment.job_id if running else None
             if runner is not None and (not running or runner.job_id != assignment.job_id):
                 # An agent freed by its job's end is sent an empty assignment: the job's outcome is in `status`.
                 log.info("job %s ended here; this agent is free for the next job", runner.job_id)
                 runner.stop_event.set()
                 runner.join(timeout=30)
-                self._runner = runner = None
+                self._runner = None
+                if not runner.is_alive():  # else it may still write a checkpoint: the next sweep takes it
+                    self._retire_checkpoints(current)
+                runner = None
+            elif not self._swept:  # checkpoints of jobs that ended while this agent was away
+                self._retire_checkpoints(current)
             if not running:
                 return
             if runner is None:
@@ -326,6 +342,17 @@ class Agent:
                 self._runner.start()
             else:
                 runner.update(assignment)
+
+    def _retire_checkpoints(self, running: str | None) -> None:
+        self._swept = True
+        try:
+            deleted = retire_checkpoints(self.config.state_dir, self.config.keep_checkpoints, running)
+        except OSError as error:
+            log.warning("could not delete the checkpoints of ended jobs: %s", error)
+            return
+        if deleted:
+            log.info("deleted %d checkpoint%s of ended jobs (--keep-checkpoints %d)", len(deleted),
+                     "" if len(deleted) == 1 else "s", self.config.keep_checkpoints)
 
     def report(self, report: coordinator_pb2.MetricsReport) -> None:
         assert self._stub is not None

@@ -53,7 +53,8 @@ from nodeagent.runtime.readiness import data_to_proto
 from nodeagent.runtime.server_link import GrpcServerLink
 from nodeagent.training.data import DatasetInfo
 from nodeagent.training.job import Node, build_node
-from nodeagent.wire.message import Encoding
+from nodeagent.wire.encoder import encode
+from nodeagent.wire.message import Encoding, Kind, Message
 
 if TYPE_CHECKING:
     from nodeagent.agent.daemon import Agent
@@ -66,6 +67,8 @@ READY_WAIT_S = 5.0  # how long the coordinator may hold a ready report's answer 
 READY_CALL_SLACK_S = 5.0  # beyond it, for the call's own deadline
 WAIT_POLL_S = 0.05  # how often a waiting runner looks at the time (retries, stop)
 SERVE_POLL_S = 0.2  # the same once the node is done and only serves
+MODEL_SEND_ATTEMPTS = 3
+MODEL_SEND_TIMEOUT_S = 120.0  # one attempt to send the final model (a few hundred MB on a slow link)
 
 
 class JobRunner(threading.Thread):
@@ -176,7 +179,7 @@ class JobRunner(threading.Thread):
         node = build_node(spec, self.rank, self.neighbors, self.self_weight, agent.config.data_dir,
                           self.peer_schedule, allow_imports=agent.config.allow_imports, device=self.device)
         algorithm = node.algorithm
-        checkpoint = checkpoint_path(agent.config.state_dir, self.job_id, self.rank)
+        checkpoint = checkpoint_path(agent.config.state_dir, self.job_id, self.rank, spec.checkpoint.keep)
         # A node that joins takes the model from its neighbours; a checkpoint of this rank from an earlier stay in
         # the job is stale (unless this rank ran here already: a restart).
         resumed = (not self.joined_at or self.rejoin) and restore_checkpoint(checkpoint, algorithm)
@@ -233,6 +236,7 @@ class JobRunner(threading.Thread):
                 save_checkpoint(checkpoint, algorithm)
             if report.progress.finished and not finished:  # told before the report that may end the job
                 finished = True
+                self._send_model(node)
                 if self.collective is not None:  # a member that comes back late takes the final state from here
                     self.collective.hand_over()
                 agent.event(self.job_id, events.FINISHED, f"rank {self.rank} finished at step "
@@ -249,6 +253,32 @@ class JobRunner(threading.Thread):
 
         NodeLoop(driver, dispatch, self.inbox, publish, self.stop_event, self.slowdown, self.spec.min_step_s,
                  self.topology_changes, settled).run()
+
+    def _send_model(self, node: Node) -> None:
+        """Send the coordinator this rank's model as it finished (what its final evaluation used), for `coordinator
+        export`, before the final report that may end the job; retried a few times, then left (the export of this
+        rank, and of a mean over the ranks, says it has none)."""
+        assert self.agent.stub is not None
+        algorithm = node.algorithm
+        message = Message(kind=Kind.PARAMS, sender=self.rank, receiver=self.spec.max_nodes,
+                          tensors=algorithm.params.views(algorithm.w), clock=algorithm.clock)
+        backoff = Backoff(f"model of job {self.job_id} to the coordinator", log)
+        for _attempt in range(MODEL_SEND_ATTEMPTS):
+            frames = encode(message, job_id=self.job_id, sender_id=self.agent.node_id,
+                            chunk_bytes=self.spec.wire.chunk_bytes)
+            try:
+                self.agent.stub.UploadModel(frames, timeout=MODEL_SEND_TIMEOUT_S)
+                return
+            except grpc.RpcError as error:
+                if error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
+                                    grpc.StatusCode.FAILED_PRECONDITION):
+                    reason = f"{error.code().name}: {error.details()}"
+                    break
+                reason = failure_reason(error)
+                if self.stop_event.wait(backoff.failed(reason)):
+                    break
+        self.agent.event(self.job_id, events.LOG, f"rank {self.rank}'s final model did not reach the "
+                         f"coordinator ({reason}); `coordinator export` cannot have it", "WARNING", algorithm.clock)
 
     def _server_link(self, node: Node, driver: NodeDriver) -> GrpcServerLink | None:
         if type(node.algorithm).family is not Family.SERVER:

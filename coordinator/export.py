@@ -1,0 +1,139 @@
+"""`coordinator export`: a job's trained model as one file that plain PyTorch loads, and `coordinator report --model`,
+which evaluates such a file on its job's test set.
+
+The file is `torch.save({"state_dict": ..., "manifest": ...})`, loadable with `torch.load(path, weights_only=True)`:
+`state_dict` is the model's own (the keys of `model.state_dict()`, each tensor shaped as the module holds it; the
+parameters as trained, buffers as the job's seeded initial model has them: the algorithms exchange and train only
+parameters), `manifest` a dictionary of plain values (FORMAT, the job, its algorithm, the model's name and options,
+the data's description, what the parameters are, their step and the job's metric). docs/operations.md, "Taking a
+trained model home", shows how to load it.
+
+The parameters come from the coordinator (ExportModel: coordinator.model_store), which the job's ranks sent them to
+over their authenticated channels as they finished. They are read here within the job's `wire.max_message_bytes`,
+checked against the model rebuilt from the job's own description (names, dtypes and shapes of every parameter, before
+any payload is read; nothing that does not fit is written), and never unpickled.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Collection, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from nodeagent._proto import coordinator_pb2 as pb
+from nodeagent._proto import wire_pb2
+from nodeagent.jobspec import JobSpec, ModelSpec
+from nodeagent.runtime.readiness import data_from_proto
+from nodeagent.training.data import DatasetInfo, load_dataset
+from nodeagent.training.loop import EvalResult, evaluate
+from nodeagent.training.models import build_model, initial_model, parameter_specs
+from nodeagent.wire.decoder import decode
+from nodeagent.wire.errors import WireError
+from nodeagent.wire.message import TensorSpec
+
+FORMAT = "peertrain-model/1"
+
+
+class ExportError(Exception):
+    """An export that cannot be had or written, or a file that is not one; the message says why."""
+
+
+def receive_model(replies: Iterable[pb.ModelExport], allow_imports: Collection[str] = ()
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The state_dict and manifest of an ExportModel stream: its description first, then one tensor stream whose
+    tensors must be the parameters of the job's model (ExportError otherwise)."""
+    stream = iter(replies)
+    first = next(stream, None)
+    if first is None or not first.HasField("model"):
+        raise ExportError("the coordinator's answer does not start with the model's description")
+    described = first.model
+    spec = JobSpec.from_json(described.spec_json)
+    if not described.HasField("data"):
+        raise ExportError(f"job {described.job_id}: no rank described its data, so the model has no shape")
+    info = data_from_proto(described.data)
+    model = initial_model(spec, info, allow_imports)  # its buffers as the job's nodes started with them
+    expected = [TensorSpec(name, dtype, shape) for name, dtype, shape in parameter_specs(model)]
+    try:
+        message = decode(_frames(stream), lambda _manifest: expected, spec.wire.max_message_bytes)
+    except WireError as error:
+        raise ExportError(f"the model does not fit job {described.job_id}'s model {spec.model.name}: {error}") \
+            from None
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name in message.tensors:
+                parameter.copy_(message.tensors[name])
+    state_dict = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    return state_dict, manifest_of(described, spec, info)
+
+
+def _frames(stream: Iterator[pb.ModelExport]) -> Iterator[wire_pb2.Frame]:
+    for reply in stream:
+        if not reply.HasField("frame"):
+            raise ExportError("the coordinator's answer describes the model twice")
+        yield reply.frame
+
+
+def manifest_of(described: pb.ExportedModel, spec: JobSpec, info: DatasetInfo) -> dict[str, Any]:
+    """What the file says of its model, in plain values (torch.load with weights_only reads them)."""
+    return {
+        "format": FORMAT,
+        "job_id": described.job_id,
+        "job_name": spec.name,
+        "algorithm": spec.algorithm.name,
+        "model": {"name": spec.model.name, "options": dict(spec.model.options)},
+        "data": {
+            "dataset": spec.data.dataset, "data_dir": spec.data.data_dir, "test_limit": spec.data.test_limit,
+            "input_shape": list(info.input_shape), "num_classes": info.num_classes,
+            "train_samples": info.train_samples, "test_samples": info.test_samples,
+        },
+        "source": described.source,
+        "ranks": list(described.ranks),
+        "step": described.step,
+        "metric": {"name": described.metric_name, "value": described.metric_value, "of": described.metric_of},
+        "seed": spec.seed,
+        "job_spec": spec.to_json(),
+    }
+
+
+def write_model(path: Path, state_dict: dict[str, torch.Tensor], manifest: dict[str, Any]) -> None:
+    """The file, written whole and renamed into place (a file cut short is never left under its name)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as tmp:
+        torch.save({"state_dict": state_dict, "manifest": manifest}, tmp)
+    os.replace(tmp.name, path)
+
+
+def load_model_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The state_dict and manifest of an exported file (weights only: nothing in it is code)."""
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError) as error:
+        raise ExportError(f"{path}: not a model file `coordinator export` wrote: {error}") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("manifest"), dict) or \
+            saved["manifest"].get("format") != FORMAT:
+        raise ExportError(f"{path}: not a model file `coordinator export` wrote (no {FORMAT} manifest)")
+    return saved["state_dict"], saved["manifest"]
+
+
+def rebuild(manifest: dict[str, Any], allow_imports: Collection[str] = ()) -> nn.Module:
+    """The exported model's module, built from its manifest's model name, options and data shape."""
+    data = manifest["data"]
+    return build_model(ModelSpec(**manifest["model"]), tuple(data["input_shape"]), data["num_classes"],
+                       allow_imports)
+
+
+def evaluate_model_file(path: Path, data_dir: str | None = None, allow_imports: Collection[str] = ()
+                        ) -> tuple[EvalResult, dict[str, Any]]:
+    """An exported model evaluated on its job's test set (the job's data directory, or `data_dir`), as the job's
+    nodes evaluate theirs."""
+    state_dict, manifest = load_model_file(path)
+    model = rebuild(manifest, allow_imports)
+    model.load_state_dict(state_dict)
+    data = manifest["data"]
+    test = load_dataset(data["dataset"], data_dir or data["data_dir"], "test", data["test_limit"])
+    return evaluate(model, test), manifest
