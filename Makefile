@@ -3,7 +3,7 @@ SHELL := /bin/bash
 BIN := .venv/bin
 STAMP := .venv/.installed
 PYTEST_ARGS ?=
-# Two pytest-xdist workers: the cluster tests in one (tests/conftest.py groups them), everything else in the other.
+# Two pytest-xdist workers; the tests on the shared cluster all go to one of them (tests/conftest.py).
 TEST_WORKERS ?= 2
 DEMO_ARGS ?=
 

@@ -48,12 +48,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if wrong:
         raise pytest.UsageError("each test module needs exactly one tier, `pytestmark = pytest.mark.<tier>` with "
                                 f"<tier> one of {', '.join(TIERS)}; these have {wrong}")
-    # `make test` runs two pytest-xdist workers (--dist loadgroup): the tests that train on processes of agents go
-    # to one of them, in turn, beside one shared cluster, while the other worker takes the rest. Two clusters at once
-    # would only share the same cores; the in-process tiers fill the time the agents spend waiting.
+    # `make test` runs two pytest-xdist workers (--dist loadgroup): the tests on the shared cluster (four_agents) go
+    # to one of them, in turn, so that it starts once; every other test goes to whichever worker is free.
     for item in items:
-        if item.get_closest_marker("cluster") or "four_agents" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("agents"))
+        if "four_agents" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("four_agents"))
 
 
 @pytest.fixture(params=DEVICES)
