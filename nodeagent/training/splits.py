@@ -91,6 +91,9 @@ SPLITS: dict[str, Callable[..., list[np.ndarray]]] = {
     "class-window": _class_window,
     "by-class": _by_class,
     "dirichlet": _dirichlet,
+    # Language-model data labels each sample with its source file: sorted by it and cut into contiguous equal chunks,
+    # each node holds a run of documents of its own (sharing at most the ones at its ends with its neighbours).
+    "by-file": _by_class,
 }
 
 
@@ -115,6 +118,7 @@ class DirichletOptions(SplitOptions):
 
 SPLIT_OPTIONS: dict[str, type[SplitOptions]] = {
     "iid": SplitOptions, "class-window": ClassWindowOptions, "by-class": SplitOptions, "dirichlet": DirichletOptions,
+    "by-file": SplitOptions,
 }
 SPLIT_MEANINGS: dict[str, str] = {
     "iid": "shuffled, equal shares",
@@ -123,6 +127,8 @@ SPLIT_MEANINGS: dict[str, str] = {
     "by-class": "sorted by label and cut into contiguous equal chunks (ignores the seed)",
     "dirichlet": "per class, shares drawn from a Dirichlet(alpha) distribution; every node gets at least one "
     "sample",
+    "by-file": "language-model data (text): the sequences sorted by their source file and cut into contiguous "
+    "equal chunks, so that each node trains on documents of its own (the heterogeneous setting); ignores the seed",
 }
 
 
@@ -134,7 +140,8 @@ def split_indices(
     data's class count (DatasetInfo.num_classes; unset: the largest label + 1): class-window's order of the classes
     depends on it, so pass it when the labels may lack the last classes (a train_limit).
 
-    Kinds: iid (shuffled, equal shares), class-window (ECL-ISVR; options classes_per_node=8, shift=4),
+    Kinds: iid (shuffled, equal shares), by-file (as by-class, with a language model's source files as labels),
+    class-window (ECL-ISVR; options classes_per_node=8, shift=4),
     by-class (sorted by label, contiguous equal chunks; ignores the seed), dirichlet (option alpha=0.5;
     every node gets at least one sample). Shares differ by at most one sample where the count does not
     divide. Raises ValueError naming an unknown kind or a bad option.
