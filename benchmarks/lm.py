@@ -196,10 +196,10 @@ def main() -> None:
     parser.add_argument("--sequence-length", type=int)
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's step size (baseline and inner)")
-    parser.add_argument("--test-limit", type=int, default=128, help="validation sequences")
+    parser.add_argument("--test-limit", type=int, default=64, help="validation sequences (of every file's tail)")
     parser.add_argument("--corpus", type=Path, help="a directory of text files instead of the stdlib's sources")
     parser.add_argument("--corpus-bytes", type=int, help="of the stdlib's sources (default 1.5 MB; --long 4 MB)")
-    parser.add_argument("--processes", type=int, default=2, help="runs at once")
+    parser.add_argument("--processes", type=int, default=3, help="runs at once")
     parser.add_argument("--only", help="comma-separated run labels, or their first words")
     parser.add_argument("--png", type=Path, help="draw the curves to this PNG")
     args = parser.parse_args()
@@ -219,7 +219,9 @@ def main() -> None:
               f"{args.layers} layers x {args.width} wide, "
               f"{args.heads} heads, sequences of {args.sequence_length} bytes, batch {args.batch_size}, "
               f"{args.steps} steps, {NODES} workers")
-        runs = [(split, variant) for split in SPLITS for variant in variants(args)]
+        # The target's runs first (the baseline and DiLoCo H=100 of each split), then the others.
+        runs = sorted(((split, variant) for split in SPLITS for variant in variants(args)),
+                      key=lambda run: (run[1].label not in ("AllReduce AdamW", "DiLoCo H=100"),))
         started = time.monotonic()
         with ProcessPoolExecutor(max_workers=args.processes) as pool:
             outcomes = list(pool.map(simulated, *zip(*runs, strict=True), [args] * len(runs)))

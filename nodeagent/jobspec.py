@@ -84,8 +84,10 @@ class DataSpec(_Strict):
     split_options: dict[str, Any] = Field(default_factory=dict, description="the split's own options")
     batch_size: int = Field(100, ge=1, description="samples in one local step's minibatch (for a language "
                             "model: sequences)")
-    train_limit: int | None = Field(None, ge=1, description="use only the first N training samples")
-    test_limit: int | None = Field(None, ge=1, description="evaluate on the first N test samples")
+    train_limit: int | None = Field(None, ge=1, description="use only the first N training samples (a language "
+                                    "model's: N sequences spread evenly over the files)")
+    test_limit: int | None = Field(None, ge=1, description="evaluate on the first N test samples (a language "
+                                   "model's: N validation sequences spread evenly over the files)")
 
 
 Precision = Literal["fp32", "bf16", "fp16"]

@@ -115,6 +115,12 @@ def test_text_samples_are_byte_windows_of_one_file_with_each_file_s_tail_for_val
             assert window in SENTENCES[group] * 40, "a window lies within its own file"
 
 
+def test_a_limited_validation_set_holds_some_of_every_file(text_dir: Path) -> None:
+    test = load_tokens("text", text_dir, "test", TextOptions(sequence_length=8), limit=8)
+    assert len(test) == 8 and sorted(set(test.groups.tolist())) == [0, 1, 2, 3]
+    assert list(test.starts) == sorted(test.starts), "in order"
+
+
 def test_text_data_may_be_one_file_and_refuses_what_is_not_utf8(tmp_path: Path, text_dir: Path) -> None:
     one = load_tokens("text", text_dir / "doc0.txt", "train", TextOptions(sequence_length=8))
     assert set(one.groups.tolist()) == {0}

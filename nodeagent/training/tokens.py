@@ -10,7 +10,9 @@
 
 A sample is a window of sequence_length + 1 consecutive tokens of one file: the inputs are its first
 sequence_length tokens, the targets the same shifted by one. Windows do not overlap and never cross from one file
-into the next; each sample is labelled with its file (`groups`), which the by-file split divides the nodes by.
+into the next; each sample is labelled with its file (`groups`), which the by-file split divides the nodes by. A
+limit (data.train_limit, data.test_limit) keeps that many samples spread evenly over the files, in order, so that
+a limited validation set still holds some of every document.
 """
 
 from __future__ import annotations
@@ -185,8 +187,8 @@ def _read_tokens(path: Path, identity: tuple[tuple[str, int, int], ...], options
 
 def load_tokens(kind: str, data_dir: str | Path, split: Split, options: TextOptions | TokensOptions,
                 limit: int | None = None) -> TokenDataset:
-    """The train or test (validation) samples of the `kind` (text or tokens) data at `data_dir`, only its first
-    `limit` when given; its info describes both splits. DataError names a missing or malformed file."""
+    """The train or test (validation) samples of the `kind` (text or tokens) data at `data_dir`, only `limit` of
+    them spread evenly when given; its info describes both splits. DataError names a missing or malformed file."""
     path = Path(data_dir).expanduser().resolve()
     if kind == "text":
         if not path.exists():
@@ -204,7 +206,8 @@ def load_tokens(kind: str, data_dir: str | Path, split: Split, options: TextOpti
         vocabulary = options.vocab_size or max(train.info.num_classes, test.info.num_classes)
     chosen = train if split == "train" else test
     starts, groups = chosen.starts, chosen.groups
-    if limit is not None:
-        starts, groups = starts[:limit], groups[:limit]
+    if limit is not None and limit < len(starts):
+        kept = np.linspace(0, len(starts) - 1, limit).round().astype(np.int64)  # distinct: limit < len(starts)
+        starts, groups = starts[kept], groups[kept]
     info = DatasetInfo((options.sequence_length,), vocabulary, len(train), len(test))
     return TokenDataset(chosen.tokens, starts, groups, info)
