@@ -201,6 +201,7 @@ def main() -> None:
     parser.add_argument("--corpus-bytes", type=int, help="of the stdlib's sources (default 1.5 MB; --long 4 MB)")
     parser.add_argument("--processes", type=int, default=3, help="runs at once")
     parser.add_argument("--only", help="comma-separated run labels, or their first words")
+    parser.add_argument("--splits", default=",".join(SPLITS), help="comma-separated: iid, by-file")
     parser.add_argument("--png", type=Path, help="draw the curves to this PNG")
     args = parser.parse_args()
     defaults = (3000, 4, 128, 64, 16, 4_000_000) if args.long else (500, 2, 64, 32, 8, 1_500_000)
@@ -220,7 +221,7 @@ def main() -> None:
               f"{args.heads} heads, sequences of {args.sequence_length} bytes, batch {args.batch_size}, "
               f"{args.steps} steps, {NODES} workers")
         # The target's runs first (the baseline and DiLoCo H=100 of each split), then the others.
-        runs = sorted(((split, variant) for split in SPLITS for variant in variants(args)),
+        runs = sorted(((split, variant) for split in args.splits.split(",") for variant in variants(args)),
                       key=lambda run: (run[1].label not in ("AllReduce AdamW", "DiLoCo H=100"),))
         started = time.monotonic()
         with ProcessPoolExecutor(max_workers=args.processes) as pool:
