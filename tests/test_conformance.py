@@ -82,12 +82,13 @@ LANGUAGE_MODEL_ALGORITHM = {
 
 
 def language_model_job(name: str, text_dir: Path) -> dict:
-    """A 4-node job of `name` training a tiny GPT on the text files, split by file (each node its own)."""
+    """A 4-node job of `name` training a tiny GPT on the text files, iid (the asynchronous parameter server's
+    stale pushes over 4 nodes of their own documents each need more than 20 steps)."""
     return {
         "name": "conformance-lm", "task": "language-model", "nodes": 4, "steps": 20, "eval_every": 20, "seed": 3,
         "algorithm": {"name": name, "lr": 0.3, "interval": 2, **LANGUAGE_MODEL_ALGORITHM.get(name, {})},
         "model": {"name": "gpt", "options": {"layers": 1, "heads": 2, "width": 32}},
-        "data": {"dataset": "text", "data_dir": str(text_dir), "split": "by-file", "batch_size": 8,
+        "data": {"dataset": "text", "data_dir": str(text_dir), "split": "iid", "batch_size": 8,
                  "options": {"sequence_length": 16}, "test_limit": 64},
         "topology": {"kind": TOPOLOGY.get(name, "ring")},
     }
@@ -103,7 +104,7 @@ def test_every_algorithm_trains_a_tiny_language_model_in_the_simulator(name, tex
     assert sorted(start) == [0, 1, 2, 3], "every node is evaluated at its initial model"
     for progress in result.progress:
         assert progress.finished and progress.step == spec.steps
-        assert progress.test_loss < start[progress.rank] - 0.5, (
+        assert progress.test_loss < start[progress.rank] - 1.0, (
             f"rank {progress.rank}: validation loss {start[progress.rank]:.3f} at step 0, {progress.test_loss:.3f} "
             "at the end")
         assert progress.test_perplexity == pytest.approx(math.exp(progress.test_loss))
