@@ -19,7 +19,7 @@ The default is sized for a shared 2-core machine (about 10 minutes: see results.
 GPT of the issue over longer sequences and 3,000 steps (hours on such a machine).
 
     .venv/bin/python benchmarks/lm.py                            # the default (results.md)
-    .venv/bin/python benchmarks/lm.py --long                     # a GPT of ~1 M parameters, 3000 steps
+    .venv/bin/python benchmarks/lm.py --long                     # a GPT of 0.83 M parameters, 3000 steps
     .venv/bin/python benchmarks/lm.py --only 'AllReduce,DiLoCo H=100' --steps 200 --png /tmp/lm.png
 """
 
@@ -187,7 +187,7 @@ def draw(outcomes: list[Outcome], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--long", action="store_true", help="the ~1 M-parameter GPT (4 layers of width 128) over "
+    parser.add_argument("--long", action="store_true", help="a GPT of 0.83 M parameters (4 layers of width 128) over "
                         "sequences of 64 bytes, batch 16, 3000 steps, a 4 MB corpus (hours on a 2-core machine)")
     parser.add_argument("--steps", type=int, help="local steps per worker (default 500; --long 3000)")
     parser.add_argument("--layers", type=int)
