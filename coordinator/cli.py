@@ -885,7 +885,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
           f"{run_dir}")
     try:
         with ProgressView(spec.name, spec.steps, spec.nodes) as view:
-            result = simulate(spec, run_dir, args.data_dir, on_progress=SimulationProgress(view),
+            result = simulate(spec, run_dir, args.data_dir, on_progress=SimulationProgress(view, spec.task),
                               allow_imports=tuple(args.allow_import), device=device)
     except ModelError as error:  # an import path not allowed here, most likely
         raise SystemExit(f"coordinator: {args.job_file}: {error}") from None
@@ -893,7 +893,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise SystemExit(f"coordinator: {error}") from None
     state = result.job.state.event_kind + (f": {result.job.reason}" if result.job.state == JobState.FAILED else "")
     print(f"job {job_id} ({spec.name}): {state}, {spec.nodes} nodes, run dir {run_dir}")
-    print(format_status(result.progress))
+    print(format_status(result.progress, task=spec.task))
     print(f"virtual time {result.mesh.now:.2f} s, wall time {result.wall_s:.1f} s; metrics log {run_dir}/metrics.jsonl")
     return 0
 
@@ -996,8 +996,10 @@ def _run_dir(args: argparse.Namespace, run: str) -> Path:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from coordinator.jobs import validate_job
-    from nodeagent.training.data import DataError, load_dataset
-    from nodeagent.training.splits import describe_split, format_split_table, split_indices
+    from nodeagent.training.data import DataError
+    from nodeagent.training.splits import describe_split, format_split_table
+    from nodeagent.training.tasks import task_of
+    from nodeagent.training.tokens import TokenDataset
 
     spec = _load_job(args.job_file, args).spec
     topology = validate_job(spec)
@@ -1007,20 +1009,26 @@ def cmd_inspect(args: argparse.Namespace) -> int:
           f"degree {min(degrees)}..{max(degrees)}")
     print("edges: " + " ".join(f"{a}-{b}" for a, b in topology.edges))
     directory = args.data_dir or spec.data.data_dir
+    task = task_of(spec)
     try:
-        train = load_dataset(spec.data.dataset, directory, "train", spec.data.train_limit)
-        labels = train.labels.numpy()
-        shards = split_indices(labels, spec.nodes, spec.data.split, spec.seed, dict(spec.data.split_options),
-                               train.info.num_classes)
+        train = task.load(spec, directory, "train")
+        shards = task.shards(spec, train)
     except DataError as error:
         raise SystemExit(f"coordinator: {error}") from None
     except ValueError as error:  # a split that does not fit the data (classes_per_node above its classes, ...)
         raise SystemExit(f"coordinator: {args.job_file}: data.split_options: {error}") from None
     info = train.info
-    print(f"dataset {spec.data.dataset} in {directory}: input {'x'.join(map(str, info.input_shape))}, "
-          f"{info.num_classes} classes, {info.train_samples} training and {info.test_samples} test samples")
+    if isinstance(train, TokenDataset):  # a language model's samples are labelled by their source file
+        labels, groups = train.groups, int(train.groups.max()) + 1
+        print(f"dataset {spec.data.dataset} in {directory}: sequences of {info.input_shape[0]} tokens, vocabulary "
+              f"{info.num_classes}, {info.train_samples} training and {info.test_samples} validation sequences from "
+              f"{groups} files (the table's labels L0, L1, ...: the files)")
+    else:
+        labels, groups = train.labels.numpy(), info.num_classes
+        print(f"dataset {spec.data.dataset} in {directory}: input {'x'.join(map(str, info.input_shape))}, "
+              f"{info.num_classes} classes, {info.train_samples} training and {info.test_samples} test samples")
     print(f"split {spec.data.split} of {spec.data.dataset} ({len(labels)} training samples):")
-    print(format_split_table(describe_split(labels, shards, info.num_classes)))
+    print(format_split_table(describe_split(labels, shards, groups)))
     return 0
 
 

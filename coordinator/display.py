@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from coordinator.progress_view import ProgressView
 from nodeagent._proto import coordinator_pb2 as pb
-from nodeagent.runtime.progress import EdgeCounters, Progress, from_node_progress
+from nodeagent.runtime.progress import EdgeCounters, Metric, Progress, from_node_progress, task_metrics
 
 # When an edge is in trouble (`coordinator edges`; docs/operations.md, "Per-edge debugging"):
 STALL_INTERVALS = 10  # stalled: no message for this many of the edge's message intervals (the alert's too),
@@ -36,12 +36,13 @@ def progress_of(status: pb.JobStatusReply) -> list[Progress]:
 
 
 def show_progress(view: ProgressView, status: pb.JobStatusReply) -> None:
-    """A job's status on a live progress view: its members' steps by rank, mean accuracy and state (an elastic
-    job's members that left are not shown)."""
+    """A job's status on a live progress view: its members' steps by rank, the mean of its task's headline figure
+    (test accuracy, validation perplexity) and state (an elastic job's members that left are not shown)."""
     members = [node for node in sorted(status.nodes, key=lambda node: node.rank) if node.state != "left"]
+    headline = task_metrics(status.task)[0]
     view.update([node.step for node in members],
-                mean_accuracy([from_node_progress(status.job_id, node) for node in members]),
-                state_name(status.state))
+                mean_measured(headline.of(from_node_progress(status.job_id, node)) for node in members),
+                state_name(status.state), metric=headline)
 
 
 def _duration(seconds: float) -> str:
@@ -74,7 +75,7 @@ def status_text(status: pb.JobStatusReply, now: float | None = None) -> str:
         lines.append(("waits: " if status.state == pb.JOB_PENDING else "reason: ") + status.reason)
     states = {node.rank: node.state for node in status.nodes}
     ages = {node.rank: now - node.updated_unix if node.updated_unix else math.nan for node in status.nodes}
-    lines.append(format_status(progress_of(status), states, ages))
+    lines.append(format_status(progress_of(status), states, ages, status.task))
     failed: dict[str, list[int]] = {}  # the nodes' own words, once for all the ranks that said the same
     for node in status.nodes:
         if node.failure:
@@ -100,13 +101,15 @@ def mean_measured(values: Iterable[float]) -> float:
 
 
 def format_status(nodes: Sequence[Progress], states: dict[int, str] | None = None,
-                  ages: dict[int, float] | None = None) -> str:
-    """A row per node (its state, from the coordinator, and the age of its last report when given), and the
-    mean test accuracy."""
+                  ages: dict[int, float] | None = None, task: str = "classification") -> str:
+    """A row per node (its state, from the coordinator, and the age of its last report when given) with the
+    figures of the job's task (test accuracy; validation perplexity and loss), and their means."""
     states = states or {}
     ages = ages or {}
+    metrics = task_metrics(task)
+    headings = " ".join(f"{metric.heading:>9}" for metric in metrics)
     lines = [
-        f"{'rank':>4}  {'node':<14} {'state':<8} {'step':>7} {'steps/s':>8} {'loss':>8} {'test acc':>9} "
+        f"{'rank':>4}  {'node':<14} {'state':<8} {'step':>7} {'steps/s':>8} {'loss':>8} {headings} "
         f"{'sent MB':>9} {'recv MB':>9} {'report':>10}",
     ]
     for n in nodes:
@@ -116,13 +119,27 @@ def format_status(nodes: Sequence[Progress], states: dict[int, str] | None = Non
         age = ages.get(n.rank, math.nan)
         lines.append(
             f"{n.rank:>4}  {n.node:<14} {state:<8} {n.step:>7} {_fmt(rate, '{:.1f}'):>8} {_fmt(n.loss):>8} "
-            f"{_fmt(n.test_accuracy):>9} {n.bytes_sent / 1e6:>9.2f} {n.bytes_received / 1e6:>9.2f} "
+            f"{' '.join(f'{metric.text(metric.of(n)):>9}' for metric in metrics)} "
+            f"{n.bytes_sent / 1e6:>9.2f} {n.bytes_received / 1e6:>9.2f} "
             f"{'-' if math.isnan(age) else _duration(age) + ' ago':>10}"
         )
-    evaluated = [n for n in nodes if not math.isnan(n.test_accuracy)]
-    if evaluated:
-        lines.append(f"mean test accuracy over {len(evaluated)} nodes: {mean_accuracy(evaluated):.4f}")
+    summary = mean_figures(nodes, metrics)
+    if summary:
+        lines.append(summary)
     return "\n".join(lines)
+
+
+def mean_figures(nodes: Sequence[Progress], metrics: Sequence[Metric]) -> str:
+    """`mean test accuracy over 8 nodes: 0.8123` (with a task's further figures after a comma) over the nodes
+    evaluated so far; empty if none is."""
+    headline, *others = metrics
+    evaluated = [n for n in nodes if not math.isnan(headline.of(n))]
+    if not evaluated:
+        return ""
+    mean = mean_measured(map(headline.of, evaluated))
+    text = f"mean {headline.name} over {len(evaluated)} nodes: {headline.text(mean)}"
+    return text + "".join(f", {metric.name} {metric.text(mean_measured(map(metric.of, evaluated)))}"
+                          for metric in others)
 
 
 class Trouble(enum.IntEnum):

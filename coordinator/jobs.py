@@ -19,6 +19,7 @@ from nodeagent.algorithms import Family, Neighbor, lookup
 from nodeagent.jobspec import JobSpec, JobSpecError, TopologySpec, format_validation_error
 from nodeagent.training.models import MODELS, check_model, is_import_path
 from nodeagent.training.splits import SPLIT_OPTIONS, SPLITS
+from nodeagent.training.tasks import check_task
 
 
 def validate_job(spec: JobSpec) -> Topology:
@@ -36,6 +37,7 @@ def validate_job(spec: JobSpec) -> Topology:
     except ValidationError as error:
         unknown = f"unknown option of the {spec.data.split} split"
         raise JobSpecError(format_validation_error(error, "data.split_options", unknown)) from None
+    check_task(spec)
     try:
         check_model(spec.model)
     except ValueError as error:

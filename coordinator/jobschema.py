@@ -16,6 +16,7 @@ choice matches when the name is left out, as the job does.
 
 from __future__ import annotations
 
+import inspect
 import json
 import textwrap
 from collections.abc import Sequence
@@ -27,7 +28,9 @@ from pydantic import BaseModel
 from coordinator.topology import DYNAMIC_KINDS, KIND_MEANINGS, KINDS, EdgeListOptions, kind_options
 from nodeagent.algorithms import REGISTRY
 from nodeagent.jobspec import AlgorithmSpec, JobSpec, JobSpecError, Override, apply_overrides, parse_job_spec
+from nodeagent.training.models import MODELS
 from nodeagent.training.splits import SPLIT_MEANINGS, SPLIT_OPTIONS
+from nodeagent.training.tasks import DATASET_MEANINGS, DATASET_OPTIONS
 
 Schema = dict[str, Any]
 
@@ -40,7 +43,8 @@ REGENERATE = "coordinator schema --markdown > docs/jobs.md"
 _ALGORITHMS = ("AlgorithmSpec", "name", "options", "Algorithms")
 _TOPOLOGIES = ("TopologySpec", "kind", "options", "Topology kinds")
 _SPLITS = ("DataSpec", "split", "split_options", "Data splits")
-_CHOICES = (_ALGORITHMS, _TOPOLOGIES, _SPLITS)
+_DATASETS = ("DataSpec", "dataset", "options", "Datasets")
+_CHOICES = (_ALGORITHMS, _TOPOLOGIES, _SPLITS, _DATASETS)
 
 # An edge-list job file may name its edge file instead of giving the edges; the command line that loads it reads
 # the file and sends its text as `edges` (nodeagent.jobspec.load_job_file).
@@ -75,6 +79,21 @@ Examples: [deploy/jobs/demo.yaml](../deploy/jobs/demo.yaml) (DSGD on a ring, the
 [results.md](results.md)). What a job may not ask of the machines (import paths, sizes) is in
 [operations.md](operations.md), "What a job may ask for".
 
+A language model is a job with `task: language-model`, the `gpt` model and `text` or `tokens` data; its nodes
+report the validation loss and perplexity where a classifier's report test accuracy:
+
+```yaml
+task: language-model
+model: {{name: gpt, options: {{layers: 2, heads: 4, width: 128}}}}
+data:
+  dataset: text
+  data_dir: /srv/corpus            # UTF-8 text files (or one file); bytes are the tokens
+  options: {{sequence_length: 64}}
+  split: by-file                   # each node its own documents; iid: every node a share of every file
+  batch_size: 16
+algorithm: {{name: diloco, lr: 0.001, options: {{inner_steps: 100}}}}
+```
+
 This file is generated from the schema: `{REGENERATE}` writes it again.
 """
 
@@ -96,6 +115,7 @@ def job_schema() -> Schema:
         },
         _TOPOLOGIES: {kind: (KIND_MEANINGS[kind], kind_options(kind), None) for kind in KINDS + DYNAMIC_KINDS},
         _SPLITS: {split: (SPLIT_MEANINGS[split], SPLIT_OPTIONS[split], None) for split in SPLIT_OPTIONS},
+        _DATASETS: {kind: (DATASET_MEANINGS[kind], DATASET_OPTIONS[kind], None) for kind in DATASET_OPTIONS},
     }
     for (section, field, options_field, _heading), entries in choices.items():
         target = defs[section]
@@ -114,7 +134,7 @@ def job_schema() -> Schema:
             if name != default:  # the default's branch also applies when the field is left out
                 condition["required"] = [field]
             branches.append({"if": condition, "then": then})
-        target["allOf"] = branches
+        target["allOf"] = target.get("allOf", []) + branches  # a section may hold two choices (data)
     _drop_titles(schema)
     return {"$schema": JSON_SCHEMA_DIALECT, "title": "peertrain job file", **schema}
 
@@ -191,7 +211,7 @@ def markdown_reference() -> str:
     _section_markdown(lines, "", "JobSpec", schema, defs)
     for section, field, options_field, heading in _CHOICES:
         lines += [f"## {heading}", ""]
-        for branch in defs[section]["allOf"]:
+        for branch in _branches(defs, section, field):
             name = branch["if"]["properties"][field]["const"]
             then = branch["then"]
             meaning = then["description"]
@@ -204,7 +224,30 @@ def markdown_reference() -> str:
                 lines += _table("option", options, defs, "")
             else:
                 lines += ["No options.", ""]
+    lines += _models_markdown()
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+# The factory's arguments that come from the data, never from model.options (nodeagent.training.models).
+_FROM_THE_DATA = ("input_shape", "num_classes")
+
+
+def _models_markdown() -> list[str]:
+    """The registered models: each factory's description (its docstring) and its options (its keyword arguments,
+    with their defaults)."""
+    lines = ["## Models", "", "`model.options` are the keyword arguments of the model's factory; the input shape and "
+             "the class count (a language model's sequence length and vocabulary) come from the data.", ""]
+    for name, factory in MODELS.items():
+        lines += [f"### `{name}`", "", " ".join(inspect.getdoc(factory).split()), ""]  # type: ignore[union-attr]
+        options = [p for p in inspect.signature(factory).parameters.values() if p.name not in _FROM_THE_DATA]
+        if options:
+            lines += ["| option | default |", "|---|---|"]
+            defaults = [list(p.default) if isinstance(p.default, tuple) else p.default for p in options]
+            lines += [f"| `{p.name}` | `{_yaml_value(value)}` |" for p, value in zip(options, defaults, strict=True)]
+            lines.append("")
+        else:
+            lines += ["No options.", ""]
+    return lines
 
 
 def _section_markdown(lines: list[str], path: str, section: str, schema: Schema, defs: Schema) -> None:
@@ -348,5 +391,10 @@ def _commented_mapping(lines: list[str], schema: Schema, values: dict[str, Any],
 def _branch(defs: Schema, choice: tuple[str, str, str, str], name: str) -> Schema:
     """The `then` of the choice called `name`."""
     section, field, _options, _heading = choice
-    return next(branch["then"] for branch in defs[section]["allOf"]
+    return next(branch["then"] for branch in _branches(defs, section, field)
                 if branch["if"]["properties"][field]["const"] == name)
+
+
+def _branches(defs: Schema, section: str, field: str) -> list[Schema]:
+    """The `if`/`then` branches of the choice that `field` of `section` makes (data holds two: dataset, split)."""
+    return [branch for branch in defs[section]["allOf"] if field in branch["if"]["properties"]]

@@ -1,7 +1,8 @@
 """Live progress of a job, as `follow`, `submit --follow`, `demo` and `simulate` show it.
 
 On a terminal: rich progress bars, one for the job (the mean step of its nodes) and one per node for small jobs,
-each with steps, steps/s, ETA and the mean test accuracy; events print above the bars. Elsewhere (a pipe, a CI
+each with steps, steps/s, ETA and the mean of the task's headline figure (test accuracy, validation perplexity);
+events print above the bars. Elsewhere (a pipe, a CI
 log): a plain line every few seconds with the same figures, and the events as they come.
 """
 
@@ -15,6 +16,8 @@ from typing import TextIO
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
+
+from nodeagent.runtime.progress import TASK_METRICS, Metric
 
 MAX_NODE_BARS = 16  # a bar per node up to this many nodes; beyond, only the job's
 PLAIN_EVERY_S = 5.0
@@ -77,12 +80,13 @@ class ProgressView:
         else:
             print(line, file=self.out, flush=True)
 
-    def update(self, steps: Sequence[int], accuracy: float, state: str = "", note: str = "") -> None:
-        """The nodes' steps (by rank), their mean test accuracy (NaN: not evaluated yet), the job's state and
-        anything else worth a word (virtual time)."""
+    def update(self, steps: Sequence[int], figure: float, state: str = "", note: str = "",
+               metric: Metric = TASK_METRICS["classification"][0]) -> None:
+        """The nodes' steps (by rank), their mean of the task's headline `metric` (test accuracy, validation
+        perplexity; NaN: not evaluated yet), the job's state and anything else worth a word (virtual time)."""
         mean = sum(steps) / len(steps) if steps else 0.0
         shown = " ".join(part for part in (
-            state, "" if math.isnan(accuracy) else f"accuracy {accuracy:.4f}", note) if part)
+            state, "" if math.isnan(figure) else f"{metric.word} {metric.text(figure)}", note) if part)
         if self._progress is not None and self._job is not None:
             self._progress.update(self._job, completed=mean, note=shown)
             for task, step in zip(self._node_tasks, steps, strict=False):

@@ -23,11 +23,11 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from coordinator.display import mean_accuracy
+from coordinator.display import mean_measured
 from nodeagent.jobspec import JobSpec
 from nodeagent.ps.messages import SERVER_NAME
 from nodeagent.runtime.events import EVENTS_FILE, TOPOLOGY, Event, read_events
-from nodeagent.runtime.progress import LOG_FILE, Progress, read_run_log
+from nodeagent.runtime.progress import LOG_FILE, Metric, Progress, read_run_log, task_metrics
 from nodeagent.text import clip
 
 REPORT_FILE = "report.html"
@@ -154,19 +154,21 @@ def _x(run: Run, record: Progress, x: str) -> float:
     return record.time - run.origin if x == "time" else float(record.step)
 
 
-def accuracy_against_bytes(run: Run) -> tuple[list[float], list[float]]:
-    """The communication comparison (DiLoCo against all-reduce SGD): the mean test accuracy over the ranks against
-    the mean payload bytes a rank had sent, from the point where every rank has an accuracy on: one point per step
-    that records reached (the last record of the step completes it)."""
+def accuracy_against_bytes(run: Run, field: str = "test_accuracy") -> tuple[list[float], list[float]]:
+    """The communication comparison (DiLoCo against all-reduce SGD): the mean test accuracy (or another figure of
+    the task: `field` of the records) over the ranks against the mean payload bytes a rank had sent, from the point
+    where every rank has one on: one point per step that records reached (the last record of the step completes
+    it)."""
     ranks = len({r.rank for r in run.records})
     accuracy: dict[int, float] = {}
     sent: dict[int, int] = {}
     points: dict[int, tuple[float, float]] = {}
     for record in run.records:
         sent[record.rank] = record.bytes_sent
-        if math.isnan(record.test_accuracy):
+        value = getattr(record, field)
+        if math.isnan(value):
             continue
-        accuracy[record.rank] = record.test_accuracy
+        accuracy[record.rank] = value
         if len(accuracy) == ranks:
             points[record.step] = (sum(sent.values()) / ranks, sum(accuracy.values()) / ranks)
     return [x for x, _ in points.values()], [y for _, y in points.values()]
@@ -331,10 +333,10 @@ def _accuracy_series(runs: Sequence[Run], x: str, y: str, per_node: bool) -> lis
     return series
 
 
-def _bytes_series(runs: Sequence[Run]) -> list[Series]:
+def _bytes_series(runs: Sequence[Run], field: str) -> list[Series]:
     series = []
     for color, run in enumerate(runs):
-        points = [(x, y) for x, y in zip(*accuracy_against_bytes(run), strict=True) if x > 0]
+        points = [(x, y) for x, y in zip(*accuracy_against_bytes(run, field), strict=True) if x > 0]
         if points:
             xs, ys = zip(*points, strict=True)
             series.append(Series(run.label, xs, ys, color, "--" if run.reference else "-"))
@@ -360,30 +362,43 @@ def _short(text: str) -> str:
     return clip(" ".join(text.split()), MAX_MARKER_CHARS)
 
 
+def headline(runs: Sequence[Run]) -> Metric:
+    """The figure the runs are compared by, their task's headline (test accuracy, validation perplexity);
+    ReportError if they are runs of different tasks."""
+    tasks = sorted({run.spec.task for run in runs})
+    if len(tasks) > 1:
+        raise ReportError(f"runs of different tasks ({', '.join(tasks)}) have no figure in common: report them "
+                          "apart")
+    return task_metrics(tasks[0])[0]
+
+
 def _figures(runs: Sequence[Run], out: Path) -> list[Plot]:
     axis = _time_axis(runs)
     markers = _markers(runs)
     names = ", ".join(run.label for run in runs)
+    metric = headline(runs)
+    title, word, field = metric.name[:1].upper() + metric.name[1:], metric.word, metric.field
+    language = runs[0].spec.task == "language-model"
+    loss = "validation loss (cross-entropy per token)" if language else "test loss (cross-entropy)"
     figures = [
-        Plot(line_figure(out / "accuracy_time.png", f"Test accuracy against time: {names}", axis,
-                         "test accuracy", _accuracy_series(runs, "time", "test_accuracy", True), markers).name,
-             "Mean test accuracy over the nodes (thick; each node's latest evaluation) and each node's (thin) "
+        Plot(line_figure(out / f"{word}_time.png", f"{title} against time: {names}", axis,
+                         metric.name, _accuracy_series(runs, "time", field, True), markers).name,
+             f"Mean {metric.name} over the nodes (thick; each node's latest evaluation) and each node's (thin) "
              "against time from the job's start. A dashed line is the single-node reference; dotted vertical "
              "lines are topology changes."),
-        Plot(line_figure(out / "accuracy_steps.png", f"Test accuracy against steps: {names}", "step",
-                         "test accuracy", _accuracy_series(runs, "step", "test_accuracy", True)).name,
-             "Mean (thick) and per-node (thin) test accuracy against the job's step (for parameter-server "
+        Plot(line_figure(out / f"{word}_steps.png", f"{title} against steps: {names}", "step",
+                         metric.name, _accuracy_series(runs, "step", field, True)).name,
+             f"Mean (thick) and per-node (thin) {metric.name} against the job's step (for parameter-server "
              "algorithms: rounds or pushes)."),
-        Plot(line_figure(out / "accuracy_bytes.png", f"Test accuracy against bytes sent per node: {names}",
-                         "payload bytes sent per node (mean over the nodes, log scale)", "test accuracy",
-                         _bytes_series(runs), log_x=True).name,
-             "Communication against accuracy (DiLoCo's comparison): the mean test accuracy at each evaluation "
+        Plot(line_figure(out / f"{word}_bytes.png", f"{title} against bytes sent per node: {names}",
+                         "payload bytes sent per node (mean over the nodes, log scale)", metric.name,
+                         _bytes_series(runs, field), log_x=True).name,
+             f"Communication against {word} (DiLoCo's comparison): the mean {metric.name} at each evaluation "
              "against the mean payload bytes each node had sent by then; a run's last point is its final one. "
              "Runs that sent nothing (a single node) have no place on the log scale."),
-        Plot(line_figure(out / "test_loss_time.png", f"Test loss against time: {names}", axis,
-                         "test loss (cross-entropy)", _accuracy_series(runs, "time", "test_loss", False),
-                         markers).name,
-             "Mean test loss over the nodes against time from the job's start."),
+        Plot(line_figure(out / "test_loss_time.png", f"{loss.split(' (')[0].capitalize()} against time: {names}",
+                         axis, loss, _accuracy_series(runs, "time", "test_loss", False), markers).name,
+             f"Mean {loss.split(' (')[0]} over the nodes against time from the job's start."),
         Plot(line_figure(out / "train_loss_steps.png", f"Training loss against steps: {names}", "step",
                          "training loss (cross-entropy, last minibatch)",
                          _accuracy_series(runs, "step", "loss", False)).name,
@@ -458,14 +473,18 @@ def _fmt(value: float, pattern: str) -> str:
 def _page(runs: Sequence[Run], figures: Sequence[Plot], accuracies: Sequence[float]) -> str:
     e = html.escape
     title = "peertrain report: " + ", ".join(run.label for run in runs)
-    head = ["run", "directory", "algorithm", "nodes", "topology", "split", "clock", "steps", "final mean accuracy",
+    metrics = task_metrics(runs[0].spec.task)  # one task for all (`headline`)
+    if metrics[0].field != "test_accuracy":  # the times to reach an accuracy are a classifier's
+        accuracies = ()
+    head = ["run", "directory", "algorithm", "nodes", "topology", "split", "clock", "steps",
+            *(f"final mean {metric.name}" for metric in metrics),
             *(f"time to {a:g} (s)" for a in accuracies), "sent (MB)", "received (MB)"]
     rows = []
     for run in runs:
         last = run.last
         cells = [run.label, str(run.path), run.spec.algorithm.name, str(run.spec.max_nodes), run.spec.topology.kind,
                  run.spec.data.split, "virtual" if run.virtual else "wall", str(max(r.step for r in last)),
-                 _fmt(mean_accuracy(last), "{:.4f}"),
+                 *(metric.text(mean_measured(map(metric.of, last))) for metric in metrics),
                  *(_fmt(time_to_reach(run, a), "{:.1f}") for a in accuracies),
                  f"{sum(r.bytes_sent for r in last) / 1e6:.1f}", f"{sum(r.bytes_received for r in last) / 1e6:.1f}"]
         rows.append("<tr>" + "".join(f"<td>{e(cell)}</td>" for cell in cells) + "</tr>")

@@ -786,7 +786,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return pb.JobStatusReply(
             job_id=job.job_id, name=job.name, state=JOB_STATES[job.state], world_size=job.world_size,
             run_dir=job.run_dir, created_unix=job.created_unix, spec_yaml=job.spec_yaml, reason=job.reason,
-            started_unix=job.started_unix, ended_unix=job.ended_unix, **_elastic_range(job),
+            started_unix=job.started_unix, ended_unix=job.ended_unix, **_elastic_range(job), task=job.spec.task,
             nodes=[to_node_progress(self._with_edges(m.progress), self._member_state(m, nodes.get(m.node_id)),
                                     m.failure)
                    for m in self.store.members(job.job_id, with_left=True)],
@@ -895,7 +895,8 @@ def bounded_report(progress: Progress) -> Progress:
 def report_problem(progress: Progress, spec: JobSpec, started_unix: float, now: float) -> tuple[str, str] | None:
     """What no run of the job can report, as the field and why (None: nothing): a step past the job's end, local
     steps past it (but ESync's, which are many per step), a loss that is not a non-negative number, an accuracy
-    outside 0..1 (NaN: not measured yet), a time longer than the job has run. Checked before anything is stored."""
+    outside 0..1 or a perplexity below 1 (NaN: not measured yet), a time longer than the job has run. Checked
+    before anything is stored."""
     ran_s = max(0.0, now - started_unix) + REPORT_CLOCK_SLACK_S
     local_steps_bounded = lookup(spec.algorithm.name).family is not Family.SERVER
     problems = {
@@ -904,6 +905,7 @@ def report_problem(progress: Progress, spec: JobSpec, started_unix: float, now: 
         "loss": not (math.isnan(progress.loss) or 0 <= progress.loss < math.inf),
         "test_loss": not (math.isnan(progress.test_loss) or 0 <= progress.test_loss < math.inf),
         "test_accuracy": not (math.isnan(progress.test_accuracy) or 0 <= progress.test_accuracy <= 1),
+        "test_perplexity": not (math.isnan(progress.test_perplexity) or progress.test_perplexity >= 1),
         "elapsed_s": not 0 <= progress.elapsed_s <= ran_s,
         "compute_s": not 0 <= progress.compute_s <= ran_s,
         "wait_s": not 0 <= progress.wait_s <= ran_s,

@@ -41,7 +41,7 @@ from nodeagent.metrics import Metrics
 from nodeagent.runtime import events
 from nodeagent.runtime.driver import Report, Switch, TopologyChange
 from nodeagent.runtime.events import Event, EventLog
-from nodeagent.runtime.progress import Progress, RunLog
+from nodeagent.runtime.progress import Progress, RunLog, figures_text, task_metrics
 from nodeagent.runtime.simulator import SimNode, VirtualMesh, rare_full_collections
 from nodeagent.training.job import JobData, Node
 from nodeagent.training.loop import CPU
@@ -178,7 +178,7 @@ def simulate(
         if event_log is not None and progress.finished and progress.rank not in finished:
             finished.add(progress.rank)
             event_log.append(Event(mesh.now, spec.name, events.FINISHED, f"rank {progress.rank} finished at step "
-                                   f"{progress.step}, test accuracy {progress.test_accuracy:.4f}", rank=progress.rank,
+                                   f"{progress.step}, {figures_text(spec.task, progress)}", rank=progress.rank,
                                    node=progress.node, step=progress.step))
 
     mesh = VirtualMesh(nodes, spec.name, spec.simulation, metrics or Metrics(), observe,
@@ -227,8 +227,9 @@ class SimulationProgress:
     """Shows a simulation on a live progress view, every `every_s` wall seconds at most: the nodes' steps, their
     mean accuracy and the virtual time."""
 
-    def __init__(self, view: ProgressView, every_s: float = 0.5):
+    def __init__(self, view: ProgressView, task: str = "classification", every_s: float = 0.5):
         self.view = view
+        self.headline = task_metrics(task)[0]
         self.every_s = every_s
         self.last = -math.inf
 
@@ -238,8 +239,8 @@ class SimulationProgress:
         # The nodes' steps and accuracies as they stand, not their full progress (every edge of every node): this
         # runs between two events, and work here that grows with the node count made a run quadratic in it.
         steps = [sim.node.algorithm.clock for sim in mesh.nodes]
-        accuracy = mean_measured(sim.driver.accuracy for sim in mesh.nodes)
-        self.view.update(steps, accuracy, note=f"virtual {mesh.now:.1f} s")
+        figure = mean_measured(sim.driver.figures[self.headline.field] for sim in mesh.nodes)
+        self.view.update(steps, figure, note=f"virtual {mesh.now:.1f} s", metric=self.headline)
         self.last = time.monotonic()  # counted from the end of this update: a slow one cannot run back to back
 
 

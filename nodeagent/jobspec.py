@@ -26,7 +26,9 @@ from nodeagent.text import clip
 DEFAULT_DATA_DIR = "/usr/share/datasets/fashion-mnist"
 Mode = Literal["async", "sync"]
 # The formats of data a job can name (nodeagent.training.data reads them).
-DatasetKind = Literal["fashion-mnist", "mnist", "cifar10", "cifar100", "npy", "image-folder"]
+DatasetKind = Literal["fashion-mnist", "mnist", "cifar10", "cifar100", "npy", "image-folder", "text", "tokens"]
+# What a job trains its model for (nodeagent.training.tasks): the loss, the evaluation metric and what a batch is.
+TaskName = Literal["classification", "language-model"]
 
 MAX_JOB_BYTES = 1 << 20  # of the YAML text; an inlined edge list counts
 MAX_YAML_VALUES = 65_536  # scalars, lists and mappings: a 10,000-node job with per-rank speeds and slow-downs fits
@@ -60,7 +62,8 @@ class ModelSpec(_Strict):
     """The model every node trains, built from the same seed on every node."""
 
     name: str = Field(
-        "logistic", max_length=200, description="logistic, mlp, cnn, resnet-gn, resnet-cifar, or "
+        "logistic", max_length=200, description="logistic, mlp, cnn, resnet-gn, resnet-cifar (classification), gpt "
+        "(language models), or "
         "'package.module:factory' (agents import only modules their operator allowed: nodeagent serve --allow-import "
         "package.module)")
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the model factory")
@@ -70,19 +73,22 @@ class DataSpec(_Strict):
     """The training and test data, and how the training set is divided among the nodes."""
 
     dataset: DatasetKind = Field(
-        "fashion-mnist", description="the data's kind: fashion-mnist or mnist (the four IDX files, plain or .gz), "
-        "cifar10 or cifar100 (the binary distribution's .bin files), npy (train_x.npy, train_y.npy, test_x.npy, "
-        "test_y.npy: samples of any shape, uint8 or floating, and integer labels) or image-folder "
-        "(train/<class>/<image>, test/<class>/<image>); the input shape and class count come from the files")
+        "fashion-mnist", description="the data's kind: images and labels for "
+        "classification (fashion-mnist, mnist, cifar10, cifar100, npy, image-folder), token sequences for a "
+        "language model (text, tokens); the input shape and class count (or vocabulary) come from the files")
     data_dir: str = Field(
         DEFAULT_DATA_DIR, description="directory holding the data on every node (for cifar10 and cifar100 also its "
-        "parent); an agent's --data-dir overrides it")
+        "parent; for text also one file); an agent's --data-dir overrides it")
+    options: dict[str, Any] = Field(default_factory=dict, description="the dataset's own options")
     split: str = Field("iid", max_length=64, description="how the training set is divided among the nodes: iid, "
-                       "class-window, by-class or dirichlet")
+                       "class-window, by-class or dirichlet (classification), iid or by-file (language models)")
     split_options: dict[str, Any] = Field(default_factory=dict, description="the split's own options")
-    batch_size: int = Field(100, ge=1, description="samples in one local step's minibatch")
-    train_limit: int | None = Field(None, ge=1, description="use only the first N training samples")
-    test_limit: int | None = Field(None, ge=1, description="evaluate on the first N test samples")
+    batch_size: int = Field(100, ge=1, description="samples in one local step's minibatch (for a language "
+                            "model: sequences)")
+    train_limit: int | None = Field(None, ge=1, description="use only the first N training samples (a language "
+                                    "model's: N sequences spread evenly over the files)")
+    test_limit: int | None = Field(None, ge=1, description="evaluate on the first N test samples (a language "
+                                   "model's: N validation sequences spread evenly over the files)")
 
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -263,8 +269,12 @@ class JobSpec(_Strict):
     nodes: Nodes = Field(
         8, description="number of node agents in the job (1..10000), or {min, max} for an elastic job whose agents "
         "may join and leave while it runs (peer-to-peer algorithms that can change their topology)")
+    task: TaskName = Field(
+        "classification", description="what the model learns, which fixes its loss, its evaluation metric and what "
+        "a batch is: classification (cross-entropy over class labels; test accuracy) or language-model (next-token "
+        "cross-entropy over token sequences; validation loss and perplexity)")
     steps: int = Field(1000, ge=1, description="local steps per node")
-    eval_every: int = Field(200, ge=1, description="evaluate test accuracy every N steps (and at the end)")
+    eval_every: int = Field(200, ge=1, description="evaluate on the test set every N steps (and at the end)")
     seed: int = Field(0, ge=0, description="seeds the initial model, the split and the batch orders")
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description="the training algorithm")
     model: ModelSpec = Field(default_factory=ModelSpec, description="the model")

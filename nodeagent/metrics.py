@@ -126,7 +126,11 @@ class Metrics:
         self.test_accuracy = Gauge(
             "peertrain_test_accuracy", "Accuracy on the test set at the last evaluation (0..1)", node, registry=r
         )
-        self.test_loss = Gauge("peertrain_test_loss", "Loss on the test set at the last evaluation", node, registry=r)
+        self.test_loss = Gauge("peertrain_test_loss", "Loss on the test set at the last evaluation (a language "
+                               "model's: the validation loss per token)", node, registry=r)
+        self.test_perplexity = Gauge(
+            "peertrain_test_perplexity", "A language model's validation perplexity at the last evaluation",
+            node, registry=r)
         self.step_seconds = Histogram(
             "peertrain_step_seconds",
             "Compute time of one local step (forward, backward, update)",
@@ -197,6 +201,7 @@ class Metrics:
                                   self.consensus_distance)),
             (self.exchange_failures, [*edge, "reason"]),
             *((m, node) for m in (self.local_steps, self.training_loss, self.test_accuracy, self.test_loss,
+                                  self.test_perplexity,
                                   self.step_seconds, self.wait_seconds, self.quorum_size, self.aborted_steps,
                                   self.ps_bytes_upstream,
                                   self.ps_bytes_downstream)),

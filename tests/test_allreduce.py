@@ -12,8 +12,8 @@ from nodeagent.wire import Kind, Message, WireError
 pytestmark = pytest.mark.unit
 
 
-def make(rank, world, model, lr=0.1, momentum=0.0, nesterov=False, l2=0.0, loss_fn=None):
-    spec = AlgorithmSpec(name="allreduce", lr=lr, momentum=momentum, nesterov=nesterov, l2=l2)
+def make(rank, world, model, lr=0.1, momentum=0.0, nesterov=False, l2=0.0, loss_fn=None, options=None):
+    spec = AlgorithmSpec(name="allreduce", lr=lr, momentum=momentum, nesterov=nesterov, l2=l2, options=options or {})
     return AllReduceSGD(model, NodeContext(rank=rank, world_size=world, neighbors=(), spec=spec), loss_fn)
 
 
@@ -80,6 +80,41 @@ def test_nodes_stay_bit_identical_and_equal_to_centralised_sgd_on_the_union_of_b
         reference = torch.cat([centralised.weight.detach().reshape(-1), centralised.bias.detach()])
         assert torch.allclose(nodes[0].w, reference, rtol=0, atol=1e-6)
     assert nodes[0].clock == steps
+
+
+def test_with_adamw_the_nodes_follow_centralised_adamw_on_the_union_of_batches():
+    """The synchronous baseline of language models (DiLoCo's): one AdamW step with every step's mean gradient; a
+    rank that forms the group again takes up the moments with the parameters."""
+    world, steps = 3, 5
+    torch.manual_seed(0)
+    centralised = nn.Linear(5, 3)
+    options = {"optimizer": "adamw", "beta1": 0.8, "beta2": 0.99, "weight_decay": 0.1}
+    nodes = []
+    for rank in range(world):
+        model = nn.Linear(5, 3)
+        model.load_state_dict(centralised.state_dict())
+        nodes.append(make(rank, world, model, lr=0.01, options=options))
+    optimizer = torch.optim.AdamW(centralised.parameters(), lr=0.01, betas=(0.8, 0.99), weight_decay=0.1)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        batches = [(torch.randn(16, 5, generator=generator), torch.randint(0, 3, (16,), generator=generator))
+                   for _ in range(world)]
+        allreduce(nodes, batches)
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(centralised(torch.cat([b[0] for b in batches])),
+                                    torch.cat([b[1] for b in batches])).backward()
+        optimizer.step()
+        reference = torch.cat([centralised.weight.detach().reshape(-1), centralised.bias.detach()])
+        assert all(torch.equal(node.w, nodes[0].w) for node in nodes)
+        assert torch.allclose(nodes[0].w, reference, rtol=0, atol=1e-6)
+    fresh = make(0, world, nn.Linear(5, 3), lr=0.01, options=options)
+    fresh.receive(nodes[1].group_state())
+    assert torch.equal(fresh.w, nodes[1].w) and all(torch.equal(fresh.adam[k], nodes[1].adam[k]) for k in fresh.adam)
+
+
+def test_adamw_with_momentum_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match=r"^algorithm\.momentum: AdamW keeps its own moments"):
+        make(0, 2, nn.Linear(2, 2), momentum=0.9, options={"optimizer": "adamw"})
 
 
 def test_a_mean_of_another_step_is_refused():

@@ -60,6 +60,57 @@ def test_every_algorithm_trains_a_small_job_in_the_simulator(name, fashion_mnist
         )
 
 
+# -- every algorithm trains a language model ---------------------------------------------------------------------
+
+# A few kilobytes of text in 4 files (documents), with structure a tiny model picks up in a few steps.
+WORDS = ("the node sends its model to the peer", "a step of gradient descent lowers the loss",
+         "every worker trains on its own documents", "the server averages what the workers push")
+
+
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("text")
+    for index, sentence in enumerate(WORDS):
+        (directory / f"doc{index}.txt").write_text("".join(f"{sentence}, line {line}.\n" for line in range(60)))
+    return directory
+
+
+# The inner optimiser of the DiLoCo family is AdamW, at a step size of its own; an outer round every 10 steps.
+LANGUAGE_MODEL_ALGORITHM = {
+    name: {"lr": 0.003, "options": {"inner_steps": 10}} for name in ("diloco", "diloco-gossip", "diloco-ps")
+}
+
+
+def language_model_job(name: str, text_dir: Path) -> dict:
+    """A 4-node job of `name` training a tiny GPT on the text files, iid (the asynchronous parameter server's
+    stale pushes over 4 nodes of their own documents each need more than 20 steps)."""
+    return {
+        "name": "conformance-lm", "task": "language-model", "nodes": 4, "steps": 20, "eval_every": 20, "seed": 3,
+        "algorithm": {"name": name, "lr": 0.3, "interval": 2, **LANGUAGE_MODEL_ALGORITHM.get(name, {})},
+        "model": {"name": "gpt", "options": {"layers": 1, "heads": 2, "width": 32}},
+        "data": {"dataset": "text", "data_dir": str(text_dir), "split": "iid", "batch_size": 8,
+                 "options": {"sequence_length": 16}, "test_limit": 64},
+        "topology": {"kind": TOPOLOGY.get(name, "ring")},
+    }
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_every_algorithm_trains_a_tiny_language_model_in_the_simulator(name, text_dir, tmp_path, device):
+    spec = parse_job_spec(language_model_job(name, text_dir))
+    validate_job(spec)
+    result = simulate(spec, run_dir=tmp_path, device=device)
+    records = read_run_log(tmp_path)
+    start = {r.rank: r.test_loss for r in records if r.step == 0 and not math.isnan(r.test_loss)}
+    assert sorted(start) == [0, 1, 2, 3], "every node is evaluated at its initial model"
+    for progress in result.progress:
+        assert progress.finished and progress.step == spec.steps
+        assert progress.test_loss < start[progress.rank] - 1.0, (
+            f"rank {progress.rank}: validation loss {start[progress.rank]:.3f} at step 0, {progress.test_loss:.3f} "
+            "at the end")
+        assert progress.test_perplexity == pytest.approx(math.exp(progress.test_loss))
+        assert math.isnan(progress.test_accuracy), "a language model has no accuracy"
+
+
 # -- every constructor refusal is a validation refusal ----------------------------------------------------------
 
 

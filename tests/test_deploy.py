@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import importlib
 import json
+import math
 import re
 import shlex
 import shutil
@@ -973,6 +974,7 @@ def feed(agent: Any, coordinator: Any, job: str, stop: threading.Event) -> None:
             agent.training_loss.labels(job, node).set(1.0 / step)
             agent.test_accuracy.labels(job, node).set(min(0.9, 0.1 + step / 100))
             agent.test_loss.labels(job, node).set(1.0 / step)
+            agent.test_perplexity.labels(job, node).set(math.exp(1.0 / step))  # as a language model's node
             # An all-reduce quorum that loses a member now and then.
             agent.quorum_size.labels(job, node).set(2 if step % 20 else 1)
             if step % 20 == 0:

@@ -18,12 +18,14 @@ import yaml
 
 from coordinator import cli as coordinator_cli
 from coordinator.jobs import validate_job
-from coordinator.jobschema import REGENERATE, job_schema, markdown_reference
+from coordinator.jobschema import INTRODUCTION, REGENERATE, job_schema, markdown_reference
 from coordinator.topology import DYNAMIC_KINDS, KINDS, kind_options
 from nodeagent import cli as nodeagent_cli
 from nodeagent.algorithms import REGISTRY
-from nodeagent.jobspec import AlgorithmSpec, JobSpec, JobSpecError, load_job_file, parse_job_spec
+from nodeagent.jobspec import AlgorithmSpec, JobSpec, JobSpecError, load_job_file, parse_job_spec, parse_job_yaml
+from nodeagent.training.models import MODELS
 from nodeagent.training.splits import SPLIT_OPTIONS
+from nodeagent.training.tasks import DATASET_OPTIONS
 
 pytestmark = pytest.mark.unit
 
@@ -81,7 +83,9 @@ def schema() -> dict[str, Any]:
 
 
 def _branch(schema: dict[str, Any], section: str, field: str, name: str) -> dict[str, Any]:
-    branches = [b["then"] for b in schema["$defs"][section]["allOf"] if b["if"]["properties"][field]["const"] == name]
+    # A section may hold two choices (data: dataset and split), each with its branches.
+    branches = [b["then"] for b in schema["$defs"][section]["allOf"]
+                if b["if"]["properties"].get(field, {}).get("const") == name]
     assert len(branches) == 1, f"{section}.{field} = {name}: {len(branches)} branches"
     return branches[0]
 
@@ -118,6 +122,26 @@ def test_schema_has_every_split_with_its_options(schema: dict[str, Any], split: 
     then = _branch(schema, "DataSpec", "split", split)
     assert _option_names(schema, then, "split_options") == set(SPLIT_OPTIONS[split].model_fields)
     assert then["description"]
+
+
+@pytest.mark.parametrize("dataset", sorted(DATASET_OPTIONS))
+def test_schema_has_every_dataset_with_its_options(schema: dict[str, Any], dataset: str) -> None:
+    then = _branch(schema, "DataSpec", "dataset", dataset)
+    assert _option_names(schema, then, "options") == set(DATASET_OPTIONS[dataset].model_fields)
+    assert then["description"]
+
+
+def test_the_reference_describes_every_model_with_its_options() -> None:
+    reference = markdown_reference()
+    assert "### `gpt`" in reference and "| `context_length` | `null` |" in reference
+    assert all(f"### `{name}`" in reference for name in MODELS)
+
+
+def test_the_reference_language_model_example_is_a_valid_job() -> None:
+    example = INTRODUCTION.split("```yaml\n")[1].split("```")[0]
+    spec = parse_job_yaml(example)
+    assert spec.task == "language-model"
+    validate_job(spec)
 
 
 def test_every_field_of_a_job_is_described(schema: dict[str, Any]) -> None:

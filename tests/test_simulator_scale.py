@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import nodeagent.training.job as job_module
+import nodeagent.training.tasks as tasks_module
 from coordinator.jobs import plan_node, validate_job
 from coordinator.simulate import build_nodes
 from nodeagent.jobspec import parse_job_spec
@@ -24,22 +25,23 @@ def spec(fashion_mnist_dir, nodes=12, **model):
     })
 
 
-def counted(monkeypatch, name: str) -> list[int]:
-    """Counts the calls of job.py's `name` (a function of the data layer it calls)."""
+def counted(monkeypatch, name: str, module=tasks_module) -> list[int]:
+    """Counts the calls of `name` (a function of the data layer) where `module` (the task's, or job.py) calls it."""
     calls = []
-    original = getattr(job_module, name)
+    original = getattr(module, name)
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(job_module, name, counting)
+    monkeypatch.setattr(module, name, counting)
     return calls
 
 
 @pytest.mark.parametrize("nodes", [3, 40])
 def test_a_job_splits_its_data_and_builds_its_model_once_however_many_nodes(fashion_mnist_dir, monkeypatch, nodes):
-    splits, models, loads = (counted(monkeypatch, name) for name in ("split_indices", "initial_model", "load_dataset"))
+    splits, loads = (counted(monkeypatch, name) for name in ("split_indices", "load_dataset"))
+    models = counted(monkeypatch, "initial_model", job_module)
     built = build_nodes(spec(fashion_mnist_dir, nodes))
     assert len(built) == nodes
     assert (len(splits), len(models), len(loads)) == (1, 1, 2)  # loads: the training and the test set

@@ -18,7 +18,8 @@ from nodeagent.training.splits import (
 
 pytestmark = pytest.mark.unit
 
-ALL_KINDS = [("iid", {}), ("class-window", {}), ("by-class", {}), ("dirichlet", {"alpha": 0.5})]
+# by-file divides a language model's samples labelled by their file; here the labels stand for files.
+ALL_KINDS = [("iid", {}), ("class-window", {}), ("by-class", {}), ("dirichlet", {"alpha": 0.5}), ("by-file", {})]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def test_same_seed_same_shards(labels: np.ndarray, kind: str, options: dict) -> 
     assert all(np.array_equal(a, b) for a, b in zip(first, second, strict=True))
 
 
-@pytest.mark.parametrize(("kind", "options"), [item for item in ALL_KINDS if item[0] != "by-class"])
+@pytest.mark.parametrize(("kind", "options"), [item for item in ALL_KINDS if item[0] not in ("by-class", "by-file")])
 def test_another_seed_other_shards(labels: np.ndarray, kind: str, options: dict) -> None:
     first = split_indices(labels, 8, kind, 3, options)
     other = split_indices(labels, 8, kind, 4, options)

@@ -283,6 +283,8 @@ class MemoryState(ControlState):
                 progress,
                 test_accuracy=previous.test_accuracy if math.isnan(progress.test_accuracy) else progress.test_accuracy,
                 test_loss=previous.test_loss if math.isnan(progress.test_loss) else progress.test_loss,
+                test_perplexity=(previous.test_perplexity if math.isnan(progress.test_perplexity)
+                                 else progress.test_perplexity),
                 edges=(), waiting_for="")
             member.row = dataclasses.replace(member.row, progress=stored)
             return True

@@ -94,6 +94,7 @@ COLUMNS_ADDED = {
         # joins later, which replaces its row.
         "joined_step": "INTEGER NOT NULL DEFAULT 0",
         "left_unix": "REAL NOT NULL DEFAULT 0",
+        "test_perplexity": "REAL",  # a language model's, at its last evaluation (NULL: none)
     },
 }
 # The columns in the order the rows below read them.
@@ -360,6 +361,7 @@ class SqliteState(ControlState):
                 finished=bool(f["finished"]), bytes_sent=f["bytes_sent"], bytes_received=f["bytes_received"],
                 compute_s=f["compute_s"], wait_s=f["wait_s"], exchanges=f["exchanges"],
                 exchange_failures=f["exchange_failures"], time=f["updated_unix"], local_steps=f["local_steps"],
+                test_perplexity=_float(f["test_perplexity"]),
             )
             members.append(MemberRow(job_id, f["rank"], f["node_id"], progress, f["failure"], f["ready_unix"] > 0,
                                      f["joined_step"], f["left_unix"] > 0))
@@ -379,12 +381,12 @@ class SqliteState(ControlState):
         with self._tx() as db:
             cursor = db.execute(
                 "UPDATE members SET step=?, loss=?, test_accuracy=COALESCE(?, test_accuracy), "
-                "test_loss=COALESCE(?, test_loss), finished=?, updated_unix=?, bytes_sent=?, bytes_received=?, "
-                "elapsed_s=?, compute_s=?, wait_s=?, exchanges=?, exchange_failures=?, local_steps=? "
-                "WHERE job_id=? AND rank=? AND node_id=? AND left_unix=0",
-                (p.step, _null(p.loss), _null(p.test_accuracy), _null(p.test_loss), int(p.finished), p.time,
-                 p.bytes_sent, p.bytes_received, p.elapsed_s, p.compute_s, p.wait_s, p.exchanges,
-                 p.exchange_failures, p.local_steps, p.job, p.rank, p.node),
+                "test_loss=COALESCE(?, test_loss), test_perplexity=COALESCE(?, test_perplexity), finished=?, "
+                "updated_unix=?, bytes_sent=?, bytes_received=?, elapsed_s=?, compute_s=?, wait_s=?, exchanges=?, "
+                "exchange_failures=?, local_steps=? WHERE job_id=? AND rank=? AND node_id=? AND left_unix=0",
+                (p.step, _null(p.loss), _null(p.test_accuracy), _null(p.test_loss), _null(p.test_perplexity),
+                 int(p.finished), p.time, p.bytes_sent, p.bytes_received, p.elapsed_s, p.compute_s, p.wait_s,
+                 p.exchanges, p.exchange_failures, p.local_steps, p.job, p.rank, p.node),
             )
             return cursor.rowcount == 1
 

@@ -233,7 +233,7 @@ class Assignment(_message.Message):
     def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., job_spec_json: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., neighbors: _Optional[_Iterable[_Union[Neighbor, _Mapping]]] = ..., self_weight: _Optional[float] = ..., run_dir: _Optional[str] = ..., peer_schedule: _Optional[_Iterable[_Union[PeerSet, _Mapping]]] = ..., rejoin: _Optional[bool] = ..., revoked_serials: _Optional[_Iterable[str]] = ..., topology_version: _Optional[int] = ..., switch_step: _Optional[int] = ..., topology_kind: _Optional[str] = ..., joined_at_step: _Optional[int] = ...) -> None: ...
 
 class MetricsReport(_message.Message):
-    __slots__ = ("node_id", "job_id", "rank", "step", "loss", "test_accuracy", "test_loss", "elapsed_s", "finished", "bytes_sent", "bytes_received", "compute_s", "wait_s", "exchanges", "exchange_failures", "edges", "local_steps", "waiting_for")
+    __slots__ = ("node_id", "job_id", "rank", "step", "loss", "test_accuracy", "test_loss", "elapsed_s", "finished", "bytes_sent", "bytes_received", "compute_s", "wait_s", "exchanges", "exchange_failures", "edges", "local_steps", "waiting_for", "test_perplexity")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +252,7 @@ class MetricsReport(_message.Message):
     EDGES_FIELD_NUMBER: _ClassVar[int]
     LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
+    TEST_PERPLEXITY_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     job_id: str
     rank: int
@@ -270,7 +271,8 @@ class MetricsReport(_message.Message):
     edges: _containers.RepeatedCompositeFieldContainer[EdgeTraffic]
     local_steps: int
     waiting_for: str
-    def __init__(self, node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., finished: _Optional[bool] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., exchanges: _Optional[int] = ..., exchange_failures: _Optional[int] = ..., edges: _Optional[_Iterable[_Union[EdgeTraffic, _Mapping]]] = ..., local_steps: _Optional[int] = ..., waiting_for: _Optional[str] = ...) -> None: ...
+    test_perplexity: float
+    def __init__(self, node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., finished: _Optional[bool] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., exchanges: _Optional[int] = ..., exchange_failures: _Optional[int] = ..., edges: _Optional[_Iterable[_Union[EdgeTraffic, _Mapping]]] = ..., local_steps: _Optional[int] = ..., waiting_for: _Optional[str] = ..., test_perplexity: _Optional[float] = ...) -> None: ...
 
 class EdgeTraffic(_message.Message):
     __slots__ = ("peer", "bytes_sent", "bytes_received", "exchanges", "failures", "messages_sent", "messages_received", "last_message_age_s", "message_interval_s", "in_flight_s", "failure_reasons", "last_failure_age_s", "staleness_steps", "consensus_distance")
@@ -622,7 +624,7 @@ class ListJobsReply(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[JobInfo, _Mapping]]] = ...) -> None: ...
 
 class NodeProgress(_message.Message):
-    __slots__ = ("rank", "node_id", "step", "loss", "test_accuracy", "finished", "updated_unix", "bytes_sent", "bytes_received", "test_loss", "elapsed_s", "compute_s", "wait_s", "exchanges", "exchange_failures", "state", "failure", "local_steps", "edges", "waiting_for")
+    __slots__ = ("rank", "node_id", "step", "loss", "test_accuracy", "finished", "updated_unix", "bytes_sent", "bytes_received", "test_loss", "elapsed_s", "compute_s", "wait_s", "exchanges", "exchange_failures", "state", "failure", "local_steps", "edges", "waiting_for", "test_perplexity")
     RANK_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -643,6 +645,7 @@ class NodeProgress(_message.Message):
     LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     EDGES_FIELD_NUMBER: _ClassVar[int]
     WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
+    TEST_PERPLEXITY_FIELD_NUMBER: _ClassVar[int]
     rank: int
     node_id: str
     step: int
@@ -663,10 +666,11 @@ class NodeProgress(_message.Message):
     local_steps: int
     edges: _containers.RepeatedCompositeFieldContainer[EdgeTraffic]
     waiting_for: str
-    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., finished: _Optional[bool] = ..., updated_unix: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., test_loss: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., exchanges: _Optional[int] = ..., exchange_failures: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ..., local_steps: _Optional[int] = ..., edges: _Optional[_Iterable[_Union[EdgeTraffic, _Mapping]]] = ..., waiting_for: _Optional[str] = ...) -> None: ...
+    test_perplexity: float
+    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., finished: _Optional[bool] = ..., updated_unix: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., test_loss: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., exchanges: _Optional[int] = ..., exchange_failures: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ..., local_steps: _Optional[int] = ..., edges: _Optional[_Iterable[_Union[EdgeTraffic, _Mapping]]] = ..., waiting_for: _Optional[str] = ..., test_perplexity: _Optional[float] = ...) -> None: ...
 
 class JobStatusReply(_message.Message):
-    __slots__ = ("job_id", "name", "state", "world_size", "nodes", "run_dir", "created_unix", "spec_yaml", "reason", "started_unix", "ended_unix", "min_nodes", "max_nodes")
+    __slots__ = ("job_id", "name", "state", "world_size", "nodes", "run_dir", "created_unix", "spec_yaml", "reason", "started_unix", "ended_unix", "min_nodes", "max_nodes", "task")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -680,6 +684,7 @@ class JobStatusReply(_message.Message):
     ENDED_UNIX_FIELD_NUMBER: _ClassVar[int]
     MIN_NODES_FIELD_NUMBER: _ClassVar[int]
     MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     state: JobState
@@ -693,7 +698,8 @@ class JobStatusReply(_message.Message):
     ended_unix: float
     min_nodes: int
     max_nodes: int
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., world_size: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeProgress, _Mapping]]] = ..., run_dir: _Optional[str] = ..., created_unix: _Optional[float] = ..., spec_yaml: _Optional[str] = ..., reason: _Optional[str] = ..., started_unix: _Optional[float] = ..., ended_unix: _Optional[float] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ...) -> None: ...
+    task: str
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., world_size: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeProgress, _Mapping]]] = ..., run_dir: _Optional[str] = ..., created_unix: _Optional[float] = ..., spec_yaml: _Optional[str] = ..., reason: _Optional[str] = ..., started_unix: _Optional[float] = ..., ended_unix: _Optional[float] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., task: _Optional[str] = ...) -> None: ...
 
 class PsPushReply(_message.Message):
     __slots__ = ("version", "applied", "rejected", "delay", "bytes_received", "duplicate")

@@ -48,7 +48,7 @@ from nodeagent.rpc import Backoff, failure_reason, split_address
 from nodeagent.runtime import events
 from nodeagent.runtime.driver import Action, Arrival, NodeDriver, Report, TopologyChange
 from nodeagent.runtime.peer_service import GrpcPeers, ServingState
-from nodeagent.runtime.progress import to_report
+from nodeagent.runtime.progress import figures_text, to_report
 from nodeagent.runtime.readiness import data_to_proto
 from nodeagent.runtime.server_link import GrpcServerLink
 from nodeagent.training.data import DatasetInfo
@@ -240,7 +240,7 @@ class JobRunner(threading.Thread):
                 if self.collective is not None:  # a member that comes back late takes the final state from here
                     self.collective.hand_over()
                 agent.event(self.job_id, events.FINISHED, f"rank {self.rank} finished at step "
-                            f"{report.progress.step}, test accuracy {report.progress.test_accuracy:.4f}",
+                            f"{report.progress.step}, {figures_text(self.spec.task, report.progress)}",
                             step=report.progress.step)
             # The driver's ages count back from the report, made just now: Unix time for the edge gauges.
             agent.metrics.observe_edges(self.job_id, agent.node_id, report.progress.edges, time.time())

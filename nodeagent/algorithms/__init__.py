@@ -47,8 +47,9 @@ def lookup(name: str) -> type[Algorithm]:
         raise JobSpecError(f"algorithm.name: unknown algorithm {name!r}; known: {known}") from None
 
 
-def build_algorithm(model: nn.Module, context: NodeContext) -> Algorithm:
-    return lookup(context.spec.name)(model, context)
+def build_algorithm(model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None) -> Algorithm:
+    """The node's algorithm over `model`, minimising `loss_fn` (its task's; default: cross-entropy over labels)."""
+    return lookup(context.spec.name)(model, context, loss_fn)
 
 
 def build_server(spec: JobSpec, info: DatasetInfo) -> ServerHalf:

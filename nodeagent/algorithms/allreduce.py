@@ -2,7 +2,8 @@
 
 Every step averages the gradients of all nodes: step t computes g_i (with the L2 term) at w, hands it to the
 runtime's all-reduce (Route.ALLREDUCE, Kind.GRADIENT, clock t), and waits (`ready()` is False) until the mean
-arrives through `receive()`; then w <- w - lr * d(mean g), with momentum or Nesterov through `sgd_direction`.
+arrives through `receive()`; then w <- w - lr * d(mean g), with momentum or Nesterov through `sgd_direction`, or
+(`optimizer: adamw`, the synchronous baseline of language models in the DiLoCo paper) one AdamW step on the mean.
 All nodes start from the same seeded model and apply the same mean with the same arithmetic, so they stay
 bit-identical, and equal to centralised SGD on the union of their batches (equal batch sizes). The all-reduce
 itself belongs to the runtime (torch.distributed in the agent), never to this state machine.
@@ -14,12 +15,40 @@ parameters, momentum, step) as a PARAMS message, which every rank takes up; they
 
 from __future__ import annotations
 
+import math
+from typing import Literal
+
 import torch
+from pydantic import Field
 from torch import nn
 
-from nodeagent.algorithms.base import ALLREDUCE_RANK, Algorithm, Family, NodeContext, Route, Send, Snapshot
+from nodeagent.algorithms.base import (
+    ALLREDUCE_RANK,
+    Algorithm,
+    AlgorithmOptions,
+    Family,
+    Graph,
+    NodeContext,
+    Route,
+    Send,
+    Snapshot,
+)
+from nodeagent.jobspec import JobSpec, JobSpecError
 from nodeagent.wire.errors import Reason, WireError
 from nodeagent.wire.message import Kind, Message, TensorSpec
+
+
+class AllReduceOptions(AlgorithmOptions):
+    optimizer: Literal["sgd", "adamw"] = Field(
+        "sgd", description="the update with the mean gradient: sgd (at algorithm.lr, with algorithm.momentum) or "
+        "adamw (at algorithm.lr)")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's first-moment decay")
+    beta2: float = Field(0.999, ge=0, lt=1, description="AdamW's second-moment decay")
+    eps: float = Field(1e-8, gt=0, description="AdamW's epsilon")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay")
+
+
+ADAM_MOMENTS = ("adam_m", "adam_v")  # their names in the group's state
 
 
 class AllReduceSGD(Algorithm):
@@ -28,9 +57,24 @@ class AllReduceSGD(Algorithm):
     name = "allreduce"
     family = Family.COLLECTIVE
     modes = ("sync",)
+    Options = AllReduceOptions
+
+    @classmethod
+    def check(cls, spec: JobSpec, topology: Graph) -> None:
+        super().check(spec, topology)
+        options = cls.options_of(spec.algorithm)
+        assert isinstance(options, AllReduceOptions)
+        if options.optimizer == "adamw" and (spec.algorithm.momentum or spec.algorithm.nesterov):
+            raise JobSpecError("algorithm.momentum: AdamW keeps its own moments (set beta1 in the options)")
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         super().__init__(model, context, loss_fn)
+        options = self.options
+        assert isinstance(options, AllReduceOptions)
+        if options.optimizer == "adamw" and (self.spec.momentum or self.spec.nesterov):
+            raise JobSpecError("algorithm.momentum: AdamW keeps its own moments (set beta1 in the options)")
+        adamw = options.optimizer == "adamw"
+        self.adam: dict[str, torch.Tensor] = {name: torch.zeros_like(self.w) for name in ADAM_MOMENTS} if adamw else {}
         self.waiting = False  # this step's gradient is out and its mean has not come back
         self._outbox: list[Send] = []
         self.republish()
@@ -57,7 +101,7 @@ class AllReduceSGD(Algorithm):
         """What the all-reduce hands from this rank to every other when the group is formed again: the parameters,
         the momentum when there is one (zeros before the first step, which SGD's first step treats alike), and the
         step they are at."""
-        tensors = {"w": self.w.detach().clone()}
+        tensors = {"w": self.w.detach().clone(), **{name: moment.clone() for name, moment in self.adam.items()}}
         if self.spec.momentum != 0:
             buffer = self._momentum_buffer
             tensors["momentum"] = buffer.clone() if buffer is not None else torch.zeros_like(self.w)
@@ -73,6 +117,8 @@ class AllReduceSGD(Algorithm):
                 self.w.copy_(message.tensors["w"])
             momentum = message.tensors.get("momentum")
             self._momentum_buffer = momentum.clone() if momentum is not None else None
+            for name, moment in self.adam.items():
+                moment.copy_(message.tensors[name])
             self.clock = message.clock
             self.waiting = False
             self._outbox = []
@@ -86,10 +132,27 @@ class AllReduceSGD(Algorithm):
                 f"{state}"
             )
         mean = self.params.flatten(message.tensors)
-        self.w.sub_(self.sgd_direction(mean), alpha=self.spec.lr)
+        if self.adam:
+            self._adamw(mean)
+        else:
+            self.w.sub_(self.sgd_direction(mean), alpha=self.spec.lr)
         self.waiting = False
         self.clock += 1
         self.republish()
+
+    def _adamw(self, grad: torch.Tensor) -> None:
+        """One AdamW step (decoupled weight decay, bias-corrected moments) with the mean gradient, step clock + 1."""
+        options, lr = self.options, self.spec.lr
+        assert isinstance(options, AllReduceOptions)
+        m, v = self.adam["adam_m"], self.adam["adam_v"]
+        t = self.clock + 1
+        with torch.no_grad():
+            if options.weight_decay:
+                self.w.mul_(1 - lr * options.weight_decay)
+            m.mul_(options.beta1).add_(grad, alpha=1 - options.beta1)
+            v.mul_(options.beta2).addcmul_(grad, grad, value=1 - options.beta2)
+            denominator = (v.sqrt() / math.sqrt(1 - options.beta2**t)).add_(options.eps)
+            self.w.addcdiv_(m, denominator, value=-lr / (1 - options.beta1**t))
 
     def ready(self) -> bool:
         return not self.waiting

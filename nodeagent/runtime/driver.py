@@ -224,6 +224,7 @@ class NodeDriver:
         self.loss: Loss = math.nan
         self.accuracy = math.nan
         self.test_loss = math.nan
+        self.perplexity = math.nan
         self.compute_s = 0.0
         self.wait_s = 0.0
         self.exchanges = 0
@@ -268,8 +269,7 @@ class NodeDriver:
         self._local_steps = metrics.local_steps.labels(*labels)
         self._training_loss = metrics.training_loss.labels(*labels)
         self._wait_seconds = metrics.wait_seconds.labels(*labels)
-        self._test_accuracy = metrics.test_accuracy.labels(*labels)
-        self._test_loss = metrics.test_loss.labels(*labels)
+        self._labels = labels
 
     # -- what the executor tells the driver ------------------------------------------------------------------------
 
@@ -596,10 +596,18 @@ class NodeDriver:
         result = self.node.evaluate()
         self._evaluating_s += self.clock() - began
         self._evaluated_at = self.algorithm.clock
-        self.accuracy, self.test_loss = result.accuracy, result.loss
-        self._test_accuracy.set(result.accuracy)
-        self._test_loss.set(result.loss)
+        self.accuracy, self.test_loss, self.perplexity = result.accuracy, result.loss, result.perplexity
+        # Only the figures of the job's task have series (a language model has no accuracy).
+        for gauge, value in ((self.metrics.test_accuracy, result.accuracy), (self.metrics.test_loss, result.loss),
+                             (self.metrics.test_perplexity, result.perplexity)):
+            if not math.isnan(value):
+                gauge.labels(*self._labels).set(value)
         return self._report(evaluated=True)
+
+    @property
+    def figures(self) -> dict[str, float]:
+        """The last evaluation's figures by their field of Progress (NaN: not a figure of the task, or none yet)."""
+        return {"test_accuracy": self.accuracy, "test_loss": self.test_loss, "test_perplexity": self.perplexity}
 
     def _report(self, evaluated: bool) -> Report:
         self._reported = self.clock()
@@ -659,7 +667,7 @@ class NodeDriver:
         )
         return Progress(
             job=self.job, rank=self.node.rank, node=self.name, step=self.algorithm.clock, loss=float(self.loss),
-            test_accuracy=self.accuracy, test_loss=self.test_loss,
+            test_accuracy=self.accuracy, test_loss=self.test_loss, test_perplexity=self.perplexity,
             elapsed_s=now - (self._started if self._started is not None else now), finished=self.done,
             bytes_sent=sent, bytes_received=received, compute_s=self.compute_s, wait_s=self.wait_s,
             exchanges=self.exchanges, exchange_failures=self.failures, time=now, edges=tuple(edges),

@@ -65,6 +65,44 @@ class Progress:
     edges: tuple[EdgeCounters, ...] = ()  # per peer, sorted by peer
     local_steps: int = 0  # local steps taken here (`step` counts the job's steps: ESync's are rounds)
     waiting_for: str = ""  # while the node waits to go on: what for (Algorithm.waiting_for()), else empty
+    test_perplexity: float = math.nan  # language models: exp(test_loss) at the last evaluation
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A figure of an evaluation that status, follow, the report and the simulator show: its column heading, its
+    name in prose and in a word, the field of Progress that holds it, and its format."""
+
+    heading: str
+    name: str
+    word: str
+    field: str
+    pattern: str = "{:.4f}"
+
+    def of(self, progress: Progress) -> float:
+        return getattr(progress, self.field)
+
+    def text(self, value: float) -> str:
+        return "-" if math.isnan(value) else self.pattern.format(value)
+
+
+# What each task's evaluations fill (nodeagent.training.tasks), the headline first; every other figure of Progress
+# stays NaN. Here, beside the record, so that the command line shows them without importing torch.
+TASK_METRICS: dict[str, tuple[Metric, ...]] = {
+    "classification": (Metric("test acc", "test accuracy", "accuracy", "test_accuracy"),),
+    "language-model": (Metric("val ppl", "validation perplexity", "perplexity", "test_perplexity", "{:.3f}"),
+                       Metric("val loss", "validation loss", "loss", "test_loss")),
+}
+
+
+def task_metrics(task: str) -> tuple[Metric, ...]:
+    """The figures of a task's evaluations; those of classification for a task not named (an older coordinator)."""
+    return TASK_METRICS.get(task or "classification", TASK_METRICS["classification"])
+
+
+def figures_text(task: str, progress: Progress) -> str:
+    """A node's last figures of its task in words: `test accuracy 0.8123`, `validation perplexity 5.210, ...`."""
+    return ", ".join(f"{metric.name} {metric.text(metric.of(progress))}" for metric in task_metrics(task))
 
 
 class Traffic:
@@ -119,6 +157,7 @@ def to_report(progress: Progress) -> pb.MetricsReport:
         compute_s=progress.compute_s, wait_s=progress.wait_s, exchanges=progress.exchanges,
         exchange_failures=progress.exchange_failures, local_steps=progress.local_steps,
         edges=[_edge_to_pb(edge) for edge in progress.edges], waiting_for=progress.waiting_for,
+        test_perplexity=progress.test_perplexity,
     )
 
 
@@ -130,8 +169,13 @@ def from_report(report: pb.MetricsReport, time: float) -> Progress:
         compute_s=report.compute_s, wait_s=report.wait_s, exchanges=report.exchanges,
         exchange_failures=report.exchange_failures, time=time,
         edges=tuple(_edge_from_pb(edge) for edge in report.edges), local_steps=report.local_steps,
-        waiting_for=report.waiting_for,
+        waiting_for=report.waiting_for, test_perplexity=_perplexity(report),
     )
+
+
+def _perplexity(message: pb.MetricsReport | pb.NodeProgress) -> float:
+    """A message's perplexity; a message from before the field (issue 26) has none: not measured."""
+    return message.test_perplexity if message.HasField("test_perplexity") else math.nan
 
 
 def to_node_progress(progress: Progress, state: str = "", failure: str = "") -> pb.NodeProgress:
@@ -144,6 +188,7 @@ def to_node_progress(progress: Progress, state: str = "", failure: str = "") -> 
         elapsed_s=progress.elapsed_s, compute_s=progress.compute_s, wait_s=progress.wait_s,
         exchanges=progress.exchanges, exchange_failures=progress.exchange_failures, local_steps=progress.local_steps,
         edges=[_edge_to_pb(edge) for edge in progress.edges], waiting_for=progress.waiting_for,
+        test_perplexity=progress.test_perplexity,
     )
 
 
@@ -154,6 +199,7 @@ def from_node_progress(job: str, node: pb.NodeProgress) -> Progress:
         bytes_received=node.bytes_received, compute_s=node.compute_s, wait_s=node.wait_s, exchanges=node.exchanges,
         exchange_failures=node.exchange_failures, time=node.updated_unix, local_steps=node.local_steps,
         edges=tuple(_edge_from_pb(edge) for edge in node.edges), waiting_for=node.waiting_for,
+        test_perplexity=_perplexity(node),
     )
 
 

@@ -125,6 +125,10 @@ class Dataset:
         """The samples `which` (indices or a slice), normalised: float32 (B, *input_shape)."""
         return self.normalisation.apply(self.samples[which])
 
+    def batch(self, which: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The samples `which` (indices): normalised images and their labels."""
+        return self.images(which), self.labels.index_select(0, torch.from_numpy(which))
+
     @cached_property
     def normalised(self) -> torch.Tensor:
         """Every sample normalised, computed once and kept: evaluation reads the whole test set again and again (each
@@ -158,6 +162,10 @@ class DeviceCopy:
         """The samples `which` (indices on this device, or a slice), normalised: float32 (B, *input_shape)."""
         chosen = self.samples[which] if isinstance(which, slice) else self.samples.index_select(0, which)
         return self.normalisation.apply_tensor(chosen.to(torch.float32, copy=True))
+
+    def batch(self, which: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The samples `which` (indices on this device): normalised images and their labels."""
+        return self.images(which), self.labels.index_select(0, which)
 
 
 def _published(mean: tuple[float, ...], std: tuple[float, ...]) -> Normalisation:

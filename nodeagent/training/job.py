@@ -23,19 +23,19 @@ from torch import nn
 
 from nodeagent.algorithms import Algorithm, Neighbor, NodeContext, build_algorithm
 from nodeagent.jobspec import JobSpec
-from nodeagent.training.data import Dataset, load_dataset
-from nodeagent.training.loop import CPU, BatchStream, EvalResult, evaluate, model_device
+from nodeagent.training.loop import CPU, BatchStream, EvalResult, model_device
 from nodeagent.training.models import initial_model
-from nodeagent.training.splits import split_indices
+from nodeagent.training.tasks import Task, TrainingData, task_of
 
 
 class InitialEvaluation:
     """The job's initial model evaluated on its test set once per device, for all its nodes: each is evaluated at
     step 0 (where its curve starts), from the same parameters, which would repeat one evaluation per node."""
 
-    def __init__(self, initial: nn.Module, test_set: Dataset) -> None:
+    def __init__(self, initial: nn.Module, test_set: TrainingData, task: Task) -> None:
         self._state = initial.state_dict()
         self._test_set = test_set
+        self._task = task
         self._on_device: dict[torch.device, dict[str, torch.Tensor]] = {}
         self._results: dict[torch.device, EvalResult] = {}
 
@@ -50,7 +50,7 @@ class InitialEvaluation:
         if state.keys() != initial.keys() or not all(torch.equal(state[k], initial[k]) for k in state):
             return None
         if device not in self._results:
-            self._results[device] = evaluate(model, self._test_set)
+            self._results[device] = self._task.evaluate(model, self._test_set)
         return self._results[device]
 
 
@@ -60,9 +60,13 @@ class Node:
     rank: int
     algorithm: Algorithm
     batches: BatchStream
-    test_set: Dataset | None  # None: the node is not evaluated (mathematics tests on synthetic problems)
+    test_set: TrainingData | None  # None: the node is not evaluated (mathematics tests on synthetic problems)
     shard_size: int
     initial_evaluation: InitialEvaluation | None = None  # shared by the job's nodes, on the same test set
+
+    @property
+    def task(self) -> Task:
+        return task_of(self.spec)
 
     def evaluate(self) -> EvalResult:
         if self.test_set is None:
@@ -71,7 +75,7 @@ class Node:
             known = self.initial_evaluation.of(self.algorithm.model)
             if known is not None:
                 return known
-        return evaluate(self.algorithm.model, self.test_set)
+        return self.task.evaluate(self.algorithm.model, self.test_set)
 
 
 @dataclass(frozen=True)
@@ -81,8 +85,8 @@ class JobData:
     model, which no node trains (each trains a copy: `node`), and its evaluation."""
 
     spec: JobSpec
-    train: Dataset
-    test: Dataset
+    train: TrainingData
+    test: TrainingData
     shards: list[np.ndarray]
     initial: nn.Module
     initial_evaluation: InitialEvaluation
@@ -99,14 +103,12 @@ class JobData:
         if spec.training.precision == "fp16" and device.type != "cuda":
             raise ValueError(f"training.precision fp16 needs a CUDA device; this node computes on {device}")
         directory = data_dir or spec.data.data_dir
-        train = load_dataset(spec.data.dataset, directory, "train", spec.data.train_limit)
-        test = load_dataset(spec.data.dataset, directory, "test", spec.data.test_limit)
-        shards = split_indices(
-            train.labels.numpy(), spec.nodes, spec.data.split, spec.seed, dict(spec.data.split_options),
-            train.info.num_classes,
-        )
+        task = task_of(spec)
+        train = task.load(spec, directory, "train")
+        test = task.load(spec, directory, "test")
+        shards = task.shards(spec, train)
         initial = initial_model(spec, train.info, allow_imports)
-        return cls(spec, train, test, shards, initial, InitialEvaluation(initial, test), device)
+        return cls(spec, train, test, shards, initial, InitialEvaluation(initial, test, task), device)
 
     def node(self, rank: int, neighbors: tuple[Neighbor, ...], self_weight: float,
              peer_schedule: tuple[tuple[int, ...], ...] = ()) -> Node:
@@ -123,7 +125,7 @@ class JobData:
             peer_schedule=peer_schedule,
             precision=spec.training.precision,
         )
-        algorithm = build_algorithm(copy.deepcopy(self.initial).to(self.device), context)
+        algorithm = build_algorithm(copy.deepcopy(self.initial).to(self.device), context, task_of(spec).loss_fn())
         shard = self.shards[rank]
         # Each node draws its own batch order, reproducibly (the same on every device).
         batches = BatchStream(self.train, shard, spec.data.batch_size, seed=spec.seed * 1_000_003 + rank,

@@ -11,7 +11,9 @@ copy of the next batch overlaps the step on this one. The order of the samples i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,19 +22,23 @@ from torch import nn
 
 from nodeagent.training.data import Dataset
 
+if TYPE_CHECKING:
+    from nodeagent.training.tokens import TokenDataset
+
 __all__ = ["BatchStream", "EvalResult", "evaluate", "model_device"]
 
 CPU = torch.device("cpu")
 
 
 class BatchStream:
-    """An endless, deterministic sequence of minibatches from the samples `indices` of `dataset`.
+    """An endless, deterministic sequence of minibatches from the samples `indices` of `dataset` (a classification
+    Dataset or a language model's TokenDataset: what a batch is, is the dataset's `batch`).
 
     Each epoch visits every sample of the shard once, in an order drawn from a numpy Generator seeded with
     `seed`; the last batch of an epoch is smaller when the batch size does not divide the shard.
     """
 
-    def __init__(self, dataset: Dataset, indices: np.ndarray, batch_size: int, seed: int,
+    def __init__(self, dataset: Dataset | TokenDataset, indices: np.ndarray, batch_size: int, seed: int,
                  device: torch.device = CPU) -> None:
         indices = np.asarray(indices, dtype=np.int64)
         if indices.ndim != 1 or len(indices) == 0:
@@ -66,7 +72,7 @@ class BatchStream:
         return batch
 
     def _on_host(self, batch: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.dataset.images(batch), self.dataset.labels.index_select(0, torch.from_numpy(batch))
+        return self.dataset.batch(batch)
 
     def _copied_over(self, batch: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch gathered in host memory and copied to the device from pinned memory, without blocking: the
@@ -85,12 +91,12 @@ class BatchStream:
         return self._order_on_device[start : start + self._batch_size]
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next minibatch, on the stream's device: normalised images (B, *input_shape) and labels (B,)."""
+        """The next minibatch, on the stream's device: inputs and targets (normalised images (B, *input_shape) and
+        labels (B,); a language model's tokens and next tokens, (B, T) each)."""
         if self.device.type == "cpu":
             return self._on_host(self._indices_of_next())
         if self._on_device is not None:
-            chosen = self._indices_on_device()
-            return self._on_device.images(chosen), self._on_device.labels.index_select(0, chosen)
+            return self._on_device.batch(self._indices_on_device())
         current = self._ahead if self._ahead is not None else self._copied_over(self._indices_of_next())
         self._ahead = self._copied_over(self._indices_of_next())
         return current
@@ -103,8 +109,11 @@ class BatchStream:
 
 @dataclass(frozen=True)
 class EvalResult:
-    accuracy: float  # fraction correct, in [0, 1]
-    loss: float  # mean cross-entropy per sample
+    """An evaluation's figures, as its task (nodeagent.training.tasks) fills them; NaN: not a figure of the task."""
+
+    accuracy: float  # classification: fraction correct, in [0, 1]
+    loss: float  # mean cross-entropy per sample (per token for a language model)
+    perplexity: float = math.nan  # language models: exp(loss)
 
 
 def model_device(model: nn.Module) -> torch.device:

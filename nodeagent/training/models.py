@@ -31,6 +31,7 @@ __all__ = [
     "build_model",
     "cnn",
     "flat_parameters",
+    "gpt",
     "initial_model",
     "is_import_path",
     "logistic",
@@ -231,12 +232,108 @@ def resnet_cifar(
                    dropout_conv, dropout_fc)
 
 
+class _Attention(nn.Module):
+    """Causal multi-head self-attention through PyTorch's scaled-dot-product attention (a fused kernel where the
+    device has one)."""
+
+    def __init__(self, width: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.dropout = dropout
+        self.qkv = nn.Linear(width, 3 * width)
+        self.projection = nn.Linear(width, width)
+        self.residual_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = (part.view(batch, length, self.heads, width // self.heads).transpose(1, 2)
+                   for part in self.qkv(x).split(width, dim=2))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                                       is_causal=True)
+        return self.residual_dropout(self.projection(y.transpose(1, 2).reshape(batch, length, width)))
+
+
+class _DecoderBlock(nn.Module):
+    """Pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x)) with a 4x GELU MLP."""
+
+    def __init__(self, width: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(width)
+        self.attention = _Attention(width, heads, dropout)
+        self.norm2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width),
+                                 nn.Dropout(dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    """A decoder-only transformer (GPT-2's shape, as nanoGPT writes it): token and learned position embeddings,
+    pre-norm blocks of causal self-attention and MLP, a final LayerNorm and the output layer, whose weights are
+    the token embedding's (weight tying). Takes tokens (B, T) with T <= context_length; returns logits (B, T, V)."""
+
+    def __init__(self, vocab_size: int, context_length: int, layers: int, heads: int, width: int,
+                 dropout: float) -> None:
+        super().__init__()
+        self.context_length = context_length
+        self.token_embedding = nn.Embedding(vocab_size, width)
+        self.position_embedding = nn.Embedding(context_length, width)
+        self.dropout = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(_DecoderBlock(width, heads, dropout) for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab_size, bias=False)
+        self.head.weight = self.token_embedding.weight
+        # GPT-2's initialisation: N(0, 0.02), the projections into the residual stream scaled by 1/sqrt(2 layers).
+        for module in self.modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        for block in self.blocks:
+            for projection in (block.attention.projection, block.mlp[2]):
+                nn.init.normal_(projection.weight, std=0.02 / math.sqrt(2 * layers))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.dropout(self.token_embedding(tokens) + self.position_embedding(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def gpt(input_shape: InputShape = (64,), num_classes: int = 256, layers: int = 2, heads: int = 4, width: int = 128,
+        context_length: int | None = None, dropout: float = 0.0) -> nn.Module:
+    """A small GPT for a language model's data: `layers` blocks of `heads` heads over `width` features, a context
+    of `context_length` tokens (default: the data's sequence_length, which it must not be shorter than), dropout
+    after the embeddings, in attention and on the residual branches. The vocabulary is the data's (num_classes).
+    The default, 2 layers of width 128 over bytes, has about 0.44 M parameters."""
+    if len(input_shape) != 1:
+        raise ModelError(f"gpt needs token sequences (text or tokens data, task: language-model), but the dataset's "
+                         f"samples have shape {tuple(input_shape)}")
+    for name, value in (("layers", layers), ("heads", heads), ("width", width)):
+        if isinstance(value, bool) or not (isinstance(value, int) and value > 0):
+            raise ValueError(f"gpt: {name} must be a positive integer, got {value!r}")
+    if width % heads:
+        raise ValueError(f"gpt: width {width} must be a multiple of heads {heads}")
+    if isinstance(dropout, bool) or not (isinstance(dropout, int | float) and 0 <= dropout < 1):
+        raise ValueError(f"gpt: dropout must be in [0, 1), got {dropout!r}")
+    sequence_length = input_shape[0]
+    if context_length is None:
+        context_length = sequence_length
+    if isinstance(context_length, bool) or not isinstance(context_length, int) or context_length < sequence_length:
+        raise ValueError(f"gpt: context_length must be an integer >= the data's sequence_length {sequence_length}, "
+                         f"got {context_length!r}")
+    return GPT(num_classes, context_length, layers, heads, width, float(dropout))
+
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "logistic": logistic,
     "mlp": mlp,
     "cnn": cnn,
     "resnet-gn": resnet_gn,
     "resnet-cifar": resnet_cifar,
+    "gpt": gpt,
 }
 
 

@@ -37,6 +37,26 @@ def _by_class(labels: np.ndarray, nodes: int, rng: np.random.Generator, num_clas
     return np.array_split(np.argsort(labels, kind="stable"), nodes)
 
 
+def _by_file(labels: np.ndarray, nodes: int, rng: np.random.Generator, num_classes: int) -> list[np.ndarray]:
+    """Whole files (the labels of a language model's samples) to each node, in order, cut where the shares come
+    closest to equal; with fewer files than nodes, the samples in file order cut into equal contiguous chunks."""
+    order = np.argsort(labels, kind="stable")
+    files, sizes = np.unique(labels, return_counts=True)
+    if len(files) < nodes:
+        return np.array_split(order, nodes)
+    ends = np.cumsum(sizes)  # ends[j]: samples in files 0..j
+    cuts = []  # cuts[k - 1]: the first file of node k
+    previous = 0
+    for node in range(1, nodes):
+        target = node * len(labels) / nodes
+        # A file boundary after the previous cut that leaves at least one file to each node after this one.
+        first, last = previous + 1, len(files) - (nodes - node)
+        choice = min(range(first, last + 1), key=lambda file: abs(ends[file - 1] - target))
+        cuts.append(choice)
+        previous = choice
+    return np.split(order, [int(ends[cut - 1]) for cut in cuts])
+
+
 def _class_window(
     labels: np.ndarray, nodes: int, rng: np.random.Generator, num_classes: int, classes_per_node: int, shift: int
 ) -> list[np.ndarray]:
@@ -91,6 +111,7 @@ SPLITS: dict[str, Callable[..., list[np.ndarray]]] = {
     "class-window": _class_window,
     "by-class": _by_class,
     "dirichlet": _dirichlet,
+    "by-file": _by_file,
 }
 
 
@@ -115,6 +136,7 @@ class DirichletOptions(SplitOptions):
 
 SPLIT_OPTIONS: dict[str, type[SplitOptions]] = {
     "iid": SplitOptions, "class-window": ClassWindowOptions, "by-class": SplitOptions, "dirichlet": DirichletOptions,
+    "by-file": SplitOptions,
 }
 SPLIT_MEANINGS: dict[str, str] = {
     "iid": "shuffled, equal shares",
@@ -123,6 +145,9 @@ SPLIT_MEANINGS: dict[str, str] = {
     "by-class": "sorted by label and cut into contiguous equal chunks (ignores the seed)",
     "dirichlet": "per class, shares drawn from a Dirichlet(alpha) distribution; every node gets at least one "
     "sample",
+    "by-file": "language-model data (text): whole source files to each node, in order, as near equal shares as "
+    "file boundaries allow, so that each node trains on documents of its own (the heterogeneous setting); with "
+    "fewer files than nodes, the sequences in file order cut into equal contiguous chunks; ignores the seed",
 }
 
 
@@ -134,7 +159,8 @@ def split_indices(
     data's class count (DatasetInfo.num_classes; unset: the largest label + 1): class-window's order of the classes
     depends on it, so pass it when the labels may lack the last classes (a train_limit).
 
-    Kinds: iid (shuffled, equal shares), class-window (ECL-ISVR; options classes_per_node=8, shift=4),
+    Kinds: iid (shuffled, equal shares), by-file (a language model's samples, labelled by their source file: whole
+    files to each node), class-window (ECL-ISVR; options classes_per_node=8, shift=4),
     by-class (sorted by label, contiguous equal chunks; ignores the seed), dirichlet (option alpha=0.5;
     every node gets at least one sample). Shares differ by at most one sample where the count does not
     divide. Raises ValueError naming an unknown kind or a bad option.
