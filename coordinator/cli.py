@@ -63,6 +63,7 @@ from nodeagent.listen import ListenError
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import SERVER_OPTIONS, bind_grpc_server, shown, split_address
 from nodeagent.runtime import events
+from nodeagent.runtime.progress import task_metrics
 from nodeagent.security.pki import private_key_pem
 from nodeagent.statedir import StateDirError, hold_state_dir, writable_directory
 
@@ -967,10 +968,11 @@ def _report_model(args: argparse.Namespace) -> int:
     except (ExportError, ModelError, DataError) as error:
         raise SystemExit(f"coordinator: {error}") from None
     metric = manifest["metric"]
+    measured = {"test_accuracy": result.accuracy, "test_loss": result.loss, "test_perplexity": result.perplexity}
+    figures = ", ".join(f"{m.name} {m.text(measured[m.field])}" for m in task_metrics(manifest.get("task", "")))
     print(shown(f"{args.model}: job {manifest['job_id']} ({manifest['algorithm']}), {manifest['source']} at step "
-                f"{manifest['step']}: test accuracy {result.accuracy:.4f}, test loss {result.loss:.4f} on "
-                f"{manifest['data']['dataset']}; the job reported {metric['name']} {metric['value']:.4f} "
-                f"({metric['of']})"))
+                f"{manifest['step']}: {figures} on {manifest['data']['dataset']}; the job reported {metric['name']} "
+                f"{metric['value']:.4f} ({metric['of']})"))
     return 0
 
 

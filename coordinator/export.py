@@ -23,15 +23,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import wire_pb2
-from nodeagent.jobspec import JobSpec, ModelSpec
+from nodeagent.jobspec import JobSpec
 from nodeagent.runtime.readiness import data_from_proto
-from nodeagent.training.data import DatasetInfo, load_dataset
-from nodeagent.training.loop import EvalResult, evaluate
-from nodeagent.training.models import build_model, initial_model, parameter_specs
+from nodeagent.training.data import DatasetInfo
+from nodeagent.training.loop import EvalResult
+from nodeagent.training.models import initial_model, parameter_specs
+from nodeagent.training.tasks import task_of
 from nodeagent.wire.decoder import decode
 from nodeagent.wire.errors import WireError
 from nodeagent.wire.message import TensorSpec
@@ -85,6 +85,7 @@ def manifest_of(described: pb.ExportedModel, spec: JobSpec, info: DatasetInfo) -
         "job_id": described.job_id,
         "job_name": spec.name,
         "algorithm": spec.algorithm.name,
+        "task": spec.task,
         "model": {"name": spec.model.name, "options": dict(spec.model.options)},
         "data": {
             "dataset": spec.data.dataset, "data_dir": spec.data.data_dir, "test_limit": spec.data.test_limit,
@@ -120,20 +121,14 @@ def load_model_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
     return saved["state_dict"], saved["manifest"]
 
 
-def rebuild(manifest: dict[str, Any], allow_imports: Collection[str] = ()) -> nn.Module:
-    """The exported model's module, built from its manifest's model name, options and data shape."""
-    data = manifest["data"]
-    return build_model(ModelSpec(**manifest["model"]), tuple(data["input_shape"]), data["num_classes"],
-                       allow_imports)
-
-
 def evaluate_model_file(path: Path, data_dir: str | None = None, allow_imports: Collection[str] = ()
                         ) -> tuple[EvalResult, dict[str, Any]]:
-    """An exported model evaluated on its job's test set (the job's data directory, or `data_dir`), as the job's
-    nodes evaluate theirs."""
+    """An exported model evaluated on its job's test set (the job's data directory, or `data_dir`) by the job's
+    task, as the job's nodes evaluate theirs."""
     state_dict, manifest = load_model_file(path)
-    model = rebuild(manifest, allow_imports)
+    spec = JobSpec.from_json(manifest["job_spec"])
+    task = task_of(spec)
+    test = task.load(spec, data_dir or spec.data.data_dir, "test")
+    model = initial_model(spec, test.info, allow_imports)
     model.load_state_dict(state_dict)
-    data = manifest["data"]
-    test = load_dataset(data["dataset"], data_dir or data["data_dir"], "test", data["test_limit"])
-    return evaluate(model, test), manifest
+    return task.evaluate(model, test), manifest

@@ -33,6 +33,7 @@ from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import wire_pb2
 from nodeagent.algorithms import Family, lookup
 from nodeagent.rpc import grpc_code
+from nodeagent.runtime.progress import task_metrics
 from nodeagent.runtime.readiness import data_from_json, data_to_proto
 from nodeagent.security.tls import caller
 from nodeagent.training.models import build_model, is_import_path, parameter_specs
@@ -45,7 +46,6 @@ from nodeagent.wire.message import DTYPES, Kind, Message, TensorSpec
 MODELS_DIR = "models"
 PS_STATE_FILE = "ps-state.pt"  # coordinator.ps_service.STATE_FILE
 EXPORT_CHUNK_BYTES = 1 << 20  # frames of an export: well inside a client's default 4 MiB message limit
-METRIC_NAME = "test_accuracy"  # what every job's ranks report at their evaluations (the classification task's)
 
 
 def model_path(run_dir: str | Path, rank: int) -> Path:
@@ -171,7 +171,8 @@ class ModelStore:
         spec = job.spec
         family = lookup(spec.algorithm.name).family
         members = {m.rank: m for m in self.store.members(job.job_id, with_left=True)}
-        described = pb.ExportedModel(job_id=job.job_id, spec_json=spec.to_json(), metric_name=METRIC_NAME)
+        metric = task_metrics(spec.task)[0]  # the task's headline figure, as its ranks reported it
+        described = pb.ExportedModel(job_id=job.job_id, spec_json=spec.to_json(), metric_name=metric.field)
         if job.data_json:
             described.data.CopyFrom(data_to_proto(data_from_json(job.data_json)))
         if rank is not None:
@@ -201,7 +202,7 @@ class ModelStore:
         described.step = min(steps)
         described.source = f"rank {ranks[0]}" if len(ranks) == 1 else (
             f"the mean of the models of ranks {ranks[0]}..{ranks[-1]}")
-        metrics = [members[r].progress.test_accuracy for r in ranks]
+        metrics = [metric.of(members[r].progress) for r in ranks]
         described.metric_value = sum(metrics) / len(metrics)
         described.metric_of = (f"rank {ranks[0]}'s final evaluation" if len(ranks) == 1 else
                                "the mean of the ranks' final evaluations (the mean model itself was not evaluated: "
@@ -226,7 +227,8 @@ class ModelStore:
             offset += parameter.numel
         described.step = int(rule["version"])
         described.source = "the parameter server"
-        metrics = [m.progress.test_accuracy for m in members.values()]
+        metric = task_metrics(job.spec.task)[0]
+        metrics = [metric.of(m.progress) for m in members.values()]
         metrics = [m for m in metrics if not math.isnan(m)]
         described.metric_value = sum(metrics) / len(metrics) if metrics else math.nan
         described.metric_of = ("the mean of the workers' final evaluations, each of the model the server last sent "
