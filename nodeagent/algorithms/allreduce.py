@@ -28,6 +28,8 @@ class AllReduceSGD(Algorithm):
     name = "allreduce"
     family = Family.COLLECTIVE
     modes = ("sync",)
+    robust_refusal = ("the all-reduce sums the gradients, so no rule can see each one (a robust rule needs the "
+                      "all-gather route, not built yet); use ssgd with a robust rule")
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         super().__init__(model, context, loss_fn)
