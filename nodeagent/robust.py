@@ -36,6 +36,7 @@ aggregate: its centered-clip clips each update's norm (center 0) at the auto rad
 from __future__ import annotations
 
 import math
+import statistics
 from collections import defaultdict, deque
 from collections.abc import Mapping
 
@@ -73,14 +74,6 @@ def distance(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(a - b, dtype=torch.float64))
 
 
-def clip_around(center: torch.Tensor, value: torch.Tensor, radius: float, length: float) -> torch.Tensor:
-    """center + min(1, radius / length) (value - center), `length` being ||value - center||; `value` itself when it
-    is within the radius (no copy)."""
-    if length <= radius:
-        return value
-    return center + (value - center) * (radius / length)
-
-
 class MixingCounts:
     """Per neighbour: contributions seen, clipped and refused (the algorithm's state a runtime exports)."""
 
@@ -103,23 +96,37 @@ class SelfCenteredClip:
             return self.fixed_radius
         if len(self.window) < AUTO_WARM:
             return 2 * distance(own, origin)
-        return AUTO_MULTIPLIER * float(torch.tensor(list(self.window)).median())
+        return AUTO_MULTIPLIER * statistics.median(self.window)
+
+    def scales(self, own: torch.Tensor, contributions: Mapping[int, torch.Tensor],
+               origin: torch.Tensor) -> dict[int, float]:
+        """Each neighbour's clipping factor min(1, tau / ||x_j - own||): its contribution clipped around `own` is
+        own + factor (x_j - own), which a mix can apply as weights without building it. `origin` is what `own` was
+        at the start of the job, on every node alike (the auto radius's warm-up). The contributions' distances
+        enter the window first, so that one round's contributions are judged together."""
+        if not contributions:
+            return {}
+        differences = torch.stack(list(contributions.values())) - own
+        norms = torch.linalg.vector_norm(differences, dim=1)
+        if not bool(torch.isfinite(norms).all()):  # a square overflowed the dtype: again in float64
+            norms = torch.linalg.vector_norm(differences.double(), dim=1)
+        lengths = dict(zip(contributions, norms.tolist(), strict=True))
+        self.window.extend(lengths.values())
+        radius = self.radius(own, origin)
+        factors = {}
+        for peer, length in lengths.items():
+            self.counts.seen[peer] += 1
+            factors[peer] = 1.0 if length <= radius else radius / length
+            self.counts.clipped[peer] += factors[peer] < 1.0
+        return factors
 
     def clip_all(self, own: torch.Tensor, contributions: Mapping[int, torch.Tensor],
                  origin: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Each neighbour's contribution clipped around `own` (`origin`: what `own` was at the start of the job, on
-        every node alike, for the auto radius's warm-up): their distances enter the window first, so that one
-        round's contributions are judged together."""
-        lengths = {peer: distance(value, own) for peer, value in contributions.items()}
-        self.window.extend(lengths.values())
-        radius = self.radius(own, origin)
-        clipped = {}
-        for peer, value in contributions.items():
-            self.counts.seen[peer] += 1
-            if lengths[peer] > radius:
-                self.counts.clipped[peer] += 1
-            clipped[peer] = clip_around(own, value, radius, lengths[peer])
-        return clipped
+        """Each neighbour's contribution clipped around `own` (a contribution within the radius is returned as it
+        is, not copied)."""
+        factors = self.scales(own, contributions, origin)
+        return {peer: value if factors[peer] == 1.0 else own + (value - own) * factors[peer]
+                for peer, value in contributions.items()}
 
     def clip(self, own: torch.Tensor, peer: int, value: torch.Tensor, origin: torch.Tensor) -> torch.Tensor:
         return self.clip_all(own, {peer: value}, origin)[peer]
@@ -232,7 +239,7 @@ class NormClip:
         elif len(self.window) < AUTO_WARM:
             radius = min(self.window)
         else:
-            radius = NORM_CLIP_MULTIPLIER * float(torch.tensor(list(self.window)).median())
+            radius = NORM_CLIP_MULTIPLIER * statistics.median(self.window)
         if norm <= radius:
             return update, False
         self.clipped[worker] += 1

@@ -11,9 +11,10 @@ next-step copy can arrive early without harm.
 
 Robust mixing (`algorithm.robust: {rule: self-centered-clip}`, nodeagent.robust): every neighbour's copy is clipped
 around the node's own x before it is mixed, x_j <- x + min(1, tau / ||x_j - x||) (x_j - x), so a neighbour moves the
-node by at most weight_j * tau per mix. A copy that could make x non-finite is refused whatever the rule: the
-asynchronous node keeps the neighbour's previous copy, the synchronous one mixes its own x_t in its place (the
-round still completes).
+node by at most weight_j * tau per mix: in synchronous rounds around x_t, asynchronously once on arrival, around the
+x of that moment (the copy is then mixed as it is until the next one replaces it). A copy that could make x
+non-finite is refused whatever the rule: the asynchronous node keeps the neighbour's previous copy, the synchronous
+one mixes its own x_t in its place (the round still completes).
 """
 
 from __future__ import annotations
@@ -77,10 +78,17 @@ class DSGD(Algorithm):
     def _mix(self, copies: dict[int, torch.Tensor]) -> None:
         if not self.context.neighbors:
             return
-        if self.clipper is not None:
+        if self.synchronous and self.clipper is not None:
+            # The round's copies clipped around x_t: x_j -> x + f_j (x_j - x), applied as weights, with no copy
+            # built: sum_j w_j (x + f_j (x_j - x)) = (sum_j w_j (1 - f_j)) x + sum_j w_j f_j x_j.
             assert self.origin is not None
-            copies = self.clipper.clip_all(self.w, {n.rank: copies[n.rank] for n in self.context.neighbors},
-                                           self.origin)
+            factors = self.clipper.scales(self.w, {n.rank: copies[n.rank] for n in self.context.neighbors},
+                                          self.origin)
+            kept = sum(n.weight * (1 - factors[n.rank]) for n in self.context.neighbors)
+            self.w.mul_(self.context.self_weight + kept)
+            for neighbor in self.context.neighbors:
+                self.w.add_(copies[neighbor.rank], alpha=neighbor.weight * factors[neighbor.rank])
+            return
         # In place: the same operations in the same order as into a new tensor, without allocating one per step.
         self.w.mul_(self.context.self_weight)
         for neighbor in self.context.neighbors:
@@ -131,6 +139,12 @@ class DSGD(Algorithm):
             if not self.synchronous:
                 return
             copy = self.w.detach().clone()  # x_t in its place: the round completes without it
+        elif self.clipper is not None and not self.synchronous:
+            # Clipped once, on arrival, around the node's x then: what is mixed until the next copy replaces it.
+            assert self.origin is not None
+            factor = self.clipper.scales(self.w, {message.sender: copy}, self.origin)[message.sender]
+            if factor < 1.0:
+                copy = self.w + (copy - self.w) * factor
         self.last_copy[message.sender] = copy  # asynchronous: what is mixed; synchronous: for consensus_distance()
         if not self.synchronous:
             return

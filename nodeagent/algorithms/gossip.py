@@ -241,9 +241,9 @@ class PairwiseGossip(Algorithm):
         peer = self.params.flatten(reply.tensors)
         if self.refused(reply.sender, peer):
             return
-        if self.clipper is not None:  # around w: the peer moves this node by at most f * tau
+        if self.clipper is not None:  # around w: lerp towards w + g (peer - w) is lerp towards peer by f g
             assert self.origin is not None
-            peer = self.clipper.clip(self.w, reply.sender, peer, self.origin)
+            factor *= self.clipper.scales(self.w, {reply.sender: peer}, self.origin)[reply.sender]
         with torch.no_grad():
             # lerp is exact at both ends: f = 0 keeps w, f = 1 copies the peer.
             self.w.lerp_(peer, factor)
