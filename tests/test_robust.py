@@ -181,6 +181,8 @@ def job(fashion_mnist_dir, algorithm: dict, nodes: int = 8, steps: int = 120, by
     ({"name": "ssgd", "robust": {"rule": "trimmed-mean", "byzantine": 4}}, "algorithm.robust.byzantine: trimmed-mean "
      "cannot drop 4 of 8"),
     ({"name": "dsgd", "robust": {"rule": "self-centered-clip", "radius": -1.0}}, "radius"),
+    ({"name": "pdmm-isvr", "robust": {"rule": "self-centered-clip"}}, "algorithm.robust: pdmm-isvr takes no robust "
+     "rule: only duals travel"),
 ])
 def test_a_robust_rule_an_algorithm_cannot_apply_is_refused_at_validation_with_the_reason(fashion_mnist_dir, algorithm,
                                                                                           message):
@@ -188,7 +190,7 @@ def test_a_robust_rule_an_algorithm_cannot_apply_is_refused_at_validation_with_t
         validate_job(job(fashion_mnist_dir, algorithm))
 
 
-@pytest.mark.parametrize("name", ["dsgd", "gossip", "ad-psgd", "sgp", "pdmm-isvr", "admm-isvr"])
+@pytest.mark.parametrize("name", ["dsgd", "gossip", "ad-psgd", "sgp", "osgp"])
 def test_the_peer_algorithms_take_self_centered_clipping(fashion_mnist_dir, name):
     validate_job(job(fashion_mnist_dir, {"name": name, "robust": {"rule": "self-centered-clip", "radius": 2}},
                      topology="ring"))
