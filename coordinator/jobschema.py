@@ -262,7 +262,8 @@ def _section_markdown(lines: list[str], path: str, section: str, schema: Schema,
             _section_markdown(lines, full, _ref_name(prop), defs[_ref_name(prop)], defs)
         elif prop.get("type") == "array" and "$ref" in prop["items"]:
             _section_markdown(lines, f"{full}[]", _ref_name(prop["items"]), defs[_ref_name(prop["items"])], defs)
-        for form in prop.get("oneOf", ()):  # a value or a section (nodes: a number or {min, max})
+        # A value or a section (nodes: a number or {min, max}), or an optional section (algorithm.robust).
+        for form in (*prop.get("oneOf", ()), *prop.get("anyOf", ())):
             if "$ref" in form:
                 _section_markdown(lines, full, _ref_name(form), defs[_ref_name(form)], defs)
 

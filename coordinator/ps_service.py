@@ -167,6 +167,9 @@ class PSJob:
             self.metrics.ps_pushes.labels(self.job_id, outcome).inc()
             if result.clipped:
                 self.metrics.ps_updates_clipped.labels(self.job_id).inc()
+            for worker in result.flagged:
+                member = self.members.get(worker, f"rank{worker}")
+                self.metrics.robust_clipped.labels(self.job_id, member, SERVER_NAME).inc()
             if not result.duplicate:
                 self._commit()
                 if result.applied and not self.half.synchronous:

@@ -42,6 +42,31 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+RobustRule = Literal["self-centered-clip", "centered-clip", "trimmed-mean", "median", "krum"]
+
+
+class RobustSpec(_Strict):
+    """How a node or the parameter server takes contributions it cannot trust (nodeagent.robust): each algorithm
+    accepts the rules its mathematics allows and refuses the others at validation, saying why."""
+
+    rule: RobustRule = Field(
+        description="self-centered-clip (peer-to-peer: each neighbour's contribution clipped around the node's own "
+        "state before it is mixed); centered-clip, trimmed-mean, median or krum (the parameter server's aggregation "
+        "of the workers' updates; the asynchronous servers take centered-clip alone)")
+    radius: float | Literal["auto"] = Field(
+        "auto", description="the clipping radius (L2) of the clip rules; auto: adapted from the median of the recent "
+        "distances the node (or server) has seen")
+    byzantine: int | None = Field(
+        None, ge=0, description="f, the members assumed Byzantine: trimmed-mean drops f values at each end of every "
+        "coordinate, krum scores against n - f - 2 neighbours; unset: floor((n - 1) / 4)")
+
+    @model_validator(mode="after")
+    def _radius_positive(self) -> RobustSpec:
+        if isinstance(self.radius, float) and not 0 < self.radius < float("inf"):
+            raise ValueError(f"radius: {self.radius} must be a finite number > 0 (or auto)")
+        return self
+
+
 class AlgorithmSpec(_Strict):
     """Which algorithm every node runs, and its hyper-parameters."""
 
@@ -56,6 +81,9 @@ class AlgorithmSpec(_Strict):
     interval: int = Field(8, ge=1, description="K: local steps between two exchanges on an edge")
     options: dict[str, Any] = Field(
         default_factory=dict, description="the algorithm's own options, checked by its Options model")
+    robust: RobustSpec | None = Field(
+        None, description="robust mixing or aggregation against members that send wrong numbers (unset: the plain "
+        "rule)")
 
 
 class ModelSpec(_Strict):
@@ -175,6 +203,24 @@ class TopologyChangeSpec(_Strict):
         return TopologySpec(kind=self.kind, seed=self.seed, options=self.options)
 
 
+Attack = Literal["sign-flip", "scale", "constant", "zeros", "random", "alie", "ipm", "dissensus"]
+
+
+class ByzantineSpec(_Strict):
+    """Members that send wrong numbers (nodeagent.byzantine): they train as the others do, and every tensor message
+    they send (to a neighbour, in answer to one, or to the parameter server) is replaced by the attack's."""
+
+    ranks: list[int] = Field(min_length=1, max_length=MAX_NODES, description="the lying ranks")
+    attack: Attack = Field(
+        description="sign-flip (-v), scale (v * strength), constant (every entry = strength), zeros, random "
+        "(Gaussian noise of standard deviation strength), alie (mean - z std of the honest messages, 'a little is "
+        "enough'), ipm (-strength * their mean, inner-product manipulation), dissensus (the receiver's own value "
+        "pushed away from the honest mean by strength times their difference)")
+    strength: float | None = Field(
+        None, description="the attack's parameter; unset: scale 1e6, constant 1000, random 1.0, alie z = 1.0, "
+        "ipm 0.1, dissensus 1.0")
+
+
 class SimulationSpec(_Strict):
     """How `coordinator simulate` charges virtual time; the rest of the job is the same as a real run's."""
 
@@ -188,6 +234,9 @@ class SimulationSpec(_Strict):
     topology_changes: list[TopologyChangeSpec] = Field(
         default_factory=list, max_length=100,
         description="topology changes while the job runs, in ascending at_step order")
+    byzantine: list[ByzantineSpec] = Field(
+        default_factory=list, max_length=100, description="members that lie: their messages are replaced by an "
+        "attack's (for research on robust rules, and for tests)")
 
 
 class FailureSpec(_Strict):
@@ -349,6 +398,13 @@ class JobSpec(_Strict):
                     check("simulation.partitions", rank)
             if partition.end <= partition.start:
                 raise ValueError("simulation.partitions: end must come after start")
+        liars: set[int] = set()
+        for group in simulation.byzantine:
+            for rank in group.ranks:
+                check("simulation.byzantine", rank)
+                if rank in liars:
+                    raise ValueError(f"simulation.byzantine: rank {rank} is named twice")
+                liars.add(rank)
         previous = 0
         for index, change in enumerate(simulation.topology_changes):
             where = f"simulation.topology_changes[{index}].at_step"

@@ -187,12 +187,17 @@ class Metrics:
             "peertrain_ps_updates_clipped", "Pushed updates longer than the job's max_update_norm, scaled down to it",
             ["job_id"], registry=r,
         )
+        self.robust_clipped = Counter(
+            "peertrain_robust_clipped", "Contributions of a member (src) that a robust rule clipped, trimmed or "
+            "refused at dst (a node, or the parameter server)", ["job_id", "src", "dst"], registry=r,
+        )
         self.ps_version = Gauge("peertrain_ps_version", "Model version of the parameter server", ["job_id"], registry=r)
         self.ps_staleness = Histogram(
             "peertrain_ps_staleness_updates", "Delay of an applied push: updates between the worker's version and it",
             ["job_id"], buckets=STALENESS_BUCKETS, registry=r,
         )
 
+        self._robust_reported: dict[tuple[str, str, str], int] = {}  # (job, node, peer) -> robust_clipped counted
         # Every metric with series of a job, and its label names (for forget_job).
         self._of_a_job = [
             *((m, edge) for m in (self.edge_bytes_sent, self.edge_bytes_received, self.edge_messages_sent,
@@ -207,6 +212,7 @@ class Metrics:
                                   self.ps_bytes_downstream)),
             (self.ps_pushes, ["job_id", "outcome"]),
             (self.ps_updates_clipped, ["job_id"]),
+            (self.robust_clipped, ["job_id", "src", "dst"]),
             (self.ps_version, ["job_id"]),
             (self.ps_staleness, ["job_id"]),
         ]
@@ -225,6 +231,12 @@ class Metrics:
                 self.neighbor_staleness.labels(*labels).set(edge.staleness_steps)
             if math.isfinite(edge.consensus_distance):
                 self.consensus_distance.labels(*labels).set(edge.consensus_distance)
+            # The record holds the node's total; the counter takes what it added since the last record. src is the
+            # member whose contribution was clipped, dst the node that clipped it.
+            added = edge.robust_clipped - self._robust_reported.get(labels, 0)
+            if added > 0:
+                self.robust_clipped.labels(job_id, edge.peer, node).inc(added)
+                self._robust_reported[labels] = edge.robust_clipped
 
     def forget_edge(self, job_id: str, node: str, peer: str) -> None:
         """Remove the gauges of an edge `node` no longer reports (a topology change dropped it): left set, its last
@@ -244,6 +256,7 @@ class Metrics:
             }
             for values in found:
                 metric.remove(*values)
+        self._robust_reported = {labels: n for labels, n in self._robust_reported.items() if labels[0] != job_id}
 
     def watch_device(self, node: str, device: str) -> None:
         """Export the gauges of `node`'s device, read at each scrape, when it is a CUDA device (`cuda:N`, as

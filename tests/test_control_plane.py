@@ -200,7 +200,7 @@ def test_a_barrier_that_times_out_fails_the_job_naming_the_ranks_never_ready(clu
                          "(30 s) of the job's start"
 
 
-def test_a_rank_with_other_data_fails_the_job_naming_what_differs(cluster):
+def test_two_ranks_with_other_data_fail_the_job_naming_what_differs_and_blaming_neither(cluster):
     cluster.register("a", "b")
     job_id = cluster.submit(spec(2))
     cluster.plane.ready(cluster.job(job_id), 0, "a", DATA)
@@ -208,7 +208,25 @@ def test_a_rank_with_other_data_fails_the_job_naming_what_differs(cluster):
     assert not outcome.running
     job = cluster.job(job_id)
     assert job.state == JobState.FAILED
-    assert job.reason.startswith("rank 1 (node b) has other data than rank 0: ") and "60000" in job.reason
+    assert job.reason.startswith("no majority of the ranks agrees on the data (rank 0 (node a); rank 1 (node b) "
+                                 "differ): ") and "60000" in job.reason
+
+
+def test_a_rank_that_reports_other_data_first_is_blamed_once_the_majority_is_known(cluster):
+    # A lying member reports ready first with another data description: the honest ranks that follow are not
+    # blamed for disagreeing with it; the job waits until a majority is known, then names the minority.
+    cluster.register("a", "b", "c", "d")
+    job_id = cluster.submit(spec(4))
+    cluster.plane.ready(cluster.job(job_id), 3, "d", OTHER_DATA)
+    outcome, _ = cluster.plane.ready(cluster.job(job_id), 0, "a", DATA)
+    assert outcome.running and not outcome.released  # 1 against 1: no verdict yet
+    cluster.plane.ready(cluster.job(job_id), 1, "b", DATA)
+    assert cluster.job(job_id).state == JobState.RUNNING  # 2 of 4: not a majority
+    outcome, _ = cluster.plane.ready(cluster.job(job_id), 2, "c", DATA)
+    assert not outcome.running
+    job = cluster.job(job_id)
+    assert job.state == JobState.FAILED
+    assert job.reason.startswith("rank 3 (node d) has other data than ranks 0, 1, 2: ") and "60000" in job.reason
 
 
 # -- the failure policy ------------------------------------------------------------------------------------------------

@@ -984,6 +984,7 @@ def feed(agent: Any, coordinator: Any, job: str, stop: threading.Event) -> None:
             coordinator.ps_bytes_downstream.labels(job, node).inc(4096)
         coordinator.ps_pushes.labels(job, "applied").inc(2)
         coordinator.ps_updates_clipped.labels(job).inc()
+        coordinator.robust_clipped.labels(job, "n1", "coordinator").inc()  # a member whose updates a robust rule clips
         coordinator.ps_version.labels(job).set(2 * step)
         coordinator.ps_staleness.labels(job).observe(step % 3)
 

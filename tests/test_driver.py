@@ -71,6 +71,9 @@ class ScriptedAlgorithm:
     def consensus_distance(self, peer: int) -> float | None:
         return 0.25 * peer if peer == 1 else None
 
+    def robust_clipped(self, peer: int) -> int:
+        return 0
+
 
 class Batches:
     def next(self):

@@ -252,7 +252,8 @@ def test_diloco_rounds_through_the_coordinator_keep_the_outer_momentum_across_a_
 
 
 def test_esync_reports_and_round_over_grpc(coordinator):
-    raw = spec_of("esync", 2, options={"epsilon": 0.0})
+    # Deltas of 0 and 2 per parameter: beyond the default bound (one update moves a parameter by at most 1 in RMS).
+    raw = spec_of("esync", 2, options={"epsilon": 0.0, "max_update_norm": 1e6})
     job_id, nodes, run_dir = coordinator.job(raw)
     spec = parse_job_spec(raw)
     workers = [worker_of(spec, rank) for rank in range(2)]

@@ -121,6 +121,9 @@ class ControlPlane:
         self._silence_counts_from = clock() + heartbeat_timeout_s
         self._topologies: dict[tuple[str, int], Topology] = {}  # by job and topology version
         self._unplannable: set[tuple[str, int]] = set()  # (elastic job, member count) its graph does not fit
+        # Ranks whose data description differs from the job's (the first one reported), by job: rank -> (node, data).
+        # They are not marked ready; the job fails once a majority of its ranks is known, naming the minority.
+        self._other_data: dict[str, dict[int, tuple[str, DatasetInfo]]] = {}
 
     # -- events ----------------------------------------------------------------------------------------------------
 
@@ -174,24 +177,63 @@ class ControlPlane:
         return True, effects.items
 
     def ready(self, job: Job, rank: int, node_id: str, data: DatasetInfo) -> tuple[ReadyOutcome, list[Effect]]:
-        """A rank is ready to start, with its data: the job is released when its last rank is; a rank whose data
-        differs from the others' fails the job, naming what differs."""
+        """A rank is ready to start, with its data: the job is released when its last rank is. Ranks whose data
+        differ fail the job once a majority of its ranks agree on one description, naming the minority and what
+        differs (never simply whoever reported second: a lying first reporter would get an honest rank blamed), or
+        once every rank has reported without a majority, naming no culprit."""
         effects = Effects()
         readiness = self.state.mark_ready(job.job_id, rank, node_id, data_to_json(data))
         if readiness is None:  # the job is not running (any more)
             return ReadyOutcome(running=False, released=False), effects.items
-        if readiness.data_json != data_to_json(data):
-            agreed = data_from_json(readiness.data_json)
-            ready = [m.rank for m in self.state.members(job.job_id) if m.ready]
-            self._end_job(job, JobState.FAILED, f"rank {rank} (node {node_id}) has other data than rank"
-                          f"{'s' if len(ready) > 1 else ''} {', '.join(map(str, ready))}: "
-                          f"{'; '.join(data_differences(data, agreed))}", effects)
-            return ReadyOutcome(running=False, released=False), effects.items
+        disagreeing = readiness.data_json != data_to_json(data)
+        if disagreeing:
+            self._other_data.setdefault(job.job_id, {})[rank] = (node_id, data)
+        if job.job_id in self._other_data:
+            if self._judge_data(job, data_from_json(readiness.data_json), effects):
+                return ReadyOutcome(running=False, released=False), effects.items
+            if disagreeing:  # not ready: it waits for the verdict (or the barrier's timeout)
+                return ReadyOutcome(running=True, released=False), effects.items
         if readiness.released_now:
             effects.add(JobEvent(job, events.RELEASED, f"every rank is ready, {self.clock() - job.started_unix:.2f} "
                                  f"s after the job started: released ({data})"))
             effects.add(AssignmentsChanged())
         return ReadyOutcome(running=True, released=readiness.released or not job.spec.start.barrier), effects.items
+
+    def _judge_data(self, job: Job, first: DatasetInfo, effects: Effects) -> bool:
+        """Whether the job failed over its ranks' data descriptions (see `ready`)."""
+        members = self.state.members(job.job_id)
+        nodes = {m.rank: m.node_id for m in members}
+        groups: dict[str, tuple[DatasetInfo, list[int]]] = {data_to_json(first): (first, [m.rank for m in members
+                                                                                         if m.ready])}
+        for rank, (_node, info) in sorted(self._other_data[job.job_id].items()):
+            groups.setdefault(data_to_json(info), (info, []))[1].append(rank)
+        reported = sum(len(ranks) for _, ranks in groups.values())
+        majority = next(((info, ranks) for info, ranks in groups.values() if 2 * len(ranks) > len(members)), None)
+
+        def named(ranks: list[int]) -> str:
+            return f"rank{'s' if len(ranks) > 1 else ''} " + ", ".join(f"{r} (node {nodes.get(r, '?')})"
+                                                                         for r in ranks)
+
+        if majority is not None:
+            agreed, majority_ranks = majority
+            outliers = [(info, ranks) for info, ranks in groups.values() if ranks and ranks is not majority_ranks]
+            if not outliers:
+                return False
+            culprits = sorted(r for _, ranks in outliers for r in ranks)
+            differences = "; ".join(dict.fromkeys(d for info, _ in outliers for d in data_differences(info, agreed)))
+            reason = (f"{named(culprits)} {'has' if len(culprits) == 1 else 'have'} other data than "
+                      f"rank{'s' if len(majority_ranks) > 1 else ''} {', '.join(map(str, majority_ranks))}: "
+                      f"{differences}")
+        elif reported == len(members):
+            described = [(info, ranks) for info, ranks in groups.values() if ranks]
+            base = described[0][0]
+            differences = "; ".join(dict.fromkeys(d for info, _ in described[1:] for d in data_differences(info, base)))
+            reason = (f"no majority of the ranks agrees on the data ({'; '.join(named(r) for _, r in described)} "
+                      f"differ): {differences}")
+        else:
+            return False  # wait: a majority is not known yet
+        self._end_job(job, JobState.FAILED, reason, effects)
+        return True
 
     def drained(self, node_id: str) -> list[Effect]:
         """An operator drained a node: it takes no new rank, and a member of an asynchronous elastic job leaves it
@@ -435,6 +477,7 @@ class ControlPlane:
     def _end_job(self, job: Job, state: JobState, reason: str, effects: Effects) -> None:
         """Finish, stop or fail an active job: its agents are freed (their assignment ends), and pending jobs may
         start on them."""
+        self._other_data.pop(job.job_id, None)
         if not self.state.end_job(job.job_id, state, reason):
             return
         log.log(logging.WARNING if state == JobState.FAILED else logging.INFO, "job %s %s%s", job.job_id,

@@ -275,7 +275,7 @@ class MetricsReport(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., finished: _Optional[bool] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., exchanges: _Optional[int] = ..., exchange_failures: _Optional[int] = ..., edges: _Optional[_Iterable[_Union[EdgeTraffic, _Mapping]]] = ..., local_steps: _Optional[int] = ..., waiting_for: _Optional[str] = ..., test_perplexity: _Optional[float] = ...) -> None: ...
 
 class EdgeTraffic(_message.Message):
-    __slots__ = ("peer", "bytes_sent", "bytes_received", "exchanges", "failures", "messages_sent", "messages_received", "last_message_age_s", "message_interval_s", "in_flight_s", "failure_reasons", "last_failure_age_s", "staleness_steps", "consensus_distance")
+    __slots__ = ("peer", "bytes_sent", "bytes_received", "exchanges", "failures", "messages_sent", "messages_received", "last_message_age_s", "message_interval_s", "in_flight_s", "failure_reasons", "last_failure_age_s", "staleness_steps", "consensus_distance", "robust_clipped")
     class FailureReasonsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -297,6 +297,7 @@ class EdgeTraffic(_message.Message):
     LAST_FAILURE_AGE_S_FIELD_NUMBER: _ClassVar[int]
     STALENESS_STEPS_FIELD_NUMBER: _ClassVar[int]
     CONSENSUS_DISTANCE_FIELD_NUMBER: _ClassVar[int]
+    ROBUST_CLIPPED_FIELD_NUMBER: _ClassVar[int]
     peer: str
     bytes_sent: int
     bytes_received: int
@@ -311,7 +312,8 @@ class EdgeTraffic(_message.Message):
     last_failure_age_s: float
     staleness_steps: float
     consensus_distance: float
-    def __init__(self, peer: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., exchanges: _Optional[int] = ..., failures: _Optional[int] = ..., messages_sent: _Optional[int] = ..., messages_received: _Optional[int] = ..., last_message_age_s: _Optional[float] = ..., message_interval_s: _Optional[float] = ..., in_flight_s: _Optional[float] = ..., failure_reasons: _Optional[_Mapping[str, int]] = ..., last_failure_age_s: _Optional[float] = ..., staleness_steps: _Optional[float] = ..., consensus_distance: _Optional[float] = ...) -> None: ...
+    robust_clipped: int
+    def __init__(self, peer: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., exchanges: _Optional[int] = ..., failures: _Optional[int] = ..., messages_sent: _Optional[int] = ..., messages_received: _Optional[int] = ..., last_message_age_s: _Optional[float] = ..., message_interval_s: _Optional[float] = ..., in_flight_s: _Optional[float] = ..., failure_reasons: _Optional[_Mapping[str, int]] = ..., last_failure_age_s: _Optional[float] = ..., staleness_steps: _Optional[float] = ..., consensus_distance: _Optional[float] = ..., robust_clipped: _Optional[int] = ...) -> None: ...
 
 class NodeFailure(_message.Message):
     __slots__ = ("node_id", "job_id", "rank", "reason")

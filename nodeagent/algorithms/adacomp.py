@@ -82,7 +82,8 @@ class AdaCompServerHalf(ServerHalf):
     def build_rule(self, w0: torch.Tensor) -> ParameterServer:
         max_delay = self.options.max_delay or max(64, 16 * self.num_workers)
         return AdaCompServer(w0, self.num_workers, self.params.sizes, self.spec.algorithm.lr, max_delay,
-                             max_update_norm=self.options.max_update_norm)
+                             max_update_norm=self.update_bound(self.spec.algorithm.lr),
+                             robust=self.spec.algorithm.robust)
 
     def push_specs(self, kind: Kind, shapes: list[tuple[str, tuple[int, ...]]]) -> list[TensorSpec]:
         if kind != Kind.GRADIENT:

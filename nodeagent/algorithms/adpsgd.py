@@ -20,6 +20,11 @@ time-varying graph such as bipartite-exponential is followed in its order) or, o
 neighbours; only passive (even) peers, so that two active nodes never exchange crosswise. Exchange n goes to
 entry n mod len of the rotation: a step that starts none (one is in flight) skips no peer. A failed exchange is
 dropped, and the next step starts one with the next peer.
+
+Robust mixing (`algorithm.robust: {rule: self-centered-clip}`, nodeagent.robust): the peer's model is clipped around
+the model it is averaged with (the passive node's w, the active node's w_i,sent) before the average, so one exchange
+moves a node by at most tau / 2. A model that could make w non-finite is refused whatever the rule: that exchange
+changes nothing here.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class ADPSGD(Algorithm):
     """Asynchronous bilateral averaging with active and passive nodes (AD-PSGD, Lian et al., ICML 2018)."""
 
     name = "ad-psgd"
+    robust_rules = ("self-centered-clip",)
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         super().__init__(model, context, loss_fn)
@@ -47,6 +53,7 @@ class ADPSGD(Algorithm):
         self.partner: int | None = None  # the peer of the exchange in flight
         self._sent: torch.Tensor | None = None  # the model that exchange sent
         self._outbox: list[Send] = []
+        self.origin = self.w.detach().clone() if self.clipper is not None else None  # the shared initial model
         self.republish()
 
     def _publish(self) -> Snapshot:
@@ -75,7 +82,17 @@ class ADPSGD(Algorithm):
 
     def receive(self, message: Message) -> None:
         received = self.params.flatten(message.tensors)
-        if self._sent is not None and message.sender == self.partner:
+        answer = self._sent is not None and message.sender == self.partner
+        if self.refused(message.sender, received):
+            if answer:
+                self.partner = None
+                self._sent = None
+            return
+        if self.clipper is not None:
+            assert self.origin is not None
+            center = self._sent if answer and self._sent is not None else self.w
+            received = self.clipper.clip(center, message.sender, received, self.origin)
+        if answer and self._sent is not None:
             progress = self.w - self._sent  # the local steps taken while the exchange was in flight
             self.w.copy_((self._sent + received) / 2 + progress)
             self.partner = None

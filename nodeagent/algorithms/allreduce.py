@@ -57,6 +57,8 @@ class AllReduceSGD(Algorithm):
     name = "allreduce"
     family = Family.COLLECTIVE
     modes = ("sync",)
+    robust_refusal = ("the all-reduce sums the gradients, so no rule can see each one (a robust rule needs the "
+                      "all-gather route, not built yet); use ssgd with a robust rule")
     Options = AllReduceOptions
 
     @classmethod

@@ -15,7 +15,8 @@ from nodeagent.ps.worker import PSWorker
 
 class ASGDServerHalf(ServerHalf):
     def build_rule(self, w0: torch.Tensor) -> ParameterServer:
-        return ASGDServer(w0, self.num_workers, self.spec.algorithm.lr, max_update_norm=self.options.max_update_norm)
+        return ASGDServer(w0, self.num_workers, self.spec.algorithm.lr,
+                          max_update_norm=self.update_bound(self.spec.algorithm.lr), robust=self.spec.algorithm.robust)
 
 
 class ASGD(PSWorker):

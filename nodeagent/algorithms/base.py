@@ -42,6 +42,7 @@ from torch import nn
 
 from nodeagent.jobspec import AlgorithmSpec, JobSpec, JobSpecError, Mode, Precision, format_validation_error
 from nodeagent.ps.messages import ServerAnswer, ServerRequest
+from nodeagent.robust import MixingCounts, SelfCenteredClip, refuse_unsafe
 from nodeagent.wire.errors import Reason, WireError
 from nodeagent.wire.message import Kind, Message, TensorSpec, all_finite
 
@@ -272,6 +273,9 @@ class Algorithm(ABC):
     sends_after_receive: ClassVar[bool] = False
     # Whether its topology may change while the job runs (`change_topology`).
     changes_topology: ClassVar[bool] = False
+    # The `algorithm.robust` rules it takes (nodeagent.robust), and why it takes no other (said when refused).
+    robust_rules: ClassVar[tuple[str, ...]] = ()
+    robust_refusal: ClassVar[str] = ""
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         self.options = type(self).options_of(context.spec)
@@ -293,6 +297,11 @@ class Algorithm(ABC):
         self.accepted_ranks: frozenset[int] = frozenset(context.neighbor_ranks)
         self._momentum_buffer: torch.Tensor | None = None
         self._published: Snapshot
+        # Robust mixing (peer-to-peer family): the clipping, when the job asks for it, and the counts per neighbour of
+        # contributions seen, clipped and refused (refused ones: see nodeagent.robust.unsafe; always checked).
+        robust = context.spec.robust
+        self.clipper = SelfCenteredClip(robust) if robust is not None and robust.rule == "self-centered-clip" else None
+        self.mixing = self.clipper.counts if self.clipper is not None else MixingCounts()
 
     # -- what a job may ask of it (no model needed) --------------------------------------------------------------
 
@@ -304,6 +313,12 @@ class Algorithm(ABC):
             raise JobSpecError(f"algorithm.mode: {cls.name} runs only {runs}, not {spec.mode!r}")
         if cls.refuses_momentum and (spec.momentum or spec.nesterov):
             raise JobSpecError(f"algorithm.momentum: {cls.refuses_momentum}")
+        if spec.robust is not None and spec.robust.rule not in cls.robust_rules:
+            if not cls.robust_rules:
+                raise JobSpecError(f"algorithm.robust: {cls.name} takes no robust rule: {cls.robust_refusal}")
+            takes = " or ".join(cls.robust_rules)
+            raise JobSpecError(f"algorithm.robust.rule: {cls.name} takes {takes}, not {spec.robust.rule}"
+                               + (f": {cls.robust_refusal}" if cls.robust_refusal else ""))
         try:
             return cls.Options.model_validate(spec.options)
         except ValidationError as error:
@@ -369,6 +384,11 @@ class Algorithm(ABC):
         """Neighbours whose edge phase matches the step just taken (the asynchronous schedule)."""
         position = (self.clock - 1) % self.spec.interval
         return [n for n in self.context.neighbors if n.phase == position]
+
+    def refused(self, peer: int, value: torch.Tensor) -> bool:
+        """Whether a neighbour's contribution must be dropped before it is applied: mixing it could make this node's
+        state non-finite (nodeagent.robust.unsafe). Counted per neighbour; the node keeps what it had."""
+        return refuse_unsafe(self.mixing, peer, value)
 
     def reject_unless_neighbor(self, peer: int) -> None:
         if peer not in self.accepted_ranks:
@@ -442,6 +462,10 @@ class Algorithm(ABC):
         """||w - this node's last copy of the neighbour `peer`'s w||, or None where the algorithm keeps no copy of a
         neighbour's parameters (only duals, shares, or nothing). Pure: it reads state and changes none."""
         return None
+
+    def robust_clipped(self, peer: int) -> int:
+        """How many of the neighbour `peer`'s contributions this node clipped or refused (nodeagent.robust)."""
+        return self.mixing.clipped.get(peer, 0) + self.mixing.refused.get(peer, 0)
 
     def rejoin_kind(self) -> Kind | None:
         """What a restarted node pulls from each neighbour to rejoin its running job, or None when it needs nothing

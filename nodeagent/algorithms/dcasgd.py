@@ -42,7 +42,8 @@ class DCASGDServerHalf(ServerHalf):
         o = self.options
         return DCASGDServer(
             w0, self.num_workers, self.spec.algorithm.lr, lam=o.lambda_, adaptive=o.adaptive, lam0=o.lambda0,
-            momentum=o.mean_square_decay, max_update_norm=o.max_update_norm,
+            momentum=o.mean_square_decay, max_update_norm=self.update_bound(self.spec.algorithm.lr),
+            robust=self.spec.algorithm.robust,
         )
 
 

@@ -103,6 +103,16 @@ Averaging routes:
   Lossy shares need no error feedback across syncs here (`error_feedback` is the all-reduce route's): the rounding
   of a push stays in its sender's numerator within the sync.
   No collective, no coordinator in the loop: pushes go to neighbours and are retried until delivered.
+  Robust push-sum (`algorithm.robust: {rule: self-centered-clip}`): as SGP's (nodeagent.algorithms.sgp), a share
+  (x_s, y_s) is absorbed as (y_s clip(x_s / y_s), y_s), its estimate of (u, theta) clipped around the node's own
+  x / y; a weight is taken in [0, n], a share of weight 0 carries nothing, and one that could make the state
+  non-finite is refused (received, with no mass). The auto radius's warm-up reference is (0, theta_0), the start of
+  every node's (u, theta).
+
+Robust rules on the other routes: `diloco-ps` takes the parameter server's (centered-clip, trimmed-mean, median,
+krum; nodeagent.robust), applied to the round's pseudo-gradients. `diloco` refuses them: the all-reduce sums the
+contributions, so no rule can see each one; a robust rule needs every contribution, the all-gather route
+(n - 1 full pseudo-gradients through each link instead of a ring all-reduce's 2 (n - 1) / n), not built yet.
 
 Evaluation sees w_i: the new global after a sync round (when eval_every is a multiple of H), local progress
 otherwise.
@@ -135,7 +145,7 @@ from nodeagent.jobspec import JobSpec, JobSpecError
 from nodeagent.ps.messages import ServerAnswer, ServerModel, ServerPush
 from nodeagent.ps.rules import OuterServer, ParameterServer, ProtocolError, PushResult
 from nodeagent.ps.server import ServerHalf, ServerOptions
-from nodeagent.ps.worker import PSWorker
+from nodeagent.ps.worker import PSWorker, check_robust_workers
 from nodeagent.wire import lowprecision
 from nodeagent.wire.errors import Reason, WireError
 from nodeagent.wire.lowprecision import Precision
@@ -190,6 +200,8 @@ class _DiLoCo(Algorithm):
     modes = ("sync",)
     Options = DiLoCoOptions
     options: DiLoCoOptions
+    robust_refusal = ("the all-reduce sums the pseudo-gradients, so no rule can see each one (a robust rule needs the "
+                      "all-gather route, not built yet); use diloco-ps or diloco-gossip")
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         super().__init__(model, context, loss_fn)
@@ -509,7 +521,8 @@ class DiLoCoServerHalf(ServerHalf):
     def build_rule(self, w0: torch.Tensor) -> ParameterServer:
         options = self.options
         return OuterServer(w0, self.num_workers, options.outer_lr, options.outer_momentum, options.outer_nesterov,
-                           max_update_norm=options.max_update_norm)
+                           max_update_norm=self.update_bound(options.outer_lr),
+                           robust=self.spec.algorithm.robust)
 
     def push_specs(self, kind: Kind, shapes: list[tuple[str, tuple[int, ...]]]) -> list[TensorSpec]:
         super().push_specs(kind, shapes)  # the kind
@@ -539,6 +552,8 @@ class ServerDiLoCo(_DiLoCo, PSWorker):
     options: ServerDiLoCoOptions
     server_half = DiLoCoServerHalf
     refuses_momentum = ""  # the inner SGD may take it (AdamW's check is DiLoCo's)
+    robust_rules = ("centered-clip", "trimmed-mean", "median", "krum")
+    robust_refusal = "self-centered-clip is the peer-to-peer family's; the server aggregates the workers' updates"
 
     @classmethod
     def check(cls, spec: JobSpec, topology: Graph) -> None:
@@ -548,6 +563,7 @@ class ServerDiLoCo(_DiLoCo, PSWorker):
         if options.fragments != 1 or options.overlap_steps:
             raise JobSpecError(f"algorithm.options: {cls.name}'s rounds sync the whole model (fragments 1, "
                                "overlap_steps 0); streaming is the all-reduce's and gossip's")
+        check_robust_workers(spec)
 
     def _sync_sends(self, pending: PendingSync, value: torch.Tensor) -> list[Send]:
         tensors = self.encode(value)
@@ -618,6 +634,7 @@ class GossipDiLoCo(_DiLoCo):
     Options = GossipDiLoCoOptions
     options: GossipDiLoCoOptions
     sends_after_receive = True  # a complete round sends the next
+    robust_rules = ("self-centered-clip",)
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         super().__init__(model, context, loss_fn)
@@ -626,6 +643,7 @@ class GossipDiLoCo(_DiLoCo):
         self.residual = None  # a push's rounding stays in the sender's numerator: nothing is carried to later syncs
         # Shares of syncs this node has not started yet: clock -> sender -> (decoded share, weight).
         self.early: dict[int, dict[int, tuple[torch.Tensor, float]]] = defaultdict(dict)
+        self.origin = self.w.detach().clone() if self.clipper is not None else None  # theta_0
 
     @classmethod
     def check(cls, spec: JobSpec, topology: Graph) -> None:
@@ -694,6 +712,8 @@ class GossipDiLoCo(_DiLoCo):
             received = pending.shares.get(clock, {})
             if len(received) < len(self.context.out_peers(self._iteration(pending))):
                 return
+            if self.clipper is not None:
+                received = self._clipped(pending, received)
             for sender in sorted(received):  # in sender order: the float sums do not depend on timing
                 x_share, weight_share = received[sender]
                 pending.x.add_(x_share)
@@ -705,6 +725,18 @@ class GossipDiLoCo(_DiLoCo):
             else:
                 pending.mean = pending.x / pending.weight  # the estimates of the outer momentum's mean, then theta's
                 self._apply_due()
+
+    def _clipped(self, pending: PendingSync,
+                 received: Mapping[int, tuple[torch.Tensor, float]]) -> dict[int, tuple[torch.Tensor, float]]:
+        """The round's shares with their estimates of (u, theta) clipped around this node's (the module's text)."""
+        assert self.clipper is not None and self.origin is not None and pending.x is not None
+        own = pending.x / pending.weight if pending.weight > 0 else pending.x
+        start = self.padded(self.origin[self.fragment_slice(pending.fragment)].to(own.device))
+        origin = torch.cat([torch.zeros_like(start), start])
+        estimates = {sender: x / y for sender, (x, y) in received.items() if y > 0}
+        clipped = self.clipper.clip_all(own, estimates, origin)
+        return {sender: (clipped[sender] * y if sender in clipped else torch.zeros_like(x), y)
+                for sender, (x, y) in received.items()}
 
     def outer_step(self, fragment: int, mean: torch.Tensor) -> None:
         """The gossip's estimates of the means of the nodes' outer momenta and global parameters after their local
@@ -726,7 +758,11 @@ class GossipDiLoCo(_DiLoCo):
         theta = message.tensors[THETA].to(device=self.w.device, dtype=self.w.dtype)
         if not all_finite(theta):
             raise WireError(Reason.NON_FINITE, "a push-sum share's parameters hold NaN or infinity")
-        share = (torch.cat([self.decode(message.tensors), theta]), message.weight)
+        vector = torch.cat([self.decode(message.tensors), theta])
+        weight = min(max(float(message.weight), 0.0), float(self.context.world_size))  # the whole mass is n
+        if self.refused(message.sender, vector):
+            vector, weight = torch.zeros_like(vector), 0.0  # received, with no mass: the round completes
+        share = (vector, weight)
         pending = self.pending
         if pending is not None and pending.sent_at <= message.clock < pending.sent_at + self.rounds:
             if message.clock < pending.sent_at + pending.round or pending.mean is not None:

@@ -8,6 +8,13 @@ Synchronous mode (D-PSGD of Lian et al.): at step t every node pushes its x_t to
 theirs; then x_{t+1} = self_weight * x_t + sum_j weight_j * x_j,t - lr * d(g(x_t)). Pushes never block a
 sender, so no bipartite ordering is needed to avoid deadlock; copies are keyed by step, so a fast neighbour's
 next-step copy can arrive early without harm.
+
+Robust mixing (`algorithm.robust: {rule: self-centered-clip}`, nodeagent.robust): every neighbour's copy is clipped
+around the node's own x before it is mixed, x_j <- x + min(1, tau / ||x_j - x||) (x_j - x), so a neighbour moves the
+node by at most weight_j * tau per mix: in synchronous rounds around x_t, asynchronously once on arrival, around the
+x of that moment (the copy is then mixed as it is until the next one replaces it). A copy that could make x
+non-finite is refused whatever the rule: the asynchronous node keeps the neighbour's previous copy, the synchronous
+one mixes its own x_t in its place (the round still completes).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ class DSGD(Algorithm):
     name = "dsgd"
     modes = ("async", "sync")
     changes_topology = True
+    robust_rules = ("self-centered-clip",)
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         super().__init__(model, context, loss_fn)
@@ -44,6 +52,7 @@ class DSGD(Algorithm):
         self.round_copies: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)
         self._pending_direction: torch.Tensor | None = None
         self._outbox: list[Send] = []
+        self.origin = self.w.detach().clone() if self.clipper is not None else None  # the shared initial model
         self.republish()
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -68,6 +77,17 @@ class DSGD(Algorithm):
 
     def _mix(self, copies: dict[int, torch.Tensor]) -> None:
         if not self.context.neighbors:
+            return
+        if self.synchronous and self.clipper is not None:
+            # The round's copies clipped around x_t: x_j -> x + f_j (x_j - x), applied as weights, with no copy
+            # built: sum_j w_j (x + f_j (x_j - x)) = (sum_j w_j (1 - f_j)) x + sum_j w_j f_j x_j.
+            assert self.origin is not None
+            factors = self.clipper.scales(self.w, {n.rank: copies[n.rank] for n in self.context.neighbors},
+                                          self.origin)
+            kept = sum(n.weight * (1 - factors[n.rank]) for n in self.context.neighbors)
+            self.w.mul_(self.context.self_weight + kept)
+            for neighbor in self.context.neighbors:
+                self.w.add_(copies[neighbor.rank], alpha=neighbor.weight * factors[neighbor.rank])
             return
         # In place: the same operations in the same order as into a new tensor, without allocating one per step.
         self.w.mul_(self.context.self_weight)
@@ -115,6 +135,16 @@ class DSGD(Algorithm):
         if message.sender not in self.last_copy:
             return  # a neighbour that a topology change dropped: the rounds it took part in are complete
         copy = self.params.flatten(message.tensors)
+        if self.refused(message.sender, copy):
+            if not self.synchronous:
+                return
+            copy = self.w.detach().clone()  # x_t in its place: the round completes without it
+        elif self.clipper is not None and not self.synchronous:
+            # Clipped once, on arrival, around the node's x then: what is mixed until the next copy replaces it.
+            assert self.origin is not None
+            factor = self.clipper.scales(self.w, {message.sender: copy}, self.origin)[message.sender]
+            if factor < 1.0:
+                copy = self.w + (copy - self.w) * factor
         self.last_copy[message.sender] = copy  # asynchronous: what is mixed; synchronous: for consensus_distance()
         if not self.synchronous:
             return

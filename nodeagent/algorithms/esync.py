@@ -43,7 +43,8 @@ class ESyncServerHalf(ServerHalf):
 
     def build_rule(self, w0: torch.Tensor) -> ParameterServer:
         return ESyncServer(w0, self.num_workers, global_lr=self.options.global_lr, epsilon=self.options.epsilon,
-                           max_update_norm=self.options.max_update_norm)
+                           max_update_norm=self.update_bound(self.options.global_lr),
+                           robust=self.spec.algorithm.robust)
 
     @property
     def esync(self) -> ESyncServer:
@@ -100,6 +101,8 @@ class ESync(PSWorker):
     server_half = ESyncServerHalf
     Options = ESyncOptions
     refuses_momentum = ""  # the local steps are plain local SGD, with momentum if asked
+    robust_rules = ("centered-clip", "trimmed-mean", "median", "krum")
+    robust_refusal = "self-centered-clip is the peer-to-peer family's; the server aggregates the workers' updates"
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         super().__init__(model, context, loss_fn)

@@ -27,6 +27,11 @@ dropped: its score stops at 10 and it stays a candidate, picked again once the o
 of the random term (at the floor it can at best tie a peer at 1000: 10 + 1000 = 1000 + 10), and each success
 adds 10 back.
 
+Robust mixing (`algorithm.robust: {rule: self-centered-clip}`, nodeagent.robust): the fetched parameters are clipped
+around w before the interpolation, so one fetch moves the node by at most f * tau; a reply that could make w
+non-finite is refused whatever the rule (nothing is mixed for that fetch). The peer's clock and loss, which set f,
+are bounded by f's own range [0, 1].
+
 Clocks: `self.clock` stays the integer step counter the runtimes use. The clock of the interpolation rules,
 `gossip_clock`, counts local steps and is mixed like the parameters (clock <- f * clock_peer + (1 - f) *
 clock); it is what the snapshots serve in their clock header, rounded to the wire's integer.
@@ -138,6 +143,7 @@ class PairwiseGossip(Algorithm):
     name = "gossip"
     Options = GossipOptions
     changes_topology = True
+    robust_rules = ("self-centered-clip",)
     options: GossipOptions
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
@@ -149,6 +155,7 @@ class PairwiseGossip(Algorithm):
         self._fetches: list[_Fetch] = []
         self._retry_excluding: int | None = None  # the peer whose fetch failed; the next fetch avoids it
         self._outbox: list[Send] = []
+        self.origin = self.w.detach().clone() if self.clipper is not None else None  # the shared initial model
         self.republish()
 
     # -- the interface -----------------------------------------------------------------------------------------
@@ -231,9 +238,15 @@ class PairwiseGossip(Algorithm):
 
     def _mix(self, reply: Message) -> None:
         factor = peer_weight(self.options, self.gossip_clock, reply.clock, float(self.last_loss), float(reply.loss))
+        peer = self.params.flatten(reply.tensors)
+        if self.refused(reply.sender, peer):
+            return
+        if self.clipper is not None:  # around w: lerp towards w + g (peer - w) is lerp towards peer by f g
+            assert self.origin is not None
+            factor *= self.clipper.scales(self.w, {reply.sender: peer}, self.origin)[reply.sender]
         with torch.no_grad():
             # lerp is exact at both ends: f = 0 keeps w, f = 1 copies the peer.
-            self.w.lerp_(self.params.flatten(reply.tensors), factor)
+            self.w.lerp_(peer, factor)
         self.gossip_clock = factor * reply.clock + (1 - factor) * self.gossip_clock
 
     def change_topology(self, context: NodeContext) -> None:

@@ -32,6 +32,18 @@ that sent it. Unlike that implementation, a node does not skip rounds while one 
 to s + 1 rounds may be unabsorbed: every step sends its round, so that the rounds of all nodes stay aligned
 with the iterations (a receiver knows which round a share belongs to and how many to expect) and no node waits
 at the end of a job for a round that a finished in-peer never sends.
+
+Robust push-sum (`algorithm.robust: {rule: self-centered-clip}`, nodeagent.robust). A share (x_s, y_s) stands for the
+sender's de-biased model z_s = x_s / y_s with the mass y_s; push-sum's z is the weighted mean of what a node holds
+and the shares it absorbs. So the clipping applies to z_s around the node's own z = x / weight (before the round's
+shares are added), and the share is absorbed as (y_s clip(z_s), y_s):
+    z' = (x + sum_s y_s clip(z_s)) / (weight + sum_s y_s),   ||z' - z|| <= tau,
+a convex combination of values within tau of z, whatever the weights. A weight is taken in [0, n] (the weights of
+all nodes sum to n, so no honest share is above it), and a share of weight 0 carries no numerator (a node that joined
+has none), so a forged weight buys no more than tau. The price: an absorbed clipped share is not the sent one, so the
+total mass sum_i x_i is exact only while no share is clipped (the exact average on which push-sum's proof rests
+holds among honest nodes whose shares stay within tau of each other). A share that could make x non-finite is
+refused whatever the rule: it counts as received with no mass, (0, 0), so the round completes.
 """
 
 from __future__ import annotations
@@ -55,6 +67,7 @@ class SGP(Algorithm):
     name = "sgp"
     modes = ("sync",)
     changes_topology = True
+    robust_rules = ("self-centered-clip",)
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         super().__init__(model, context, loss_fn)
@@ -70,6 +83,7 @@ class SGP(Algorithm):
         # counts its shares against the out-peers of the topology it was sent in (see change_topology).
         self._contexts: list[tuple[int, NodeContext]] = [(0, context)]
         self._outbox: list[Send] = []
+        self.origin = self.w.detach().clone() if self.clipper is not None else None  # the shared initial model
         self.republish()
 
     @classmethod
@@ -103,6 +117,8 @@ class SGP(Algorithm):
             received = self.shares.get(round_, {})
             if len(received) < len(self._context_of(round_).out_peers(round_)):
                 break
+            if self.clipper is not None:
+                received = self._clipped(received)
             # In sender order, not arrival order: the float sums then do not depend on timing.
             for sender in sorted(received):
                 x_share, weight_share = received[sender]
@@ -111,6 +127,15 @@ class SGP(Algorithm):
             self.open_rounds.popleft()
             absorbed = True
         return absorbed
+
+    def _clipped(self, received: Mapping[int, tuple[torch.Tensor, float]]) -> dict[int, tuple[torch.Tensor, float]]:
+        """The round's shares with their de-biased models clipped around this node's z (the module's text)."""
+        assert self.clipper is not None and self.origin is not None
+        own = self.x / self.weight if self.weight > 0 else self.w.detach()
+        models = {sender: x / y for sender, (x, y) in received.items() if y > 0}
+        clipped = self.clipper.clip_all(own, models, self.origin)
+        return {sender: (clipped[sender] * y if sender in clipped else torch.zeros_like(x), y)
+                for sender, (x, y) in received.items()}
 
     def _context_of(self, round_: int) -> NodeContext:
         """The context round `round_` was sent in."""
@@ -185,7 +210,11 @@ class SGP(Algorithm):
         round_ = message.clock
         if round_ < self.clock and round_ not in self.open_rounds:
             return  # a round absorbed already: a repeated delivery of a retried push
-        self.shares[round_][message.sender] = (self.params.flatten(message.tensors), message.weight)
+        share = self.params.flatten(message.tensors)
+        weight = min(max(float(message.weight), 0.0), float(self.context.world_size))  # the whole mass is n
+        if self.refused(message.sender, share):
+            share, weight = torch.zeros_like(self.x), 0.0  # received, with no mass: the round completes
+        self.shares[round_][message.sender] = (share, weight)
         if self._absorb_complete_rounds():
             self._debias()
 

@@ -18,7 +18,8 @@ class SSGDServerHalf(ServerHalf):
     synchronous = True
 
     def build_rule(self, w0: torch.Tensor) -> ParameterServer:
-        return SSGDServer(w0, self.num_workers, self.spec.algorithm.lr, max_update_norm=self.options.max_update_norm)
+        return SSGDServer(w0, self.num_workers, self.spec.algorithm.lr,
+                          max_update_norm=self.update_bound(self.spec.algorithm.lr), robust=self.spec.algorithm.robust)
 
 
 class SSGD(PSWorker):
@@ -27,3 +28,5 @@ class SSGD(PSWorker):
     name = "ssgd"
     modes = ("sync",)
     server_half = SSGDServerHalf
+    robust_rules = ("centered-clip", "trimmed-mean", "median", "krum")
+    robust_refusal = "self-centered-clip is the peer-to-peer family's; the server aggregates the workers' updates"

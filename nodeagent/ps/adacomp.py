@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nodeagent.jobspec import RobustSpec
 from nodeagent.ps.rules import ParameterServer, ProtocolError, PushResult, StateDict, state_int, state_tensor
 from nodeagent.wire.message import all_finite
 from nodeagent.wire.sparse import Sparse, check_sizes, flat_indices
@@ -34,8 +35,8 @@ class DeltaPull:
 
 class AdaCompServer(ParameterServer):
     def __init__(self, w0: torch.Tensor, num_workers: int, tensor_sizes: Sequence[int], lr: float, max_delay: int,
-                 *, max_update_norm: float | None = None):
-        super().__init__(w0, num_workers, max_update_norm=max_update_norm)
+                 *, max_update_norm: float | None = None, robust: RobustSpec | None = None):
+        super().__init__(w0, num_workers, max_update_norm=max_update_norm, robust=robust)
         check_sizes(tensor_sizes, self.w.numel())
         if max_delay < 1:
             raise ValueError(f"max_delay must be >= 1, got {max_delay}")
@@ -53,11 +54,13 @@ class AdaCompServer(ParameterServer):
             reason = f"delay {delay} exceeds the staleness window of {self.max_delay} pushes"
             return PushResult(applied=False, version=self.version, release=(worker,), delay=delay, rejected=reason)
         values, clipped = self.bound(values)  # the sparse update's norm is its values' norm
+        values, flagged = self.robust_clip(worker, values)
         staleness = self._staleness(flat, delay)
         self.w.index_add_(0, flat, values / staleness.clamp(min=1).to(values.dtype), alpha=-self.lr)
         self.window.append(flat)
         self.version += 1
-        return PushResult(applied=True, version=self.version, release=(worker,), delay=delay, clipped=clipped)
+        return PushResult(applied=True, version=self.version, release=(worker,), delay=delay, clipped=clipped,
+                          flagged=flagged)
 
     def pull_delta(self, worker: int, since_version: int) -> DeltaPull:
         self.check_worker(worker)

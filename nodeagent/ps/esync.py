@@ -27,6 +27,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from nodeagent.jobspec import RobustSpec
 from nodeagent.ps.rules import ProtocolError, PushResult, RoundServer, StateDict, state_tensor
 
 
@@ -146,9 +147,9 @@ class ESyncServer(RoundServer):
 
     def __init__(
         self, w0: torch.Tensor, num_workers: int, global_lr: float = 1.0, epsilon: float = 0.5, start: float = 0.0,
-        *, max_update_norm: float | None = None,
+        *, max_update_norm: float | None = None, robust: RobustSpec | None = None,
     ):
-        super().__init__(w0, num_workers, max_update_norm=max_update_norm)
+        super().__init__(w0, num_workers, max_update_norm=max_update_norm, robust=robust)
         self.global_lr = global_lr
         self.round = ESyncRound(num_workers, epsilon, start)
 
@@ -165,7 +166,8 @@ class ESyncServer(RoundServer):
         self.w.add_(mean, alpha=self.global_lr)
         self.version += 1
         self.round.reset(now)
-        return PushResult(applied=True, version=self.version, release=tuple(range(self.num_workers)), clipped=clipped)
+        return PushResult(applied=True, version=self.version, release=tuple(range(self.num_workers)), clipped=clipped,
+                          flagged=self.completed())
 
     def state_dict(self) -> StateDict:
         reports = self.round.reports

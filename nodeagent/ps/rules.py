@@ -11,6 +11,10 @@ Each server holds the global model `w` (a flat float32 vector laid out like Flat
 
 A malformed or out-of-protocol call raises ProtocolError before any state changes. With `max_update_norm`, an
 update longer than it (L2) is scaled down to it before it is applied (`bound`), and the result says so.
+
+With a robust rule (`robust`, nodeagent.robust): a synchronous server keeps every worker's (bounded) update of the
+round and applies the rule's aggregate in place of the mean; an asynchronous one clips each update's norm at the
+rule's radius. The result names the workers whose contribution the rule clipped or trimmed (`flagged`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nodeagent.jobspec import RobustSpec
+from nodeagent.robust import NormClip, RobustAggregator
 from nodeagent.wire.message import all_finite
 
 StateDict = dict[str, torch.Tensor | int]
@@ -39,12 +45,14 @@ class PushResult:
     rejected: str = ""  # non-empty: the update was discarded (why); the worker must pull and recompute
     duplicate: bool = False  # a retry of a push the server already had (runtimes dedupe by push id)
     clipped: bool = False  # the update was longer than max_update_norm and was scaled down to it
+    flagged: tuple[int, ...] = ()  # workers whose contribution the robust rule clipped or trimmed (this push or round)
 
 
 class ParameterServer:
     """What every server shares: the model, its version, the workers, pulls, validation and the norm bound."""
 
-    def __init__(self, w0: torch.Tensor, num_workers: int, *, max_update_norm: float | None = None):
+    def __init__(self, w0: torch.Tensor, num_workers: int, *, max_update_norm: float | None = None,
+                 robust: RobustSpec | None = None):
         if w0.dim() != 1 or not w0.is_floating_point():
             raise ValueError(f"w0 must be a flat floating-point vector, got {w0.dtype} of shape {tuple(w0.shape)}")
         if num_workers < 1:
@@ -55,6 +63,8 @@ class ParameterServer:
         self.version = 0
         self.num_workers = num_workers
         self.max_update_norm = max_update_norm
+        # An asynchronous server's robust rule (a synchronous one aggregates its rounds: RoundServer).
+        self.norm_clip = NormClip(robust, num_workers) if robust is not None else None
 
     def pull(self, worker: int) -> tuple[torch.Tensor, int]:
         self.check_worker(worker)
@@ -96,6 +106,13 @@ class ParameterServer:
             return update, False
         return update * (self.max_update_norm / norm), True
 
+    def robust_clip(self, worker: int, update: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """An asynchronous server's robust rule on one (bounded) update: its norm clipped at the rule's radius."""
+        if self.norm_clip is None:
+            return update, ()
+        update, clipped = self.norm_clip.clip(worker, update)
+        return update, (worker,) if clipped else ()
+
     def delay_of(self, worker_version: int) -> int:
         if not 0 <= worker_version <= self.version:
             raise ProtocolError(f"worker version {worker_version} is not in 0..{self.version}")
@@ -105,10 +122,15 @@ class ParameterServer:
 class RoundServer(ParameterServer):
     """A synchronous server: one update per worker per round, applied together once all have arrived."""
 
-    def __init__(self, w0: torch.Tensor, num_workers: int, *, max_update_norm: float | None = None):
-        super().__init__(w0, num_workers, max_update_norm=max_update_norm)
+    def __init__(self, w0: torch.Tensor, num_workers: int, *, max_update_norm: float | None = None,
+                 robust: RobustSpec | None = None):
+        super().__init__(w0, num_workers, max_update_norm=max_update_norm, robust=robust)
         self.pending = torch.zeros_like(self.w)  # sum of this round's updates
         self.arrived = torch.zeros(num_workers, dtype=torch.bool)
+        # With a robust rule: every worker's update of the round (the rule needs each one, not their sum).
+        self.aggregator = RobustAggregator(robust, num_workers) if robust is not None else None
+        self.updates = self.w.repeat(num_workers, 1).zero_() if robust is not None else None
+        self.flagged: tuple[int, ...] = ()  # of the last completed round
 
     def check_round(self, worker: int, worker_version: int) -> None:
         self.check_worker(worker)
@@ -127,31 +149,49 @@ class RoundServer(ParameterServer):
         self.check_round(worker, worker_version)
         self.check_dense(update)
         update, clipped = self.bound(update)
-        self.pending.add_(update)
+        if self.updates is not None:
+            self.updates[worker] = update
+        else:
+            self.pending.add_(update)
         self.arrived[worker] = True
         if not bool(self.arrived.all()):
             return None, clipped
-        mean = self.pending.div(self.num_workers)
+        if self.aggregator is not None and self.updates is not None:
+            mean, flags = self.aggregator.aggregate(self.updates)
+            self.flagged = tuple(worker for worker, flag in enumerate(flags) if flag)
+        else:
+            mean = self.pending.div(self.num_workers)
         self.pending.zero_()
         self.arrived.zero_()
         return mean, clipped
 
     def state_dict(self) -> StateDict:
-        return {**super().state_dict(), "pending": self.pending.clone(), "arrived": self.arrived.clone()}
+        state = {**super().state_dict(), "pending": self.pending.clone(), "arrived": self.arrived.clone()}
+        if self.updates is not None:
+            state["updates"] = self.updates.clone()
+        return state
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor | int]) -> None:
         pending = state_tensor(state, "pending", self.pending)
         arrived = state_tensor(state, "arrived", self.arrived)
+        updates = state_tensor(state, "updates", self.updates) if self.updates is not None else None
         super().load_state_dict(state)
         self.pending.copy_(pending)
         self.arrived.copy_(arrived)
+        if self.updates is not None and updates is not None:
+            self.updates.copy_(updates)
+
+    def completed(self) -> tuple[int, ...]:
+        """The workers the robust rule flagged in the round that just completed."""
+        return self.flagged
 
 
 class SSGDServer(RoundServer):
     """One gradient per worker per round; the last one applies w <- w - lr * mean(g) and releases everyone."""
 
-    def __init__(self, w0: torch.Tensor, num_workers: int, lr: float, *, max_update_norm: float | None = None):
-        super().__init__(w0, num_workers, max_update_norm=max_update_norm)
+    def __init__(self, w0: torch.Tensor, num_workers: int, lr: float, *, max_update_norm: float | None = None,
+                 robust: RobustSpec | None = None):
+        super().__init__(w0, num_workers, max_update_norm=max_update_norm, robust=robust)
         self.lr = lr
 
     def push(self, worker: int, update: torch.Tensor, worker_version: int) -> PushResult:
@@ -160,7 +200,8 @@ class SSGDServer(RoundServer):
             return PushResult(applied=False, version=self.version, release=(), clipped=clipped)
         self.w.sub_(mean, alpha=self.lr)
         self.version += 1
-        return PushResult(applied=True, version=self.version, release=tuple(range(self.num_workers)), clipped=clipped)
+        return PushResult(applied=True, version=self.version, release=tuple(range(self.num_workers)), clipped=clipped,
+                          flagged=self.completed())
 
 
 class OuterServer(RoundServer):
@@ -170,8 +211,8 @@ class OuterServer(RoundServer):
     and releases everyone. theta is `w`; the outer momentum u is the server's state, persisted with it."""
 
     def __init__(self, w0: torch.Tensor, num_workers: int, outer_lr: float, momentum: float, nesterov: bool, *,
-                 max_update_norm: float | None = None):
-        super().__init__(w0, num_workers, max_update_norm=max_update_norm)
+                 max_update_norm: float | None = None, robust: RobustSpec | None = None):
+        super().__init__(w0, num_workers, max_update_norm=max_update_norm, robust=robust)
         self.outer_lr, self.momentum, self.nesterov = outer_lr, momentum, nesterov
         self.velocity = torch.zeros_like(self.w)
 
@@ -183,7 +224,8 @@ class OuterServer(RoundServer):
         direction = mean.add(self.velocity, alpha=self.momentum) if self.nesterov else self.velocity
         self.w.sub_(direction, alpha=self.outer_lr)
         self.version += 1
-        return PushResult(applied=True, version=self.version, release=tuple(range(self.num_workers)), clipped=clipped)
+        return PushResult(applied=True, version=self.version, release=tuple(range(self.num_workers)), clipped=clipped,
+                          flagged=self.completed())
 
     def state_dict(self) -> StateDict:
         return {**super().state_dict(), "velocity": self.velocity.clone()}
@@ -197,8 +239,9 @@ class OuterServer(RoundServer):
 class ASGDServer(ParameterServer):
     """Each gradient is applied on arrival: w <- w - lr * g."""
 
-    def __init__(self, w0: torch.Tensor, num_workers: int, lr: float, *, max_update_norm: float | None = None):
-        super().__init__(w0, num_workers, max_update_norm=max_update_norm)
+    def __init__(self, w0: torch.Tensor, num_workers: int, lr: float, *, max_update_norm: float | None = None,
+                 robust: RobustSpec | None = None):
+        super().__init__(w0, num_workers, max_update_norm=max_update_norm, robust=robust)
         self.lr = lr
 
     def push(self, worker: int, update: torch.Tensor, worker_version: int) -> PushResult:
@@ -206,9 +249,11 @@ class ASGDServer(ParameterServer):
         delay = self.delay_of(worker_version)
         self.check_dense(update)
         update, clipped = self.bound(update)
+        update, flagged = self.robust_clip(worker, update)
         self.w.sub_(update, alpha=self.lr)
         self.version += 1
-        return PushResult(applied=True, version=self.version, release=(worker,), delay=delay, clipped=clipped)
+        return PushResult(applied=True, version=self.version, release=(worker,), delay=delay, clipped=clipped,
+                          flagged=flagged)
 
 
 class DCASGDServer(ParameterServer):
@@ -230,8 +275,9 @@ class DCASGDServer(ParameterServer):
         momentum: float = 0.95,
         *,
         max_update_norm: float | None = None,
+        robust: RobustSpec | None = None,
     ):
-        super().__init__(w0, num_workers, max_update_norm=max_update_norm)
+        super().__init__(w0, num_workers, max_update_norm=max_update_norm, robust=robust)
         self.lr = lr
         self.lam = lam
         self.adaptive = adaptive
@@ -258,6 +304,7 @@ class DCASGDServer(ParameterServer):
             reason += str(int(self.backup_version[worker]))
             return PushResult(applied=False, version=self.version, release=(worker,), delay=delay, rejected=reason)
         update, clipped = self.bound(update)  # g itself: the compensation is computed from the bounded g
+        update, flagged = self.robust_clip(worker, update)
         square = update * update
         if self.mean_square is None:
             lam: torch.Tensor | float = self.lam
@@ -267,7 +314,8 @@ class DCASGDServer(ParameterServer):
         compensated = update + lam * square * (self.w - self.backup[worker])
         self.w.sub_(compensated, alpha=self.lr)
         self.version += 1
-        return PushResult(applied=True, version=self.version, release=(worker,), delay=delay, clipped=clipped)
+        return PushResult(applied=True, version=self.version, release=(worker,), delay=delay, clipped=clipped,
+                          flagged=flagged)
 
     def state_dict(self) -> StateDict:
         state = {**super().state_dict(), "backup": self.backup.clone(), "backup_version": self.backup_version.clone()}

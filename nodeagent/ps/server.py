@@ -13,6 +13,7 @@ happened in order (pushes, pulls that change the state, rounds), for the run's l
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -29,6 +30,10 @@ from nodeagent.training.models import initial_model
 from nodeagent.wire.errors import Reason, WireError
 from nodeagent.wire.message import Kind, TensorSpec
 
+# The default bound of a pushed update: one update moves the global model by at most this root-mean-square per
+# parameter (the bound is sqrt(parameters) * DEFAULT_UPDATE_RMS / the step the server scales updates by).
+DEFAULT_UPDATE_RMS = 1.0
+
 
 class ServerOptions(AlgorithmOptions):
     """The options every parameter-server algorithm takes (its own options extend these)."""
@@ -37,7 +42,9 @@ class ServerOptions(AlgorithmOptions):
         None, gt=0,
         description="largest L2 norm of one pushed update (a gradient; ESync's delta; DiLoCo's pseudo-gradient): a "
         "longer one is scaled down to it before the server applies it, and counted (peertrain_ps_updates_clipped), "
-        "so that one diverged or forged worker moves the global model by a bounded step; unset: no bound",
+        "so that one diverged or forged worker moves the global model by a bounded step; unset: derived from the "
+        "job, sqrt(parameters) / the server's step (lr; ESync's global_lr; DiLoCo's outer_lr), so that one update "
+        "moves the model by at most 1 per parameter in root mean square",
     )
 
 
@@ -73,6 +80,12 @@ class ServerHalf:
 
     def build_rule(self, w0: torch.Tensor) -> ParameterServer:
         raise NotImplementedError
+
+    def update_bound(self, step: float) -> float:
+        """`max_update_norm`, or its default for a rule that applies updates scaled by `step` (the option's text)."""
+        if self.options.max_update_norm is not None:
+            return self.options.max_update_norm
+        return math.sqrt(self.params.numel) * DEFAULT_UPDATE_RMS / step
 
     @property
     def version(self) -> int:
@@ -124,7 +137,7 @@ class ServerHalf:
         self.events.append({
             "event": "push", "time": now, "rank": rank, "push_id": push_id, "worker_version": push.version,
             "version": result.version, "applied": result.applied, "delay": result.delay, "rejected": result.rejected,
-            "clipped": result.clipped,
+            "clipped": result.clipped, "flagged": list(result.flagged),
         })
         return result
 

@@ -16,6 +16,10 @@ A worker's clock counts its answered pushes (one per local step; ESync: one per 
 is the server's version, the rounds done), which is what the job's `steps` counts; a rejected push is answered
 too (with the model to start again from). The server rules are plain SGD steps on the pushed gradient, so the
 gradient-pushing workers refuse `algorithm.momentum`; ESync's local steps use it.
+
+Robust rules (`algorithm.robust`, nodeagent.robust): a synchronous server (SSGD, ESync, DiLoCo's) aggregates each
+round's updates by centered-clip, trimmed-mean, median or krum; an asynchronous one (ASGD, DC-ASGD, AdaComp) applies
+each update on arrival, so it takes centered-clip alone (each update's norm clipped at the rule's radius).
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from nodeagent.algorithms.base import Algorithm, AlgorithmOptions, Family, NodeContext, Route, Send, Snapshot
-from nodeagent.jobspec import JobSpec
+from nodeagent.algorithms.base import Algorithm, AlgorithmOptions, Family, Graph, NodeContext, Route, Send, Snapshot
+from nodeagent.jobspec import JobSpec, JobSpecError
 from nodeagent.ps.messages import SERVER_RANK, ServerAnswer, ServerModel, ServerPull, ServerPush
 from nodeagent.ps.server import ServerHalf, ServerOptions, initial_parameters
+from nodeagent.robust import default_byzantine
 from nodeagent.training.data import DatasetInfo
 from nodeagent.wire.errors import Reason, WireError
 from nodeagent.wire.message import Kind, Message, TensorSpec
@@ -44,6 +49,9 @@ class PSWorker(Algorithm):
     server_half: ClassVar[type[ServerHalf]]
     sends_after_receive = True
     refuses_momentum = "the workers push plain gradients and the server applies its rule; set momentum to 0"
+    robust_rules = ("centered-clip",)
+    robust_refusal = ("its server applies each update on arrival: there is no round of updates to trim, take the "
+                      "median of or score")
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         super().__init__(model, context, loss_fn)
@@ -53,6 +61,11 @@ class PSWorker(Algorithm):
         self.pull_delta = False  # ask for the model as a delta since the pushed version
         self._outbox: list[Send] = []
         self.republish()
+
+    @classmethod
+    def check(cls, spec: JobSpec, topology: Graph) -> None:
+        super().check(spec, topology)
+        check_robust_workers(spec)
 
     @classmethod
     def build_server(cls, spec: JobSpec, info: DatasetInfo) -> ServerHalf:
@@ -149,3 +162,17 @@ class PSWorker(Algorithm):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.version = int(state.get("version", 0))
         super().load_state_dict(state)
+
+
+def check_robust_workers(spec: JobSpec) -> None:
+    """Refuse a robust rule that cannot work with the job's workers and its assumed Byzantine count."""
+    robust, workers = spec.algorithm.robust, spec.max_nodes
+    if robust is None:
+        return
+    byzantine = default_byzantine(workers) if robust.byzantine is None else robust.byzantine
+    if robust.rule == "trimmed-mean" and 2 * byzantine >= workers:
+        raise JobSpecError(f"algorithm.robust.byzantine: trimmed-mean cannot drop {byzantine} of {workers} updates "
+                           "at each end")
+    if robust.rule == "krum" and workers - byzantine - 2 < 1:
+        raise JobSpecError(f"algorithm.robust.byzantine: krum needs n - f - 2 >= 1 ({workers} workers, f = "
+                           f"{byzantine})")

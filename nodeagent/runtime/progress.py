@@ -42,6 +42,7 @@ class EdgeCounters:
     last_failure_age_s: float = math.nan  # since the last failed call (in_flight skips are not calls)
     staleness_steps: float = math.nan  # this node's clock minus the clock of the peer's last message
     consensus_distance: float = math.nan  # ||w - the copy of the peer's w|| where the algorithm keeps one
+    robust_clipped: int = 0  # the peer's contributions this node's robust rule clipped or refused (nodeagent.robust)
 
 
 @dataclass(frozen=True)

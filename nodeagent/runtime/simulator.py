@@ -23,6 +23,10 @@ per model it receives) are measured as nodeagent.ps.RoundMetrics in `SimNode.rou
 compute, aggregation (its push's and its model's time on the network, queueing included) and wait (the rest:
 step reports, and waiting for the other workers).
 
+Byzantine members (`simulation.byzantine`): a lying rank trains as the others do, and every tensor message it sends
+(a push, an exchange's request or answer, a pull's answer, a push to the parameter server) is replaced by its
+attack's (nodeagent.byzantine), forged against the latest honest messages of the same kind, which the mesh keeps.
+
 Everything is deterministic for a given seed: one heap ordered by (time, sequence number) and one generator.
 """
 
@@ -33,7 +37,7 @@ import gc
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -43,7 +47,8 @@ from prometheus_client import Counter
 from nodeagent.agent.quorum import QuorumOptions
 from nodeagent.algorithms import Family, Snapshot, build_server
 from nodeagent.algorithms.base import Route, SendFailed
-from nodeagent.jobspec import SimulationSpec
+from nodeagent.byzantine import forge
+from nodeagent.jobspec import ByzantineSpec, SimulationSpec
 from nodeagent.metrics import Metrics
 from nodeagent.ps.esync import RoundMetrics
 from nodeagent.ps.link import Answered, ServerLink
@@ -60,7 +65,7 @@ from nodeagent.ps.server import ServerHalf
 from nodeagent.runtime.driver import Action, Arrival, Failure, NodeDriver, Reply, Report, Switch, Transmission
 from nodeagent.runtime.sim_collective import SimulatedQuorum
 from nodeagent.training.job import Node
-from nodeagent.wire.message import Message
+from nodeagent.wire.message import Kind, Message
 
 # Bytes of a request that carries no tensors (a pull, a step report, its answer): its frames' headers.
 REQUEST_BYTES = 64
@@ -162,6 +167,10 @@ class VirtualMesh:
         # Each partition's group of every rank it names, once: asked per message, it cost O(nodes) each time.
         self._sides = [{rank: index for index, group in enumerate(partition.groups) for rank in group}
                        for partition in simulation.partitions]
+        self.liars: dict[int, ByzantineSpec] = {rank: group for group in simulation.byzantine for rank in group.ranks}
+        # The latest honest message tensors of each kind, by sender: what the liars forge against.
+        self._honest: dict[Kind, dict[int, Mapping[str, torch.Tensor]]] = {}
+        self._attack_generator = torch.Generator().manual_seed(simulation.seed)
         speeds = simulation.speeds or [1.0] * len(nodes)
         with rare_full_collections():
             self.nodes = [
@@ -294,6 +303,25 @@ class VirtualMesh:
         if sim.waiting and not sim.computing:
             self._start(sim)
 
+    # -- liars ---------------------------------------------------------------------------------------------------
+
+    def sent_by(self, sender: int, receiver: int | None, kind: Kind,
+                tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """What `sender`'s message of `kind` to `receiver` holds on the wire: `tensors`, or a liar's forgery of them."""
+        honest = self._honest.setdefault(kind, {})
+        group = self.liars.get(sender)
+        if group is None:
+            honest[sender] = tensors
+            return tensors
+        others = [t for rank, t in honest.items() if rank not in self.liars]
+        return forge(group.attack, tensors, others, None if receiver is None else honest.get(receiver),
+                     group.strength, self._attack_generator)
+
+    def _forged(self, message: Message) -> Message:
+        if not self.liars:
+            return message
+        return replace(message, tensors=self.sent_by(message.sender, message.receiver, message.kind, message.tensors))
+
     # -- the network ---------------------------------------------------------------------------------------------
 
     def _arrival(self, link: tuple[int, int], size: int) -> float:
@@ -345,6 +373,8 @@ class VirtualMesh:
             return
         message = t.send.message
         assert message is None or isinstance(message, Message)
+        if message is not None:
+            message = self._forged(message)
         if t.send.route == Route.PUSH:
             self.arrive(receiver, message)
             self.arrive(sender, Reply(t, None))
@@ -354,6 +384,7 @@ class VirtualMesh:
         if reply is None:
             self._give_up(sender, t, "failed_precondition", self.now)
             return
+        reply = self._forged(reply)
         self.count(receiver, sender, reply.payload_bytes)
         arrival = self._arrival((receiver.rank, sender.rank), reply.payload_bytes)
         self.at(arrival, lambda: self._exchange_done(sender, t, reply))
@@ -417,7 +448,8 @@ class SimulatedServer:
         mesh = self.mesh
         # The server lives in host memory, as the coordinator's does: a push from a GPU worker arrives there as it
         # would off the wire (and its answers reach the worker in host memory, as the agent's link decodes them).
-        push = replace(push, tensors={name: tensor.cpu() for name, tensor in push.tensors.items()})
+        tensors = {name: tensor.cpu() for name, tensor in push.tensors.items()}
+        push = replace(push, tensors=mesh.sent_by(sim.rank, None, push.kind, tensors) if mesh.liars else tensors)
         self.count(sim, up=push.payload_bytes)
         arrival = mesh._arrival(self.INGRESS, push.payload_bytes)
         sim.round.network += arrival - mesh.now
@@ -428,6 +460,8 @@ class SimulatedServer:
         self.half.drain_events()
         if result.clipped:
             self.mesh.metrics.ps_updates_clipped.labels(self.mesh.job).inc()
+        for worker in result.flagged:
+            self.mesh.metrics.robust_clipped.labels(self.mesh.job, self.mesh.name_of(worker), SERVER_NAME).inc()
         self._waiting[sim.rank] = (sim, push, answered)
         for rank in result.release:
             worker, released, reply = self._waiting.pop(rank)

@@ -1,0 +1,251 @@
+"""Robust mixing and aggregation (nodeagent.robust), the attacks (nodeagent.byzantine) and `simulation.byzantine`:
+each rule's mathematics on small tensors, each attack's effect, the job option's validation, and small simulated jobs
+where a lying member ruins the plain rule and the robust rule holds."""
+
+import math
+
+import pytest
+import torch
+
+from coordinator.jobs import validate_job
+from coordinator.simulate import simulate
+from nodeagent.byzantine import forge, forge_tensor
+from nodeagent.jobspec import JobSpecError, RobustSpec, parse_job_spec
+from nodeagent.metrics import Metrics
+from nodeagent.ps.messages import SERVER_NAME
+from nodeagent.ps.rules import ASGDServer, SSGDServer
+from nodeagent.robust import (
+    AUTO_WARM,
+    NormClip,
+    RobustAggregator,
+    SelfCenteredClip,
+    centered_clip,
+    coordinate_median,
+    krum,
+    trimmed_mean,
+    unsafe,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def vec(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+# -- self-centered clipping -----------------------------------------------------------------------------------------
+
+
+def test_a_contribution_beyond_the_radius_is_clipped_around_the_own_state_and_counted():
+    clip = SelfCenteredClip(RobustSpec(rule="self-centered-clip", radius=1.0))
+    own = vec(1, 1)
+    near, far = vec(1.5, 1), vec(4, 5)  # 0.5 and 5 away
+    out = clip.clip_all(own, {2: near, 3: far}, origin=own)
+    assert out[2] is near  # within the radius: mixed as sent
+    assert torch.allclose(out[3], vec(1.6, 1.8))  # own + (3, 4) / 5
+    assert math.isclose(float(torch.linalg.vector_norm(out[3] - own)), 1.0, rel_tol=1e-6)
+    assert (clip.counts.seen[3], clip.counts.clipped[3], clip.counts.clipped[2]) == (1, 1, 0)
+
+
+def test_the_auto_radius_starts_at_twice_the_drift_from_the_initial_model_then_follows_the_median():
+    clip = SelfCenteredClip(RobustSpec(rule="self-centered-clip"))
+    origin, own = vec(0, 0), vec(0.3, 0.4)  # drifted 0.5 from the shared start
+    out = clip.clip_all(own, {1: own + vec(100, 0)}, origin)  # a first message from a liar is not taken whole
+    assert math.isclose(float(torch.linalg.vector_norm(out[1] - own)), 1.0, rel_tol=1e-6)
+    for _ in range(AUTO_WARM):
+        clip.clip_all(own, {2: own + vec(0, 2)}, origin)  # honest distances of 2
+    radius = clip.radius(own, origin)
+    assert radius < 100 and math.isclose(radius, 0.5 * 2.0)  # the liar's distance is not the median
+
+
+def test_contributions_that_could_overflow_are_unsafe():
+    assert not unsafe(vec(1e10, -3.0))
+    assert unsafe(vec(3e38, 0.0))  # finite, but its square is not: the next forward pass would overflow
+    assert unsafe(vec(float("nan"), 0.0))
+    assert unsafe(vec(0.0, float("-inf")))
+
+
+# -- the parameter server's rules ------------------------------------------------------------------------------------
+
+
+def honest_and_liar() -> torch.Tensor:
+    return torch.stack([vec(1, 2), vec(1.2, 1.8), vec(0.8, 2.2), vec(1.0, 2.0), vec(1e6, -1e6)])
+
+
+def test_trimmed_mean_and_median_ignore_one_outlier_coordinate_by_coordinate():
+    updates = honest_and_liar()
+    assert torch.allclose(trimmed_mean(updates, 1), vec(1.0667, 1.9333), atol=1e-3)  # drops 0.8, 1e6; -1e6, 2.2
+    assert torch.allclose(coordinate_median(updates), vec(1.0, 2.0))
+    assert torch.allclose(coordinate_median(updates[:4]), vec(1.0, 2.0))  # even count: mean of the middle two
+    with pytest.raises(ValueError, match="cannot drop"):
+        trimmed_mean(updates, 3)
+
+
+def test_krum_picks_the_update_closest_to_its_neighbours():
+    assert torch.equal(krum(honest_and_liar(), 1), vec(1.0, 2.0))
+
+
+def test_centered_clip_moves_from_its_center_by_at_most_the_radius_per_update():
+    updates = honest_and_liar()
+    aggregate, clipped = centered_clip(updates, torch.zeros(2), radius=None)
+    assert torch.linalg.vector_norm(aggregate - vec(1, 2)) < 0.5  # the honest mean, give or take the liar's pull
+    assert clipped[4]
+
+
+def test_a_synchronous_server_applies_the_robust_aggregate_and_flags_the_outlier():
+    server = SSGDServer(vec(0, 0), num_workers=5, lr=1.0, robust=RobustSpec(rule="median"))
+    for worker, update in enumerate(honest_and_liar()):
+        result = server.push(worker, update, 0)
+    assert result.applied and result.flagged == (4,)
+    assert torch.allclose(server.w, vec(-1, -2))
+    state = server.state_dict()
+    assert "updates" in state  # the round's updates are the server's state, persisted with it
+
+
+def test_an_asynchronous_server_clips_a_long_update_to_the_recent_norms():
+    server = ASGDServer(vec(0, 0), num_workers=2, lr=1.0, robust=RobustSpec(rule="centered-clip"))
+    for _ in range(AUTO_WARM):
+        server.push(0, vec(1, 0), server.version)
+    result = server.push(1, vec(0, -1e6), server.version)
+    assert result.flagged == (1,)
+    assert float(server.w[1]) == pytest.approx(2.0)  # clipped to twice the median norm of 1
+
+
+def test_norm_clip_during_warm_up_holds_a_long_update_to_the_shortest_seen():
+    clip = NormClip(RobustSpec(rule="centered-clip"), num_workers=2)
+    clip.clip(0, vec(3, 4))
+    update, clipped = clip.clip(1, vec(0, 1e6))
+    assert clipped and math.isclose(float(torch.linalg.vector_norm(update)), 5.0, rel_tol=1e-6)
+
+
+def test_the_aggregator_counts_per_member():
+    aggregator = RobustAggregator(RobustSpec(rule="trimmed-mean"), num_workers=5)
+    aggregator.aggregate(honest_and_liar())
+    aggregator.aggregate(honest_and_liar())
+    assert aggregator.clipped == [0, 0, 0, 0, 2]
+
+
+# -- the attacks ------------------------------------------------------------------------------------------------------
+
+
+def test_each_attack_forges_what_it_says():
+    own = vec(1, -2)
+    honest = [vec(0, 0), vec(2, 2)]  # mean (1, 1), std (1, 1)
+    receiver = vec(4, 4)
+    assert torch.equal(forge_tensor("sign-flip", own, honest, receiver), vec(-1, 2))
+    assert torch.equal(forge_tensor("scale", own, honest, receiver), vec(1e6, -2e6))
+    assert torch.equal(forge_tensor("constant", own, honest, receiver), vec(1000, 1000))
+    assert torch.equal(forge_tensor("zeros", own, honest, receiver), vec(0, 0))
+    assert torch.equal(forge_tensor("alie", own, honest, receiver, strength=1.5), vec(-0.5, -0.5))
+    assert torch.allclose(forge_tensor("ipm", own, honest, receiver), vec(-0.1, -0.1))
+    assert torch.equal(forge_tensor("dissensus", own, honest, receiver), vec(7, 7))  # r - (mean - r)
+    noise = forge_tensor("random", torch.zeros(10_000), honest, None, generator=torch.Generator().manual_seed(0))
+    assert 0.95 < float(noise.std()) < 1.05
+    with pytest.raises(ValueError, match="unknown attack"):
+        forge_tensor("nice", own, honest, receiver)
+
+
+def test_forge_leaves_tensors_that_are_not_floating_alone():
+    codes = torch.tensor([1, 2, 3], dtype=torch.int8)
+    forged = forge("sign-flip", {"codes": codes, "scale": vec(2)}, [])
+    assert forged["codes"] is codes and torch.equal(forged["scale"], vec(-2))
+
+
+# -- the job option ---------------------------------------------------------------------------------------------------
+
+
+def job(fashion_mnist_dir, algorithm: dict, nodes: int = 8, steps: int = 120, byzantine: list | None = None,
+        topology: str = "multiplex-ring", interval: int = 1):
+    return parse_job_spec({
+        "name": "robust", "nodes": nodes, "steps": steps, "eval_every": steps, "seed": 0,
+        "algorithm": {"lr": 0.05, "interval": interval, **algorithm},
+        "model": {"name": "logistic"},
+        "data": {"data_dir": str(fashion_mnist_dir), "split": "iid", "batch_size": 32, "train_limit": 8000,
+                 "test_limit": 1000},
+        "topology": {"kind": topology},
+        "simulation": {"byzantine": byzantine or []},
+    })
+
+
+@pytest.mark.parametrize(("algorithm", "message"), [
+    ({"name": "allreduce", "robust": {"rule": "median"}}, "algorithm.robust: allreduce takes no robust rule: the "
+     "all-reduce sums"),
+    ({"name": "diloco", "options": {"inner_steps": 10}, "robust": {"rule": "median"}}, "algorithm.robust: diloco "
+     "takes no robust rule"),
+    ({"name": "asgd", "robust": {"rule": "trimmed-mean"}}, "algorithm.robust.rule: asgd takes centered-clip, not "
+     "trimmed-mean: its server applies each update on arrival"),
+    ({"name": "dsgd", "robust": {"rule": "median"}}, "algorithm.robust.rule: dsgd takes self-centered-clip, not "
+     "median"),
+    ({"name": "ssgd", "robust": {"rule": "self-centered-clip"}}, "algorithm.robust.rule: ssgd takes centered-clip or "
+     "trimmed-mean or median or krum"),
+    ({"name": "ssgd", "robust": {"rule": "trimmed-mean", "byzantine": 4}}, "algorithm.robust.byzantine: trimmed-mean "
+     "cannot drop 4 of 8"),
+    ({"name": "dsgd", "robust": {"rule": "self-centered-clip", "radius": -1.0}}, "radius"),
+    ({"name": "pdmm-isvr", "robust": {"rule": "self-centered-clip"}}, "algorithm.robust: pdmm-isvr takes no robust "
+     "rule: only duals travel"),
+])
+def test_a_robust_rule_an_algorithm_cannot_apply_is_refused_at_validation_with_the_reason(fashion_mnist_dir, algorithm,
+                                                                                          message):
+    with pytest.raises(JobSpecError, match=message.replace("(", r"\(")):
+        validate_job(job(fashion_mnist_dir, algorithm))
+
+
+@pytest.mark.parametrize("name", ["dsgd", "gossip", "ad-psgd", "sgp", "osgp"])
+def test_the_peer_algorithms_take_self_centered_clipping(fashion_mnist_dir, name):
+    validate_job(job(fashion_mnist_dir, {"name": name, "robust": {"rule": "self-centered-clip", "radius": 2}},
+                     topology="ring"))
+
+
+def test_byzantine_ranks_are_validated(fashion_mnist_dir):
+    with pytest.raises(JobSpecError, match=r"simulation\.byzantine: rank 8 is not in 0\.\.7"):
+        job(fashion_mnist_dir, {"name": "dsgd"}, byzantine=[{"ranks": [8], "attack": "zeros"}])
+    with pytest.raises(JobSpecError, match="rank 2 is named twice"):
+        job(fashion_mnist_dir, {"name": "dsgd"}, byzantine=[{"ranks": [2], "attack": "zeros"},
+                                                           {"ranks": [2], "attack": "scale"}])
+
+
+# -- small simulated jobs ---------------------------------------------------------------------------------------------
+
+
+def honest_accuracies(spec, liars=(3,), metrics: Metrics | None = None) -> list[float]:
+    result = simulate(spec, metrics=metrics)
+    return [p.test_accuracy for p in result.progress if p.rank not in liars]
+
+
+def test_one_liar_ruins_plain_dsgd_and_self_centered_clipping_holds(fashion_mnist_dir):
+    liar = [{"ranks": [3], "attack": "scale"}]
+    baseline = honest_accuracies(job(fashion_mnist_dir, {"name": "dsgd"}))
+    plain = honest_accuracies(job(fashion_mnist_dir, {"name": "dsgd"}, byzantine=liar))
+    metrics = Metrics()
+    robust = honest_accuracies(job(fashion_mnist_dir, {"name": "dsgd", "robust": {"rule": "self-centered-clip"}},
+                                   byzantine=liar), metrics=metrics)
+    assert min(plain) < 0.4 < min(baseline)
+    assert min(robust) > min(baseline) - 0.05
+    assert sum(robust) / len(robust) > sum(baseline) / len(baseline) - 0.03
+
+
+def test_a_finite_message_that_would_overflow_is_refused_and_the_honest_models_stay_finite(fashion_mnist_dir):
+    # Every parameter at 3e38: finite, so it passes the wire's check, but any forward pass through it overflows.
+    liar = [{"ranks": [3], "attack": "constant", "strength": 3e38}]
+    accuracies = honest_accuracies(job(fashion_mnist_dir, {"name": "dsgd"}, steps=40, byzantine=liar))
+    assert all(a > 0.35 for a in accuracies)  # a NaN model is at chance, 0.1 (0.6 with no liar, 40 steps)
+
+
+def test_a_liar_through_the_parameter_server_is_trimmed_and_counted(fashion_mnist_dir):
+    liar = [{"ranks": [3], "attack": "scale"}]
+    metrics = Metrics()
+    spec = job(fashion_mnist_dir, {"name": "ssgd", "robust": {"rule": "trimmed-mean"}}, steps=60, byzantine=liar)
+    accuracies = honest_accuracies(spec, metrics=metrics)
+    assert min(accuracies) > 0.6
+    flagged = metrics.registry.get_sample_value("peertrain_robust_clipped_total",
+                                                {"job_id": "robust", "src": "rank3", "dst": SERVER_NAME})
+    assert flagged == 60  # the liar, in every round
+
+
+def test_without_max_update_norm_a_1e30_gradient_is_bounded_by_the_default(fashion_mnist_dir):
+    liar = [{"ranks": [3], "attack": "scale", "strength": 1e30}]
+    metrics = Metrics()
+    accuracies = honest_accuracies(job(fashion_mnist_dir, {"name": "asgd"}, steps=60, byzantine=liar),
+                                   metrics=metrics)
+    assert all(math.isfinite(a) and a > 0.2 for a in accuracies)  # damaged but bounded, never NaN
+    assert metrics.registry.get_sample_value("peertrain_ps_updates_clipped_total", {"job_id": "robust"}) >= 50
