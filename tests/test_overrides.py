@@ -91,7 +91,8 @@ def test_the_command_line_refuses_a_wrong_field_before_anything_runs(tmp_path, c
     path = job_file(tmp_path)
     with pytest.raises(SystemExit) as refusal:
         coordinator_main(["validate", str(path), "--set", "algorithm.lr=0.1", "--set", "algorithm.lrr=0.1"])
-    assert refusal.value.code == ("coordinator: --set algorithm.lrr: algorithm has no field 'lrr'; its fields: "
-                                  "name, mode, lr, momentum, nesterov, l2, interval, options")
+    named, fields = refusal.value.code.split("; its fields: ")
+    assert named == "coordinator: --set algorithm.lrr: algorithm has no field 'lrr'"
+    assert fields.split(", ")[:3] == ["name", "mode", "lr"]  # the section's fields, in the schema's order
     assert coordinator_main(["validate", str(path), "--set", "nodes=6", "--set", "steps=30"]) == 0
     assert capsys.readouterr().out.strip() == f"{path}: valid: base, 6 nodes, dsgd on ring, 30 steps"
