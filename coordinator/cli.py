@@ -62,7 +62,7 @@ from nodeagent.jobspec import (
 from nodeagent.listen import ListenError
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import SERVER_OPTIONS, bind_grpc_server, shown, split_address
-from nodeagent.runtime import events
+from nodeagent.runtime.messages import event_from_proto
 from nodeagent.runtime.progress import task_metrics
 from nodeagent.security.pki import private_key_pem
 from nodeagent.statedir import StateDirError, hold_state_dir, writable_directory
@@ -703,7 +703,7 @@ def follow_job(stub: coordinator_pb2_grpc.CoordinatorStub, reference: str, addre
                     continue
                 lost_since = None
                 for event in reply.events:
-                    view.log(shown(events.from_proto(job_id, event).line()))
+                    view.log(shown(event_from_proto(job_id, event).line()))
                 offset = reply.next_offset
                 final = status.state in (pb.JOB_FINISHED, pb.JOB_FAILED, pb.JOB_STOPPED)
                 show_progress(view, status)
@@ -727,7 +727,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
     while True:
         reply = stub.JobEvents(request, timeout=10)
         for proto in reply.events:
-            event = events.from_proto(reply.job_id, proto)
+            event = event_from_proto(reply.job_id, proto)
             print(json.dumps(dataclasses.asdict(event)) if args.json else shown(event.line()), flush=True)
         request.job_id = reply.job_id  # the job first named, even if a newer one takes its name
         request.offset = reply.next_offset

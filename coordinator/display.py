@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from coordinator.progress_view import ProgressView
 from nodeagent._proto import coordinator_pb2 as pb
-from nodeagent.runtime.progress import EdgeCounters, Metric, Progress, from_node_progress, task_metrics
+from nodeagent.runtime.messages import from_node_progress
+from nodeagent.runtime.progress import EdgeCounters, Metric, Progress, task_metrics
 
 # When an edge is in trouble (`coordinator edges`; docs/operations.md, "Per-edge debugging"):
 STALL_INTERVALS = 10  # stalled: no message for this many of the edge's message intervals (the alert's too),

@@ -27,7 +27,7 @@ import torch
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import wire_pb2
 from nodeagent.jobspec import JobSpec
-from nodeagent.runtime.readiness import data_from_proto
+from nodeagent.runtime.messages import data_from_proto
 from nodeagent.training.data import DatasetInfo
 from nodeagent.training.loop import EvalResult
 from nodeagent.training.models import initial_model, parameter_specs

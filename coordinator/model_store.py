@@ -33,8 +33,9 @@ from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import wire_pb2
 from nodeagent.algorithms import Family, lookup
 from nodeagent.rpc import grpc_code
+from nodeagent.runtime.messages import data_to_proto
 from nodeagent.runtime.progress import task_metrics
-from nodeagent.runtime.readiness import data_from_json, data_to_proto
+from nodeagent.runtime.readiness import data_from_json
 from nodeagent.security.tls import caller
 from nodeagent.training.models import build_model, is_import_path, parameter_specs
 from nodeagent.wire.decoder import decode

@@ -61,8 +61,9 @@ from nodeagent.rpc import (
 from nodeagent.runtime import events
 from nodeagent.runtime.driver import IN_FLIGHT
 from nodeagent.runtime.events import Event, EventLog
-from nodeagent.runtime.progress import EdgeCounters, Progress, RunLog, from_report, to_node_progress
-from nodeagent.runtime.readiness import data_from_proto, data_problem
+from nodeagent.runtime.messages import data_from_proto, event_to_proto, from_report, to_node_progress
+from nodeagent.runtime.progress import EdgeCounters, Progress, RunLog
+from nodeagent.runtime.readiness import data_problem
 from nodeagent.security import pki
 from nodeagent.security.authz import Authorizer, rules_for
 from nodeagent.security.pki import CertificateError, Role
@@ -818,7 +819,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                           f"{', '.join(events.LEVELS)}")
         found, next_offset = events.read_events(job.run_dir, request.offset, events.READ_BYTES)
         rank = request.rank if request.HasField("rank") else None
-        shown = [events.to_proto(e) for e in found
+        shown = [event_to_proto(e) for e in found
                  if (rank is None or e.rank in (-1, rank)) and events.level_at_least(e.level, request.min_level)]
         return pb.JobEventsReply(job_id=job.job_id, events=shown, next_offset=next_offset,
                                  state=JOB_STATES[job.state])

@@ -16,7 +16,8 @@ from coordinator.service import MAX_REPORTED_EDGES, MAX_WAITING_CHARS, OTHER_REA
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import MAX_FIELD_CHARS
-from nodeagent.runtime.progress import EdgeCounters, Progress, RunLog, read_run_log, to_report
+from nodeagent.runtime.messages import to_report
+from nodeagent.runtime.progress import EdgeCounters, Progress, RunLog, read_run_log
 
 pytestmark = pytest.mark.integration
 

@@ -22,7 +22,8 @@ from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.algorithms.base import FlatParameters
 from nodeagent.jobspec import JobSpecError, ModelSpec, parse_job_spec
 from nodeagent.metrics import Metrics
-from nodeagent.runtime.progress import LOG_FILE, Progress, from_node_progress, from_report, to_report
+from nodeagent.runtime.messages import from_node_progress, from_report, to_report
+from nodeagent.runtime.progress import LOG_FILE, Progress
 from nodeagent.training.data import DataError
 from nodeagent.training.models import build_model
 from nodeagent.training.splits import split_indices

@@ -25,8 +25,8 @@ from nodeagent.jobspec import parse_job_spec
 from nodeagent.metrics import Metrics
 from nodeagent.ps import OuterServer
 from nodeagent.ps.messages import PUSH_ID_HEADER, ReadyAnswer, ServerPull, ServerPush, StepReport
+from nodeagent.runtime.messages import data_to_proto
 from nodeagent.runtime.progress import Traffic
-from nodeagent.runtime.readiness import data_to_proto
 from nodeagent.runtime.server_link import GrpcServerLink
 from nodeagent.training.models import build_model
 from nodeagent.wire import lowprecision

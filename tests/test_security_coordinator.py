@@ -32,7 +32,7 @@ from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc, wire_pb2
 from nodeagent.agent.enroll import EnrollmentError, enroll, renew
 from nodeagent.metrics import Metrics
-from nodeagent.runtime.readiness import data_to_proto
+from nodeagent.runtime.messages import data_to_proto
 from nodeagent.security import pki
 from nodeagent.security.pki import CertificateError, Role
 from nodeagent.security.tls import TlsDir, Transport

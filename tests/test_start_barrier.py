@@ -11,7 +11,8 @@ import yaml
 
 from coordinator.control.sqlite import SqliteState
 from nodeagent._proto import coordinator_pb2 as pb
-from nodeagent.runtime.readiness import data_from_json, data_to_proto
+from nodeagent.runtime.messages import data_to_proto
+from nodeagent.runtime.readiness import data_from_json
 from nodeagent.training.data import DatasetInfo
 
 pytestmark = pytest.mark.integration

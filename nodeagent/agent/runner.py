@@ -47,9 +47,9 @@ from nodeagent.ps.link import ServerExpectation
 from nodeagent.rpc import Backoff, failure_reason, split_address
 from nodeagent.runtime import events
 from nodeagent.runtime.driver import Action, Arrival, NodeDriver, Report, TopologyChange
+from nodeagent.runtime.messages import data_to_proto, to_report
 from nodeagent.runtime.peer_service import GrpcPeers, ServingState
-from nodeagent.runtime.progress import figures_text, to_report
-from nodeagent.runtime.readiness import data_to_proto
+from nodeagent.runtime.progress import figures_text
 from nodeagent.runtime.server_link import GrpcServerLink
 from nodeagent.training.data import DatasetInfo
 from nodeagent.training.job import Node, build_node

@@ -15,7 +15,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.rpc import plain_text
 
 EVENTS_FILE = "events.jsonl"
@@ -109,14 +108,3 @@ def read_events(run_dir: str | Path, offset: int = 0, max_bytes: int | None = No
     return events, offset + end
 
 
-# -- the proto form -----------------------------------------------------------------------------------------------
-
-
-def to_proto(event: Event) -> pb.JobEvent:
-    return pb.JobEvent(time_unix=event.time, kind=event.kind, level=event.level, message=event.message,
-                       rank=event.rank, node_id=event.node, step=event.step)
-
-
-def from_proto(job: str, event: pb.JobEvent) -> Event:
-    return Event(time=event.time_unix, job=job, kind=event.kind, message=event.message, level=event.level,
-                 rank=event.rank, node=event.node_id, step=event.step)

@@ -1,8 +1,7 @@
 """A node's progress in a job: the one record that agents report, the coordinator stores and shows, the simulator
 returns and every run writes to its metrics log; and the byte counters it is built from.
 
-The proto conversions live here and nowhere else: a MetricsReport (agent -> coordinator) and a NodeProgress
-(coordinator -> operator) carry the same fields. NaN means "not measured yet" (no evaluation so far); the log
+Its protobuf forms are in nodeagent.runtime.messages. NaN means "not measured yet" (no evaluation so far); the log
 writes it as null.
 """
 
@@ -15,8 +14,6 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from nodeagent._proto import coordinator_pb2 as pb
 
 LOG_FILE = "metrics.jsonl"
 
@@ -145,73 +142,6 @@ def ring_allgather_bytes(payload: int, ranks: int) -> int:
     """Bytes each rank sends (and receives) in a ring all-gather of `payload` bytes from every rank: its own and
     the n - 2 it forwards."""
     return (ranks - 1) * payload
-
-
-# -- the proto forms ---------------------------------------------------------------------------------------------
-
-
-def to_report(progress: Progress) -> pb.MetricsReport:
-    return pb.MetricsReport(
-        job_id=progress.job, rank=progress.rank, node_id=progress.node, step=progress.step, loss=progress.loss,
-        test_accuracy=progress.test_accuracy, test_loss=progress.test_loss, elapsed_s=progress.elapsed_s,
-        finished=progress.finished, bytes_sent=progress.bytes_sent, bytes_received=progress.bytes_received,
-        compute_s=progress.compute_s, wait_s=progress.wait_s, exchanges=progress.exchanges,
-        exchange_failures=progress.exchange_failures, local_steps=progress.local_steps,
-        edges=[_edge_to_pb(edge) for edge in progress.edges], waiting_for=progress.waiting_for,
-        test_perplexity=progress.test_perplexity,
-    )
-
-
-def from_report(report: pb.MetricsReport, time: float) -> Progress:
-    return Progress(
-        job=report.job_id, rank=report.rank, node=report.node_id, step=report.step, loss=report.loss,
-        test_accuracy=report.test_accuracy, test_loss=report.test_loss, elapsed_s=report.elapsed_s,
-        finished=report.finished, bytes_sent=report.bytes_sent, bytes_received=report.bytes_received,
-        compute_s=report.compute_s, wait_s=report.wait_s, exchanges=report.exchanges,
-        exchange_failures=report.exchange_failures, time=time,
-        edges=tuple(_edge_from_pb(edge) for edge in report.edges), local_steps=report.local_steps,
-        waiting_for=report.waiting_for, test_perplexity=_perplexity(report),
-    )
-
-
-def _perplexity(message: pb.MetricsReport | pb.NodeProgress) -> float:
-    """A message's perplexity; a message from before the field (issue 26) has none: not measured."""
-    return message.test_perplexity if message.HasField("test_perplexity") else math.nan
-
-
-def to_node_progress(progress: Progress, state: str = "", failure: str = "") -> pb.NodeProgress:
-    """`state` and `failure` are the coordinator's view of the node (up, down, failed, finished)."""
-    return pb.NodeProgress(
-        state=state, failure=failure,
-        rank=progress.rank, node_id=progress.node, step=progress.step, loss=progress.loss,
-        test_accuracy=progress.test_accuracy, finished=progress.finished, updated_unix=progress.time,
-        bytes_sent=progress.bytes_sent, bytes_received=progress.bytes_received, test_loss=progress.test_loss,
-        elapsed_s=progress.elapsed_s, compute_s=progress.compute_s, wait_s=progress.wait_s,
-        exchanges=progress.exchanges, exchange_failures=progress.exchange_failures, local_steps=progress.local_steps,
-        edges=[_edge_to_pb(edge) for edge in progress.edges], waiting_for=progress.waiting_for,
-        test_perplexity=progress.test_perplexity,
-    )
-
-
-def from_node_progress(job: str, node: pb.NodeProgress) -> Progress:
-    return Progress(
-        job=job, rank=node.rank, node=node.node_id, step=node.step, loss=node.loss, test_accuracy=node.test_accuracy,
-        test_loss=node.test_loss, elapsed_s=node.elapsed_s, finished=node.finished, bytes_sent=node.bytes_sent,
-        bytes_received=node.bytes_received, compute_s=node.compute_s, wait_s=node.wait_s, exchanges=node.exchanges,
-        exchange_failures=node.exchange_failures, time=node.updated_unix, local_steps=node.local_steps,
-        edges=tuple(_edge_from_pb(edge) for edge in node.edges), waiting_for=node.waiting_for,
-        test_perplexity=_perplexity(node),
-    )
-
-
-def _edge_to_pb(edge: EdgeCounters) -> pb.EdgeTraffic:
-    # EdgeTraffic has EdgeCounters' fields, by the same names.
-    return pb.EdgeTraffic(**{f.name: getattr(edge, f.name) for f in dataclasses.fields(EdgeCounters)})
-
-
-def _edge_from_pb(edge: pb.EdgeTraffic) -> EdgeCounters:
-    return EdgeCounters(**{f.name: getattr(edge, f.name) for f in dataclasses.fields(EdgeCounters)}
-                        | {"failure_reasons": dict(edge.failure_reasons)})
 
 
 # -- the metrics log of a run -------------------------------------------------------------------------------------

@@ -11,10 +11,9 @@ import json
 import math
 from dataclasses import asdict
 
-from nodeagent._proto import coordinator_pb2 as pb
+from nodeagent.runtime.messages import MAX_INPUT_DIMS
 from nodeagent.training.data import DatasetInfo
 
-MAX_INPUT_DIMS = 4
 MAX_INPUT_SIDE = 65_536
 MAX_INPUT_VALUES = 1 << 24  # of one sample
 MAX_CLASSES = 100_000
@@ -43,18 +42,6 @@ def data_differences(mine: DatasetInfo, theirs: DatasetInfo) -> list[str]:
     """Each field in which two descriptions differ, as 'field mine vs theirs'."""
     a, b = asdict(mine), asdict(theirs)
     return [f"{name} {_shown(a[name])} vs {_shown(b[name])}" for name in a if a[name] != b[name]]
-
-
-def data_to_proto(info: DatasetInfo) -> pb.DataDescription:
-    return pb.DataDescription(input_shape=info.input_shape, num_classes=info.num_classes,
-                              train_samples=info.train_samples, test_samples=info.test_samples)
-
-
-def data_from_proto(message: pb.DataDescription) -> DatasetInfo:
-    """The description a node sent; check it with `data_problem` before using it. Only the shape's first
-    MAX_INPUT_DIMS + 1 sizes are read (enough to say that it has too many)."""
-    return DatasetInfo(tuple(message.input_shape[:MAX_INPUT_DIMS + 1]), message.num_classes, message.train_samples,
-                       message.test_samples)
 
 
 def data_to_json(info: DatasetInfo) -> str:
