@@ -246,6 +246,10 @@ class Metrics:
             with contextlib.suppress(KeyError):  # a gauge that was never set for the edge
                 gauge.remove(job_id, node, peer)
 
+    def node(self, job_id: str, node: str) -> NodeSeries:
+        """The series of one node in one job, through which its driver reports (runtime.driver.NodeMetrics)."""
+        return NodeSeries(self, job_id, node)
+
     def forget_job(self, job_id: str) -> None:
         """Remove every series of the job `job_id`: a finished job's figures stay in its run's log, not here."""
         for metric, names in self._of_a_job:
@@ -272,6 +276,42 @@ class Metrics:
         except OSError as error:
             raise ListenError.from_os_error(host, port, error) from None
         return int(server.server_port)
+
+
+class NodeSeries:
+    """What a node driver reports (runtime.driver.NodeMetrics), as this process's Prometheus series; its own series
+    looked up once (a label lookup per step costs the simulator a few percent)."""
+
+    def __init__(self, metrics: Metrics, job_id: str, node: str) -> None:
+        self.metrics = metrics
+        self._job, self._node = job_id, node
+        self._step_seconds = metrics.step_seconds.labels(job_id, node)
+        self._local_steps = metrics.local_steps.labels(job_id, node)
+        self._training_loss = metrics.training_loss.labels(job_id, node)
+        self._wait_seconds = metrics.wait_seconds.labels(job_id, node)
+
+    def stepped(self, seconds: float) -> None:
+        self._step_seconds.observe(seconds)
+        self._local_steps.inc()
+
+    def waited(self, seconds: float) -> None:
+        self._wait_seconds.inc(seconds)
+
+    def trained(self, loss: float) -> None:
+        self._training_loss.set(loss)
+
+    def evaluated(self, accuracy: float, loss: float, perplexity: float) -> None:
+        # Only the figures of the job's task have series (a language model has no accuracy).
+        for gauge, value in ((self.metrics.test_accuracy, accuracy), (self.metrics.test_loss, loss),
+                             (self.metrics.test_perplexity, perplexity)):
+            if not math.isnan(value):
+                gauge.labels(self._job, self._node).set(value)
+
+    def exchange_failed(self, peer: str, reason: str) -> None:
+        self.metrics.exchange_failures.labels(self._job, self._node, peer, reason).inc()
+
+    def stream_rejected(self, sender: str, reason: str) -> None:
+        self.metrics.stream_rejections.labels(sender, self._node, reason).inc()
 
 
 class DeviceCollector(Collector):

@@ -99,7 +99,8 @@ class ScriptedNode:
 def driver_for(algorithm: ScriptedAlgorithm, eval_s: float = 0.0, **options) -> tuple[NodeDriver, ScriptedNode]:
     clock = Clock()
     node = ScriptedNode(algorithm, clock, eval_s)
-    driver = NodeDriver(node, job="job", name="rank0", clock=clock, metrics=Metrics(), name_of=lambda r: f"rank{r}",
+    driver = NodeDriver(node, job="job", name="rank0", clock=clock,
+                        metrics=Metrics().node("job", "rank0"), name_of=lambda r: f"rank{r}",
                         **options)
     return driver, node
 
@@ -274,7 +275,7 @@ def test_a_long_wait_counts_as_it_passes_and_is_logged_once_with_what_it_waits_f
 
 
 def future_clock_rejections(driver: NodeDriver) -> float | None:
-    return driver.metrics.registry.get_sample_value(
+    return driver.metrics.metrics.registry.get_sample_value(
         "peertrain_stream_rejections_total", {"src": "rank1", "dst": "rank0", "reason": "future_clock"})
 
 
@@ -304,7 +305,8 @@ def test_a_synchronous_dsgd_node_keeps_no_copy_of_a_far_future_round():
                           AlgorithmSpec(name="dsgd", mode="sync"), self_weight=0.5)
     dsgd = build_algorithm(nn.Linear(3, 2), context)
     clock = Clock()
-    driver = NodeDriver(ScriptedNode(dsgd, clock), job="job", name="rank0", clock=clock, metrics=Metrics(),
+    driver = NodeDriver(ScriptedNode(dsgd, clock), job="job", name="rank0", clock=clock,
+                        metrics=Metrics().node("job", "rank0"),
                         name_of=lambda rank: f"rank{rank}")
     copy = dsgd.params.views(torch.ones_like(dsgd.w))
     for round_ in [*range(1000), 2**62]:  # one neighbour's copies of 1001 rounds, forged or early
@@ -359,7 +361,8 @@ def test_a_restarted_collective_node_asks_for_the_groups_state_before_its_first_
     context = NodeContext(0, 2, (), AlgorithmSpec(name="allreduce", lr=0.1))
     allreduce = build_algorithm(nn.Linear(3, 2), context)
     clock = Clock()
-    driver = NodeDriver(ScriptedNode(allreduce, clock), job="job", name="rank0", clock=clock, metrics=Metrics(),
+    driver = NodeDriver(ScriptedNode(allreduce, clock), job="job", name="rank0", clock=clock,
+                        metrics=Metrics().node("job", "rank0"),
                         name_of=lambda rank: f"rank{rank}")
     driver.rejoin()
     decision = driver.next()

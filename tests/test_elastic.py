@@ -239,7 +239,7 @@ def test_a_joining_node_pulls_its_neighbours_and_gives_up_on_one_that_does_not_a
     assert isinstance(served, PairwiseGossip)
     served.clock, served.gossip_clock = 30, 30.0  # gossip serves its (mixed) gossip clock
     served.republish()
-    driver = NodeDriver(nodes[2], job="e", name="rank2", clock=time.monotonic, metrics=Metrics(),
+    driver = NodeDriver(nodes[2], job="e", name="rank2", clock=time.monotonic, metrics=Metrics().node("e", "rank2"),
                         name_of=lambda rank: f"rank{rank}")
     driver.join(at_step=50)
     decision = driver.next()

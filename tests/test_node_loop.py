@@ -78,7 +78,8 @@ def run_loops(spec, network: LoopbackNetwork, metrics: Metrics) -> tuple[list[No
     pool = futures.ThreadPoolExecutor(max_workers=4 * len(network.nodes))
     for node in network.nodes:
         rank = node.rank
-        driver = NodeDriver(node, job="loop", name=f"rank{rank}", clock=time.perf_counter, metrics=metrics,
+        driver = NodeDriver(node, job="loop", name=f"rank{rank}", clock=time.perf_counter,
+                            metrics=metrics.node("loop", f"rank{rank}"),
                             name_of=lambda peer: f"rank{peer}")
         published: list[Report] = []
         inbox = network.inboxes[rank]

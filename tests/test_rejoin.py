@@ -80,7 +80,8 @@ class Cluster:
 
     def start(self, rank: int, rejoin: bool = False) -> None:
         node = self.network.nodes[rank]
-        driver = NodeDriver(node, job="rejoin", name=f"rank{rank}", clock=time.perf_counter, metrics=Metrics(),
+        driver = NodeDriver(node, job="rejoin", name=f"rank{rank}", clock=time.perf_counter,
+                            metrics=Metrics().node("rejoin", f"rank{rank}"),
                             name_of=lambda peer: f"rank{peer}")
         if rejoin:
             driver.rejoin()

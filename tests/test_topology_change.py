@@ -210,7 +210,7 @@ def test_a_node_that_learns_of_a_change_past_its_step_switches_at_once_and_says_
     algorithm = build_algorithm(linear_model(), NodeContext(0, NODES, plan.neighbors, spec.algorithm,
                                                             plan.self_weight))
     driver = NodeDriver(Node(spec, 0, algorithm, Batches(0), None, SAMPLES), job="late", name="rank0",
-                        clock=lambda: 0.0, metrics=Metrics(), name_of=lambda rank: f"rank{rank}")
+                        clock=lambda: 0.0, metrics=Metrics().node("late", "rank0"), name_of=lambda rank: f"rank{rank}")
     for _ in range(12):
         driver.next()
         driver.step()
@@ -232,7 +232,7 @@ def test_messages_of_a_neighbour_to_come_wait_for_the_switch_and_a_former_neighb
     algorithm = build_algorithm(linear_model(), NodeContext(0, NODES, plan.neighbors, spec.algorithm,
                                                             plan.self_weight))
     driver = NodeDriver(Node(spec, 0, algorithm, Batches(0), None, SAMPLES), job="held", name="rank0",
-                        clock=lambda: 0.0, metrics=metrics, name_of=lambda rank: f"rank{rank}")
+                        clock=lambda: 0.0, metrics=metrics.node("held", "rank0"), name_of=lambda rank: f"rank{rank}")
     changed = with_topology(spec, TopologySpec(kind="multiplex-ring"))
     new = plan_node(changed, validate_topology_change(spec, changed.topology), 0)
     driver.change_topology(TopologyChange(5, new.neighbors, new.self_weight, new.peer_schedule, "ring -> x"))

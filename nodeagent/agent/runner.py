@@ -184,8 +184,8 @@ class JobRunner(threading.Thread):
         # the job is stale (unless this rank ran here already: a restart).
         resumed = (not self.joined_at or self.rejoin) and restore_checkpoint(checkpoint, algorithm)
         driver = self.driver = NodeDriver(node, job=self.job_id, name=agent.node_id, clock=time.perf_counter,
-                                          metrics=agent.metrics, name_of=self.name_of,
-                                          report_every_s=REPORT_INTERVAL_S)
+                                          metrics=agent.metrics.node(self.job_id, agent.node_id),
+                                          name_of=self.name_of, report_every_s=REPORT_INTERVAL_S)
         if resumed:
             agent.event(self.job_id, events.RESUMED, f"rank {self.rank} resumed at step {algorithm.clock} from its "
                         f"checkpoint {checkpoint}", step=algorithm.clock)

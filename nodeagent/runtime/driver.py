@@ -67,9 +67,9 @@ import math
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from nodeagent.algorithms.base import ALLREDUCE_RANK, IN_FLIGHT, Family, Loss, Neighbor, Route, Send
-from nodeagent.metrics import Metrics
 from nodeagent.ps.messages import SERVER_NAME, SERVER_RANK, ServerAnswer
 from nodeagent.runtime.progress import EdgeCounters, Progress, Traffic
 from nodeagent.training.job import Node
@@ -208,8 +208,20 @@ class Decision:
     reports: tuple[Report, ...] = ()
 
 
+class NodeMetrics(Protocol):
+    """What a driver reports for its node's metrics, as they happen: an executor passes its own series
+    (nodeagent.metrics.NodeSeries, Prometheus), so that the driver holds no metrics library."""
+
+    def stepped(self, seconds: float) -> None: ...
+    def waited(self, seconds: float) -> None: ...
+    def trained(self, loss: float) -> None: ...
+    def evaluated(self, accuracy: float, loss: float, perplexity: float) -> None: ...
+    def exchange_failed(self, peer: str, reason: str) -> None: ...
+    def stream_rejected(self, sender: str, reason: str) -> None: ...
+
+
 class NodeDriver:
-    def __init__(self, node: Node, *, job: str, name: str, clock: Callable[[], float], metrics: Metrics,
+    def __init__(self, node: Node, *, job: str, name: str, clock: Callable[[], float], metrics: NodeMetrics,
                  name_of: Callable[[int], str], report_every_s: float | None = None):
         """`name` labels this node in metrics and progress, `name_of(rank)` its peers; `report_every_s` adds a
         progress report between evaluations at most that often (None: only at evaluations)."""
@@ -265,13 +277,6 @@ class NodeDriver:
         self._sequence = itertools.count()
         self._calls = itertools.count()
         self._incarnation = uuid.uuid4().hex[:12]  # call ids stay unique across restarts of the node
-        # This node's series, looked up once: a label lookup per step costs the simulator a few percent.
-        labels = (job, name)
-        self._step_seconds = metrics.step_seconds.labels(*labels)
-        self._local_steps = metrics.local_steps.labels(*labels)
-        self._training_loss = metrics.training_loss.labels(*labels)
-        self._wait_seconds = metrics.wait_seconds.labels(*labels)
-        self._labels = labels
 
     # -- what the executor tells the driver ------------------------------------------------------------------------
 
@@ -455,11 +460,11 @@ class NodeDriver:
             held = [index for index, kept in enumerate(self._held) if kept.sender == sender]
             if len(held) >= HELD_PER_PEER:
                 del self._held[held[0]]
-                self.metrics.stream_rejections.labels(self.peer_name(sender), self.name, Reason.HELD_OVERFLOW).inc()
+                self.metrics.stream_rejected(self.peer_name(sender), Reason.HELD_OVERFLOW)
             self._held.append(message)
             return False
         if sender in self._former and message.clock >= self._switched_at:
-            self.metrics.stream_rejections.labels(self.peer_name(sender), self.name, Reason.FORMER_NEIGHBOR).inc()
+            self.metrics.stream_rejected(self.peer_name(sender), Reason.FORMER_NEIGHBOR)
             return False
         return True
 
@@ -543,8 +548,7 @@ class NodeDriver:
         self._idle_since = self._step_began + duration_s
         self._evaluating_s = self._waited_in_gap = 0.0
         self._wait_logged = False
-        self._step_seconds.observe(duration_s)
-        self._local_steps.inc()
+        self.metrics.stepped(duration_s)
         return self._transmissions(self.algorithm.sends(), duration_s)
 
     # -- the rules -------------------------------------------------------------------------------------------------
@@ -554,7 +558,7 @@ class NodeDriver:
         for send in sends:
             if send.route in (Route.EXCHANGE, Route.PULL):
                 if send.peer in self._in_flight:
-                    self.metrics.exchange_failures.labels(self.job, self.name, self.name_of(send.peer), IN_FLIGHT).inc()
+                    self.metrics.exchange_failed(self.name_of(send.peer), IN_FLIGHT)
                     self._edge(send.peer).failure(IN_FLIGHT, None)
                     self._arrived.append(Failure(Transmission(send), IN_FLIGHT))
                     continue
@@ -572,7 +576,7 @@ class NodeDriver:
         window = self.algorithm.rounds_ahead()
         if window is None or message.clock <= self.algorithm.clock + window:
             return False
-        self.metrics.stream_rejections.labels(self.peer_name(message.sender), self.name, Reason.FUTURE_CLOCK).inc()
+        self.metrics.stream_rejected(self.peer_name(message.sender), Reason.FUTURE_CLOCK)
         return True
 
     def _count_wait(self, now: float) -> None:
@@ -582,7 +586,7 @@ class NodeDriver:
         waited = max(0.0, now - self._idle_since - self._evaluating_s)
         if waited > self._waited_in_gap:
             self.wait_s += waited - self._waited_in_gap
-            self._wait_seconds.inc(waited - self._waited_in_gap)
+            self.metrics.waited(waited - self._waited_in_gap)
             self._waited_in_gap = waited
 
     def _ready(self, now: float) -> None:
@@ -599,11 +603,7 @@ class NodeDriver:
         self._evaluating_s += self.clock() - began
         self._evaluated_at = self.algorithm.clock
         self.accuracy, self.test_loss, self.perplexity = result.accuracy, result.loss, result.perplexity
-        # Only the figures of the job's task have series (a language model has no accuracy).
-        for gauge, value in ((self.metrics.test_accuracy, result.accuracy), (self.metrics.test_loss, result.loss),
-                             (self.metrics.test_perplexity, result.perplexity)):
-            if not math.isnan(value):
-                gauge.labels(*self._labels).set(value)
+        self.metrics.evaluated(result.accuracy, result.loss, result.perplexity)
         return self._report(evaluated=True)
 
     @property
@@ -615,7 +615,7 @@ class NodeDriver:
         self._reported = self.clock()
         self._reported_counters = self._counters()
         progress = self.progress()
-        self._training_loss.set(progress.loss)
+        self.metrics.trained(progress.loss)
         return Report(progress, evaluated)
 
     def _counters(self) -> tuple[tuple[int, int], int, int]:
@@ -625,7 +625,7 @@ class NodeDriver:
         self.failures += 1
         self._failures_with[peer] = self._failures_with.get(peer, 0) + 1
         self._edge(peer).failure(reason, self.clock())
-        self.metrics.exchange_failures.labels(self.job, self.name, self.peer_name(peer), reason).inc()
+        self.metrics.exchange_failed(self.peer_name(peer), reason)
 
     def _edge(self, peer: int) -> EdgeLog:
         edge = self._edges.get(peer)

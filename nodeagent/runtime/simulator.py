@@ -176,7 +176,8 @@ class VirtualMesh:
             self.nodes = [
                 SimNode(
                     node=n, name=self.name_of(n.rank), visible=n.algorithm.snapshot(),
-                    driver=NodeDriver(n, job=job, name=self.name_of(n.rank), clock=self.clock, metrics=metrics,
+                    driver=NodeDriver(n, job=job, name=self.name_of(n.rank), clock=self.clock,
+                                      metrics=metrics.node(job, self.name_of(n.rank)),
                                       name_of=self.name_of),
                     step_time_s=max(simulation.step_time_s / speeds[n.rank] * n.spec.slowdown.get(n.rank, 1.0),
                                     n.spec.min_step_s),
