@@ -39,7 +39,7 @@ from nodeagent.rpc import GRPC_OPTIONS, MAX_FIELD_CHARS, SERVER_OPTIONS, Backoff
 from nodeagent.runtime.limits import PEER_SERVER_THREADS
 from nodeagent.runtime.peer_service import PEER_RULES, PeerServicer, ServingState, add_peer_servicer, serve_promptly
 from nodeagent.security.authz import Authorizer
-from nodeagent.security.pki import Identity
+from nodeagent.security.pki import Identity, Role
 from nodeagent.security.tls import INSECURE_WARNING, TlsDir, TlsError, Transport
 from nodeagent.training.device import describe_device
 
@@ -48,7 +48,10 @@ log = logging.getLogger("nodeagent")
 EVENTS_EVERY_S = 1.0  # how often queued events go to the coordinator
 
 # Answers to Register that trying again will not change.
-REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS)
+# Answers that say the same again would be refused again: no retry. PERMISSION_DENIED and UNAUTHENTICATED come from
+# the coordinator's authorizer (a certificate of another role, a revoked one), never from a network fault.
+REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.PERMISSION_DENIED,
+            grpc.StatusCode.UNAUTHENTICATED)
 
 
 class RegistrationRefused(Exception):
@@ -195,6 +198,12 @@ class Agent:
             self.transport = Transport(tls_dir)
         except TlsError as error:
             raise RegistrationRefused(str(error)) from None
+        holder = self.transport.credentials().identity
+        if holder.role != Role.NODE:  # e.g. an operator's directory: the coordinator would refuse every call
+            raise RegistrationRefused(
+                f"{tls_dir.path} holds the certificate of {holder} (role {holder.role}); an agent needs a node "
+                "certificate: give it its own directory (--tls-dir, env PEERTRAIN_AGENT_TLS_DIR), not the operator "
+                "CLI's (PEERTRAIN_TLS_DIR)")
         return True
 
     def is_revoked(self, identity: Identity) -> bool:
