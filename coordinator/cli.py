@@ -44,12 +44,14 @@ from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc
 from nodeagent.defaults import (
     COORDINATOR_ADDRESS,
+    COORDINATOR_HEALTH_PORT,
     COORDINATOR_METRICS_PORT,
     COORDINATOR_PORT,
     ENROLL_PORT,
     HEARTBEAT_TIMEOUT_S,
     KEEP_RUNS,
 )
+from nodeagent.health import HealthServer
 from nodeagent.jobspec import (
     DEFAULT_DATA_DIR,
     JobFile,
@@ -146,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--metrics-listen", default=f"0.0.0.0:{COORDINATOR_METRICS_PORT}",
         help="Prometheus /metrics address (default %(default)s)",
+    )
+    serve.add_argument(
+        "--health-listen", default="",
+        help="serve the standard gRPC health service (grpc.health.v1, plaintext: for Kubernetes gRPC probes) on "
+        f"HOST:PORT, SERVING once the coordinator serves; the shipped deployments use port {COORDINATOR_HEALTH_PORT} "
+        "(default: off)",
     )
     serve.add_argument(
         "--state-dir", type=Path, default=DEFAULT_STATE_DIR,
@@ -560,6 +568,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             enroll_bound = bind_grpc_server(enrollment, args.enroll_listen,
                                             grpc.ssl_server_credentials([(private_key_pem(ca.key), ca.cert_pem)]))
             enroll_address = f"{split_address(args.enroll_listen)[0]}:{enroll_bound}"
+        health = HealthServer(args.health_listen) if args.health_listen else None
+        health_address = f"{split_address(args.health_listen)[0]}:{health.port}" if health else ""
         metrics_host, metrics_port = split_address(args.metrics_listen)
         metrics_bound = metrics.serve_http(metrics_host, metrics_port)
         metrics.insecure_mode.set(int(args.insecure))
@@ -567,6 +577,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.start()
         if enrollment is not None:
             enrollment.start()
+        if health is not None:
+            health.ready()
         logging.info("serving on %s:%d, metrics on %s:%d, state in %s", host, bound, metrics_host, metrics_bound,
                      args.state_dir)
         if ca is None:
@@ -577,13 +589,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.ready_file:
             tmp = args.ready_file.with_suffix(".tmp")
             tmp.write_text(json.dumps({"listen": f"{host}:{bound}", "metrics": f"{metrics_host}:{metrics_bound}",
-                                       "enroll": enroll_address}))
+                                       "enroll": enroll_address, "health": health_address}))
             os.replace(tmp, args.ready_file)
         stop = threading.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: stop.set())
         stop.wait()
         logging.info("shutting down")
+        if health is not None:
+            health.stop()
         if enrollment is not None:
             enrollment.stop(grace=1)
         # Calls in flight (an agent leaving) finish before the store closes under them.

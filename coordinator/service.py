@@ -191,6 +191,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                  transport: Transport | None = None):
         self.config = config
         self.metrics = metrics
+        self._running_shown: set[str] = set()  # the jobs peertrain_coordinator_job_running shows
         self.ca = ca
         self.transport = transport or Transport.insecure()
         self._watches: dict[str, int] = {}
@@ -277,6 +278,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.metrics.coordinator_nodes.labels("down").set(len(nodes) - up)
         for state in JOB_STATES:
             self.metrics.coordinator_jobs.labels(state.lower()).set(len(self.store.jobs((state,))))
+        running = {job.job_id for job in self.store.jobs((JobState.RUNNING,))}
+        for job_id in self._running_shown - running:
+            self.metrics.coordinator_job_running.remove(job_id)
+        for job_id in running:
+            self.metrics.coordinator_job_running.labels(job_id).set(1)
+        self._running_shown = running
 
     # -- the rules' effects ---------------------------------------------------------------------------------------
 

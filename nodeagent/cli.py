@@ -16,7 +16,15 @@ import torch
 from nodeagent import __version__
 from nodeagent.agent import Agent, AgentConfig
 from nodeagent.agent.daemon import RegistrationRefused
-from nodeagent.defaults import AGENT_METRICS_PORT, AGENT_PORT, COORDINATOR_ADDRESS, ENROLL_PORT, KEEP_CHECKPOINTS
+from nodeagent.defaults import (
+    AGENT_HEALTH_PORT,
+    AGENT_LANE_PORT,
+    AGENT_METRICS_PORT,
+    AGENT_PORT,
+    COORDINATOR_ADDRESS,
+    ENROLL_PORT,
+    KEEP_CHECKPOINTS,
+)
 from nodeagent.listen import ListenError
 from nodeagent.rpc import field_problem
 from nodeagent.statedir import StateDirError, hold_state_dir
@@ -45,7 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="peer service address HOST:PORT; port 0 picks one (default %(default)s)")
     serve.add_argument(
         "--lane-port", type=int, default=0,
-        help="TCP port of the tensor lanes that carry exchange payloads beside gRPC (default 0: any free port)",
+        help="TCP port of the tensor lanes that carry exchange payloads beside gRPC; fix it where a firewall sits "
+        f"between agents (the shipped deployments use {AGENT_LANE_PORT}; default 0: any free port)",
+    )
+    serve.add_argument(
+        "--health-listen", default="",
+        help="serve the standard gRPC health service (grpc.health.v1, plaintext: for Kubernetes gRPC probes) on "
+        f"HOST:PORT, SERVING once registered; the shipped deployments use port {AGENT_HEALTH_PORT} (default: off)",
     )
     serve.add_argument("--advertise", help="address neighbours dial (default: the listen address, or the hostname)")
     serve.add_argument(
@@ -78,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--tls-dir", type=Path,
-        help="this node's credentials: ca.crt, tls.crt, tls.key (env PEERTRAIN_TLS_DIR; default STATE_DIR/tls); "
+        help="this node's credentials: ca.crt, tls.crt, tls.key (env PEERTRAIN_AGENT_TLS_DIR; default STATE_DIR/tls; "
+        "PEERTRAIN_TLS_DIR is the operator CLI's and is not read here); "
         "written by enrollment, or by `coordinator cert issue --node NAME`",
     )
     serve.add_argument(
@@ -115,6 +130,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def agent_tls_dir(args: argparse.Namespace) -> Path:
+    """The agent's own credentials: --tls-dir, PEERTRAIN_AGENT_TLS_DIR, or STATE_DIR/tls. PEERTRAIN_TLS_DIR names the
+    operator CLI's certificate (`coordinator`): an agent started from an operator's shell must not take it."""
+    tls_dir = args.tls_dir or os.environ.get("PEERTRAIN_AGENT_TLS_DIR") or args.state_dir / "tls"
+    if os.environ.get("PEERTRAIN_TLS_DIR") and not (args.tls_dir or os.environ.get("PEERTRAIN_AGENT_TLS_DIR")):
+        logging.getLogger("nodeagent").warning(
+            "PEERTRAIN_TLS_DIR is the operator CLI's certificate and nodeagent no longer reads it; "
+            "this agent uses %s (set PEERTRAIN_AGENT_TLS_DIR or --tls-dir for another)", tls_dir)
+    return Path(tls_dir)
+
+
 def serve(args: argparse.Namespace) -> int:
     if args.slowdown < 1:
         raise SystemExit("nodeagent: --slowdown must be >= 1")
@@ -141,8 +167,8 @@ def serve(args: argparse.Namespace) -> int:
             coordinator=args.coordinator, listen=args.listen, advertise=args.advertise,
             metrics_listen=args.metrics_listen or None, state_dir=args.state_dir, data_dir=args.data_dir,
             device=str(device), name=args.name, slowdown=args.slowdown, lane_port=args.lane_port,
-            tls_dir=None if args.insecure else args.tls_dir or Path(os.environ.get("PEERTRAIN_TLS_DIR") or
-                                                                    args.state_dir / "tls"),
+            health_listen=args.health_listen or None,
+            tls_dir=None if args.insecure else agent_tls_dir(args),
             join_token=args.join_token, ca_fingerprint=args.ca_fingerprint, enroll_address=args.enroll_address or "",
             allow_imports=tuple(args.allow_import), keep_checkpoints=args.keep_checkpoints,
         )

@@ -4,7 +4,10 @@ defaults share, in one place (the deploy files and docs/operations.md write the 
 COORDINATOR_PORT = 7070  # the coordinator's gRPC service, for agents and operators
 ENROLL_PORT = 7071  # the coordinator's enrollment service: a join token for a node certificate
 COORDINATOR_METRICS_PORT = 9400
+COORDINATOR_HEALTH_PORT = 7072  # the coordinator's gRPC health service, plaintext, for probes (--health-listen)
 AGENT_PORT = 7100  # an agent's peer service
+AGENT_LANE_PORT = 7200  # an agent's tensor lanes in the shipped deployments (--lane-port; the flag's default is any)
+AGENT_HEALTH_PORT = 7300  # an agent's gRPC health service, plaintext, for probes (--health-listen)
 AGENT_METRICS_PORT = 9401
 COORDINATOR_ADDRESS = f"127.0.0.1:{COORDINATOR_PORT}"  # where an agent or a command looks when told nothing
 

@@ -163,6 +163,9 @@ class Metrics:
             registry=r,
         )
         self.coordinator_jobs = Gauge("peertrain_coordinator_jobs", "Jobs by state", ["state"], registry=r)
+        # One series per running job (gone once it ends), so that an alert can ask about each job by itself.
+        self.coordinator_job_running = Gauge("peertrain_coordinator_job_running", "1 for each running job",
+                                             ["job_id"], registry=r)
         self.coordinator_heartbeats = Counter(
             "peertrain_coordinator_heartbeats", "Heartbeats received from node agents", registry=r
         )

@@ -869,10 +869,11 @@ def test_dashboard_queries_use_defined_metrics() -> None:
     # What the dashboard is for: every agent metric shows up somewhere.
     families = {re.sub(r"_(bucket|sum|count)$", "", name) for name in used}
     wanted = {re.sub(r"_(bucket|sum|count)$", "", name) for name in metrics}
-    # The coordinator's own counters of heartbeats and of refused (impossible) reports are for alerts and
-    # debugging, not panels.
+    # The coordinator's own counters of heartbeats and of refused (impossible) reports, and its series per running
+    # job, are for alerts and debugging, not panels.
     missing = wanted - families - {"peertrain_coordinator_heartbeats_total",
-                                   "peertrain_coordinator_refused_reports_total"}
+                                   "peertrain_coordinator_refused_reports_total",
+                                   "peertrain_coordinator_job_running"}
     assert not missing, f"metrics without a panel: {sorted(missing)}"
 
 
@@ -1248,7 +1249,8 @@ def test_dockerfile(dockerfile: str) -> None:
     assert users and users[-1] not in {"root", "0"}
     assert dockerfile_entrypoint(path)[0] in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     exposed = {int(p) for keyword, rest in instructions if keyword == "EXPOSE" for p in rest.split()}
-    assert exposed == {7070, 7071, 7100, 9400, 9401}
+    # The daemons' ports (nodeagent/defaults.py): gRPC, enrollment, health, peers, lanes, metrics.
+    assert exposed == {7070, 7071, 7072, 7100, 7200, 7300, 9400, 9401}
 
     ignore = (path.parent / f"{dockerfile}.dockerignore").read_text().split()
     assert ".venv" in ignore and ".git" in ignore
@@ -1558,6 +1560,9 @@ def test_k8s_manifests() -> None:
             "Service",
             "Service",
             "StatefulSet",
+            "PodDisruptionBudget",
+            "NetworkPolicy",
+            "NetworkPolicy",
         ]
     )
     for doc in documents:
@@ -1829,3 +1834,130 @@ def test_operations_guide_runs_the_gpu_files_that_ship() -> None:
     missing = sorted(path for path in named if not (ROOT / path).exists())
     assert not missing, f"the guide names files that do not ship: {missing}"
     assert "nvidia.com/gpu" in section, "the device plugin's resource name"
+
+
+# --- Kubernetes that holds: schema, probes, lane ports, network policies, disruption budget
+
+# The oldest Kubernetes the manifests support (native gRPC probes are stable since 1.27), and the newest schema the
+# validator knows.
+K8S_VERSIONS = ("1.27.0", None)
+
+
+def k8s_schema_errors(document: dict[str, Any]) -> list[str]:
+    """What the Kubernetes OpenAPI schema of each supported version refuses in a document (strict: unknown fields
+    too); empty when it is valid."""
+    import kubernetes_validate
+
+    errors = []
+    for version in K8S_VERSIONS:
+        try:
+            kubernetes_validate.validate(document, version or kubernetes_validate.latest_version(), strict=True)
+        except kubernetes_validate.ValidationError as error:
+            errors.append(f"{document['kind']} {document['metadata']['name']} ({version or 'latest'}): "
+                          f"{error.message} at {'.'.join(map(str, error.path))}")
+    return errors
+
+
+def test_k8s_manifests_validate_against_the_kubernetes_schema() -> None:
+    errors = [error for doc in [*k8s_documents(), *k8s_cuda_documents()] for error in k8s_schema_errors(doc)]
+    assert not errors, "\n".join(errors)
+    # The check can fail: a grpc probe names its port by number only, and a misspelt field is refused.
+    statefulset = json.loads(json.dumps(next(doc for doc in k8s_documents() if doc["kind"] == "StatefulSet")))
+    [container] = statefulset["spec"]["template"]["spec"]["containers"]
+    container["readinessProbe"]["grpc"]["port"] = "health"
+    container["livenessProbe"]["periodSecond"] = 5
+    assert len(k8s_schema_errors(statefulset)) == len(K8S_VERSIONS)
+
+
+def k8s_workloads() -> dict[str, tuple[dict[str, Any], dict[str, Any], argparse.Namespace]]:
+    """Workload name -> (workload, its container, its parsed command line)."""
+    documents = k8s_documents()
+    workloads = {}
+    for workload in (doc for doc in documents if doc["kind"] in {"Deployment", "StatefulSet"}):
+        name = workload["metadata"]["name"]
+        [container] = workload["spec"]["template"]["spec"]["containers"]
+        pod_name = f"{name}-0" if workload["kind"] == "StatefulSet" else name
+        args = parse_cli(*k8s_command(container, k8s_env(container, documents, pod_name)), f"k8s {name}")
+        workloads[name] = (workload, container, args)
+    return workloads
+
+
+def test_k8s_readiness_asks_each_daemons_grpc_health_service() -> None:
+    """Both daemons serve grpc.health.v1 on a port of their own (--health-listen) and the kubelet asks it natively
+    (`grpc:`, SERVING once ready: tests/test_health.py); no TCP probe is left."""
+    from nodeagent.defaults import AGENT_HEALTH_PORT, COORDINATOR_HEALTH_PORT
+
+    expected = {"peertrain-coordinator": COORDINATOR_HEALTH_PORT, "peertrain-agent": AGENT_HEALTH_PORT}
+    workloads = k8s_workloads()
+    assert set(workloads) == set(expected)
+    for name, (_workload, container, args) in workloads.items():
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert args.health_listen, f"{name} serves no health service"
+        assert port_of(args.health_listen) == ports["health"] == expected[name]
+        assert container["readinessProbe"]["grpc"] == {"port": ports["health"]}, name
+        assert not any("tcpSocket" in container.get(probe, {}) for probe in
+                       ("readinessProbe", "livenessProbe", "startupProbe")), f"{name} keeps a TCP probe"
+
+
+def test_every_shipped_agent_uses_the_fixed_lane_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A firewall or a NetworkPolicy can open the lanes only when their port is known: every shipped agent (compose,
+    its CUDA variant, Kubernetes, the systemd unit with and without its env file) sets --lane-port to 7200."""
+    from nodeagent.defaults import AGENT_LANE_PORT
+
+    lane_ports: dict[str, int] = {}
+    cuda = load_yaml(COMPOSE_CUDA_FILE)["services"]
+    for name, service in [*peertrain_services(compose()).items(), *((f"cuda {n}", s) for n, s in cuda.items())]:
+        if "command" in service and service["command"][0] == "serve" and "--coordinator=coordinator:7070" in \
+                service["command"]:
+            lane_ports[f"compose {name}"] = parse_cli("nodeagent", service["command"], name).lane_port
+    _workload, _container, agent = k8s_workloads()["peertrain-agent"]
+    lane_ports["k8s"] = agent.lane_port
+    entries = read_unit(SYSTEMD / "peertrain-agent.service")
+    env = unit_environment(entries)
+    for label, environment in (("defaults", env), ("env file", env | read_env_file(SYSTEMD / "agent.env.example"))):
+        argv = expand_exec(unit_value(entries, "ExecStart"), environment)
+        lane_ports[f"systemd {label}"] = parse_cli("nodeagent", argv[1:], "peertrain-agent.service").lane_port
+    assert len(lane_ports) == 8 + 1 + 2, sorted(lane_ports)
+    assert lane_ports == dict.fromkeys(lane_ports, AGENT_LANE_PORT)
+
+
+def policy_admits(policy: dict[str, Any]) -> dict[int, list[dict[str, Any]]]:
+    """Port -> the `from` peers an ingress NetworkPolicy admits on it ([] : from anywhere)."""
+    admitted: dict[int, list[dict[str, Any]]] = {}
+    for rule in policy["spec"]["ingress"]:
+        for port in rule["ports"]:
+            assert port.get("protocol", "TCP") == "TCP"
+            admitted.setdefault(port["port"], []).extend(rule.get("from", []))
+    return admitted
+
+
+def test_k8s_network_policies_admit_only_the_ports_each_role_serves() -> None:
+    """Each daemon's pods are selected by one ingress policy that admits exactly the ports its container serves;
+    the lanes and enrollment only from the agents, the peer port from the agents and the coordinator."""
+    documents = k8s_documents()
+    policies = [doc for doc in documents if doc["kind"] == "NetworkPolicy"]
+    agent_pods = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "peertrain",
+                                                  "app.kubernetes.io/component": "agent"}}}
+    coordinator_pods = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "peertrain",
+                                                        "app.kubernetes.io/component": "coordinator"}}}
+    admits = {}
+    for name, (workload, container, _args) in k8s_workloads().items():
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        [policy] = [p for p in policies if p["spec"]["podSelector"]["matchLabels"].items() <= labels.items()]
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        admits[name] = policy_admits(policy)
+        served = {p["containerPort"] for p in container["ports"]}
+        assert set(admits[name]) == served, f"{name}: admits {sorted(admits[name])}, serves {sorted(served)}"
+    coordinator, agent = admits["peertrain-coordinator"], admits["peertrain-agent"]
+    assert coordinator[7071] == [agent_pods], "enrollment: the agents only"
+    assert agent[7200] == [agent_pods], "the tensor lanes: the other agents only"
+    assert agent[7100] == [agent_pods, coordinator_pods]
+    assert coordinator[7070] == [{"podSelector": {}}], "the control plane: pods of the namespace"
+
+
+def test_k8s_a_drain_takes_one_agent_at_a_time() -> None:
+    documents = k8s_documents()
+    [budget] = [doc for doc in documents if doc["kind"] == "PodDisruptionBudget"]
+    statefulset = next(doc for doc in documents if doc["kind"] == "StatefulSet")
+    assert budget["spec"]["selector"] == statefulset["spec"]["selector"]
+    assert budget["spec"]["maxUnavailable"] == 1

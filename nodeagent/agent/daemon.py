@@ -33,12 +33,13 @@ from nodeagent.defaults import (
     HEARTBEAT_INTERVAL_S,
     KEEP_CHECKPOINTS,
 )
+from nodeagent.health import HealthServer
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import GRPC_OPTIONS, MAX_FIELD_CHARS, SERVER_OPTIONS, Backoff, failure_reason, split_address
 from nodeagent.runtime.limits import PEER_SERVER_THREADS
 from nodeagent.runtime.peer_service import PEER_RULES, PeerServicer, ServingState, add_peer_servicer, serve_promptly
 from nodeagent.security.authz import Authorizer
-from nodeagent.security.pki import Identity
+from nodeagent.security.pki import Identity, Role
 from nodeagent.security.tls import INSECURE_WARNING, TlsDir, TlsError, Transport
 from nodeagent.training.device import describe_device
 
@@ -47,7 +48,10 @@ log = logging.getLogger("nodeagent")
 EVENTS_EVERY_S = 1.0  # how often queued events go to the coordinator
 
 # Answers to Register that trying again will not change.
-REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS)
+# Answers that say the same again would be refused again: no retry. PERMISSION_DENIED and UNAUTHENTICATED come from
+# the coordinator's authorizer (a certificate of another role, a revoked one), never from a network fault.
+REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.PERMISSION_DENIED,
+            grpc.StatusCode.UNAUTHENTICATED)
 
 
 class RegistrationRefused(Exception):
@@ -67,6 +71,7 @@ class AgentConfig:
     name: str = field(default_factory=socket.gethostname)
     slowdown: float = 1.0
     lane_port: int = 0  # TCP port of the tensor lanes beside the peer service (0: any free port)
+    health_listen: str | None = None  # the plaintext gRPC health service for probes (nodeagent.health); None: none
     tls_dir: Path | None = None  # this node's credentials (ca.crt, tls.crt, tls.key); None: insecure
     join_token: str = ""  # enroll with it when tls_dir holds no credentials yet
     ca_fingerprint: str = ""
@@ -87,6 +92,8 @@ class Agent:
         self._runner_lock = threading.Lock()
         self._swept = False  # checkpoint retention applied since this process started
         self._server: grpc.Server | None = None
+        self._health: HealthServer | None = None
+        self.health_address = ""
         self._servicer: PeerServicer | None = None
         self._channel: grpc.Channel | None = None
         self._stub: coordinator_pb2_grpc.CoordinatorStub | None = None
@@ -115,6 +122,9 @@ class Agent:
         Raises ListenError for an address that cannot be had, RegistrationRefused if the coordinator refuses."""
         config = self.config
         config.state_dir.mkdir(parents=True, exist_ok=True)
+        if config.health_listen:  # NOT_SERVING until registered: a probe sees the agent start
+            self._health = HealthServer(config.health_listen)
+            self.health_address = f"{split_address(config.health_listen)[0]}:{self._health.port}"
         id_file = config.state_dir / "node_id"
         self.node_id = id_file.read_text().strip() if id_file.exists() else ""
         interceptors = []
@@ -155,6 +165,8 @@ class Agent:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
+        if self._health is not None:
+            self._health.ready()
         log.info("agent %s serving peers on %s, metrics on %s", self.node_id, self.peer_address, self.metrics_address)
         return True
 
@@ -186,6 +198,12 @@ class Agent:
             self.transport = Transport(tls_dir)
         except TlsError as error:
             raise RegistrationRefused(str(error)) from None
+        holder = self.transport.credentials().identity
+        if holder.role != Role.NODE:  # e.g. an operator's directory: the coordinator would refuse every call
+            raise RegistrationRefused(
+                f"{tls_dir.path} holds the certificate of {holder} (role {holder.role}); an agent needs a node "
+                "certificate: give it its own directory (--tls-dir, env PEERTRAIN_AGENT_TLS_DIR), not the operator "
+                "CLI's (PEERTRAIN_TLS_DIR)")
         return True
 
     def is_revoked(self, identity: Identity) -> bool:
@@ -374,6 +392,8 @@ class Agent:
     def stop(self) -> None:
         """Stop training, leave the cluster, stop serving; idempotent. Checkpoints are already on disk."""
         self.stopping.set()
+        if self._health is not None:  # probes see NOT_SERVING (then nothing) while the agent leaves
+            self._health.stop()
         with self._runner_lock:
             if self._runner is not None:
                 self._runner.stop_event.set()
