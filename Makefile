@@ -3,7 +3,7 @@ SHELL := /bin/bash
 BIN := .venv/bin
 STAMP := .venv/.installed
 PYTEST_ARGS ?=
-# Two pytest-xdist workers; the tests on the shared cluster all go to one of them (tests/conftest.py).
+# Two pytest-xdist workers, each taking whole modules (--dist loadfile): a module's shared fixture is set up once.
 TEST_WORKERS ?= 2
 DEMO_ARGS ?=
 
@@ -24,12 +24,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	deploy/bootstrap.sh data prometheus
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The unit and integration tiers (pyproject's markers): no cluster of agents, a few minutes.
 test-fast: $(STAMP)
 	deploy/bootstrap.sh data
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "unit or integration" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "unit or integration" $(PYTEST_ARGS)
 
 # The CUDA half of the suite (tests marked cuda), on a machine where torch sees a GPU; then the GPU benchmark.
 test-gpu: $(STAMP)

@@ -218,6 +218,7 @@ class Metrics:
             (self.robust_clipped, ["job_id", "src", "dst"]),
             (self.ps_version, ["job_id"]),
             (self.ps_staleness, ["job_id"]),
+            (self.coordinator_job_running, ["job_id"]),
         ]
 
     def observe_edges(self, job_id: str, node: str, edges: Iterable[EdgeCounters], now_unix: float) -> None:

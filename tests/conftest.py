@@ -48,16 +48,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if wrong:
         raise pytest.UsageError("each test module needs exactly one tier, `pytestmark = pytest.mark.<tier>` with "
                                 f"<tier> one of {', '.join(TIERS)}; these have {wrong}")
-    # `make test` runs two pytest-xdist workers (--dist loadgroup). Tests that share a fixture wider than themselves
-    # go to one worker together, so that it is set up once: those on the shared cluster (four_agents, a session
-    # fixture), and those of one module that share a module's fixture (the chaos plan, its 7 jobs). Every other test
-    # goes to whichever worker is free.
-    for item in items:
-        definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-        if "four_agents" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("four_agents"))
-        elif any(d.scope in ("module", "class") for defs in definitions.values() for d in defs):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))
 
 
 @pytest.fixture(params=DEVICES)
