@@ -103,6 +103,21 @@ def coordinator_service(tmp_path: Path) -> Iterator[tuple[CoordinatorService, co
 
 
 @pytest.fixture
+def coordinator_address(tmp_path: Path) -> Iterator[str]:
+    """A coordinator service on loopback (insecure) with a fresh state dir: its address, for a client of its own
+    (the command line, an agent)."""
+    service = CoordinatorService(CoordinatorConfig(state_dir=tmp_path / "coordinator"), Metrics())
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    add_coordinator_servicer(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    service.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(grace=None)
+    service.stop()
+
+
+@pytest.fixture
 def coordinator_stub(coordinator_service) -> coordinator_pb2_grpc.CoordinatorStub:
     return coordinator_service[1]
 

@@ -8,18 +8,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.ps_service import add_coordinator_servicer
-from coordinator.service import CoordinatorConfig, CoordinatorService
 from nodeagent.agent.daemon import Agent, AgentConfig
-from nodeagent.metrics import Metrics
 
 pytestmark = pytest.mark.integration
 
@@ -32,19 +27,6 @@ def health_status(address: str) -> int:
     with grpc.insecure_channel(address) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
     return reply.status
-
-
-@pytest.fixture
-def coordinator_address(tmp_path: Path) -> Iterator[str]:
-    service = CoordinatorService(CoordinatorConfig(state_dir=tmp_path / "coordinator"), Metrics())
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    add_coordinator_servicer(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    service.start()
-    yield f"127.0.0.1:{port}"
-    server.stop(grace=None)
-    service.stop()
 
 
 def test_the_coordinator_serves_health_once_it_serves(tmp_path: Path) -> None:

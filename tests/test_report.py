@@ -7,22 +7,17 @@ import json
 import math
 import shutil
 import struct
-from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 
 import grpc
 import pytest
 
 from coordinator.cli import main
-from coordinator.ps_service import add_coordinator_servicer
 from coordinator.report import accuracy_against_bytes, load_run, time_to_reach, traffic_matrix, write_report
-from coordinator.service import CoordinatorConfig, CoordinatorService
 from coordinator.simulate import reference_spec, simulate
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto.coordinator_pb2_grpc import CoordinatorStub
 from nodeagent.jobspec import parse_job_spec
-from nodeagent.metrics import Metrics
 from nodeagent.runtime.events import EVENTS_FILE, TOPOLOGY, Event, EventLog
 from nodeagent.runtime.progress import LOG_FILE, RunLog, read_run_log
 
@@ -166,20 +161,6 @@ def test_absent_or_unreadable_runs_fail_clearly(runs, tmp_path, capsys):
     (damaged / "job.json").write_text(json.dumps({"name": "x", "nodes": "many"}))
     assert_exit(["report", str(damaged)], "not a job this version reads", capsys)
     assert_exit(["report", str(runs["dsgd"]), "--labels", "a", "b"], "2 labels for 1 runs", capsys)
-
-
-@pytest.fixture
-def coordinator_address(tmp_path) -> Iterator[str]:
-    """A coordinator service on loopback (insecure) with a fresh state dir: its address."""
-    service = CoordinatorService(CoordinatorConfig(state_dir=tmp_path / "coordinator"), Metrics())
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    add_coordinator_servicer(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    service.start()
-    yield f"127.0.0.1:{port}"
-    server.stop(grace=None)
-    service.stop()
 
 
 def test_a_job_is_found_by_name_through_the_coordinator(runs, coordinator_address, tmp_path, capsys, monkeypatch):
