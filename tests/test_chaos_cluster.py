@@ -1,6 +1,6 @@
 """Chaos on real agents (coordinator/chaos.py): a 2 + 2 partition of 4 agents during asynchronous and DiLoCo jobs,
-healed, in a private network; an agent stopped with SIGSTOP during an asynchronous job; and what a partition does to an
-established TCP connection."""
+healed, in a private network; and what a partition does to an established TCP connection. (An agent stopped with
+SIGSTOP during an asynchronous job: test_edges_cluster.py.)"""
 
 from __future__ import annotations
 
@@ -9,15 +9,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from coordinator.chaos import Chaos, Fault
-from coordinator.cluster import LocalCluster
-from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.runtime.progress import Progress, read_run_log
 
 pytestmark = pytest.mark.cluster
@@ -27,20 +23,21 @@ GROUPS = ((0, 1), (2, 3))
 PARTITION = "partition 0,1/2,3 at 2 for 5"
 KILLED_AGENT = 3
 KILL = f"kill {KILLED_AGENT} at 3 for 2"
-# The jobs must outlast the partition (healed 7 s after the start) with room to spare: paced at 200 steps/s
-# (`min_step_s`), 2000 steps last at least 10 s on any machine, and more where the machine is slower. (On 2 cores
-# loaded 13-fold, pdmm-isvr's runs took 18 to 22 s and gossip's, which waits for each fetch, 39 to 44 s for 2000.)
-PACE_S = 0.005
+# The jobs must outlast the partition (healed 7 s after the start) with room to spare: paced at 100 steps/s
+# (`min_step_s`), 1200 steps last at least 12 s on any machine, and more where the machine is slower. A faster pace
+# made the 4 agents CPU-bound on 2 cores (2000 steps at 200 steps/s took some 20 s a job in the suite) and slowed the
+# tests beside them.
+PACE_S = 0.01
 ALGORITHMS = {
-    "pdmm-isvr": ({"name": "pdmm-isvr", "mode": "async", "lr": 0.02, "interval": 4}, 2000),
-    "gossip": ({"name": "gossip", "lr": 0.02}, 1800),
+    "pdmm-isvr": ({"name": "pdmm-isvr", "mode": "async", "lr": 0.02, "interval": 4}, 1200),
+    "gossip": ({"name": "gossip", "lr": 0.02}, 1100),
 }
 # At this size a run's final accuracy varies by a few points between two runs alike (asynchronous), so the test
 # bounds the difference loosely; benchmarks/partition.py measures the issue's 1 point, on longer runs.
 ACCURACY_TOLERANCE = 0.05
-KILLED_STEPS = 2000  # the job an agent is killed in, during the partition
+KILLED_STEPS = 1200  # the job an agent is killed in, during the partition
 DILOCO = {"name": "diloco", "lr": 0.002, "options": {"inner_steps": 100}}
-DILOCO_STEPS = 2000
+DILOCO_STEPS = 1200
 # A bound on the whole plan (the cluster's start and the seven jobs), not a speed. The tests that wait on it (their
 # fixture's setup counts in pytest-timeout's limit) get as long.
 RUNNER_TIMEOUT_S = 900
@@ -183,39 +180,6 @@ def test_a_partitioned_diloco_job_pauses_through_the_cut_and_ends_as_the_whole_o
     # Synchronous and seeded: the cut run ends where the whole one does.
     accuracy = {n["rank"]: n["test_accuracy"] for n in whole["nodes"]}
     assert {n["rank"]: n["test_accuracy"] for n in cut["nodes"]} == accuracy
-
-
-def test_an_agent_stopped_during_an_async_job_holds_up_nobody_and_the_job_finishes(tmp_path, fashion_mnist_dir):
-    # Steps enough for the others to be still stepping 2 s into the stop (their steps are counted from then), paced
-    # at 200 steps/s: at least 15 s on any machine.
-    steps = 3000
-    spec = job("stopped", ALGORITHMS["pdmm-isvr"][0], steps, fashion_mnist_dir)
-    # A long heartbeat timeout: the stopped agent stays in the job at the coordinator (this is about its peers).
-    with LocalCluster(root=tmp_path, agents=4, data_dir=str(fashion_mnist_dir), heartbeat_timeout_s=60.0,
-                      log_level="WARNING") as cluster:
-        job_id = cluster.submit(yaml.safe_dump(spec))
-        deadline = time.monotonic() + 120
-        while not ((status := cluster.status(job_id)).nodes and len(status.nodes) == 4 and
-                   min(n.step for n in status.nodes) >= 200):
-            assert status.state in (pb.JOB_PENDING, pb.JOB_RUNNING) and time.monotonic() < deadline, status
-            time.sleep(0.2)
-        victim = next(n.node_id for n in cluster.nodes() if n.name == "agent-2")
-        with Chaos(cluster, [Fault.parse("stop 2 at 0 for 8")]) as chaos:
-            assert chaos.wait(30)
-        status = cluster.wait(job_id, timeout_s=180)
-    assert status.state == pb.JOB_FINISHED and [n.step for n in status.nodes] == [steps] * 4
-    assert [a.action for a in chaos.record] == ["stop", "cont"] and chaos.errors == []
-    stopped_at, continued_at = chaos.record[0].unix, chaos.record[1].unix
-    steps_at: dict[str, list[int]] = {}
-    # From 2 s in: a report the agent sent just before it stopped may be taken in late by a busy coordinator; until
-    # 0.5 s before the SIGCONT's record: the harness stamps it after the signal, and the agent may step meanwhile.
-    for at in (stopped_at + 2.0, continued_at - 0.5):
-        last = {r.node: r.step for r in read_run_log(status.run_dir) if r.time <= at}
-        for node, step in last.items():
-            steps_at.setdefault(node, []).append(step)
-    assert steps_at[victim][1] == steps_at[victim][0]  # it did nothing while stopped
-    others = [node for node in steps_at if node != victim]
-    assert len(others) == 3 and all(steps_at[n][1] > steps_at[n][0] + 50 for n in others), steps_at
 
 
 PROBE = Path(__file__).with_name("netprobe.py")

@@ -37,9 +37,9 @@ def failures(metrics: Metrics, dst: str, reason: str) -> float:
     )
 
 
-def test_64_nodes_with_a_node_down_for_a_period(fashion_mnist_dir, tmp_path):
+def test_32_nodes_with_a_node_down_for_a_period(fashion_mnist_dir, tmp_path):
     job = spec(
-        fashion_mnist_dir, nodes=64, steps=200, eval_every=100,
+        fashion_mnist_dir, nodes=32, steps=200, eval_every=100,
         data={"split": "class-window"}, topology={"kind": "multiplex-ring"},
         simulation={"step_time_s": 0.01, "faults": [{"node": 5, "down_from": 0.5, "down_until": 1.0}]},
     )
@@ -65,11 +65,11 @@ def test_64_nodes_with_a_node_down_for_a_period(fashion_mnist_dir, tmp_path):
     finish = [sim.driver.compute_s for sim in result.mesh.nodes]
     assert math.isclose(finish[5], finish[0], rel_tol=1e-9)
     records = read_run_log(tmp_path / "run")
-    assert {r.rank for r in records} == set(range(64))
+    assert {r.rank for r in records} == set(range(32))
     final = [r for r in records if r.finished]
-    assert len(final) == 64 and all(r.step == 200 for r in final)
+    assert len(final) == 32 and all(r.step == 200 for r in final)
     assert max(r.time for r in final if r.rank == 5) > max(r.time for r in final if r.rank == 0) + 0.3
-    assert sum(r.test_accuracy for r in final) / 64 > 0.5
+    assert sum(r.test_accuracy for r in final) / 32 > 0.5
 
 
 def test_same_seed_same_result_other_seed_other_timing(fashion_mnist_dir):
