@@ -104,6 +104,7 @@ MAX_WAITING_CHARS = 500
 KNOWN_FAILURE_REASONS = frozenset({code.name.lower() for code in grpc.StatusCode} |
                                   {"rejected", "not_neighbor", "error", IN_FLIGHT})
 OTHER_REASON = "other"
+MAX_MISSING_DATA_CHARS = 2000  # a node's word on the data it does not have
 MAX_READY_WAIT_S = 10.0  # the longest a JobReady answer is held for the release (a long poll)
 # A node's times are its own clock's durations since it started the job, after the coordinator started it: a report
 # may exceed the coordinator's count by this much (clocks run at slightly different rates; reports take time).
@@ -473,7 +474,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def JobReady(self, request, context):
         node_id = self._as_node(context, request.node_id)
         data = data_from_proto(request.data)
-        problem = data_problem(data) or (
+        missing = plain_text(request.missing_data[:MAX_MISSING_DATA_CHARS])
+        problem = (None if missing else data_problem(data)) or (
             f"job_id: at most {MAX_JOB_REFERENCE_CHARS} characters" if len(request.job_id) > MAX_JOB_REFERENCE_CHARS
             else None) or (
             f"wait_s: {request.wait_s} is not in 0..{MAX_READY_WAIT_S:g}"
@@ -486,6 +488,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"node {node_id[:64]!r} does not hold rank "
                           f"{request.rank} of job {request.job_id!r}")
         assert job is not None
+        if missing:
+            with self._plane_lock:
+                _, effects = self.plane.data_missing(job.job_id, request.rank, node_id, missing)
+                self._apply(effects)
+            return self._ready_reply(job.job_id, released=False)
         with self._plane_lock:
             outcome, effects = self.plane.ready(job, request.rank, node_id, data)
             self._apply(effects)

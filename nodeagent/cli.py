@@ -28,6 +28,7 @@ from nodeagent.defaults import (
 from nodeagent.listen import ListenError
 from nodeagent.rpc import field_problem
 from nodeagent.statedir import StateDirError, hold_state_dir
+from nodeagent.training.datadirs import DataDirs, DataDirsError
 from nodeagent.training.device import DeviceError, resolve_device
 from nodeagent.training.models import module_problem
 
@@ -71,9 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="node id and checkpoints (env PEERTRAIN_STATE_DIR; default %(default)s)",
     )
     serve.add_argument(
-        "--data-dir", default=os.environ.get("PEERTRAIN_DATA_DIR"),
-        help="directory of the jobs' data on this machine (any data.dataset kind), overriding their data.data_dir "
-        "(env PEERTRAIN_DATA_DIR)",
+        "--data-dir", action="append", default=[], metavar="DATASET=DIR",
+        help="where this machine keeps one dataset: DATASET is a data.dataset kind (fashion-mnist, cifar10, ...) or "
+        "the last part of a job's data.data_dir (one npy or image-folder dataset: imagenette for /srv/imagenette); "
+        "repeat for each. A bare DIR (the old form) serves every job whatever its dataset, after the mappings and "
+        "--data-root. Env PEERTRAIN_DATA_DIR: the same entries separated by commas. Without any, a job reads its own "
+        "data.data_dir",
+    )
+    serve.add_argument(
+        "--data-root", default=os.environ.get("PEERTRAIN_DATA_ROOT"), metavar="ROOT",
+        help="a directory holding one directory per dataset, named as its kind or its data.data_dir's last part "
+        "(ROOT/fashion-mnist, ROOT/cifar10, ROOT/imagenette); a --data-dir mapping of the same dataset comes first "
+        "(env PEERTRAIN_DATA_ROOT)",
     )
     serve.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,cuda:N}",
                        help="where this agent's jobs compute (model, algorithm state, batches, evaluation): cpu, "
@@ -157,15 +167,21 @@ def serve(args: argparse.Namespace) -> int:
     for module in args.allow_import:
         if problem := module_problem(module):
             raise SystemExit(f"nodeagent: --allow-import {problem}")
+    try:
+        data_dirs = (DataDirs.parse(args.data_dir, args.data_root) if args.data_dir else
+                     DataDirs.from_text(os.environ.get("PEERTRAIN_DATA_DIR", ""), args.data_root))
+    except DataDirsError as error:
+        raise SystemExit(f"nodeagent: {error}") from None
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     logging.basicConfig(
         level=args.log_level, format=f"%(asctime)s {args.name} %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    logging.getLogger("nodeagent").info("data: %s", data_dirs.describe())
     agent = Agent(
         AgentConfig(
             coordinator=args.coordinator, listen=args.listen, advertise=args.advertise,
-            metrics_listen=args.metrics_listen or None, state_dir=args.state_dir, data_dir=args.data_dir,
+            metrics_listen=args.metrics_listen or None, state_dir=args.state_dir, data_dirs=data_dirs,
             device=str(device), name=args.name, slowdown=args.slowdown, lane_port=args.lane_port,
             health_listen=args.health_listen or None,
             tls_dir=None if args.insecure else agent_tls_dir(args),

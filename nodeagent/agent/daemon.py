@@ -41,6 +41,7 @@ from nodeagent.runtime.peer_service import PEER_RULES, PeerServicer, ServingStat
 from nodeagent.security.authz import Authorizer
 from nodeagent.security.pki import Identity, Role
 from nodeagent.security.tls import INSECURE_WARNING, TlsDir, TlsError, Transport
+from nodeagent.training.datadirs import DataDirs
 from nodeagent.training.device import describe_device
 
 log = logging.getLogger("nodeagent")
@@ -66,7 +67,7 @@ class AgentConfig:
     advertise: str | None = None
     metrics_listen: str | None = f"0.0.0.0:{AGENT_METRICS_PORT}"
     state_dir: Path = Path("/var/lib/peertrain/agent")
-    data_dir: str | None = None
+    data_dirs: DataDirs = field(default_factory=DataDirs)  # where this machine keeps each dataset
     device: str = "cpu"  # resolved (nodeagent.training.device.resolve_device): cpu, cuda:0, ...
     name: str = field(default_factory=socket.gethostname)
     slowdown: float = 1.0

@@ -253,8 +253,8 @@ def _idx_file(directory: Path, stem: str) -> Path:
     raise DataError(
         f"{stem} (or {stem}.gz) not found in {directory}. Install the Debian package 'dataset-fashion-mnist' "
         f"(sudo apt-get install dataset-fashion-mnist, files in {DEFAULT_DATA_DIR}), or put the four IDX "
-        f"files of Fashion-MNIST or MNIST in a directory and pass it with --data-dir DIR "
-        f"(or PEERTRAIN_DATA_DIR=DIR)"
+        f"files of Fashion-MNIST or MNIST in a directory and map it on the agent: --data-dir fashion-mnist=DIR "
+        f"(or mnist=DIR), or put it under its --data-root"
     )
 
 
@@ -317,7 +317,7 @@ def _cifar_directory(kind: str, directory: Path) -> Path:
             )
     raise DataError(
         f"{first} not found in {directory} nor in {directory / _CIFAR_SUBDIRECTORY[kind]}: unpack "
-        f"{_CIFAR_BINARY_URL[kind]} and pass its directory with --data-dir DIR (or data.data_dir)"
+        f"{_CIFAR_BINARY_URL[kind]} and map its directory on the agent: --data-dir {kind}=DIR (or data.data_dir)"
     )
 
 
@@ -557,7 +557,7 @@ def _resolved(kind: str, data_dir: str | Path) -> Path:
     directory = Path(data_dir).expanduser().resolve()
     if not directory.is_dir():
         raise DataError(f"{directory}: no such directory (the {kind} data's directory: data.data_dir, or an agent's "
-                        f"--data-dir)")
+                        f"--data-dir {kind}=DIR)")
     return directory
 
 
