@@ -515,6 +515,20 @@ class StopJobRequest(_message.Message):
     job_id: str
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
+class DeleteJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class DeleteJobReply(_message.Message):
+    __slots__ = ("job_id", "run_dir")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_DIR_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    run_dir: str
+    def __init__(self, job_id: _Optional[str] = ..., run_dir: _Optional[str] = ...) -> None: ...
+
 class StopJobReply(_message.Message):
     __slots__ = ("state", "job_id")
     STATE_FIELD_NUMBER: _ClassVar[int]
