@@ -51,6 +51,7 @@ from nodeagent.defaults import (
     HEARTBEAT_TIMEOUT_S,
     KEEP_JOBS,
     KEEP_RUNS,
+    MAX_MODEL_MEMORY_MIB,
 )
 from nodeagent.health import HealthServer
 from nodeagent.jobspec import (
@@ -177,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the records (state, nodes, results, events) of the N jobs that ended last and delete older ones "
         "as jobs end, run directories included; 0 keeps all. `coordinator jobs delete JOB` deletes one now "
         "(default %(default)s)",
+    )
+    serve.add_argument(
+        "--max-model-memory", type=int, default=MAX_MODEL_MEMORY_MIB, metavar="MIB",
+        help="refuse at submit a job whose model needs more than this for its parameters, gradients and momentum "
+        "(counted on torch's meta device, where the dataset fixes the model's shape; each agent checks its own bound "
+        "too) (default %(default)s)",
     )
     serve.add_argument(
         "--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S,
@@ -548,8 +555,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host, _port = split_address(args.listen)
     config = CoordinatorConfig(
         state_dir=args.state_dir, runs_dir=args.runs_dir, heartbeat_timeout_s=args.heartbeat_timeout,
-        keep_runs=args.keep_runs, keep_jobs=args.keep_jobs,
+        keep_runs=args.keep_runs, keep_jobs=args.keep_jobs, max_model_memory_mib=args.max_model_memory,
     )
+    if args.max_model_memory < 1:
+        raise SystemExit("coordinator: --max-model-memory must be at least 1 (MiB)")
     if args.keep_runs < 0:
         raise SystemExit("coordinator: --keep-runs must be >= 0")
     if args.keep_jobs < 0:

@@ -39,7 +39,7 @@ from coordinator.rendezvous import Rendezvous, RendezvousError, request_problem
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 from nodeagent.algorithms import Family, lookup
-from nodeagent.defaults import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, KEEP_JOBS, KEEP_RUNS
+from nodeagent.defaults import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, KEEP_JOBS, KEEP_RUNS, MAX_MODEL_MEMORY_MIB
 from nodeagent.jobspec import (
     MAX_NODES,
     JobSpec,
@@ -68,6 +68,7 @@ from nodeagent.security import pki
 from nodeagent.security.authz import Authorizer, rules_for
 from nodeagent.security.pki import CertificateError, Role
 from nodeagent.security.tls import Transport, caller
+from nodeagent.training.model_memory import MIB
 
 log = logging.getLogger("coordinator")
 
@@ -133,6 +134,7 @@ class CoordinatorConfig:
     ps_fsync: bool = False  # also fsync the parameter server's state before answering (survives a machine crash)
     keep_runs: int = KEEP_RUNS  # run directories of this many ended jobs are kept, the newest (0: all)
     keep_jobs: int = KEEP_JOBS  # records of this many ended jobs are kept, the latest ended (0: all)
+    max_model_memory_mib: int = MAX_MODEL_MEMORY_MIB  # a job's model with its optimizer state, refused beyond
 
     @property
     def run_root(self) -> Path:
@@ -711,7 +713,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def SubmitJob(self, request, context):
         try:
             spec = parse_job_yaml(request.spec_yaml)
-            validate_job(spec)
+            validate_job(spec, self.config.max_model_memory_mib * MIB)
         except JobSpecError as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid job spec: {error}")
         warning = self.plane.wait_reason(spec.min_nodes, self.store.nodes(), spec)

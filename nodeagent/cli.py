@@ -24,6 +24,7 @@ from nodeagent.defaults import (
     COORDINATOR_ADDRESS,
     ENROLL_PORT,
     KEEP_CHECKPOINTS,
+    MAX_MODEL_MEMORY_MIB,
 )
 from nodeagent.listen import ListenError
 from nodeagent.rpc import field_problem
@@ -135,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
         "deleted when it ends; its ranks sent their final models to the coordinator, for `coordinator export`). A "
         "job with `checkpoint.keep: true` keeps its own in STATE_DIR/checkpoints/kept",
     )
+    serve.add_argument(
+        "--max-model-memory", type=int, default=MAX_MODEL_MEMORY_MIB, metavar="MIB",
+        help="fail a job, before building its model, whose model needs more than this for its parameters, gradients "
+        "and momentum (counted on torch's meta device) (default %(default)s)",
+    )
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                        help="the least severe messages logged (default %(default)s)")
     return parser
@@ -160,6 +166,8 @@ def serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"nodeagent: {error}") from None
     if args.torch_threads < 0:
         raise SystemExit("nodeagent: --torch-threads must be >= 0")
+    if args.max_model_memory < 1:
+        raise SystemExit("nodeagent: --max-model-memory must be at least 1 (MiB)")
     if args.keep_checkpoints < 0:
         raise SystemExit("nodeagent: --keep-checkpoints must be >= 0")
     if problem := field_problem(args.name):
@@ -187,6 +195,7 @@ def serve(args: argparse.Namespace) -> int:
             tls_dir=None if args.insecure else agent_tls_dir(args),
             join_token=args.join_token, ca_fingerprint=args.ca_fingerprint, enroll_address=args.enroll_address or "",
             allow_imports=tuple(args.allow_import), keep_checkpoints=args.keep_checkpoints,
+            max_model_memory_mib=args.max_model_memory,
         )
     )
     stop = threading.Event()

@@ -32,6 +32,7 @@ from nodeagent.defaults import (
     ENROLL_PORT,
     HEARTBEAT_INTERVAL_S,
     KEEP_CHECKPOINTS,
+    MAX_MODEL_MEMORY_MIB,
 )
 from nodeagent.health import HealthServer
 from nodeagent.metrics import Metrics
@@ -78,6 +79,7 @@ class AgentConfig:
     ca_fingerprint: str = ""
     enroll_address: str = ""  # the coordinator's enrollment address (default: its host, ENROLL_PORT)
     allow_imports: tuple[str, ...] = ()  # modules a job's model may be imported from (nodeagent.training.models)
+    max_model_memory_mib: int = MAX_MODEL_MEMORY_MIB  # a job's model with its optimizer state, refused beyond
     keep_checkpoints: int = KEEP_CHECKPOINTS  # the checkpoints of this many jobs ended here are kept (checkpoint.py)
 
 

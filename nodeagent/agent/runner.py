@@ -55,6 +55,7 @@ from nodeagent.runtime.server_link import GrpcServerLink
 from nodeagent.training.data import DataError, DatasetInfo
 from nodeagent.training.datadirs import DataDirs
 from nodeagent.training.job import Node, build_node
+from nodeagent.training.model_memory import MIB
 from nodeagent.wire.encoder import encode
 from nodeagent.wire.message import Encoding, Kind, Message
 
@@ -181,7 +182,8 @@ class JobRunner(threading.Thread):
         data_dir = agent.config.data_dirs.directory_for(spec.data)
         try:
             node = build_node(spec, self.rank, self.neighbors, self.self_weight, data_dir, self.peer_schedule,
-                              allow_imports=agent.config.allow_imports, device=self.device)
+                              allow_imports=agent.config.allow_imports, device=self.device,
+                              max_model_bytes=agent.config.max_model_memory_mib * MIB)
         except DataError as error:  # this machine lacks the job's data: the job fails at its start barrier
             self._report_missing_data(missing_data_text(spec, agent.config.data_dirs, error))
             return
