@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--data-root. Env PEERTRAIN_DATA_DIR: the same entries separated by commas. Without any, a job reads its own "
         "data.data_dir",
     )
+    # PEERTRAIN_DATA_DIR's entries: used when no --data-dir is given.
+    serve.set_defaults(data_dir_env=os.environ.get("PEERTRAIN_DATA_DIR", ""))
     serve.add_argument(
         "--data-root", default=os.environ.get("PEERTRAIN_DATA_ROOT"), metavar="ROOT",
         help="a directory holding one directory per dataset, named as its kind or its data.data_dir's last part "
@@ -177,7 +179,7 @@ def serve(args: argparse.Namespace) -> int:
             raise SystemExit(f"nodeagent: --allow-import {problem}")
     try:
         data_dirs = (DataDirs.parse(args.data_dir, args.data_root) if args.data_dir else
-                     DataDirs.from_text(os.environ.get("PEERTRAIN_DATA_DIR", ""), args.data_root))
+                     DataDirs.from_text(args.data_dir_env, args.data_root))
     except DataDirsError as error:
         raise SystemExit(f"nodeagent: {error}") from None
     if args.torch_threads:

@@ -76,12 +76,15 @@ def test_entries_that_cannot_be_read_are_refused_naming_them(entries: list[str],
         DataDirs.parse(entries)
 
 
-def test_the_command_line_and_the_environment_take_the_same_entries() -> None:
+def test_the_command_line_and_the_environment_take_the_same_entries(monkeypatch: pytest.MonkeyPatch) -> None:
     args = build_parser().parse_args(["serve", "--data-dir", "fashion-mnist=/data/fmnist", "--data-dir",
                                       "cifar10=/data/cifar10", "--data-root", "/data"])
     from_flags = DataDirs.parse(args.data_dir, args.data_root)
-    from_env = DataDirs.from_text("fashion-mnist=/data/fmnist, cifar10=/data/cifar10", "/data")
-    assert from_flags == from_env
+    monkeypatch.setenv("PEERTRAIN_DATA_DIR", "fashion-mnist=/data/fmnist, cifar10=/data/cifar10")
+    monkeypatch.setenv("PEERTRAIN_DATA_ROOT", "/data")
+    from_env = build_parser().parse_args(["serve"])
+    assert from_env.data_dir == []
+    assert DataDirs.from_text(from_env.data_dir_env, from_env.data_root) == from_flags
     assert from_flags.by_dataset == {"fashion-mnist": "/data/fmnist", "cifar10": "/data/cifar10"}
 
 
