@@ -98,7 +98,8 @@ class JobData:
                 device: torch.device = CPU, max_model_bytes: int | None = None) -> JobData:
         """Loads the job's data and splits it, and builds its initial model (on the CPU, seeded: the same on every
         device). `data_dir` overrides the job's data directory on this machine; `allow_imports` are the modules a
-        model may be imported from on it (nodeagent.training.models); `device` is where its nodes compute. Seeds
+        model may be imported from on it (nodeagent.training.models); `device` is where its nodes compute;
+        `max_model_bytes` bounds the model with its optimizer state, checked before it is built (model_memory). Seeds
         torch's global generator as `initial_model` does, once: what the nodes draw next (dropout) is what a
         single node built alone would draw."""
         if spec.training.precision == "fp16" and device.type != "cuda":

@@ -11,6 +11,7 @@ floor on the cost, meant to refuse the absurd, not to plan a device's memory.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection
 
 import torch
@@ -18,7 +19,9 @@ from torch import nn
 
 from nodeagent.jobspec import JobSpec, JobSpecError
 from nodeagent.training.data import FIXED_SHAPES
-from nodeagent.training.models import MODELS, InputShape, build_model
+from nodeagent.training.models import MODELS, InputShape, build_model, is_import_path
+
+log = logging.getLogger("nodeagent")
 
 MIB = 1 << 20
 
@@ -38,9 +41,17 @@ def model_memory_bytes(model: nn.Module, spec: JobSpec) -> int:
 def check_model_memory(spec: JobSpec, input_shape: InputShape, num_classes: int, bound_bytes: int,
                        allow_imports: Collection[str] = (), where: str = "this node") -> int:
     """The bytes the job's model needs (model_memory_bytes), counted on the meta device; ModelTooLarge when they
-    exceed `bound_bytes` (`where` names whose bound it is)."""
-    with torch.device("meta"):
-        model = build_model(spec.model, input_shape, num_classes, allow_imports)
+    exceed `bound_bytes` (`where` names whose bound it is). 0 for an imported model that cannot be built there."""
+    try:
+        with torch.device("meta"):
+            model = build_model(spec.model, input_shape, num_classes, allow_imports)
+    except (NotImplementedError, RuntimeError) as error:
+        if not is_import_path(spec.model.name):
+            raise
+        # A user's factory may do what shapes alone cannot (read a value, load weights): it is built as it is.
+        log.warning("model %s cannot be counted on the meta device (%s): its memory is not bounded here",
+                    spec.model.name, str(error).splitlines()[0] if str(error) else type(error).__name__)
+        return 0
     needed = model_memory_bytes(model, spec)
     if needed > bound_bytes:
         count = sum(p.numel() for p in model.parameters())
