@@ -15,7 +15,7 @@ from nodeagent.metrics import Metrics
 
 pytestmark = pytest.mark.unit
 
-PADDING = "#" + "x" * (256 * 1024) + "\n"  # an operator's comment: a large spec (the were 1 MiB)
+PADDING = "#" + "x" * (64 * 1024) + "\n"  # an operator's comment: a large spec (the were 1 MiB)
 
 
 def coordinator(state_dir: Path, ended: int, keep_jobs: int = 0) -> CoordinatorService:
