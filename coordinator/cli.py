@@ -49,7 +49,9 @@ from nodeagent.defaults import (
     COORDINATOR_PORT,
     ENROLL_PORT,
     HEARTBEAT_TIMEOUT_S,
+    KEEP_JOBS,
     KEEP_RUNS,
+    MAX_MODEL_MEMORY_MIB,
 )
 from nodeagent.health import HealthServer
 from nodeagent.jobspec import (
@@ -172,6 +174,18 @@ def build_parser() -> argparse.ArgumentParser:
         "ones as jobs end; 0 keeps all (default %(default)s)",
     )
     serve.add_argument(
+        "--keep-jobs", type=int, default=KEEP_JOBS, metavar="N",
+        help="keep the records (state, nodes, results, events) of the N jobs that ended last and delete older ones "
+        "as jobs end, run directories included; 0 keeps all. `coordinator jobs delete JOB` deletes one now "
+        "(default %(default)s)",
+    )
+    serve.add_argument(
+        "--max-model-memory", type=int, default=MAX_MODEL_MEMORY_MIB, metavar="MIB",
+        help="refuse at submit a job whose model needs more than this for its parameters, gradients and momentum "
+        "(counted on torch's meta device, where the dataset fixes the model's shape; each agent checks its own bound "
+        "too) (default %(default)s)",
+    )
+    serve.add_argument(
         "--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S,
         help="seconds without a heartbeat after which a node is marked down (default %(default)s)",
     )
@@ -270,6 +284,17 @@ def build_parser() -> argparse.ArgumentParser:
     jobs.add_argument("--limit", type=int, default=100, help="at most this many jobs (default %(default)s)")
     jobs.add_argument("--json", action="store_true", help="one JSON object per job, a line each")
     _add_coordinator_option(jobs)
+    job_commands = jobs.add_subparsers(dest="jobs_command", metavar="{delete}")
+    delete = job_commands.add_parser(
+        "delete", help="delete an ended job: its record, nodes' results, events and run directory",
+        description="Delete a finished, stopped or failed job at the coordinator: its record and its nodes' results "
+        "(`status`, `jobs`), its events (`logs`) and its run directory (metrics, trained models). A pending or "
+        "running job is refused: stop it first. The coordinator also deletes the oldest ended jobs itself beyond "
+        "its --keep-jobs.",
+    )
+    delete.add_argument("job_id", metavar="JOB",
+                        help="a job's id, a unique prefix of it, or its name (the newest of that name)")
+    _add_coordinator_option(delete)
 
     status = commands.add_parser(
         "status", help="a job's state, times and reason, and per node its state, step, rate, loss, accuracy and "
@@ -530,10 +555,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host, _port = split_address(args.listen)
     config = CoordinatorConfig(
         state_dir=args.state_dir, runs_dir=args.runs_dir, heartbeat_timeout_s=args.heartbeat_timeout,
-        keep_runs=args.keep_runs,
+        keep_runs=args.keep_runs, keep_jobs=args.keep_jobs, max_model_memory_mib=args.max_model_memory,
     )
+    if args.max_model_memory < 1:
+        raise SystemExit("coordinator: --max-model-memory must be at least 1 (MiB)")
     if args.keep_runs < 0:
         raise SystemExit("coordinator: --keep-runs must be >= 0")
+    if args.keep_jobs < 0:
+        raise SystemExit("coordinator: --keep-jobs must be >= 0")
     with hold_state_dir(config.state_dir):
         writable_directory(config.run_root, "runs directory")
         ca = None
@@ -782,6 +811,11 @@ def cmd_nodes(args: argparse.Namespace) -> int:
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
+    if args.jobs_command == "delete":
+        reply = _stub(args).DeleteJob(pb.DeleteJobRequest(job_id=args.job_id), timeout=10)
+        removed = f" and its run directory {reply.run_dir}" if reply.run_dir else ""
+        print(shown(f"{reply.job_id}: deleted (its record, results and events{removed})"))
+        return 0
     if args.limit < 1:
         raise SystemExit("coordinator: --limit must be at least 1")
     reply = _stub(args).ListJobs(pb.ListJobsRequest(limit=args.limit), timeout=10)

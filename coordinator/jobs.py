@@ -16,19 +16,22 @@ from pydantic import ValidationError
 
 from coordinator.topology import Topology, build_topology, node_plan, peer_schedule
 from nodeagent.algorithms import Family, Neighbor, lookup
+from nodeagent.defaults import MAX_MODEL_MEMORY_MIB
 from nodeagent.jobspec import JobSpec, JobSpecError, TopologySpec, format_validation_error
+from nodeagent.training.model_memory import MIB, check_model_memory_at_submit
 from nodeagent.training.models import MODELS, check_model, is_import_path
 from nodeagent.training.splits import SPLIT_OPTIONS, SPLITS
 from nodeagent.training.tasks import check_task
 
 
-def validate_job(spec: JobSpec) -> Topology:
+def validate_job(spec: JobSpec, max_model_bytes: int = MAX_MODEL_MEMORY_MIB * MIB) -> Topology:
     """Checks that need more than the schema; returns the job's topology (an elastic job's at its largest size,
-    after checking it at its smallest too). Raises JobSpecError naming the field."""
+    after checking it at its smallest too). Raises JobSpecError naming the field. A model whose parameters and
+    optimizer state exceed `max_model_bytes` is refused, with both figures, where the dataset fixes its shape."""
     if spec.elastic:
         check_elastic(spec)
-        validate_job(spec.sized(spec.min_nodes))
-        return validate_job(spec.sized())
+        validate_job(spec.sized(spec.min_nodes), max_model_bytes)
+        return validate_job(spec.sized(), max_model_bytes)
     algorithm = lookup(spec.algorithm.name)
     if spec.data.split not in SPLITS:
         raise JobSpecError(f"data.split: unknown split {spec.data.split!r}; known: {sorted(SPLITS)}")
@@ -43,6 +46,7 @@ def validate_job(spec: JobSpec) -> Topology:
     except ValueError as error:
         field = "model.options" if spec.model.name in MODELS else "model.name"
         raise JobSpecError(f"{field}: {error}") from None
+    check_model_memory_at_submit(spec, max_model_bytes)
     if algorithm.family is Family.SERVER and is_import_path(spec.model.name):
         raise JobSpecError(
             f"model.name: {spec.algorithm.name} keeps the model at the coordinator, which imports no user code: "

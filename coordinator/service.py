@@ -29,7 +29,7 @@ from coordinator.control.plane import (
 from coordinator.control.records import Job, MemberRow, NodeRow
 from coordinator.control.sqlite import SqliteState
 from coordinator.control.state import ControlState
-from coordinator.control.states import JobState, MemberState
+from coordinator.control.states import ACTIVE_JOB_STATES, JobState, MemberState
 from coordinator.jobs import (
     validate_job,
 )
@@ -39,7 +39,7 @@ from coordinator.rendezvous import Rendezvous, RendezvousError, request_problem
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 from nodeagent.algorithms import Family, lookup
-from nodeagent.defaults import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, KEEP_RUNS
+from nodeagent.defaults import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, KEEP_JOBS, KEEP_RUNS, MAX_MODEL_MEMORY_MIB
 from nodeagent.jobspec import (
     MAX_NODES,
     JobSpec,
@@ -68,6 +68,7 @@ from nodeagent.security import pki
 from nodeagent.security.authz import Authorizer, rules_for
 from nodeagent.security.pki import CertificateError, Role
 from nodeagent.security.tls import Transport, caller
+from nodeagent.training.model_memory import MIB
 
 log = logging.getLogger("coordinator")
 
@@ -104,6 +105,7 @@ MAX_WAITING_CHARS = 500
 KNOWN_FAILURE_REASONS = frozenset({code.name.lower() for code in grpc.StatusCode} |
                                   {"rejected", "not_neighbor", "error", IN_FLIGHT})
 OTHER_REASON = "other"
+MAX_MISSING_DATA_CHARS = 2000  # a node's word on the data it does not have
 MAX_READY_WAIT_S = 10.0  # the longest a JobReady answer is held for the release (a long poll)
 # A node's times are its own clock's durations since it started the job, after the coordinator started it: a report
 # may exceed the coordinator's count by this much (clocks run at slightly different rates; reports take time).
@@ -115,8 +117,8 @@ _OPERATOR = frozenset({Role.OPERATOR})
 COORDINATOR_RULES = rules_for("peertrain.v1.Coordinator", {
     **dict.fromkeys(("Register", "Heartbeat", "WatchAssignment", "ReportMetrics", "ReportFailure", "Deregister",
                      "ReportEvents", "JobReady", "PsPush", "PsPull", "PsReport", "Rendezvous", "UploadModel"), _NODE),
-    **dict.fromkeys(("SubmitJob", "StopJob", "ListNodes", "JobStatus", "ListJobs", "JobEvents", "RemoveNode",
-                     "DrainNode",
+    **dict.fromkeys(("SubmitJob", "StopJob", "DeleteJob", "ListNodes", "JobStatus", "ListJobs", "JobEvents",
+                     "RemoveNode", "DrainNode",
                      "CreateJoinToken", "RevokeCertificate", "ListCertificates", "ChangeTopology", "ExportModel"),
                    _OPERATOR),
     "RenewCertificate": _NODE | _OPERATOR,
@@ -131,6 +133,8 @@ class CoordinatorConfig:
     heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
     ps_fsync: bool = False  # also fsync the parameter server's state before answering (survives a machine crash)
     keep_runs: int = KEEP_RUNS  # run directories of this many ended jobs are kept, the newest (0: all)
+    keep_jobs: int = KEEP_JOBS  # records of this many ended jobs are kept, the latest ended (0: all)
+    max_model_memory_mib: int = MAX_MODEL_MEMORY_MIB  # a job's model with its optimizer state, refused beyond
 
     @property
     def run_root(self) -> Path:
@@ -276,8 +280,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         up = sum(n.up for n in nodes)
         self.metrics.coordinator_nodes.labels("up").set(up)
         self.metrics.coordinator_nodes.labels("down").set(len(nodes) - up)
+        counts = self.store.job_counts()  # counted, not read: ended jobs cost the monitor nothing
         for state in JOB_STATES:
-            self.metrics.coordinator_jobs.labels(state.lower()).set(len(self.store.jobs((state,))))
+            self.metrics.coordinator_jobs.labels(state.lower()).set(counts.get(state, 0))
         running = {job.job_id for job in self.store.jobs((JobState.RUNNING,))}
         for job_id in self._running_shown - running:
             self.metrics.coordinator_job_running.remove(job_id)
@@ -298,7 +303,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 self.rendezvous.end(effect.job.job_id)
                 self.ps.close(effect.job.job_id)
                 self.models.forget(effect.job.job_id)
-                self._retire_run_dirs()
+                self._retire_ended_jobs()
                 self.metrics.forget_job(effect.job.job_id)
                 with self._live_edges_lock:
                     self._live_edges.pop(effect.job.job_id, None)
@@ -307,12 +312,36 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             else:
                 self.changes.bump()
 
-    def _retire_run_dirs(self) -> None:
+    def _retire_ended_jobs(self) -> None:
+        """As a job ends: the run directories beyond --keep-runs go, and the records of ended jobs beyond
+        --keep-jobs (with whatever is left of their run directories)."""
         for job_id, run_dir in retire_run_dirs(self.store, self.config.run_root, self.config.keep_runs):
-            self._run_logs.pop(job_id, None)
-            with self._events_lock:
-                self._event_logs.pop(job_id, None)
+            self._forget_logs(job_id)
             log.info("job %s: run directory %s removed (--keep-runs %d)", job_id, run_dir, self.config.keep_runs)
+        if self.config.keep_jobs:
+            for job_id in self.store.ended_job_ids()[self.config.keep_jobs:]:
+                if self._delete_job(job_id) is not None:
+                    log.info("job %s: record deleted (--keep-jobs %d)", job_id, self.config.keep_jobs)
+
+    def _forget_logs(self, job_id: str) -> None:
+        self._run_logs.pop(job_id, None)
+        with self._events_lock:
+            self._event_logs.pop(job_id, None)
+
+    def _delete_job(self, job_id: str) -> str | None:
+        """Forget an ended job: its record and results, and its run directory where it lies under the run root
+        (events, metrics, trained models). None when the job is unknown or still active; else the run directory
+        removed ('' if none was)."""
+        job = self.store.job(job_id)
+        if job is None or not self.store.delete_job(job_id):
+            return None
+        self._forget_logs(job_id)
+        self.models.forget(job_id)
+        run_dir = Path(job.run_dir).resolve()
+        if run_dir.parent == self.config.run_root.resolve() and run_dir.is_dir():
+            shutil.rmtree(run_dir, ignore_errors=True)
+            return str(run_dir)
+        return ""
 
     # -- assignments ---------------------------------------------------------------------------------------------
 
@@ -473,7 +502,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def JobReady(self, request, context):
         node_id = self._as_node(context, request.node_id)
         data = data_from_proto(request.data)
-        problem = data_problem(data) or (
+        missing = plain_text(request.missing_data[:MAX_MISSING_DATA_CHARS])
+        problem = (None if missing else data_problem(data)) or (
             f"job_id: at most {MAX_JOB_REFERENCE_CHARS} characters" if len(request.job_id) > MAX_JOB_REFERENCE_CHARS
             else None) or (
             f"wait_s: {request.wait_s} is not in 0..{MAX_READY_WAIT_S:g}"
@@ -486,6 +516,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"node {node_id[:64]!r} does not hold rank "
                           f"{request.rank} of job {request.job_id!r}")
         assert job is not None
+        if missing:
+            with self._plane_lock:
+                _, effects = self.plane.data_missing(job.job_id, request.rank, node_id, missing)
+                self._apply(effects)
+            return self._ready_reply(job.job_id, released=False)
         with self._plane_lock:
             outcome, effects = self.plane.ready(job, request.rank, node_id, data)
             self._apply(effects)
@@ -678,7 +713,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def SubmitJob(self, request, context):
         try:
             spec = parse_job_yaml(request.spec_yaml)
-            validate_job(spec)
+            validate_job(spec, self.config.max_model_memory_mib * MIB)
         except JobSpecError as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid job spec: {error}")
         warning = self.plane.wait_reason(spec.min_nodes, self.store.nodes(), spec)
@@ -700,6 +735,24 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         assert job is not None
         return pb.SubmitJobReply(job_id=job_id, state=JOB_STATES[job.state], run_dir=str(run_dir),
                                  warning=warning and f"the job cannot start now: it {warning}")
+
+    def DeleteJob(self, request, context):
+        reference = request.job_id[:MAX_JOB_REFERENCE_CHARS]
+        job = self.store.find_job(reference)
+        if job is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, _no_job(reference))
+        assert job is not None
+        if job.state in ACTIVE_JOB_STATES:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"job {job.job_id} is {job.state.value.lower()}: stop it first (`coordinator stop "
+                          f"{job.job_id}`), then delete it")
+        with self._plane_lock:  # not while the rules act on jobs
+            run_dir = self._delete_job(job.job_id)
+        if run_dir is None:  # deleted meanwhile
+            context.abort(grpc.StatusCode.NOT_FOUND, _no_job(reference))
+        operator = caller(context) if self.ca is not None else None
+        log.info("job %s deleted%s", job.job_id, f" by operator {operator.name}" if operator is not None else "")
+        return pb.DeleteJobReply(job_id=job.job_id, run_dir=run_dir or "")
 
     def StopJob(self, request, context):
         job = self.store.find_job(request.job_id[:MAX_JOB_REFERENCE_CHARS])

@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3.11}
-DATA_DIR=${PEERTRAIN_DATA_DIR:-/usr/share/datasets/fashion-mnist}
+DATA_DIR=${PEERTRAIN_FASHION_MNIST:-/usr/share/datasets/fashion-mnist}
 
 apt_install() {
     # Installs Debian packages when this user may; returns non-zero otherwise.
@@ -51,7 +51,8 @@ data() {
 bootstrap: the Fashion-MNIST IDX files are missing from $DATA_DIR.
   Install Debian's package 'dataset-fashion-mnist' (sudo apt-get install dataset-fashion-mnist),
   or put train-images-idx3-ubyte(.gz), train-labels-idx1-ubyte(.gz), t10k-images-idx3-ubyte(.gz) and
-  t10k-labels-idx1-ubyte(.gz) in a directory and pass it with --data-dir DIR (or PEERTRAIN_DATA_DIR=DIR).
+  t10k-labels-idx1-ubyte(.gz) in a directory and name it here with PEERTRAIN_FASHION_MNIST=DIR, and to the agents
+  with --data-dir fashion-mnist=DIR (docs/operations.md, "Data on the agents").
 MSG
     exit 1
 }

@@ -24,10 +24,12 @@ from nodeagent.defaults import (
     COORDINATOR_ADDRESS,
     ENROLL_PORT,
     KEEP_CHECKPOINTS,
+    MAX_MODEL_MEMORY_MIB,
 )
 from nodeagent.listen import ListenError
 from nodeagent.rpc import field_problem
 from nodeagent.statedir import StateDirError, hold_state_dir
+from nodeagent.training.datadirs import DataDirs, DataDirsError
 from nodeagent.training.device import DeviceError, resolve_device
 from nodeagent.training.models import module_problem
 
@@ -71,9 +73,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="node id and checkpoints (env PEERTRAIN_STATE_DIR; default %(default)s)",
     )
     serve.add_argument(
-        "--data-dir", default=os.environ.get("PEERTRAIN_DATA_DIR"),
-        help="directory of the jobs' data on this machine (any data.dataset kind), overriding their data.data_dir "
-        "(env PEERTRAIN_DATA_DIR)",
+        "--data-dir", action="append", default=[], metavar="DATASET=DIR",
+        help="where this machine keeps one dataset: DATASET is a data.dataset kind (fashion-mnist, cifar10, ...) or "
+        "the last part of a job's data.data_dir (one npy or image-folder dataset: imagenette for /srv/imagenette); "
+        "repeat for each. A bare DIR (the old form) serves every job whatever its dataset, after the mappings and "
+        "--data-root. Env PEERTRAIN_DATA_DIR: the same entries separated by commas. Without any, a job reads its own "
+        "data.data_dir",
+    )
+    # PEERTRAIN_DATA_DIR's entries: used when no --data-dir is given.
+    serve.set_defaults(data_dir_env=os.environ.get("PEERTRAIN_DATA_DIR", ""))
+    serve.add_argument(
+        "--data-root", default=os.environ.get("PEERTRAIN_DATA_ROOT"), metavar="ROOT",
+        help="a directory holding one directory per dataset, named as its kind or its data.data_dir's last part "
+        "(ROOT/fashion-mnist, ROOT/cifar10, ROOT/imagenette); a --data-dir mapping of the same dataset comes first "
+        "(env PEERTRAIN_DATA_ROOT)",
     )
     serve.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,cuda:N}",
                        help="where this agent's jobs compute (model, algorithm state, batches, evaluation): cpu, "
@@ -125,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
         "deleted when it ends; its ranks sent their final models to the coordinator, for `coordinator export`). A "
         "job with `checkpoint.keep: true` keeps its own in STATE_DIR/checkpoints/kept",
     )
+    serve.add_argument(
+        "--max-model-memory", type=int, default=MAX_MODEL_MEMORY_MIB, metavar="MIB",
+        help="fail a job, before building its model, whose model needs more than this for its parameters, gradients "
+        "and momentum (counted on torch's meta device) (default %(default)s)",
+    )
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                        help="the least severe messages logged (default %(default)s)")
     return parser
@@ -150,6 +168,8 @@ def serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"nodeagent: {error}") from None
     if args.torch_threads < 0:
         raise SystemExit("nodeagent: --torch-threads must be >= 0")
+    if args.max_model_memory < 1:
+        raise SystemExit("nodeagent: --max-model-memory must be at least 1 (MiB)")
     if args.keep_checkpoints < 0:
         raise SystemExit("nodeagent: --keep-checkpoints must be >= 0")
     if problem := field_problem(args.name):
@@ -157,20 +177,27 @@ def serve(args: argparse.Namespace) -> int:
     for module in args.allow_import:
         if problem := module_problem(module):
             raise SystemExit(f"nodeagent: --allow-import {problem}")
+    try:
+        data_dirs = (DataDirs.parse(args.data_dir, args.data_root) if args.data_dir else
+                     DataDirs.from_text(args.data_dir_env, args.data_root))
+    except DataDirsError as error:
+        raise SystemExit(f"nodeagent: {error}") from None
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     logging.basicConfig(
         level=args.log_level, format=f"%(asctime)s {args.name} %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    logging.getLogger("nodeagent").info("data: %s", data_dirs.describe())
     agent = Agent(
         AgentConfig(
             coordinator=args.coordinator, listen=args.listen, advertise=args.advertise,
-            metrics_listen=args.metrics_listen or None, state_dir=args.state_dir, data_dir=args.data_dir,
+            metrics_listen=args.metrics_listen or None, state_dir=args.state_dir, data_dirs=data_dirs,
             device=str(device), name=args.name, slowdown=args.slowdown, lane_port=args.lane_port,
             health_listen=args.health_listen or None,
             tls_dir=None if args.insecure else agent_tls_dir(args),
             join_token=args.join_token, ca_fingerprint=args.ca_fingerprint, enroll_address=args.enroll_address or "",
             allow_imports=tuple(args.allow_import), keep_checkpoints=args.keep_checkpoints,
+            max_model_memory_mib=args.max_model_memory,
         )
     )
     stop = threading.Event()

@@ -15,4 +15,6 @@ HEARTBEAT_INTERVAL_S = 2.0  # how often an agent says it is up; the coordinator 
 HEARTBEAT_TIMEOUT_S = 15.0  # a node silent for this long is marked down
 
 KEEP_RUNS = 100  # the coordinator keeps the run directories of this many ended jobs, the newest (--keep-runs)
+KEEP_JOBS = 1000  # the coordinator keeps the records of this many ended jobs, the latest ended (--keep-jobs)
 KEEP_CHECKPOINTS = 0  # an agent keeps the checkpoints of this many jobs that ended on it (--keep-checkpoints)
+MAX_MODEL_MEMORY_MIB = 2048  # a job's model, its gradients and momentum, on each node (--max-model-memory)

@@ -106,7 +106,8 @@ class DataSpec(_Strict):
         "language model (text, tokens); the input shape and class count (or vocabulary) come from the files")
     data_dir: str = Field(
         DEFAULT_DATA_DIR, description="directory holding the data on every node (for cifar10 and cifar100 also its "
-        "parent; for text also one file); an agent's --data-dir overrides it")
+        "parent; for text also one file); an agent's --data-dir or --data-root may place it "
+        "elsewhere on its machine (docs/operations.md, Data on the agents)")
     options: dict[str, Any] = Field(default_factory=dict, description="the dataset's own options")
     split: str = Field("iid", max_length=64, description="how the training set is divided among the nodes: iid, "
                        "class-window, by-class or dirichlet (classification), iid or by-file (language models)")

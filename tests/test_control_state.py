@@ -268,3 +268,30 @@ def test_the_barrier_waits_for_a_member_that_joined_and_not_for_one_that_left(st
     assert state.change_members("j1", 2, 5, [(3, "d")], [1])
     assert not state.mark_ready("j1", 2, "c", "{}").released
     assert state.mark_ready("j1", 3, "d", "{}").released_now
+
+
+def test_an_ended_job_is_deleted_with_its_members_and_an_active_one_is_not(state, clock):
+    running(state, clock, "j1", ("a", "b"))
+    state.add_job("j2", spec(), "yaml", "/runs/j2")  # pending: the nodes are busy
+    assert not state.delete_job("j1") and not state.delete_job("j2") and not state.delete_job("nope")
+    assert state.job("j1") is not None and len(state.members("j1")) == 2
+    clock.now += 1
+    state.end_job("j1", JobState.FINISHED)
+    assert state.delete_job("j1")
+    assert state.job("j1") is None and state.members("j1", with_left=True) == []
+    assert state.find_job("j1") is None and [j.job_id for j in state.all_jobs(10)] == ["j2"]
+    assert not state.delete_job("j1")  # once
+    # The nodes are still known, and the other job still pending.
+    assert {n.node_id for n in state.nodes()} == {"a", "b"} and state.job("j2").state == JobState.PENDING
+
+
+def test_job_counts_and_ended_ids_come_without_reading_the_jobs(state, clock):
+    for index in range(3):
+        running(state, clock, f"j{index}", ("a", "b"))
+        clock.now += 1
+        state.end_job(f"j{index}", JobState.STOPPED if index == 1 else JobState.FINISHED)
+    running(state, clock, "live", ("a", "b"))
+    state.add_job("queued", spec(), "yaml", "/runs/queued")
+    assert state.job_counts() == {JobState.FINISHED: 2, JobState.STOPPED: 1, JobState.RUNNING: 1,
+                                  JobState.PENDING: 1}
+    assert state.ended_job_ids() == ["j2", "j1", "j0"]  # the latest ended first

@@ -5,6 +5,7 @@ import math
 import time
 import zlib
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import pytest
@@ -477,3 +478,43 @@ def test_a_database_from_before_the_device_columns_gets_them_and_keeps_its_nodes
     [node] = store.nodes()
     assert (node.device_name, node.device_memory_bytes) == ("NVIDIA H100 80GB HBM3", 2**36)
     store.close()
+
+
+def test_jobs_delete_refuses_a_running_job_and_forgets_an_ended_one(coordinator_service, tmp_path, capsys):
+    service, stub = coordinator_service
+    for i in range(3):
+        stub.Register(pb.RegisterRequest(peer_address=f"127.0.0.1:{7000 + i}", name=f"a{i}"), timeout=5)
+    job_id = stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=job()), timeout=5).job_id
+    run_dir = service.store.job(job_id).run_dir
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.DeleteJob(pb.DeleteJobRequest(job_id=job_id), timeout=5)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert refused.value.details() == (f"job {job_id} is running: stop it first (`coordinator stop {job_id}`), then "
+                                       "delete it")
+    stub.StopJob(pb.StopJobRequest(job_id=job_id), timeout=5)
+    reply = stub.DeleteJob(pb.DeleteJobRequest(job_id="t"), timeout=5)  # by name
+    assert reply.job_id == job_id and reply.run_dir and not Path(run_dir).exists()
+    with pytest.raises(grpc.RpcError) as gone:
+        stub.JobStatus(pb.JobStatusRequest(job_id=job_id), timeout=5)
+    assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+    assert service.store.members(job_id, with_left=True) == []
+    assert job_id not in [j.job_id for j in stub.ListJobs(pb.ListJobsRequest(limit=10), timeout=5).jobs]
+    with pytest.raises(grpc.RpcError) as again:
+        stub.DeleteJob(pb.DeleteJobRequest(job_id=job_id), timeout=5)
+    assert again.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_cli_jobs_delete_says_what_went_and_why_a_pending_job_stays(coordinator_address, capsys):
+    client = ["--insecure", "--coordinator", coordinator_address]
+    with grpc.insecure_channel(coordinator_address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        job_id = stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=job(name="waits")), timeout=5).job_id  # no agents
+    assert coordinator_main(["jobs", "delete", "waits", *client]) == 1
+    assert f"FAILED_PRECONDITION: job {job_id} is pending: stop it first" in capsys.readouterr().err
+    assert coordinator_main(["stop", "waits", *client]) == 0
+    capsys.readouterr()
+    assert coordinator_main(["jobs", "delete", "waits", *client]) == 0
+    assert capsys.readouterr().out.startswith(f"{job_id}: deleted (its record, results and events and its run "
+                                              "directory ")
+    assert coordinator_main(["jobs", "--json", *client]) == 0
+    assert capsys.readouterr().out == ""

@@ -1308,6 +1308,22 @@ def test_compose_services_build_and_images() -> None:
             assert dependency in spec["services"], f"{name} depends on unknown service {dependency}"
 
 
+def test_no_shipped_file_forces_one_dataset_directory_on_every_kind() -> None:
+    """A bare --data-dir DIR (or PEERTRAIN_DATA_DIR=DIR) serves every job from one directory whatever its dataset:
+    every shipped deployment maps datasets (DATASET=DIR) or gives a root with one directory per dataset."""
+    shipped = [path for path in DEPLOY.rglob("*") if path.is_file() and path.suffix not in {".json", ".png"}]
+    assert len(shipped) > 10
+    forced, per_dataset = [], 0
+    for path in shipped:
+        text = path.read_text()
+        for value in re.findall(r"--data-dir[= ]+(\S+)", text) + re.findall(r"PEERTRAIN_DATA_DIR=(\S+)", text):
+            per_dataset += 1
+            forced += [f"{path.relative_to(ROOT)}: {entry}" for entry in value.split(",") if entry and "=" not in entry]
+        per_dataset += len(re.findall(r"--data-root[= ]+\S+|PEERTRAIN_DATA_ROOT=\S+", text))
+    assert not forced, f"one directory for every dataset: {forced}"
+    assert per_dataset >= 6  # compose, its CUDA variant, the StatefulSet and both env examples say where data is
+
+
 def test_compose_commands_parse_with_the_cli() -> None:
     spec = compose()
     services = peertrain_services(spec)
@@ -1329,7 +1345,7 @@ def test_compose_commands_parse_with_the_cli() -> None:
         assert args.name == name
         mounts = dict(compose_volume(v) for v in services[name]["volumes"])
         assert mounts[f"{name}-state"] == str(args.state_dir)
-        assert args.data_dir in mounts.values(), f"{name}: --data-dir is not mounted"
+        assert args.data_root in mounts.values(), f"{name}: --data-root is not mounted"
         # Its credentials live on its state volume, where pki puts them and where it writes its renewals.
         tls_dir = args.tls_dir or Path(args.state_dir) / "tls"
         assert compose_volume_path(name, services[name], tls_dir) == (f"{name}-state", "tls")
@@ -1633,7 +1649,7 @@ def test_k8s_args_parse_with_the_cli() -> None:
     assert agent.advertise.startswith(f"peertrain-agent-0.{headless}.")
     assert agent.name == "peertrain-agent-0"
     mounts = {m["mountPath"] for m in agent_container["volumeMounts"]}
-    assert str(agent.state_dir) in mounts and agent.data_dir in mounts
+    assert str(agent.state_dir) in mounts and agent.data_root in mounts
     assert str(coordinator.state_dir) in {m["mountPath"] for m in coordinator_container["volumeMounts"]}
 
 

@@ -37,6 +37,7 @@ from nodeagent.jobspec import (
     parse_job_yaml,
 )
 from nodeagent.metrics import Metrics
+from nodeagent.training.datadirs import DataDirs
 
 pytestmark = pytest.mark.integration
 
@@ -173,7 +174,7 @@ def run_one_node_job(coordinator, tmp_path: Path, data_dir: Path, allow_imports:
     """A one-node job naming the user's model, on an agent of this process allowing `allow_imports`; its end."""
     address, stub, _ = coordinator
     agent = Agent(AgentConfig(coordinator=address, listen="127.0.0.1:0", metrics_listen=None,
-                              state_dir=tmp_path / "agent", data_dir=str(data_dir), name="safety",
+                              state_dir=tmp_path / "agent", data_dirs=DataDirs.parse([str(data_dir)]), name="safety",
                               allow_imports=allow_imports))
     try:
         assert agent.start()

@@ -148,6 +148,31 @@ class MemoryState(ControlState):
         with self._lock:
             return [job for job in self._by_age() if job.state in wanted]
 
+    def job_counts(self) -> dict[JobState, int]:
+        with self._lock:
+            counts: dict[JobState, int] = {}
+            for job in self._jobs.values():
+                counts[job.state] = counts.get(job.state, 0) + 1
+            return counts
+
+    def ended_job_ids(self) -> list[str]:
+        with self._lock:
+            order = {job_id: index for index, job_id in enumerate(self._jobs)}
+            ended = [job for job in self._jobs.values() if job.state not in ACTIVE_JOB_STATES]
+        return [job.job_id for job in sorted(ended, key=lambda job: (job.ended_unix, order[job.job_id]),
+                                             reverse=True)]
+
+    def delete_job(self, job_id: str) -> bool:
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None or job.state in ACTIVE_JOB_STATES:
+                return False
+            del self._jobs[job_id]
+            self._members.pop(job_id, None)
+            self._not_ready.pop(job_id, None)
+            self._specs.forget(job_id)
+            return True
+
     def _replace(self, job: Job, **changes: object) -> None:
         changed = dataclasses.replace(job, **changes)  # type: ignore[arg-type]
         self._jobs[job.job_id] = dataclasses.replace(changed, running_spec=self._specs.running(

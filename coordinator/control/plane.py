@@ -176,6 +176,20 @@ class ControlPlane:
         self._end_job(job, JobState.FAILED, f"rank {rank} (node {node_id}) failed: {reason}", effects)
         return True, effects.items
 
+    def data_missing(self, job_id: str, rank: int, node_id: str, missing: str) -> tuple[bool, list[Effect]]:
+        """A rank cannot start: its node does not have the job's data (`missing`, in the node's words, names the
+        dataset and where it looked). The job fails at its start barrier, naming the node and the dataset. False
+        (and nothing changes) when that node does not hold that rank of that job."""
+        if not self.state.record_failure(job_id, rank, node_id, missing):
+            return False, []
+        job = self.state.job(job_id)
+        assert job is not None
+        node = self.state.node(node_id)
+        named = node_id if node is None or node.name == node_id else f"{node_id}, {node.name}"
+        effects = Effects()
+        self._end_job(job, JobState.FAILED, f"start barrier: rank {rank} (node {named}) has {missing}", effects)
+        return True, effects.items
+
     def ready(self, job: Job, rank: int, node_id: str, data: DatasetInfo) -> tuple[ReadyOutcome, list[Effect]]:
         """A rank is ready to start, with its data: the job is released when its last rank is. Ranks whose data
         differ fail the job once a majority of its ranks agree on one description, naming the minority and what

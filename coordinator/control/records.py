@@ -102,6 +102,10 @@ class Specs:
     def add(self, job_id: str, spec: JobSpec) -> None:
         self._specs[job_id] = spec
 
+    def forget(self, job_id: str) -> None:
+        self._specs.pop(job_id, None)
+        self._running.pop(job_id, None)
+
     def running(self, job_id: str, spec: JobSpec, topology_json: str, version: int) -> JobSpec:
         """The job as it runs with its latest topology change (`topology_json`, version `version`; '': none)."""
         if not topology_json:

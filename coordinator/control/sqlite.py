@@ -118,6 +118,10 @@ class SqliteState(ControlState):
             for column, definition in columns.items():
                 if column not in present:
                     self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
+        # The monitor reads the live jobs every second: by this index it never walks the ended ones' rows (a row
+        # holds its spec, up to a MiB twice, stored before the state).
+        self._db.execute("CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs(state, created_unix)")
+        self._db.execute("CREATE INDEX IF NOT EXISTS jobs_by_end ON jobs(ended_unix)")
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -254,6 +258,26 @@ class SqliteState(ControlState):
         rows = self._query(f"SELECT {', '.join(_JOB_FIELDS)} FROM jobs WHERE state IN ({marks}) ORDER BY created_unix",
                            wanted)
         return [self._job(r) for r in rows]
+
+    def job_counts(self) -> dict[JobState, int]:
+        return {JobState(state): count for state, count in
+                self._query("SELECT state, COUNT(*) FROM jobs GROUP BY state")}
+
+    def ended_job_ids(self) -> list[str]:
+        ended = tuple(state.value for state in JobState if state not in ACTIVE_JOB_STATES)
+        rows = self._query(f"SELECT job_id FROM jobs WHERE state IN ({','.join('?' * len(ended))}) "
+                           "ORDER BY ended_unix DESC, rowid DESC", ended)
+        return [row[0] for row in rows]
+
+    def delete_job(self, job_id: str) -> bool:
+        with self._tx() as db:
+            row = db.execute("SELECT state FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+            if row is None or JobState(row[0]) in ACTIVE_JOB_STATES:
+                return False
+            db.execute("DELETE FROM members WHERE job_id=?", (job_id,))
+            db.execute("DELETE FROM jobs WHERE job_id=?", (job_id,))
+        self._specs.forget(job_id)
+        return True
 
     def end_job(self, job_id: str, state: JobState, reason: str = "") -> bool:
         with self._tx() as db:

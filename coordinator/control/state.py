@@ -82,6 +82,21 @@ class ControlState(ABC):
         """The jobs in `states`, oldest first."""
 
     @abstractmethod
+    def job_counts(self) -> dict[JobState, int]:
+        """How many jobs are in each state (a state with none is left out), without reading the jobs: the
+        coordinator's gauges ask every second, and ended jobs pile up."""
+
+    @abstractmethod
+    def ended_job_ids(self) -> list[str]:
+        """The ids of the ended jobs (finished, stopped, failed), the latest ended first, without reading the
+        jobs."""
+
+    @abstractmethod
+    def delete_job(self, job_id: str) -> bool:
+        """Forget an ended job: its record and its members' rows (their results). False (and nothing changes) when
+        it is unknown or still pending or running."""
+
+    @abstractmethod
     def end_job(self, job_id: str, state: JobState, reason: str = "") -> bool:
         """Move a pending or running job to the final `state`; whether it was still active."""
 

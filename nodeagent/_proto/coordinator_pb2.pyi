@@ -398,18 +398,20 @@ class DataDescription(_message.Message):
     def __init__(self, input_shape: _Optional[_Iterable[int]] = ..., num_classes: _Optional[int] = ..., train_samples: _Optional[int] = ..., test_samples: _Optional[int] = ...) -> None: ...
 
 class JobReadyRequest(_message.Message):
-    __slots__ = ("node_id", "job_id", "rank", "data", "wait_s")
+    __slots__ = ("node_id", "job_id", "rank", "data", "wait_s", "missing_data")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    MISSING_DATA_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     job_id: str
     rank: int
     data: DataDescription
     wait_s: float
-    def __init__(self, node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., data: _Optional[_Union[DataDescription, _Mapping]] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    missing_data: str
+    def __init__(self, node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., data: _Optional[_Union[DataDescription, _Mapping]] = ..., wait_s: _Optional[float] = ..., missing_data: _Optional[str] = ...) -> None: ...
 
 class JobReadyReply(_message.Message):
     __slots__ = ("released", "job_state", "waiting_for", "reason")
@@ -512,6 +514,20 @@ class StopJobRequest(_message.Message):
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class DeleteJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class DeleteJobReply(_message.Message):
+    __slots__ = ("job_id", "run_dir")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_DIR_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    run_dir: str
+    def __init__(self, job_id: _Optional[str] = ..., run_dir: _Optional[str] = ...) -> None: ...
 
 class StopJobReply(_message.Message):
     __slots__ = ("state", "job_id")

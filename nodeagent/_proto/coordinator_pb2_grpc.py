@@ -90,6 +90,11 @@ class CoordinatorStub:
                 request_serializer=peertrain_dot_v1_dot_coordinator__pb2.StopJobRequest.SerializeToString,
                 response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.StopJobReply.FromString,
                 _registered_method=True)
+        self.DeleteJob = channel.unary_unary(
+                '/peertrain.v1.Coordinator/DeleteJob',
+                request_serializer=peertrain_dot_v1_dot_coordinator__pb2.DeleteJobRequest.SerializeToString,
+                response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.DeleteJobReply.FromString,
+                _registered_method=True)
         self.ListNodes = channel.unary_unary(
                 '/peertrain.v1.Coordinator/ListNodes',
                 request_serializer=peertrain_dot_v1_dot_coordinator__pb2.ListNodesRequest.SerializeToString,
@@ -253,6 +258,14 @@ class CoordinatorServicer:
 
     def StopJob(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteJob(self, request, context):
+        """Forget an ended job: its record, its members' results, its events and run directory. A pending or running job
+        is refused (FAILED_PRECONDITION): stop it first.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -437,6 +450,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.StopJob,
                     request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.StopJobRequest.FromString,
                     response_serializer=peertrain_dot_v1_dot_coordinator__pb2.StopJobReply.SerializeToString,
+            ),
+            'DeleteJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteJob,
+                    request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.DeleteJobRequest.FromString,
+                    response_serializer=peertrain_dot_v1_dot_coordinator__pb2.DeleteJobReply.SerializeToString,
             ),
             'ListNodes': grpc.unary_unary_rpc_method_handler(
                     servicer.ListNodes,
@@ -816,6 +834,33 @@ class Coordinator:
             '/peertrain.v1.Coordinator/StopJob',
             peertrain_dot_v1_dot_coordinator__pb2.StopJobRequest.SerializeToString,
             peertrain_dot_v1_dot_coordinator__pb2.StopJobReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peertrain.v1.Coordinator/DeleteJob',
+            peertrain_dot_v1_dot_coordinator__pb2.DeleteJobRequest.SerializeToString,
+            peertrain_dot_v1_dot_coordinator__pb2.DeleteJobReply.FromString,
             options,
             channel_credentials,
             insecure,

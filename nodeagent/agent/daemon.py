@@ -32,6 +32,7 @@ from nodeagent.defaults import (
     ENROLL_PORT,
     HEARTBEAT_INTERVAL_S,
     KEEP_CHECKPOINTS,
+    MAX_MODEL_MEMORY_MIB,
 )
 from nodeagent.health import HealthServer
 from nodeagent.metrics import Metrics
@@ -41,6 +42,7 @@ from nodeagent.runtime.peer_service import PEER_RULES, PeerServicer, ServingStat
 from nodeagent.security.authz import Authorizer
 from nodeagent.security.pki import Identity, Role
 from nodeagent.security.tls import INSECURE_WARNING, TlsDir, TlsError, Transport
+from nodeagent.training.datadirs import DataDirs
 from nodeagent.training.device import describe_device
 
 log = logging.getLogger("nodeagent")
@@ -66,7 +68,7 @@ class AgentConfig:
     advertise: str | None = None
     metrics_listen: str | None = f"0.0.0.0:{AGENT_METRICS_PORT}"
     state_dir: Path = Path("/var/lib/peertrain/agent")
-    data_dir: str | None = None
+    data_dirs: DataDirs = field(default_factory=DataDirs)  # where this machine keeps each dataset
     device: str = "cpu"  # resolved (nodeagent.training.device.resolve_device): cpu, cuda:0, ...
     name: str = field(default_factory=socket.gethostname)
     slowdown: float = 1.0
@@ -77,6 +79,7 @@ class AgentConfig:
     ca_fingerprint: str = ""
     enroll_address: str = ""  # the coordinator's enrollment address (default: its host, ENROLL_PORT)
     allow_imports: tuple[str, ...] = ()  # modules a job's model may be imported from (nodeagent.training.models)
+    max_model_memory_mib: int = MAX_MODEL_MEMORY_MIB  # a job's model with its optimizer state, refused beyond
     keep_checkpoints: int = KEEP_CHECKPOINTS  # the checkpoints of this many jobs ended here are kept (checkpoint.py)
 
 

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import grpc
@@ -51,8 +52,10 @@ from nodeagent.runtime.messages import data_to_proto, to_report
 from nodeagent.runtime.peer_service import GrpcPeers, ServingState
 from nodeagent.runtime.progress import figures_text
 from nodeagent.runtime.server_link import GrpcServerLink
-from nodeagent.training.data import DatasetInfo
+from nodeagent.training.data import DataError, DatasetInfo
+from nodeagent.training.datadirs import DataDirs
 from nodeagent.training.job import Node, build_node
+from nodeagent.training.model_memory import MIB
 from nodeagent.wire.encoder import encode
 from nodeagent.wire.message import Encoding, Kind, Message
 
@@ -176,8 +179,14 @@ class JobRunner(threading.Thread):
     def _train(self) -> None:
         spec, agent = self.spec, self.agent
         building = time.perf_counter()
-        node = build_node(spec, self.rank, self.neighbors, self.self_weight, agent.config.data_dir,
-                          self.peer_schedule, allow_imports=agent.config.allow_imports, device=self.device)
+        data_dir = agent.config.data_dirs.directory_for(spec.data)
+        try:
+            node = build_node(spec, self.rank, self.neighbors, self.self_weight, data_dir, self.peer_schedule,
+                              allow_imports=agent.config.allow_imports, device=self.device,
+                              max_model_bytes=agent.config.max_model_memory_mib * MIB)
+        except DataError as error:  # this machine lacks the job's data: the job fails at its start barrier
+            self._report_missing_data(missing_data_text(spec, agent.config.data_dirs, error))
+            return
         algorithm = node.algorithm
         checkpoint = checkpoint_path(agent.config.state_dir, self.job_id, self.rank, spec.checkpoint.keep)
         # A node that joins takes the model from its neighbours; a checkpoint of this rank from an earlier stay in
@@ -352,6 +361,25 @@ class JobRunner(threading.Thread):
             request.wait_s = READY_WAIT_S
         return False
 
+    def _report_missing_data(self, missing: str) -> None:
+        """Tell the coordinator at the start barrier that this node does not have the job's data (`missing` says
+        which and where it looked): the job fails there, naming this node and the dataset."""
+        assert self.agent.stub is not None
+        log.error("job %s: %s", self.job_id, missing)
+        request = coordinator_pb2.JobReadyRequest(node_id=self.agent.node_id, job_id=self.job_id, rank=self.rank,
+                                                  missing_data=missing)
+        backoff = Backoff(f"missing-data report of job {self.job_id} to the coordinator", log)
+        while not self.stop_event.is_set():
+            try:
+                reply = self.agent.stub.JobReady(request, timeout=READY_WAIT_S + READY_CALL_SLACK_S)
+            except grpc.RpcError as error:
+                if error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED):
+                    raise RuntimeError(f"the coordinator refused this rank's ready report: {error.details()}") from None
+                self.stop_event.wait(backoff.failed(failure_reason(error)))
+                continue
+            log.info("job %s ended at its start barrier: %s", self.job_id, reply.reason or "stopped")
+            return
+
     def _wait_for_neighbours(self) -> None:
         """Start together: wait until every neighbour serves this job (bounded), so that no node runs ahead
         mixing with neighbours that have not started. A neighbour that does not come keeps its copy stale."""
@@ -375,6 +403,15 @@ def failure_of(error: Exception, spec: JobSpec, device: torch.device) -> str:
         return (f"CUDA out of memory: {first} (model {spec.model.name}, batch {spec.data.batch_size}, device "
                 f"{device})")
     return f"{type(error).__name__}: {error}"
+
+
+def missing_data_text(spec: JobSpec, data_dirs: DataDirs, error: DataError) -> str:
+    """What a node says when it does not have a job's data: the dataset (its kind, and its name where that differs),
+    where this node looked, and what the loader found."""
+    name = Path(spec.data.data_dir).name
+    dataset = spec.data.dataset if name in ("", spec.data.dataset) else f"{spec.data.dataset} ({name})"
+    looked = ", ".join(data_dirs.candidates(spec.data))
+    return f"no data for dataset {dataset} (looked in {looked}): {error}"
 
 
 def release_device_memory(device: torch.device) -> None:

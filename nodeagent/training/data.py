@@ -182,7 +182,7 @@ PUBLISHED_NORMALISATION: dict[str, Normalisation] = {
 }
 
 # (sample shape, classes) that a kind's format fixes: its readers check the files against them.
-_FIXED_SHAPES: dict[str, tuple[tuple[int, ...], int]] = {
+FIXED_SHAPES: dict[str, tuple[tuple[int, ...], int]] = {
     "fashion-mnist": ((1, 28, 28), 10),
     "mnist": ((1, 28, 28), 10),
     "cifar10": ((3, 32, 32), 10),
@@ -253,8 +253,8 @@ def _idx_file(directory: Path, stem: str) -> Path:
     raise DataError(
         f"{stem} (or {stem}.gz) not found in {directory}. Install the Debian package 'dataset-fashion-mnist' "
         f"(sudo apt-get install dataset-fashion-mnist, files in {DEFAULT_DATA_DIR}), or put the four IDX "
-        f"files of Fashion-MNIST or MNIST in a directory and pass it with --data-dir DIR "
-        f"(or PEERTRAIN_DATA_DIR=DIR)"
+        f"files of Fashion-MNIST or MNIST in a directory and map it on the agent: --data-dir fashion-mnist=DIR "
+        f"(or mnist=DIR), or put it under its --data-root"
     )
 
 
@@ -269,7 +269,7 @@ def _idx_count_and_shape(kind: str, directory: Path, split: Split) -> tuple[int,
     (labels,) = _idx_header(label_path, _read_header_bytes(label_path, 8), 1)
     if count != labels:
         raise DataError(f"{label_path}: {labels} labels for {count} images in {image_path}")
-    expected = _FIXED_SHAPES[kind][0]
+    expected = FIXED_SHAPES[kind][0]
     if (1, rows, columns) != expected:
         raise DataError(f"{image_path}: images are {rows}x{columns}, expected {expected[1]}x{expected[2]} ({kind})")
     return count, (1, rows, columns)
@@ -281,7 +281,7 @@ def _idx_read(kind: str, directory: Path, split: Split) -> tuple[np.ndarray, np.
     labels = read_idx(label_path, 1)
     if images.shape[0] != labels.shape[0]:
         raise DataError(f"{label_path}: {labels.shape[0]} labels for {images.shape[0]} images in {image_path}")
-    return images[:, np.newaxis], _checked_labels(label_path, labels, _FIXED_SHAPES[kind][1])
+    return images[:, np.newaxis], _checked_labels(label_path, labels, FIXED_SHAPES[kind][1])
 
 
 # -- CIFAR-10 and CIFAR-100, binary distribution ----------------------------------------------------------------------
@@ -317,7 +317,7 @@ def _cifar_directory(kind: str, directory: Path) -> Path:
             )
     raise DataError(
         f"{first} not found in {directory} nor in {directory / _CIFAR_SUBDIRECTORY[kind]}: unpack "
-        f"{_CIFAR_BINARY_URL[kind]} and pass its directory with --data-dir DIR (or data.data_dir)"
+        f"{_CIFAR_BINARY_URL[kind]} and map its directory on the agent: --data-dir {kind}=DIR (or data.data_dir)"
     )
 
 
@@ -347,7 +347,7 @@ def _cifar_read(kind: str, directory: Path, split: Split) -> tuple[np.ndarray, n
     for path in _cifar_files(kind, directory, split):
         records = np.memmap(path, dtype=_CIFAR_RECORDS[kind], mode="r", shape=(_cifar_records(kind, path),))
         samples.append(np.asarray(records["pixels"]))
-        labels.append(_checked_labels(path, np.asarray(records["label"]), _FIXED_SHAPES[kind][1]))
+        labels.append(_checked_labels(path, np.asarray(records["label"]), FIXED_SHAPES[kind][1]))
     # One file stays mapped; CIFAR-10's five training batches are joined into memory (150 MB of pixels).
     return (samples[0] if len(samples) == 1 else np.concatenate(samples)), np.concatenate(labels)
 
@@ -557,7 +557,7 @@ def _resolved(kind: str, data_dir: str | Path) -> Path:
     directory = Path(data_dir).expanduser().resolve()
     if not directory.is_dir():
         raise DataError(f"{directory}: no such directory (the {kind} data's directory: data.data_dir, or an agent's "
-                        f"--data-dir)")
+                        f"--data-dir {kind}=DIR)")
     return directory
 
 
@@ -581,8 +581,8 @@ def _describe(kind: str, directory: Path, identities: tuple[FileIdentity, FileId
     if train_shape != test_shape:
         raise DataError(f"{directory}: training samples are {_shape_text(train_shape)} but test samples "
                         f"{_shape_text(test_shape)}")
-    if kind in _FIXED_SHAPES:
-        num_classes = _FIXED_SHAPES[kind][1]
+    if kind in FIXED_SHAPES:
+        num_classes = FIXED_SHAPES[kind][1]
     elif kind == "npy":
         num_classes = _npy_classes(directory)
     else:

@@ -24,6 +24,7 @@ from torch import nn
 from nodeagent.algorithms import Algorithm, Neighbor, NodeContext, build_algorithm
 from nodeagent.jobspec import JobSpec
 from nodeagent.training.loop import CPU, BatchStream, EvalResult, model_device
+from nodeagent.training.model_memory import check_model_memory
 from nodeagent.training.models import initial_model
 from nodeagent.training.tasks import Task, TrainingData, task_of
 
@@ -94,10 +95,11 @@ class JobData:
 
     @classmethod
     def prepare(cls, spec: JobSpec, data_dir: str | Path | None = None, allow_imports: Collection[str] = (),
-                device: torch.device = CPU) -> JobData:
+                device: torch.device = CPU, max_model_bytes: int | None = None) -> JobData:
         """Loads the job's data and splits it, and builds its initial model (on the CPU, seeded: the same on every
         device). `data_dir` overrides the job's data directory on this machine; `allow_imports` are the modules a
-        model may be imported from on it (nodeagent.training.models); `device` is where its nodes compute. Seeds
+        model may be imported from on it (nodeagent.training.models); `device` is where its nodes compute;
+        `max_model_bytes` bounds the model with its optimizer state, checked before it is built (model_memory). Seeds
         torch's global generator as `initial_model` does, once: what the nodes draw next (dropout) is what a
         single node built alone would draw."""
         if spec.training.precision == "fp16" and device.type != "cuda":
@@ -107,6 +109,8 @@ class JobData:
         train = task.load(spec, directory, "train")
         test = task.load(spec, directory, "test")
         shards = task.shards(spec, train)
+        if max_model_bytes is not None:  # before the model takes any memory
+            check_model_memory(spec, train.info.input_shape, train.info.num_classes, max_model_bytes, allow_imports)
         initial = initial_model(spec, train.info, allow_imports)
         return cls(spec, train, test, shards, initial, InitialEvaluation(initial, test, task), device)
 
@@ -142,7 +146,9 @@ def build_node(
     peer_schedule: tuple[tuple[int, ...], ...] = (),
     allow_imports: Collection[str] = (),
     device: torch.device = CPU,
+    max_model_bytes: int | None = None,
 ) -> Node:
     """The node of `rank` alone (an agent's), on `device`: the job's data prepared for it (`JobData.prepare`), then
     its node. Building many nodes of one job, prepare the JobData once and call its `node` for each."""
-    return JobData.prepare(spec, data_dir, allow_imports, device).node(rank, neighbors, self_weight, peer_schedule)
+    return JobData.prepare(spec, data_dir, allow_imports, device, max_model_bytes).node(rank, neighbors, self_weight,
+                                                                                      peer_schedule)

@@ -193,13 +193,14 @@ def load_tokens(kind: str, data_dir: str | Path, split: Split, options: TextOpti
     if kind == "text":
         if not path.exists():
             raise DataError(f"{path}: no such file or directory (the text data: data.data_dir, or an agent's "
-                            "--data-dir)")
+                            "--data-dir NAME=FILE)")
         identity = _identity(_text_files(path))
         train, test = (_read_text(path, identity, options, split) for split in ("train", "test"))
         vocabulary = 256
     else:
         if not path.is_dir():
-            raise DataError(f"{path}: no such directory (the tokens data: data.data_dir, or an agent's --data-dir)")
+            raise DataError(f"{path}: no such directory (the tokens data: data.data_dir, or an agent's "
+                            "--data-dir NAME=DIR)")
         assert isinstance(options, TokensOptions)
         train, test = (_read_tokens(file, _identity([file]), options)
                        for file in (_token_file(path, "train"), _token_file(path, "test")))
