@@ -768,6 +768,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"node {node.node_id} runs rank {info.rank} of job {info.job_id}: stop the job or drain "
                           "the node first")
+        if node.up:
+            # Its agent would register again at its next heartbeat: removing it would not last.
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"node {node.node_id} is up (its agent at {node.peer_address} runs): stop its agent first "
+                          f"(`coordinator nodes drain {node.node_id}` moves its work away), then remove it")
         self.store.remove_node(node.node_id)
         log.info("%s removed by an operator", node.node_id)
         self.changes.bump()

@@ -254,11 +254,17 @@ def test_an_elastic_job_changes_members_and_a_rank_that_left_goes_to_a_newcomer(
         [(0, "a"), (1, "e"), (2, "c"), (3, "d")]
 
 
-def test_removing_a_node_forgets_its_memberships_of_ended_jobs(state, clock):
+def test_removing_a_node_keeps_its_rows_and_results_in_ended_jobs(state, clock):
     running(state, clock)
+    clock.now += 1
+    state.record_progress(Progress("j1", 0, "a", step=20, test_accuracy=0.75, finished=True, bytes_sent=9, time=1))
     state.end_job("j1", JobState.FINISHED)
     state.remove_node("a")
-    assert [m.node_id for m in state.members("j1")] == ["b"]
+    assert state.node("a") is None
+    kept = state.members("j1")
+    assert [(m.rank, m.node_id, m.state) for m in kept] == [(0, "a", MemberState.FINISHED),
+                                                            (1, "b", MemberState.JOINED)]
+    assert (kept[0].progress.test_accuracy, kept[0].progress.bytes_sent) == (0.75, 9)
 
 
 def test_the_barrier_waits_for_a_member_that_joined_and_not_for_one_that_left(state, clock):

@@ -100,9 +100,6 @@ class MemoryState(ControlState):
 
     def remove_node(self, node_id: str) -> None:
         with self._lock:
-            for members in self._members.values():
-                for rank in [rank for rank, m in members.items() if m.row.node_id == node_id]:
-                    del members[rank]
             self._nodes.pop(node_id, None)
 
     # -- jobs ----------------------------------------------------------------------------------------------------

@@ -200,9 +200,9 @@ class SqliteState(ControlState):
             return db.execute("UPDATE nodes SET draining=? WHERE node_id=?", (int(draining), node_id)).rowcount == 1
 
     def remove_node(self, node_id: str) -> None:
-        """Forget a node (not in a running job: the caller checks) and its memberships of ended jobs."""
+        """Forget a node (not in a running job: the caller checks); the ended jobs it was a member of keep its
+        rows."""
         with self._tx() as db:
-            db.execute("DELETE FROM members WHERE node_id=?", (node_id,))
             db.execute("DELETE FROM nodes WHERE node_id=?", (node_id,))
 
     # -- jobs ----------------------------------------------------------------------------------------------------

@@ -54,7 +54,8 @@ class ControlState(ABC):
 
     @abstractmethod
     def remove_node(self, node_id: str) -> None:
-        """Forget a node (not in a running job: the caller checks) and its memberships of ended jobs."""
+        """Forget a node (not in a running job: the caller checks). The jobs it was a member of keep its rows, their
+        results and its id: a finished job's record does not change with the nodes that come and go later."""
 
     # -- jobs ----------------------------------------------------------------------------------------------------
 
