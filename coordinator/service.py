@@ -444,15 +444,18 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.metrics.coordinator_refused_reports.labels(request.node_id, field).inc()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"report of rank {request.rank} of job {job.job_id}: "
                           f"{field}: {why}")
-        if not self.store.record_progress(progress):
+        recorded = self.store.record_progress(progress)
+        if recorded is None:
             return pb.MetricsReply(job_active=False)
         run_log = self._run_logs.get(job.job_id)
         if run_log is None:
             run_log = self._run_logs[job.job_id] = RunLog(job.run_dir)
-        run_log.append(progress)
+        run_log.append(recorded)  # with the traffic of the member's whole part in the job
+        live = {edge.peer for edge in progress.edges}  # the node's edges now, for per-edge debugging
         with self._live_edges_lock:
             if self.store.job(job.job_id).state == JobState.RUNNING:
-                self._live_edges.setdefault(job.job_id, {})[progress.rank] = progress
+                self._live_edges.setdefault(job.job_id, {})[progress.rank] = dataclasses.replace(
+                    recorded, edges=tuple(edge for edge in recorded.edges if edge.peer in live))
         if request.finished:
             self._control(self.plane.reported, job)
         return pb.MetricsReply(job_active=self.store.job(job.job_id).state == JobState.RUNNING)

@@ -132,6 +132,8 @@ class ControlState(ABC):
         """The running job the node holds a rank of, and the rank."""
 
     @abstractmethod
-    def record_progress(self, progress: Progress) -> bool:
-        """Store a node's progress (an evaluation's figures stay until the next evaluation); returns False if
-        that node does not hold that rank of that job."""
+    def record_progress(self, progress: Progress) -> Progress | None:
+        """Store a node's progress (an evaluation's figures stay until the next evaluation) with its traffic added
+        up over the member's part in the job (coordinator.control.traffic: across restarts of its agent and
+        topology switches); returns the progress so added up, None if that node does not hold that rank of that
+        job."""
