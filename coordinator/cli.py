@@ -519,13 +519,16 @@ def _channel(args: argparse.Namespace) -> grpc.Channel:
 
 
 def _stub(args: argparse.Namespace) -> coordinator_pb2_grpc.CoordinatorStub:
-    return coordinator_pb2_grpc.CoordinatorStub(_channel(args))
+    from nodeagent.compat import versioned
+
+    return coordinator_pb2_grpc.CoordinatorStub(versioned(_channel(args)))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from coordinator.ca import CAError, ClusterCA
     from coordinator.ps_service import add_coordinator_servicer
     from coordinator.service import SERVER_THREADS, CoordinatorConfig, CoordinatorService, EnrollmentService
+    from nodeagent.compat import VersionCheck
     from nodeagent.security.tls import INSECURE_WARNING, TlsDir, Transport
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s coordinator %(levelname)s: %(message)s")
@@ -555,7 +558,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=SERVER_THREADS, thread_name_prefix="coordinator"),
             options=SERVER_OPTIONS,
-            interceptors=[authorizer] if authorizer else None,
+            interceptors=[*([authorizer] if authorizer else []), VersionCheck()],
         )
         bound = transport.bind(server, args.listen)
         add_coordinator_servicer(service, server)

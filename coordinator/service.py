@@ -39,6 +39,7 @@ from coordinator.rendezvous import Rendezvous, RendezvousError, request_problem
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 from nodeagent.algorithms import Family, lookup
+from nodeagent.compat import skew_problem
 from nodeagent.defaults import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, KEEP_RUNS
 from nodeagent.jobspec import (
     MAX_NODES,
@@ -356,6 +357,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         node_id = self._as_node(context, request.node_id)
         name = request.name or request.peer_address
+        if skew := skew_problem(f"agent {node_id or name}", request.version):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, skew)
         known = self.store.node(node_id) if node_id else None
         if (known is not None and known.up and known.peer_address != request.peer_address
                 and answers_as(self.transport, known.peer_address, known.node_id)):
