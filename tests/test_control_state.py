@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.control import traffic
 from coordinator.control.memory import MemoryState
 from coordinator.control.sqlite import SqliteState
 from coordinator.control.state import ControlState
@@ -222,6 +223,16 @@ def test_per_edge_traffic_adds_up_to_the_total_across_a_switch_and_a_restart(sta
     assert later.bytes_sent == sum(e.bytes_sent for e in later.edges) == 670
     [stored] = [m.progress for m in state.members("j1") if m.rank == 0]
     assert (stored.bytes_sent, stored.bytes_received) == (670, 335)  # what `coordinator status` shows
+
+
+def test_a_members_traffic_ledger_keeps_no_more_peers_than_a_job_can_have(monkeypatch):
+    monkeypatch.setattr(traffic, "MAX_PEERS", 3)
+    ledger = traffic.TrafficLedger()
+    for index in range(10):  # a report naming other peers each time
+        ledger.add(Progress("j1", 0, "a", elapsed_s=index, bytes_sent=index + 1,
+                            edges=(EdgeCounters(f"peer-{index}", 1, 0),)))
+    assert sorted(ledger.last_edges) == ["peer-0", "peer-1", "peer-2"]
+    assert traffic.TrafficLedger.from_json(ledger.to_json()) == ledger
 
 
 def test_a_failure_is_recorded_for_the_rank_its_node_holds(state, clock):

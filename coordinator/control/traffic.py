@@ -13,9 +13,13 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from nodeagent.jobspec import MAX_NODES
 from nodeagent.runtime.progress import EdgeCounters, Progress
 
 Bytes = tuple[int, int]  # sent, received
+# The most peers a member's ledger keeps: a node's neighbours over the whole job (at most every other node) and the
+# parameter server or the all-reduce. A report naming others (a broken or hostile agent) grows it no further.
+MAX_PEERS = MAX_NODES + 1
 
 
 @dataclass
@@ -37,16 +41,20 @@ class TrafficLedger:
         self.last = (progress.bytes_sent, progress.bytes_received)
         self.last_elapsed_s = progress.elapsed_s
         for edge in progress.edges:
-            self.last_edges[edge.peer] = (edge.bytes_sent, edge.bytes_received)
+            if edge.peer in self.last_edges or edge.peer in self.earlier_edges or self._peers() < MAX_PEERS:
+                self.last_edges[edge.peer] = (edge.bytes_sent, edge.bytes_received)
         sent, received = _plus(self.earlier, self.last)
         totals = {peer: _plus(self.earlier_edges.get(peer, (0, 0)), self.last_edges.get(peer, (0, 0)))
                   for peer in {*self.earlier_edges, *self.last_edges}}
         reported = {edge.peer for edge in progress.edges}
         edges = [dataclasses.replace(edge, bytes_sent=totals[edge.peer][0], bytes_received=totals[edge.peer][1])
-                 for edge in progress.edges]
+                 if edge.peer in totals else edge for edge in progress.edges]
         edges += [EdgeCounters(peer, *totals[peer]) for peer in totals if peer not in reported]
         return dataclasses.replace(progress, bytes_sent=sent, bytes_received=received,
                                    edges=tuple(sorted(edges, key=lambda edge: edge.peer)))
+
+    def _peers(self) -> int:
+        return len(self.last_edges.keys() | self.earlier_edges.keys())
 
     def _restarted(self, progress: Progress) -> bool:
         """A new run of the agent: its counters, which only grow within a run, went back."""
