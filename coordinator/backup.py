@@ -165,6 +165,8 @@ def _add(archive: tarfile.TarFile, path: Path, name: str, files: dict[str, tuple
 def restore_backup(archive_path: Path, state_dir: Path, force: bool = False) -> Manifest:
     """Put the backup `archive_path` in place as the state in `state_dir`, after checking every file; refuses a
     state directory that holds anything unless `force` (which replaces the state there), and one in use."""
+    if not archive_path.is_file():
+        raise BackupError(f"no backup {archive_path}")
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     present = [p.name for p in state_dir.iterdir() if p.name not in SKIPPED]
     if present and not force:

@@ -131,6 +131,9 @@ def test_restore_refuses_a_damaged_or_foreign_archive(tmp_path):
     with pytest.raises(SystemExit, match="does not hold the files its manifest names"):
         main(["restore", str(escaping), "--state-dir", str(tmp_path / "b")])
     assert not (tmp_path / "evil").exists()
+    with pytest.raises(SystemExit, match="no backup"):
+        main(["restore", str(tmp_path / "absent.tar.gz"), "--state-dir", str(tmp_path / "d")])
+    assert not (tmp_path / "d").exists()
     (tmp_path / "junk.tar.gz").write_bytes(b"not an archive")
     with pytest.raises(SystemExit, match="cannot read the backup"):
         main(["restore", str(tmp_path / "junk.tar.gz"), "--state-dir", str(tmp_path / "c")])
