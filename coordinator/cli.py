@@ -202,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_state_dir_option(ca)
 
+    _add_backup_commands(commands)
+
     token = commands.add_parser(
         "token", help="create a one-time join token for a new node",
         description="Prints a token and the CA fingerprint; a new node enrolls with `nodeagent serve --join-token "
@@ -542,13 +544,16 @@ def _channel(args: argparse.Namespace) -> grpc.Channel:
 
 
 def _stub(args: argparse.Namespace) -> coordinator_pb2_grpc.CoordinatorStub:
-    return coordinator_pb2_grpc.CoordinatorStub(_channel(args))
+    from nodeagent.compat import versioned
+
+    return coordinator_pb2_grpc.CoordinatorStub(versioned(_channel(args)))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from coordinator.ca import CAError, ClusterCA
     from coordinator.ps_service import add_coordinator_servicer
     from coordinator.service import SERVER_THREADS, CoordinatorConfig, CoordinatorService, EnrollmentService
+    from nodeagent.compat import VersionCheck
     from nodeagent.security.tls import INSECURE_WARNING, TlsDir, Transport
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s coordinator %(levelname)s: %(message)s")
@@ -582,7 +587,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=SERVER_THREADS, thread_name_prefix="coordinator"),
             options=SERVER_OPTIONS,
-            interceptors=[authorizer] if authorizer else None,
+            interceptors=[*([authorizer] if authorizer else []), VersionCheck()],
         )
         bound = transport.bind(server, args.listen)
         add_coordinator_servicer(service, server)
@@ -647,6 +652,60 @@ def cmd_ca(args: argparse.Namespace) -> int:
         ca = ClusterCA.init(args.state_dir)
         print(f"created the cluster CA in {ca.directory}")
     print(f"CA fingerprint (sha256): {ca.fingerprint}")
+    return 0
+
+
+def _add_backup_commands(commands: argparse._SubParsersAction) -> None:
+    backup = commands.add_parser(
+        "backup", help="archive the coordinator's state (database, CA, run directories) to one file, online",
+        description="Write the coordinator's state in STATE_DIR to FILE while it runs: the SQLite database (copied "
+        "with SQLite's backup API: a consistent snapshot), the cluster CA (key and certificate, issued and revoked "
+        "certificates, join tokens), the coordinator's certificate and the run directories in STATE_DIR/runs. FILE "
+        "holds the CA's private key: it is written 0600; keep it as you keep the CA. `coordinator restore` puts it "
+        "back (docs/operations.md, \"Backups and restore\").",
+    )
+    backup.add_argument("--out", type=Path, required=True, metavar="FILE", help="the archive to write (.tar.gz)")
+    backup.add_argument("--force", action="store_true", help="replace FILE if it exists")
+    backup.add_argument("--without-runs", action="store_true",
+                        help="leave the run directories (metrics, events, trained models) out: the jobs, their "
+                        "results and the CA are kept")
+    _add_state_dir_option(backup)
+
+    restore = commands.add_parser(
+        "restore", help="put a backup in place as a coordinator's state (the coordinator stopped)",
+        description="Check every file of the archive against its manifest (SHA-256), the database's integrity and "
+        "the CA, then write them into STATE_DIR; run directories move under STATE_DIR/runs. Refuses a state "
+        "directory that holds anything (unless --force, which replaces its state) or that a coordinator uses.",
+    )
+    restore.add_argument("archive", type=Path, metavar="FILE", help="an archive `coordinator backup` wrote")
+    restore.add_argument("--force", action="store_true", help="replace the state in a non-empty STATE_DIR")
+    _add_state_dir_option(restore)
+
+
+def cmd_backup(args: argparse.Namespace) -> int:
+    from coordinator.backup import BackupError, write_backup
+
+    try:
+        manifest = write_backup(args.state_dir, args.out, args.force, with_runs=not args.without_runs)
+    except (BackupError, OSError) as error:
+        raise SystemExit(f"coordinator: backup: {error}") from None
+    size = sum(size for size, _ in manifest.files.values())
+    print(f"backed up {args.state_dir} to {args.out}: {len(manifest.files)} files, {size / 1e6:.1f} MB before "
+          "compression (it holds the CA's private key: keep it as you keep the CA)")
+    return 0
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    from coordinator.backup import BackupError, restore_backup
+
+    try:
+        manifest = restore_backup(args.archive, args.state_dir, args.force)
+    except (BackupError, OSError) as error:
+        raise SystemExit(f"coordinator: restore: {error}") from None
+    taken = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(manifest.created_unix))
+    print(f"restored {args.archive} (taken {taken} by peertrain {manifest.peertrain_version}, "
+          f"{len(manifest.files)} files) into {args.state_dir}; start the coordinator with --state-dir "
+          f"{args.state_dir}")
     return 0
 
 
@@ -1131,6 +1190,7 @@ def main(argv: list[str] | None = None) -> int:
         "status": cmd_status, "stop": cmd_stop, "edges": cmd_edges, "topology": cmd_topology,
         "simulate": cmd_simulate, "report": cmd_report, "export": cmd_export, "inspect": cmd_inspect,
         "demo": cmd_demo,
+        "backup": cmd_backup, "restore": cmd_restore,
         "schema": cmd_schema, "init": cmd_init, "validate": cmd_validate,
     }
     try:

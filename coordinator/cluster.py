@@ -158,6 +158,18 @@ class LocalCluster:
             self._channel = None
         self._run_coordinator(self.address, time.monotonic() + timeout_s)
 
+    def stop_coordinator(self, grace_s: float = 30.0) -> None:
+        """Stop the coordinator as an operator would (SIGTERM, as `systemctl restart` does to upgrade it);
+        `restart_coordinator` starts it again."""
+        process = self.processes["coordinator"]
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
     def start_coordinator(self, ready: Path, listen: str) -> None:
         self._spawn(
             "coordinator",

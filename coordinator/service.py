@@ -39,6 +39,7 @@ from coordinator.rendezvous import Rendezvous, RendezvousError, request_problem
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 from nodeagent.algorithms import Family, lookup
+from nodeagent.compat import skew_problem
 from nodeagent.defaults import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, KEEP_JOBS, KEEP_RUNS, MAX_MODEL_MEMORY_MIB
 from nodeagent.jobspec import (
     MAX_NODES,
@@ -385,6 +386,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         node_id = self._as_node(context, request.node_id)
         name = request.name or request.peer_address
+        if skew := skew_problem(f"agent {node_id or name}", request.version):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, skew)
         known = self.store.node(node_id) if node_id else None
         if (known is not None and known.up and known.peer_address != request.peer_address
                 and answers_as(self.transport, known.peer_address, known.node_id)):
@@ -473,15 +476,18 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.metrics.coordinator_refused_reports.labels(request.node_id, field).inc()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"report of rank {request.rank} of job {job.job_id}: "
                           f"{field}: {why}")
-        if not self.store.record_progress(progress):
+        recorded = self.store.record_progress(progress)
+        if recorded is None:
             return pb.MetricsReply(job_active=False)
         run_log = self._run_logs.get(job.job_id)
         if run_log is None:
             run_log = self._run_logs[job.job_id] = RunLog(job.run_dir)
-        run_log.append(progress)
+        run_log.append(recorded)  # with the traffic of the member's whole part in the job
+        live = {edge.peer for edge in progress.edges}  # the node's edges now, for per-edge debugging
         with self._live_edges_lock:
             if self.store.job(job.job_id).state == JobState.RUNNING:
-                self._live_edges.setdefault(job.job_id, {})[progress.rank] = progress
+                self._live_edges.setdefault(job.job_id, {})[progress.rank] = dataclasses.replace(
+                    recorded, edges=tuple(edge for edge in recorded.edges if edge.peer in live))
         if request.finished:
             self._control(self.plane.reported, job)
         return pb.MetricsReply(job_active=self.store.job(job.job_id).state == JobState.RUNNING)
@@ -821,6 +827,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"node {node.node_id} runs rank {info.rank} of job {info.job_id}: stop the job or drain "
                           "the node first")
+        if node.up:
+            # Its agent would register again at its next heartbeat: removing it would not last.
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"node {node.node_id} is up (its agent at {node.peer_address} runs): stop its agent first "
+                          f"(`coordinator nodes drain {node.node_id}` moves its work away), then remove it")
         self.store.remove_node(node.node_id)
         log.info("%s removed by an operator", node.node_id)
         self.changes.bump()

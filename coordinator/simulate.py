@@ -102,13 +102,15 @@ finished (failed, or finished without the lost) halts the mesh: its nodes are fr
         assert job is not None
         return job
 
-    def report(self, progress: Progress) -> None:
-        """A node's progress report; once every rank has finished, the job is."""
-        self.state.record_progress(progress)
+    def report(self, progress: Progress) -> Progress:
+        """A node's progress report; once every rank has finished, the job is. Returns it as the coordinator
+        records it (its traffic added up over the rank's part in the job)."""
+        recorded = self.state.record_progress(progress) or progress
         if progress.finished and progress.rank not in self._finished:
             self._finished.add(progress.rank)
             if len(self._finished) == len(self.mesh.nodes):  # asked once, not on each report (O(nodes) each)
                 self._apply(self.plane.reported(self.job))
+        return recorded
 
     def _tick(self) -> None:
         now = self.mesh.now
@@ -170,11 +172,10 @@ def simulate(
     coordinator: SimulatedCoordinator | None = None
 
     def observe(mesh: VirtualMesh, sim: SimNode, report: Report) -> None:
-        progress = report.progress
+        assert coordinator is not None
+        progress = coordinator.report(report.progress)
         if run_log is not None:
             run_log.append(progress)
-        assert coordinator is not None
-        coordinator.report(progress)
         if event_log is not None and progress.finished and progress.rank not in finished:
             finished.add(progress.rank)
             event_log.append(Event(mesh.now, spec.name, events.FINISHED, f"rank {progress.rank} finished at step "

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.control import traffic
 from coordinator.control.memory import MemoryState
 from coordinator.control.sqlite import SqliteState
 from coordinator.control.state import ControlState
 from coordinator.control.states import JobState, MemberState, TransitionError
 from nodeagent.jobspec import JobSpec, parse_job_spec
-from nodeagent.runtime.progress import Progress
+from nodeagent.runtime.progress import EdgeCounters, Progress
 
 pytestmark = pytest.mark.unit
 
@@ -185,13 +186,53 @@ def test_progress_is_recorded_for_the_rank_its_node_holds_and_an_evaluation_stay
     assert state.record_progress(Progress("j1", 0, "b", step=3, loss=0.5, test_accuracy=0.8, test_loss=0.4,
                                           elapsed_s=2.0, time=1002.0, local_steps=3, bytes_sent=10))
     assert state.record_progress(Progress("j1", 0, "b", step=4, loss=0.4, elapsed_s=3.0, time=1003.0,
-                                          local_steps=4, finished=True))
+                                          local_steps=4, finished=True, bytes_sent=12))
     [first, second] = state.members("j1")
     p = first.progress
     assert (p.step, p.loss, p.test_accuracy, p.test_loss, p.elapsed_s, p.time, p.local_steps, p.finished,
-            p.bytes_sent) == (4, 0.4, 0.8, 0.4, 3.0, 1003.0, 4, True, 0)
+            p.bytes_sent) == (4, 0.4, 0.8, 0.4, 3.0, 1003.0, 4, True, 12)
     assert first.state == MemberState.FINISHED
     assert math.isnan(second.progress.loss) and second.progress.time == 0
+
+
+def report(state: ControlState, elapsed_s: float, sent: int, edges: dict[str, int]) -> Progress:
+    """Rank 0's report (node a): its agent's total of bytes sent in this run and the edges it names."""
+    recorded = state.record_progress(Progress(
+        "j1", 0, "a", elapsed_s=elapsed_s, bytes_sent=sent, bytes_received=sent // 2,
+        edges=tuple(EdgeCounters(peer, peer_sent, peer_sent // 2, exchanges=1)
+                    for peer, peer_sent in sorted(edges.items()))))
+    assert recorded is not None
+    return recorded
+
+
+def test_per_edge_traffic_adds_up_to_the_total_across_a_switch_and_a_restart(state, clock):
+    running(state, clock, nodes=("a", "b", "c", "d"), job_spec=spec(nodes=4))
+    report(state, 1.0, 200, {"b": 100, "d": 100})
+    # A switch made c a neighbour instead of d: the report after it names d a last time, the next ones no more.
+    report(state, 2.0, 370, {"b": 200, "c": 50, "d": 120})
+    switched = report(state, 3.0, 570, {"b": 300, "c": 150})
+    assert {e.peer: e.bytes_sent for e in switched.edges} == {"b": 300, "c": 150, "d": 120}
+    assert switched.bytes_sent == sum(e.bytes_sent for e in switched.edges) == 570
+    # The agent restarts: its counters start again at zero; the member's traffic goes on from where it was.
+    restarted = report(state, 0.5, 60, {"b": 40, "c": 20})
+    assert {e.peer: e.bytes_sent for e in restarted.edges} == {"b": 340, "c": 170, "d": 120}
+    assert {e.peer: e.bytes_received for e in restarted.edges} == {"b": 170, "c": 85, "d": 60}
+    assert restarted.bytes_sent == sum(e.bytes_sent for e in restarted.edges) == 630
+    assert restarted.bytes_received == sum(e.bytes_received for e in restarted.edges) == 315
+    later = report(state, 1.5, 100, {"b": 70, "c": 30})
+    assert later.bytes_sent == sum(e.bytes_sent for e in later.edges) == 670
+    [stored] = [m.progress for m in state.members("j1") if m.rank == 0]
+    assert (stored.bytes_sent, stored.bytes_received) == (670, 335)  # what `coordinator status` shows
+
+
+def test_a_members_traffic_ledger_keeps_no_more_peers_than_a_job_can_have(monkeypatch):
+    monkeypatch.setattr(traffic, "MAX_PEERS", 3)
+    ledger = traffic.TrafficLedger()
+    for index in range(10):  # a report naming other peers each time
+        ledger.add(Progress("j1", 0, "a", elapsed_s=index, bytes_sent=index + 1,
+                            edges=(EdgeCounters(f"peer-{index}", 1, 0),)))
+    assert sorted(ledger.last_edges) == ["peer-0", "peer-1", "peer-2"]
+    assert traffic.TrafficLedger.from_json(ledger.to_json()) == ledger
 
 
 def test_a_failure_is_recorded_for_the_rank_its_node_holds(state, clock):
@@ -254,11 +295,17 @@ def test_an_elastic_job_changes_members_and_a_rank_that_left_goes_to_a_newcomer(
         [(0, "a"), (1, "e"), (2, "c"), (3, "d")]
 
 
-def test_removing_a_node_forgets_its_memberships_of_ended_jobs(state, clock):
+def test_removing_a_node_keeps_its_rows_and_results_in_ended_jobs(state, clock):
     running(state, clock)
+    clock.now += 1
+    state.record_progress(Progress("j1", 0, "a", step=20, test_accuracy=0.75, finished=True, bytes_sent=9, time=1))
     state.end_job("j1", JobState.FINISHED)
     state.remove_node("a")
-    assert [m.node_id for m in state.members("j1")] == ["b"]
+    assert state.node("a") is None
+    kept = state.members("j1")
+    assert [(m.rank, m.node_id, m.state) for m in kept] == [(0, "a", MemberState.FINISHED),
+                                                            (1, "b", MemberState.JOINED)]
+    assert (kept[0].progress.test_accuracy, kept[0].progress.bytes_sent) == (0.75, 9)
 
 
 def test_the_barrier_waits_for_a_member_that_joined_and_not_for_one_that_left(state, clock):

@@ -302,6 +302,10 @@ def test_drain_remove_and_deregister(coordinator):
     with pytest.raises(grpc.RpcError) as busy:
         stub.RemoveNode(pb.NodeRequest(node_id=ids[0]), timeout=5)
     assert busy.value.code() == grpc.StatusCode.FAILED_PRECONDITION and job_id in busy.value.details()
+    with pytest.raises(grpc.RpcError) as live:  # its agent runs: it would register again a second later
+        stub.RemoveNode(pb.NodeRequest(node_id=ids[3]), timeout=5)
+    assert live.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "stop its agent first" in live.value.details()
+    stub.Deregister(pb.DeregisterRequest(node_id=ids[3]), timeout=5)
     assert stub.RemoveNode(pb.NodeRequest(node_id=ids[3]), timeout=5).node_id == ids[3]
     stub.Deregister(pb.DeregisterRequest(node_id=ids[2]), timeout=5)
     nodes = {n.node_id: n for n in stub.ListNodes(pb.ListNodesRequest(), timeout=5).nodes}

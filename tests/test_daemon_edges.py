@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from nodeagent import __version__
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 from nodeagent.rpc import Backoff
@@ -231,7 +232,7 @@ def fake_peer() -> Iterator[tuple[FakePeer, grpc.Server, str]]:
 
 
 def register(stub, peer_address: str, node_id: str = "", **fields: str | int) -> str:
-    request = pb.RegisterRequest(**{"name": "n", "device": "cpu", "version": "1", **fields}, node_id=node_id,
+    request = pb.RegisterRequest(**{"name": "n", "device": "cpu", "version": __version__, **fields}, node_id=node_id,
                                  peer_address=peer_address)
     return stub.Register(request, timeout=10).node_id
 
@@ -304,7 +305,8 @@ def test_register_refuses_a_field_out_of_bounds_naming_it(coordinator_stub, fiel
 
 def test_register_accepts_fields_at_their_bounds(coordinator_stub):
     """The control of the refusals above: the longest values allowed, an empty node id (a new node)."""
-    new_id = register(coordinator_stub, "h" * 245 + ".com:7100", name="n" * 64, device="d" * 64, version="v" * 64,
+    new_id = register(coordinator_stub, "h" * 245 + ".com:7100", name="n" * 64, device="d" * 64,
+                      version=(__version__ + "+" + "x" * 64)[:64],
                       metrics_address="[::1]:9401", device_name="n" * 64, device_memory_bytes=2**50)
     assert new_id
     assert register(coordinator_stub, "127.0.0.1:7100", node_id="A-z_0.9" + "x" * 57) == "A-z_0.9" + "x" * 57

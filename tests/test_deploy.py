@@ -603,6 +603,40 @@ def test_systemd_agent_keeps_its_credentials_in_its_state_directory(monkeypatch:
         assert read_from_environment(script, key, monkeypatch), f"{script} serve does not read {key}"
 
 
+BACKUP_SERVICE, BACKUP_TIMER = "peertrain-coordinator-backup.service", "peertrain-coordinator-backup.timer"
+
+
+def test_systemd_backup_units_verify_and_expose_little(tmp_path: Path) -> None:
+    tool = need("systemd-analyze")
+    text = (SYSTEMD / BACKUP_SERVICE).read_text().replace("/opt/peertrain/.venv/bin/coordinator", "/bin/true")
+    (tmp_path / BACKUP_SERVICE).write_text(text)
+    shutil.copy(SYSTEMD / BACKUP_TIMER, tmp_path / BACKUP_TIMER)
+    result = run([tool, "verify", "--man=no", BACKUP_SERVICE, BACKUP_TIMER], cwd=tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "peertrain" not in output, f"systemd-analyze verify:\n{output}"
+    result = run([tool, "security", "--offline=true", "--threshold=30", str(tmp_path / BACKUP_SERVICE)], cwd=tmp_path)
+    exposure = re.search(r"Overall exposure level for \S+: ([0-9.]+)", result.stdout)
+    assert exposure and result.returncode == 0 and float(exposure.group(1)) <= 2.0, result.stdout[-2000:]
+
+
+def test_systemd_backup_archives_the_coordinators_state_where_it_may_write() -> None:
+    """The timer starts the backup service, whose `coordinator backup` reads the state directory the coordinator
+    serves from and writes its archive into a directory of its own that only it reads."""
+    service, timer = read_unit(SYSTEMD / BACKUP_SERVICE), read_unit(SYSTEMD / BACKUP_TIMER)
+    assert unit_value(timer, "Unit") == BACKUP_SERVICE and unit_value(timer, "Persistent") == "yes"
+    assert unit_value(timer, "WantedBy") == "timers.target"
+    assert (unit_value(service, "Type"), unit_value(service, "User")) == ("oneshot", "peertrain")
+    argv = shlex.split(unit_value(service, "ExecStart"))
+    assert argv[0] == "/opt/peertrain/.venv/bin/coordinator"
+    backup = parse_cli("coordinator", argv[1:], f"{BACKUP_SERVICE} ExecStart")
+    assert backup.command == "backup" and backup.force, "each run replaces the archive (atomically)"
+    assert str(backup.state_dir) == UNITS["peertrain-coordinator.service"][2]
+    writable = [Path(path) for path in unit_value(service, "ReadWritePaths").split()]
+    state_directory = Path("/var/lib") / unit_value(service, "StateDirectory")
+    assert backup.out.parent == state_directory and state_directory in writable
+    assert unit_value(service, "StateDirectoryMode") == "0700" and unit_value(service, "UMask") == "0077"
+
+
 def test_systemd_coordinator_creates_its_ca_once() -> None:
     """ExecStartPre= creates the CA in the state directory serve uses, and can never replace one."""
     entries = read_unit(SYSTEMD / "peertrain-coordinator.service")
@@ -1579,6 +1613,8 @@ def test_k8s_manifests() -> None:
             "PodDisruptionBudget",
             "NetworkPolicy",
             "NetworkPolicy",
+            "PersistentVolumeClaim",
+            "CronJob",
         ]
     )
     for doc in documents:
@@ -1969,6 +2005,37 @@ def test_k8s_network_policies_admit_only_the_ports_each_role_serves() -> None:
     assert agent[7200] == [agent_pods], "the tensor lanes: the other agents only"
     assert agent[7100] == [agent_pods, coordinator_pods]
     assert coordinator[7070] == [{"podSelector": {}}], "the control plane: pods of the namespace"
+
+
+def test_k8s_backup_cronjob_archives_the_coordinators_state_volume() -> None:
+    """The CronJob runs `coordinator backup` on the coordinator's state volume, at the path the coordinator serves
+    it from, on the coordinator's node (the volume is ReadWriteOnce), one run at a time, onto a volume of its own."""
+    documents = k8s_documents()
+    [cronjob] = [doc for doc in documents if doc["kind"] == "CronJob"]
+    claims = {doc["metadata"]["name"] for doc in documents if doc["kind"] == "PersistentVolumeClaim"}
+    assert cronjob["spec"]["concurrencyPolicy"] == "Forbid"
+    pod = cronjob["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert container["command"][:2] == ["/bin/sh", "-c"]
+    [(script, args)] = shell_commands(container["args"][0])
+    backup = parse_cli(script, args, "k8s backup CronJob")
+    assert backup.command == "backup"
+    coordinator_workload, coordinator_container, coordinator = k8s_workloads()["peertrain-coordinator"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    coordinator_volumes = k8s_pod_volumes(coordinator_workload)
+    state, inside = k8s_mount(container, backup.state_dir)
+    served, served_inside = k8s_mount(coordinator_container, coordinator.state_dir)
+    assert volumes[state]["persistentVolumeClaim"] == coordinator_volumes[served]["persistentVolumeClaim"]
+    assert inside == served_inside
+    archive_volume, _ = k8s_mount(container, backup.out)
+    assert volumes[archive_volume]["persistentVolumeClaim"]["claimName"] in claims
+    assert archive_volume != state
+    [term] = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"].items() <= \
+        coordinator_workload["spec"]["template"]["metadata"]["labels"].items()
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert "/tmp" in {m["mountPath"] for m in container["volumeMounts"]}, "the database's snapshot goes to /tmp"
 
 
 def test_k8s_a_drain_takes_one_agent_at_a_time() -> None:

@@ -213,3 +213,16 @@ def test_the_diloco_comparison_draws_accuracy_against_bytes_sent_per_node(fashio
     assert main(["report", str(tmp_path / "allreduce"), str(tmp_path / "diloco"), "--out", str(out)]) == 0
     page = assert_figures(out, ["accuracy_bytes.png"])
     assert "Test accuracy against bytes sent per node" in page or "bytes each node had sent" in page
+
+
+def test_every_ranks_edges_add_up_to_its_bytes_sent_across_a_topology_change(fashion_mnist_dir, tmp_path):
+    # Ring, then a star from step 10: the edges 1-2 and 2-3 carried traffic before the switch and none after.
+    spec = parse_job_spec(job(fashion_mnist_dir, "switched", "dsgd",
+                              topology_changes=[{"at_step": 10, "kind": "star"}]))
+    simulate(spec, tmp_path / "switched")
+    run = load_run(tmp_path / "switched")
+    names, matrix = traffic_matrix(run)
+    assert names == ["0", "1", "2", "3"]
+    for record in run.last:
+        assert sum(matrix[record.rank]) == record.bytes_sent > 0
+    assert matrix[1][2] > 0 and matrix[2][3] > 0  # the dropped edges keep what they carried

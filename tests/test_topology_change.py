@@ -266,8 +266,13 @@ def test_messages_of_a_neighbour_to_come_wait_for_the_switch_and_a_former_neighb
     driver.next()
     assert 2 not in algorithm.last_copy
     assert metrics.stream_rejections.labels("rank2", "rank0", "former_neighbor")._value.get() == 1
-    # The dropped edge leaves the per-edge report (it would look stalled), its bytes stay in the totals.
+    # The dropped edge is reported once more, with the bytes it carried since the last report (the coordinator
+    # adds every edge's bytes up to the node's total), then leaves the per-edge report (it would look stalled).
+    driver.traffic.add_sent(2, 100)
+    last = driver._report(evaluated=False).progress
+    assert {edge.peer: edge.bytes_sent for edge in last.edges}["rank2"] == 100 == last.bytes_sent
     assert "rank2" not in {edge.peer for edge in driver.progress().edges}
+    assert driver.progress().bytes_sent == 100  # its bytes stay in the totals
 
 
 def test_forget_edge_removes_a_dropped_edges_gauges_only():

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from coordinator.control.records import Job, MemberRow, NodeRow, Readiness, Specs
 from coordinator.control.state import ControlState
 from coordinator.control.states import ACTIVE_JOB_STATES, JobState, MemberState, check_job_move, check_member_move
+from coordinator.control.traffic import TrafficLedger
 from nodeagent.jobspec import JobSpec
 from nodeagent.runtime.progress import Progress
 
@@ -23,6 +24,7 @@ class _Member:
     row: MemberRow
     ready_unix: float = 0.0
     left_unix: float = 0.0
+    traffic: TrafficLedger = dataclasses.field(default_factory=TrafficLedger)
 
 
 class MemoryState(ControlState):
@@ -100,9 +102,6 @@ class MemoryState(ControlState):
 
     def remove_node(self, node_id: str) -> None:
         with self._lock:
-            for members in self._members.values():
-                for rank in [rank for rank, m in members.items() if m.row.node_id == node_id]:
-                    del members[rank]
             self._nodes.pop(node_id, None)
 
     # -- jobs ----------------------------------------------------------------------------------------------------
@@ -296,11 +295,12 @@ class MemoryState(ControlState):
                         return job, rank
         return None
 
-    def record_progress(self, progress: Progress) -> bool:
+    def record_progress(self, progress: Progress) -> Progress | None:
         with self._lock:
             member = self._held(progress.job, progress.rank, progress.node)
             if member is None:
-                return False
+                return None
+            progress = member.traffic.add(progress)
             previous = member.row.progress
             # As the SQLite state keeps them: the figures of the last evaluation stay until the next, and nothing
             # of the report's live edges or waits is stored.
@@ -312,4 +312,4 @@ class MemoryState(ControlState):
                                  else progress.test_perplexity),
                 edges=(), waiting_for="")
             member.row = dataclasses.replace(member.row, progress=stored)
-            return True
+            return progress

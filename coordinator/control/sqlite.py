@@ -18,6 +18,7 @@ from pathlib import Path
 from coordinator.control.records import Job, MemberRow, NodeRow, Readiness, Specs
 from coordinator.control.state import ControlState
 from coordinator.control.states import ACTIVE_JOB_STATES, JobState, MemberState, check_job_move, check_member_move
+from coordinator.control.traffic import TrafficLedger
 from nodeagent.jobspec import JobSpec
 from nodeagent.runtime.progress import Progress
 
@@ -95,6 +96,8 @@ COLUMNS_ADDED = {
         "joined_step": "INTEGER NOT NULL DEFAULT 0",
         "left_unix": "REAL NOT NULL DEFAULT 0",
         "test_perplexity": "REAL",  # a language model's, at its last evaluation (NULL: none)
+        # The member's traffic over its part in the job (coordinator.control.traffic.TrafficLedger, as JSON).
+        "traffic_json": "TEXT NOT NULL DEFAULT ''",
     },
 }
 # The columns in the order the rows below read them.
@@ -204,9 +207,9 @@ class SqliteState(ControlState):
             return db.execute("UPDATE nodes SET draining=? WHERE node_id=?", (int(draining), node_id)).rowcount == 1
 
     def remove_node(self, node_id: str) -> None:
-        """Forget a node (not in a running job: the caller checks) and its memberships of ended jobs."""
+        """Forget a node (not in a running job: the caller checks); the ended jobs it was a member of keep its
+        rows."""
         with self._tx() as db:
-            db.execute("DELETE FROM members WHERE node_id=?", (node_id,))
             db.execute("DELETE FROM nodes WHERE node_id=?", (node_id,))
 
     # -- jobs ----------------------------------------------------------------------------------------------------
@@ -400,19 +403,25 @@ class SqliteState(ControlState):
         )
         return (self._job(rows[0][:-1]), rows[0][-1]) if rows else None
 
-    def record_progress(self, progress: Progress) -> bool:
-        p = progress
+    def record_progress(self, progress: Progress) -> Progress | None:
         with self._tx() as db:
-            cursor = db.execute(
+            row = db.execute("SELECT traffic_json FROM members WHERE job_id=? AND rank=? AND node_id=? AND left_unix=0",
+                             (progress.job, progress.rank, progress.node)).fetchone()
+            if row is None:
+                return None
+            traffic = TrafficLedger.from_json(row[0])
+            p = traffic.add(progress)
+            db.execute(
                 "UPDATE members SET step=?, loss=?, test_accuracy=COALESCE(?, test_accuracy), "
                 "test_loss=COALESCE(?, test_loss), test_perplexity=COALESCE(?, test_perplexity), finished=?, "
                 "updated_unix=?, bytes_sent=?, bytes_received=?, elapsed_s=?, compute_s=?, wait_s=?, exchanges=?, "
-                "exchange_failures=?, local_steps=? WHERE job_id=? AND rank=? AND node_id=? AND left_unix=0",
+                "exchange_failures=?, local_steps=?, traffic_json=? WHERE job_id=? AND rank=? AND node_id=? "
+                "AND left_unix=0",
                 (p.step, _null(p.loss), _null(p.test_accuracy), _null(p.test_loss), _null(p.test_perplexity),
                  int(p.finished), p.time, p.bytes_sent, p.bytes_received, p.elapsed_s, p.compute_s, p.wait_s,
-                 p.exchanges, p.exchange_failures, p.local_steps, p.job, p.rank, p.node),
+                 p.exchanges, p.exchange_failures, p.local_steps, traffic.to_json(), p.job, p.rank, p.node),
             )
-            return cursor.rowcount == 1
+            return p
 
 
 def _member_state(db: sqlite3.Connection, job_id: str, rank: int) -> MemberState:

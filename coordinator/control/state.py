@@ -54,7 +54,8 @@ class ControlState(ABC):
 
     @abstractmethod
     def remove_node(self, node_id: str) -> None:
-        """Forget a node (not in a running job: the caller checks) and its memberships of ended jobs."""
+        """Forget a node (not in a running job: the caller checks). The jobs it was a member of keep its rows, their
+        results and its id: a finished job's record does not change with the nodes that come and go later."""
 
     # -- jobs ----------------------------------------------------------------------------------------------------
 
@@ -146,6 +147,8 @@ class ControlState(ABC):
         """The running job the node holds a rank of, and the rank."""
 
     @abstractmethod
-    def record_progress(self, progress: Progress) -> bool:
-        """Store a node's progress (an evaluation's figures stay until the next evaluation); returns False if
-        that node does not hold that rank of that job."""
+    def record_progress(self, progress: Progress) -> Progress | None:
+        """Store a node's progress (an evaluation's figures stay until the next evaluation) with its traffic added
+        up over the member's part in the job (coordinator.control.traffic: across restarts of its agent and
+        topology switches); returns the progress so added up, None if that node does not hold that rank of that
+        job."""

@@ -25,6 +25,7 @@ from nodeagent.agent.checkpoint import retire_checkpoints
 from nodeagent.agent.enroll import EnrollmentError, enroll, needs_renewal, renew
 from nodeagent.agent.forward import FORWARDED, EventForwarder
 from nodeagent.agent.runner import JobRunner
+from nodeagent.compat import versioned
 from nodeagent.defaults import (
     AGENT_METRICS_PORT,
     AGENT_PORT,
@@ -53,7 +54,7 @@ EVENTS_EVERY_S = 1.0  # how often queued events go to the coordinator
 # Answers that say the same again would be refused again: no retry. PERMISSION_DENIED and UNAUTHENTICATED come from
 # the coordinator's authorizer (a certificate of another role, a revoked one), never from a network fault.
 REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.PERMISSION_DENIED,
-            grpc.StatusCode.UNAUTHENTICATED)
+            grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION)
 
 
 class RegistrationRefused(Exception):
@@ -216,7 +217,7 @@ class Agent:
         """(Re)make the channel to the coordinator, with the current credentials."""
         old = self._channel
         self._channel = self.transport.channel(self.config.coordinator, options=GRPC_OPTIONS)
-        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(versioned(self._channel))
         if old is not None:
             old.close()
 

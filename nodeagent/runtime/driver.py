@@ -269,6 +269,9 @@ class NodeDriver:
         self._former: frozenset[int] = frozenset()  # neighbours that the last switch dropped
         self._switched_at = 0  # the step of the last switch
         self._dropped: set[int] = set()  # neighbours that switches dropped and none brought back: not reported
+        # Neighbours a switch dropped since the last report: reported once more, with the bytes they carried since
+        # the report before (the coordinator adds each edge's traffic up to the node's total).
+        self._dropping: set[int] = set()
         self.switches: list[Switch] = []
         self._join_pulls: set[int] = set()  # ids of the pulls of rejoining
         # A restarted node of the collective family: its request for the group's state, to send before its first
@@ -419,7 +422,8 @@ class NodeDriver:
                                               self_weight=change.self_weight, peer_schedule=change.peer_schedule))
             after = set(algorithm.context.neighbor_ranks)
             self._former = frozenset(before - after)
-            self._dropped = (self._dropped | self._former) - after
+            self._dropping = (self._dropping | self._former) - after
+            self._dropped -= after
             self._switched_at = algorithm.clock
             switch = Switch(change, algorithm.clock, self.clock())
             self.switches.append(switch)
@@ -615,6 +619,8 @@ class NodeDriver:
         self._reported = self.clock()
         self._reported_counters = self._counters()
         progress = self.progress()
+        self._dropped |= self._dropping
+        self._dropping = set()
         self.metrics.trained(progress.loss)
         return Report(progress, evaluated)
 
