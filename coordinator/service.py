@@ -89,6 +89,7 @@ MAX_CALLS_PER_IDENTITY = 32
 DEFAULT_JOB_LIST = 100
 MAX_JOB_LIST = 10_000
 MAX_JOB_REFERENCE_CHARS = 128  # a job's id or name, as a person types it
+AMBIGUOUS_SHOWN = 5  # the jobs an ambiguous id prefix begins, named in the refusal
 MAX_TOPOLOGY_OPTIONS_CHARS = 65_536  # of a change's options as JSON (an edge list of a few thousand edges)
 MAX_EVENTS_PER_REPORT = 64
 # Each node may add EVENT_BURST events at once and EVENT_RATE_PER_S on average: a node that logs in a loop fills
@@ -605,10 +606,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return self.models.upload(request_iterator, context)
 
     def ExportModel(self, request, context):
-        reference = request.job_id[:MAX_JOB_REFERENCE_CHARS]
-        job = self.store.find_job(reference) if reference else self.store.latest_job()
-        if job is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, _no_job(reference) if reference else "no jobs yet")
+        job = self._named_job(request.job_id, context, newest_by_default=True)
         yield from self.models.export(request, context, job)
 
     # -- certificates --------------------------------------------------------------------------------------------
@@ -702,16 +700,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                                  warning=warning and f"the job cannot start now: it {warning}")
 
     def StopJob(self, request, context):
-        job = self.store.find_job(request.job_id[:MAX_JOB_REFERENCE_CHARS])
-        if job is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, _no_job(request.job_id))
+        job = self._named_job(request.job_id, context)
         self._control(self.plane.stopped, job)
         return pb.StopJobReply(state=JOB_STATES[self.store.job(job.job_id).state], job_id=job.job_id)
 
     def ChangeTopology(self, request, context):
-        job = self.store.find_job(request.job_id[:MAX_JOB_REFERENCE_CHARS])
-        if job is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, _no_job(request.job_id))
+        job = self._named_job(request.job_id, context)
         try:
             self.plane.check_topology_change(job)
         except TopologyRefused as error:
@@ -786,10 +780,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return self._node_info(node)
 
     def JobStatus(self, request, context):
-        reference = request.job_id[:MAX_JOB_REFERENCE_CHARS]
-        job = self.store.find_job(reference) if reference else self.store.latest_job()
-        if job is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, _no_job(reference) if reference else "no jobs yet")
+        job = self._named_job(request.job_id, context, newest_by_default=True)
         nodes = {n.node_id: n for n in self.store.nodes()}
         return pb.JobStatusReply(
             job_id=job.job_id, name=job.name, state=JOB_STATES[job.state], world_size=job.world_size,
@@ -807,6 +798,27 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             return progress
         return dataclasses.replace(progress, edges=live.edges, waiting_for=live.waiting_for)
 
+    def _named_job(self, reference: str, context, newest_by_default: bool = False) -> Job:
+        """The job a person names (an id, a name, a unique id prefix; nothing: the newest job, where a command has
+        that default); else the call ends NOT_FOUND, or INVALID_ARGUMENT listing the jobs an ambiguous prefix
+        begins."""
+        reference = reference[:MAX_JOB_REFERENCE_CHARS]
+        if not reference and newest_by_default:
+            job = self.store.latest_job()
+            if job is None:
+                context.abort(grpc.StatusCode.NOT_FOUND, "no jobs yet")
+            return job
+        job = self.store.find_job(reference) if reference else None
+        if job is not None:
+            return job
+        matches = self.store.job_ids_starting(reference, AMBIGUOUS_SHOWN + 1) if reference else []
+        if len(matches) > 1:
+            more = ", ..." if len(matches) > AMBIGUOUS_SHOWN else ""
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{reference!r} begins several jobs' ids: {', '.join(matches[:AMBIGUOUS_SHOWN])}{more}; give "
+                          "more of the id")
+        context.abort(grpc.StatusCode.NOT_FOUND, _no_job(reference))
+
     def ListJobs(self, request, context):
         limit = min(request.limit or DEFAULT_JOB_LIST, MAX_JOB_LIST)
         return pb.ListJobsReply(jobs=[
@@ -817,10 +829,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         ])
 
     def JobEvents(self, request, context):
-        reference = request.job_id[:MAX_JOB_REFERENCE_CHARS]
-        job = self.store.find_job(reference)
-        if job is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, _no_job(reference))
+        job = self._named_job(request.job_id, context)
         if request.min_level and request.min_level not in events.LEVELS:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"min_level {request.min_level[:32]!r} is not one of "
                           f"{', '.join(events.LEVELS)}")
