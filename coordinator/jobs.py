@@ -19,7 +19,7 @@ from nodeagent.algorithms import Family, Neighbor, lookup
 from nodeagent.jobspec import JobSpec, JobSpecError, TopologySpec, format_validation_error
 from nodeagent.training.models import MODELS, check_model, is_import_path
 from nodeagent.training.splits import SPLIT_OPTIONS, SPLITS
-from nodeagent.training.tasks import check_task
+from nodeagent.training.tasks import check_task, task_of
 
 
 def validate_job(spec: JobSpec) -> Topology:
@@ -39,7 +39,7 @@ def validate_job(spec: JobSpec) -> Topology:
         raise JobSpecError(format_validation_error(error, "data.split_options", unknown)) from None
     check_task(spec)
     try:
-        check_model(spec.model)
+        check_model(spec.model, *task_of(spec).nominal_input(spec))
     except ValueError as error:
         field = "model.options" if spec.model.name in MODELS else "model.name"
         raise JobSpecError(f"{field}: {error}") from None
