@@ -63,7 +63,7 @@ from nodeagent.jobspec import (
 )
 from nodeagent.listen import ListenError
 from nodeagent.metrics import Metrics
-from nodeagent.rpc import SERVER_OPTIONS, bind_grpc_server, shown, split_address
+from nodeagent.rpc import SERVER_OPTIONS, bind_grpc_server, shown, split_address, unreachable_cause, with_default_port
 from nodeagent.runtime.messages import event_from_proto
 from nodeagent.runtime.progress import task_metrics
 from nodeagent.security.pki import private_key_pem
@@ -486,14 +486,14 @@ def _client_settings(args: argparse.Namespace) -> tuple[str, Path | None]:
             config = tomllib.loads(config_path.read_text())
         except (OSError, tomllib.TOMLDecodeError) as error:
             raise SystemExit(f"coordinator: cannot read the config file {config_path}: {error}") from None
-    address = args.coordinator or os.environ.get("PEERTRAIN_COORDINATOR") or config.get("coordinator") or \
-        COORDINATOR_ADDRESS
+    address = with_default_port(str(args.coordinator or os.environ.get("PEERTRAIN_COORDINATOR")
+                                    or config.get("coordinator") or COORDINATOR_ADDRESS), COORDINATOR_PORT)
     insecure = args.insecure or os.environ.get("PEERTRAIN_INSECURE", "") not in ("", "0") or \
         bool(config.get("insecure"))
     if insecure:
-        return str(address), None
+        return address, None
     tls_dir = args.tls_dir or os.environ.get("PEERTRAIN_TLS_DIR") or config.get("tls_dir") or DEFAULT_TLS_DIR
-    return str(address), Path(tls_dir).expanduser()
+    return address, Path(tls_dir).expanduser()
 
 
 def _channel(args: argparse.Namespace) -> grpc.Channel:
@@ -1116,8 +1116,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def rpc_error_line(error: grpc.RpcError, address: str | None) -> str:
-    """A failed call in one line: the coordinator's address (for the commands that call one), code and details."""
-    line = f"{error.code().name}: {' '.join((error.details() or '').split())}"
+    """A failed call in one line: the coordinator's address (for the commands that call one), then the likely cause
+    when the coordinator was not reached as expected (nothing listens, another cluster's CA, plaintext against
+    TLS, the enrollment port, ...), else its answer's code and words."""
+    line = unreachable_cause(error) or f"{error.code().name}: {' '.join((error.details() or '').split())}"
     return f"{address}: {line}" if address else line
 
 

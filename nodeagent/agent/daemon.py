@@ -35,7 +35,15 @@ from nodeagent.defaults import (
 )
 from nodeagent.health import HealthServer
 from nodeagent.metrics import Metrics
-from nodeagent.rpc import GRPC_OPTIONS, MAX_FIELD_CHARS, SERVER_OPTIONS, Backoff, failure_reason, split_address
+from nodeagent.rpc import (
+    GRPC_OPTIONS,
+    MAX_FIELD_CHARS,
+    SERVER_OPTIONS,
+    Backoff,
+    failure_reason,
+    split_address,
+    unreachable_cause,
+)
 from nodeagent.runtime.limits import PEER_SERVER_THREADS
 from nodeagent.runtime.peer_service import PEER_RULES, PeerServicer, ServingState, add_peer_servicer, serve_promptly
 from nodeagent.security.authz import Authorizer
@@ -190,7 +198,8 @@ class Agent:
                 except EnrollmentError as error:
                     raise RegistrationRefused(str(error)) from None
                 except (OSError, grpc.RpcError) as error:
-                    reason = failure_reason(error) if isinstance(error, grpc.RpcError) else str(error)
+                    reason = (unreachable_cause(error) or failure_reason(error)) if isinstance(error, grpc.RpcError) \
+                        else str(error)
                     self.stopping.wait(backoff.failed(reason))
             else:
                 return False
@@ -258,7 +267,7 @@ class Agent:
                     raise RegistrationRefused(
                         f"coordinator {self.config.coordinator} refused this node: {error.details()}"
                     ) from None
-                self.stopping.wait(backoff.failed(failure_reason(error)))
+                self.stopping.wait(backoff.failed(unreachable_cause(error) or failure_reason(error)))
                 continue
             backoff.succeeded()
             if reply.node_id != self.node_id:
@@ -288,7 +297,7 @@ class Agent:
                     return
                 # Logged with back-off, but beating on at the interval: the coordinator's liveness rests on it, and
                 # a longer pause after an outage would have it mark this node down.
-                backoff.failed(failure_reason(error))
+                backoff.failed(unreachable_cause(error) or failure_reason(error))
                 continue
             backoff.succeeded()
             if not reply.known:
