@@ -89,6 +89,7 @@ MAX_CALLS_PER_IDENTITY = 32
 DEFAULT_JOB_LIST = 100
 MAX_JOB_LIST = 10_000
 MAX_JOB_REFERENCE_CHARS = 128  # a job's id or name, as a person types it
+UNUSABLE_TOKEN = "the join token is unknown, used or expired (`coordinator token create` makes one)"
 AMBIGUOUS_SHOWN = 5  # the jobs an ambiguous id prefix begins, named in the refusal
 MAX_TOPOLOGY_OPTIONS_CHARS = 65_536  # of a change's options as JSON (an edge list of a few thousand edges)
 MAX_EVENTS_PER_REPORT = 64
@@ -863,15 +864,17 @@ class EnrollmentService(coordinator_pb2_grpc.EnrollmentServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         if problem := pki.name_problem(name):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"node id {name[:64]!r}: {problem}")
-        # The token is spent before the name is checked: a token is good for one try, so none can be used to
-        # probe which names exist.
-        if not self.ca.use_token(request.token[:256]):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "the join token is unknown, used or expired "
-                          "(`coordinator token create` makes one)")
+        # Checked first, spent last: a refusal leaves the token for the next try. Only the holder of a live token
+        # learns that a name is taken (what it could learn by enrolling under it).
+        token = request.token[:256]
+        if not self.ca.token_live(token):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, UNUSABLE_TOKEN)
         if name in self.ca.names_in_use():
             context.abort(grpc.StatusCode.ALREADY_EXISTS,
                           f"node id {name} holds a valid certificate; revoke it first (`coordinator cert revoke "
-                          f"--name {name}`) or enroll under another --name")
+                          f"--name {name}`) or enroll under another --name (the join token is still good)")
+        if not self.ca.use_token(token):  # spent meanwhile by another enrollment
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, UNUSABLE_TOKEN)
         try:
             cert = self.ca.issue(public_key, Role.NODE, name)
         except CertificateError as error:  # the name went to another role meanwhile

@@ -34,6 +34,7 @@ from nodeagent.defaults import (
     KEEP_CHECKPOINTS,
 )
 from nodeagent.health import HealthServer
+from nodeagent.listen import check_port_free
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import (
     GRPC_OPTIONS,
@@ -47,7 +48,7 @@ from nodeagent.rpc import (
 from nodeagent.runtime.limits import PEER_SERVER_THREADS
 from nodeagent.runtime.peer_service import PEER_RULES, PeerServicer, ServingState, add_peer_servicer, serve_promptly
 from nodeagent.security.authz import Authorizer
-from nodeagent.security.pki import Identity, Role
+from nodeagent.security.pki import Identity, Role, name_problem
 from nodeagent.security.tls import INSECURE_WARNING, TlsDir, TlsError, Transport
 from nodeagent.training.device import describe_device
 
@@ -188,6 +189,7 @@ class Agent:
                     f"no certificate in {tls_dir.path}: enroll with --join-token TOKEN --ca-fingerprint SHA256 (from "
                     "`coordinator token create`), or put one there from `coordinator cert issue --node NAME`; "
                     "--insecure runs without, for local experiments only")
+            self._check_before_enrolling()
             host, _port = split_address(config.coordinator)
             address = config.enroll_address or f"{host}:{ENROLL_PORT}"
             backoff = Backoff(f"enrollment at {address}", log)
@@ -214,6 +216,20 @@ class Agent:
                 "certificate: give it its own directory (--tls-dir, env PEERTRAIN_AGENT_TLS_DIR), not the operator "
                 "CLI's (PEERTRAIN_TLS_DIR)")
         return True
+
+    def _check_before_enrolling(self) -> None:
+        """What would stop this agent once enrolled, checked before the one-time token is spent: the name its
+        certificate would bear, and the ports it serves on. RegistrationRefused or ListenError naming it."""
+        config = self.config
+        if problem := name_problem(config.name.lower()):
+            raise RegistrationRefused(f"--name {config.name!r} cannot be a node's name: {problem}; the join token "
+                                      "was not used")
+        host, port = split_address(config.listen)
+        addresses = [(host, port), (host, config.lane_port)]
+        if config.metrics_listen:
+            addresses.append(split_address(config.metrics_listen))
+        for host, port in addresses:
+            check_port_free(host, port)
 
     def is_revoked(self, identity: Identity) -> bool:
         return identity.serial in self.revoked
