@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from coordinator.control.states import JobState
 from coordinator.progress_view import ProgressView
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.runtime.messages import from_node_progress
@@ -29,7 +30,13 @@ def device_text(node: pb.NodeInfo) -> str:
 
 
 def state_name(state: int) -> str:
+    """A job's state as the tables show it: running."""
     return pb.JobState.Name(state).removeprefix("JOB_").lower()
+
+
+def json_state(state: int) -> str:
+    """A job's state as every `--json` names it: the coordinator's own name (JobState), RUNNING."""
+    return JobState(pb.JobState.Name(state).removeprefix("JOB_")).value
 
 
 def progress_of(status: pb.JobStatusReply) -> list[Progress]:
@@ -246,7 +253,7 @@ def edges_json(status: pb.JobStatusReply, interval_steps: int = 1, now: float | 
         return None if math.isnan(value) else value
 
     return {
-        "job_id": status.job_id, "name": status.name, "state": state_name(status.state),
+        "job_id": status.job_id, "name": status.name, "state": json_state(status.state),
         "edges": [
             {"src": r.src, "rank": r.rank, "dst": r.edge.peer, "trouble": r.trouble.name.lower(),
              "last_message_s": number(r.last_message_s), "in_flight_s": r.in_flight_s,

@@ -408,7 +408,7 @@ def test_the_jobs_command_lists_jobs_as_a_table_or_json_lines(coordinator, monke
     assert coordinator_main(["jobs", "--json"]) == 0
     [line] = capsys.readouterr().out.splitlines()
     record = json.loads(line)
-    assert (record["job_id"], record["name"], record["state"], record["nodes"]) == (job_id, "alpha", "running", 2)
+    assert (record["job_id"], record["name"], record["state"], record["nodes"]) == (job_id, "alpha", "RUNNING", 2)
     assert record["started_unix"] and record["ended_unix"] is None
     assert coordinator_main(["stop", "alpha"]) == 0
     assert capsys.readouterr().out == f"{job_id}: stopped\n"
