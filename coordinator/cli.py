@@ -27,7 +27,8 @@ from google.protobuf.message import Message
 from coordinator.ca import CAError
 from coordinator.display import (
     FAILING_WINDOW_S,
-    STALE_STEPS,
+    STALE_INTERVALS,
+    STALE_MIN_S,
     STALL_INTERVALS,
     STALL_MIN_S,
     device_text,
@@ -855,12 +856,14 @@ def _print_json_lines(messages: Iterable[Message]) -> None:
 
 def _add_edges_command(commands: argparse._SubParsersAction) -> None:
     edges = commands.add_parser(
-        "edges", help="a running job's edges, the troubled first: last message, in flight, messages, bytes, "
+        "edges", help="a job's edges, the troubled first: last message, in flight, messages, bytes, skips, "
         "failures by reason, staleness, consensus distance",
         description="Every edge of the job's nodes from their last reports (about once a second), sorted by trouble: "
         f"stalled (no message for {STALL_INTERVALS} of the edge's message intervals, and at least {STALL_MIN_S:g} s), "
-        f"failing (a call failed in the last {FAILING_WINDOW_S:g} s), stale (the neighbour more than {STALE_STEPS} "
-        "steps behind), then ok; and what a job that does not move waits on.",
+        f"failing (a call failed in the last {FAILING_WINDOW_S:g} s), stale (the neighbour behind by more than "
+        f"{STALE_INTERVALS} message intervals and {STALE_MIN_S:g} s of the node's steps), then ok; flow-control skips "
+        "(a send not made while the edge's last exchange was in flight) apart from failures; and what a job that "
+        "does not move waits on. An ended job's edges are its nodes' last report, judged at its end.",
     )
     edges.add_argument("job_id", nargs="?", default="", metavar="JOB",
                        help="a job's id, a unique prefix of it, or its name (the newest of that name; default: the "

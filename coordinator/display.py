@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import time
@@ -13,13 +14,16 @@ from coordinator.control.states import JobState
 from coordinator.progress_view import ProgressView
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.runtime.messages import from_node_progress
-from nodeagent.runtime.progress import EdgeCounters, Metric, Progress, task_metrics
+from nodeagent.runtime.progress import IN_FLIGHT, EdgeCounters, Metric, Progress, task_metrics
 
 # When an edge is in trouble (`coordinator edges`; docs/operations.md, "Per-edge debugging"):
 STALL_INTERVALS = 10  # stalled: no message for this many of the edge's message intervals (the alert's too),
 STALL_MIN_S = 5.0  # and for at least this long (nodes report once a second: a younger age says nothing)
 FAILING_WINDOW_S = 60.0  # failing: a call on the edge failed this recently
-STALE_STEPS = 100  # stale: the neighbour is more than this many steps behind
+# stale: the neighbour is behind by more than this many of the edge's message intervals, and by at least this long
+# at the node's step rate (a fast job's neighbours are many steps apart in a fraction of a second)
+STALE_INTERVALS = 10
+STALE_MIN_S = 5.0
 
 
 def device_text(node: pb.NodeInfo) -> str:
@@ -170,6 +174,17 @@ class EdgeRow:
     in_flight_s: float
     interval_s: float  # the edge's expected time between messages
     trouble: Trouble
+    staleness_s: float = math.nan  # how far the neighbour is behind, in seconds of the node's steps
+
+    @property
+    def failures(self) -> dict[str, int]:
+        """The edge's failed calls by reason (its flow-control skips are no calls: `skips`)."""
+        return {reason: count for reason, count in self.edge.failure_reasons.items() if reason != IN_FLIGHT}
+
+    @property
+    def skips(self) -> int:
+        """Sends not made because the edge's previous exchange was still in flight (flow control)."""
+        return self.edge.failure_reasons.get(IN_FLIGHT, 0)
 
 
 def edge_rows(nodes: Sequence[Progress], now: float, interval_steps: int = 1) -> list[EdgeRow]:
@@ -185,7 +200,7 @@ def edge_rows(nodes: Sequence[Progress], now: float, interval_steps: int = 1) ->
             age = edge.last_message_age_s if not math.isnan(edge.last_message_age_s) else node.elapsed_s
             interval = edge.message_interval_s if not math.isnan(edge.message_interval_s) else interval_steps / rate
             row = EdgeRow(node.node, node.rank, edge, age + lag, edge.in_flight_s + lag if edge.in_flight_s else 0.0,
-                          interval, Trouble.OK)
+                          interval, Trouble.OK, edge.staleness_steps / rate)
             rows.append(row if node.finished else _judged(row, lag))
     return sorted(rows, key=lambda r: (r.trouble, -r.last_message_s, r.src, r.edge.peer))
 
@@ -197,11 +212,11 @@ def _judged(row: EdgeRow, lag: float) -> EdgeRow:
         trouble = Trouble.STALLED
     elif edge.last_failure_age_s + lag <= FAILING_WINDOW_S:  # NaN (never failed) compares False
         trouble = Trouble.FAILING
-    elif edge.staleness_steps > STALE_STEPS:
+    elif row.staleness_s > max(STALE_INTERVALS * row.interval_s, STALE_MIN_S):  # NaN (unknown) compares False
         trouble = Trouble.STALE
     else:
         return row
-    return EdgeRow(row.src, row.rank, edge, row.last_message_s, row.in_flight_s, row.interval_s, trouble)
+    return dataclasses.replace(row, trouble=trouble)
 
 
 def waits_on(nodes: Sequence[Progress], rows: Sequence[EdgeRow]) -> list[str]:
@@ -213,29 +228,39 @@ def waits_on(nodes: Sequence[Progress], rows: Sequence[EdgeRow]) -> list[str]:
     return lines
 
 
+def _edges_as_of(status: pb.JobStatusReply, now: float | None) -> float:
+    """The time a job's edges are judged at: now while it runs, its end once it ended (its last known edges)."""
+    if status.ended_unix:
+        return status.ended_unix
+    return time.time() if now is None else now
+
+
 def _reasons(reasons: Mapping[str, int]) -> str:
     return ",".join(f"{reason}:{count}" for reason, count in sorted(reasons.items())) or "-"
 
 
 def edges_text(status: pb.JobStatusReply, interval_steps: int = 1, now: float | None = None) -> str:
-    """`coordinator edges` of a job: a row per edge of its nodes, worst first, and what it waits on."""
-    now = time.time() if now is None else now
+    """`coordinator edges` of a job: a row per edge of its nodes, worst first, and what it waits on; an ended job's
+    as its nodes last reported them, judged at its end."""
+    now = _edges_as_of(status, now)
     nodes = progress_of(status)
     rows = edge_rows(nodes, now, interval_steps)
-    lines = [f"job {status.job_id} ({status.name}): {state_name(status.state)}, {len(rows)} edges"]
+    ended = " (their last report, at the job's end)" if status.ended_unix and rows else ""
+    lines = [f"job {status.job_id} ({status.name}): {state_name(status.state)}, {len(rows)} edges{ended}"]
     if not rows:
-        lines.append("no edge reported" + ("" if status.state == pb.JOB_RUNNING else " (only a running job has them)"))
+        lines.append("no edge reported" + ("" if status.state == pb.JOB_RUNNING else " (a job's edges are known while "
+                                           "it runs and, until the coordinator restarts, for its newest ended jobs)"))
         return "\n".join(lines)
     lines.append(f"{'trouble':<8} {'src':<14} {'dst':<14} {'last msg':>9} {'in flight':>9} {'sent':>7} "
-                 f"{'recv':>7} {'MB out':>8} {'MB in':>8} {'stale':>6} {'distance':>9}  failures")
+                 f"{'recv':>7} {'MB out':>8} {'MB in':>8} {'stale':>6} {'distance':>9} {'skips':>6}  failures")
     for r in rows:
         e = r.edge
         lines.append(
             f"{r.trouble.name.lower():<8} {r.src:<14} {e.peer:<14} {_fmt(r.last_message_s, '{:.1f} s'):>9} "
             f"{_fmt(r.in_flight_s, '{:.1f} s') if r.in_flight_s else '-':>9} {e.messages_sent:>7} "
             f"{e.messages_received:>7} {e.bytes_sent / 1e6:>8.2f} {e.bytes_received / 1e6:>8.2f} "
-            f"{_fmt(e.staleness_steps, '{:.0f}'):>6} {_fmt(e.consensus_distance, '{:.4g}'):>9}  "
-            f"{_reasons(e.failure_reasons)}"
+            f"{_fmt(e.staleness_steps, '{:.0f}'):>6} {_fmt(e.consensus_distance, '{:.4g}'):>9} {r.skips:>6}  "
+            f"{_reasons(r.failures)}"
         )
     waits = waits_on(nodes, rows)
     if waits:
@@ -245,7 +270,7 @@ def edges_text(status: pb.JobStatusReply, interval_steps: int = 1, now: float | 
 
 def edges_json(status: pb.JobStatusReply, interval_steps: int = 1, now: float | None = None) -> dict:
     """`coordinator edges --json`: the same rows and waits; unknown numbers are null."""
-    now = time.time() if now is None else now
+    now = _edges_as_of(status, now)
     nodes = progress_of(status)
     rows = edge_rows(nodes, now, interval_steps)
 
@@ -259,8 +284,8 @@ def edges_json(status: pb.JobStatusReply, interval_steps: int = 1, now: float | 
              "last_message_s": number(r.last_message_s), "in_flight_s": r.in_flight_s,
              "interval_s": number(r.interval_s), "messages_sent": r.edge.messages_sent,
              "messages_received": r.edge.messages_received, "bytes_sent": r.edge.bytes_sent,
-             "bytes_received": r.edge.bytes_received, "failures": dict(r.edge.failure_reasons),
-             "staleness_steps": number(r.edge.staleness_steps),
+             "bytes_received": r.edge.bytes_received, "failures": r.failures, "skips": r.skips,
+             "staleness_steps": number(r.edge.staleness_steps), "staleness_s": number(r.staleness_s),
              "consensus_distance": number(r.edge.consensus_distance)}
             for r in rows
         ],

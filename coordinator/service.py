@@ -11,6 +11,7 @@ import secrets
 import shutil
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,6 +92,7 @@ MAX_JOB_LIST = 10_000
 MAX_JOB_REFERENCE_CHARS = 128  # a job's id or name, as a person types it
 UNUSABLE_TOKEN = "the join token is unknown, used or expired (`coordinator token create` makes one)"
 AMBIGUOUS_SHOWN = 5  # the jobs an ambiguous id prefix begins, named in the refusal
+ENDED_JOBS_EDGES_KEPT = 16  # the ended jobs whose last edges `coordinator edges` shows (in memory only)
 MAX_TOPOLOGY_OPTIONS_CHARS = 65_536  # of a change's options as JSON (an edge list of a few thousand edges)
 MAX_EVENTS_PER_REPORT = 64
 # Each node may add EVENT_BURST events at once and EVENT_RATE_PER_S on average: a node that logs in a loop fills
@@ -210,6 +212,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         # debugging figures, refreshed every second, kept in memory only and dropped when the job ends.
         self._live_edges: dict[str, dict[int, Progress]] = {}
         self._live_edges_lock = threading.Lock()  # a report racing its job's end leaves nothing behind
+        self._ended_edges: OrderedDict[str, dict[int, Progress]] = OrderedDict()  # the newest ended jobs' last too
         # The rules (coordinator.control.plane) see one event at a time: their effects are applied before the next.
         self.plane = ControlPlane(self.store, time.time, config.heartbeat_timeout_s)
         self._plane_lock = threading.Lock()
@@ -303,7 +306,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 self._retire_run_dirs()
                 self.metrics.forget_job(effect.job.job_id)
                 with self._live_edges_lock:
-                    self._live_edges.pop(effect.job.job_id, None)
+                    last = self._live_edges.pop(effect.job.job_id, None)
+                    if last:  # `coordinator edges` of an ended job: its last known edges, for the newest few
+                        self._ended_edges[effect.job.job_id] = last
+                        while len(self._ended_edges) > ENDED_JOBS_EDGES_KEPT:
+                            self._ended_edges.popitem(last=False)
             elif isinstance(effect, JobEvent):
                 self._event(effect.job, effect.kind, effect.message, effect.level)
             else:
@@ -793,8 +800,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         )
 
     def _with_edges(self, progress: Progress) -> Progress:
-        """The stored progress of a node with its live edges, when its last report had them (a running job)."""
-        live = self._live_edges.get(progress.job, {}).get(progress.rank)
+        """The stored progress of a node with its edges from its last report, when it had them: a running job's, or
+        one of the newest ended jobs' (ENDED_JOBS_EDGES_KEPT)."""
+        with self._live_edges_lock:
+            live = (self._live_edges.get(progress.job) or self._ended_edges.get(progress.job) or {}).get(progress.rank)
         if live is None or live.node != progress.node:
             return progress
         return dataclasses.replace(progress, edges=live.edges, waiting_for=live.waiting_for)
