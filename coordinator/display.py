@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from coordinator.control.states import JobState
 from coordinator.progress_view import ProgressView
 from nodeagent._proto import coordinator_pb2 as pb
+from nodeagent.defaults import RATE_WINDOW_S
+from nodeagent.jobspec import JobSpecError, parse_job_yaml
 from nodeagent.runtime.messages import from_node_progress
 from nodeagent.runtime.progress import IN_FLIGHT, EdgeCounters, Metric, Progress, task_metrics
 
@@ -87,7 +89,12 @@ def status_text(status: pb.JobStatusReply, now: float | None = None) -> str:
         lines.append(("waits: " if status.state == pb.JOB_PENDING else "reason: ") + status.reason)
     states = {node.rank: node.state for node in status.nodes}
     ages = {node.rank: now - node.updated_unix if node.updated_unix else math.nan for node in status.nodes}
-    lines.append(format_status(progress_of(status), states, ages, status.task))
+    rates = {node.rank: node.recent_steps_per_s for node in status.nodes if node.HasField("recent_steps_per_s")}
+    if status.state == pb.JOB_RUNNING and status.nodes:
+        lines.append(_pace(status, rates))
+    if status.HasField("server_version"):
+        lines.append(f"parameter server (at the coordinator): model version {status.server_version}")
+    lines.append(format_status(progress_of(status), states, ages, status.task, rates))
     failed: dict[str, list[int]] = {}  # the nodes' own words, once for all the ranks that said the same
     for node in status.nodes:
         if node.failure:
@@ -95,6 +102,27 @@ def status_text(status: pb.JobStatusReply, now: float | None = None) -> str:
     for failure, ranks in failed.items():
         lines.append(f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))} failed: {failure}")
     return "\n".join(lines)
+
+
+def _pace(status: pb.JobStatusReply, rates: Mapping[int, float]) -> str:
+    """A running job's progress and ETA at its nodes' recent rates: the slowest running member's time to the last
+    step (a member that does not move leaves it unknown, and is named)."""
+    try:
+        steps = parse_job_yaml(status.spec_yaml).steps
+    except JobSpecError:
+        return "progress: unknown (the job's spec cannot be read)"
+    running = [node for node in status.nodes if node.state in ("up", "down") and not node.finished]
+    line = f"progress: step {min((n.step for n in status.nodes), default=0)} of {steps}"
+    if not running:
+        return line
+    still = [node.rank for node in running if rates.get(node.rank) == 0.0]
+    if still:
+        return line + f"; ETA unknown: {'rank' if len(still) == 1 else 'ranks'} {', '.join(map(str, still))} " \
+            f"made no step in the last {RATE_WINDOW_S:g} s"
+    if any(node.rank not in rates for node in running):
+        return line + "; ETA once every running node reported twice"
+    eta = max((steps - node.step) / rates[node.rank] for node in running)
+    return line + f"; ETA {_duration(eta)} at the recent rates (the slowest node's)"
 
 
 def _fmt(value: float, pattern: str = "{:.4f}") -> str:
@@ -113,11 +141,14 @@ def mean_measured(values: Iterable[float]) -> float:
 
 
 def format_status(nodes: Sequence[Progress], states: dict[int, str] | None = None,
-                  ages: dict[int, float] | None = None, task: str = "classification") -> str:
-    """A row per node (its state, from the coordinator, and the age of its last report when given) with the
-    figures of the job's task (test accuracy; validation perplexity and loss), and their means."""
+                  ages: dict[int, float] | None = None, task: str = "classification",
+                  rates: Mapping[int, float] | None = None) -> str:
+    """A row per node (its state, from the coordinator, its recent steps/s, and the age of its last report when
+    given) with the figures of the job's task (test accuracy; validation perplexity and loss), and their means. A
+    node without a recent rate (finished, or not given) shows its run's."""
     states = states or {}
     ages = ages or {}
+    rates = rates or {}
     metrics = task_metrics(task)
     headings = " ".join(f"{metric.heading:>9}" for metric in metrics)
     lines = [
@@ -128,6 +159,7 @@ def format_status(nodes: Sequence[Progress], states: dict[int, str] | None = Non
         state = states.get(n.rank) or ("finished" if n.finished else "running")
         # The steps this run of the node made (a restarted node resumed, or rejoined, at a later step), per second.
         rate = (n.local_steps or n.step) / n.elapsed_s if n.elapsed_s > 0 else math.nan
+        rate = rates.get(n.rank, rate)
         age = ages.get(n.rank, math.nan)
         lines.append(
             f"{n.rank:>4}  {n.node:<14} {state:<8} {n.step:>7} {_fmt(rate, '{:.1f}'):>8} {_fmt(n.loss):>8} "

@@ -11,7 +11,7 @@ import secrets
 import shutil
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +40,7 @@ from coordinator.rendezvous import Rendezvous, RendezvousError, request_problem
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 from nodeagent.algorithms import Family, lookup
-from nodeagent.defaults import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, KEEP_RUNS
+from nodeagent.defaults import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, KEEP_RUNS, RATE_WINDOW_S
 from nodeagent.jobspec import (
     MAX_NODES,
     JobSpec,
@@ -92,6 +92,7 @@ MAX_JOB_LIST = 10_000
 MAX_JOB_REFERENCE_CHARS = 128  # a job's id or name, as a person types it
 UNUSABLE_TOKEN = "the join token is unknown, used or expired (`coordinator token create` makes one)"
 AMBIGUOUS_SHOWN = 5  # the jobs an ambiguous id prefix begins, named in the refusal
+RATE_SAMPLES = 64  # a rank's reports kept for it (about one a second)
 ENDED_JOBS_EDGES_KEPT = 16  # the ended jobs whose last edges `coordinator edges` shows (in memory only)
 MAX_TOPOLOGY_OPTIONS_CHARS = 65_536  # of a change's options as JSON (an edge list of a few thousand edges)
 MAX_EVENTS_PER_REPORT = 64
@@ -212,6 +213,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         # debugging figures, refreshed every second, kept in memory only and dropped when the job ends.
         self._live_edges: dict[str, dict[int, Progress]] = {}
         self._live_edges_lock = threading.Lock()  # a report racing its job's end leaves nothing behind
+        # (time, step) of each running rank's recent reports, for `status`'s recent rate (in memory: a restarted
+        # coordinator knows the rates again after a few reports).
+        self._recent_steps: dict[str, dict[int, deque[tuple[float, int]]]] = {}
         self._ended_edges: OrderedDict[str, dict[int, Progress]] = OrderedDict()  # the newest ended jobs' last too
         # The rules (coordinator.control.plane) see one event at a time: their effects are applied before the next.
         self.plane = ControlPlane(self.store, time.time, config.heartbeat_timeout_s)
@@ -307,6 +311,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 self.metrics.forget_job(effect.job.job_id)
                 with self._live_edges_lock:
                     last = self._live_edges.pop(effect.job.job_id, None)
+                    self._recent_steps.pop(effect.job.job_id, None)
                     if last:  # `coordinator edges` of an ended job: its last known edges, for the newest few
                         self._ended_edges[effect.job.job_id] = last
                         while len(self._ended_edges) > ENDED_JOBS_EDGES_KEPT:
@@ -462,6 +467,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         with self._live_edges_lock:
             if self.store.job(job.job_id).state == JobState.RUNNING:
                 self._live_edges.setdefault(job.job_id, {})[progress.rank] = progress
+                samples = self._recent_steps.setdefault(job.job_id, {}).setdefault(
+                    progress.rank, deque(maxlen=RATE_SAMPLES))
+                samples.append((now, progress.step))
         if request.finished:
             self._control(self.plane.reported, job)
         return pb.MetricsReply(job_active=self.store.job(job.job_id).state == JobState.RUNNING)
@@ -790,13 +798,23 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def JobStatus(self, request, context):
         job = self._named_job(request.job_id, context, newest_by_default=True)
         nodes = {n.node_id: n for n in self.store.nodes()}
+        now = time.time()
+        with self._live_edges_lock:
+            recent = {rank: recent_rate(samples, now)
+                      for rank, samples in self._recent_steps.get(job.job_id, {}).items()}
+        members = [to_node_progress(self._with_edges(m.progress), self._member_state(m, nodes.get(m.node_id)),
+                                    m.failure)
+                   for m in self.store.members(job.job_id, with_left=True)]
+        for member in members:
+            rate = recent.get(member.rank)
+            if rate is not None and not member.finished and member.state in ("up", "down"):
+                member.recent_steps_per_s = rate
+        server_version = self.ps.version_of(job.job_id)
         return pb.JobStatusReply(
             job_id=job.job_id, name=job.name, state=JOB_STATES[job.state], world_size=job.world_size,
             run_dir=job.run_dir, created_unix=job.created_unix, spec_yaml=job.spec_yaml, reason=job.reason,
             started_unix=job.started_unix, ended_unix=job.ended_unix, **_elastic_range(job), task=job.spec.task,
-            nodes=[to_node_progress(self._with_edges(m.progress), self._member_state(m, nodes.get(m.node_id)),
-                                    m.failure)
-                   for m in self.store.members(job.job_id, with_left=True)],
+            nodes=members, server_version=server_version,
         )
 
     def _with_edges(self, progress: Progress) -> Progress:
@@ -891,6 +909,20 @@ class EnrollmentService(coordinator_pb2_grpc.EnrollmentServicer):
         identity = pki.identity_of(cert)
         log.info("enrolled node %s (certificate %s)", name, identity.serial)
         return pb.CertificateReply(certificate_pem=pki.certificate_pem(cert), name=name, serial=identity.serial)
+
+
+def recent_rate(samples: deque[tuple[float, int]], now: float) -> float | None:
+    """A rank's steps per second over its reports of the last RATE_WINDOW_S, the report just before the window
+    included: 0 for a rank whose step stood still (stalled) or that reported nothing in the window (silent); None
+    before two reports."""
+    if len(samples) < 2:
+        return None
+    start = next((i for i, (at, _) in enumerate(samples) if at >= now - RATE_WINDOW_S), len(samples))
+    first = samples[max(0, start - 1)]
+    last = samples[-1]
+    if start == len(samples):  # no report in the window: it did not move that anyone saw
+        return 0.0
+    return max(0.0, (last[1] - first[1]) / (last[0] - first[0])) if last[0] > first[0] else None
 
 
 def retire_run_dirs(store: ControlState, run_root: Path, keep: int) -> list[tuple[str, Path]]:
