@@ -264,6 +264,11 @@ class ClusterCA:
             write_private_file(self.directory / "tokens.json", json.dumps(tokens).encode())
         return token, expires
 
+    def token_live(self, token: str) -> bool:
+        """Whether a join token may still be spent (known, unused, not expired); spends nothing."""
+        with self._locked():
+            return _token_hash(token) in self._live_tokens()
+
     def use_token(self, token: str) -> bool:
         """Spend a join token: True once for a live one, False for an unknown, used or expired one."""
         with self._locked():

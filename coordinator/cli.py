@@ -27,13 +27,15 @@ from google.protobuf.message import Message
 from coordinator.ca import CAError
 from coordinator.display import (
     FAILING_WINDOW_S,
-    STALE_STEPS,
+    STALE_INTERVALS,
+    STALE_MIN_S,
     STALL_INTERVALS,
     STALL_MIN_S,
     device_text,
     edges_json,
     edges_text,
     format_status,
+    json_state,
     show_progress,
     state_name,
     status_text,
@@ -65,7 +67,7 @@ from nodeagent.jobspec import (
 )
 from nodeagent.listen import ListenError
 from nodeagent.metrics import Metrics
-from nodeagent.rpc import SERVER_OPTIONS, bind_grpc_server, shown, split_address
+from nodeagent.rpc import SERVER_OPTIONS, bind_grpc_server, shown, split_address, unreachable_cause, with_default_port
 from nodeagent.runtime.messages import event_from_proto
 from nodeagent.runtime.progress import task_metrics
 from nodeagent.security.pki import private_key_pem
@@ -193,21 +195,29 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                        help="the least severe messages logged (default %(default)s)")
 
-    ca = commands.add_parser("ca", help="create or show the cluster CA (on the coordinator's machine)")
-    ca.add_argument("action", choices=["init", "show"],
-                    help="init: create the CA in STATE_DIR/ca; show: print its fingerprint")
-    ca.add_argument(
+    ca = commands.add_parser("ca", help="create or show the cluster CA (on the coordinator's machine)",
+                             description="The cluster CA lives in STATE_DIR/ca; every certificate hangs on it.")
+    ca_actions = ca.add_subparsers(dest="action", required=True, metavar="ACTION")
+    ca_init = ca_actions.add_parser(
+        "init", help="create the CA in STATE_DIR/ca and print its fingerprint",
+        description="Create the cluster CA in STATE_DIR/ca and print its fingerprint (SHA-256), which enrolling "
+        "agents pin. Refuses to replace a CA that is there: every certificate of the cluster hangs on it.")
+    ca_init.add_argument(
         "--if-missing", action="store_true",
-        help="init: keep the CA already there instead of refusing (for start-up scripts; it is never replaced)",
+        help="keep the CA already there instead of refusing (for start-up scripts; it is never replaced)",
     )
-    _add_state_dir_option(ca)
+    _add_state_dir_option(ca_init)
+    ca_show = ca_actions.add_parser("show", help="print the CA's fingerprint",
+                                    description="Print the fingerprint (SHA-256) of the cluster CA in STATE_DIR/ca.")
+    _add_state_dir_option(ca_show)
 
     _add_backup_commands(commands)
 
     token = commands.add_parser(
         "token", help="create a one-time join token for a new node",
-        description="Prints a token and the CA fingerprint; a new node enrolls with `nodeagent serve --join-token "
-        "TOKEN --ca-fingerprint FINGERPRINT`.",
+        description="Prints a token (on stdout) and the CA fingerprint; a new node enrolls with them in its "
+        "environment, PEERTRAIN_JOIN_TOKEN and PEERTRAIN_CA_FINGERPRINT (not on its command line, which other users "
+        "of the machine can read).",
     )
     token.add_argument("action", choices=["create"])
     token.add_argument("--ttl", type=float, default=3600.0, help="seconds the token stays valid (default %(default)s)")
@@ -218,17 +228,32 @@ def build_parser() -> argparse.ArgumentParser:
         description="`issue` runs on the coordinator's machine with its CA (no daemon needed) and writes ca.crt, "
         "tls.crt and tls.key into --out. `list` and `revoke` ask the running coordinator (operator certificate).",
     )
-    cert.add_argument("action", choices=["issue", "list", "revoke"])
-    who = cert.add_mutually_exclusive_group()
-    who.add_argument("--node", metavar="NAME", help="issue: a node certificate, NAME its node id")
-    who.add_argument("--operator", metavar="NAME", help="issue: an operator certificate")
-    cert.add_argument("--out", type=Path, help="issue: the directory to write (default ./tls-NAME)")
-    cert.add_argument("--days", type=float, help="issue: lifetime (default: 30 for nodes, 90 for operators)")
-    cert.add_argument("--serial", help="revoke: the certificate's serial (hex, see `cert list`)")
-    cert.add_argument("--name", help="revoke: every certificate of this node or operator")
-    cert.add_argument("--json", action="store_true", help="list: one JSON object per certificate, a line each")
-    _add_state_dir_option(cert)
-    _add_coordinator_option(cert)
+    cert_actions = cert.add_subparsers(dest="action", required=True, metavar="ACTION")
+    issue = cert_actions.add_parser(
+        "issue", help="issue a node's or an operator's certificate with the CA here (offline)",
+        description="Issue a certificate with the CA in STATE_DIR/ca, on the coordinator's machine (no daemon "
+        "needed), and write ca.crt, tls.crt and tls.key into --out.",
+    )
+    who = issue.add_mutually_exclusive_group(required=True)
+    who.add_argument("--node", metavar="NAME", help="a node certificate, NAME its node id")
+    who.add_argument("--operator", metavar="NAME", help="an operator certificate (for the command line)")
+    issue.add_argument("--out", type=Path, help="the directory to write (default ./tls-NAME)")
+    issue.add_argument("--days", type=float, help="lifetime (default: 30 for nodes, 90 for operators)")
+    _add_state_dir_option(issue)
+    listing = cert_actions.add_parser(
+        "list", help="list the certificates the coordinator issued, with their role, expiry and revocation",
+        description="Every certificate the running coordinator's CA issued: serial, role, name, expiry, revocation.",
+    )
+    listing.add_argument("--json", action="store_true", help="one JSON object per certificate, a line each")
+    _add_coordinator_option(listing)
+    revoke = cert_actions.add_parser(
+        "revoke", help="revoke a certificate by its serial, or every certificate of a name",
+        description="Revoke on the running coordinator: the certificate is refused on every link from then on.",
+    )
+    what = revoke.add_mutually_exclusive_group(required=True)
+    what.add_argument("--serial", help="the certificate's serial (hex, see `cert list`)")
+    what.add_argument("--name", help="every certificate of this node or operator")
+    _add_coordinator_option(revoke)
 
     submit = commands.add_parser(
         "submit", help="submit a job spec (YAML); prints the job id, or follows the job with --follow",
@@ -513,14 +538,14 @@ def _client_settings(args: argparse.Namespace) -> tuple[str, Path | None]:
             config = tomllib.loads(config_path.read_text())
         except (OSError, tomllib.TOMLDecodeError) as error:
             raise SystemExit(f"coordinator: cannot read the config file {config_path}: {error}") from None
-    address = args.coordinator or os.environ.get("PEERTRAIN_COORDINATOR") or config.get("coordinator") or \
-        COORDINATOR_ADDRESS
+    address = with_default_port(str(args.coordinator or os.environ.get("PEERTRAIN_COORDINATOR")
+                                    or config.get("coordinator") or COORDINATOR_ADDRESS), COORDINATOR_PORT)
     insecure = args.insecure or os.environ.get("PEERTRAIN_INSECURE", "") not in ("", "0") or \
         bool(config.get("insecure"))
     if insecure:
-        return str(address), None
+        return address, None
     tls_dir = args.tls_dir or os.environ.get("PEERTRAIN_TLS_DIR") or config.get("tls_dir") or DEFAULT_TLS_DIR
-    return str(address), Path(tls_dir).expanduser()
+    return address, Path(tls_dir).expanduser()
 
 
 def _channel(args: argparse.Namespace) -> grpc.Channel:
@@ -712,9 +737,13 @@ def cmd_restore(args: argparse.Namespace) -> int:
 def cmd_token(args: argparse.Namespace) -> int:
     reply = _stub(args).CreateJoinToken(pb.CreateJoinTokenRequest(ttl_s=args.ttl), timeout=10)
     print(shown(reply.token))
-    print(f"valid once, until {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(reply.expires_unix))}; on the new "
-          f"node:\n  nodeagent serve --coordinator {args.coordinator} --join-token TOKEN --ca-fingerprint "
-          f"{shown(reply.ca_fingerprint)}", file=sys.stderr)
+    # The token goes in the new node's environment (a file only root reads), never on a command line, which every
+    # user of the machine can read (docs/operations.md, "Enrolling a node with a join token").
+    print(f"valid once, until {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(reply.expires_unix))}. On the new "
+          "node, put it in the agent's environment, not on its command line (which other users can read), e.g. in "
+          "/etc/peertrain/agent.env (readable by root and the agent only) or the Kubernetes Secret peertrain-join:\n"
+          f"  PEERTRAIN_JOIN_TOKEN=TOKEN\n  PEERTRAIN_CA_FINGERPRINT={shown(reply.ca_fingerprint)}\n"
+          f"then start it: nodeagent serve --coordinator {args.coordinator} --name NAME", file=sys.stderr)
     return 0
 
 
@@ -723,8 +752,6 @@ def cmd_cert(args: argparse.Namespace) -> int:
         return _issue_offline(args)
     stub = _stub(args)
     if args.action == "revoke":
-        if bool(args.serial) == bool(args.name):
-            raise SystemExit("coordinator: cert revoke needs --serial SERIAL or --name NAME")
         reply = stub.RevokeCertificate(pb.RevokeCertificateRequest(serial=args.serial or "", name=args.name or ""),
                                        timeout=10)
         print(shown(f"revoked: {', '.join(reply.serials) or 'nothing new (already revoked)'}"))
@@ -748,8 +775,6 @@ def _issue_offline(args: argparse.Namespace) -> int:
     from nodeagent.security.pki import CertificateError, Role
     from nodeagent.security.tls import TlsDir
 
-    if not (args.node or args.operator):
-        raise SystemExit("coordinator: cert issue needs --node NAME or --operator NAME")
     role, name = (Role.NODE, args.node) if args.node else (Role.OPERATOR, args.operator)
     out = args.out or Path(f"tls-{name}")
     lifetime = datetime.timedelta(days=args.days) if args.days else None
@@ -881,7 +906,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     if args.json:
         for job in reply.jobs:
             print(json.dumps({
-                "job_id": job.job_id, "name": job.name, "state": state_name(job.state), "nodes": job.world_size,
+                "job_id": job.job_id, "name": job.name, "state": json_state(job.state), "nodes": job.world_size,
                 **({"min_nodes": job.min_nodes, "max_nodes": job.max_nodes} if job.max_nodes else {}),
                 "submitted_unix": job.created_unix, "started_unix": job.started_unix or None,
                 "ended_unix": job.ended_unix or None, "reason": job.reason,
@@ -906,7 +931,8 @@ def _clock(unix: float, layout: str = "%H:%M:%S") -> str:
 
 def cmd_status(args: argparse.Namespace) -> int:
     status = _stub(args).JobStatus(pb.JobStatusRequest(job_id=args.job_id), timeout=10)
-    print(json.dumps(_as_json(status)) if args.json else shown(status_text(status)))
+    print(json.dumps(_as_json(status) | {"state": json_state(status.state)}) if args.json else
+          shown(status_text(status)))
     return 0
 
 
@@ -923,12 +949,14 @@ def _print_json_lines(messages: Iterable[Message]) -> None:
 
 def _add_edges_command(commands: argparse._SubParsersAction) -> None:
     edges = commands.add_parser(
-        "edges", help="a running job's edges, the troubled first: last message, in flight, messages, bytes, "
+        "edges", help="a job's edges, the troubled first: last message, in flight, messages, bytes, skips, "
         "failures by reason, staleness, consensus distance",
         description="Every edge of the job's nodes from their last reports (about once a second), sorted by trouble: "
         f"stalled (no message for {STALL_INTERVALS} of the edge's message intervals, and at least {STALL_MIN_S:g} s), "
-        f"failing (a call failed in the last {FAILING_WINDOW_S:g} s), stale (the neighbour more than {STALE_STEPS} "
-        "steps behind), then ok; and what a job that does not move waits on.",
+        f"failing (a call failed in the last {FAILING_WINDOW_S:g} s), stale (the neighbour behind by more than "
+        f"{STALE_INTERVALS} message intervals and {STALE_MIN_S:g} s of the node's steps), then ok; flow-control skips "
+        "(a send not made while the edge's last exchange was in flight) apart from failures; and what a job that "
+        "does not move waits on. An ended job's edges are its nodes' last report, judged at its end.",
     )
     edges.add_argument("job_id", nargs="?", default="", metavar="JOB",
                        help="a job's id, a unique prefix of it, or its name (the newest of that name; default: the "
@@ -1210,8 +1238,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def rpc_error_line(error: grpc.RpcError, address: str | None) -> str:
-    """A failed call in one line: the coordinator's address (for the commands that call one), code and details."""
-    line = f"{error.code().name}: {' '.join((error.details() or '').split())}"
+    """A failed call in one line: the coordinator's address (for the commands that call one), then the likely cause
+    when the coordinator was not reached as expected (nothing listens, another cluster's CA, plaintext against
+    TLS, the enrollment port, ...), else its answer's code and words."""
+    line = unreachable_cause(error) or f"{error.code().name}: {' '.join((error.details() or '').split())}"
     return f"{address}: {line}" if address else line
 
 

@@ -3,22 +3,29 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from coordinator.control.states import JobState
 from coordinator.progress_view import ProgressView
 from nodeagent._proto import coordinator_pb2 as pb
+from nodeagent.defaults import RATE_WINDOW_S
+from nodeagent.jobspec import JobSpecError, parse_job_yaml
 from nodeagent.runtime.messages import from_node_progress
-from nodeagent.runtime.progress import EdgeCounters, Metric, Progress, task_metrics
+from nodeagent.runtime.progress import IN_FLIGHT, EdgeCounters, Metric, Progress, task_metrics
 
 # When an edge is in trouble (`coordinator edges`; docs/operations.md, "Per-edge debugging"):
 STALL_INTERVALS = 10  # stalled: no message for this many of the edge's message intervals (the alert's too),
 STALL_MIN_S = 5.0  # and for at least this long (nodes report once a second: a younger age says nothing)
 FAILING_WINDOW_S = 60.0  # failing: a call on the edge failed this recently
-STALE_STEPS = 100  # stale: the neighbour is more than this many steps behind
+# stale: the neighbour is behind by more than this many of the edge's message intervals, and by at least this long
+# at the node's step rate (a fast job's neighbours are many steps apart in a fraction of a second)
+STALE_INTERVALS = 10
+STALE_MIN_S = 5.0
 
 
 def device_text(node: pb.NodeInfo) -> str:
@@ -29,7 +36,13 @@ def device_text(node: pb.NodeInfo) -> str:
 
 
 def state_name(state: int) -> str:
+    """A job's state as the tables show it: running."""
     return pb.JobState.Name(state).removeprefix("JOB_").lower()
+
+
+def json_state(state: int) -> str:
+    """A job's state as every `--json` names it: the coordinator's own name (JobState), RUNNING."""
+    return JobState(pb.JobState.Name(state).removeprefix("JOB_")).value
 
 
 def progress_of(status: pb.JobStatusReply) -> list[Progress]:
@@ -76,7 +89,12 @@ def status_text(status: pb.JobStatusReply, now: float | None = None) -> str:
         lines.append(("waits: " if status.state == pb.JOB_PENDING else "reason: ") + status.reason)
     states = {node.rank: node.state for node in status.nodes}
     ages = {node.rank: now - node.updated_unix if node.updated_unix else math.nan for node in status.nodes}
-    lines.append(format_status(progress_of(status), states, ages, status.task))
+    rates = {node.rank: node.recent_steps_per_s for node in status.nodes if node.HasField("recent_steps_per_s")}
+    if status.state == pb.JOB_RUNNING and status.nodes:
+        lines.append(_pace(status, rates))
+    if status.HasField("server_version"):
+        lines.append(f"parameter server (at the coordinator): model version {status.server_version}")
+    lines.append(format_status(progress_of(status), states, ages, status.task, rates))
     failed: dict[str, list[int]] = {}  # the nodes' own words, once for all the ranks that said the same
     for node in status.nodes:
         if node.failure:
@@ -84,6 +102,27 @@ def status_text(status: pb.JobStatusReply, now: float | None = None) -> str:
     for failure, ranks in failed.items():
         lines.append(f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))} failed: {failure}")
     return "\n".join(lines)
+
+
+def _pace(status: pb.JobStatusReply, rates: Mapping[int, float]) -> str:
+    """A running job's progress and ETA at its nodes' recent rates: the slowest running member's time to the last
+    step (a member that does not move leaves it unknown, and is named)."""
+    try:
+        steps = parse_job_yaml(status.spec_yaml).steps
+    except JobSpecError:
+        return "progress: unknown (the job's spec cannot be read)"
+    running = [node for node in status.nodes if node.state in ("up", "down") and not node.finished]
+    line = f"progress: step {min((n.step for n in status.nodes), default=0)} of {steps}"
+    if not running:
+        return line
+    still = [node.rank for node in running if rates.get(node.rank) == 0.0]
+    if still:
+        return line + f"; ETA unknown: {'rank' if len(still) == 1 else 'ranks'} {', '.join(map(str, still))} " \
+            f"made no step in the last {RATE_WINDOW_S:g} s"
+    if any(node.rank not in rates for node in running):
+        return line + "; ETA once every running node reported twice"
+    eta = max((steps - node.step) / rates[node.rank] for node in running)
+    return line + f"; ETA {_duration(eta)} at the recent rates (the slowest node's)"
 
 
 def _fmt(value: float, pattern: str = "{:.4f}") -> str:
@@ -102,11 +141,14 @@ def mean_measured(values: Iterable[float]) -> float:
 
 
 def format_status(nodes: Sequence[Progress], states: dict[int, str] | None = None,
-                  ages: dict[int, float] | None = None, task: str = "classification") -> str:
-    """A row per node (its state, from the coordinator, and the age of its last report when given) with the
-    figures of the job's task (test accuracy; validation perplexity and loss), and their means."""
+                  ages: dict[int, float] | None = None, task: str = "classification",
+                  rates: Mapping[int, float] | None = None) -> str:
+    """A row per node (its state, from the coordinator, its recent steps/s, and the age of its last report when
+    given) with the figures of the job's task (test accuracy; validation perplexity and loss), and their means. A
+    node without a recent rate (finished, or not given) shows its run's."""
     states = states or {}
     ages = ages or {}
+    rates = rates or {}
     metrics = task_metrics(task)
     headings = " ".join(f"{metric.heading:>9}" for metric in metrics)
     lines = [
@@ -117,6 +159,7 @@ def format_status(nodes: Sequence[Progress], states: dict[int, str] | None = Non
         state = states.get(n.rank) or ("finished" if n.finished else "running")
         # The steps this run of the node made (a restarted node resumed, or rejoined, at a later step), per second.
         rate = (n.local_steps or n.step) / n.elapsed_s if n.elapsed_s > 0 else math.nan
+        rate = rates.get(n.rank, rate)
         age = ages.get(n.rank, math.nan)
         lines.append(
             f"{n.rank:>4}  {n.node:<14} {state:<8} {n.step:>7} {_fmt(rate, '{:.1f}'):>8} {_fmt(n.loss):>8} "
@@ -163,6 +206,17 @@ class EdgeRow:
     in_flight_s: float
     interval_s: float  # the edge's expected time between messages
     trouble: Trouble
+    staleness_s: float = math.nan  # how far the neighbour is behind, in seconds of the node's steps
+
+    @property
+    def failures(self) -> dict[str, int]:
+        """The edge's failed calls by reason (its flow-control skips are no calls: `skips`)."""
+        return {reason: count for reason, count in self.edge.failure_reasons.items() if reason != IN_FLIGHT}
+
+    @property
+    def skips(self) -> int:
+        """Sends not made because the edge's previous exchange was still in flight (flow control)."""
+        return self.edge.failure_reasons.get(IN_FLIGHT, 0)
 
 
 def edge_rows(nodes: Sequence[Progress], now: float, interval_steps: int = 1) -> list[EdgeRow]:
@@ -178,7 +232,7 @@ def edge_rows(nodes: Sequence[Progress], now: float, interval_steps: int = 1) ->
             age = edge.last_message_age_s if not math.isnan(edge.last_message_age_s) else node.elapsed_s
             interval = edge.message_interval_s if not math.isnan(edge.message_interval_s) else interval_steps / rate
             row = EdgeRow(node.node, node.rank, edge, age + lag, edge.in_flight_s + lag if edge.in_flight_s else 0.0,
-                          interval, Trouble.OK)
+                          interval, Trouble.OK, edge.staleness_steps / rate)
             rows.append(row if node.finished else _judged(row, lag))
     return sorted(rows, key=lambda r: (r.trouble, -r.last_message_s, r.src, r.edge.peer))
 
@@ -190,11 +244,11 @@ def _judged(row: EdgeRow, lag: float) -> EdgeRow:
         trouble = Trouble.STALLED
     elif edge.last_failure_age_s + lag <= FAILING_WINDOW_S:  # NaN (never failed) compares False
         trouble = Trouble.FAILING
-    elif edge.staleness_steps > STALE_STEPS:
+    elif row.staleness_s > max(STALE_INTERVALS * row.interval_s, STALE_MIN_S):  # NaN (unknown) compares False
         trouble = Trouble.STALE
     else:
         return row
-    return EdgeRow(row.src, row.rank, edge, row.last_message_s, row.in_flight_s, row.interval_s, trouble)
+    return dataclasses.replace(row, trouble=trouble)
 
 
 def waits_on(nodes: Sequence[Progress], rows: Sequence[EdgeRow]) -> list[str]:
@@ -206,29 +260,39 @@ def waits_on(nodes: Sequence[Progress], rows: Sequence[EdgeRow]) -> list[str]:
     return lines
 
 
+def _edges_as_of(status: pb.JobStatusReply, now: float | None) -> float:
+    """The time a job's edges are judged at: now while it runs, its end once it ended (its last known edges)."""
+    if status.ended_unix:
+        return status.ended_unix
+    return time.time() if now is None else now
+
+
 def _reasons(reasons: Mapping[str, int]) -> str:
     return ",".join(f"{reason}:{count}" for reason, count in sorted(reasons.items())) or "-"
 
 
 def edges_text(status: pb.JobStatusReply, interval_steps: int = 1, now: float | None = None) -> str:
-    """`coordinator edges` of a job: a row per edge of its nodes, worst first, and what it waits on."""
-    now = time.time() if now is None else now
+    """`coordinator edges` of a job: a row per edge of its nodes, worst first, and what it waits on; an ended job's
+    as its nodes last reported them, judged at its end."""
+    now = _edges_as_of(status, now)
     nodes = progress_of(status)
     rows = edge_rows(nodes, now, interval_steps)
-    lines = [f"job {status.job_id} ({status.name}): {state_name(status.state)}, {len(rows)} edges"]
+    ended = " (their last report, at the job's end)" if status.ended_unix and rows else ""
+    lines = [f"job {status.job_id} ({status.name}): {state_name(status.state)}, {len(rows)} edges{ended}"]
     if not rows:
-        lines.append("no edge reported" + ("" if status.state == pb.JOB_RUNNING else " (only a running job has them)"))
+        lines.append("no edge reported" + ("" if status.state == pb.JOB_RUNNING else " (a job's edges are known while "
+                                           "it runs and, until the coordinator restarts, for its newest ended jobs)"))
         return "\n".join(lines)
     lines.append(f"{'trouble':<8} {'src':<14} {'dst':<14} {'last msg':>9} {'in flight':>9} {'sent':>7} "
-                 f"{'recv':>7} {'MB out':>8} {'MB in':>8} {'stale':>6} {'distance':>9}  failures")
+                 f"{'recv':>7} {'MB out':>8} {'MB in':>8} {'stale':>6} {'distance':>9} {'skips':>6}  failures")
     for r in rows:
         e = r.edge
         lines.append(
             f"{r.trouble.name.lower():<8} {r.src:<14} {e.peer:<14} {_fmt(r.last_message_s, '{:.1f} s'):>9} "
             f"{_fmt(r.in_flight_s, '{:.1f} s') if r.in_flight_s else '-':>9} {e.messages_sent:>7} "
             f"{e.messages_received:>7} {e.bytes_sent / 1e6:>8.2f} {e.bytes_received / 1e6:>8.2f} "
-            f"{_fmt(e.staleness_steps, '{:.0f}'):>6} {_fmt(e.consensus_distance, '{:.4g}'):>9}  "
-            f"{_reasons(e.failure_reasons)}"
+            f"{_fmt(e.staleness_steps, '{:.0f}'):>6} {_fmt(e.consensus_distance, '{:.4g}'):>9} {r.skips:>6}  "
+            f"{_reasons(r.failures)}"
         )
     waits = waits_on(nodes, rows)
     if waits:
@@ -238,7 +302,7 @@ def edges_text(status: pb.JobStatusReply, interval_steps: int = 1, now: float | 
 
 def edges_json(status: pb.JobStatusReply, interval_steps: int = 1, now: float | None = None) -> dict:
     """`coordinator edges --json`: the same rows and waits; unknown numbers are null."""
-    now = time.time() if now is None else now
+    now = _edges_as_of(status, now)
     nodes = progress_of(status)
     rows = edge_rows(nodes, now, interval_steps)
 
@@ -246,14 +310,14 @@ def edges_json(status: pb.JobStatusReply, interval_steps: int = 1, now: float | 
         return None if math.isnan(value) else value
 
     return {
-        "job_id": status.job_id, "name": status.name, "state": state_name(status.state),
+        "job_id": status.job_id, "name": status.name, "state": json_state(status.state),
         "edges": [
             {"src": r.src, "rank": r.rank, "dst": r.edge.peer, "trouble": r.trouble.name.lower(),
              "last_message_s": number(r.last_message_s), "in_flight_s": r.in_flight_s,
              "interval_s": number(r.interval_s), "messages_sent": r.edge.messages_sent,
              "messages_received": r.edge.messages_received, "bytes_sent": r.edge.bytes_sent,
-             "bytes_received": r.edge.bytes_received, "failures": dict(r.edge.failure_reasons),
-             "staleness_steps": number(r.edge.staleness_steps),
+             "bytes_received": r.edge.bytes_received, "failures": r.failures, "skips": r.skips,
+             "staleness_steps": number(r.edge.staleness_steps), "staleness_s": number(r.staleness_s),
              "consensus_distance": number(r.edge.consensus_distance)}
             for r in rows
         ],

@@ -21,7 +21,7 @@ from nodeagent.jobspec import JobSpec, JobSpecError, TopologySpec, format_valida
 from nodeagent.training.model_memory import MIB, check_model_memory_at_submit
 from nodeagent.training.models import MODELS, check_model, is_import_path
 from nodeagent.training.splits import SPLIT_OPTIONS, SPLITS
-from nodeagent.training.tasks import check_task
+from nodeagent.training.tasks import check_task, task_of
 
 
 def validate_job(spec: JobSpec, max_model_bytes: int = MAX_MODEL_MEMORY_MIB * MIB) -> Topology:
@@ -42,7 +42,7 @@ def validate_job(spec: JobSpec, max_model_bytes: int = MAX_MODEL_MEMORY_MIB * MI
         raise JobSpecError(format_validation_error(error, "data.split_options", unknown)) from None
     check_task(spec)
     try:
-        check_model(spec.model)
+        check_model(spec.model, *task_of(spec).nominal_input(spec))
     except ValueError as error:
         field = "model.options" if spec.model.name in MODELS else "model.name"
         raise JobSpecError(f"{field}: {error}") from None

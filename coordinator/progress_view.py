@@ -15,21 +15,55 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    TaskID,
+    TextColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Column
+from rich.text import Text
 
 from nodeagent.runtime.progress import TASK_METRICS, Metric
 
 MAX_NODE_BARS = 16  # a bar per node up to this many nodes; beyond, only the job's
 PLAIN_EVERY_S = 5.0
+TITLE_CHARS = 16  # of a bar's title (a job id is longer: its start is shown)
+MIN_BAR_CHARS = 8
 
 
 class _RateColumn(TextColumn):
     def __init__(self) -> None:
-        super().__init__("")
+        super().__init__("", table_column=Column(no_wrap=True))
 
     def render(self, task):  # type: ignore[no-untyped-def]
         speed = task.finished_speed or task.speed
-        return "      - steps/s" if speed is None else f"{speed:8.1f} steps/s"
+        return Text("     -/s" if speed is None else f"{speed:6.1f}/s")
+
+
+class _EtaColumn(TimeRemainingColumn):
+    def __init__(self) -> None:
+        super().__init__(table_column=Column(no_wrap=True))
+
+    def render(self, task):  # type: ignore[no-untyped-def]
+        return Text("ETA ") + super().render(task)
+
+
+def _columns() -> list[ProgressColumn]:
+    """The bars' columns, laid out to fit an 80-column terminal: the title cut to its first characters, the bar
+    and the note (state, figure) sharing what the fixed columns leave, the note first."""
+    return [
+        TextColumn("{task.description}", table_column=Column(max_width=TITLE_CHARS, no_wrap=True,
+                                                             overflow="ellipsis")),
+        BarColumn(bar_width=None, table_column=Column(ratio=1, min_width=MIN_BAR_CHARS)),
+        MofNCompleteColumn(table_column=Column(no_wrap=True)),
+        _RateColumn(),
+        _EtaColumn(),
+        TextColumn("{task.fields[note]}", table_column=Column(ratio=3, no_wrap=True, overflow="ellipsis")),
+    ]
 
 
 class ProgressView:
@@ -55,11 +89,8 @@ class ProgressView:
 
     def __enter__(self) -> ProgressView:
         if self.live:
-            self._progress = Progress(
-                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), _RateColumn(),
-                TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[note]}"),
-                console=Console(file=self.out), transient=False, refresh_per_second=4,
-            )
+            self._progress = Progress(*_columns(), console=Console(file=self.out), transient=False,
+                                      refresh_per_second=4, expand=True)
             self._progress.start()
             self._job = self._progress.add_task(self.title, total=self.steps, note="")
             if self.nodes <= MAX_NODE_BARS:

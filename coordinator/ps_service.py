@@ -281,6 +281,15 @@ class PSService:
                                          data_from_json(row.data_json), self.fsync)
         return job
 
+    def version_of(self, job_id: str) -> int | None:
+        """The model version of a job's server while it is loaded (a running parameter-server job); else None."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+        if job is None or job.closed:
+            return None
+        with job.condition:
+            return job.half.version
+
     def close(self, job_id: str) -> None:
         with self._lock:
             job = self._jobs.pop(job_id, None)

@@ -11,6 +11,7 @@ import secrets
 import shutil
 import threading
 import time
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +41,14 @@ from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent._proto import coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 from nodeagent.algorithms import Family, lookup
 from nodeagent.compat import skew_problem
-from nodeagent.defaults import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, KEEP_JOBS, KEEP_RUNS, MAX_MODEL_MEMORY_MIB
+from nodeagent.defaults import (
+    HEARTBEAT_INTERVAL_S,
+    HEARTBEAT_TIMEOUT_S,
+    KEEP_JOBS,
+    KEEP_RUNS,
+    MAX_MODEL_MEMORY_MIB,
+    RATE_WINDOW_S,
+)
 from nodeagent.jobspec import (
     MAX_NODES,
     JobSpec,
@@ -91,6 +99,10 @@ MAX_CALLS_PER_IDENTITY = 32
 DEFAULT_JOB_LIST = 100
 MAX_JOB_LIST = 10_000
 MAX_JOB_REFERENCE_CHARS = 128  # a job's id or name, as a person types it
+UNUSABLE_TOKEN = "the join token is unknown, used or expired (`coordinator token create` makes one)"
+AMBIGUOUS_SHOWN = 5  # the jobs an ambiguous id prefix begins, named in the refusal
+RATE_SAMPLES = 64  # a rank's reports kept for it (about one a second)
+ENDED_JOBS_EDGES_KEPT = 16  # the ended jobs whose last edges `coordinator edges` shows (in memory only)
 MAX_TOPOLOGY_OPTIONS_CHARS = 65_536  # of a change's options as JSON (an edge list of a few thousand edges)
 MAX_EVENTS_PER_REPORT = 64
 # Each node may add EVENT_BURST events at once and EVENT_RATE_PER_S on average: a node that logs in a loop fills
@@ -213,6 +225,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         # debugging figures, refreshed every second, kept in memory only and dropped when the job ends.
         self._live_edges: dict[str, dict[int, Progress]] = {}
         self._live_edges_lock = threading.Lock()  # a report racing its job's end leaves nothing behind
+        # (time, step) of each running rank's recent reports, for `status`'s recent rate (in memory: a restarted
+        # coordinator knows the rates again after a few reports).
+        self._recent_steps: dict[str, dict[int, deque[tuple[float, int]]]] = {}
+        self._ended_edges: OrderedDict[str, dict[int, Progress]] = OrderedDict()  # the newest ended jobs' last too
         # The rules (coordinator.control.plane) see one event at a time: their effects are applied before the next.
         self.plane = ControlPlane(self.store, time.time, config.heartbeat_timeout_s)
         self._plane_lock = threading.Lock()
@@ -307,7 +323,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 self._retire_ended_jobs()
                 self.metrics.forget_job(effect.job.job_id)
                 with self._live_edges_lock:
-                    self._live_edges.pop(effect.job.job_id, None)
+                    last = self._live_edges.pop(effect.job.job_id, None)
+                    self._recent_steps.pop(effect.job.job_id, None)
+                    if last:  # `coordinator edges` of an ended job: its last known edges, for the newest few
+                        self._ended_edges[effect.job.job_id] = last
+                        while len(self._ended_edges) > ENDED_JOBS_EDGES_KEPT:
+                            self._ended_edges.popitem(last=False)
             elif isinstance(effect, JobEvent):
                 self._event(effect.job, effect.kind, effect.message, effect.level)
             else:
@@ -488,6 +509,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             if self.store.job(job.job_id).state == JobState.RUNNING:
                 self._live_edges.setdefault(job.job_id, {})[progress.rank] = dataclasses.replace(
                     recorded, edges=tuple(edge for edge in recorded.edges if edge.peer in live))
+                samples = self._recent_steps.setdefault(job.job_id, {}).setdefault(
+                    progress.rank, deque(maxlen=RATE_SAMPLES))
+                samples.append((now, progress.step))
         if request.finished:
             self._control(self.plane.reported, job)
         return pb.MetricsReply(job_active=self.store.job(job.job_id).state == JobState.RUNNING)
@@ -646,10 +670,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return self.models.upload(request_iterator, context)
 
     def ExportModel(self, request, context):
-        reference = request.job_id[:MAX_JOB_REFERENCE_CHARS]
-        job = self.store.find_job(reference) if reference else self.store.latest_job()
-        if job is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, _no_job(reference) if reference else "no jobs yet")
+        job = self._named_job(request.job_id, context, newest_by_default=True)
         yield from self.models.export(request, context, job)
 
     # -- certificates --------------------------------------------------------------------------------------------
@@ -744,10 +765,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def DeleteJob(self, request, context):
         reference = request.job_id[:MAX_JOB_REFERENCE_CHARS]
-        job = self.store.find_job(reference)
-        if job is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, _no_job(reference))
-        assert job is not None
+        job = self._named_job(request.job_id, context)
         if job.state in ACTIVE_JOB_STATES:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"job {job.job_id} is {job.state.value.lower()}: stop it first (`coordinator stop "
@@ -761,16 +779,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return pb.DeleteJobReply(job_id=job.job_id, run_dir=run_dir or "")
 
     def StopJob(self, request, context):
-        job = self.store.find_job(request.job_id[:MAX_JOB_REFERENCE_CHARS])
-        if job is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, _no_job(request.job_id))
+        job = self._named_job(request.job_id, context)
         self._control(self.plane.stopped, job)
         return pb.StopJobReply(state=JOB_STATES[self.store.job(job.job_id).state], job_id=job.job_id)
 
     def ChangeTopology(self, request, context):
-        job = self.store.find_job(request.job_id[:MAX_JOB_REFERENCE_CHARS])
-        if job is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, _no_job(request.job_id))
+        job = self._named_job(request.job_id, context)
         try:
             self.plane.check_topology_change(job)
         except TopologyRefused as error:
@@ -850,26 +864,56 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return self._node_info(node)
 
     def JobStatus(self, request, context):
-        reference = request.job_id[:MAX_JOB_REFERENCE_CHARS]
-        job = self.store.find_job(reference) if reference else self.store.latest_job()
-        if job is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, _no_job(reference) if reference else "no jobs yet")
+        job = self._named_job(request.job_id, context, newest_by_default=True)
         nodes = {n.node_id: n for n in self.store.nodes()}
+        now = time.time()
+        with self._live_edges_lock:
+            recent = {rank: recent_rate(samples, now)
+                      for rank, samples in self._recent_steps.get(job.job_id, {}).items()}
+        members = [to_node_progress(self._with_edges(m.progress), self._member_state(m, nodes.get(m.node_id)),
+                                    m.failure)
+                   for m in self.store.members(job.job_id, with_left=True)]
+        for member in members:
+            rate = recent.get(member.rank)
+            if rate is not None and not member.finished and member.state in ("up", "down"):
+                member.recent_steps_per_s = rate
+        server_version = self.ps.version_of(job.job_id)
         return pb.JobStatusReply(
             job_id=job.job_id, name=job.name, state=JOB_STATES[job.state], world_size=job.world_size,
             run_dir=job.run_dir, created_unix=job.created_unix, spec_yaml=job.spec_yaml, reason=job.reason,
             started_unix=job.started_unix, ended_unix=job.ended_unix, **_elastic_range(job), task=job.spec.task,
-            nodes=[to_node_progress(self._with_edges(m.progress), self._member_state(m, nodes.get(m.node_id)),
-                                    m.failure)
-                   for m in self.store.members(job.job_id, with_left=True)],
+            nodes=members, server_version=server_version,
         )
 
     def _with_edges(self, progress: Progress) -> Progress:
-        """The stored progress of a node with its live edges, when its last report had them (a running job)."""
-        live = self._live_edges.get(progress.job, {}).get(progress.rank)
+        """The stored progress of a node with its edges from its last report, when it had them: a running job's, or
+        one of the newest ended jobs' (ENDED_JOBS_EDGES_KEPT)."""
+        with self._live_edges_lock:
+            live = (self._live_edges.get(progress.job) or self._ended_edges.get(progress.job) or {}).get(progress.rank)
         if live is None or live.node != progress.node:
             return progress
         return dataclasses.replace(progress, edges=live.edges, waiting_for=live.waiting_for)
+
+    def _named_job(self, reference: str, context, newest_by_default: bool = False) -> Job:
+        """The job a person names (an id, a name, a unique id prefix; nothing: the newest job, where a command has
+        that default); else the call ends NOT_FOUND, or INVALID_ARGUMENT listing the jobs an ambiguous prefix
+        begins."""
+        reference = reference[:MAX_JOB_REFERENCE_CHARS]
+        if not reference and newest_by_default:
+            job = self.store.latest_job()
+            if job is None:
+                context.abort(grpc.StatusCode.NOT_FOUND, "no jobs yet")
+            return job
+        job = self.store.find_job(reference) if reference else None
+        if job is not None:
+            return job
+        matches = self.store.job_ids_starting(reference, AMBIGUOUS_SHOWN + 1) if reference else []
+        if len(matches) > 1:
+            more = ", ..." if len(matches) > AMBIGUOUS_SHOWN else ""
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{reference!r} begins several jobs' ids: {', '.join(matches[:AMBIGUOUS_SHOWN])}{more}; give "
+                          "more of the id")
+        context.abort(grpc.StatusCode.NOT_FOUND, _no_job(reference))
 
     def ListJobs(self, request, context):
         limit = min(request.limit or DEFAULT_JOB_LIST, MAX_JOB_LIST)
@@ -881,10 +925,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         ])
 
     def JobEvents(self, request, context):
-        reference = request.job_id[:MAX_JOB_REFERENCE_CHARS]
-        job = self.store.find_job(reference)
-        if job is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, _no_job(reference))
+        job = self._named_job(request.job_id, context)
         if request.min_level and request.min_level not in events.LEVELS:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"min_level {request.min_level[:32]!r} is not one of "
                           f"{', '.join(events.LEVELS)}")
@@ -918,15 +959,17 @@ class EnrollmentService(coordinator_pb2_grpc.EnrollmentServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         if problem := pki.name_problem(name):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"node id {name[:64]!r}: {problem}")
-        # The token is spent before the name is checked: a token is good for one try, so none can be used to
-        # probe which names exist.
-        if not self.ca.use_token(request.token[:256]):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "the join token is unknown, used or expired "
-                          "(`coordinator token create` makes one)")
+        # Checked first, spent last: a refusal leaves the token for the next try. Only the holder of a live token
+        # learns that a name is taken (what it could learn by enrolling under it).
+        token = request.token[:256]
+        if not self.ca.token_live(token):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, UNUSABLE_TOKEN)
         if name in self.ca.names_in_use():
             context.abort(grpc.StatusCode.ALREADY_EXISTS,
                           f"node id {name} holds a valid certificate; revoke it first (`coordinator cert revoke "
-                          f"--name {name}`) or enroll under another --name")
+                          f"--name {name}`) or enroll under another --name (the join token is still good)")
+        if not self.ca.use_token(token):  # spent meanwhile by another enrollment
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, UNUSABLE_TOKEN)
         try:
             cert = self.ca.issue(public_key, Role.NODE, name)
         except CertificateError as error:  # the name went to another role meanwhile
@@ -934,6 +977,20 @@ class EnrollmentService(coordinator_pb2_grpc.EnrollmentServicer):
         identity = pki.identity_of(cert)
         log.info("enrolled node %s (certificate %s)", name, identity.serial)
         return pb.CertificateReply(certificate_pem=pki.certificate_pem(cert), name=name, serial=identity.serial)
+
+
+def recent_rate(samples: deque[tuple[float, int]], now: float) -> float | None:
+    """A rank's steps per second over its reports of the last RATE_WINDOW_S, the report just before the window
+    included: 0 for a rank whose step stood still (stalled) or that reported nothing in the window (silent); None
+    before two reports."""
+    if len(samples) < 2:
+        return None
+    start = next((i for i, (at, _) in enumerate(samples) if at >= now - RATE_WINDOW_S), len(samples))
+    first = samples[max(0, start - 1)]
+    last = samples[-1]
+    if start == len(samples):  # no report in the window: it did not move that anyone saw
+        return 0.0
+    return max(0.0, (last[1] - first[1]) / (last[0] - first[0])) if last[0] > first[0] else None
 
 
 def retire_run_dirs(store: ControlState, run_root: Path, keep: int) -> list[tuple[str, Path]]:

@@ -22,12 +22,13 @@ from nodeagent.defaults import (
     AGENT_METRICS_PORT,
     AGENT_PORT,
     COORDINATOR_ADDRESS,
+    COORDINATOR_PORT,
     ENROLL_PORT,
     KEEP_CHECKPOINTS,
     MAX_MODEL_MEMORY_MIB,
 )
 from nodeagent.listen import ListenError
-from nodeagent.rpc import field_problem
+from nodeagent.rpc import field_problem, with_default_port
 from nodeagent.statedir import StateDirError, hold_state_dir
 from nodeagent.training.datadirs import DataDirs, DataDirsError
 from nodeagent.training.device import DeviceError, resolve_device
@@ -174,6 +175,9 @@ def serve(args: argparse.Namespace) -> int:
         raise SystemExit("nodeagent: --keep-checkpoints must be >= 0")
     if problem := field_problem(args.name):
         raise SystemExit(f"nodeagent: --name {problem}")
+    # An address without a port means the default one, not gRPC's 443.
+    args.coordinator = with_default_port(args.coordinator, COORDINATOR_PORT)
+    args.enroll_address = args.enroll_address and with_default_port(args.enroll_address, ENROLL_PORT)
     for module in args.allow_import:
         if problem := module_problem(module):
             raise SystemExit(f"nodeagent: --allow-import {problem}")

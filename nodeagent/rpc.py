@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from nodeagent.defaults import COORDINATOR_PORT, ENROLL_PORT
 from nodeagent.listen import ListenError, check_port_free, join_address
 
 if TYPE_CHECKING:  # importing the wire package would load torch, which the command line need not
@@ -150,6 +151,63 @@ def bind_grpc_server(server: grpc.Server, address: str, credentials: grpc.Server
         return server.add_insecure_port(target)
     except RuntimeError:  # gRPC's "Failed to bind to address": a host it cannot resolve, a race for the port
         raise ListenError(address, "cannot bind") from None
+
+
+def with_default_port(address: str, port: int) -> str:
+    """`address` with `port` added when it names none (gRPC would dial 443): `host`, `[v6]` or a bare IPv6 address
+    get it; `host:port`, `[v6]:port` and gRPC target URIs (`dns:///...`, `unix:...`) are kept."""
+    address = address.strip()
+    if not address or "/" in address or address.startswith("unix:"):
+        return address
+    if address.startswith("["):
+        return address if "]:" in address else f"{address}:{port}"
+    if address.count(":") > 1:  # a bare IPv6 address
+        return f"[{address}]:{port}"
+    return address if ":" in address else f"{address}:{port}"
+
+
+_NOT_THE_COORDINATOR = (f"its certificate is not the coordinator's: the enrollment port (default {ENROLL_PORT}) "
+                        f"rather than the coordinator's (default {COORDINATOR_PORT}), or not the coordinator at all")
+# What a failed call's gRPC text says when the server was not reached, or not as the caller expected, and what it
+# most likely means; the first that matches the details is told.
+_UNREACHABLE = (
+    ("Connection refused", "nothing listens there (connection refused): is it running, and is that its port?"),
+    ("errors resolving", "its host name does not resolve (DNS): check the host name"),
+    ("Domain name not found", "its host name does not resolve (DNS): check the host name"),
+    ("CERTIFICATE_VERIFY_FAILED", "its certificate is not signed by the CA in this side's ca.crt: a server of "
+     "another cluster, or credentials of another cluster"),
+    ("WRONG_VERSION_NUMBER", "it answers in plaintext, not TLS: a coordinator serving with --insecure (then give "
+     "--insecure), or not a peertrain port"),
+    ("Hostname Verification Check failed", _NOT_THE_COORDINATOR),
+    ("No match found for server name", _NOT_THE_COORDINATOR),
+    ("certificate required", "it asks for a client certificate: it serves TLS; give the credentials (--tls-dir), "
+     "not --insecure"),
+    ("alert", "it refused this side's certificate in the TLS handshake (revoked, expired, or of another cluster)"),
+    ("Method not found", "it does not serve this call: not the coordinator's port (the enrollment port is "
+     f"{ENROLL_PORT} by default, the coordinator's {COORDINATOR_PORT}), or a coordinator of another version"),
+    ("Socket closed", "it closed the connection: a TLS server reached in plaintext (drop --insecure and give the "
+     "credentials), or not a gRPC port"),
+    ("Connection reset", "it closed the connection: a TLS server reached in plaintext (drop --insecure and give the "
+     "credentials), or not a gRPC port"),
+)
+
+
+def unreachable_cause(error: grpc.RpcError) -> str | None:
+    """What a failed call's error says about reaching its server, as a person reads it (no gRPC text): its likely
+    cause; None when the server answered the call itself (its own status and words are the answer)."""
+    code = error.code() if hasattr(error, "code") else None
+    details = (error.details() if hasattr(error, "details") else "") or ""
+    if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.DEADLINE_EXCEEDED,
+                    grpc.StatusCode.UNKNOWN):
+        return None
+    for marker, cause in _UNREACHABLE:
+        if marker in details:
+            return cause
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "no answer in time (deadline exceeded): the network or the server is slow or blocked"
+    if code is grpc.StatusCode.UNAVAILABLE:
+        return "it cannot be reached now (unavailable): is it running, and does the network let this side through?"
+    return None
 
 
 def failure_reason(error: grpc.RpcError) -> str:

@@ -93,13 +93,13 @@ def test_a_binary_job_file_ends_the_process_with_one_line_and_no_traceback(tmp_p
 # -- the coordinator is not there ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("command", [["nodes"], ["status"], ["status", "job-1"], ["stop", "job-1"]])
-def test_a_coordinator_that_is_not_there_is_one_line_with_its_address_and_the_code(command):
+def test_a_coordinator_that_is_not_there_is_one_line_with_its_address_and_the_cause(command):
     address = nowhere()
     result = run("coordinator.cli", *command, "--coordinator", address, "--insecure")
     assert result.returncode == 1
     assert "Traceback" not in result.stderr and result.stdout == ""
     [line] = result.stderr.splitlines()
-    assert line.startswith(f"coordinator: {address}: UNAVAILABLE: "), line
+    assert line.startswith(f"coordinator: {address}: nothing listens there (connection refused)"), line
 
 
 def test_submit_to_a_coordinator_that_is_not_there_is_one_line_with_its_address(tmp_path):
@@ -110,7 +110,7 @@ def test_submit_to_a_coordinator_that_is_not_there_is_one_line_with_its_address(
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     [line] = result.stderr.splitlines()
-    assert line.startswith(f"coordinator: {address}: UNAVAILABLE: "), line
+    assert line.startswith(f"coordinator: {address}: nothing listens there (connection refused)"), line
 
 
 # -- stdout closed -------------------------------------------------------------------------------------------------

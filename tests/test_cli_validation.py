@@ -3,6 +3,7 @@ coordinator is contacted or any data is read; and by the coordinator itself, whi
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,7 @@ def test_an_accepted_job_gets_past_validation_to_the_coordinator(tmp_path, capsy
     """The control of the refusals above: without the error, submit goes on and finds no coordinator."""
     path = job_file(tmp_path, {"name": "dsgd"})
     assert coordinator_main(["submit", str(path), "--coordinator", NOWHERE, "--insecure"]) == 1
-    assert "UNAVAILABLE" in capsys.readouterr().err
+    assert "nothing listens there" in capsys.readouterr().err
 
 
 def test_the_coordinator_refuses_the_job_naming_the_field_and_keeps_no_job(coordinator_stub, tmp_path):
@@ -74,3 +75,35 @@ def test_the_coordinator_refuses_the_job_naming_the_field_and_keeps_no_job(coord
     with pytest.raises(grpc.RpcError) as no_job:
         coordinator_stub.JobStatus(pb.JobStatusRequest(job_id=""), timeout=5)
     assert no_job.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+MODEL_REFUSED = {
+    "resnet-cifar depth": ({"name": "resnet-cifar", "options": {"depth": 33}}, {"dataset": "cifar10"},
+                           "depth must be 6n + 2"),
+    "resnet-gn groups": ({"name": "resnet-gn", "options": {"width": 12, "group_channels": 5}}, {},
+                         "cannot be cut into"),
+    "gpt context": ({"name": "gpt", "options": {"context_length": 16}},
+                    {"dataset": "text", "options": {"sequence_length": 32}}, "context_length must be"),
+}
+
+
+@pytest.mark.parametrize("command", ["validate", "submit"])
+@pytest.mark.parametrize("case", list(MODEL_REFUSED))
+def test_a_model_option_the_model_refuses_is_refused_at_validate_and_submit_naming_the_field(tmp_path, command,
+                                                                                            case):
+    """Not at the agents once the job starts: the model is built on the meta device with the data's nominal
+    shape (a text job's sequence_length)."""
+    model, data, reason = copy.deepcopy(MODEL_REFUSED[case])
+    path = tmp_path / "job.yaml"
+    task = {"task": "language-model"} if data.get("dataset") == "text" else {}
+    path.write_text(yaml.safe_dump({"name": "m", "nodes": 2, "steps": 5, "model": model, "data": data, **task}))
+    extra = ["--coordinator", NOWHERE, "--insecure"] if command == "submit" else []
+    with pytest.raises(SystemExit) as refusal:
+        coordinator_main([command, str(path), *extra])
+    message = refusal.value.code
+    assert isinstance(message, str) and message.startswith(f"coordinator: {path}: model.options: "), message
+    assert reason in message
+    # The control: the same model with options that fit is valid (the gpt's context as long as the data's).
+    model["options"] = {"context_length": 32} if model["name"] == "gpt" else {}
+    path.write_text(yaml.safe_dump({"name": "m", "nodes": 2, "steps": 5, "model": model, "data": data, **task}))
+    assert coordinator_main(["validate", str(path)]) == 0

@@ -120,6 +120,8 @@ def test_jobs_are_found_by_id_name_or_unique_prefix_and_listed_newest_first(stat
     assert state.find_job("alpha").job_id == "alpha-2"  # the newest of that name
     assert state.find_job("bet").job_id == "beta-1"
     assert state.find_job("alpha-") is None  # two ids start so
+    assert state.job_ids_starting("alpha-", 5) == ["alpha-2", "alpha-1"]  # newest first
+    assert state.job_ids_starting("alpha-", 1) == ["alpha-2"] and state.job_ids_starting("zzz", 5) == []
     assert state.find_job("zzz") is None
     assert [j.job_id for j in state.all_jobs(2)] == ["beta-1", "alpha-2"]
     assert state.latest_job().job_id == "beta-1"

@@ -234,11 +234,23 @@ def test_jobs_are_listed_newest_first_and_named_by_id_prefix_or_name(coordinator
     assert stub.JobStatus(pb.JobStatusRequest(job_id=other[:6]), timeout=5).job_id == other
     stopped = stub.StopJob(pb.StopJobRequest(job_id="beta"), timeout=5)
     assert (stopped.job_id, stopped.state) == (other, pb.JOB_STOPPED)
-    for unknown in (first[:3], "x" * 10_000):  # "alp" begins both alpha ids; no job is named or begins x...
+    with pytest.raises(grpc.RpcError) as error:  # no job is named or begins x...
+        stub.JobStatus(pb.JobStatusRequest(job_id="x" * 10_000), timeout=5)
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "coordinator jobs" in error.value.details() and len(error.value.details()) < 300
+
+
+def test_an_ambiguous_job_prefix_is_refused_naming_the_jobs_it_begins(coordinator):
+    start, _ = coordinator
+    _, stub = start()
+    ids = [stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=job(name="alpha", nodes=2)), timeout=5).job_id
+           for _ in range(2)]
+    for call, request in ((stub.JobStatus, pb.JobStatusRequest), (stub.StopJob, pb.StopJobRequest),
+                          (stub.JobEvents, pb.JobEventsRequest)):
         with pytest.raises(grpc.RpcError) as error:
-            stub.JobStatus(pb.JobStatusRequest(job_id=unknown), timeout=5)
-        assert error.value.code() == grpc.StatusCode.NOT_FOUND
-        assert "coordinator jobs" in error.value.details() and len(error.value.details()) < 300
+            call(request(job_id="alp"), timeout=5)  # "alp" begins both ids
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.value.details() == f"'alp' begins several jobs' ids: {ids[1]}, {ids[0]}; give more of the id"
 
 
 def test_a_job_too_large_waits_with_its_reason_and_does_not_hold_back_a_smaller_one(coordinator):
@@ -401,7 +413,7 @@ def test_the_jobs_command_lists_jobs_as_a_table_or_json_lines(coordinator, monke
     assert coordinator_main(["jobs", "--json"]) == 0
     [line] = capsys.readouterr().out.splitlines()
     record = json.loads(line)
-    assert (record["job_id"], record["name"], record["state"], record["nodes"]) == (job_id, "alpha", "running", 2)
+    assert (record["job_id"], record["name"], record["state"], record["nodes"]) == (job_id, "alpha", "RUNNING", 2)
     assert record["started_unix"] and record["ended_unix"] is None
     assert coordinator_main(["stop", "alpha"]) == 0
     assert capsys.readouterr().out == f"{job_id}: stopped\n"

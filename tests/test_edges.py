@@ -11,7 +11,7 @@ import yaml
 from prometheus_client import generate_latest
 
 from coordinator.cli import main as coordinator_main
-from coordinator.display import STALE_STEPS, Trouble, edge_rows, waits_on
+from coordinator.display import STALE_MIN_S, Trouble, edge_rows, edges_json, edges_text, waits_on
 from coordinator.service import MAX_REPORTED_EDGES, MAX_WAITING_CHARS, OTHER_REASON, bounded_report
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.metrics import Metrics
@@ -59,8 +59,12 @@ def test_job_status_carries_each_nodes_edges_while_the_job_runs(coordinator_stub
     assert shown.waiting_for == "rank 1"
     assert [(e.peer, e.messages_sent, e.staleness_steps) for e in shown.edges] == [(members[1], 7, 3.0)]
     assert dict(shown.edges[0].failure_reasons) == {"deadline_exceeded": 1, OTHER_REASON: 4}
+    # Once the job ended: its last known edges.
     stub.StopJob(pb.StopJobRequest(job_id=job_id), timeout=5)
-    assert all(not n.edges for n in stub.JobStatus(pb.JobStatusRequest(job_id=job_id), timeout=5).nodes)
+    ended = stub.JobStatus(pb.JobStatusRequest(job_id=job_id), timeout=5)
+    assert ended.state == pb.JOB_STOPPED
+    assert [(n.rank, [e.peer for e in n.edges]) for n in ended.nodes] == [(0, [members[1]]), (1, [])]
+    assert "no edge reported" not in edges_text(ended)
 
 
 def node(rank: int, edges: tuple[EdgeCounters, ...], finished: bool = False, waiting_for: str = "") -> Progress:
@@ -71,7 +75,8 @@ def node(rank: int, edges: tuple[EdgeCounters, ...], finished: bool = False, wai
 def test_edges_are_sorted_by_trouble_stalled_then_failing_then_stale():
     healthy = dict(last_message_age_s=0.1, message_interval_s=0.01, staleness_steps=1.0)
     nodes = [
-        node(0, (EdgeCounters("n1", **healthy), EdgeCounters("n3", **{**healthy, "staleness_steps": STALE_STEPS + 1}))),
+        # 100 steps/s: 600 steps behind are 6 s
+        node(0, (EdgeCounters("n1", **healthy), EdgeCounters("n3", **{**healthy, "staleness_steps": 600.0}))),
         node(1, (EdgeCounters("n0", **{**healthy, "last_failure_age_s": 2.0, "failure_reasons": {"unavailable": 1}}),
                  EdgeCounters("n2", **{**healthy, "last_message_age_s": 9.0}, in_flight_s=8.0)),
              waiting_for="the step-12 parameters of ranks [2]"),
@@ -190,3 +195,42 @@ def test_metrics_expose_no_created_series_and_the_agents_identity():
     assert ('peertrain_agent_info{address="10.0.0.5:7100",device="cuda",name="gpu-box",node="node-1",'
             'version="0.1.0"} 1.0') in exposed
     assert 'peertrain_ps_staleness_updates_bucket{job_id="j",le="2.0"} 1.0' in exposed  # the unit in the name
+
+
+def test_a_fast_healthy_jobs_neighbours_are_not_stale_however_many_steps_apart():
+    """Stale is judged in time at the node's pace: 150 steps at 1000 steps/s are 0.15 s (the old rule, a fixed 100
+    steps, called it stale); 6000 steps are 6 s."""
+    def fast(staleness_steps: float) -> Progress:
+        edge = EdgeCounters("n1", last_message_age_s=0.01, message_interval_s=0.004, staleness_steps=staleness_steps)
+        return Progress(job="j", rank=0, node="n0", step=10_000, local_steps=10_000, elapsed_s=10.0, time=100.0,
+                        edges=(edge,))
+    [healthy] = edge_rows([fast(150.0)], now=100.0, interval_steps=4)
+    assert healthy.trouble is Trouble.OK and healthy.staleness_s == pytest.approx(0.15)
+    [behind] = edge_rows([fast(1000.0 * (STALE_MIN_S + 1))], now=100.0, interval_steps=4)
+    assert behind.trouble is Trouble.STALE
+
+
+def test_flow_control_skips_are_counted_apart_from_failures():
+    edge = pb.EdgeTraffic(peer="n1", last_message_age_s=0.1, message_interval_s=0.05, staleness_steps=1.0,
+                          consensus_distance=math.nan, last_failure_age_s=math.nan,
+                          failure_reasons={"in_flight": 37, "deadline_exceeded": 2})
+    status = pb.JobStatusReply(job_id="job-1", name="ring", state=pb.JOB_RUNNING, nodes=[
+        pb.NodeProgress(rank=0, node_id="n0", step=100, elapsed_s=10.0, updated_unix=100.0, edges=[edge])])
+    header, row = edges_text(status, now=100.0).splitlines()[1:3]
+    assert header.split()[-2:] == ["skips", "failures"]
+    assert row.split()[0] == "ok" and row.split()[-2:] == ["37", "deadline_exceeded:2"]
+    [shown] = edges_json(status, now=100.0)["edges"]
+    assert (shown["skips"], shown["failures"]) == (37, {"deadline_exceeded": 2})
+
+
+def test_an_ended_jobs_edges_are_judged_at_its_end():
+    """A job that failed on a stalled edge shows it stalled, however long ago it ended, and a healthy one ok."""
+    def ended(age_at_end: float) -> pb.JobStatusReply:
+        edge = pb.EdgeTraffic(peer="n1", last_message_age_s=age_at_end, message_interval_s=0.05, staleness_steps=1.0,
+                              consensus_distance=math.nan, last_failure_age_s=math.nan)
+        return pb.JobStatusReply(job_id="job-1", name="ring", state=pb.JOB_FAILED, ended_unix=100.0, nodes=[
+            pb.NodeProgress(rank=0, node_id="n0", step=100, elapsed_s=10.0, updated_unix=100.0, edges=[edge])])
+    later = 100.0 + 86_400
+    assert edges_json(ended(30.0), now=later)["edges"][0]["trouble"] == "stalled"
+    assert edges_json(ended(0.1), now=later)["edges"][0]["trouble"] == "ok"
+    assert "(their last report, at the job's end)" in edges_text(ended(0.1), now=later).splitlines()[0]

@@ -72,7 +72,7 @@ def test_the_config_file_names_the_coordinator_and_the_credentials(tmp_path):
                             timeout=60, env={"PATH": "/usr/bin:/bin", "PEERTRAIN_CONFIG": str(config),
                                              "HOME": str(tmp_path)}, check=False)
     [line] = result.stderr.splitlines()
-    assert line.startswith(f"coordinator: {address}: UNAVAILABLE: "), line  # its address, under TLS
+    assert line.startswith(f"coordinator: {address}: nothing listens there"), line  # its address, under TLS
 
 
 def test_an_agent_without_credentials_says_how_to_enroll(tmp_path):

@@ -138,6 +138,10 @@ class MemoryState(ControlState):
             prefixed = [job for job in self._jobs.values() if job.job_id.startswith(reference)]
         return prefixed[0] if len(prefixed) == 1 else None
 
+    def job_ids_starting(self, prefix: str, limit: int) -> list[str]:
+        with self._lock:
+            return [job.job_id for job in self._by_age()[::-1] if job.job_id.startswith(prefix)][:limit]
+
     def all_jobs(self, limit: int) -> list[Job]:
         with self._lock:
             return self._by_age()[::-1][:limit]

@@ -251,6 +251,11 @@ class SqliteState(ControlState):
                 return self._job(rows[0])
         return None
 
+    def job_ids_starting(self, prefix: str, limit: int) -> list[str]:
+        rows = self._query("SELECT job_id FROM jobs WHERE substr(job_id, 1, ?) = ? ORDER BY created_unix DESC LIMIT ?",
+                           (len(prefix), prefix, limit))
+        return [row[0] for row in rows]
+
     def all_jobs(self, limit: int) -> list[Job]:
         rows = self._query(f"SELECT {', '.join(_JOB_FIELDS)} FROM jobs ORDER BY created_unix DESC LIMIT ?", (limit,))
         return [self._job(r) for r in rows]

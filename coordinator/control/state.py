@@ -75,6 +75,11 @@ class ControlState(ABC):
         with `reference` (None when none or several do)."""
 
     @abstractmethod
+    def job_ids_starting(self, prefix: str, limit: int) -> list[str]:
+        """The ids of at most `limit` jobs that start with `prefix`, newest first (to say which ones a prefix that
+        `find_job` found ambiguous means)."""
+
+    @abstractmethod
     def all_jobs(self, limit: int) -> list[Job]:
         """The newest `limit` jobs, newest first."""
 

@@ -36,12 +36,21 @@ from nodeagent.defaults import (
     MAX_MODEL_MEMORY_MIB,
 )
 from nodeagent.health import HealthServer
+from nodeagent.listen import check_port_free
 from nodeagent.metrics import Metrics
-from nodeagent.rpc import GRPC_OPTIONS, MAX_FIELD_CHARS, SERVER_OPTIONS, Backoff, failure_reason, split_address
+from nodeagent.rpc import (
+    GRPC_OPTIONS,
+    MAX_FIELD_CHARS,
+    SERVER_OPTIONS,
+    Backoff,
+    failure_reason,
+    split_address,
+    unreachable_cause,
+)
 from nodeagent.runtime.limits import PEER_SERVER_THREADS
 from nodeagent.runtime.peer_service import PEER_RULES, PeerServicer, ServingState, add_peer_servicer, serve_promptly
 from nodeagent.security.authz import Authorizer
-from nodeagent.security.pki import Identity, Role
+from nodeagent.security.pki import Identity, Role, name_problem
 from nodeagent.security.tls import INSECURE_WARNING, TlsDir, TlsError, Transport
 from nodeagent.training.datadirs import DataDirs
 from nodeagent.training.device import describe_device
@@ -184,6 +193,7 @@ class Agent:
                     f"no certificate in {tls_dir.path}: enroll with --join-token TOKEN --ca-fingerprint SHA256 (from "
                     "`coordinator token create`), or put one there from `coordinator cert issue --node NAME`; "
                     "--insecure runs without, for local experiments only")
+            self._check_before_enrolling()
             host, _port = split_address(config.coordinator)
             address = config.enroll_address or f"{host}:{ENROLL_PORT}"
             backoff = Backoff(f"enrollment at {address}", log)
@@ -194,7 +204,8 @@ class Agent:
                 except EnrollmentError as error:
                     raise RegistrationRefused(str(error)) from None
                 except (OSError, grpc.RpcError) as error:
-                    reason = failure_reason(error) if isinstance(error, grpc.RpcError) else str(error)
+                    reason = (unreachable_cause(error) or failure_reason(error)) if isinstance(error, grpc.RpcError) \
+                        else str(error)
                     self.stopping.wait(backoff.failed(reason))
             else:
                 return False
@@ -209,6 +220,20 @@ class Agent:
                 "certificate: give it its own directory (--tls-dir, env PEERTRAIN_AGENT_TLS_DIR), not the operator "
                 "CLI's (PEERTRAIN_TLS_DIR)")
         return True
+
+    def _check_before_enrolling(self) -> None:
+        """What would stop this agent once enrolled, checked before the one-time token is spent: the name its
+        certificate would bear, and the ports it serves on. RegistrationRefused or ListenError naming it."""
+        config = self.config
+        if problem := name_problem(config.name.lower()):
+            raise RegistrationRefused(f"--name {config.name!r} cannot be a node's name: {problem}; the join token "
+                                      "was not used")
+        host, port = split_address(config.listen)
+        addresses = [(host, port), (host, config.lane_port)]
+        if config.metrics_listen:
+            addresses.append(split_address(config.metrics_listen))
+        for host, port in addresses:
+            check_port_free(host, port)
 
     def is_revoked(self, identity: Identity) -> bool:
         return identity.serial in self.revoked
@@ -262,7 +287,7 @@ class Agent:
                     raise RegistrationRefused(
                         f"coordinator {self.config.coordinator} refused this node: {error.details()}"
                     ) from None
-                self.stopping.wait(backoff.failed(failure_reason(error)))
+                self.stopping.wait(backoff.failed(unreachable_cause(error) or failure_reason(error)))
                 continue
             backoff.succeeded()
             if reply.node_id != self.node_id:
@@ -292,7 +317,7 @@ class Agent:
                     return
                 # Logged with back-off, but beating on at the interval: the coordinator's liveness rests on it, and
                 # a longer pause after an outage would have it mark this node down.
-                backoff.failed(failure_reason(error))
+                backoff.failed(unreachable_cause(error) or failure_reason(error))
                 continue
             backoff.succeeded()
             if not reply.known:

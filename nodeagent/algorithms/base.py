@@ -93,9 +93,6 @@ class Route(enum.StrEnum):
     SERVER = "server"  # a ServerRequest to the parameter server; its ServerAnswer arrives through receive()
 
 
-# The failure reason of a send the runtime did not make (one exchange per edge in flight): no call was made, so it
-# says nothing about the peer.
-IN_FLIGHT = "in_flight"
 # The pseudo rank of messages that come from the runtime's all-reduce rather than from a peer (the parameter
 # server's is SERVER_RANK, nodeagent.ps.messages).
 ALLREDUCE_RANK = -1

@@ -49,7 +49,8 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from nodeagent.algorithms.base import IN_FLIGHT, Algorithm, AlgorithmOptions, NodeContext, Route, Send, Snapshot
+from nodeagent.algorithms.base import Algorithm, AlgorithmOptions, NodeContext, Route, Send, Snapshot
+from nodeagent.runtime.progress import IN_FLIGHT
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
 # Flow control: the score range, the start, the random term and the rewards.

@@ -69,9 +69,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from nodeagent.algorithms.base import ALLREDUCE_RANK, IN_FLIGHT, Family, Loss, Neighbor, Route, Send
+from nodeagent.algorithms.base import ALLREDUCE_RANK, Family, Loss, Neighbor, Route, Send
 from nodeagent.ps.messages import SERVER_NAME, SERVER_RANK, ServerAnswer
-from nodeagent.runtime.progress import EdgeCounters, Progress, Traffic
+from nodeagent.runtime.progress import IN_FLIGHT, EdgeCounters, Progress, Traffic
 from nodeagent.training.job import Node
 from nodeagent.wire.errors import Reason
 from nodeagent.wire.message import Kind, Message

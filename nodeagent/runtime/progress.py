@@ -18,6 +18,11 @@ from pathlib import Path
 LOG_FILE = "metrics.jsonl"
 
 
+# The failure reason of a send the runtime did not make (one exchange per edge in flight, flow control): no call was
+# made, so it says nothing about the peer; `coordinator edges` counts these skips apart from failures.
+IN_FLIGHT = "in_flight"
+
+
 @dataclass(frozen=True)
 class EdgeCounters:
     """One edge's counters of a node in a job: the peer is a node id, SERVER_NAME or "allreduce".

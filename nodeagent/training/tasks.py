@@ -29,7 +29,7 @@ from nodeagent.jobspec import JobSpec, JobSpecError, format_validation_error
 from nodeagent.runtime.progress import TASK_METRICS, Metric
 from nodeagent.training.data import Dataset, load_dataset
 from nodeagent.training.loop import EvalResult, evaluate, model_device
-from nodeagent.training.models import MODELS, is_import_path
+from nodeagent.training.models import MODELS, InputShape, is_import_path
 from nodeagent.training.splits import SPLIT_OPTIONS, split_indices
 from nodeagent.training.tokens import TextOptions, TokenDataset, TokensOptions, load_tokens
 
@@ -68,6 +68,14 @@ DATASET_MEANINGS: dict[str, str] = {
 }
 
 
+# The shapes and class counts of the datasets whose files fix them (npy and image-folder data have their own).
+NOMINAL_IMAGES: dict[str, tuple[InputShape, int]] = {
+    "fashion-mnist": ((1, 28, 28), 10), "mnist": ((1, 28, 28), 10), "cifar10": ((3, 32, 32), 10),
+    "cifar100": ((3, 32, 32), 100),
+}
+BYTE_VOCABULARY = 256  # text data's (tokens data has its own)
+
+
 class Task(ABC):
     name: ClassVar[str]
     datasets: ClassVar[tuple[str, ...]]  # the data kinds it reads
@@ -86,6 +94,12 @@ class Task(ABC):
     @abstractmethod
     def evaluate(self, model: nn.Module, data: TrainingData) -> EvalResult:
         """The model's figures on all of `data`, in eval mode and without autograd, on the model's device."""
+
+    @abstractmethod
+    def nominal_input(self, spec: JobSpec) -> tuple[InputShape, int]:
+        """A sample's shape and the class (vocabulary) count to check the job's model options against before its
+        data is read: the dataset's where the spec fixes them, else typical ones (the options' checks do not
+        depend on them)."""
 
     def shards(self, spec: JobSpec, train: TrainingData) -> list[np.ndarray]:
         """Each rank's sample indices of the training data (nodeagent.training.splits)."""
@@ -107,6 +121,9 @@ class Classification(Task):
 
     def loss_fn(self) -> nn.Module:
         return nn.CrossEntropyLoss()
+
+    def nominal_input(self, spec: JobSpec) -> tuple[InputShape, int]:
+        return NOMINAL_IMAGES.get(spec.data.dataset, ((3, 32, 32), 10))
 
     def evaluate(self, model: nn.Module, data: TrainingData) -> EvalResult:
         assert isinstance(data, Dataset)
@@ -143,6 +160,11 @@ class LanguageModel(Task):
 
     def loss_fn(self) -> nn.Module:
         return SequenceCrossEntropy()
+
+    def nominal_input(self, spec: JobSpec) -> tuple[InputShape, int]:
+        options = DATASET_OPTIONS[spec.data.dataset].model_validate(spec.data.options)
+        assert isinstance(options, TextOptions | TokensOptions)
+        return (options.sequence_length,), BYTE_VOCABULARY
 
     def shards(self, spec: JobSpec, train: TrainingData) -> list[np.ndarray]:
         assert isinstance(train, TokenDataset)
