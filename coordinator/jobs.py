@@ -18,7 +18,8 @@ from coordinator.topology import Topology, build_topology, node_plan, peer_sched
 from nodeagent.algorithms import Family, Neighbor, lookup
 from nodeagent.defaults import MAX_MODEL_MEMORY_MIB
 from nodeagent.jobspec import JobSpec, JobSpecError, TopologySpec, format_validation_error
-from nodeagent.training.model_memory import MIB, check_model_memory_at_submit
+from nodeagent.training.data import FIXED_SHAPES
+from nodeagent.training.model_memory import MIB, bound_model_memory
 from nodeagent.training.models import MODELS, check_model, is_import_path
 from nodeagent.training.splits import SPLIT_OPTIONS, SPLITS
 from nodeagent.training.tasks import check_task, task_of
@@ -42,11 +43,12 @@ def validate_job(spec: JobSpec, max_model_bytes: int = MAX_MODEL_MEMORY_MIB * MI
         raise JobSpecError(format_validation_error(error, "data.split_options", unknown)) from None
     check_task(spec)
     try:
-        check_model(spec.model, *task_of(spec).nominal_input(spec))
+        model = check_model(spec.model, *task_of(spec).nominal_input(spec))
     except ValueError as error:
         field = "model.options" if spec.model.name in MODELS else "model.name"
         raise JobSpecError(f"{field}: {error}") from None
-    check_model_memory_at_submit(spec, max_model_bytes)
+    if model is not None and spec.data.dataset in FIXED_SHAPES:  # the nominal data is the job's: its real size
+        bound_model_memory(model, spec, max_model_bytes, "the coordinator")
     if algorithm.family is Family.SERVER and is_import_path(spec.model.name):
         raise JobSpecError(
             f"model.name: {spec.algorithm.name} keeps the model at the coordinator, which imports no user code: "

@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 from nodeagent.jobspec import JobSpec, JobSpecError
-from nodeagent.training.data import FIXED_SHAPES
-from nodeagent.training.models import MODELS, InputShape, build_model, is_import_path
+from nodeagent.training.models import InputShape, build_model, is_import_path
 
 log = logging.getLogger("nodeagent")
 
@@ -52,6 +51,12 @@ def check_model_memory(spec: JobSpec, input_shape: InputShape, num_classes: int,
         log.warning("model %s cannot be counted on the meta device (%s): its memory is not bounded here",
                     spec.model.name, str(error).splitlines()[0] if str(error) else type(error).__name__)
         return 0
+    return bound_model_memory(model, spec, bound_bytes, where)
+
+
+def bound_model_memory(model: nn.Module, spec: JobSpec, bound_bytes: int, where: str) -> int:
+    """The bytes training `model` (built anywhere, the meta device included) needs; ModelTooLarge when they exceed
+    `bound_bytes` (`where` names whose bound it is)."""
     needed = model_memory_bytes(model, spec)
     if needed > bound_bytes:
         count = sum(p.numel() for p in model.parameters())
@@ -60,16 +65,3 @@ def check_model_memory(spec: JobSpec, input_shape: InputShape, num_classes: int,
             f"model: {spec.model.name} needs {needed / MIB:,.0f} MiB for {count:,} parameters (with gradients"
             f"{momentum}); {where} allows {bound_bytes / MIB:,.0f} MiB (--max-model-memory)")
     return needed
-
-
-def check_model_memory_at_submit(spec: JobSpec, bound_bytes: int, where: str = "the coordinator") -> None:
-    """The bound checked where the job's dataset kind fixes its input shape and class count, for a model of the
-    registry (an imported model, or data whose shape is in its files, is checked by each agent)."""
-    if spec.data.dataset in FIXED_SHAPES and spec.model.name in MODELS:
-        input_shape, num_classes = FIXED_SHAPES[spec.data.dataset]
-        try:
-            check_model_memory(spec, input_shape, num_classes, bound_bytes, where=where)
-        except ModelTooLarge:
-            raise
-        except (ValueError, TypeError) as error:  # an option's value the factory refuses
-            raise JobSpecError(f"model.options: {error}") from None

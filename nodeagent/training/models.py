@@ -416,19 +416,21 @@ def initial_model(spec: JobSpec, info: DatasetInfo, allow_imports: Collection[st
     return build_model(spec.model, info.input_shape, info.num_classes, allow_imports)
 
 
-def check_model(spec: ModelSpec, input_shape: InputShape, num_classes: int) -> None:
+def check_model(spec: ModelSpec, input_shape: InputShape, num_classes: int) -> nn.Module | None:
     """What can be known of a job's model without its data, nor importing a user's code (whether an import path
     is allowed and fits is the agents' to check): an import path's form; a registry model's name and options,
     names and values, by building it for samples of `input_shape` in `num_classes` classes (the task's nominal
     data: the data's own is known where the data is) on the meta device, which allocates nothing and draws no
-    random numbers. ValueError (ModelError for a name or option the factory does not take) naming the problem."""
+    random numbers. Returns that model (its sizes are those of the job's where the task's nominal data is the job's),
+    or None for an import path. ValueError (ModelError for a name or option the factory does not take) naming the
+    problem."""
     if is_import_path(spec.name):
         _split_import_path(spec.name)
-        return
+        return None
     factory = _registered(spec)
     kwargs = _arguments(spec, factory, input_shape, num_classes)
     with torch.device("meta"):
-        factory(**kwargs)
+        return factory(**kwargs)
 
 
 def _registered(spec: ModelSpec) -> Callable[..., nn.Module]:

@@ -27,7 +27,7 @@ from torch import nn
 
 from nodeagent.jobspec import JobSpec, JobSpecError, format_validation_error
 from nodeagent.runtime.progress import TASK_METRICS, Metric
-from nodeagent.training.data import Dataset, load_dataset
+from nodeagent.training.data import FIXED_SHAPES, Dataset, load_dataset
 from nodeagent.training.loop import EvalResult, evaluate, model_device
 from nodeagent.training.models import MODELS, InputShape, is_import_path
 from nodeagent.training.splits import SPLIT_OPTIONS, split_indices
@@ -68,11 +68,6 @@ DATASET_MEANINGS: dict[str, str] = {
 }
 
 
-# The shapes and class counts of the datasets whose files fix them (npy and image-folder data have their own).
-NOMINAL_IMAGES: dict[str, tuple[InputShape, int]] = {
-    "fashion-mnist": ((1, 28, 28), 10), "mnist": ((1, 28, 28), 10), "cifar10": ((3, 32, 32), 10),
-    "cifar100": ((3, 32, 32), 100),
-}
 BYTE_VOCABULARY = 256  # text data's (tokens data has its own)
 
 
@@ -123,7 +118,7 @@ class Classification(Task):
         return nn.CrossEntropyLoss()
 
     def nominal_input(self, spec: JobSpec) -> tuple[InputShape, int]:
-        return NOMINAL_IMAGES.get(spec.data.dataset, ((3, 32, 32), 10))
+        return FIXED_SHAPES.get(spec.data.dataset, ((3, 32, 32), 10))  # npy and image-folder data have their own
 
     def evaluate(self, model: nn.Module, data: TrainingData) -> EvalResult:
         assert isinstance(data, Dataset)
