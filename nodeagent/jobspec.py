@@ -54,8 +54,8 @@ class RobustSpec(_Strict):
         "state before it is mixed); centered-clip, trimmed-mean, median or krum (the parameter server's aggregation "
         "of the workers' updates; the asynchronous servers take centered-clip alone)")
     radius: float | Literal["auto"] = Field(
-        "auto", description="the clipping radius (L2) of the clip rules; auto: adapted from the median of the recent "
-        "distances the node (or server) has seen")
+        "auto", description="the clipping radius (L2) of the clip rules; auto: adapted from the recent "
+        "distances the node (their lower quartile) or server (their median) has seen")
     byzantine: int | None = Field(
         None, ge=0, description="f, the members assumed Byzantine: trimmed-mean drops f values at each end of every "
         "coordinate, krum scores against n - f - 2 neighbours; unset: floor((n - 1) / 4)")
