@@ -650,7 +650,7 @@ class ListJobsReply(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[JobInfo, _Mapping]]] = ...) -> None: ...
 
 class NodeProgress(_message.Message):
-    __slots__ = ("rank", "node_id", "step", "loss", "test_accuracy", "finished", "updated_unix", "bytes_sent", "bytes_received", "test_loss", "elapsed_s", "compute_s", "wait_s", "exchanges", "exchange_failures", "state", "failure", "local_steps", "edges", "waiting_for", "test_perplexity", "suspicion", "quarantined")
+    __slots__ = ("rank", "node_id", "step", "loss", "test_accuracy", "finished", "updated_unix", "bytes_sent", "bytes_received", "test_loss", "elapsed_s", "compute_s", "wait_s", "exchanges", "exchange_failures", "state", "failure", "local_steps", "edges", "waiting_for", "test_perplexity", "suspicion", "quarantined", "suspected")
     RANK_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -674,6 +674,7 @@ class NodeProgress(_message.Message):
     TEST_PERPLEXITY_FIELD_NUMBER: _ClassVar[int]
     SUSPICION_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    SUSPECTED_FIELD_NUMBER: _ClassVar[int]
     rank: int
     node_id: str
     step: int
@@ -697,7 +698,8 @@ class NodeProgress(_message.Message):
     test_perplexity: float
     suspicion: float
     quarantined: bool
-    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., finished: _Optional[bool] = ..., updated_unix: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., test_loss: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., exchanges: _Optional[int] = ..., exchange_failures: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ..., local_steps: _Optional[int] = ..., edges: _Optional[_Iterable[_Union[EdgeTraffic, _Mapping]]] = ..., waiting_for: _Optional[str] = ..., test_perplexity: _Optional[float] = ..., suspicion: _Optional[float] = ..., quarantined: _Optional[bool] = ...) -> None: ...
+    suspected: bool
+    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., finished: _Optional[bool] = ..., updated_unix: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., test_loss: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., exchanges: _Optional[int] = ..., exchange_failures: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ..., local_steps: _Optional[int] = ..., edges: _Optional[_Iterable[_Union[EdgeTraffic, _Mapping]]] = ..., waiting_for: _Optional[str] = ..., test_perplexity: _Optional[float] = ..., suspicion: _Optional[float] = ..., quarantined: _Optional[bool] = ..., suspected: _Optional[bool] = ...) -> None: ...
 
 class JobStatusReply(_message.Message):
     __slots__ = ("job_id", "name", "state", "world_size", "nodes", "run_dir", "created_unix", "spec_yaml", "reason", "started_unix", "ended_unix", "min_nodes", "max_nodes", "task")
