@@ -15,12 +15,20 @@ Quarantine (issue 28): a quarantined member's contributions are dropped from the
 - Peer-to-peer: its edges are dropped through a live topology change (as `coordinator topology` makes one): from
   the switch step on, the job runs an edge-list graph without them, its neighbours stop exchanging with it, and the
   mixing weights are planned again on the remaining graph (each neighbour's weight on it goes to the others and to
-  itself, as the graph's weight rule gives them). What each algorithm keeps of a peer that leaves its neighbourhood
-  at a switch is what any topology change drops (nodeagent.algorithms: DSGD and AD-PSGD their copy of its model and
-  its mixing weight, gossip its pending pair, push-sum its pending shares, ECL-ISVR its edge's dual), so nothing of
-  the member's is mixed again. The member keeps its rank, runs alone, and is waited for by no one: the job finishes
-  without it, and its silence does not fail a synchronous job. An asynchronous elastic job that keeps its least
-  members plans its graph again without it (the member leaves, as a drained one does).
+  itself, as the graph's weight rule gives them). What 'dropped' means is what each algorithm's change_topology
+  drops of a neighbour that leaves (nodeagent.algorithms):
+  - DSGD: its copy of the member's model is forgotten (its last contribution is mixed no more, from the switch
+    step on) and the member's messages are ignored; a synchronous round before the switch completes as it was;
+  - gossip: its score and any unanswered fetch from the member are forgotten (pull-only gossip mixes a neighbour's
+    model only when a fetch answers, so nothing of it remains);
+  - ECL-ISVR: the dual of the edge, z_ij, is forgotten (eta follows the new degree);
+  - push-sum (SGP): on a static graph, shares of rounds before the switch are absorbed as they were sent (the
+    total mass, and so the average, stays exact), none after; its time-varying graphs are refused (below);
+  - AD-PSGD and DiLoCo over gossip run time-varying graphs (or cannot change topology): refused, with the reason;
+    the operator stops the job, or changes its topology to a static one first.
+  The member keeps its rank, runs alone, and is waited for by no one: the job finishes without it, and its silence
+  does not fail a synchronous job. An asynchronous elastic job that keeps its least members plans its graph again
+  without it (the member leaves, as a drained one does).
 - Parameter server: its pushes are ignored (coordinator.ps_service: a quarantined worker's update is taken as zero,
   so a synchronous round still completes; the worker can still pull the model).
 The operator is told (a `quarantined` event, `status`); a revoked member is quarantined the same way.
