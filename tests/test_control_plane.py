@@ -469,6 +469,20 @@ def test_an_operator_quarantines_a_member_unless_the_others_would_be_cut_apart(c
         cluster.plane.release(cluster.job(job_id), 1)
 
 
+def test_a_quarantined_member_leaves_an_asynchronous_elastic_job_and_its_node_does_not_join_again(cluster):
+    cluster.register("a", "b", "c", "d")
+    job_id = cluster.submit(elastic(3, 4))
+    cluster.ready_all(job_id)
+    assert cluster.job(job_id).world_size == 4
+    cluster.apply(cluster.plane.quarantine(cluster.job(job_id), 1, "by an operator"))
+    assert [m.node_id for m in cluster.state.members(job_id)] == ["a", "c", "d"]
+    assert cluster.events(events.LEFT)[0].startswith("rank 1 (node b) left: quarantined: by an operator; 3 members")
+    for rank in (0, 2, 3):
+        cluster.report(job_id, rank, 2 * MIN_SWITCH_MARGIN_STEPS)
+    cluster.advance(2, beating=("a", "b", "c", "d"))  # b is idle now, and stays out of the job
+    assert cluster.job(job_id).world_size == 3
+
+
 def test_a_revoked_member_is_quarantined(cluster):
     cluster.register("a", "b", "c", "d")
     job_id = cluster.submit(spec(4))  # no robust rule: a revoked member's contributions go all the same

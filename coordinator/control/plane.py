@@ -171,6 +171,7 @@ class ControlPlane:
         self._flagged: dict[str, set[int]] = {}
         self._above_since: dict[tuple[str, int], float] = {}
         self._quarantined: dict[str, set[int]] = {}
+        self._quarantined_nodes: dict[str, set[str]] = {}  # by job: their nodes, which an elastic job takes no more
         self._progressed: dict[str, tuple[int, float]] = {}
         self._waiting: dict[str, dict[int, str]] = {}  # by job and rank: what the last report said it waits for
 
@@ -614,6 +615,7 @@ class ControlPlane:
             how = f"its edges are dropped from step {switch_step} (topology version {version})"
             effects.add(AssignmentsChanged())
         quarantined.add(rank)
+        self._quarantined_nodes.setdefault(job.job_id, set()).add(member.node_id)
         self._above_since.pop((job.job_id, rank), None)
         self.suspicion.forget_reporter(job.job_id, rank)
         log.warning("job %s: %s quarantined: %s; %s", job.job_id, described, reason, how)
@@ -716,7 +718,8 @@ class ControlPlane:
             if not spec.elastic or job.world_size >= spec.max_nodes or (spec.start.barrier and not job.released_unix):
                 continue
             nodes = self.state.nodes()
-            idle = self._idle(nodes, spec)
+            barred = self._quarantined_nodes.get(job.job_id, set())
+            idle = [node_id for node_id in self._idle(nodes, spec) if node_id not in barred]
             if not idle:
                 continue
             members = self.state.members(job.job_id)
@@ -782,6 +785,7 @@ class ControlPlane:
         self.suspicion.forget(job.job_id)
         self._flagged.pop(job.job_id, None)
         self._quarantined.pop(job.job_id, None)
+        self._quarantined_nodes.pop(job.job_id, None)
         self._progressed.pop(job.job_id, None)
         self._waiting.pop(job.job_id, None)
         self._above_since = {key: since for key, since in self._above_since.items() if key[0] != job.job_id}
