@@ -5,6 +5,8 @@ milliseconds. The same scenarios run once on real agents in test_job_lifecycle, 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from coordinator.control.memory import MemoryState
@@ -427,6 +429,16 @@ def test_a_member_its_neighbours_find_outlying_is_flagged_and_a_liar_alone_flags
                                                 "outlying (suspect_fraction 0.5): suspected"]
     assert not cluster.plane.quarantined(job_id)  # the job does not ask for it
     assert job.topology_version == 1
+
+
+def test_a_member_judged_by_one_neighbour_only_is_not_scored(cluster):
+    """A path 0 - 1 - 2: rank 0's only judge is rank 1, which may be the liar."""
+    cluster.register("a", "b", "c")
+    job_id = cluster.submit(robust_spec(3, topology={"kind": "edge-list", "options": {"edges": "0 1\n1 2\n"}}))
+    for second in range(1, 4):
+        judge(cluster, job_id, 1, {0: (10 * second, 10 * second), 2: (10 * second, 10 * second)})
+        cluster.advance(1, beating=("a", "b", "c"))
+    assert math.isnan(cluster.plane.suspicion_of(cluster.job(job_id), 0)) and not cluster.plane.flagged(job_id)
 
 
 def test_a_persistently_outlying_member_is_quarantined_its_edges_dropped_by_a_topology_change(cluster):

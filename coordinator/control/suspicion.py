@@ -10,7 +10,8 @@ A reporter's share: the outlying contributions of the member in the window over 
 the window (at most 1), once it received at least MIN_CONTRIBUTIONS there. The member's suspicion: the lower median
 of its reporters' shares, so it is suspected only when a majority of those that judged it agree (for a member with
 one honest and one lying neighbour, the liar's word alone is not enough: a liar cannot get an honest node blamed
-without a majority of its neighbours). NaN: no reporter has judged enough of its contributions yet.
+without a majority of its neighbours). A member judged by one neighbour only is not scored (that one may be the
+liar); the parameter server's word counts alone. NaN: not enough judged yet.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 
 SERVER_REPORTER = -1  # the parameter server, as the reporter of its workers' pushes
 MIN_CONTRIBUTIONS = 5  # a reporter's contributions of a member in the window before its share counts
+MIN_PEER_JUDGES = 2  # neighbours whose shares count before a member is scored
 
 
 @dataclass
@@ -47,14 +49,17 @@ class Suspicion:
     def score(self, job_id: str, member: int, now: float, window_s: float) -> float:
         """`member`'s suspicion over the last `window_s` seconds (see the module's text)."""
         shares = []
-        for counts in self._jobs.get(job_id, {}).get(member, {}).values():
+        reporters = self._jobs.get(job_id, {}).get(member, {})
+        for reporter, counts in reporters.items():
             while counts.increments and counts.increments[0][0] < now - window_s:
                 counts.increments.popleft()
             outlying = sum(i[1] for i in counts.increments)
             received = sum(i[2] for i in counts.increments)
             if received >= MIN_CONTRIBUTIONS:
+                if reporter == SERVER_REPORTER:
+                    return min(1.0, outlying / received)
                 shares.append(min(1.0, outlying / received))
-        if not shares:
+        if len(shares) < MIN_PEER_JUDGES:
             return math.nan
         return sorted(shares)[(len(shares) - 1) // 2]
 
