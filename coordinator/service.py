@@ -296,12 +296,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.metrics.coordinator_job_running.labels(job_id).set(1)
         self._running_shown = running
         for job in self.store.jobs((JobState.RUNNING,)):
-            flagged, quarantined = self.plane.flagged(job.job_id), self.plane.quarantined(job.job_id)
+            with self._plane_lock:  # the plane's figures change under its lock
+                flagged, quarantined = self.plane.flagged(job.job_id), self.plane.quarantined(job.job_id)
             if job.spec.algorithm.robust is None and not quarantined:
                 continue
             for member in self.store.members(job.job_id):
                 labels = (job.job_id, member.node_id)
-                suspicion = self.plane.suspicion_of(job, member.rank)
+                with self._plane_lock:
+                    suspicion = self.plane.suspicion_of(job, member.rank)
                 if not math.isnan(suspicion):
                     self.metrics.coordinator_member_suspicion.labels(*labels).set(suspicion)
                 self.metrics.coordinator_member_suspected.labels(*labels).set(member.rank in flagged)
@@ -851,13 +853,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         )
 
     def _node_progress(self, job: Job, member: MemberRow, node: NodeRow | None) -> pb.NodeProgress:
-        quarantined = member.rank in self.plane.quarantined(job.job_id)
+        with self._plane_lock:  # the plane's figures change under its lock
+            quarantined = member.rank in self.plane.quarantined(job.job_id)
+            suspected = member.rank in self.plane.flagged(job.job_id)
+            suspicion = self.plane.suspicion_of(job, member.rank) if job.state == JobState.RUNNING else math.nan
         state = "quarantined" if quarantined and member.state not in (MemberState.LEFT, MemberState.FAILED) else \
             self._member_state(member, node)
         shown = to_node_progress(self._with_edges(member.progress), state, member.failure)
-        shown.suspicion = self.plane.suspicion_of(job, member.rank) if job.state == JobState.RUNNING else math.nan
-        shown.quarantined = quarantined
-        shown.suspected = member.rank in self.plane.flagged(job.job_id)
+        shown.suspicion, shown.quarantined, shown.suspected = suspicion, quarantined, suspected
         return shown
 
     def _with_edges(self, progress: Progress) -> Progress:
