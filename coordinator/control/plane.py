@@ -173,7 +173,8 @@ class ControlPlane:
         self._quarantined: dict[str, set[int]] = {}
         self._quarantined_nodes: dict[str, set[str]] = {}  # by job: their nodes, which an elastic job takes no more
         self._progressed: dict[str, tuple[int, float]] = {}
-        self._waiting: dict[str, dict[int, str]] = {}  # by job and rank: what the last report said it waits for
+        # By job and rank: what the last report said the member waits for, and when it came.
+        self._waiting: dict[str, dict[int, tuple[str, float]]] = {}
 
     # -- events ----------------------------------------------------------------------------------------------------
 
@@ -197,6 +198,10 @@ class ControlPlane:
         """A node registered, came back, left, was removed or put back in service: assignments that name it change,
         and pending jobs may start."""
         effects = Effects([AssignmentsChanged()])
+        # A node that registers again (restarted) or comes back may be a member that rejoins its job: a synchronous
+        # job's stall counts again from now (_review_withheld).
+        now = self.clock()
+        self._progressed = {job_id: (step, now) for job_id, (step, _) in self._progressed.items()}
         self._schedule(effects)
         return effects.items
 
@@ -348,7 +353,7 @@ class ControlPlane:
         now = self.clock()
         if progress.step > self._progressed.get(job.job_id, (-1, now))[0]:
             self._progressed[job.job_id] = (progress.step, now)
-        self._waiting.setdefault(job.job_id, {})[progress.rank] = progress.waiting_for
+        self._waiting.setdefault(job.job_id, {})[progress.rank] = (progress.waiting_for, now)
         if job.spec.algorithm.robust is not None:
             ranks = {m.node_id: m.rank for m in self.state.members(job.job_id)}
             for edge in progress.edges:
@@ -505,10 +510,11 @@ class ControlPlane:
 
     def _review_withheld(self, effects: Effects) -> None:
         """A synchronous peer-to-peer job whose highest step has not moved for as long as a silent node would be
-        lost (the heartbeat timeout plus `failure.lost_grace_s`) while it was released: the members that do not
-        say they wait (their last report's `waiting_for` is empty) withhold their rounds while they heartbeat, and
-        are treated as lost: the job fails naming them, as it would for a silent member, instead of stalling for
-        ever. Where every member says it waits, the job fails naming none."""
+        lost (the heartbeat timeout plus `failure.lost_grace_s`) since it was released or a node (re)registered or
+        came back: the members whose nodes are up but that do not say they wait (no report within the heartbeat
+        timeout whose `waiting_for` says what for) withhold their rounds, and are treated as lost: the job fails
+        naming them, as it would for a silent member, instead of stalling for ever. Where every member says it
+        waits, nobody is named and the job goes on waiting, as before."""
         now = self.clock()
         for job in self.state.jobs((JobState.RUNNING,)):
             spec = job.spec
@@ -527,17 +533,16 @@ class ControlPlane:
             if not running:
                 continue
             waiting = self._waiting.get(job.job_id, {})
-            withholding = [m for m in running if not waiting.get(m.rank)]
-            if withholding:
-                ranks = ", ".join(f"rank {m.rank} (node {m.node_id}, at step {m.progress.step})" for m in withholding)
-                reason = (f"lost {ranks}: it heartbeats but has withheld its rounds, no step of the job for "
-                          f"{stalled:.0f} s, longer than the heartbeat timeout and failure.lost_grace_s "
-                          f"({spec.failure.lost_grace_s:g} s) allow a synchronous job")
-            else:
-                reason = (f"no step for {stalled:.0f} s, longer than the heartbeat timeout and failure.lost_grace_s "
-                          f"({spec.failure.lost_grace_s:g} s) allow a synchronous job; every rank waits: "
-                          + "; ".join(f"rank {m.rank} for {waiting[m.rank]}" for m in running))
-            self._end_job(job, JobState.FAILED, reason, effects)
+            up = {n.node_id for n in self.state.nodes() if n.up}
+            # Says it waits: a report within the heartbeat timeout that names what for.
+            waits = {rank for rank, (what, when) in waiting.items() if what and now - when <= self.heartbeat_timeout_s}
+            withholding = [m for m in running if m.node_id in up and m.rank not in waits]
+            if not withholding:
+                continue
+            ranks = ", ".join(f"rank {m.rank} (node {m.node_id}, at step {m.progress.step})" for m in withholding)
+            self._end_job(job, JobState.FAILED, f"lost {ranks}: it heartbeats but has withheld its rounds, no step of "
+                          f"the job for {stalled:.0f} s, longer than the heartbeat timeout and failure.lost_grace_s "
+                          f"({spec.failure.lost_grace_s:g} s) allow a synchronous job", effects)
 
     def _review_suspicion(self, effects: Effects) -> None:
         """Flag the members of running jobs with a robust rule whose suspicion reached the job's
