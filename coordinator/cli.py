@@ -31,6 +31,7 @@ from coordinator.display import (
     STALE_MIN_S,
     STALL_INTERVALS,
     STALL_MIN_S,
+    SUSPECT_SHARE,
     device_text,
     edges_json,
     edges_text,
@@ -340,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_coordinator_option(stop)
 
     _add_topology_command(commands)
+    _add_quarantine_command(commands)
 
     simulate = commands.add_parser(
         "simulate",
@@ -525,6 +527,34 @@ def cmd_topology(args: argparse.Namespace) -> int:
     )
     print(shown(f"{reply.job_id}: topology {reply.previous_kind} -> {args.kind} (version {reply.topology_version}); "
                 f"every node switches just before step {reply.switch_step}"))
+    return 0
+
+
+# -- `coordinator quarantine` (a member's contributions dropped, issue 28) ------------------------------------------
+
+
+def _add_quarantine_command(commands: argparse._SubParsersAction) -> None:
+    quarantine = commands.add_parser(
+        "quarantine", help="drop a member's contributions from a running job (its edges, or its pushes)",
+        description="Quarantine a member of a running job: a peer-to-peer job drops its edges through a live "
+        "topology change (every node switches just before the same step; the member runs on alone and the job does "
+        "not wait for it), a parameter server ignores its pushes. The job's events say so. A job with "
+        "algorithm.robust.quarantine does this on its own for a member whose contributions are persistently outlying "
+        "(`status` shows each member's suspicion).",
+    )
+    quarantine.add_argument("job_id", metavar="JOB",
+                            help="a job's id, a unique prefix of it, or its name (the newest of that name)")
+    quarantine.add_argument("node", metavar="NODE", help="the member: its node id, or its rank")
+    quarantine.add_argument("--release", action="store_true",
+                            help="take a quarantined parameter-server worker's pushes again (a peer-to-peer member's "
+                            "edges come back only with a topology change: `coordinator topology`)")
+    _add_coordinator_option(quarantine)
+
+
+def cmd_quarantine(args: argparse.Namespace) -> int:
+    reply = _stub(args).Quarantine(pb.QuarantineRequest(job_id=args.job_id, node=args.node, release=args.release),
+                                   timeout=10)
+    print(shown(f"{reply.job_id}: {reply.outcome}"))
     return 0
 
 
@@ -950,13 +980,15 @@ def _print_json_lines(messages: Iterable[Message]) -> None:
 def _add_edges_command(commands: argparse._SubParsersAction) -> None:
     edges = commands.add_parser(
         "edges", help="a job's edges, the troubled first: last message, in flight, messages, bytes, skips, "
-        "failures by reason, staleness, consensus distance",
+        "failures by reason, staleness, consensus distance, outlying share",
         description="Every edge of the job's nodes from their last reports (about once a second), sorted by trouble: "
         f"stalled (no message for {STALL_INTERVALS} of the edge's message intervals, and at least {STALL_MIN_S:g} s), "
-        f"failing (a call failed in the last {FAILING_WINDOW_S:g} s), stale (the neighbour behind by more than "
+        f"failing (a call failed in the last {FAILING_WINDOW_S:g} s), suspect (a robust rule found {SUSPECT_SHARE:.0%} "
+        f"or more of the neighbour's contributions so far outlying), stale (the neighbour behind by more than "
         f"{STALE_INTERVALS} message intervals and {STALE_MIN_S:g} s of the node's steps), then ok; flow-control skips "
-        "(a send not made while the edge's last exchange was in flight) apart from failures; and what a job that "
-        "does not move waits on. An ended job's edges are its nodes' last report, judged at its end.",
+        "(a send not made while the edge's last exchange was in flight) apart from failures; what a job that does "
+        "not move waits on, and the members suspected or quarantined. An ended job's edges are its nodes' last "
+        "report, judged at its end.",
     )
     edges.add_argument("job_id", nargs="?", default="", metavar="JOB",
                        help="a job's id, a unique prefix of it, or its name (the newest of that name; default: the "
@@ -1216,6 +1248,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve": cmd_serve, "ca": cmd_ca, "token": cmd_token, "cert": cmd_cert,
         "submit": cmd_submit, "follow": cmd_follow, "logs": cmd_logs, "jobs": cmd_jobs, "nodes": cmd_nodes,
         "status": cmd_status, "stop": cmd_stop, "edges": cmd_edges, "topology": cmd_topology,
+        "quarantine": cmd_quarantine,
         "simulate": cmd_simulate, "report": cmd_report, "export": cmd_export, "inspect": cmd_inspect,
         "demo": cmd_demo,
         "backup": cmd_backup, "restore": cmd_restore,

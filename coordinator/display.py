@@ -26,6 +26,7 @@ FAILING_WINDOW_S = 60.0  # failing: a call on the edge failed this recently
 # at the node's step rate (a fast job's neighbours are many steps apart in a fraction of a second)
 STALE_INTERVALS = 10
 STALE_MIN_S = 5.0
+SUSPECT_SHARE = 0.5  # suspect: this share of the neighbour's contributions so far was outlying (nodeagent.robust)
 
 
 def device_text(node: pb.NodeInfo) -> str:
@@ -101,6 +102,7 @@ def status_text(status: pb.JobStatusReply, now: float | None = None) -> str:
             failed.setdefault(node.failure, []).append(node.rank)
     for failure, ranks in failed.items():
         lines.append(f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))} failed: {failure}")
+    lines += suspicion_lines(status)
     return "\n".join(lines)
 
 
@@ -123,6 +125,18 @@ def _pace(status: pb.JobStatusReply, rates: Mapping[int, float]) -> str:
         return line + "; ETA once every running node reported twice"
     eta = max((steps - node.step) / rates[node.rank] for node in running)
     return line + f"; ETA {_duration(eta)} at the recent rates (the slowest node's)"
+
+
+def suspicion_lines(status: pb.JobStatusReply) -> list[str]:
+    """The members a robust rule flags or the coordinator quarantined, with their suspicion (issue 28)."""
+    lines = []
+    for node in sorted(status.nodes, key=lambda node: node.rank):
+        share = "" if math.isnan(node.suspicion) else f": {node.suspicion:.0%} of its recent contributions outlying"
+        if node.quarantined:
+            lines.append(f"rank {node.rank} ({node.node_id}) is quarantined{share}")
+        elif node.suspected:
+            lines.append(f"rank {node.rank} ({node.node_id}) is suspected{share}")
+    return lines
 
 
 def _fmt(value: float, pattern: str = "{:.4f}") -> str:
@@ -191,8 +205,9 @@ class Trouble(enum.IntEnum):
 
     STALLED = 0
     FAILING = 1
-    STALE = 2
-    OK = 3
+    SUSPECT = 2
+    STALE = 3
+    OK = 4
 
 
 @dataclass(frozen=True)
@@ -244,6 +259,8 @@ def _judged(row: EdgeRow, lag: float) -> EdgeRow:
         trouble = Trouble.STALLED
     elif edge.last_failure_age_s + lag <= FAILING_WINDOW_S:  # NaN (never failed) compares False
         trouble = Trouble.FAILING
+    elif outlying_share(edge) >= SUSPECT_SHARE:  # NaN (no robust rule, nothing received) compares False
+        trouble = Trouble.SUSPECT
     elif row.staleness_s > max(STALE_INTERVALS * row.interval_s, STALE_MIN_S):  # NaN (unknown) compares False
         trouble = Trouble.STALE
     else:
@@ -267,6 +284,14 @@ def _edges_as_of(status: pb.JobStatusReply, now: float | None) -> float:
     return time.time() if now is None else now
 
 
+def outlying_share(edge: EdgeCounters) -> float:
+    """The edge's suspicion score: the share of the neighbour's contributions so far that the node's robust rule
+    found outlying or refused (NaN: none judged)."""
+    if not edge.robust_clipped and not edge.robust_outlying:
+        return 0.0 if edge.messages_received else math.nan
+    return min(1.0, edge.robust_outlying / max(1, edge.messages_received))
+
+
 def _reasons(reasons: Mapping[str, int]) -> str:
     return ",".join(f"{reason}:{count}" for reason, count in sorted(reasons.items())) or "-"
 
@@ -284,19 +309,22 @@ def edges_text(status: pb.JobStatusReply, interval_steps: int = 1, now: float | 
                                            "it runs and, until the coordinator restarts, for its newest ended jobs)"))
         return "\n".join(lines)
     lines.append(f"{'trouble':<8} {'src':<14} {'dst':<14} {'last msg':>9} {'in flight':>9} {'sent':>7} "
-                 f"{'recv':>7} {'MB out':>8} {'MB in':>8} {'stale':>6} {'distance':>9} {'skips':>6}  failures")
+                 f"{'recv':>7} {'MB out':>8} {'MB in':>8} {'stale':>6} {'distance':>9} {'outlying':>8} {'skips':>6}  "
+                 "failures")
     for r in rows:
         e = r.edge
         lines.append(
             f"{r.trouble.name.lower():<8} {r.src:<14} {e.peer:<14} {_fmt(r.last_message_s, '{:.1f} s'):>9} "
             f"{_fmt(r.in_flight_s, '{:.1f} s') if r.in_flight_s else '-':>9} {e.messages_sent:>7} "
             f"{e.messages_received:>7} {e.bytes_sent / 1e6:>8.2f} {e.bytes_received / 1e6:>8.2f} "
-            f"{_fmt(e.staleness_steps, '{:.0f}'):>6} {_fmt(e.consensus_distance, '{:.4g}'):>9} {r.skips:>6}  "
+            f"{_fmt(e.staleness_steps, '{:.0f}'):>6} {_fmt(e.consensus_distance, '{:.4g}'):>9} "
+            f"{_fmt(outlying_share(e), '{:.0%}') if e.robust_clipped or e.robust_outlying else '-':>8} {r.skips:>6}  "
             f"{_reasons(r.failures)}"
         )
     waits = waits_on(nodes, rows)
     if waits:
         lines.append("waits on: " + "; ".join(waits))
+    lines += suspicion_lines(status)
     return "\n".join(lines)
 
 
@@ -318,8 +346,11 @@ def edges_json(status: pb.JobStatusReply, interval_steps: int = 1, now: float | 
              "messages_received": r.edge.messages_received, "bytes_sent": r.edge.bytes_sent,
              "bytes_received": r.edge.bytes_received, "failures": r.failures, "skips": r.skips,
              "staleness_steps": number(r.edge.staleness_steps), "staleness_s": number(r.staleness_s),
-             "consensus_distance": number(r.edge.consensus_distance)}
+             "consensus_distance": number(r.edge.consensus_distance), "robust_clipped": r.edge.robust_clipped,
+             "robust_outlying": r.edge.robust_outlying, "outlying_share": number(outlying_share(r.edge))}
             for r in rows
         ],
         "waits_on": waits_on(nodes, rows),
+        "suspected": [{"rank": n.rank, "node": n.node_id, "suspicion": number(n.suspicion),
+                       "quarantined": n.quarantined} for n in status.nodes if n.suspected or n.quarantined],
     }

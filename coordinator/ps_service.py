@@ -113,8 +113,13 @@ class PSJob:
     """One job's server half, its lock, and its files."""
 
     def __init__(self, job_id: str, spec: JobSpec, run_dir: Path, members: dict[int, str], metrics: Metrics,
-                 data: DatasetInfo, fsync: bool = False):
+                 data: DatasetInfo, fsync: bool = False, quarantined: set[int] | None = None):
         self.job_id = job_id
+        # Issue 28: the workers whose pushes are ignored (the coordinator's ControlPlane decides; the set is the
+        # service's, shared), and per worker the pushes taken and those the robust rule flagged (suspicion).
+        self.quarantined = quarantined if quarantined is not None else set()
+        self.pushes: dict[int, int] = {}
+        self.flagged: dict[int, int] = {}
         self.spec = spec
         self.members = members  # rank -> node id
         self.metrics = metrics
@@ -161,6 +166,9 @@ class PSJob:
     def push(self, rank: int, push: ServerPush, push_id: str, alive: Callable[[], bool]) -> PushResult:
         with self.condition:
             self._check_open()
+            if rank in self.quarantined:  # ignored: its update counts as zero, so that a round still completes
+                push = dataclasses.replace(push, tensors={
+                    name: torch.zeros_like(t) if t.is_floating_point() else t for name, t in push.tensors.items()})
             result = self.half.push(rank, push, push_id, time.monotonic())
             outcome = "duplicate" if result.duplicate else "rejected" if result.rejected else (
                 "applied" if result.applied else "pending")
@@ -170,6 +178,9 @@ class PSJob:
             for worker in result.flagged:
                 member = self.members.get(worker, f"rank{worker}")
                 self.metrics.robust_clipped.labels(self.job_id, member, SERVER_NAME).inc()
+                self.flagged[worker] = self.flagged.get(worker, 0) + 1
+            if not result.duplicate:
+                self.pushes[rank] = self.pushes.get(rank, 0) + 1
             if not result.duplicate:
                 self._commit()
                 if result.applied and not self.half.synchronous:
@@ -247,8 +258,27 @@ class PSService:
         self.metrics = metrics
         self.fsync = fsync
         self._jobs: dict[str, PSJob] = {}
+        self._quarantined: dict[str, set[int]] = {}  # by job: the workers whose pushes are ignored
         self._lock = threading.Lock()
 
+    def quarantine(self, job_id: str, rank: int, quarantined: bool) -> None:
+        """Ignore `rank`'s pushes to job `job_id` from now on (`quarantined`), or take them again."""
+        with self._lock:  # the set is the job's too: a push reads it (one membership test, atomic)
+            ranks = self._quarantined.setdefault(job_id, set())
+            if quarantined:
+                ranks.add(rank)
+            else:
+                ranks.discard(rank)
+
+    def robust_counts(self) -> dict[str, dict[int, tuple[int, int]]]:
+        """Per running job's server: per worker (pushes its robust rule flagged, pushes taken), cumulative."""
+        with self._lock:
+            jobs = list(self._jobs.values())
+        counts = {}
+        for job in jobs:
+            with job.condition:
+                counts[job.job_id] = {rank: (job.flagged.get(rank, 0), pushes) for rank, pushes in job.pushes.items()}
+        return counts
     def job(self, job_id: str, rank: int, node_id: str, context: grpc.ServicerContext) -> PSJob:
         """The running centralised job `job_id`'s server (loaded from its run directory after a restart), for a caller
         that holds `rank` of it as `node_id`: under TLS its certificate must name that node."""
@@ -278,7 +308,8 @@ class PSService:
             raise WireError(Reason.NOT_READY, f"job {job_id!r}: no worker has described its data yet",
                             Status.FAILED_PRECONDITION)
         job = self._jobs[job_id] = PSJob(job_id, spec, Path(row.run_dir), members, self.metrics,
-                                         data_from_json(row.data_json), self.fsync)
+                                         data_from_json(row.data_json), self.fsync,
+                                         self._quarantined.setdefault(job_id, set()))
         return job
 
     def version_of(self, job_id: str) -> int | None:
@@ -293,6 +324,7 @@ class PSService:
     def close(self, job_id: str) -> None:
         with self._lock:
             job = self._jobs.pop(job_id, None)
+            self._quarantined.pop(job_id, None)
         if job is not None:
             job.close()
 

@@ -25,6 +25,8 @@ from coordinator.control.plane import (
     Effect,
     JobEnded,
     JobEvent,
+    Quarantined,
+    QuarantineRefused,
     TopologyRefused,
 )
 from coordinator.control.records import Job, MemberRow, NodeRow
@@ -132,7 +134,8 @@ COORDINATOR_RULES = rules_for("peertrain.v1.Coordinator", {
                      "ReportEvents", "JobReady", "PsPush", "PsPull", "PsReport", "Rendezvous", "UploadModel"), _NODE),
     **dict.fromkeys(("SubmitJob", "StopJob", "DeleteJob", "ListNodes", "JobStatus", "ListJobs", "JobEvents",
                      "RemoveNode", "DrainNode",
-                     "CreateJoinToken", "RevokeCertificate", "ListCertificates", "ChangeTopology", "ExportModel"),
+                     "CreateJoinToken", "RevokeCertificate", "ListCertificates", "ChangeTopology", "ExportModel",
+                     "Quarantine"),
                    _OPERATOR),
     "RenewCertificate": _NODE | _OPERATOR,
 })
@@ -290,7 +293,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 renewal_checked = time.monotonic()
                 self.ca.coordinator_credentials(self.transport.tls_dir)
             self._control(self.plane.tick)
+            self._take_server_counts()
             self._update_gauges()
+
+    def _take_server_counts(self) -> None:
+        """Hand the control plane what each parameter server's robust rule found of its workers (suspicion)."""
+        for job_id, counts in self.ps.robust_counts().items():
+            job = self.store.job(job_id)
+            if job is not None and job.spec.algorithm.robust is not None and counts:
+                self._control(self.plane.server_reported, job, counts)
 
     def _update_gauges(self) -> None:
         nodes = self.store.nodes()
@@ -306,6 +317,19 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         for job_id in running:
             self.metrics.coordinator_job_running.labels(job_id).set(1)
         self._running_shown = running
+        for job in self.store.jobs((JobState.RUNNING,)):
+            with self._plane_lock:  # the plane's figures change under its lock
+                flagged, quarantined = self.plane.flagged(job.job_id), self.plane.quarantined(job.job_id)
+            if job.spec.algorithm.robust is None and not quarantined:
+                continue
+            for member in self.store.members(job.job_id):
+                labels = (job.job_id, member.node_id)
+                with self._plane_lock:
+                    suspicion = self.plane.suspicion_of(job, member.rank)
+                if not math.isnan(suspicion):
+                    self.metrics.coordinator_member_suspicion.labels(*labels).set(suspicion)
+                self.metrics.coordinator_member_suspected.labels(*labels).set(member.rank in flagged)
+                self.metrics.coordinator_member_quarantined.labels(*labels).set(member.rank in quarantined)
 
     # -- the rules' effects ---------------------------------------------------------------------------------------
 
@@ -331,6 +355,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                             self._ended_edges.popitem(last=False)
             elif isinstance(effect, JobEvent):
                 self._event(effect.job, effect.kind, effect.message, effect.level)
+            elif isinstance(effect, Quarantined):
+                self.ps.quarantine(effect.job.job_id, effect.rank, not effect.released)
             else:
                 self.changes.bump()
 
@@ -512,6 +538,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 samples = self._recent_steps.setdefault(job.job_id, {}).setdefault(
                     progress.rank, deque(maxlen=RATE_SAMPLES))
                 samples.append((now, progress.step))
+        self._control(self.plane.progress_reported, job, progress)
         if request.finished:
             self._control(self.plane.reported, job)
         return pb.MetricsReply(job_active=self.store.job(job.job_id).state == JobState.RUNNING)
@@ -719,9 +746,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, str(error))
         log.warning("%s revoked %s", caller(context), ", ".join(serials) or "nothing new")
         # A node whose certificate is revoked is down at once: its calls are refused from now on.
-        for cert in ca.certificates():
-            if cert.serial in serials and cert.role == Role.NODE and self.store.mark_down(cert.name):
-                log.warning("%s is down: its certificate is revoked", cert.name)
+        revoked_nodes = [cert.name for cert in ca.certificates() if cert.serial in serials and cert.role == Role.NODE]
+        for name in revoked_nodes:
+            if self.store.mark_down(name):
+                log.warning("%s is down: its certificate is revoked", name)
+        # Its last contributions are dropped from its job (ControlPlane.revoked).
+        self._control(self.plane.revoked, revoked_nodes)
         self.changes.bump()  # agents learn the revocation with their next assignment
         return pb.RevokeCertificateReply(serials=serials)
 
@@ -802,6 +832,29 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return pb.ChangeTopologyReply(job_id=job.job_id, topology_version=changed.version,
                                       switch_step=changed.switch_step, previous_kind=changed.previous_kind)
 
+    def Quarantine(self, request, context):
+        job = self.store.find_job(request.job_id[:MAX_JOB_REFERENCE_CHARS])
+        if job is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, _no_job(request.job_id))
+        members = self.store.members(job.job_id)
+        named = request.node[:MAX_JOB_REFERENCE_CHARS]
+        member = next((m for m in members if m.node_id == named or named == str(m.rank)), None)
+        if member is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"job {job.job_id} has no member {named!r} (a node id or a rank)")
+        who = caller(context)
+        by = f"by an operator ({who.name})" if who is not None else "by an operator"
+        try:
+            with self._plane_lock:
+                if request.release:
+                    effects = self.plane.release(job, member.rank)
+                else:
+                    effects = self.plane.quarantine(job, member.rank, by)
+                self._apply(effects)
+        except QuarantineRefused as error:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        outcome = next((e.message for e in effects if isinstance(e, JobEvent)), "")
+        return pb.QuarantineReply(job_id=job.job_id, rank=member.rank, node_id=member.node_id, outcome=outcome)
+
     @staticmethod
     def _requested_topology(request: pb.ChangeTopologyRequest, context) -> TopologySpec:
         """The topology a ChangeTopology asks for, as a job file's `topology`; INVALID_ARGUMENT naming the field."""
@@ -870,8 +923,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         with self._live_edges_lock:
             recent = {rank: recent_rate(samples, now)
                       for rank, samples in self._recent_steps.get(job.job_id, {}).items()}
-        members = [to_node_progress(self._with_edges(m.progress), self._member_state(m, nodes.get(m.node_id)),
-                                    m.failure)
+        members = [self._node_progress(job, m, nodes.get(m.node_id))
                    for m in self.store.members(job.job_id, with_left=True)]
         for member in members:
             rate = recent.get(member.rank)
@@ -884,6 +936,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             started_unix=job.started_unix, ended_unix=job.ended_unix, **_elastic_range(job), task=job.spec.task,
             nodes=members, server_version=server_version,
         )
+
+    def _node_progress(self, job: Job, member: MemberRow, node: NodeRow | None) -> pb.NodeProgress:
+        with self._plane_lock:  # the plane's figures change under its lock
+            quarantined = member.rank in self.plane.quarantined(job.job_id)
+            suspected = member.rank in self.plane.flagged(job.job_id)
+            suspicion = self.plane.suspicion_of(job, member.rank) if job.state == JobState.RUNNING else math.nan
+        state = "quarantined" if quarantined and member.state not in (MemberState.LEFT, MemberState.FAILED) else \
+            self._member_state(member, node)
+        shown = to_node_progress(self._with_edges(member.progress), state, member.failure)
+        shown.suspicion, shown.quarantined, shown.suspected = suspicion, quarantined, suspected
+        return shown
 
     def _with_edges(self, progress: Progress) -> Progress:
         """The stored progress of a node with its edges from its last report, when it had them: a running job's, or

@@ -45,6 +45,17 @@ class _Strict(BaseModel):
 RobustRule = Literal["self-centered-clip", "centered-clip", "trimmed-mean", "median", "krum"]
 
 
+class QuarantineSpec(_Strict):
+    """When the coordinator quarantines a member on its own (coordinator.control.suspicion): a peer-to-peer job drops
+    its edges (a live topology change), a parameter server ignores its pushes; the operator is told."""
+
+    fraction: float = Field(
+        0.8, gt=0, le=1, description="the suspicion (share of a member's recent contributions found outlying) at or "
+        "above which it is quarantined")
+    after_s: float = Field(
+        10.0, ge=0, le=3600, description="how long its suspicion must stay at or above `fraction` first")
+
+
 class RobustSpec(_Strict):
     """How a node or the parameter server takes contributions it cannot trust (nodeagent.robust): each algorithm
     accepts the rules its mathematics allows and refuses the others at validation, saying why."""
@@ -54,11 +65,19 @@ class RobustSpec(_Strict):
         "state before it is mixed); centered-clip, trimmed-mean, median or krum (the parameter server's aggregation "
         "of the workers' updates; the asynchronous servers take centered-clip alone)")
     radius: float | Literal["auto"] = Field(
-        "auto", description="the clipping radius (L2) of the clip rules; auto: adapted from the median of the recent "
-        "distances the node (or server) has seen")
+        "auto", description="the clipping radius (L2) of the clip rules; auto: adapted from the recent "
+        "distances the node (their lower quartile) or server (their median) has seen")
     byzantine: int | None = Field(
         None, ge=0, description="f, the members assumed Byzantine: trimmed-mean drops f values at each end of every "
         "coordinate, krum scores against n - f - 2 neighbours; unset: floor((n - 1) / 4)")
+    suspect_fraction: float = Field(
+        0.5, gt=0, le=1, description="a member whose suspicion (the share of its contributions in the last `window_s` "
+        "that its neighbours, or the parameter server, found outlying) reaches this is flagged: an event, `status`, "
+        "`edges`, the PeertrainMemberSuspected alert")
+    window_s: float = Field(30.0, gt=0, le=3600, description="the window of recent contributions the suspicion counts")
+    quarantine: QuarantineSpec | None = Field(
+        None, description="quarantine a persistently suspected member on the coordinator's own decision ({}: the "
+        "defaults; unset: only by hand, `coordinator quarantine`)")
 
     @model_validator(mode="after")
     def _radius_positive(self) -> RobustSpec:

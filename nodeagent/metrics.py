@@ -166,6 +166,17 @@ class Metrics:
         # One series per running job (gone once it ends), so that an alert can ask about each job by itself.
         self.coordinator_job_running = Gauge("peertrain_coordinator_job_running", "1 for each running job",
                                              ["job_id"], registry=r)
+        # Issue 28: each member's suspicion (coordinator.control.suspicion; unset until measured) and whether it is
+        # flagged (its job's robust.suspect_fraction reached) or quarantined.
+        self.coordinator_member_suspicion = Gauge(
+            "peertrain_coordinator_member_suspicion", "Share of a member's recent contributions that its neighbours "
+            "(or the parameter server) found outlying", ["job_id", "member"], registry=r)
+        self.coordinator_member_suspected = Gauge(
+            "peertrain_coordinator_member_suspected", "1 while a member is flagged by its job's robust rule",
+            ["job_id", "member"], registry=r)
+        self.coordinator_member_quarantined = Gauge(
+            "peertrain_coordinator_member_quarantined", "1 once a member is quarantined (its contributions dropped)",
+            ["job_id", "member"], registry=r)
         self.coordinator_heartbeats = Counter(
             "peertrain_coordinator_heartbeats", "Heartbeats received from node agents", registry=r
         )
@@ -219,6 +230,8 @@ class Metrics:
             (self.ps_version, ["job_id"]),
             (self.ps_staleness, ["job_id"]),
             (self.coordinator_job_running, ["job_id"]),
+            *((m, ["job_id", "member"]) for m in (self.coordinator_member_suspicion, self.coordinator_member_suspected,
+                                                  self.coordinator_member_quarantined)),
         ]
 
     def observe_edges(self, job_id: str, node: str, edges: Iterable[EdgeCounters], now_unix: float) -> None:

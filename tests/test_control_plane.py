@@ -5,6 +5,8 @@ milliseconds. The same scenarios run once on real agents in test_job_lifecycle, 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from coordinator.control.memory import MemoryState
@@ -15,13 +17,15 @@ from coordinator.control.plane import (
     Effect,
     JobEnded,
     JobEvent,
+    Quarantined,
+    QuarantineRefused,
     TopologyRefused,
 )
 from coordinator.control.records import Job
 from coordinator.control.states import JobState, MemberState
 from nodeagent.jobspec import JobSpecError, TopologySpec, parse_job_spec
 from nodeagent.runtime import events
-from nodeagent.runtime.progress import Progress
+from nodeagent.runtime.progress import EdgeCounters, Progress
 from nodeagent.training.data import DatasetInfo
 
 pytestmark = pytest.mark.unit
@@ -374,3 +378,170 @@ def test_each_member_is_planned_in_the_graph_its_job_runs_now(cluster):
     plan = cluster.plane.plan(job, cluster.state.members(job_id), 0)
     assert sorted(n.rank for n in plan.neighbors) == [1, 3]
 
+
+
+# -- suspicion, quarantine and withheld rounds (issue 28) --------------------------------------------------------------
+
+
+def robust_spec(nodes: int, algorithm: str = "dsgd", quarantine: dict | None = None, **fields: object) -> dict:
+    robust: dict = {"rule": "self-centered-clip" if algorithm == "dsgd" else "trimmed-mean", "window_s": 10}
+    if quarantine is not None:
+        robust["quarantine"] = quarantine
+    chosen = spec(nodes, algorithm=algorithm, **fields)
+    chosen["algorithm"]["robust"] = robust
+    return chosen
+
+
+def judge(cluster: Cluster, job_id: str, rank: int, outlying: dict[int, tuple[int, int]]) -> None:
+    """Rank `rank` reports what its robust rule found of its neighbours: rank -> (outlying, received), cumulative."""
+    nodes = {m.rank: m.node_id for m in cluster.state.members(job_id)}
+    edges = tuple(EdgeCounters(nodes[peer], robust_outlying=bad, messages_received=received)
+                  for peer, (bad, received) in sorted(outlying.items()))
+    progress = Progress(job_id, rank, nodes[rank], step=1, local_steps=1, time=cluster.now, edges=edges)
+    cluster.state.record_progress(progress)
+    cluster.apply(cluster.plane.progress_reported(cluster.job(job_id), progress))
+
+
+def lie(cluster: Cluster, job_id: str, seconds: int, liar: int = 3) -> None:
+    """A 4-node ring where `liar`'s neighbours find all its contributions outlying, and the liar says the same of
+    its honest neighbours; each second 10 contributions a neighbour."""
+    nodes = ("a", "b", "c", "d")
+    for second in range(1, seconds + 1):
+        received = 10 * second
+        for rank in range(4):
+            neighbours = ((rank - 1) % 4, (rank + 1) % 4)
+            judge(cluster, job_id, rank, {peer: (received if peer == liar or rank == liar else 0, received)
+                                          for peer in neighbours})
+        cluster.advance(1, beating=nodes)
+
+
+def test_a_member_its_neighbours_find_outlying_is_flagged_and_a_liar_alone_flags_no_one(cluster):
+    cluster.register("a", "b", "c", "d")
+    job_id = cluster.submit(robust_spec(4))
+    cluster.ready_all(job_id)
+    lie(cluster, job_id, 3)
+    job = cluster.job(job_id)
+    assert cluster.plane.flagged(job_id) == {3}
+    assert cluster.plane.suspicion_of(job, 3) == 1.0
+    # Ranks 0 and 2 have the liar and one honest neighbour: the lower median of their judges' shares is 0.
+    assert [cluster.plane.suspicion_of(job, r) for r in (0, 1, 2)] == [0.0, 0.0, 0.0]
+    assert cluster.events(events.SUSPECTED) == ["rank 3 (node d): 100% of its contributions in the last 10 s were "
+                                                "outlying (suspect_fraction 0.5): suspected"]
+    assert not cluster.plane.quarantined(job_id)  # the job does not ask for it
+    assert job.topology_version == 1
+
+
+def test_a_member_judged_by_one_neighbour_only_is_not_scored(cluster):
+    """A path 0 - 1 - 2: rank 0's only judge is rank 1, which may be the liar."""
+    cluster.register("a", "b", "c")
+    job_id = cluster.submit(robust_spec(3, topology={"kind": "edge-list", "options": {"edges": "0 1\n1 2\n"}}))
+    for second in range(1, 4):
+        judge(cluster, job_id, 1, {0: (10 * second, 10 * second), 2: (10 * second, 10 * second)})
+        cluster.advance(1, beating=("a", "b", "c"))
+    assert math.isnan(cluster.plane.suspicion_of(cluster.job(job_id), 0)) and not cluster.plane.flagged(job_id)
+
+
+def test_a_persistently_outlying_member_is_quarantined_its_edges_dropped_by_a_topology_change(cluster):
+    cluster.register("a", "b", "c", "d")
+    job_id = cluster.submit(robust_spec(4, quarantine={"fraction": 0.8, "after_s": 5}))
+    cluster.ready_all(job_id)
+    lie(cluster, job_id, 4)
+    assert not cluster.plane.quarantined(job_id)  # above the fraction for less than after_s
+    lie(cluster, job_id, 3)
+    job = cluster.job(job_id)
+    assert cluster.plane.quarantined(job_id) == {3}
+    assert (job.topology_version, job.running_spec.topology.kind) == (2, "edge-list")
+    (message,) = cluster.events(events.QUARANTINED)
+    assert message.startswith("rank 3 (node d) quarantined: 100% of its contributions") and \
+        "its edges are dropped from step" in message
+    members = cluster.state.members(job_id)
+    plans = {rank: cluster.plane.plan(job, members, rank) for rank in range(4)}
+    assert sorted(n.rank for n in plans[0].neighbors) == [1] and sorted(n.rank for n in plans[2].neighbors) == [1]
+    assert plans[3].neighbors == () and plans[3].self_weight == 1.0
+    assert sum(n.weight for n in plans[0].neighbors) + plans[0].self_weight == pytest.approx(1.0)
+    # The job finishes without it, and its silence fails nothing.
+    for rank in (0, 1, 2):
+        cluster.report(job_id, rank, 100, finished=True)
+    assert cluster.job(job_id).state == JobState.FINISHED
+
+
+def test_an_operator_quarantines_a_member_unless_the_others_would_be_cut_apart(cluster):
+    cluster.register("a", "b", "c", "d")
+    job_id = cluster.submit(robust_spec(4))
+    cluster.apply(cluster.plane.quarantine(cluster.job(job_id), 1, "by an operator"))
+    assert cluster.plane.quarantined(job_id) == {1}
+    with pytest.raises(QuarantineRefused, match="quarantined already"):
+        cluster.plane.quarantine(cluster.job(job_id), 1, "by an operator")
+    cluster.report(job_id, 0, 20)  # every member reached the switch step: another change may come
+    cluster.report(job_id, 2, 20)
+    cluster.report(job_id, 3, 20)
+    with pytest.raises(QuarantineRefused, match="would not be connected"):
+        cluster.plane.quarantine(cluster.job(job_id), 3, "by an operator")
+    with pytest.raises(QuarantineRefused, match="change the job's topology"):
+        cluster.plane.release(cluster.job(job_id), 1)
+
+
+def test_a_quarantined_member_leaves_an_asynchronous_elastic_job_and_its_node_does_not_join_again(cluster):
+    cluster.register("a", "b", "c", "d")
+    job_id = cluster.submit(elastic(3, 4))
+    cluster.ready_all(job_id)
+    assert cluster.job(job_id).world_size == 4
+    cluster.apply(cluster.plane.quarantine(cluster.job(job_id), 1, "by an operator"))
+    assert [m.node_id for m in cluster.state.members(job_id)] == ["a", "c", "d"]
+    assert cluster.events(events.LEFT)[0].startswith("rank 1 (node b) left: quarantined: by an operator; 3 members")
+    for rank in (0, 2, 3):
+        cluster.report(job_id, rank, 2 * MIN_SWITCH_MARGIN_STEPS)
+    cluster.advance(2, beating=("a", "b", "c", "d"))  # b is idle now, and stays out of the job
+    assert cluster.job(job_id).world_size == 3
+
+
+def test_a_revoked_member_is_quarantined(cluster):
+    cluster.register("a", "b", "c", "d")
+    job_id = cluster.submit(spec(4))  # no robust rule: a revoked member's contributions go all the same
+    cluster.apply(cluster.plane.revoked(["c"]))
+    assert cluster.plane.quarantined(job_id) == {2}
+    assert "rank 2 (node c) quarantined: its certificate was revoked" in cluster.events(events.QUARANTINED)[0]
+
+
+def test_a_parameter_server_ignores_a_quarantined_workers_pushes_until_released(cluster):
+    cluster.register("a", "b", "c", "d")
+    job_id = cluster.submit(robust_spec(4, algorithm="ssgd", quarantine={"after_s": 0}))
+    cluster.ready_all(job_id)
+    job = cluster.job(job_id)
+    cluster.apply(cluster.plane.server_reported(job, {0: (0, 20), 1: (0, 20), 2: (20, 20), 3: (1, 20)}))
+    cluster.advance(1, beating=("a", "b", "c", "d"))
+    assert cluster.plane.quarantined(job_id) == {2}
+    assert Quarantined(job, 2) in cluster.effects
+    assert cluster.job(job_id).topology_version == 1
+    cluster.apply(cluster.plane.release(job, 2))
+    assert Quarantined(job, 2, released=True) in cluster.effects and not cluster.plane.quarantined(job_id)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_member_that_withholds_its_rounds_fails_a_synchronous_job_as_lost(cluster, mode):
+    cluster.register("a", "b", "c")
+    job_id = cluster.submit(spec(3, mode=mode, failure={"lost_grace_s": 5}))
+    cluster.ready_all(job_id)
+    nodes = {m.rank: m.node_id for m in cluster.state.members(job_id)}
+
+    def stall(seconds: int) -> None:
+        """Every node heartbeats; ranks 0 and 1 wait for rank 2's step-7 parameters; rank 2 reports nothing."""
+        for _ in range(seconds):
+            for rank in range(2):
+                progress = Progress(job_id, rank, nodes[rank], step=7, local_steps=7, time=cluster.now,
+                                    waiting_for="the step-7 parameters of ranks [2]")
+                cluster.state.record_progress(progress)
+                cluster.apply(cluster.plane.progress_reported(cluster.job(job_id), progress))
+            cluster.advance(1, beating=("a", "b", "c"))
+
+    stall(int(TIMEOUT_S))
+    cluster.register("c")  # rank 2's agent restarted: a rejoin is given the bound again
+    stall(int(TIMEOUT_S))
+    assert cluster.job(job_id).state == JobState.RUNNING
+    stall(6)
+    job = cluster.job(job_id)
+    if mode == "async":
+        assert job.state == JobState.RUNNING  # nobody waits for anyone
+        return
+    assert job.state == JobState.FAILED
+    assert job.reason.startswith("lost rank 2 (node c, at step 0): it heartbeats but has withheld its rounds")

@@ -1020,6 +1020,9 @@ def feed(agent: Any, coordinator: Any, job: str, stop: threading.Event) -> None:
         coordinator.ps_pushes.labels(job, "applied").inc(2)
         coordinator.ps_updates_clipped.labels(job).inc()
         coordinator.robust_clipped.labels(job, "n1", "coordinator").inc()  # a member whose updates a robust rule clips
+        coordinator.coordinator_member_suspicion.labels(job, "n1").set(0.9)  # ... flagged, then quarantined
+        coordinator.coordinator_member_suspected.labels(job, "n1").set(1)
+        coordinator.coordinator_member_quarantined.labels(job, "n1").set(1)
         coordinator.ps_version.labels(job).set(2 * step)
         coordinator.ps_staleness.labels(job).observe(step % 3)
 

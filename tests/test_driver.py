@@ -74,6 +74,9 @@ class ScriptedAlgorithm:
     def robust_clipped(self, peer: int) -> int:
         return 0
 
+    def robust_outlying(self, peer: int) -> int:
+        return 0
+
 
 class Batches:
     def next(self):

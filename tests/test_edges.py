@@ -11,7 +11,15 @@ import yaml
 from prometheus_client import generate_latest
 
 from coordinator.cli import main as coordinator_main
-from coordinator.display import STALE_MIN_S, Trouble, edge_rows, edges_json, edges_text, waits_on
+from coordinator.display import (
+    STALE_MIN_S,
+    Trouble,
+    edge_rows,
+    edges_json,
+    edges_text,
+    outlying_share,
+    waits_on,
+)
 from coordinator.service import MAX_REPORTED_EDGES, MAX_WAITING_CHARS, OTHER_REASON, bounded_report
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.metrics import Metrics
@@ -103,6 +111,18 @@ def test_edges_are_sorted_by_trouble_stalled_then_failing_then_stale():
         "edge n1 -> n2 is stalled: no message for 10 s, a call in flight for 9 s",
         "rank 1 (n1) waits for the step-12 parameters of ranks [2]",
     ]
+
+
+def test_an_edge_whose_neighbour_is_mostly_outlying_is_suspect_after_failing_and_before_stale():
+    healthy = dict(last_message_age_s=0.1, message_interval_s=0.01, staleness_steps=600.0)  # 6 s at 100 steps/s
+    rows = edge_rows([node(0, (
+        EdgeCounters("n1", **healthy, messages_received=100, robust_clipped=90, robust_outlying=10),
+        EdgeCounters("n3", **healthy, messages_received=100, robust_clipped=100, robust_outlying=60),
+        EdgeCounters("n2", **healthy, messages_received=100, robust_outlying=60, last_failure_age_s=1.0),
+    ))], now=100.0)
+    assert [(r.edge.peer, r.trouble) for r in rows] == [
+        ("n2", Trouble.FAILING), ("n3", Trouble.SUSPECT), ("n1", Trouble.STALE)]  # clipped alone is not suspect
+    assert outlying_share(rows[1].edge) == 0.6 and math.isnan(outlying_share(EdgeCounters("n5")))
 
 
 def test_the_edges_command_prints_the_table_and_json(coordinator_stub, monkeypatch, capsys):

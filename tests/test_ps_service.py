@@ -409,3 +409,24 @@ def test_an_oversized_push_manifest_is_refused_before_it_is_parsed_and_counted(c
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and error.value.details().startswith("too_large")
     assert coordinator.service.metrics.registry.get_sample_value(
         "peertrain_stream_rejections_total", {"src": "unknown", "dst": "coordinator", "reason": "too_large"}) == 1
+
+
+def test_a_quarantined_workers_pushes_are_ignored_until_it_is_released(coordinator):
+    """`coordinator quarantine JOB NODE`: the server takes the worker's update as zero (the model stays), and the
+    worker's pushes count again once released."""
+    raw = spec_of("asgd", 2)
+    job_id, nodes, _ = coordinator.job(raw)
+    spec = parse_job_spec(raw)
+    alg = worker_of(spec, 0)
+    client = coordinator.client(job_id, nodes[0], 0, 2, alg)
+    start = alg.params.flatten(client.fetch_model(ServerPull()).tensors)
+    gradient = alg.params.views(torch.full((alg.params.numel,), 0.1))
+    reply = coordinator.stub.Quarantine(pb.QuarantineRequest(job_id=job_id, node=nodes[0]), timeout=5)
+    assert reply.rank == 0 and "its pushes are ignored" in reply.outcome
+    client.push_update(ServerPush(Kind.GRADIENT, gradient, 0), new_push_id())
+    assert torch.equal(alg.params.flatten(client.fetch_model(ServerPull()).tensors), start)
+    status = coordinator.stub.JobStatus(pb.JobStatusRequest(job_id=job_id))
+    assert status.nodes[0].quarantined and status.nodes[0].state == "quarantined"
+    coordinator.stub.Quarantine(pb.QuarantineRequest(job_id=job_id, node="0", release=True), timeout=5)
+    client.push_update(ServerPush(Kind.GRADIENT, gradient, 1), new_push_id())
+    assert not torch.equal(alg.params.flatten(client.fetch_model(ServerPull()).tensors), start)

@@ -15,6 +15,7 @@ from nodeagent.metrics import Metrics
 from nodeagent.ps.messages import SERVER_NAME
 from nodeagent.ps.rules import ASGDServer, SSGDServer
 from nodeagent.robust import (
+    AUTO_MULTIPLIER,
     AUTO_WARM,
     NormClip,
     RobustAggregator,
@@ -47,7 +48,7 @@ def test_a_contribution_beyond_the_radius_is_clipped_around_the_own_state_and_co
     assert (clip.counts.seen[3], clip.counts.clipped[3], clip.counts.clipped[2]) == (1, 1, 0)
 
 
-def test_the_auto_radius_starts_at_twice_the_drift_from_the_initial_model_then_follows_the_median():
+def test_the_auto_radius_starts_at_twice_the_drift_from_the_initial_model_then_follows_the_lower_quartile():
     clip = SelfCenteredClip(RobustSpec(rule="self-centered-clip"))
     origin, own = vec(0, 0), vec(0.3, 0.4)  # drifted 0.5 from the shared start
     out = clip.clip_all(own, {1: own + vec(100, 0)}, origin)  # a first message from a liar is not taken whole
@@ -55,7 +56,19 @@ def test_the_auto_radius_starts_at_twice_the_drift_from_the_initial_model_then_f
     for _ in range(AUTO_WARM):
         clip.clip_all(own, {2: own + vec(0, 2)}, origin)  # honest distances of 2
     radius = clip.radius(own, origin)
-    assert radius < 100 and math.isclose(radius, 0.5 * 2.0)  # the liar's distance is not the median
+    assert radius < 100 and math.isclose(radius, AUTO_MULTIPLIER * 2.0)  # the liar's distance is not the quartile
+
+
+def test_a_liar_sending_half_the_contributions_does_not_set_the_auto_radius_and_is_outlying():
+    """A ring node with one lying neighbour of two: half its window is the liar's distances."""
+    clip = SelfCenteredClip(RobustSpec(rule="self-centered-clip"))
+    origin = own = vec(0, 0)
+    for _ in range(2 * AUTO_WARM):
+        clip.clip_all(own, {1: vec(0, 1), 3: vec(1000, 1000)}, origin)
+    assert math.isclose(clip.radius(own, origin), AUTO_MULTIPLIER * 1.0)
+    assert clip.counts.outlying[1] == 0
+    # Counted once the window is warm: from the AUTO_WARM-th distance on (two a round).
+    assert clip.counts.outlying[3] == 2 * AUTO_WARM - AUTO_WARM // 2 + 1
 
 
 def test_contributions_that_could_overflow_are_unsafe():

@@ -275,7 +275,7 @@ class MetricsReport(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., finished: _Optional[bool] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., exchanges: _Optional[int] = ..., exchange_failures: _Optional[int] = ..., edges: _Optional[_Iterable[_Union[EdgeTraffic, _Mapping]]] = ..., local_steps: _Optional[int] = ..., waiting_for: _Optional[str] = ..., test_perplexity: _Optional[float] = ...) -> None: ...
 
 class EdgeTraffic(_message.Message):
-    __slots__ = ("peer", "bytes_sent", "bytes_received", "exchanges", "failures", "messages_sent", "messages_received", "last_message_age_s", "message_interval_s", "in_flight_s", "failure_reasons", "last_failure_age_s", "staleness_steps", "consensus_distance", "robust_clipped")
+    __slots__ = ("peer", "bytes_sent", "bytes_received", "exchanges", "failures", "messages_sent", "messages_received", "last_message_age_s", "message_interval_s", "in_flight_s", "failure_reasons", "last_failure_age_s", "staleness_steps", "consensus_distance", "robust_clipped", "robust_outlying")
     class FailureReasonsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +298,7 @@ class EdgeTraffic(_message.Message):
     STALENESS_STEPS_FIELD_NUMBER: _ClassVar[int]
     CONSENSUS_DISTANCE_FIELD_NUMBER: _ClassVar[int]
     ROBUST_CLIPPED_FIELD_NUMBER: _ClassVar[int]
+    ROBUST_OUTLYING_FIELD_NUMBER: _ClassVar[int]
     peer: str
     bytes_sent: int
     bytes_received: int
@@ -313,7 +314,8 @@ class EdgeTraffic(_message.Message):
     staleness_steps: float
     consensus_distance: float
     robust_clipped: int
-    def __init__(self, peer: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., exchanges: _Optional[int] = ..., failures: _Optional[int] = ..., messages_sent: _Optional[int] = ..., messages_received: _Optional[int] = ..., last_message_age_s: _Optional[float] = ..., message_interval_s: _Optional[float] = ..., in_flight_s: _Optional[float] = ..., failure_reasons: _Optional[_Mapping[str, int]] = ..., last_failure_age_s: _Optional[float] = ..., staleness_steps: _Optional[float] = ..., consensus_distance: _Optional[float] = ..., robust_clipped: _Optional[int] = ...) -> None: ...
+    robust_outlying: int
+    def __init__(self, peer: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., exchanges: _Optional[int] = ..., failures: _Optional[int] = ..., messages_sent: _Optional[int] = ..., messages_received: _Optional[int] = ..., last_message_age_s: _Optional[float] = ..., message_interval_s: _Optional[float] = ..., in_flight_s: _Optional[float] = ..., failure_reasons: _Optional[_Mapping[str, int]] = ..., last_failure_age_s: _Optional[float] = ..., staleness_steps: _Optional[float] = ..., consensus_distance: _Optional[float] = ..., robust_clipped: _Optional[int] = ..., robust_outlying: _Optional[int] = ...) -> None: ...
 
 class NodeFailure(_message.Message):
     __slots__ = ("node_id", "job_id", "rank", "reason")
@@ -561,6 +563,28 @@ class ChangeTopologyReply(_message.Message):
     previous_kind: str
     def __init__(self, job_id: _Optional[str] = ..., topology_version: _Optional[int] = ..., switch_step: _Optional[int] = ..., previous_kind: _Optional[str] = ...) -> None: ...
 
+class QuarantineRequest(_message.Message):
+    __slots__ = ("job_id", "node", "release")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    node: str
+    release: bool
+    def __init__(self, job_id: _Optional[str] = ..., node: _Optional[str] = ..., release: _Optional[bool] = ...) -> None: ...
+
+class QuarantineReply(_message.Message):
+    __slots__ = ("job_id", "rank", "node_id", "outcome")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rank: int
+    node_id: str
+    outcome: str
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., node_id: _Optional[str] = ..., outcome: _Optional[str] = ...) -> None: ...
+
 class ListNodesRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -642,7 +666,7 @@ class ListJobsReply(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[JobInfo, _Mapping]]] = ...) -> None: ...
 
 class NodeProgress(_message.Message):
-    __slots__ = ("rank", "node_id", "step", "loss", "test_accuracy", "finished", "updated_unix", "bytes_sent", "bytes_received", "test_loss", "elapsed_s", "compute_s", "wait_s", "exchanges", "exchange_failures", "state", "failure", "local_steps", "edges", "waiting_for", "test_perplexity", "recent_steps_per_s")
+    __slots__ = ("rank", "node_id", "step", "loss", "test_accuracy", "finished", "updated_unix", "bytes_sent", "bytes_received", "test_loss", "elapsed_s", "compute_s", "wait_s", "exchanges", "exchange_failures", "state", "failure", "local_steps", "edges", "waiting_for", "test_perplexity", "recent_steps_per_s", "suspicion", "quarantined", "suspected")
     RANK_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -665,6 +689,9 @@ class NodeProgress(_message.Message):
     WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
     TEST_PERPLEXITY_FIELD_NUMBER: _ClassVar[int]
     RECENT_STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    SUSPICION_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    SUSPECTED_FIELD_NUMBER: _ClassVar[int]
     rank: int
     node_id: str
     step: int
@@ -687,7 +714,10 @@ class NodeProgress(_message.Message):
     waiting_for: str
     test_perplexity: float
     recent_steps_per_s: float
-    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., finished: _Optional[bool] = ..., updated_unix: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., test_loss: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., exchanges: _Optional[int] = ..., exchange_failures: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ..., local_steps: _Optional[int] = ..., edges: _Optional[_Iterable[_Union[EdgeTraffic, _Mapping]]] = ..., waiting_for: _Optional[str] = ..., test_perplexity: _Optional[float] = ..., recent_steps_per_s: _Optional[float] = ...) -> None: ...
+    suspicion: float
+    quarantined: bool
+    suspected: bool
+    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., finished: _Optional[bool] = ..., updated_unix: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., test_loss: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., exchanges: _Optional[int] = ..., exchange_failures: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ..., local_steps: _Optional[int] = ..., edges: _Optional[_Iterable[_Union[EdgeTraffic, _Mapping]]] = ..., waiting_for: _Optional[str] = ..., test_perplexity: _Optional[float] = ..., recent_steps_per_s: _Optional[float] = ..., suspicion: _Optional[float] = ..., quarantined: _Optional[bool] = ..., suspected: _Optional[bool] = ...) -> None: ...
 
 class JobStatusReply(_message.Message):
     __slots__ = ("job_id", "name", "state", "world_size", "nodes", "run_dir", "created_unix", "spec_yaml", "reason", "started_unix", "ended_unix", "min_nodes", "max_nodes", "task", "server_version")

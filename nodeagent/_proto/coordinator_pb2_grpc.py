@@ -130,6 +130,11 @@ class CoordinatorStub:
                 request_serializer=peertrain_dot_v1_dot_coordinator__pb2.ChangeTopologyRequest.SerializeToString,
                 response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.ChangeTopologyReply.FromString,
                 _registered_method=True)
+        self.Quarantine = channel.unary_unary(
+                '/peertrain.v1.Coordinator/Quarantine',
+                request_serializer=peertrain_dot_v1_dot_coordinator__pb2.QuarantineRequest.SerializeToString,
+                response_deserializer=peertrain_dot_v1_dot_coordinator__pb2.QuarantineReply.FromString,
+                _registered_method=True)
         self.PsPush = channel.stream_unary(
                 '/peertrain.v1.Coordinator/PsPush',
                 request_serializer=peertrain_dot_v1_dot_wire__pb2.Frame.SerializeToString,
@@ -318,6 +323,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Quarantine(self, request, context):
+        """An operator quarantines a member of a running job (`coordinator quarantine`, issue 28): a peer-to-peer job
+        plans its graph again without it, a parameter server ignores its pushes; `release` takes it back (a parameter
+        server's worker only: a peer-to-peer member that left stays out).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PsPush(self, request_iterator, context):
         """Parameter-server calls: the coordinator hosts the server half of the centralised algorithms (SSGD, ASGD,
         DC-ASGD, AdaComp, ESync). On the wire the server is rank world_size of the job (one past the last worker).
@@ -490,6 +504,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ChangeTopology,
                     request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.ChangeTopologyRequest.FromString,
                     response_serializer=peertrain_dot_v1_dot_coordinator__pb2.ChangeTopologyReply.SerializeToString,
+            ),
+            'Quarantine': grpc.unary_unary_rpc_method_handler(
+                    servicer.Quarantine,
+                    request_deserializer=peertrain_dot_v1_dot_coordinator__pb2.QuarantineRequest.FromString,
+                    response_serializer=peertrain_dot_v1_dot_coordinator__pb2.QuarantineReply.SerializeToString,
             ),
             'PsPush': grpc.stream_unary_rpc_method_handler(
                     servicer.PsPush,
@@ -1050,6 +1069,33 @@ class Coordinator:
             '/peertrain.v1.Coordinator/ChangeTopology',
             peertrain_dot_v1_dot_coordinator__pb2.ChangeTopologyRequest.SerializeToString,
             peertrain_dot_v1_dot_coordinator__pb2.ChangeTopologyReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Quarantine(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peertrain.v1.Coordinator/Quarantine',
+            peertrain_dot_v1_dot_coordinator__pb2.QuarantineRequest.SerializeToString,
+            peertrain_dot_v1_dot_coordinator__pb2.QuarantineReply.FromString,
             options,
             channel_credentials,
             insecure,

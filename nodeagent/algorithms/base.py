@@ -464,6 +464,11 @@ class Algorithm(ABC):
         """How many of the neighbour `peer`'s contributions this node clipped or refused (nodeagent.robust)."""
         return self.mixing.clipped.get(peer, 0) + self.mixing.refused.get(peer, 0)
 
+    def robust_outlying(self, peer: int) -> int:
+        """How many of the neighbour `peer`'s contributions were outlying or refused (nodeagent.robust): what the
+        coordinator's suspicion of a member is built from."""
+        return self.mixing.outlying.get(peer, 0) + self.mixing.refused.get(peer, 0)
+
     def rejoin_kind(self) -> Kind | None:
         """What a restarted node pulls from each neighbour to rejoin its running job, or None when it needs nothing
         (an asynchronous node goes on from its checkpoint, and its neighbours do not wait for it)."""

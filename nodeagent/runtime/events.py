@@ -34,9 +34,11 @@ RELEASED = "released"  # every rank was ready: the coordinator released the star
 JOINED = "joined"  # an agent joined a running elastic job (the coordinator's event, and the node's)
 LEFT = "left"  # a member left a running elastic job (the coordinator's event)
 QUORUM = "quorum"  # an all-reduce quorum formed (members lost or back), or a step aborted
+SUSPECTED = "suspected"  # a member's contributions are persistently outlying, or no longer (the coordinator's)
+QUARANTINED = "quarantined"  # a member's contributions are dropped from the job, or taken again (the coordinator's)
 LOG = "log"
 KINDS = (SUBMITTED, STARTED, READY, RELEASED, RESUMED, REJOINED, JOINED, LEFT, FAILED, FINISHED, STOPPED, TOPOLOGY,
-         QUORUM, LOG)
+         QUORUM, SUSPECTED, QUARANTINED, LOG)
 NODE_KINDS = (STARTED, READY, RESUMED, REJOINED, JOINED, FAILED, FINISHED, QUORUM, LOG)  # what an agent may report
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 READ_BYTES = 256 * 1024  # of the log, read at most per call of read_events

@@ -45,6 +45,7 @@ class EdgeCounters:
     staleness_steps: float = math.nan  # this node's clock minus the clock of the peer's last message
     consensus_distance: float = math.nan  # ||w - the copy of the peer's w|| where the algorithm keeps one
     robust_clipped: int = 0  # the peer's contributions this node's robust rule clipped or refused (nodeagent.robust)
+    robust_outlying: int = 0  # of them, those outlying or refused: the coordinator's suspicion is built from these
 
 
 @dataclass(frozen=True)
