@@ -184,7 +184,8 @@ def simulate(
 
     mesh = VirtualMesh(nodes, spec.name, spec.simulation, metrics or Metrics(), observe,
                        on_switch=topology_events(event_log) if event_log is not None else None)
-    coordinator = SimulatedCoordinator(mesh, spec, device, event_log)
+    with rare_full_collections():  # its records of every node: a full collection took 1 s of 5,000 nodes' registering
+        coordinator = SimulatedCoordinator(mesh, spec, device, event_log)
     schedule_topology_changes(mesh, spec)
     mesh.run(on_event=on_progress)
     job = coordinator.job

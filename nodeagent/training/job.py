@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import copy
 import math
+from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,6 +29,83 @@ from nodeagent.training.loop import CPU, BatchStream, EvalResult, model_device
 from nodeagent.training.model_memory import check_model_memory
 from nodeagent.training.models import initial_model
 from nodeagent.training.tasks import Task, TrainingData, task_of
+
+# Values a module's copy may share with the original: immutable.
+_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+_CONTAINERS = (dict, OrderedDict, set, list)  # copied shallowly where they hold only immutable values
+
+
+class _NotPlain(Exception):
+    """A module holds something `copy_model`'s fast path does not copy as deepcopy would."""
+
+
+def copy_model(model: nn.Module, device: torch.device) -> nn.Module:
+    """`copy.deepcopy(model).to(device)`: the same parameters, buffers and attributes, for a plain module tree
+    (modules, parameters, buffers, immutable attributes, containers of immutable values) in one pass, about ten
+    times faster for a small model. The simulator copies the initial model once per node, and deepcopy's generic
+    walk and the `.to` after it took nearly half of building a logistic node. Anything else (hooks, custom copying,
+    other attribute types) takes deepcopy itself."""
+    try:
+        return _copied_module(model, device, {})
+    except _NotPlain:
+        return copy.deepcopy(model).to(device)
+
+
+def _immutable(value: object) -> bool:
+    return isinstance(value, _IMMUTABLE) or (type(value) is tuple and all(_immutable(v) for v in value))
+
+
+def _plain_container(value: object) -> bool:
+    """A dict, set or list of immutable values (a module's empty hook dictionaries): a shallow copy is a deep one."""
+    if isinstance(value, dict) and type(value) in (dict, OrderedDict):
+        return all(_immutable(k) and _immutable(v) for k, v in value.items())
+    return isinstance(value, set | list) and type(value) in (set, list) and all(_immutable(v) for v in value)
+
+
+def _copied_module(module: nn.Module, device: torch.device, memo: dict[int, Any]) -> nn.Module:
+    if id(module) in memo:  # one module reached twice (shared): shared in the copy too, as deepcopy's memo keeps it
+        return memo[id(module)]
+    cls = type(module)
+    if (getattr(cls, "__deepcopy__", None) is not None or cls.__reduce_ex__ is not object.__reduce_ex__
+            or cls.__getstate__ is not nn.Module.__getstate__):
+        raise _NotPlain
+    copied = cls.__new__(cls)
+    memo[id(module)] = copied
+    state: dict[str, object] = {}
+    for key, value in module.__dict__.items():
+        if key == "_parameters":
+            state[key] = {name: _copied_tensor(p, device, memo) for name, p in value.items()}
+        elif key == "_buffers":
+            state[key] = {name: _copied_tensor(b, device, memo) for name, b in value.items()}
+        elif key == "_modules":
+            state[key] = {name: None if m is None else _copied_module(m, device, memo) for name, m in value.items()}
+        elif type(value) in _CONTAINERS and not value:  # most of a module's attributes: its empty hook tables
+            state[key] = value.copy()
+        elif _immutable(value):
+            state[key] = value
+        elif _plain_container(value):
+            state[key] = value.copy()
+        else:
+            raise _NotPlain
+    copied.__setstate__(state)  # as deepcopy restores it (a convolution's sets defaults of older versions)
+    return copied
+
+
+def _copied_tensor(tensor: torch.Tensor | None, device: torch.device, memo: dict[int, Any]) -> torch.Tensor | None:
+    """A parameter or buffer as deepcopy and `.to(device)` leave it: its values copied (its gradient not, as
+    Parameter's deepcopy leaves it), on `device`."""
+    if tensor is None:
+        return None
+    if id(tensor) in memo:  # tied weights stay tied
+        return memo[id(tensor)]
+    if type(tensor) is nn.Parameter and not tensor.__dict__:
+        copied: torch.Tensor = nn.Parameter(tensor.detach().to(device, copy=True), tensor.requires_grad)
+    elif type(tensor) is torch.Tensor and not tensor.requires_grad and tensor.grad is None and not tensor.__dict__:
+        copied = tensor.detach().to(device, copy=True)
+    else:
+        raise _NotPlain
+    memo[id(tensor)] = copied
+    return copied
 
 
 class InitialEvaluation:
@@ -129,7 +208,7 @@ class JobData:
             peer_schedule=peer_schedule,
             precision=spec.training.precision,
         )
-        algorithm = build_algorithm(copy.deepcopy(self.initial).to(self.device), context, task_of(spec).loss_fn())
+        algorithm = build_algorithm(copy_model(self.initial, self.device), context, task_of(spec).loss_fn())
         shard = self.shards[rank]
         # Each node draws its own batch order, reproducibly (the same on every device).
         batches = BatchStream(self.train, shard, spec.data.batch_size, seed=spec.seed * 1_000_003 + rank,
