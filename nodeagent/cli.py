@@ -191,7 +191,6 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level, format=f"%(asctime)s {args.name} %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    logging.getLogger("nodeagent").info("data: %s", data_dirs.describe())
     agent = Agent(
         AgentConfig(
             coordinator=args.coordinator, listen=args.listen, advertise=args.advertise,

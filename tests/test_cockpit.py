@@ -64,7 +64,7 @@ def test_submit_follow_shows_progress_and_exits_with_the_outcome(cluster, tmp_pa
 
     listed = cli(cluster, "jobs", "--json")
     jobs = [json.loads(line) for line in listed.stdout.splitlines()]
-    assert {"job_id": job_id, "name": "followed", "state": "finished"}.items() <= jobs[0].items()
+    assert {"job_id": job_id, "name": "followed", "state": "FINISHED"}.items() <= jobs[0].items()
 
     # `logs` by the job's name: the coordinator's events and every node's, in order.
     logs = cli(cluster, "logs", "followed", "--json")
@@ -90,7 +90,8 @@ def test_follow_of_a_failed_job_exits_non_zero_with_the_reason(cluster, tmp_path
     logs = cli(cluster, "logs", "doomed", "--level", "ERROR")
     lines = logs.stdout.splitlines()
     assert lines and all(" ERROR " in line for line in lines)
-    assert any("[failed]" in line and "DataError" in line for line in lines), logs.stdout
+    assert any("[failed]" in line and "no data for dataset fashion-mnist (no-data-here)" in line for line in lines), \
+        logs.stdout
 
 
 def test_follow_of_a_stopped_job_exits_3(cluster, tmp_path, fashion_mnist_dir):

@@ -180,7 +180,8 @@ class Agent:
             self._threads.append(thread)
         if self._health is not None:
             self._health.ready()
-        log.info("agent %s serving peers on %s, metrics on %s", self.node_id, self.peer_address, self.metrics_address)
+        log.info("agent %s serving peers on %s, metrics on %s; data: %s", self.node_id, self.peer_address,
+                 self.metrics_address, config.data_dirs.describe())
         return True
 
     def _credentials(self, tls_dir: TlsDir) -> bool:
