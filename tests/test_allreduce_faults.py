@@ -1,9 +1,9 @@
 """An all-reduce job on the shared cluster of 4 agent processes survives lost members and a coordinator restart, in
 one job: a member killed and restarted a few seconds later while the others go on as a quorum of 3; then another
 member killed, the coordinator killed and started again while it is down, and the member back; then the upgrade
-procedure of docs/operations.md ("Upgrades"): the coordinator stopped and started again, and an agent drained,
-stopped and started again. The job finishes, every rank at the job's last step with bit-identical parameters (their
-checkpoints), each step committed once.
+procedure of docs/operations.md ("Upgrades"): the coordinator stopped and started again, then two agents one after
+the other drained, stopped and started again. The job finishes, every rank at the job's last step with
+bit-identical parameters (their checkpoints), each step committed once.
 (benchmarks/faults.py measures what three kills cost on 8 agents.)"""
 
 from __future__ import annotations
@@ -23,12 +23,14 @@ pytestmark = pytest.mark.cluster
 
 AGENTS = 4
 # The job must outlast two kills (each noticed after the step timeout, and an agent's restart), the coordinator's
-# two restarts and an agent's drain and restart: about 35 s on an idle 2-core machine, more on a loaded one. Paced at
-# 33 steps/s (`min_step_s`), the job lasts at least 80 s on any machine; a step of 4 members costs about 27 ms of CPU
-# here, so a faster pace made the job CPU-bound and slowed the tests beside it. The test checks that the last event
-# came before the last step.
-STEPS = 2700
+# two restarts and two agents' drain and restart: on an idle 2-core machine they were done by step 840 (at 33 steps/s
+# from the start of the job), on a loaded one they take more steps (the restarts take longer while the others step
+# on). Paced at 33 steps/s (`min_step_s`), the job lasts at least 60 s on any machine; a step of 4 members costs about
+# 27 ms of CPU here, so a faster pace made the job CPU-bound and slowed the tests beside it. The test checks that the
+# last event came before the last step.
+STEPS = 2000
 PACE_S = 0.03
+UPGRADED = (3, 0)  # the ranks whose agents are upgraded, one after the other
 
 
 def allreduce_job(data_dir: Path) -> str:
@@ -96,20 +98,24 @@ def test_members_killed_and_a_coordinator_restart_cost_the_all_reduce_nothing_bu
     cluster.start_agent(victim)
     status = wait_until(cluster, job_id, lambda s: s.nodes[2].step > at + 150, "rank 2 to come back")
 
-    # The upgrade while the job runs: the coordinator stopped (SIGTERM) and started again, then an agent drained (no
-    # new job lands on it), stopped and started again: it takes its rank up again, and is put back in service.
+    # The upgrade while the job runs: the coordinator stopped (SIGTERM) and started again, then the agents one by
+    # one: drained (no new job lands on it), stopped and started again; it takes its rank up again, and is put back
+    # in service.
     cluster.stop_coordinator()
     cluster.restart_coordinator()
     at = max(n.step for n in cluster.status(job_id).nodes)
     status = wait_until(cluster, job_id, lambda s: min(n.step for n in s.nodes) > at + 30,
                         "the job to go on after the coordinator's upgrade")
-    victim = agent_index(cluster, status, 3)
-    node_id = status.nodes[3].node_id
-    assert cluster.stub().DrainNode(pb.DrainRequest(node_id=node_id, drain=True), timeout=10).draining
-    cluster.stop_agent(victim)
-    cluster.start_agent(victim)
-    last_event = wait_until(cluster, job_id, lambda s: s.nodes[3].step > at + 100, "the upgraded agent to come back")
-    assert not cluster.stub().DrainNode(pb.DrainRequest(node_id=node_id, drain=False), timeout=10).draining
+    for rank in UPGRADED:
+        victim = agent_index(cluster, status, rank)
+        node_id = status.nodes[rank].node_id
+        assert cluster.stub().DrainNode(pb.DrainRequest(node_id=node_id, drain=True), timeout=10).draining
+        cluster.stop_agent(victim)
+        cluster.start_agent(victim)
+        at = max(n.step for n in cluster.status(job_id).nodes)
+        status = last_event = wait_until(cluster, job_id, lambda s, r=rank, a=at: s.nodes[r].step > a + 30,
+                                         f"the upgraded agent of rank {rank} to come back")
+        assert not cluster.stub().DrainNode(pb.DrainRequest(node_id=node_id, drain=False), timeout=10).draining
     assert max(n.step for n in last_event.nodes) < STEPS, "the job ended before its faults: make it longer"
 
     status = cluster.wait(job_id, 300)
@@ -123,5 +129,4 @@ def test_members_killed_and_a_coordinator_restart_cost_the_all_reduce_nothing_bu
     quorums = [e for e in events if e.kind == "quorum"]
     assert any("aborted" in e.message for e in quorums), [e.message for e in quorums]
     took_up = [e for e in quorums if "took up the state of rank" in e.message]
-    assert {e.rank for e in took_up} >= {1, 2, 3}, [e.message for e in took_up]
-    assert all(e.rank in (1, 2, 3) or "from its checkpoint" not in e.message for e in took_up)
+    assert {e.rank for e in took_up} >= {1, 2, *UPGRADED}, [e.message for e in took_up]
