@@ -23,13 +23,13 @@ pytestmark = pytest.mark.cluster
 
 AGENTS = 4
 # The job must outlast two kills (each noticed after the step timeout, and an agent's restart), the coordinator's
-# two restarts and two agents' drain and restart: on an idle 2-core machine they were done by step 840 (at 33 steps/s
-# from the start of the job), on a loaded one they take more steps (the restarts take longer while the others step
-# on). Paced at 33 steps/s (`min_step_s`), the job lasts at least 60 s on any machine; a step of 4 members costs about
-# 27 ms of CPU here, so a faster pace made the job CPU-bound and slowed the tests beside it. The test checks that the
-# last event came before the last step.
-STEPS = 2000
-PACE_S = 0.03
+# two restarts and two agents' drain and restart: on an idle 2-core machine they were done by step 840 (41 s into the
+# job), on a loaded one they take longer (3 test workers on 2 cores: past 60 s). Paced at 25 steps/s
+# (`min_step_s`), the job lasts at least 96 s on any machine; a step of 4 members costs about 27 ms of CPU here, so a
+# faster pace made the job CPU-bound and slowed the tests beside it. The test checks that the last event came before
+# the last step.
+STEPS = 2400
+PACE_S = 0.04
 UPGRADED = (3, 0)  # the ranks whose agents are upgraded, one after the other
 
 
