@@ -1177,60 +1177,61 @@ EDGE_DEBUGGING_PANELS = ("Edge last message age and call in flight", "Neighbour 
                          "Consensus distance per edge", "Edge message interval")
 
 
-def test_prometheus_scrapes_a_local_cluster(tmp_path: Path, fashion_mnist_dir: Path) -> None:
-    """The real server scrapes a coordinator and 4 agents on loopback while they train."""
+def test_prometheus_scrapes_a_local_cluster(tmp_path: Path, fashion_mnist_dir: Path, cluster) -> None:
+    """The real server scrapes a coordinator and 4 agents on loopback (the shared cluster) while they train."""
     need("prometheus")
-    from coordinator.cluster import LocalCluster
     from nodeagent._proto import coordinator_pb2
 
     job = {
-        "name": "scraped", "nodes": 4, "steps": 5000, "eval_every": 250,
+        # Far more steps than the test needs (it stops the job), paced at 100 steps/s (`min_step_s`) to spare the CPU.
+        "name": "scraped", "nodes": 4, "steps": 100_000, "eval_every": 250, "min_step_s": 0.01,
         "algorithm": {"name": "dsgd", "interval": 4}, "topology": {"kind": "ring"},
         "data": {"data_dir": str(fashion_mnist_dir), "split": "iid", "batch_size": 50, "test_limit": 1000},
     }
-    with LocalCluster(root=tmp_path / "cluster", agents=4, data_dir=str(fashion_mnist_dir)) as cluster:
-        nodes = cluster.nodes()
-        process, base = start_prometheus(
-            tmp_path,
-            {"peertrain-agent": [n.metrics_address for n in nodes],
-             "peertrain-coordinator": [cluster.metrics_address]},
-            [str(PROMETHEUS / "alerts.yml")],
-        )
-        try:
-            job_id = cluster.submit(yaml.safe_dump(job))
-            members = {m.rank: m.node_id for m in cluster.status(job_id).nodes}
-            ring = {(members[r], members[(r + 1) % 4]) for r in range(4)}
-            ring |= {(b, a) for a, b in ring}
+    nodes = cluster.nodes()
+    process, base = start_prometheus(
+        tmp_path,
+        {"peertrain-agent": [n.metrics_address for n in nodes],
+         "peertrain-coordinator": [cluster.metrics_address]},
+        [str(PROMETHEUS / "alerts.yml")],
+    )
+    try:
+        job_id = cluster.submit(yaml.safe_dump(job))
+        members = {m.rank: m.node_id for m in cluster.status(job_id).nodes}
+        ring = {(members[r], members[(r + 1) % 4]) for r in range(4)}
+        ring |= {(b, a) for a, b in ring}
 
-            def edges_seen() -> bool:
-                rows = prometheus_query(base, "sum by (src, dst) (peertrain_edge_bytes_sent_total) > 0")
+        def edges_seen() -> bool:
+            # This job's: the shared cluster's agents ran other jobs, on other graphs, before it.
+            query = f'sum by (src, dst) (peertrain_edge_bytes_sent_total{{job_id="{job_id}"}}) > 0'
+            rows = prometheus_query(base, query)
+            return {(r["metric"]["src"], r["metric"]["dst"]) for r in rows} == ring
+
+        def cluster_seen() -> bool:
+            up = prometheus_query(base, "up")
+            accuracy = prometheus_query(base, f'peertrain_test_accuracy{{job_id="{job_id}"}}')
+            return (
+                len(up) == 5 and all(r["value"][1] == "1" for r in up)
+                and {r["metric"]["node"] for r in accuracy} == set(members.values())
+                and bool(prometheus_query(base, 'peertrain_coordinator_nodes{state="up"} == 4'))
+                and bool(prometheus_query(base, "sum(peertrain_exchange_seconds_count) > 0"))
+            )
+
+        wait_for(edges_seen, 90, "traffic on every edge of the ring")
+        wait_for(cluster_seen, 30, "every target up, accuracy of every node, the coordinator's node count")
+        # The per-edge debugging panels answer from the agents' own gauges, for every edge of the ring.
+        dashboard = json.loads(DASHBOARD.read_text())
+        for title in EDGE_DEBUGGING_PANELS:
+            expr = next(t["expr"] for panel_title, t in dashboard_queries(dashboard) if panel_title == title)
+
+            def answered(expr: str = expr) -> bool:
+                rows = prometheus_query(base, grafana_substitute(expr, job_id))
                 return {(r["metric"]["src"], r["metric"]["dst"]) for r in rows} == ring
 
-            def cluster_seen() -> bool:
-                up = prometheus_query(base, "up")
-                accuracy = prometheus_query(base, f'peertrain_test_accuracy{{job_id="{job_id}"}}')
-                return (
-                    len(up) == 5 and all(r["value"][1] == "1" for r in up)
-                    and {r["metric"]["node"] for r in accuracy} == set(members.values())
-                    and bool(prometheus_query(base, 'peertrain_coordinator_nodes{state="up"} == 4'))
-                    and bool(prometheus_query(base, "sum(peertrain_exchange_seconds_count) > 0"))
-                )
-
-            wait_for(edges_seen, 90, "traffic on every edge of the ring")
-            wait_for(cluster_seen, 30, "every target up, accuracy of every node, the coordinator's node count")
-            # The per-edge debugging panels answer from the agents' own gauges, for every edge of the ring.
-            dashboard = json.loads(DASHBOARD.read_text())
-            for title in EDGE_DEBUGGING_PANELS:
-                expr = next(t["expr"] for panel_title, t in dashboard_queries(dashboard) if panel_title == title)
-
-                def answered(expr: str = expr) -> bool:
-                    rows = prometheus_query(base, grafana_substitute(expr, job_id))
-                    return {(r["metric"]["src"], r["metric"]["dst"]) for r in rows} == ring
-
-                wait_for(answered, 30, f"the panel {title!r} on every edge")
-            cluster.stub().StopJob(coordinator_pb2.StopJobRequest(job_id=job_id), timeout=10)
-        finally:
-            stop_process(process)
+            wait_for(answered, 30, f"the panel {title!r} on every edge")
+        cluster.stub().StopJob(coordinator_pb2.StopJobRequest(job_id=job_id), timeout=10)
+    finally:
+        stop_process(process)
 
 
 # ----------------------------------------------------------------------------------------------------
