@@ -610,6 +610,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from coordinator.service import SERVER_THREADS, CoordinatorConfig, CoordinatorService, EnrollmentService
     from nodeagent.compat import VersionCheck
     from nodeagent.security.tls import INSECURE_WARNING, TlsDir, Transport
+    from nodeagent.signals import wait_for_stop
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s coordinator %(levelname)s: %(message)s")
     host, _port = split_address(args.listen)
@@ -683,7 +684,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stop = threading.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: stop.set())
-        stop.wait()
+        wait_for_stop(stop)
         logging.info("shutting down")
         if health is not None:
             health.stop()

@@ -29,6 +29,7 @@ from nodeagent.defaults import (
 )
 from nodeagent.listen import ListenError
 from nodeagent.rpc import field_problem, with_default_port
+from nodeagent.signals import wait_for_stop
 from nodeagent.statedir import StateDirError, hold_state_dir
 from nodeagent.training.datadirs import DataDirs, DataDirsError
 from nodeagent.training.device import DeviceError, resolve_device
@@ -218,7 +219,7 @@ def serve(args: argparse.Namespace) -> int:
             agent.stop()
             raise
         if registered:
-            stop.wait()
+            wait_for_stop(stop)
         logging.getLogger("nodeagent").info("shutting down")
         agent.stop()
     return 0
