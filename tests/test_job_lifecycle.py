@@ -84,7 +84,9 @@ def test_a_synchronous_job_waits_for_an_agent_killed_and_restarted_which_resumes
     nodes = {n.node_id: n for n in cluster.nodes()}
     neighbours = [nodes[status.nodes[rank].node_id].metrics_address for rank in (1, 3)]
     deadline = time.monotonic() + 60  # the heartbeat timeout (5 s), with room for a busy machine
-    while nodes[victim_id].up or not all(exchange_failures_with(address, victim_id) for address in neighbours):
+    # A neighbour whose last push reached the victim before it died waits for its step without sending again, and
+    # counts no failure (seen with two busy loops beside the suite): one neighbour's failures are the claim.
+    while nodes[victim_id].up or not any(exchange_failures_with(address, victim_id) for address in neighbours):
         assert time.monotonic() < deadline, (nodes[victim_id].up, [exchange_failures_with(a, victim_id)
                                                                    for a in neighbours])
         time.sleep(0.2)
