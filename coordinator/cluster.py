@@ -161,14 +161,7 @@ class LocalCluster:
     def stop_coordinator(self, grace_s: float = 30.0) -> None:
         """Stop the coordinator as an operator would (SIGTERM, as `systemctl restart` does to upgrade it);
         `restart_coordinator` starts it again."""
-        process = self.processes["coordinator"]
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        _terminate(self.processes["coordinator"], grace_s)
 
     def start_coordinator(self, ready: Path, listen: str) -> None:
         self._spawn(
@@ -264,14 +257,7 @@ class LocalCluster:
     def stop_agent(self, index: int, grace_s: float = 30.0) -> None:
         """Stop agent number `index` as an operator would (SIGTERM: it deregisters) and leave it out of the cluster:
         an agent started beyond the first `agents` for a while."""
-        process = self.processes.pop(f"agent-{index}")
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        _terminate(self.processes.pop(f"agent-{index}"), grace_s)
 
     def stop(self, grace_s: float = 10.0) -> None:
         if self._channel is not None:
@@ -287,3 +273,14 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def _terminate(process: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM, as an operator's stop; killed if it has not exited within `grace_s`."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
