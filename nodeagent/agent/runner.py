@@ -335,15 +335,7 @@ class JobRunner(threading.Thread):
         backoff = Backoff(f"ready report of job {self.job_id} to the coordinator", log)
         ready = time.monotonic()
         waiting_for = ""
-        while not self.stop_event.is_set():
-            try:
-                reply = self.agent.stub.JobReady(request, timeout=READY_WAIT_S + READY_CALL_SLACK_S)
-            except grpc.RpcError as error:
-                if error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED):
-                    raise RuntimeError(f"the coordinator refused this rank's ready report: {error.details()}") from None
-                self.stop_event.wait(backoff.failed(failure_reason(error)))
-                continue
-            backoff.succeeded()
+        while (reply := self._ready_call(request, backoff)) is not None:
             if reply.job_state != coordinator_pb2.JOB_RUNNING:
                 log.info("job %s ended before it started here: %s", self.job_id, reply.reason or "stopped")
                 return False
@@ -369,6 +361,15 @@ class JobRunner(threading.Thread):
         request = coordinator_pb2.JobReadyRequest(node_id=self.agent.node_id, job_id=self.job_id, rank=self.rank,
                                                   missing_data=missing)
         backoff = Backoff(f"missing-data report of job {self.job_id} to the coordinator", log)
+        reply = self._ready_call(request, backoff)
+        if reply is not None:
+            log.info("job %s ended at its start barrier: %s", self.job_id, reply.reason or "stopped")
+
+    def _ready_call(self, request: coordinator_pb2.JobReadyRequest,
+                    backoff: Backoff) -> coordinator_pb2.JobReadyReply | None:
+        """One answered JobReady call, retried (with `backoff`) while the coordinator cannot be reached; None when this
+        runner stops first. A refusal is raised."""
+        assert self.agent.stub is not None
         while not self.stop_event.is_set():
             try:
                 reply = self.agent.stub.JobReady(request, timeout=READY_WAIT_S + READY_CALL_SLACK_S)
@@ -377,8 +378,9 @@ class JobRunner(threading.Thread):
                     raise RuntimeError(f"the coordinator refused this rank's ready report: {error.details()}") from None
                 self.stop_event.wait(backoff.failed(failure_reason(error)))
                 continue
-            log.info("job %s ended at its start barrier: %s", self.job_id, reply.reason or "stopped")
-            return
+            backoff.succeeded()
+            return reply
+        return None
 
     def _wait_for_neighbours(self) -> None:
         """Start together: wait until every neighbour serves this job (bounded), so that no node runs ahead
