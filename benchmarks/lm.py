@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import multiprocessing
 import shutil
 import sysconfig
 import tempfile
@@ -34,6 +35,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from coordinator.simulate import simulate
 from nodeagent.jobspec import parse_job_spec
@@ -119,7 +122,7 @@ def simulated(split: str, variant: Variant, args: argparse.Namespace) -> Outcome
     spec = parse_job_spec(job(variant, split, args))
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as run_dir:
-        simulate(spec, Path(run_dir))
+        simulate(spec, Path(run_dir), device=torch.device(args.device))
         records = read_run_log(run_dir)
     tokens_per_step = NODES * args.batch_size * args.sequence_length
     latest: dict[int, tuple[float, int]] = {}  # rank -> its last perplexity and bytes sent
@@ -203,6 +206,8 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated run labels, or their first words")
     parser.add_argument("--splits", default=",".join(SPLITS), help="comma-separated: iid, by-file")
     parser.add_argument("--png", type=Path, help="draw the curves to this PNG")
+    parser.add_argument("--device", default="cpu", help="where every simulated worker trains (cuda: one GPU shared "
+                        "by the runs at once)")
     args = parser.parse_args()
     defaults = (3000, 4, 128, 64, 16, 4_000_000) if args.long else (500, 2, 64, 32, 8, 1_500_000)
     for name, value in zip(("steps", "layers", "width", "sequence_length", "batch_size", "corpus_bytes"), defaults,
@@ -224,7 +229,8 @@ def main() -> None:
         runs = sorted(((split, variant) for split in args.splits.split(",") for variant in variants(args)),
                       key=lambda run: (run[1].label not in ("AllReduce AdamW", "DiLoCo H=100"),))
         started = time.monotonic()
-        with ProcessPoolExecutor(max_workers=args.processes) as pool:
+        # CUDA cannot be used in a forked child: the runs' processes are spawned (the parent never touches the GPU).
+        with ProcessPoolExecutor(max_workers=args.processes, mp_context=multiprocessing.get_context("spawn")) as pool:
             outcomes = list(pool.map(simulated, *zip(*runs, strict=True), [args] * len(runs)))
     compare(outcomes)
     print(f"\nwall time {time.monotonic() - started:.0f} s")
