@@ -1,10 +1,11 @@
 """An all-reduce job on the shared cluster of 4 agent processes survives lost members and a coordinator restart, in
-one job: a member killed and restarted a few seconds later while the others go on as a quorum of 3; then another
-member killed, the coordinator killed and started again while it is down, and the member back; then the upgrade
-procedure of docs/operations.md ("Upgrades"): the coordinator stopped and started again, then two agents one after
-the other drained, stopped and started again. The job finishes, every rank at the job's last step with
+one job: a member killed (kill -9), the coordinator killed and started again while it is down, and the member back
+(restarted from its checkpoint, it takes the others' state) while the others go on as a quorum of 3; then the
+upgrade procedure of docs/operations.md ("Upgrades"): the coordinator stopped and started again, then two agents one
+after the other drained, stopped and started again. The job finishes, every rank at the job's last step with
 bit-identical parameters (their checkpoints), each step committed once.
-(benchmarks/faults.py measures what three kills cost on 8 agents.)"""
+(A member killed and restarted with the store up: test_collective_regroup.py on the Collective's processes, and
+test_job_lifecycle.py's lost agent on agents. benchmarks/faults.py measures what three kills cost on 8 agents.)"""
 
 from __future__ import annotations
 
@@ -22,14 +23,13 @@ from nodeagent._proto import coordinator_pb2 as pb
 pytestmark = pytest.mark.cluster
 
 AGENTS = 4
-# The job must outlast two kills (each noticed after the step timeout, and an agent's restart), the coordinator's
-# two restarts and two agents' drain and restart: on an idle 2-core machine they were done by step 840 (41 s into the
-# job), on a loaded one they take longer (3 test workers on 2 cores: past 60 s). Paced at 25 steps/s
-# (`min_step_s`), the job lasts at least 96 s on any machine; a step of 4 members costs about 27 ms of CPU here, so a
-# faster pace made the job CPU-bound and slowed the tests beside it. The test checks that the last event came before
-# the last step.
-STEPS = 2400
-PACE_S = 0.04
+# The job must outlast a kill (noticed after the step timeout), an agent's restart, the coordinator's two restarts
+# and two agents' drain and restart: on an idle 2-core machine about 45 s, on a loaded one twice that. Paced at 10
+# steps/s (`min_step_s`), the job lasts at least 120 s on any machine while a step of 4 members costs about 27 ms of
+# CPU here: a quarter of a core, where a faster pace made the job CPU-bound and slowed the tests beside it. The
+# test checks that the last event came before the last step.
+STEPS = 1200
+PACE_S = 0.1
 UPGRADED = (3, 0)  # the ranks whose agents are upgraded, one after the other
 
 
@@ -73,30 +73,22 @@ def others_past(rank: int, step: int):
 
 def test_members_killed_and_a_coordinator_restart_cost_the_all_reduce_nothing_but_time(cluster, fashion_mnist_dir):
     job_id = cluster.submit(allreduce_job(fashion_mnist_dir))
-    status = wait_until(cluster, job_id, lambda s: min((n.step for n in s.nodes), default=0) >= 100, "step 100")
+    status = wait_until(cluster, job_id, lambda s: min((n.step for n in s.nodes), default=0) >= 30, "step 30")
 
-    # A member killed: the others go on without it, as a quorum of 3; restarted, it comes back at the others' step,
-    # with their state, not at its checkpoint's.
-    victim = agent_index(cluster, status, 1)
-    cluster.kill(f"agent-{victim}")
-    at = max(n.step for n in cluster.status(job_id).nodes)
-    wait_until(cluster, job_id, others_past(1, at + 50), "the others to go on without rank 1")
-    cluster.start_agent(victim)
-    status = wait_until(cluster, job_id, lambda s: s.nodes[1].step > at + 50, "rank 1 to come back")
-
-    # Another member lost before a coordinator restart and back after it: the others run on in a quorum of the old
-    # store, and the quorum with it again forms through the new, empty one.
+    # A member lost before a coordinator restart and back after it: the others run on without it in a quorum of 3 of
+    # the old store, and the quorum with it again forms through the new, empty one, where it takes their state (it
+    # restarted from its checkpoint, steps behind them).
     victim = agent_index(cluster, status, 2)
     cluster.kill(f"agent-{victim}")
     at = max(n.step for n in cluster.status(job_id).nodes)
-    wait_until(cluster, job_id, others_past(2, at + 50), "the others to go on without rank 2")
+    wait_until(cluster, job_id, others_past(2, at + 20), "the others to go on without rank 2")
     cluster.kill("coordinator")
     time.sleep(2.0)
     cluster.restart_coordinator()
-    wait_until(cluster, job_id, lambda s: s.state == pb.JOB_RUNNING and others_past(2, at + 100)(s),
+    wait_until(cluster, job_id, lambda s: s.state == pb.JOB_RUNNING and others_past(2, at + 40)(s),
                "the job to go on after the coordinator's restart")
     cluster.start_agent(victim)
-    status = wait_until(cluster, job_id, lambda s: s.nodes[2].step > at + 150, "rank 2 to come back")
+    status = wait_until(cluster, job_id, lambda s: s.nodes[2].step > at + 60, "rank 2 to come back")
 
     # The upgrade while the job runs: the coordinator stopped (SIGTERM) and started again, then the agents one by
     # one: drained (no new job lands on it), stopped and started again; it takes its rank up again, and is put back
@@ -129,4 +121,4 @@ def test_members_killed_and_a_coordinator_restart_cost_the_all_reduce_nothing_bu
     quorums = [e for e in events if e.kind == "quorum"]
     assert any("aborted" in e.message for e in quorums), [e.message for e in quorums]
     took_up = [e for e in quorums if "took up the state of rank" in e.message]
-    assert {e.rank for e in took_up} >= {1, 2, *UPGRADED}, [e.message for e in took_up]
+    assert {e.rank for e in took_up} >= {2, *UPGRADED}, [e.message for e in took_up]
