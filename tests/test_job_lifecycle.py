@@ -73,9 +73,9 @@ def test_a_synchronous_job_waits_for_an_agent_killed_and_restarted_which_resumes
     """Kill -9 mid-job: the coordinator marks the node down, its neighbours count failed exchanges with it, and once
     restarted it resumes from its last checkpoint, rejoins its neighbours' round, and the job finishes. (Each
     algorithm's rejoining is tested in process by test_rejoin; the all-reduce's on agents by test_allreduce_faults.)"""
-    steps = 600
+    steps = 300
     job_id = cluster.submit(job(fashion_mnist_dir, "restart", {"name": "dsgd", "mode": "sync"}, steps=steps))
-    status = wait_until(cluster, job_id, lambda s: min((n.step for n in s.nodes), default=0) >= 120, 120)
+    status = wait_until(cluster, job_id, lambda s: min((n.step for n in s.nodes), default=0) >= 60, 120)
     victim = agent_of(cluster, status, 2)
     victim_id = status.nodes[2].node_id
     log_before = len(cluster.log_of(victim))
@@ -106,9 +106,9 @@ def test_a_synchronous_job_waits_for_an_agent_killed_and_restarted_which_resumes
 
 def test_a_diloco_rank_restarted_after_the_others_finished_takes_their_final_state(cluster, fashion_mnist_dir):
     """DiLoCo over the all-reduce: the restarted rank takes the others' final state and sends nothing again."""
-    steps = 600
+    steps = 300
     job_id = cluster.submit(job(fashion_mnist_dir, "restart", DILOCO, steps=steps))
-    status = wait_until(cluster, job_id, lambda s: min((n.step for n in s.nodes), default=0) >= 120, 120)
+    status = wait_until(cluster, job_id, lambda s: min((n.step for n in s.nodes), default=0) >= 60, 120)
     victim = agent_of(cluster, status, 2)
     log_before = len(cluster.log_of(victim))
     cluster.kill(victim)  # kill -9, mid-job: it restarts from its last checkpoint, rounds behind
@@ -130,7 +130,7 @@ def test_a_diloco_rank_restarted_after_the_others_finished_takes_their_final_sta
                           ({"name": "pdmm-isvr"}, {}, pb.JOB_FINISHED)],
                          ids=["sync-fails", "allreduce-finishes", "allreduce-below-quorum-fails", "async-finishes"])
 def test_an_agent_that_does_not_come_back(cluster, fashion_mnist_dir, algorithm, failure, outcome):
-    job_id = cluster.submit(job(fashion_mnist_dir, "lost", algorithm, steps=400,
+    job_id = cluster.submit(job(fashion_mnist_dir, "lost", algorithm, steps=200,
                                 failure={"lost_grace_s": 2.0, **failure}))
     status = wait_until(cluster, job_id, lambda s: min((n.step for n in s.nodes), default=0) >= 50, 120)
     victim = agent_of(cluster, status, 2)
@@ -140,7 +140,7 @@ def test_an_agent_that_does_not_come_back(cluster, fashion_mnist_dir, algorithm,
         assert status.state == outcome, status.reason
         assert "rank 2" in status.reason and "lost" in status.reason, status.reason
         if outcome == pb.JOB_FINISHED:
-            assert [n.step for n in status.nodes if n.rank != 2] == [400] * 3
+            assert [n.step for n in status.nodes if n.rank != 2] == [200] * 3
     finally:
         cluster.start_agent(int(victim.split("-")[1]))  # back for the tests that follow
         cluster.wait_for_nodes(4, time.monotonic() + 60)
