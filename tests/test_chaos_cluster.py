@@ -87,8 +87,8 @@ def run_in_namespace(command: list[str], timeout_s: float) -> subprocess.Complet
 
 @pytest.fixture(scope="module")
 def partitioned(tmp_path_factory, fashion_mnist_dir) -> dict[str, tuple[dict, dict]]:
-    """Per algorithm: its job whole, then the same job (same seed) cut 2 + 2 for 4 s; one cluster of 4 agents in a
-    private network for all the runs."""
+    """Per algorithm: its job whole, then the same job (same seed) cut 2 + 2 for 4 s (DiLoCo: 5 s); one cluster of 4
+    agents in a private network for all the runs."""
     directory = tmp_path_factory.mktemp("partition")
     runs = []
     for name, (algorithm, steps) in ALGORITHMS.items():
