@@ -156,7 +156,8 @@ def simulate(
     device: torch.device = CPU,
 ) -> SimulationResult:
     """Run `spec` to completion, every node on `device`; writes the metrics log and the events (virtual times) to
-    `run_dir` when given."""
+    `run_dir` when given. The nodes' Prometheus series go to `metrics` where the caller reads them; without it none
+    are kept (the command serves none)."""
     torch.set_num_threads(1)  # one process steps every node in turn; extra threads only contend
     started = time.monotonic()
     spec = spec.sized()  # an elastic job: at its largest size (build_nodes)
@@ -182,7 +183,7 @@ def simulate(
                                    f"{progress.step}, {figures_text(spec.task, progress)}", rank=progress.rank,
                                    node=progress.node, step=progress.step))
 
-    mesh = VirtualMesh(nodes, spec.name, spec.simulation, metrics or Metrics(), observe,
+    mesh = VirtualMesh(nodes, spec.name, spec.simulation, metrics, observe,
                        on_switch=topology_events(event_log) if event_log is not None else None)
     with rare_full_collections():  # its records of every node: a full collection took 1 s of 5,000 nodes' registering
         coordinator = SimulatedCoordinator(mesh, spec, device, event_log)

@@ -13,6 +13,7 @@ import torch
 from datafiles import write_idx
 
 from nodeagent.training.data import (
+    PUBLISHED_NORMALISATION,
     DataError,
     Dataset,
     DatasetInfo,
@@ -181,3 +182,17 @@ def test_torchvision_is_never_needed(tmp_path: Path) -> None:
         f"assert len(load_dataset('mnist', {str(tmp_path)!r}, 'train')) == 3\n"
     )
     subprocess.run([sys.executable, "-c", program], check=True, cwd=Path(__file__).resolve().parents[1])
+
+
+@pytest.mark.parametrize("kind", ["fashion-mnist", "cifar10"])
+def test_pixels_are_normalised_bit_for_bit_as_the_arithmetic_does(kind: str) -> None:
+    # Every pixel value of every channel, in a batch of odd shape: the table's lookup must give the same float32 bits
+    # as converting and normalising them (the nodes' results must not change with the way a batch is made).
+    normalisation = PUBLISHED_NORMALISATION[kind]
+    channels = len(normalisation.mean)
+    pixels = np.random.default_rng(0).integers(0, 256, size=(300, channels, 5, 7), dtype=np.uint8)
+    pixels[:256, :, 0, 0] = np.arange(256, dtype=np.uint8)[:, None]
+    looked_up = normalisation.apply(pixels)
+    computed = normalisation.apply_tensor(torch.from_numpy(pixels.astype(np.float32)))
+    assert looked_up.shape == (300, channels, 5, 7) and looked_up.dtype == torch.float32
+    assert torch.equal(looked_up.view(torch.int32), computed.view(torch.int32))

@@ -147,3 +147,16 @@ def test_a_node_down_for_longer_than_the_failure_policy_allows_ends_the_job_as_o
     else:
         assert all(sim.node.algorithm.clock == 20 for sim in result.mesh.nodes if sim.rank != 2)
         assert kinds[-1][0] == "finished" and kinds[-1][1].startswith("without the lost rank 2 (node rank2")
+
+
+def test_a_run_keeps_prometheus_series_only_for_a_caller_that_reads_them(fashion_mnist_dir, tmp_path):
+    # `coordinator simulate` keeps none (nothing serves them); the nodes must compute the same either way.
+    job = spec(fashion_mnist_dir, nodes=4, steps=20, eval_every=10)
+    metrics = Metrics()
+    simulate(job, tmp_path / "kept", metrics=metrics)
+    simulate(job, tmp_path / "none")
+    steps = [sample.value for family in metrics.registry.collect() if family.name == "peertrain_local_steps"
+             for sample in family.samples if sample.name.endswith("_total")]
+    assert steps == [20.0] * 4
+    kept, none = read_run_log(tmp_path / "kept"), read_run_log(tmp_path / "none")
+    assert len(kept) >= 12 and kept == none

@@ -220,6 +220,29 @@ class NodeMetrics(Protocol):
     def stream_rejected(self, sender: str, reason: str) -> None: ...
 
 
+class Unrecorded:
+    """NodeMetrics that records nothing: for a run whose series no one reads (the `coordinator simulate` command
+    serves no /metrics; at 10,000 nodes their upkeep cost a few percent of the run)."""
+
+    def stepped(self, seconds: float) -> None:
+        pass
+
+    def waited(self, seconds: float) -> None:
+        pass
+
+    def trained(self, loss: float) -> None:
+        pass
+
+    def evaluated(self, accuracy: float, loss: float, perplexity: float) -> None:
+        pass
+
+    def exchange_failed(self, peer: str, reason: str) -> None:
+        pass
+
+    def stream_rejected(self, sender: str, reason: str) -> None:
+        pass
+
+
 class NodeDriver:
     def __init__(self, node: Node, *, job: str, name: str, clock: Callable[[], float], metrics: NodeMetrics,
                  name_of: Callable[[int], str], report_every_s: float | None = None):
@@ -539,7 +562,7 @@ class NodeDriver:
     def step(self) -> float:
         """One local step on the next minibatch; returns its compute time on the driver's clock."""
         inputs, targets = self.node.batches.next()
-        self.samples += len(inputs)
+        self.samples += inputs.shape[0]  # not len(): a tensor's __len__ is Python, and this runs every step
         self.local_steps += 1
         self._step_began = self.clock()
         self.loss = self.algorithm.step(inputs, targets)  # on a GPU: read at the next report, not now

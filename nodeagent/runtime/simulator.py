@@ -62,7 +62,17 @@ from nodeagent.ps.messages import (
     StepReport,
 )
 from nodeagent.ps.server import ServerHalf
-from nodeagent.runtime.driver import Action, Arrival, Failure, NodeDriver, Reply, Report, Switch, Transmission
+from nodeagent.runtime.driver import (
+    Action,
+    Arrival,
+    Failure,
+    NodeDriver,
+    Reply,
+    Report,
+    Switch,
+    Transmission,
+    Unrecorded,
+)
 from nodeagent.runtime.sim_collective import SimulatedQuorum
 from nodeagent.training.job import Node
 from nodeagent.wire.message import Kind, Message
@@ -145,9 +155,10 @@ SwitchObserver = Callable[["VirtualMesh", SimNode, Switch], None]
 class VirtualMesh:
     """Runs a job's nodes to completion in virtual time. `observe(mesh, node, report)` is called with each of a
     node's progress reports (the place to write the metrics log), `on_switch(mesh, node, switch)` when a node
-    switches to a new topology."""
+    switches to a new topology. `metrics` gets the nodes' Prometheus series, for a caller that reads them; with
+    None, no series are kept."""
 
-    def __init__(self, nodes: list[Node], job: str, simulation: SimulationSpec, metrics: Metrics,
+    def __init__(self, nodes: list[Node], job: str, simulation: SimulationSpec, metrics: Metrics | None,
                  observe: Observer | None = None, on_switch: SwitchObserver | None = None):
         self.job = job
         self.on_switch = on_switch
@@ -177,7 +188,8 @@ class VirtualMesh:
                 SimNode(
                     node=n, name=self.name_of(n.rank), visible=n.algorithm.snapshot(),
                     driver=NodeDriver(n, job=job, name=self.name_of(n.rank), clock=self.clock,
-                                      metrics=metrics.node(job, self.name_of(n.rank)),
+                                      metrics=Unrecorded() if metrics is None
+                                      else metrics.node(job, self.name_of(n.rank)),
                                       name_of=self.name_of),
                     step_time_s=max(simulation.step_time_s / speeds[n.rank] * n.spec.slowdown.get(n.rank, 1.0),
                                     n.spec.min_step_s),
@@ -402,6 +414,8 @@ class VirtualMesh:
     def count(self, src: SimNode, dst: SimNode, size: int) -> None:
         src.driver.traffic.add_sent(dst.rank, size)
         dst.driver.traffic.add_received(src.rank, size)
+        if self.metrics is None:
+            return
         counters = self._edge_counters.get((src.rank, dst.rank))
         if counters is None:
             labels = (self.job, src.name, dst.name)
@@ -433,6 +447,8 @@ class SimulatedServer:
         self.bytes_up += up
         self.bytes_down += down
         metrics = self.mesh.metrics
+        if metrics is None:
+            return
         if up:
             metrics.edge_bytes_sent.labels(self.mesh.job, sim.name, SERVER_NAME).inc(up)
             metrics.edge_bytes_received.labels(self.mesh.job, sim.name, SERVER_NAME).inc(up)
@@ -459,10 +475,12 @@ class SimulatedServer:
     def _apply(self, sim: SimNode, push: ServerPush, call_id: str, answered: Answered) -> None:
         result = self.half.push(sim.rank, push, call_id, self.mesh.now)
         self.half.drain_events()
-        if result.clipped:
-            self.mesh.metrics.ps_updates_clipped.labels(self.mesh.job).inc()
-        for worker in result.flagged:
-            self.mesh.metrics.robust_clipped.labels(self.mesh.job, self.mesh.name_of(worker), SERVER_NAME).inc()
+        metrics = self.mesh.metrics
+        if metrics is not None:
+            if result.clipped:
+                metrics.ps_updates_clipped.labels(self.mesh.job).inc()
+            for worker in result.flagged:
+                metrics.robust_clipped.labels(self.mesh.job, self.mesh.name_of(worker), SERVER_NAME).inc()
         self._waiting[sim.rank] = (sim, push, answered)
         for rank in result.release:
             worker, released, reply = self._waiting.pop(rank)

@@ -86,8 +86,25 @@ class Normalisation:
         return made[device]
 
     def apply(self, samples: np.ndarray) -> torch.Tensor:
-        """The normalised float32 copy of `samples` (N, *shape); `samples` is never written."""
+        """The normalised float32 copy of `samples` (N, *shape); `samples` is never written. Pixels (uint8) are
+        looked up in `_pixel_table`, in one pass: the same values as the arithmetic, which is per element."""
+        if samples.dtype == np.uint8:
+            table = self._pixel_table()
+            if len(self.mean) == 1:
+                return torch.from_numpy(table[0][samples])
+            channels = np.arange(len(self.mean)).reshape((len(self.mean),) + (1,) * (samples.ndim - 2))
+            return torch.from_numpy(table[channels, samples])
         return self.apply_tensor(torch.from_numpy(np.array(samples, dtype=np.float32)))
+
+    def _pixel_table(self) -> np.ndarray:
+        """(channels, 256) float32: every pixel value of every channel normalised by `apply_tensor`, made once. A
+        minibatch of pixels normalised through it costs one gather instead of a conversion and three passes."""
+        made = self.__dict__.get("_table")
+        if made is None:
+            channels = len(self.mean)
+            pixels = torch.arange(256, dtype=torch.float32).reshape(256, 1, 1).repeat(1, channels, 1)
+            made = self.__dict__["_table"] = self.apply_tensor(pixels).reshape(256, channels).T.contiguous().numpy()
+        return made
 
     def apply_tensor(self, images: torch.Tensor) -> torch.Tensor:
         """`images` (N, *shape), float32 samples that this call may overwrite, normalised in place on their own
