@@ -22,10 +22,12 @@ from nodeagent.runtime.progress import read_run_log
 pytestmark = pytest.mark.cluster
 
 NAMED_WITHIN_S = 10.0
-# Paced at 100 steps/s (`min_step_s`): the stopped agent, some 1,000 steps behind when it goes on, takes 10 s or more
-# to finish, and the job lasts until then, so its edges are seen coming back while it runs.
-STEPS = 2000
-PACE_S = 0.01
+# Paced at about 29 steps/s (`min_step_s`): the stopped agent, stopped near step 50, has some 450 steps left when it
+# goes on, 15 s or more, and the job lasts until then, so its edges are seen coming back while it runs; the others
+# are still stepping when it goes on (it is stopped for about 8 s, at most 12.5 s by the test's own bounds: they are
+# near step 450 at most). Few steps and few messages (interval 4), slowly: the job's CPU is its steps and messages.
+STEPS = 500
+PACE_S = 0.035
 STOPPED_FOR_S = 6.0
 
 
@@ -49,7 +51,7 @@ def edges(cluster: LocalCluster, job: str, capsys: pytest.CaptureFixture[str]) -
 def test_a_stopped_agent_is_named_by_edges_holds_up_nobody_and_the_job_finishes(tmp_path, fashion_mnist_dir, capsys):
     job = {
         "name": "edges", "nodes": 4, "steps": STEPS, "eval_every": STEPS, "seed": 3, "min_step_s": PACE_S,
-        "algorithm": {"name": "dsgd", "lr": 0.05, "interval": 2}, "topology": {"kind": "ring"},
+        "algorithm": {"name": "dsgd", "lr": 0.05, "interval": 4}, "topology": {"kind": "ring"},
         "model": {"name": "logistic"},
         "data": {"data_dir": str(fashion_mnist_dir), "split": "iid", "batch_size": 20, "train_limit": 2000,
                  "test_limit": 200},
