@@ -1,6 +1,8 @@
 """A running job's topology changed on a real cluster (a coordinator and agents as processes on loopback, with TLS,
 training on Fashion-MNIST): `coordinator topology JOB --kind multiplex-ring` mid-job moves traffic onto the new
-distance-2 edges, the job finishes, and its accuracy is no worse than the same job that kept its ring."""
+distance-2 edges, every node switches at the same step and says so, and the job finishes. (That the change does
+not cost the job accuracy against the same job that kept its ring is shown in the simulator, which runs this job
+deterministically: tests/test_topology_change.py.)"""
 
 from __future__ import annotations
 
@@ -19,23 +21,20 @@ pytestmark = pytest.mark.cluster
 # The shared cluster's four agents: on a ring of four the distance-2 edges (0-2 and 1-3) are new edges, one per node.
 AGENTS = 4
 FAR_PEERS = 1  # each node's neighbours at distance 2 on a multiplex ring of AGENTS
-# Paced at 100 steps/s (`min_step_s`), the job lasts at least 12 s on any machine: the switch comes some 5 s of
-# steps after the request at step 100. (A faster pace made the 4 agents CPU-bound on 2 cores.)
-STEPS = 1200
-PACE_S = 0.01
-# The change itself neither helps nor hurts this job much: simulated (deterministic), the kept ring ends at 0.838
-# and the change to a multiplex ring at step 870 at 0.836. On the cluster the two runs also differ in the order
-# their asynchronous exchanges happen to take on a loaded machine (measured: 0.820 kept, 0.807 changed), so the
-# changed job may be this much below the kept ring.
-ACCURACY_TOLERANCE = 0.03
+# Paced at 20 steps/s (`min_step_s`), the job lasts at least 10 s on any machine: the switch comes some 5 s of steps
+# after the request at step 20. A step costs about the same CPU at any pace, so the job's CPU is in its number of
+# steps: 1200 steps at 100 steps/s cost several times as much.
+STEPS = 200
+PACE_S = 0.05
+REQUEST_AT_STEP = 20  # about 1 s into the job
 
 
 def job_yaml(data_dir, name: str) -> str:
     return yaml.safe_dump({
-        "name": name, "nodes": AGENTS, "steps": STEPS, "eval_every": 400, "seed": 1,
+        "name": name, "nodes": AGENTS, "steps": STEPS, "eval_every": STEPS, "seed": 1,
         "algorithm": {"name": "dsgd", "lr": 0.02, "interval": 2},
         "model": {"name": "logistic"},
-        "data": {"data_dir": str(data_dir), "split": "class-window", "batch_size": 50, "train_limit": 30000,
+        "data": {"data_dir": str(data_dir), "split": "class-window", "batch_size": 50, "train_limit": 10000,
                  "test_limit": 2000},
         "topology": {"kind": "ring", "seed": 3}, "min_step_s": PACE_S,
     })
@@ -45,20 +44,13 @@ def distance(a: int, b: int) -> int:
     return min((a - b) % AGENTS, (b - a) % AGENTS)
 
 
-def mean_accuracy(status: pb.JobStatusReply) -> float:
-    return sum(n.test_accuracy for n in status.nodes) / len(status.nodes)
-
-
 def test_a_ring_changed_to_a_multiplex_ring_mid_job_moves_traffic_onto_the_new_edges(cluster, fashion_mnist_dir,
                                                                                        capsys):
     logged = {i: len(cluster.log_of(f"agent-{i}")) for i in range(AGENTS)}  # the shared cluster's earlier lines
-    kept = cluster.wait(cluster.submit(job_yaml(fashion_mnist_dir, "kept-ring")), 300)
-    assert kept.state == pb.JOB_FINISHED, kept.reason
-
     job_id = cluster.submit(job_yaml(fashion_mnist_dir, "changed-ring"))
     deadline = time.monotonic() + 120
-    while min((n.step for n in cluster.status(job_id).nodes), default=0) < 100:
-        assert time.monotonic() < deadline, "the job did not reach step 100"
+    while min((n.step for n in cluster.status(job_id).nodes), default=0) < REQUEST_AT_STEP:
+        assert time.monotonic() < deadline, f"the job did not reach step {REQUEST_AT_STEP}"
         time.sleep(0.2)
     address = ["--coordinator", cluster.address, "--tls-dir", str(cluster.operator_tls)]
     requested = time.time()
@@ -94,5 +86,3 @@ def test_a_ring_changed_to_a_multiplex_ring_mid_job_moves_traffic_onto_the_new_e
     events, _ = read_events(changed.run_dir)
     assert [e.message for e in events if e.kind == TOPOLOGY] == [
         f"topology ring -> multiplex-ring (version 2) at step {switch_step}"]
-    assert mean_accuracy(changed) >= mean_accuracy(kept) - ACCURACY_TOLERANCE, \
-        (mean_accuracy(changed), mean_accuracy(kept))
