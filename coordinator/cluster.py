@@ -229,7 +229,9 @@ class LocalCluster:
         return list(self.stub().ListNodes(pb.ListNodesRequest(), timeout=5).nodes)
 
     def submit(self, spec_yaml: str) -> str:
-        return self.stub().SubmitJob(pb.SubmitJobRequest(spec_yaml=spec_yaml), timeout=30).job_id
+        # A coordinator's first submission imports and builds the model's code (on the meta device) to check it: on a
+        # machine loaded beyond its cores that took over 30 s.
+        return self.stub().SubmitJob(pb.SubmitJobRequest(spec_yaml=spec_yaml), timeout=120).job_id
 
     def status(self, job_id: str) -> pb.JobStatusReply:
         return self.stub().JobStatus(pb.JobStatusRequest(job_id=job_id), timeout=10)
