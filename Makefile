@@ -3,7 +3,8 @@ SHELL := /bin/bash
 BIN := .venv/bin
 STAMP := .venv/.installed
 PYTEST_ARGS ?=
-# Two pytest-xdist workers, each taking whole modules (--dist loadfile): a module's shared fixture is set up once.
+# Two pytest-xdist workers, each taking whole modules (--dist loadfile): a module's shared fixture is set up once;
+# in the order of tests/conftest.py (the longest tier first), not xdist's (the modules with most tests first).
 TEST_WORKERS ?= 2
 DEMO_ARGS ?=
 
@@ -24,12 +25,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	deploy/bootstrap.sh data prometheus
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The unit and integration tiers (pyproject's markers): no cluster of agents, a few minutes.
 test-fast: $(STAMP)
 	deploy/bootstrap.sh data
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "unit or integration" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "unit or integration" $(PYTEST_ARGS)
 
 # The CUDA half of the suite (tests marked cuda), on a machine where torch sees a GPU; then the GPU benchmark.
 test-gpu: $(STAMP)

@@ -33,21 +33,33 @@ _IDX_STEMS = (
 )
 
 
+# The order modules are handed to the xdist workers (`make test` runs with --no-loadscope-reorder): the longest
+# first, so that no worker starts a minutes-long cluster module near the end while the other has finished. xdist's
+# own order (the most tests first) put the single-test cluster modules, the longest, last.
+FIRST_TIERS = ("cluster", "system", "integration", "unit")
+
+
+def module_tier(module: object) -> list[str]:
+    marks = getattr(module, "pytestmark", [])
+    return [mark.name for mark in (marks if isinstance(marks, list) else [marks]) if mark.name in TIERS]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Fail the run when a collected module is in no tier or in more than one: a module without one would be left out
-    of `make test-fast` (or in it by mistake) without anyone noticing."""
+    of `make test-fast` (or in it by mistake) without anyone noticing. Then order the items tier by tier (FIRST_TIERS),
+    each module's together, in their collection order within a tier."""
     wrong = {}
     for item in items:
         module = item.module
         if module is None or module.__name__ in wrong:
             continue
-        marks = getattr(module, "pytestmark", [])
-        tiers = [mark.name for mark in (marks if isinstance(marks, list) else [marks]) if mark.name in TIERS]
+        tiers = module_tier(module)
         if len(tiers) != 1:
             wrong[module.__name__] = tiers
     if wrong:
         raise pytest.UsageError("each test module needs exactly one tier, `pytestmark = pytest.mark.<tier>` with "
                                 f"<tier> one of {', '.join(TIERS)}; these have {wrong}")
+    items.sort(key=lambda item: FIRST_TIERS.index(module_tier(item.module)[0]) if item.module is not None else 0)
 
 
 @pytest.fixture(params=DEVICES)
