@@ -1035,14 +1035,15 @@ def prometheus_query(base: str, expr: str) -> list[dict[str, Any]]:
     return body["data"]["result"]
 
 
-def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
+def wait_for(condition: Callable[[], bool], timeout: float, what: str, seen: dict | None = None) -> None:
+    """Until `condition()` holds; else fails saying `what`, formatted with `seen` (what the condition last saw)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError, AssertionError):
             if condition():
                 return
         time.sleep(0.25)
-    pytest.fail(f"timed out waiting for {what}")
+    pytest.fail(f"timed out waiting for {what if seen is None else what.format(seen=seen)}")
 
 
 def test_dashboard_and_rules_against_live_prometheus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1207,18 +1208,28 @@ def test_prometheus_scrapes_a_local_cluster(tmp_path: Path, fashion_mnist_dir: P
             rows = prometheus_query(base, query)
             return {(r["metric"]["src"], r["metric"]["dst"]) for r in rows} == ring
 
+        seen: dict[str, object] = {}  # the last answers, for the failure's message
+
         def cluster_seen() -> bool:
-            up = prometheus_query(base, "up")
-            accuracy = prometheus_query(base, f'peertrain_test_accuracy{{job_id="{job_id}"}}')
+            # Every target scraped: the shared cluster's agents (as many as registered when it began) and the
+            # coordinator, which counts them up.
+            seen["up"] = sorted((r["metric"]["instance"], r["value"][1]) for r in prometheus_query(base, "up"))
+            seen["accuracy"] = sorted(r["metric"]["node"] for r in prometheus_query(
+                base, f'peertrain_test_accuracy{{job_id="{job_id}"}}'))
+            seen["nodes_up"] = [r["value"][1] for r in prometheus_query(
+                base, 'peertrain_coordinator_nodes{state="up"}')]
+            seen["exchanges"] = [r["value"][1] for r in prometheus_query(
+                base, "sum(peertrain_exchange_seconds_count)")]
             return (
-                len(up) == 5 and all(r["value"][1] == "1" for r in up)
-                and {r["metric"]["node"] for r in accuracy} == set(members.values())
-                and bool(prometheus_query(base, 'peertrain_coordinator_nodes{state="up"} == 4'))
-                and bool(prometheus_query(base, "sum(peertrain_exchange_seconds_count) > 0"))
+                len(seen["up"]) == len(nodes) + 1 and all(value == "1" for _, value in seen["up"])
+                and set(seen["accuracy"]) == set(members.values())
+                and seen["nodes_up"] == [str(sum(n.up for n in nodes))]
+                and bool(seen["exchanges"]) and float(seen["exchanges"][0]) > 0
             )
 
         wait_for(edges_seen, 90, "traffic on every edge of the ring")
-        wait_for(cluster_seen, 90, "every target up, accuracy of every node, the coordinator's node count")
+        wait_for(cluster_seen, 90, "every target up, accuracy of every node, the coordinator's node count: last "
+                 "seen {seen}", seen)
         # The per-edge debugging panels answer from the agents' own gauges, for every edge of the ring.
         dashboard = json.loads(DASHBOARD.read_text())
         for title in EDGE_DEBUGGING_PANELS:
