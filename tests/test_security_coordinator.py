@@ -233,9 +233,10 @@ def test_a_node_cannot_register_with_the_address_or_name_of_a_live_node(secure):
 def test_one_nodes_flood_of_calls_that_hold_threads_leaves_the_other_nodes_up(tmp_path, caplog):
     """3000 Register calls at once from one node, each making the coordinator probe a tarpit (an address that
     accepts connections and never answers) for a second: beyond its limit they are refused at once, and an honest
-    node beating all along is never marked down, with a heartbeat timeout (1 s) shorter than the flood would hold
-    every server thread."""
-    coordinator = SecureCoordinator(tmp_path, heartbeat_timeout_s=1.0)
+    node beating all along is never marked down, with a heartbeat timeout (3 s) half what the flood would hold every
+    server thread (3000 calls of 1 s on SERVER_THREADS, 512: 6 s). With 1 s, a run beside two busy loops marked the
+    honest node down: the flood's 3000 TLS calls and the coordinator share this process's CPU."""
+    coordinator = SecureCoordinator(tmp_path, heartbeat_timeout_s=3.0)
     tarpits = [socket.create_server(("127.0.0.1", 0), backlog=4096) for _ in range(2)]
     addresses = [f"127.0.0.1:{tarpit.getsockname()[1]}" for tarpit in tarpits]
     honest = coordinator.client(Role.NODE, "honest")
