@@ -1189,16 +1189,18 @@ def test_prometheus_scrapes_a_local_cluster(tmp_path: Path, fashion_mnist_dir: P
         "algorithm": {"name": "dsgd", "interval": 4}, "topology": {"kind": "ring"},
         "data": {"data_dir": str(fashion_mnist_dir), "split": "iid", "batch_size": 50, "test_limit": 1000},
     }
-    nodes = cluster.nodes()
+    # The job's members are scraped: the shared cluster also holds agents that other modules' tests stopped, which
+    # the coordinator counts up until their heartbeat timeout.
+    job_id = cluster.submit(yaml.safe_dump(job))
+    members = {m.rank: m.node_id for m in cluster.status(job_id).nodes}
+    metrics_of = {n.node_id: n.metrics_address for n in cluster.nodes()}
     process, base = start_prometheus(
         tmp_path,
-        {"peertrain-agent": [n.metrics_address for n in nodes],
+        {"peertrain-agent": [metrics_of[node_id] for node_id in members.values()],
          "peertrain-coordinator": [cluster.metrics_address]},
         [str(PROMETHEUS / "alerts.yml")],
     )
     try:
-        job_id = cluster.submit(yaml.safe_dump(job))
-        members = {m.rank: m.node_id for m in cluster.status(job_id).nodes}
         ring = {(members[r], members[(r + 1) % 4]) for r in range(4)}
         ring |= {(b, a) for a, b in ring}
 
@@ -1211,8 +1213,8 @@ def test_prometheus_scrapes_a_local_cluster(tmp_path: Path, fashion_mnist_dir: P
         seen: dict[str, object] = {}  # the last answers, for the failure's message
 
         def cluster_seen() -> bool:
-            # Every target scraped: the shared cluster's agents that were up when it began, and the coordinator,
-            # which counts them up.
+            # Every target scraped (the members and the coordinator), and the coordinator's count of the nodes up as
+            # it answers now.
             seen["up"] = sorted((r["metric"]["instance"], r["value"][1]) for r in prometheus_query(base, "up"))
             seen["accuracy"] = sorted(r["metric"]["node"] for r in prometheus_query(
                 base, f'peertrain_test_accuracy{{job_id="{job_id}"}}'))
@@ -1221,9 +1223,9 @@ def test_prometheus_scrapes_a_local_cluster(tmp_path: Path, fashion_mnist_dir: P
             seen["exchanges"] = [r["value"][1] for r in prometheus_query(
                 base, "sum(peertrain_exchange_seconds_count)")]
             return (
-                len(seen["up"]) == len(nodes) + 1 and all(value == "1" for _, value in seen["up"])
+                len(seen["up"]) == len(members) + 1 and all(value == "1" for _, value in seen["up"])
                 and set(seen["accuracy"]) == set(members.values())
-                and seen["nodes_up"] == [str(len(nodes))]
+                and seen["nodes_up"] == [str(sum(n.up for n in cluster.nodes()))]
                 and bool(seen["exchanges"]) and float(seen["exchanges"][0]) > 0
             )
 
@@ -1240,8 +1242,8 @@ def test_prometheus_scrapes_a_local_cluster(tmp_path: Path, fashion_mnist_dir: P
                 return {(r["metric"]["src"], r["metric"]["dst"]) for r in rows} == ring
 
             wait_for(answered, 30, f"the panel {title!r} on every edge")
-        cluster.stub().StopJob(coordinator_pb2.StopJobRequest(job_id=job_id), timeout=10)
     finally:
+        cluster.stub().StopJob(coordinator_pb2.StopJobRequest(job_id=job_id), timeout=10)
         stop_process(process)
 
 
