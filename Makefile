@@ -3,9 +3,12 @@ SHELL := /bin/bash
 BIN := .venv/bin
 STAMP := .venv/.installed
 PYTEST_ARGS ?=
-# Two pytest-xdist workers, each taking whole modules (--dist loadfile): a module's shared fixture is set up once;
-# in the order of tests/conftest.py (the longest tier first), not xdist's (the modules with most tests first).
-TEST_WORKERS ?= 2
+# pytest-xdist workers, each taking whole modules (--dist loadfile): a module's shared fixture is set up once; in the
+# order of tests/conftest.py (the paced cluster modules, then the longest tier first), not xdist's (the most tests
+# first). `make test` has three: one runs the paced modules together (tests/conftest.py's PacedTogether: minutes of
+# waiting at a fraction of a core), two the CPU-bound rest beside it.
+TEST_WORKERS ?= 3
+FAST_WORKERS ?= 2
 DEMO_ARGS ?=
 
 .PHONY: demo test test-fast test-gpu lint proto bench bootstrap data clean
@@ -30,7 +33,7 @@ test: $(STAMP)
 # The unit and integration tiers (pyproject's markers): no cluster of agents, a few minutes.
 test-fast: $(STAMP)
 	deploy/bootstrap.sh data
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "unit or integration" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(FAST_WORKERS) --dist loadfile --no-loadscope-reorder -m "unit or integration" $(PYTEST_ARGS)
 
 # The CUDA half of the suite (tests marked cuda), on a machine where torch sees a GPU; then the GPU benchmark.
 test-gpu: $(STAMP)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from clusters import agents_up
 from devices import DEVICES
+from xdist.scheduler import LoadFileScheduling
 
 from coordinator.cluster import LocalCluster
 from coordinator.ps_service import add_coordinator_servicer
@@ -33,10 +34,27 @@ _IDX_STEMS = (
 )
 
 
-# The order modules are handed to the xdist workers (`make test` runs with --no-loadscope-reorder): the longest
-# first, so that no worker starts a minutes-long cluster module near the end while the other has finished. xdist's
-# own order (the most tests first) put the single-test cluster modules, the longest, last.
+# The order modules are handed to the xdist workers (`make test` runs with --no-loadscope-reorder): the paced modules
+# first, then the longest tier first, so that no worker starts a minutes-long cluster module near the end while the
+# others have finished. xdist's own order (the most tests first) put the single-test cluster modules, the longest,
+# last.
 FIRST_TIERS = ("cluster", "system", "integration", "unit")
+# The cluster modules whose jobs are paced (`min_step_s`): minutes of wall time each, at a fraction of a core. One
+# worker takes them together, first, one after the other (PacedTogether), while the others run the CPU-bound rest.
+PACED_MODULES = frozenset({"test_allreduce_faults", "test_elastic_cluster", "test_chaos_cluster",
+                           "test_edges_cluster", "test_byzantine_cluster"})
+
+
+class PacedTogether(LoadFileScheduling):
+    """--dist loadfile (a module at a time, whose shared fixtures are set up once), the paced modules as one unit."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        path = nodeid.split("::", 1)[0]
+        return "paced" if Path(path).stem in PACED_MODULES else path
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> LoadFileScheduling | None:
+    return PacedTogether(config, log) if config.getvalue("dist") == "loadfile" else None
 
 
 def module_tier(module: object) -> list[str]:
@@ -46,8 +64,8 @@ def module_tier(module: object) -> list[str]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Fail the run when a collected module is in no tier or in more than one: a module without one would be left out
-    of `make test-fast` (or in it by mistake) without anyone noticing. Then order the items tier by tier (FIRST_TIERS),
-    each module's together, in their collection order within a tier."""
+    of `make test-fast` (or in it by mistake) without anyone noticing. Then order the items: the paced modules first,
+    then tier by tier (FIRST_TIERS), each module's together, in their collection order within a tier."""
     wrong = {}
     for item in items:
         module = item.module
@@ -59,7 +77,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if wrong:
         raise pytest.UsageError("each test module needs exactly one tier, `pytestmark = pytest.mark.<tier>` with "
                                 f"<tier> one of {', '.join(TIERS)}; these have {wrong}")
-    items.sort(key=lambda item: FIRST_TIERS.index(module_tier(item.module)[0]) if item.module is not None else 0)
+    items.sort(key=order)
+
+
+def order(item: pytest.Item) -> tuple[bool, int]:
+    if item.module is None:
+        return (True, 0)
+    return (item.module.__name__ not in PACED_MODULES, FIRST_TIERS.index(module_tier(item.module)[0]))
 
 
 @pytest.fixture(params=DEVICES)
