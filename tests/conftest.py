@@ -40,9 +40,11 @@ _IDX_STEMS = (
 # last.
 FIRST_TIERS = ("cluster", "system", "integration", "unit")
 # The cluster modules whose jobs are paced (`min_step_s`): minutes of wall time each, at a fraction of a core. One
-# worker takes them together, first, one after the other (PacedTogether), while the others run the CPU-bound rest.
-PACED_MODULES = frozenset({"test_allreduce_faults", "test_elastic_cluster", "test_chaos_cluster",
-                           "test_edges_cluster", "test_byzantine_cluster"})
+# worker takes them together, first, one after the other in this order (PacedTogether), while the others run the
+# CPU-bound rest. Chaos last: its last two tests take seconds, and xdist hands a worker its next module when two of
+# its tests are left (after a minutes-long one, the other workers would wait at the end).
+PACED_MODULES = ("test_allreduce_faults", "test_elastic_cluster", "test_byzantine_cluster", "test_edges_cluster",
+                 "test_chaos_cluster")
 
 
 class PacedTogether(LoadFileScheduling):
@@ -80,10 +82,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=order)
 
 
-def order(item: pytest.Item) -> tuple[bool, int]:
+def order(item: pytest.Item) -> tuple[int, int]:
     if item.module is None:
-        return (True, 0)
-    return (item.module.__name__ not in PACED_MODULES, FIRST_TIERS.index(module_tier(item.module)[0]))
+        return (len(PACED_MODULES), 0)
+    name = item.module.__name__
+    paced = PACED_MODULES.index(name) if name in PACED_MODULES else len(PACED_MODULES)
+    return (paced, FIRST_TIERS.index(module_tier(item.module)[0]))
 
 
 @pytest.fixture(params=DEVICES)
