@@ -11,11 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
-import torch
-
 from nodeagent import __version__
-from nodeagent.agent import Agent, AgentConfig
-from nodeagent.agent.daemon import RegistrationRefused
 from nodeagent.defaults import (
     AGENT_HEALTH_PORT,
     AGENT_LANE_PORT,
@@ -32,8 +28,6 @@ from nodeagent.rpc import field_problem, with_default_port
 from nodeagent.signals import wait_for_stop
 from nodeagent.statedir import StateDirError, hold_state_dir
 from nodeagent.training.datadirs import DataDirs, DataDirsError
-from nodeagent.training.device import DeviceError, resolve_device
-from nodeagent.training.models import module_problem
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,10 +158,6 @@ def agent_tls_dir(args: argparse.Namespace) -> Path:
 def serve(args: argparse.Namespace) -> int:
     if args.slowdown < 1:
         raise SystemExit("nodeagent: --slowdown must be >= 1")
-    try:
-        device = resolve_device(args.device)
-    except DeviceError as error:
-        raise SystemExit(f"nodeagent: {error}") from None
     if args.torch_threads < 0:
         raise SystemExit("nodeagent: --torch-threads must be >= 0")
     if args.max_model_memory < 1:
@@ -179,6 +169,18 @@ def serve(args: argparse.Namespace) -> int:
     # An address without a port means the default one, not gRPC's 443.
     args.coordinator = with_default_port(args.coordinator, COORDINATOR_PORT)
     args.enroll_address = args.enroll_address and with_default_port(args.enroll_address, ENROLL_PORT)
+    # torch and the agent only now: importing them takes seconds, which --help and a flag's mistake do not wait for.
+    import torch
+
+    from nodeagent.agent import Agent, AgentConfig
+    from nodeagent.agent.daemon import RegistrationRefused
+    from nodeagent.training.device import DeviceError, resolve_device
+    from nodeagent.training.models import module_problem
+
+    try:
+        device = resolve_device(args.device)
+    except DeviceError as error:
+        raise SystemExit(f"nodeagent: {error}") from None
     for module in args.allow_import:
         if problem := module_problem(module):
             raise SystemExit(f"nodeagent: --allow-import {problem}")
@@ -215,7 +217,11 @@ def serve(args: argparse.Namespace) -> int:
     with hold_state_dir(args.state_dir):
         try:
             registered = agent.start()
-        except BaseException:  # a port in use, a refusal: what did start (the peer server, the lanes) stops first
+        except RegistrationRefused as error:
+            agent.stop()
+            print(f"nodeagent: {error}", file=sys.stderr)
+            return 1
+        except BaseException:  # a port in use: what did start (the peer server, the lanes) stops first
             agent.stop()
             raise
         if registered:
@@ -230,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return serve(args)
-    except (ListenError, StateDirError, RegistrationRefused) as error:
+    except (ListenError, StateDirError) as error:
         print(f"nodeagent: {error}", file=sys.stderr)
         return 1
     return 2

@@ -174,6 +174,17 @@ def test_the_agent_refuses_a_name_the_coordinator_would_refuse(tmp_path, name):
     assert not (tmp_path / "state").exists()  # refused before anything started
 
 
+def test_the_agents_help_and_a_flags_mistake_answer_without_importing_torch():
+    """Importing torch takes seconds: `nodeagent --help` and a wrong flag do not wait for it."""
+    probe = ("import sys\nfrom nodeagent.cli import main\n"
+             "for argv in (['--help'], ['serve', '--slowdown', '0']):\n"
+             "    try:\n        main(argv)\n    except SystemExit as stop:\n        print('exit:', stop.code)\n"
+             "print('torch imported:', 'torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert result.stdout.splitlines()[-1] == "torch imported: False", result.stdout + result.stderr
+    assert "exit: nodeagent: --slowdown must be >= 1" in result.stdout.splitlines()
+
+
 # -- the cluster CA ------------------------------------------------------------------------------------------------
 
 def test_ca_init_never_replaces_a_ca_and_if_missing_keeps_it(tmp_path, capsys):
