@@ -5,7 +5,7 @@ STAMP := .venv/.installed
 PYTEST_ARGS ?=
 # pytest-xdist workers, each taking whole modules (--dist loadfile): a module's shared fixture is set up once; in the
 # order of tests/conftest.py (the paced cluster modules, then the longest tier first), not xdist's (the most tests
-# first). `make test` has three: one runs the paced modules together (tests/conftest.py's PacedTogether: minutes of
+# first). `make test` has three: one runs the paced modules together (tests/conftest.py's PACED_MODULES: minutes of
 # waiting at a fraction of a core), two the CPU-bound rest beside it.
 TEST_WORKERS ?= 3
 FAST_WORKERS ?= 2

@@ -12,7 +12,6 @@ import pytest
 import torch
 from clusters import agents_up
 from devices import DEVICES
-from xdist.scheduler import LoadFileScheduling
 
 from coordinator.cluster import LocalCluster
 from coordinator.ps_service import add_coordinator_servicer
@@ -40,23 +39,26 @@ _IDX_STEMS = (
 # last.
 FIRST_TIERS = ("cluster", "system", "integration", "unit")
 # The cluster modules whose jobs are paced (`min_step_s`): minutes of wall time each, at a fraction of a core. One
-# worker takes them together, first, one after the other in this order (PacedTogether), while the others run the
-# CPU-bound rest. Chaos last: its last two tests take seconds, and xdist hands a worker its next module when two of
-# its tests are left (after a minutes-long one, the other workers would wait at the end).
+# worker takes them together, first, one after the other in this order (pytest_xdist_make_scheduler), while the
+# others run the CPU-bound rest. Chaos last: its last two tests take seconds, and xdist hands a worker its next
+# module when two of its tests are left (after a minutes-long one, the other workers would wait at the end).
 PACED_MODULES = ("test_allreduce_faults", "test_elastic_cluster", "test_byzantine_cluster", "test_edges_cluster",
                  "test_chaos_cluster")
 
 
-class PacedTogether(LoadFileScheduling):
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: a run without xdist (`make test-gpu` on a bare image) has none
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """--dist loadfile (a module at a time, whose shared fixtures are set up once), the paced modules as one unit."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
 
-    def _split_scope(self, nodeid: str) -> str:
-        path = nodeid.split("::", 1)[0]
-        return "paced" if Path(path).stem in PACED_MODULES else path
+    class PacedTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "paced" if Path(path).stem in PACED_MODULES else path
 
-
-def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> LoadFileScheduling | None:
-    return PacedTogether(config, log) if config.getvalue("dist") == "loadfile" else None
+    return PacedTogether(config, log)
 
 
 def module_tier(module: object) -> list[str]:
