@@ -55,6 +55,15 @@ def test_members_lost_every_30_s_cost_the_job_nothing_but_time(fashion_mnist_dir
     assert result.mean_accuracy > 0.6
 
 
+def test_a_job_ends_with_its_last_round_not_a_step_timeout_later(fashion_mnist_dir):
+    """Each round's watchdog (aborted if not complete within `step_timeout_s`) is cancelled when the round completes:
+    the virtual clock, which `coordinator simulate` reports and the benchmarks divide by, stops at the job's end."""
+    result = simulate(parse_job_spec(job(fashion_mnist_dir, ALLREDUCE, 20, [])))
+    assert result.mesh.finished and result.mesh.collective.aborted == 0
+    # 20 steps of 0.1 s, each with a round of milliseconds: far from the step timeout (5 s) beyond.
+    assert 20 * STEP_TIME_S <= result.mesh.now < 20 * STEP_TIME_S + 1.0, result.mesh.now
+
+
 def test_a_member_down_at_the_end_takes_the_final_state_when_it_comes_back(fashion_mnist_dir):
     # The job's 600 steps end near 60 s; the member is back within the coordinator's patience (the heartbeat timeout
     # and failure.lost_grace_s: 75 s), as an agent restarted in time rejoins. Later, the coordinator's failure

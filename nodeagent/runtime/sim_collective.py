@@ -58,6 +58,7 @@ class SimulatedQuorum:
         self.arrived: dict[int, float] = {}  # when each waiting rank came to the quorum being formed
         self.forming_since: float | None = None  # the members left: the next quorum is being formed
         self.round = 0  # counts rounds and quorums, so that a timeout looks at the round it was set for
+        self.watchdog: int | None = None  # the mesh's event that aborts the round under way if it is not complete
         self.aborted = 0  # rounds applied nowhere
         self.quorums: list[tuple[int, ...]] = [self.members]  # every quorum's members, in order
 
@@ -72,8 +73,7 @@ class SimulatedQuorum:
             first = not self.parts
             self.parts[sim.rank] = part
             if first:
-                round_ = self.round
-                self.mesh.at(self.mesh.now + self.options.step_timeout_s, lambda: self._timeout(round_))
+                self._watch()
             self._complete()
         else:
             self._wait(sim.rank, part)
@@ -90,6 +90,7 @@ class SimulatedQuorum:
         parts = [self.parts[rank] for rank in self.members]
         self.parts = {}
         self.round += 1
+        self._unwatch()
         message, t = parts[0].message, parts[0].transmission
         gather = t.send.route == Route.ALLGATHER
         count = len(self.members)
@@ -113,7 +114,20 @@ class SimulatedQuorum:
         if outcome.leave:  # every member saw the votes: the next quorum is formed with the waiting ranks
             self._leave()
 
+    def _watch(self) -> None:
+        """The round under way is aborted if it is not complete `step_timeout_s` from now."""
+        round_ = self.round
+        self.watchdog = self.mesh.at(self.mesh.now + self.options.step_timeout_s, lambda: self._timeout(round_))
+
+    def _unwatch(self) -> None:
+        """The round completed: its watchdog neither fires nor holds the virtual clock until its time (a job's last
+        round would end it `step_timeout_s` late)."""
+        if self.watchdog is not None:
+            self.mesh.cancel(self.watchdog)
+            self.watchdog = None
+
     def _timeout(self, round_: int) -> None:
+        self.watchdog = None  # it fired: there is nothing left to cancel
         if round_ != self.round or self.forming_since is not None:
             return  # that round completed (or was aborted) already
         self.aborted += 1
@@ -179,8 +193,7 @@ class SimulatedQuorum:
                     self._hand_state(rank, parts.pop(rank).transmission, source)
         self.parts = parts
         if parts:
-            round_ = self.round
-            self.mesh.at(self.mesh.now + self.options.step_timeout_s, lambda: self._timeout(round_))
+            self._watch()
         self._complete()
 
     def _look_again(self, round_: int) -> None:

@@ -170,6 +170,7 @@ class VirtualMesh:
         self.now = 0.0
         self._queue: list[tuple[float, int, Callable[[], None], bool]] = []  # (time, sequence, action, background)
         self._work = 0  # queued events that are not background: the run ends when none is left
+        self._cancelled: set[int] = set()  # queued events that will not happen (`cancel`)
         self._started = False  # every node's first step is queued (the first run)
         self._sequence = itertools.count()
         self._link_free_at: dict[tuple[int, int], float] = {}
@@ -219,9 +220,18 @@ class VirtualMesh:
 
     # -- the event loop ------------------------------------------------------------------------------------------
 
-    def at(self, time: float, action: Callable[[], None]) -> None:
-        heapq.heappush(self._queue, (time, next(self._sequence), action, False))
+    def at(self, time: float, action: Callable[[], None]) -> int:
+        """Do `action` at `time`; the run lasts until then. Returns the event's number, for `cancel`."""
+        event = next(self._sequence)
+        heapq.heappush(self._queue, (time, event, action, False))
         self._work += 1
+        return event
+
+    def cancel(self, event: int) -> None:
+        """The queued event `event` (`at`'s number) will not happen, nor keep the run and its clock going until its
+        time: a watchdog whose round completed."""
+        self._cancelled.add(event)
+        self._work -= 1
 
     def in_background(self, time: float, action: Callable[[], None]) -> None:
         """Do `action` at `time` if the run lasts until then: an observer's periodic look (the coordinator's
@@ -231,6 +241,7 @@ class VirtualMesh:
     def halt(self) -> None:
         """Nothing more happens: the run ends now (the job ended, as the coordinator decided)."""
         self._queue.clear()
+        self._cancelled.clear()
         self._work = 0
 
     def run(self, until: float = math.inf, on_event: Callable[[VirtualMesh], None] | None = None) -> None:
@@ -240,7 +251,11 @@ class VirtualMesh:
                 for sim in self.nodes:
                     self.at(0.0, lambda sim=sim: self._start(sim))
             while self._work and self._queue[0][0] <= until:
-                self.now, _, action, background = heapq.heappop(self._queue)
+                time, event, action, background = heapq.heappop(self._queue)
+                if event in self._cancelled:
+                    self._cancelled.remove(event)
+                    continue
+                self.now = time
                 self._work -= not background
                 action()
                 if on_event is not None:
