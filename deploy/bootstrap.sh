@@ -33,7 +33,7 @@ venv() {
         "$PYTHON" -m venv .venv
     fi
     echo "bootstrap: installing peertrain and its pinned dependencies into .venv (torch: CPU build unless already present)"
-    .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+    # The venv's own pip (Python 3.11's: editable installs from pyproject.toml) is enough: no self-upgrade first.
     .venv/bin/python -m pip install -q -c constraints.txt -e '.[dev]'
     touch .venv/.installed
 }

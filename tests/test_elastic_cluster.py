@@ -20,13 +20,13 @@ FIRST = 4  # agents the job starts on
 JOINING = 2  # agents started while it runs
 # The changes (two joins and a leave: two or three, as the joining agents come together or apart) come one after
 # the other: each waits until every member reached the step of the one before, about 5 s of steps ahead, and the
-# killed agent is lost after the heartbeat timeout (5 s) and the job's grace (2 s). In three runs on an idle machine
-# they were all done 16 to 19 s after the job started (the joining agents start with it); on a loaded one the joining
-# agents' start took longer and the changes were done by 23 to 40 s (with two busy loops beside, not within 130 s).
-# Paced at 5 steps/s (`min_step_s`), the 600 steps last at least 120 s on any machine. A step costs about the same
-# CPU at any pace, so the job's CPU is in its number of steps: 3000 steps at 100 steps/s cost about twice as much.
+# killed agent is lost after the heartbeat timeout (5 s) and the job's grace (2 s). With agents started as fresh
+# interpreters, they were all done 16 to 19 s after the job started on an idle machine and by 23 to 40 s on a loaded
+# one (the joining agents' start took longer); forked from the fork server, they start in about a second. Paced at
+# 10 steps/s (`min_step_s`), the 600 steps last at least 60 s on any machine. A step costs about the same CPU at any
+# pace, so the job's CPU is in its number of steps: 3000 steps at 100 steps/s cost about twice as much.
 STEPS = 600
-PACE_S = 0.2
+PACE_S = 0.1
 KILL_AT_STEP = 10  # about 2 s into the job: the leave comes while the joins are under way
 KILLED = 1  # the rank whose agent is killed when the others are started
 # Gossip's nodes end near consensus: in four runs of 600 steps the joined agents ended within 0.9 points of the mean
