@@ -26,8 +26,9 @@ from pathlib import Path
 PRELOADED = ("torch", "numpy", "pydantic", "grpc", "yaml", "cryptography.x509", "prometheus_client",
              "nodeagent.agent.daemon", "coordinator.service")
 
-_context = multiprocessing.get_context("forkserver")
-_context.set_forkserver_preload([__name__, *PRELOADED])
+# multiprocessing's context of the fork server: also for programs that hand it a function (a test's ranks).
+FORK_SERVER = multiprocessing.get_context("forkserver")
+FORK_SERVER.set_forkserver_preload([__name__, *PRELOADED])
 
 
 class ForkedProcess:
@@ -35,7 +36,7 @@ class ForkedProcess:
 
     def __init__(self, module: str, args: list[str], log_path: Path, env: dict[str, str]) -> None:
         # Daemonic: if the process that started it exits without stopping it, multiprocessing ends it (SIGTERM).
-        self._process = _context.Process(target=_run_module, args=(module, args, str(log_path), env, os.getcwd()),
+        self._process = FORK_SERVER.Process(target=_run_module, args=(module, args, str(log_path), env, os.getcwd()),
                                          name=module, daemon=True)
         self._process.start()
         self.args = [module, *args]

@@ -33,9 +33,32 @@ venv() {
         "$PYTHON" -m venv .venv
     fi
     echo "bootstrap: installing peertrain and its pinned dependencies into .venv (torch: CPU build unless already present)"
-    # The venv's own pip (Python 3.11's: editable installs from pyproject.toml) is enough: no self-upgrade first.
-    .venv/bin/python -m pip install -q -c constraints.txt -e '.[dev]'
+    if ! install_with_uv; then
+        echo "bootstrap: uv could not install them; installing with pip (slower)"
+        # The venv's own pip (Python 3.11's: editable installs from pyproject.toml) is enough: no self-upgrade first.
+        .venv/bin/python -m pip install -q -c constraints.txt -e '.[dev]'
+    fi
     touch .venv/.installed
+}
+
+pip_setting() {
+    # The value pip would use for setting $1 (its environment's first, then its configuration files'); empty if none.
+    .venv/bin/python -m pip config list 2>/dev/null | sed -n "s/^[^.]*\.$1='\(.*\)'\$/\1/p" | head -n 1
+}
+
+install_with_uv() {
+    # uv installs and byte-compiles on every core: about 30 s where pip takes 80 s on 2 cores. It does not read pip's
+    # configuration, so the indexes, local wheels and constraints pip would use are passed on, and like pip it takes
+    # the best version across all of them (unsafe-best-match). Any failure falls back to pip.
+    .venv/bin/python -m pip install -q uv >/dev/null 2>&1 || return 1
+    local args=(--python .venv/bin/python --compile-bytecode --index-strategy unsafe-best-match -c constraints.txt)
+    local value
+    value=$(pip_setting index-url)
+    if [ -n "$value" ]; then args+=(--index-url "$value"); fi
+    for value in $(pip_setting extra-index-url); do args+=(--extra-index-url "$value"); done
+    for value in $(pip_setting find-links); do args+=(--find-links "$value"); done
+    for value in $(pip_setting constraint); do args+=(-c "$value"); done
+    .venv/bin/uv pip install -q "${args[@]}" -e '.[dev]'
 }
 
 data() {

@@ -21,6 +21,7 @@ import torch
 from devices import DEVICES
 
 from coordinator.rendezvous import Rendezvous
+from coordinator.zygote import FORK_SERVER
 from nodeagent._proto import coordinator_pb2_grpc
 from nodeagent.metrics import Metrics
 from nodeagent.runtime.progress import Traffic
@@ -104,14 +105,14 @@ class Ranks:
     def __init__(self, server: RendezvousServer, device: str = "cpu"):
         self.port = server.port
         self.device = device  # where the members' state and gradients live (the all-reduce runs on host copies)
-        self.spawn = multiprocessing.get_context("spawn")
-        self.results = self.spawn.Queue()
-        self.progress = self.spawn.Array("i", [-1] * WORLD)
-        self.go = self.spawn.Event()
+        self.context = FORK_SERVER  # each rank a fork of a process that imported torch, not a fresh interpreter
+        self.results = self.context.Queue()
+        self.progress = self.context.Array("i", [-1] * WORLD)
+        self.go = self.context.Event()
         self.processes: list[multiprocessing.Process] = []
 
     def start(self, rank: int, start: int = 0, value: float = 0.0, dies_at: int | None = None):
-        process = self.spawn.Process(target=run_rank, args=(self.port, rank, start, value, dies_at, self.progress,
+        process = self.context.Process(target=run_rank, args=(self.port, rank, start, value, dies_at, self.progress,
                                                             self.go, self.results, self.device))
         process.start()
         self.processes.append(process)
