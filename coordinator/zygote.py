@@ -60,9 +60,6 @@ class ForkedProcess:
         if self.returncode is None:
             os.kill(self.pid, signum)
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
@@ -71,7 +68,8 @@ def _run_module(module: str, args: list[str], log_path: str, env: dict[str, str]
     """In the forked child: become `python -m MODULE ARGS` with stdout and stderr appended to `log_path`."""
     os.environ.clear()
     os.environ.update(env)
-    # What an interpreter started with this environment would have had on its path, ahead of the fork server's.
+    # multiprocessing gives the child the path of the process that started it, where a PYTHONPATH changed since
+    # (this environment's) has no effect: put its entries first, as an interpreter started with it would.
     sys.path[:0] = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry and entry not in sys.path]
     os.chdir(cwd)
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

@@ -67,7 +67,7 @@ def test_a_forked_program_is_ended_by_signals_and_waits_time_out_like_popens(pro
         time.sleep(0.05)
     with pytest.raises(subprocess.TimeoutExpired):
         process.wait(0.1)
-    process.terminate()
+    process.send_signal(signal.SIGTERM)
     assert process.wait(30) == -signal.SIGTERM
     process.kill()  # already ended: nothing is signalled
     assert process.returncode == -signal.SIGTERM
