@@ -21,15 +21,16 @@ seconds:
 
 `Chaos` runs such a schedule in a thread against a cluster (also from a test or a benchmark, in this process), and
 records what it did and when (`Chaos.record`). It signals only the processes its cluster started, through their
-`Popen` objects (never a bare pid, which may have been reused), and on exit (`stop()`, or leaving its `with`) it
+process objects (never a bare pid, which may have been reused), and on exit (`stop()`, or leaving its `with`) it
 undoes what is still in force, whatever ended it: SIGCONT to stopped agents, the partition healed. A kill whose
 restart is still due is left as it is: the cluster's own `stop()` ends everything.
 
 The private network. A partition must tell which agent opened a TCP connection, and on one loopback it cannot: an
 agent listening on 127.0.0.x still connects from 127.0.0.1 (the source of every route to a local address), so a
 filter on addresses sees the same source for every client, and a proxy in front of an agent sees the same. Hence
-each agent runs in a network namespace of its own (`unshare --net`) with one address (10.77.0.10 + its index), linked
-by a veth pair to the cluster's namespace, which holds the coordinator (10.77.0.1) and routes between the agents.
+each agent runs in a network namespace of its own (unshare(2), in the forked agent before it runs) with one address
+(10.77.0.10 + its index), linked by a veth pair to the cluster's namespace, which holds the coordinator (10.77.0.1)
+and routes between the agents.
 A partition is a set of policy routing rules in that router, `ip rule add from A to B blackhole` for every ordered
 pair of agents in different groups: their packets are dropped silently there, so established TCP connections stall
 (they retransmit, and calls time out) rather than fail at once, as on a cut link, and take up again when the heal
@@ -44,6 +45,7 @@ refuses to work anywhere else.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
 import os
@@ -61,13 +63,15 @@ from pathlib import Path
 import yaml
 
 from coordinator.cluster import ClusterError, LocalCluster
+from coordinator.zygote import ForkedProcess
 from nodeagent._proto import coordinator_pb2 as pb
 
 SUBNET = "10.77.0"
 ROUTER = f"{SUBNET}.1"  # the cluster namespace's address: the coordinator's, and the agents' gateway
 FIRST_AGENT_HOST = 10  # agent i is SUBNET.(FIRST_AGENT_HOST + i)
 MAX_AGENTS = 240
-LINK_TIMEOUT_S = 30.0  # for an agent's namespace to appear, and for the launcher to see its link
+LINK_TIMEOUT_S = 30.0  # for an agent's namespace to appear, and for the agent to see its link
+CLONE_NEWNET = 0x40000000  # unshare(2): a network namespace of its own
 IP_TIMEOUT_S = 10.0  # one `ip` command
 
 
@@ -175,18 +179,9 @@ class PrivateNetwork:
         _ip_batch(["link set lo up", f"addr replace {ROUTER}/32 dev lo"])
         Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")
 
-    @staticmethod
-    def launcher() -> tuple[str, ...]:
-        """What an agent runs under: a network namespace of its own, waiting (LINK_TIMEOUT_S at most) until
-        `attach` has made its default route, then exec'ing the agent (so that its pid is the agent's)."""
-        polls = int(LINK_TIMEOUT_S / 0.02)
-        script = (f"i=0; until ip route show default | grep -q via; do i=$((i+1)); "
-                  f"if [ $i -gt {polls} ]; then echo 'no link to the router' >&2; exit 75; fi; sleep 0.02; done; "
-                  'exec "$@"')
-        return ("unshare", "--net", "--", "sh", "-c", script, "chaos-launcher")
-
-    def attach(self, index: int, process: subprocess.Popen) -> None:
-        """Link the namespace of `process` (started under `launcher()`) to the router, as agent `index`."""
+    def attach(self, index: int, process: ForkedProcess | subprocess.Popen) -> None:
+        """Link the namespace of `process` (which entered one of its own: `enter_own_network`) to the router, as
+        agent `index`."""
         own = os.readlink("/proc/self/ns/net")
         deadline = time.monotonic() + LINK_TIMEOUT_S
         while True:
@@ -221,6 +216,25 @@ class PrivateNetwork:
         cut, self._cut = self._cut, []
         # -force: a rule that was never added (a partition that failed half-way) does not stop the others' removal.
         _ip_batch([f"rule del from {src} to {dst} blackhole" for src, dst in cut], force=True)
+
+
+def enter_own_network() -> None:
+    """In an agent forked by `PrivateNetworkCluster`, before it runs: a network namespace of its own, then wait
+    (LINK_TIMEOUT_S at most) until `PrivateNetwork.attach` has given it a default route."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWNET) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET) failed")
+    deadline = time.monotonic() + LINK_TIMEOUT_S
+    while not _has_default_route():
+        if time.monotonic() > deadline:
+            raise SystemExit("no link to the router")
+        time.sleep(0.02)
+
+
+def _has_default_route() -> bool:
+    """Whether this process's network namespace has a default route (/proc/net/route: destination 0)."""
+    with open("/proc/net/route") as routes:
+        return any(line.split()[1] == "00000000" for line in list(routes)[1:])
 
 
 def check_private() -> None:
@@ -259,7 +273,7 @@ class PrivateNetworkCluster(LocalCluster):
         return self.network.address(index)
 
     def start_agent(self, index: int) -> None:
-        process = self._spawn(f"agent-{index}", self.agent_args(index), self.network.launcher())
+        process = self._spawn(f"agent-{index}", self.agent_args(index), enter_own_network)
         try:
             self.network.attach(index, process)
         except BaseException:
@@ -342,7 +356,7 @@ class Chaos:
     def _note(self, action: str, fault: Fault, detail: str = "") -> None:
         self.record.append(Action(time.monotonic() - self._started, time.time(), action, str(fault), detail))
 
-    def _process(self, agent: int) -> subprocess.Popen | None:
+    def _process(self, agent: int) -> ForkedProcess | None:
         """The running process of agent `agent` that the cluster started, or None."""
         process = self.cluster.processes.get(f"agent-{agent}")
         return process if process is not None and process.poll() is None else None

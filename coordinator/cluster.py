@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,7 +32,6 @@ if TYPE_CHECKING:
     from coordinator.ca import ClusterCA
 
 FINAL_STATES = (pb.JOB_FINISHED, pb.JOB_STOPPED, pb.JOB_FAILED)
-Process = ForkedProcess | subprocess.Popen
 
 
 class ClusterError(RuntimeError):
@@ -57,7 +55,7 @@ class LocalCluster:
     host: str = "127.0.0.1"  # where the coordinator listens, and the agents unless `agent_host` says otherwise
     device: str = "cpu"  # every agent's --device (they share a GPU: one is enough)
     torch_threads: int = 1  # every agent's --torch-threads: agents share this machine's cores
-    processes: dict[str, Process] = field(default_factory=dict)
+    processes: dict[str, ForkedProcess] = field(default_factory=dict)
     address: str = ""
     metrics_address: str = ""
     enroll_address: str = ""
@@ -70,20 +68,13 @@ class LocalCluster:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _spawn(self, name: str, args: list[str], launcher: tuple[str, ...] = ()) -> Process:
-        """Run `python -m ARGS` as process `name`: forked from the fork server that imported torch once
-        (coordinator/zygote.py), or under `launcher` (a command that ends by exec'ing its arguments, so that the
-        process's pid stays the Python program's) a fresh interpreter."""
+    def _spawn(self, name: str, args: list[str], prepare: Callable[[], None] | None = None) -> ForkedProcess:
+        """Run `python -m ARGS` as process `name`, forked from the fork server that imported torch once
+        (coordinator/zygote.py); `prepare` runs in it first."""
         logs = self.root / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        process: Process
-        if launcher:
-            with open(logs / f"{name}.log", "ab") as log_file:
-                process = subprocess.Popen([*launcher, sys.executable, "-m", *args], stdout=log_file,
-                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-        else:
-            process = ForkedProcess(args[0], args[1:], logs / f"{name}.log", env)
+        process = ForkedProcess(args[0], args[1:], logs / f"{name}.log", {**os.environ, "PYTHONUNBUFFERED": "1"},
+                                prepare)
         self.processes[name] = process
         return process
 
@@ -282,7 +273,7 @@ class LocalCluster:
                 process.wait()
 
 
-def _terminate(process: Process, grace_s: float) -> None:
+def _terminate(process: ForkedProcess, grace_s: float) -> None:
     """SIGTERM, as an operator's stop; killed if it has not exited within `grace_s`."""
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)

@@ -18,6 +18,7 @@ import runpy
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 # What a coordinator and an agent import before they do anything: the libraries and peertrain's daemons (not the CLI
@@ -34,10 +35,14 @@ FORK_SERVER.set_forkserver_preload([__name__, *PRELOADED])
 class ForkedProcess:
     """A program forked from the fork server, with the part of `subprocess.Popen`'s interface a cluster uses."""
 
-    def __init__(self, module: str, args: list[str], log_path: Path, env: dict[str, str]) -> None:
+    def __init__(self, module: str, args: list[str], log_path: Path, env: dict[str, str],
+                 prepare: Callable[[], None] | None = None) -> None:
+        """`prepare`, a module-level function (it is sent by name), runs in the child before the module: a process
+        attribute that `python -m` cannot set, such as a network namespace of its own (coordinator/chaos.py)."""
         # Daemonic: if the process that started it exits without stopping it, multiprocessing ends it (SIGTERM).
-        self._process = FORK_SERVER.Process(target=_run_module, args=(module, args, str(log_path), env, os.getcwd()),
-                                         name=module, daemon=True)
+        self._process = FORK_SERVER.Process(target=_run_module,
+                                            args=(module, args, str(log_path), env, os.getcwd(), prepare),
+                                            name=module, daemon=True)
         self._process.start()
         self.args = [module, *args]
         self.pid: int = self._process.pid  # type: ignore[assignment]  # set by start()
@@ -64,7 +69,8 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-def _run_module(module: str, args: list[str], log_path: str, env: dict[str, str], cwd: str) -> None:
+def _run_module(module: str, args: list[str], log_path: str, env: dict[str, str], cwd: str,
+                prepare: Callable[[], None] | None) -> None:
     """In the forked child: become `python -m MODULE ARGS` with stdout and stderr appended to `log_path`."""
     os.environ.clear()
     os.environ.update(env)
@@ -78,5 +84,7 @@ def _run_module(module: str, args: list[str], log_path: str, env: dict[str, str]
     os.close(log)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own streams, never closed)
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    if prepare is not None:
+        prepare()
     sys.argv = [module, *args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)

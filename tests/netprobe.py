@@ -13,9 +13,16 @@ import subprocess
 import sys
 import time
 
-from coordinator.chaos import PrivateNetwork
+from coordinator.chaos import LINK_TIMEOUT_S, PrivateNetwork
 
 PORT = 9000
+# Each side runs under this: a network namespace of its own, waiting until `attach` has made its default route, then
+# exec'ing the script (so that its pid stays the one attached). The agents do the same in Python once forked
+# (coordinator.chaos.enter_own_network); these scripts are plain interpreters with pipes.
+LAUNCHER = ("unshare", "--net", "--", "sh", "-c",
+            f"i=0; until ip route show default | grep -q via; do i=$((i+1)); "
+            f"if [ $i -gt {int(LINK_TIMEOUT_S / 0.02)} ]; then echo 'no link to the router' >&2; exit 75; fi; "
+            'sleep 0.02; done; exec "$@"', "netprobe-launcher")
 CUT_AFTER_S = 1.0
 CUT_FOR_S = 3.0
 CLIENT_FOR_S = 18.0  # TCP's retransmission timer has backed off during the cut: the next try may come seconds later
@@ -71,7 +78,7 @@ def main() -> int:
     processes = []
     try:
         for index, script in ((0, SERVER), (1, CLIENT)):
-            process = subprocess.Popen([*network.launcher(), sys.executable, "-c", script, network.address(0)],
+            process = subprocess.Popen([*LAUNCHER, sys.executable, "-c", script, network.address(0)],
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             processes.append(process)
             network.attach(index, process)
