@@ -78,3 +78,16 @@ def test_an_exception_fails_the_program_with_its_traceback_in_the_log(program, t
     assert process.wait(60) == 1
     assert "ValueError: invalid literal for int()" in (tmp_path / "bad.log").read_text()
     assert sys.modules.get("zygote_program") is None  # it ran there, not here
+
+
+def say_prepared() -> None:
+    """A `prepare` step: runs in the child, before the module, with the child's log as its output."""
+    print("prepared in", os.getpid())
+
+
+def test_a_prepare_step_runs_in_the_child_before_the_module(program, tmp_path):
+    log = tmp_path / "prepared.log"
+    process = ForkedProcess("zygote_program", ["0"], log, program, prepare=say_prepared)
+    assert process.wait(60) == 0
+    lines = log.read_text().splitlines()
+    assert lines[0] == f"prepared in {process.pid}" and lines[1] == "args ['0']"
