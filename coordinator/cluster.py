@@ -38,8 +38,9 @@ class ClusterError(RuntimeError):
     pass
 
 
-# How long the coordinator and the agents may take to come up, each importing torch: a bound for a busy machine (8
-# agents on 2 shared cores took more than 60 s), not a speed; a process that exits is noticed at once.
+# How long the coordinator and the agents may take to come up (the first start waits for the fork server's imports):
+# a bound for a busy machine (8 agents on 2 shared cores, each a fresh interpreter then, took more than 60 s), not a
+# speed; a process that exits is noticed at once.
 START_TIMEOUT_S = 300.0
 
 
