@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Collection
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,37 +163,42 @@ def simulate(
     started = time.monotonic()
     spec = spec.sized()  # an elastic job: at its largest size (build_nodes)
     nodes = build_nodes(spec, data_dir, allow_imports, device)
-    run_log = event_log = None
-    if run_dir is not None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "job.json").write_text(spec.model_dump_json(indent=2))
-        run_log, event_log = RunLog(run_dir), EventLog(run_dir)
-        event_log.append(Event(0.0, spec.name, events.STARTED, f"simulating {spec.algorithm.name} on {spec.nodes} "
-                               f"nodes, {spec.steps} steps"))
-    finished: set[int] = set()
-    coordinator: SimulatedCoordinator | None = None
+    with ExitStack() as logs_open:
+        run_log = event_log = None
+        if run_dir is not None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "job.json").write_text(spec.model_dump_json(indent=2))
+            run_log, event_log = RunLog(run_dir), EventLog(run_dir)
+            logs_open.enter_context(run_log.held_open())  # not opened again for each of the nodes' records
+            logs_open.enter_context(event_log.held_open())
+            event_log.append(Event(0.0, spec.name, events.STARTED,
+                                   f"simulating {spec.algorithm.name} on {spec.nodes} nodes, {spec.steps} steps"))
+        finished: set[int] = set()
+        coordinator: SimulatedCoordinator | None = None
 
-    def observe(mesh: VirtualMesh, sim: SimNode, report: Report) -> None:
-        assert coordinator is not None
-        progress = coordinator.report(report.progress)
-        if run_log is not None:
-            run_log.append(progress)
-        if event_log is not None and progress.finished and progress.rank not in finished:
-            finished.add(progress.rank)
-            event_log.append(Event(mesh.now, spec.name, events.FINISHED, f"rank {progress.rank} finished at step "
-                                   f"{progress.step}, {figures_text(spec.task, progress)}", rank=progress.rank,
-                                   node=progress.node, step=progress.step))
+        def observe(mesh: VirtualMesh, sim: SimNode, report: Report) -> None:
+            assert coordinator is not None
+            progress = coordinator.report(report.progress)
+            if run_log is not None:
+                run_log.append(progress)
+            if event_log is not None and progress.finished and progress.rank not in finished:
+                finished.add(progress.rank)
+                event_log.append(Event(mesh.now, spec.name, events.FINISHED, f"rank {progress.rank} finished at step "
+                                       f"{progress.step}, {figures_text(spec.task, progress)}", rank=progress.rank,
+                                       node=progress.node, step=progress.step))
 
-    mesh = VirtualMesh(nodes, spec.name, spec.simulation, metrics, observe,
-                       on_switch=topology_events(event_log) if event_log is not None else None)
-    with rare_full_collections():  # its records of every node: a full collection took 1 s of 5,000 nodes' registering
-        coordinator = SimulatedCoordinator(mesh, spec, device, event_log)
-    schedule_topology_changes(mesh, spec)
-    mesh.run(on_event=on_progress)
-    job = coordinator.job
-    if event_log is not None and job.state == JobState.RUNNING:
-        event_log.append(Event(mesh.now, spec.name, events.STOPPED, "the simulation ended before every node finished"))
-    return SimulationResult(mesh, run_dir, time.monotonic() - started, job)
+        mesh = VirtualMesh(nodes, spec.name, spec.simulation, metrics, observe,
+                           on_switch=topology_events(event_log) if event_log is not None else None)
+        # Its records of every node: a full collection took 1 s of 5,000 nodes' registering.
+        with rare_full_collections():
+            coordinator = SimulatedCoordinator(mesh, spec, device, event_log)
+        schedule_topology_changes(mesh, spec)
+        mesh.run(on_event=on_progress)
+        job = coordinator.job
+        if event_log is not None and job.state == JobState.RUNNING:
+            event_log.append(Event(mesh.now, spec.name, events.STOPPED,
+                                   "the simulation ended before every node finished"))
+        return SimulationResult(mesh, run_dir, time.monotonic() - started, job)
 
 
 def schedule_topology_changes(mesh: VirtualMesh, spec: JobSpec) -> None:

@@ -204,30 +204,19 @@ class FlatParameters:
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Named views of a flat vector laid out like the parameters (no copy)."""
-        out = {}
-        offset = 0
-        for name, size, shape in zip(self.names, self.sizes, self.shapes, strict=True):
-            out[name] = flat[offset : offset + size].view(shape)
-            offset += size
-        return out
+        parts = torch.split_with_sizes(flat, self.sizes)  # one call for all the cuts: it runs at every step
+        return {name: part.view(shape) for name, part, shape in zip(self.names, parts, self.shapes, strict=True)}
 
     def flatten(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """One flat vector from named tensors laid out like the parameters (validated upstream)."""
         return torch.cat([tensors[name].reshape(-1) for name in self.names]).to(self.vector.device)
 
-    def gradient(self) -> torch.Tensor:
-        """The parameters' gradients as one flat vector; the parameters' own are dropped (set to None), so that a node
-        holds no gradient between steps (the simulator holds thousands of nodes) and the next backward starts
-        from none."""
-        flat = torch.cat(
-            [
-                p.grad.reshape(-1) if p.grad is not None else torch.zeros(size, dtype=p.dtype, device=p.device)
-                for p, size in zip(self.parameters, self.sizes, strict=True)
-            ]
-        )
-        for p in self.parameters:
-            p.grad = None
-        return flat
+    def gradient(self, loss: torch.Tensor) -> torch.Tensor:
+        """d loss / d parameters as one flat vector (zeros for a parameter the loss does not reach). Taken with
+        autograd.grad rather than backward: no parameter's `.grad` is written, so a node holds no gradient between
+        steps (the simulator holds thousands of nodes), and a small model's step skips the accumulation into it."""
+        grads = torch.autograd.grad(loss, self.parameters, materialize_grads=True)
+        return torch.cat([grad.reshape(-1) for grad in grads])
 
 
 class LossScale:
@@ -282,7 +271,6 @@ class Algorithm(ABC):
         self.spec = context.spec
         self.loss_fn = loss_fn or nn.CrossEntropyLoss()
         model.train()  # what every step trains in (`gradient` switches only after an evaluation left it in eval)
-        model.zero_grad(set_to_none=True)  # `gradient` expects no gradient before its backward
         self.params = FlatParameters(model)
         self.w = self.params.vector
         self.clock = 0
@@ -350,11 +338,9 @@ class Algorithm(ABC):
             with torch.autocast(self.w.device.type, dtype=self.autocast):
                 loss = self.loss_fn(self.model(inputs), targets)
         if self.loss_scale is None:
-            loss.backward()
-            grad = self.params.gradient()
+            grad = self.params.gradient(loss)
         else:
-            (loss * self.loss_scale.scale).backward()
-            grad = self.params.gradient().div_(self.loss_scale.scale)
+            grad = self.params.gradient(loss * self.loss_scale.scale).div_(self.loss_scale.scale)
             finite = all_finite(grad)
             self.loss_scale.update(finite)
             if not finite:

@@ -10,12 +10,12 @@ it on the plots.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from nodeagent.rpc import plain_text
+from nodeagent.runtime.jsonlines import JsonLinesLog
 
 EVENTS_FILE = "events.jsonl"
 MAX_MESSAGE_CHARS = 2000  # of one event's text: a node's words are cut there before they are stored or shown
@@ -71,17 +71,14 @@ def bounded(text: str) -> str:
     return cleaned if len(text) <= MAX_MESSAGE_CHARS else cleaned + " [cut]"
 
 
-class EventLog:
+class EventLog(JsonLinesLog):
     """`events.jsonl` in a run directory: one JSON object per event, appended (thread-safe)."""
 
     def __init__(self, run_dir: str | Path):
-        self.path = Path(run_dir) / EVENTS_FILE
-        self._lock = threading.Lock()
+        super().__init__(Path(run_dir) / EVENTS_FILE)
 
     def append(self, event: Event) -> None:
-        line = json.dumps(asdict(event)) + "\n"
-        with self._lock, open(self.path, "a") as out:
-            out.write(line)
+        self.append_object(asdict(event))
 
 
 def level_at_least(level: str, minimum: str) -> bool:

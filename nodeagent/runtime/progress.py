@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nodeagent.runtime.jsonlines import JsonLinesLog
+
 LOG_FILE = "metrics.jsonl"
 
 
@@ -153,17 +155,14 @@ def ring_allgather_bytes(payload: int, ranks: int) -> int:
 # -- the metrics log of a run -------------------------------------------------------------------------------------
 
 
-class RunLog:
+class RunLog(JsonLinesLog):
     """`metrics.jsonl` in a run directory: one JSON object per progress record, appended (thread-safe)."""
 
     def __init__(self, run_dir: str | Path):
-        self.path = Path(run_dir) / LOG_FILE
-        self._lock = threading.Lock()
+        super().__init__(Path(run_dir) / LOG_FILE)
 
     def append(self, progress: Progress) -> None:
-        line = json.dumps(_plain(progress)) + "\n"
-        with self._lock, open(self.path, "a") as out:
-            out.write(line)
+        self.append_object(_plain(progress))
 
 
 _PROGRESS_FIELDS = tuple(f.name for f in dataclasses.fields(Progress))

@@ -91,7 +91,7 @@ class Normalisation:
         if samples.dtype == np.uint8:
             table = self._pixel_table()
             if len(self.mean) == 1:
-                return torch.from_numpy(table[0][samples])
+                return torch.from_numpy(table[0].take(samples))  # take: a flat gather, faster than indexing
             channels = np.arange(len(self.mean)).reshape((len(self.mean),) + (1,) * (samples.ndim - 2))
             return torch.from_numpy(table[channels, samples])
         return self.apply_tensor(torch.from_numpy(np.array(samples, dtype=np.float32)))
@@ -140,7 +140,8 @@ class Dataset:
 
     def images(self, which: np.ndarray | slice) -> torch.Tensor:
         """The samples `which` (indices or a slice), normalised: float32 (B, *input_shape)."""
-        return self.normalisation.apply(self.samples[which])
+        chosen = self.samples[which] if isinstance(which, slice) else self.samples.take(which, axis=0)
+        return self.normalisation.apply(chosen)
 
     def batch(self, which: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """The samples `which` (indices): normalised images and their labels."""

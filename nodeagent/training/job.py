@@ -16,6 +16,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -193,6 +194,12 @@ class JobData:
         initial = initial_model(spec, train.info, allow_imports)
         return cls(spec, train, test, shards, initial, InitialEvaluation(initial, test, task), device)
 
+    @cached_property
+    def loss_fn(self) -> nn.Module:
+        """The task's loss, one module for every node: it holds no state, and building one per node cost more than
+        a small model's copy."""
+        return task_of(self.spec).loss_fn()
+
     def node(self, rank: int, neighbors: tuple[Neighbor, ...], self_weight: float,
              peer_schedule: tuple[tuple[int, ...], ...] = ()) -> Node:
         """The node of `rank`: its own copy of the initial model (identical on every node), its shard, and its
@@ -208,7 +215,7 @@ class JobData:
             peer_schedule=peer_schedule,
             precision=spec.training.precision,
         )
-        algorithm = build_algorithm(copy_model(self.initial, self.device), context, task_of(spec).loss_fn())
+        algorithm = build_algorithm(copy_model(self.initial, self.device), context, self.loss_fn)
         shard = self.shards[rank]
         # Each node draws its own batch order, reproducibly (the same on every device).
         batches = BatchStream(self.train, shard, spec.data.batch_size, seed=spec.seed * 1_000_003 + rank,

@@ -132,8 +132,8 @@ def evaluate(model: nn.Module, dataset: Dataset, batch_size: int = 1000) -> Eval
     uploaded = dataset.on(device)
     was_training = model.training
     model.eval()
-    correct = torch.zeros((), dtype=torch.int64, device=device)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # of float32 chunk sums, as a Python float would
+    correct: torch.Tensor | None = None
+    loss_sum: torch.Tensor | None = None  # float64, of float32 chunk sums, as a Python float would add them
     try:
         with torch.no_grad():
             for start in range(0, len(dataset), batch_size):
@@ -144,8 +144,12 @@ def evaluate(model: nn.Module, dataset: Dataset, batch_size: int = 1000) -> Eval
                     images = dataset.normalised[part].to(device, non_blocking=True)
                     labels = dataset.labels[part].to(device, non_blocking=True)
                 logits = model(images)
-                loss_sum += F.cross_entropy(logits, labels, reduction="sum")
-                correct += (logits.argmax(dim=1) == labels).sum()
+                chunk_loss = F.cross_entropy(logits, labels, reduction="sum").double()
+                chunk_correct = (logits.argmax(dim=1) == labels).sum()
+                # The first chunk's sums start the totals: most evaluations (each simulated node's) are of one chunk.
+                loss_sum = chunk_loss if loss_sum is None else loss_sum.add_(chunk_loss)
+                correct = chunk_correct if correct is None else correct.add_(chunk_correct)
     finally:
         model.train(was_training)
+    assert correct is not None and loss_sum is not None  # the data set is not empty: one chunk at least
     return EvalResult(accuracy=int(correct) / len(dataset), loss=float(loss_sum) / len(dataset))
