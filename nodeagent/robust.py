@@ -214,23 +214,34 @@ class RobustAggregator:
     def __init__(self, spec: RobustSpec, num_workers: int):
         self.rule = spec.rule
         self.radius = None if spec.radius == "auto" else float(spec.radius)
-        self.byzantine = default_byzantine(num_workers) if spec.byzantine is None else spec.byzantine
+        self.assumed_byzantine = spec.byzantine  # None: a quarter of each round's contributions (default_byzantine)
         self.center: torch.Tensor | None = None
         self.clipped = [0] * num_workers
 
+    def byzantine_of(self, n: int) -> int:
+        """The liars assumed among a round's `n` contributions: the job's count, or its default for n; at most what
+        the rule can drop from n (a collective's quorum may be smaller than the job the count was checked for)."""
+        f = default_byzantine(n) if self.assumed_byzantine is None else self.assumed_byzantine
+        if self.rule == "trimmed-mean":
+            return min(f, (n - 1) // 2)
+        if self.rule == "krum":
+            return max(0, min(f, n - 3))
+        return f
+
     def aggregate(self, updates: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
-        """The round's aggregate and which workers count as clipped (also added to `clipped`)."""
+        """The round's aggregate of `updates` (one row per contribution) and which rows count as clipped (also added
+        to `clipped`)."""
         if self.rule == "centered-clip":
             center = torch.zeros_like(updates[0]) if self.center is None else self.center
             result, flags = centered_clip(updates, center, self.radius)
             self.center = result.clone()
         else:
             if self.rule == "trimmed-mean":
-                result = trimmed_mean(updates, self.byzantine)
+                result = trimmed_mean(updates, self.byzantine_of(updates.shape[0]))
             elif self.rule == "median":
                 result = coordinate_median(updates)
             elif self.rule == "krum":
-                result = krum(updates, self.byzantine)
+                result = krum(updates, self.byzantine_of(updates.shape[0]))
             else:
                 raise ValueError(f"{self.rule} is not a rule of the parameter server")
             flags = outliers(updates, result)

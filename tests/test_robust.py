@@ -9,8 +9,10 @@ import torch
 
 from coordinator.jobs import validate_job
 from coordinator.simulate import simulate
+from nodeagent.algorithms.allreduce import AllReduceSGD
+from nodeagent.algorithms.base import ALLREDUCE_RANK, NodeContext
 from nodeagent.byzantine import forge, forge_tensor
-from nodeagent.jobspec import JobSpecError, RobustSpec, parse_job_spec
+from nodeagent.jobspec import AlgorithmSpec, JobSpecError, RobustSpec, parse_job_spec
 from nodeagent.metrics import Metrics
 from nodeagent.ps.messages import SERVER_NAME
 from nodeagent.ps.rules import ASGDServer, SSGDServer
@@ -181,8 +183,9 @@ def job(fashion_mnist_dir, algorithm: dict, nodes: int = 8, steps: int = 120, by
 
 
 @pytest.mark.parametrize(("algorithm", "message"), [
-    ({"name": "allreduce", "robust": {"rule": "median"}}, "algorithm.robust: allreduce takes no robust rule: the "
-     "all-reduce sums"),
+    ({"name": "allreduce", "robust": {"rule": "self-centered-clip"}}, "algorithm.robust.rule: allreduce takes "
+     "centered-clip or trimmed-mean or median or krum, not self-centered-clip"),
+    ({"name": "allreduce", "robust": {"rule": "krum", "byzantine": 6}}, "algorithm.robust.byzantine: krum needs"),
     ({"name": "diloco", "options": {"inner_steps": 10}, "robust": {"rule": "median"}}, "algorithm.robust: diloco "
      "takes no robust rule"),
     ({"name": "asgd", "robust": {"rule": "trimmed-mean"}}, "algorithm.robust.rule: asgd takes centered-clip, not "
@@ -253,6 +256,38 @@ def test_a_liar_through_the_parameter_server_is_trimmed_and_counted(fashion_mnis
     flagged = metrics.registry.get_sample_value("peertrain_robust_clipped_total",
                                                 {"job_id": "robust", "src": "rank3", "dst": SERVER_NAME})
     assert flagged == 60  # the liar, in every round
+
+
+@pytest.mark.parametrize("rule", ["trimmed-mean", "median", "centered-clip"])
+def test_a_liar_in_an_all_reduce_job_is_outvoted_over_the_all_gather_and_the_replicas_stay_identical(
+        fashion_mnist_dir, rule):
+    liar = [{"ranks": [3], "attack": "ipm", "strength": 20.0}]  # -20 times the honest mean: the mean ascends
+    plain = simulate(job(fashion_mnist_dir, {"name": "allreduce"}, steps=60, byzantine=liar))
+    robust = simulate(job(fashion_mnist_dir, {"name": "allreduce", "robust": {"rule": rule}}, steps=60,
+                          byzantine=liar))
+    assert max(p.test_accuracy for p in plain.progress) < 0.4
+    assert min(p.test_accuracy for p in robust.progress) > 0.6
+    # Every member applied the same aggregate: one model, the liar's own replica included.
+    models = [sim.node.algorithm.w for sim in robust.mesh.nodes]
+    assert all(torch.equal(model, models[0]) for model in models)
+    outlying = [sim.node.algorithm.robust_outlying(ALLREDUCE_RANK) for sim in robust.mesh.nodes]
+    # The liar's row is outlying in every round (an honest row now and then too), alike on every member.
+    assert len(set(outlying)) == 1 and 60 <= outlying[0] < 70
+
+
+def test_the_centered_clip_center_of_an_all_reduce_job_travels_in_the_group_state():
+    def member(rank: int) -> AllReduceSGD:
+        torch.manual_seed(0)
+        spec = AlgorithmSpec(name="allreduce", lr=0.1, robust=RobustSpec(rule="centered-clip"))
+        return AllReduceSGD(torch.nn.Linear(3, 2), NodeContext(rank=rank, world_size=4, neighbors=(), spec=spec))
+
+    restarted, live = member(0), member(1)
+    # Before the first round the center is the rule's zeros: every member's state has the same tensors, which the
+    # quorum's broadcast relies on.
+    assert set(restarted.group_state().tensors) == set(live.group_state().tensors) == {"w", "robust_center"}
+    live.aggregator.center = torch.full_like(live.w, 0.5)
+    restarted.receive(live.group_state())
+    assert torch.equal(restarted.aggregator.center, live.aggregator.center)
 
 
 def test_without_max_update_norm_a_1e30_gradient_is_bounded_by_the_default(fashion_mnist_dir):

@@ -11,6 +11,16 @@ itself belongs to the runtime (torch.distributed in the agent), never to this st
 A rank that is lost and restarted comes back at its checkpoint, steps behind, without its momentum: the runtime
 forms the group again and answers, instead of a mean, the group's state (`group_state()` of the rank furthest on:
 parameters, momentum, step) as a PARAMS message, which every rank takes up; they are identical again.
+
+Robust aggregation (`algorithm.robust: {rule: centered-clip | trimmed-mean | median | krum}`). A sum hides every
+contribution, so a robust job all-gathers the gradients instead (Route.ALLGATHER): each member receives every
+member's g_i, in the quorum's rank order, and applies the rule's aggregate (nodeagent.robust.RobustAggregator, with
+f liars assumed: `robust.byzantine`, or a quarter of the quorum) where the mean would be. Every member computes it
+from the same rows with the same arithmetic, so the replicas stay bit-identical; CenteredClip's center, the one
+state the rule keeps, travels in the group's state. A row that could overflow (nodeagent.robust.unsafe: not finite,
+or beyond the dtype's safe magnitude) is dropped before the rule, on every member alike; a round with no row left
+takes no step. The cost is in bytes: an all-gather moves (n - 1) gradients per member where the ring all-reduce moves
+2 (n - 1) / n, n / 2 times as many.
 """
 
 from __future__ import annotations
@@ -34,6 +44,8 @@ from nodeagent.algorithms.base import (
     Snapshot,
 )
 from nodeagent.jobspec import JobSpec, JobSpecError
+from nodeagent.ps.worker import check_robust_workers
+from nodeagent.robust import RobustAggregator, outliers, unsafe
 from nodeagent.wire.errors import Reason, WireError
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
@@ -49,6 +61,7 @@ class AllReduceOptions(AlgorithmOptions):
 
 
 ADAM_MOMENTS = ("adam_m", "adam_v")  # their names in the group's state
+ROBUST_CENTER = "robust_center"  # CenteredClip's center in the group's state
 
 
 class AllReduceSGD(Algorithm):
@@ -57,8 +70,9 @@ class AllReduceSGD(Algorithm):
     name = "allreduce"
     family = Family.COLLECTIVE
     modes = ("sync",)
-    robust_refusal = ("the all-reduce sums the gradients, so no rule can see each one (a robust rule needs the "
-                      "all-gather route, not built yet); use ssgd with a robust rule")
+    robust_rules = ("centered-clip", "trimmed-mean", "median", "krum")
+    robust_refusal = ("self-centered-clip is the peer-to-peer family's; over the all-reduce every member's gradient "
+                      "is gathered and aggregated alike on each")
     Options = AllReduceOptions
 
     @classmethod
@@ -68,6 +82,7 @@ class AllReduceSGD(Algorithm):
         assert isinstance(options, AllReduceOptions)
         if options.optimizer == "adamw" and (spec.algorithm.momentum or spec.algorithm.nesterov):
             raise JobSpecError("algorithm.momentum: AdamW keeps its own moments (set beta1 in the options)")
+        check_robust_workers(spec)
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         super().__init__(model, context, loss_fn)
@@ -77,6 +92,8 @@ class AllReduceSGD(Algorithm):
             raise JobSpecError("algorithm.momentum: AdamW keeps its own moments (set beta1 in the options)")
         adamw = options.optimizer == "adamw"
         self.adam: dict[str, torch.Tensor] = {name: torch.zeros_like(self.w) for name in ADAM_MOMENTS} if adamw else {}
+        robust = self.spec.robust
+        self.aggregator = RobustAggregator(robust, context.world_size) if robust is not None else None
         self.waiting = False  # this step's gradient is out and its mean has not come back
         self._outbox: list[Send] = []
         self.republish()
@@ -91,7 +108,8 @@ class AllReduceSGD(Algorithm):
         message = Message(
             Kind.GRADIENT, self.context.rank, ALLREDUCE_RANK, self.params.views(grad), clock=self.clock, loss=loss
         )
-        self._outbox = [Send(Route.ALLREDUCE, ALLREDUCE_RANK, Kind.GRADIENT, message)]
+        route = Route.ALLREDUCE if self.aggregator is None else Route.ALLGATHER
+        self._outbox = [Send(route, ALLREDUCE_RANK, Kind.GRADIENT, message)]
         self.waiting = True
         return loss
 
@@ -107,6 +125,10 @@ class AllReduceSGD(Algorithm):
         if self.spec.momentum != 0:
             buffer = self._momentum_buffer
             tensors["momentum"] = buffer.clone() if buffer is not None else torch.zeros_like(self.w)
+        if self.aggregator is not None and self.aggregator.rule == "centered-clip":
+            # Zeros before the first round, as the rule starts from: every member's state has the same tensors.
+            center = self.aggregator.center
+            tensors[ROBUST_CENTER] = center.clone() if center is not None else torch.zeros_like(self.w)
         return Message(Kind.PARAMS, self.context.rank, ALLREDUCE_RANK, tensors, clock=self.clock)
 
     def round_applied(self) -> bool:
@@ -121,6 +143,8 @@ class AllReduceSGD(Algorithm):
             self._momentum_buffer = momentum.clone() if momentum is not None else None
             for name, moment in self.adam.items():
                 moment.copy_(message.tensors[name])
+            if self.aggregator is not None and self.aggregator.rule == "centered-clip":
+                self.aggregator.center = message.tensors[ROBUST_CENTER].clone()
             self.clock = message.clock
             self.waiting = False
             self._outbox = []
@@ -133,7 +157,16 @@ class AllReduceSGD(Algorithm):
                 f"rank {self.context.rank}: an all-reduce mean of step {message.clock} arrived at step {self.clock}, "
                 f"{state}"
             )
-        mean = self.params.flatten(message.tensors)
+        if self.aggregator is None:
+            mean = self.params.flatten(message.tensors)
+        else:
+            aggregate = self._robust_aggregate(message)
+            if aggregate is None:  # no contribution could be mixed safely: the step is taken by nobody
+                self.waiting = False
+                self.clock += 1
+                self.republish()
+                return
+            mean = aggregate
         if self.adam:
             self._adamw(mean)
         else:
@@ -141,6 +174,28 @@ class AllReduceSGD(Algorithm):
         self.waiting = False
         self.clock += 1
         self.republish()
+
+    def _robust_aggregate(self, message: Message) -> torch.Tensor | None:
+        """The rule's aggregate of the gathered gradients (each tensor of `message` stacked over the quorum's
+        members), the rows that could overflow dropped first; None when none is left. Counted under the all-reduce:
+        every row seen, those the rule clipped or trimmed, those outlying (nodeagent.robust.outliers) and those
+        refused."""
+        assert self.aggregator is not None
+        members = next(iter(message.tensors.values())).shape[0]
+        rows = torch.cat([message.tensors[name].reshape(members, -1) for name in self.params.names], dim=1)
+        rows = rows.to(self.w.device, self.w.dtype)
+        counts = self.mixing
+        counts.seen[ALLREDUCE_RANK] += members
+        safe = [index for index in range(members) if not unsafe(rows[index])]
+        counts.refused[ALLREDUCE_RANK] += members - len(safe)
+        if not safe:
+            return None
+        rows = rows[safe] if len(safe) < members else rows
+        aggregate, clipped = self.aggregator.aggregate(rows)
+        counts.clipped[ALLREDUCE_RANK] += sum(clipped)
+        # Outlying by one measure for every rule: CenteredClip at its automatic radius clips half the rows.
+        counts.outlying[ALLREDUCE_RANK] += sum(outliers(rows, aggregate))
+        return aggregate
 
     def _adamw(self, grad: torch.Tensor) -> None:
         """One AdamW step (decoupled weight decay, bias-corrected moments) with the mean gradient, step clock + 1."""

@@ -65,8 +65,8 @@ class SimulatedQuorum:
     # -- what the mesh calls -----------------------------------------------------------------------------------
 
     def contribute(self, sim: SimNode, t: Transmission) -> None:
-        message = t.send.message
-        assert isinstance(message, Message)
+        assert isinstance(t.send.message, Message)
+        message = self.mesh.forged(t.send.message)  # a liar's (simulation.byzantine) contribution is its forgery
         algorithm = sim.node.algorithm
         part = Contribution(t, message, MemberState(algorithm.group_state(), algorithm.round_applied()))
         if self.forming_since is None and sim.rank in self.members:

@@ -345,7 +345,7 @@ class VirtualMesh:
         return forge(group.attack, tensors, others, None if receiver is None else honest.get(receiver),
                      group.strength, self._attack_generator)
 
-    def _forged(self, message: Message) -> Message:
+    def forged(self, message: Message) -> Message:
         if not self.liars:
             return message
         return replace(message, tensors=self.sent_by(message.sender, message.receiver, message.kind, message.tensors))
@@ -402,7 +402,7 @@ class VirtualMesh:
         message = t.send.message
         assert message is None or isinstance(message, Message)
         if message is not None:
-            message = self._forged(message)
+            message = self.forged(message)
         if t.send.route == Route.PUSH:
             self.arrive(receiver, message)
             self.arrive(sender, Reply(t, None))
@@ -412,7 +412,7 @@ class VirtualMesh:
         if reply is None:
             self._give_up(sender, t, "failed_precondition", self.now)
             return
-        reply = self._forged(reply)
+        reply = self.forged(reply)
         self.count(receiver, sender, reply.payload_bytes)
         arrival = self._arrival((receiver.rank, sender.rank), reply.payload_bytes)
         self.at(arrival, lambda: self._exchange_done(sender, t, reply))
