@@ -40,6 +40,9 @@ CASES = {
     # equal up to float rounding, not bit for bit.
     "ssgd": Case({"name": "ssgd"}, bit_identical=False, shared_model=True),
     "allreduce": Case({"name": "allreduce", "momentum": 0.5}, bit_identical=False, shared_model=True),
+    # A robust rule all-gathers the gradients and every member takes their median in rank order: no summation order.
+    "allreduce-robust": Case({"name": "allreduce", "momentum": 0.5, "robust": {"rule": "median"}},
+                             bit_identical=True, shared_model=True),
 }
 # Not ESync, even with a huge epsilon: in the first round a worker whose step duration the server has not seen yet
 # counts as infinitely slow (nodeagent.ps.esync), so the others run local steps until every worker's first report
