@@ -64,7 +64,8 @@ class RobustSpec(_Strict):
         description="self-centered-clip (peer-to-peer: each neighbour's contribution clipped around the node's own "
         "state before it is mixed); centered-clip, trimmed-mean, median or krum (the parameter server's aggregation "
         "of the workers' updates, the asynchronous servers taking centered-clip alone; allreduce's of every member's "
-        "gradient, all-gathered instead of summed: n / 2 times the bytes)")
+        "gradient and diloco's of every pseudo-gradient but centered-clip, all-gathered instead of summed: n / 2 "
+        "times the bytes)")
     radius: float | Literal["auto"] = Field(
         "auto", description="the clipping radius (L2) of the clip rules; auto: adapted from the recent "
         "distances the node (their lower quartile) or server (their median) has seen")

@@ -186,8 +186,8 @@ def job(fashion_mnist_dir, algorithm: dict, nodes: int = 8, steps: int = 120, by
     ({"name": "allreduce", "robust": {"rule": "self-centered-clip"}}, "algorithm.robust.rule: allreduce takes "
      "centered-clip or trimmed-mean or median or krum, not self-centered-clip"),
     ({"name": "allreduce", "robust": {"rule": "krum", "byzantine": 6}}, "algorithm.robust.byzantine: krum needs"),
-    ({"name": "diloco", "options": {"inner_steps": 10}, "robust": {"rule": "median"}}, "algorithm.robust: diloco "
-     "takes no robust rule"),
+    ({"name": "diloco", "options": {"inner_steps": 10}, "robust": {"rule": "centered-clip"}}, "algorithm.robust.rule: "
+     "diloco takes trimmed-mean or median or krum, not centered-clip: centered-clip's center is state"),
     ({"name": "asgd", "robust": {"rule": "trimmed-mean"}}, "algorithm.robust.rule: asgd takes centered-clip, not "
      "trimmed-mean: its server applies each update on arrival"),
     ({"name": "dsgd", "robust": {"rule": "median"}}, "algorithm.robust.rule: dsgd takes self-centered-clip, not "
@@ -258,21 +258,41 @@ def test_a_liar_through_the_parameter_server_is_trimmed_and_counted(fashion_mnis
     assert flagged == 60  # the liar, in every round
 
 
-@pytest.mark.parametrize("rule", ["trimmed-mean", "median", "centered-clip"])
+DILOCO = {"name": "diloco", "options": {"inner_steps": 10}}  # 6 syncs in 60 steps
+
+
+@pytest.mark.parametrize(("algorithm", "rule", "rounds"), [
+    ({"name": "allreduce"}, "trimmed-mean", 60),
+    ({"name": "allreduce"}, "median", 60),
+    ({"name": "allreduce"}, "centered-clip", 60),
+    (DILOCO, "median", 6),
+])
 def test_a_liar_in_an_all_reduce_job_is_outvoted_over_the_all_gather_and_the_replicas_stay_identical(
-        fashion_mnist_dir, rule):
+        fashion_mnist_dir, algorithm, rule, rounds):
     liar = [{"ranks": [3], "attack": "ipm", "strength": 20.0}]  # -20 times the honest mean: the mean ascends
-    plain = simulate(job(fashion_mnist_dir, {"name": "allreduce"}, steps=60, byzantine=liar))
-    robust = simulate(job(fashion_mnist_dir, {"name": "allreduce", "robust": {"rule": rule}}, steps=60,
-                          byzantine=liar))
+    plain = simulate(job(fashion_mnist_dir, algorithm, steps=60, byzantine=liar))
+    robust = simulate(job(fashion_mnist_dir, {**algorithm, "robust": {"rule": rule}}, steps=60, byzantine=liar))
     assert max(p.test_accuracy for p in plain.progress) < 0.4
     assert min(p.test_accuracy for p in robust.progress) > 0.6
     # Every member applied the same aggregate: one model, the liar's own replica included.
     models = [sim.node.algorithm.w for sim in robust.mesh.nodes]
     assert all(torch.equal(model, models[0]) for model in models)
-    outlying = [sim.node.algorithm.robust_outlying(ALLREDUCE_RANK) for sim in robust.mesh.nodes]
     # The liar's row is outlying in every round (an honest row now and then too), alike on every member.
-    assert len(set(outlying)) == 1 and 60 <= outlying[0] < 70
+    outlying = [sim.node.algorithm.robust_outlying(ALLREDUCE_RANK) for sim in robust.mesh.nodes]
+    assert len(set(outlying)) == 1 and rounds <= outlying[0] < rounds + 10
+
+
+def test_int8_diloco_refuses_a_liars_codes_that_do_not_decode_on_every_member_alike(fashion_mnist_dir):
+    # -20 times the honest mean makes the liar's int8 scales negative: its rows cannot be decoded.
+    liar = [{"ranks": [3], "attack": "ipm", "strength": 20.0}]
+    algorithm = {"name": "diloco", "options": {"inner_steps": 10, "precision": "int8"},
+                 "robust": {"rule": "trimmed-mean"}}
+    robust = simulate(job(fashion_mnist_dir, algorithm, steps=60, byzantine=liar))
+    assert min(p.test_accuracy for p in robust.progress) > 0.6
+    models = [sim.node.algorithm.w for sim in robust.mesh.nodes]
+    assert all(torch.equal(model, models[0]) for model in models)
+    refused = [sim.node.algorithm.mixing.refused[ALLREDUCE_RANK] for sim in robust.mesh.nodes]
+    assert refused == [6] * 8  # the liar's row of each of the 6 syncs, on every member
 
 
 def test_the_centered_clip_center_of_an_all_reduce_job_travels_in_the_group_state():

@@ -110,9 +110,12 @@ Averaging routes:
   every node's (u, theta).
 
 Robust rules on the other routes: `diloco-ps` takes the parameter server's (centered-clip, trimmed-mean, median,
-krum; nodeagent.robust), applied to the round's pseudo-gradients. `diloco` refuses them: the all-reduce sums the
-contributions, so no rule can see each one; a robust rule needs every contribution, the all-gather route
-(n - 1 full pseudo-gradients through each link instead of a ring all-reduce's 2 (n - 1) / n), not built yet.
+krum; nodeagent.robust), applied to the round's pseudo-gradients. `diloco` takes trimmed-mean, median and krum: the
+sum hides each contribution, so a robust job all-gathers the pseudo-gradients instead (n - 1 of them through each
+link where a ring all-reduce moves 2 (n - 1) / n), and every member applies the rule to the same rows, in rank
+order, where the mean would be: the replicas stay identical. A row that could overflow (nodeagent.robust.unsafe) is
+dropped first, alike on every member; a sync with no row left is applied with a zero pseudo-gradient (the outer
+momentum still moves). CenteredClip is refused: its center is state that would have to follow every fragment.
 
 Evaluation sees w_i: the new global after a sync round (when eval_every is a multiple of H), local progress
 otherwise.
@@ -146,6 +149,7 @@ from nodeagent.ps.messages import ServerAnswer, ServerModel, ServerPush
 from nodeagent.ps.rules import OuterServer, ParameterServer, ProtocolError, PushResult
 from nodeagent.ps.server import ServerHalf, ServerOptions
 from nodeagent.ps.worker import PSWorker, check_robust_workers
+from nodeagent.robust import RobustAggregator, outliers, unsafe
 from nodeagent.wire import lowprecision
 from nodeagent.wire.errors import Reason, WireError
 from nodeagent.wire.lowprecision import Precision
@@ -200,8 +204,6 @@ class _DiLoCo(Algorithm):
     modes = ("sync",)
     Options = DiLoCoOptions
     options: DiLoCoOptions
-    robust_refusal = ("the all-reduce sums the pseudo-gradients, so no rule can see each one (a robust rule needs the "
-                      "all-gather route, not built yet); use diloco-ps or diloco-gossip")
 
     def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
         super().__init__(model, context, loss_fn)
@@ -432,17 +434,30 @@ class _DiLoCo(Algorithm):
 
 
 class DiLoCo(_DiLoCo):
-    """DiLoCo over the runtime's all-reduce (all-gather for lossy pseudo-gradients)."""
+    """DiLoCo over the runtime's all-reduce (all-gather for lossy pseudo-gradients and robust rules)."""
 
     name = "diloco"
     family = Family.COLLECTIVE
     sends_after_receive = True  # a group state taken up sends the interrupted sync again
+    robust_rules = ("trimmed-mean", "median", "krum")
+    robust_refusal = ("centered-clip's center is state that would have to follow every fragment; trimmed-mean, "
+                      "median and krum keep none")
+
+    @classmethod
+    def check(cls, spec: JobSpec, topology: Graph) -> None:
+        super().check(spec, topology)
+        check_robust_workers(spec)
+
+    def __init__(self, model: nn.Module, context: NodeContext, loss_fn: nn.Module | None = None):
+        super().__init__(model, context, loss_fn)
+        robust = self.spec.robust
+        self.aggregator = RobustAggregator(robust, context.world_size) if robust is not None else None
 
     def _sync_sends(self, pending: PendingSync, value: torch.Tensor) -> list[Send]:
         tensors = self.encode(value)
         if self.lossy:
             self.keep_residual(pending.fragment, self.decode(tensors), value)
-        route = Route.ALLGATHER if self.lossy else Route.ALLREDUCE
+        route = Route.ALLGATHER if self.lossy or self.aggregator is not None else Route.ALLREDUCE
         message = Message(Kind.DELTA, self.context.rank, ALLREDUCE_RANK, tensors, clock=pending.sent_at,
                           loss=self.last_loss)
         return [Send(route, ALLREDUCE_RANK, Kind.DELTA, message)]
@@ -457,7 +472,9 @@ class DiLoCo(_DiLoCo):
             out = f"waiting for step {pending.sent_at}" if pending else "with none out"
             raise RuntimeError(f"rank {self.context.rank}: the average of step {message.clock} arrived at step "
                                f"{self.clock}, {out}")
-        if self.lossy:
+        if self.aggregator is not None:
+            pending.mean = self._robust_aggregate(message)
+        elif self.lossy:
             members = next(iter(message.tensors.values())).shape[0]  # the quorum's: a lost rank is not in it
             gathered = [self.decode({name: t[member] for name, t in message.tensors.items()})
                         for member in range(members)]
@@ -468,6 +485,31 @@ class DiLoCo(_DiLoCo):
         else:
             pending.mean = message.tensors["delta"].clone()
         self._apply_due()
+
+    def _robust_aggregate(self, message: Message) -> torch.Tensor:
+        """The rule's aggregate of the gathered pseudo-gradients (one row per member of the quorum, decoded when
+        lossy), the rows that do not decode or could overflow dropped first (zeros when none is left). Counted
+        under the all-reduce: rows seen, trimmed or clipped, outlying (nodeagent.robust.outliers) and refused."""
+        assert self.aggregator is not None
+        members = next(iter(message.tensors.values())).shape[0]  # the quorum's: a lost rank is not in it
+        decoded = []
+        for member in range(members):
+            try:  # a member's lossy codes may not decode (negative or non-finite scales)
+                row = self.decode({name: t[member] for name, t in message.tensors.items()})
+            except WireError:
+                continue
+            if not unsafe(row):
+                decoded.append(row)
+        counts = self.mixing
+        counts.seen[ALLREDUCE_RANK] += members
+        counts.refused[ALLREDUCE_RANK] += members - len(decoded)
+        if not decoded:
+            return torch.zeros(self.fragment_length, dtype=self.w.dtype, device=self.w.device)
+        rows = torch.stack(decoded).to(self.w.device, self.w.dtype)
+        aggregate, clipped = self.aggregator.aggregate(rows)
+        counts.clipped[ALLREDUCE_RANK] += sum(clipped)
+        counts.outlying[ALLREDUCE_RANK] += sum(outliers(rows, aggregate))
+        return aggregate
 
     def group_state(self) -> Message:
         """What the all-reduce hands from this rank to every other when the group is formed again: parameters,
