@@ -295,6 +295,21 @@ def test_int8_diloco_refuses_a_liars_codes_that_do_not_decode_on_every_member_al
     assert refused == [6] * 8  # the liar's row of each of the 6 syncs, on every member
 
 
+@pytest.mark.parametrize("algorithm", [{"name": "allreduce"}, DILOCO,
+                                       {**DILOCO, "options": {"inner_steps": 10, "precision": "int8"}}])
+def test_a_plain_all_reduce_job_applies_no_round_that_a_liar_made_overflow_or_undecodable(fashion_mnist_dir,
+                                                                                         algorithm):
+    # Finite values that overflow once summed (full precision), or negative int8 scales that cannot be decoded.
+    attack = {"name": "ipm", "strength": 20.0} if "precision" in algorithm.get("options", {}) else \
+        {"name": "constant", "strength": 3e38}
+    liar = [{"ranks": [3], "attack": attack["name"], "strength": attack["strength"]}]
+    result = simulate(job(fashion_mnist_dir, algorithm, steps=60, byzantine=liar))
+    models = [sim.node.algorithm.w for sim in result.mesh.nodes]
+    assert all(torch.isfinite(model).all() for model in models)
+    assert all(torch.equal(model, models[0]) for model in models)
+    assert min(sim.node.algorithm.mixing.refused[ALLREDUCE_RANK] for sim in result.mesh.nodes) > 0
+
+
 def test_the_centered_clip_center_of_an_all_reduce_job_travels_in_the_group_state():
     def member(rank: int) -> AllReduceSGD:
         torch.manual_seed(0)

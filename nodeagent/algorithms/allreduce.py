@@ -19,7 +19,8 @@ f liars assumed: `robust.byzantine`, or a quarter of the quorum) where the mean 
 from the same rows with the same arithmetic, so the replicas stay bit-identical; CenteredClip's center, the one
 state the rule keeps, travels in the group's state. A row that could overflow (nodeagent.robust.unsafe: not finite,
 or beyond the dtype's safe magnitude) is dropped before the rule, on every member alike; a round with no row left
-takes no step. The cost is in bytes: an all-gather moves (n - 1) gradients per member where the ring all-reduce moves
+takes no step, nor does a plain job's round whose mean could overflow (a liar's finite values summed past the
+dtype). The cost is in bytes: an all-gather moves (n - 1) gradients per member where the ring all-reduce moves
 2 (n - 1) / n, n / 2 times as many.
 """
 
@@ -158,15 +159,17 @@ class AllReduceSGD(Algorithm):
                 f"{state}"
             )
         if self.aggregator is None:
-            mean = self.params.flatten(message.tensors)
+            mean: torch.Tensor | None = self.params.flatten(message.tensors)
+            if unsafe(mean):  # a member's values summed past the dtype: the same mean on every member
+                self.mixing.refused[ALLREDUCE_RANK] += 1
+                mean = None
         else:
-            aggregate = self._robust_aggregate(message)
-            if aggregate is None:  # no contribution could be mixed safely: the step is taken by nobody
-                self.waiting = False
-                self.clock += 1
-                self.republish()
-                return
-            mean = aggregate
+            mean = self._robust_aggregate(message)
+        if mean is None:  # nothing could be applied safely: the step is taken by nobody
+            self.waiting = False
+            self.clock += 1
+            self.republish()
+            return
         if self.adam:
             self._adamw(mean)
         else:

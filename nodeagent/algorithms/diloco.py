@@ -113,9 +113,10 @@ Robust rules on the other routes: `diloco-ps` takes the parameter server's (cent
 krum; nodeagent.robust), applied to the round's pseudo-gradients. `diloco` takes trimmed-mean, median and krum: the
 sum hides each contribution, so a robust job all-gathers the pseudo-gradients instead (n - 1 of them through each
 link where a ring all-reduce moves 2 (n - 1) / n), and every member applies the rule to the same rows, in rank
-order, where the mean would be: the replicas stay identical. A row that could overflow (nodeagent.robust.unsafe) is
-dropped first, alike on every member; a sync with no row left is applied with a zero pseudo-gradient (the outer
-momentum still moves). CenteredClip is refused: its center is state that would have to follow every fragment.
+order, where the mean would be: the replicas stay identical. On every gathered route a row that does not decode or
+could overflow (nodeagent.robust.unsafe) is dropped first, alike on every member, as is a summed mean that could; a
+sync with no row left is applied with a zero pseudo-gradient (the outer momentum still moves). CenteredClip is
+refused: its center is state that would have to follow every fragment.
 
 Evaluation sees w_i: the new global after a sync round (when eval_every is a multiple of H), local progress
 otherwise.
@@ -472,43 +473,48 @@ class DiLoCo(_DiLoCo):
             out = f"waiting for step {pending.sent_at}" if pending else "with none out"
             raise RuntimeError(f"rank {self.context.rank}: the average of step {message.clock} arrived at step "
                                f"{self.clock}, {out}")
-        if self.aggregator is not None:
-            pending.mean = self._robust_aggregate(message)
-        elif self.lossy:
-            members = next(iter(message.tensors.values())).shape[0]  # the quorum's: a lost rank is not in it
-            gathered = [self.decode({name: t[member] for name, t in message.tensors.items()})
-                        for member in range(members)]
-            total = torch.zeros(self.fragment_length, dtype=self.w.dtype, device=self.w.device)
-            for vector in gathered:  # in rank order: the same float sum on every node
-                total.add_(vector)
-            pending.mean = total / members
-        else:
+        if self.aggregator is None and not self.lossy:
             pending.mean = message.tensors["delta"].clone()
+            if unsafe(pending.mean):  # a member's values summed past the dtype: the same mean on every member
+                self.mixing.refused[ALLREDUCE_RANK] += 1
+                pending.mean = torch.zeros_like(pending.mean)
+        else:
+            rows = self._gathered_rows(message)
+            if not rows:
+                pending.mean = torch.zeros(self.fragment_length, dtype=self.w.dtype, device=self.w.device)
+            elif self.aggregator is not None:
+                pending.mean = self._robust_aggregate(torch.stack(rows))
+            else:
+                total = torch.zeros(self.fragment_length, dtype=self.w.dtype, device=self.w.device)
+                for vector in rows:  # in rank order: the same float sum on every node
+                    total.add_(vector)
+                pending.mean = total / len(rows)
         self._apply_due()
 
-    def _robust_aggregate(self, message: Message) -> torch.Tensor:
-        """The rule's aggregate of the gathered pseudo-gradients (one row per member of the quorum, decoded when
-        lossy), the rows that do not decode or could overflow dropped first (zeros when none is left). Counted
-        under the all-reduce: rows seen, trimmed or clipped, outlying (nodeagent.robust.outliers) and refused."""
-        assert self.aggregator is not None
+    def _gathered_rows(self, message: Message) -> list[torch.Tensor]:
+        """Every member's pseudo-gradient of an all-gather (one row per member of the quorum, in rank order, decoded
+        when lossy), without the rows that do not decode (a liar's negative int8 scales) or could overflow
+        (nodeagent.robust.unsafe): dropped alike on every member, counted as refused under the all-reduce."""
         members = next(iter(message.tensors.values())).shape[0]  # the quorum's: a lost rank is not in it
-        decoded = []
+        rows = []
         for member in range(members):
-            try:  # a member's lossy codes may not decode (negative or non-finite scales)
+            try:
                 row = self.decode({name: t[member] for name, t in message.tensors.items()})
             except WireError:
                 continue
             if not unsafe(row):
-                decoded.append(row)
-        counts = self.mixing
-        counts.seen[ALLREDUCE_RANK] += members
-        counts.refused[ALLREDUCE_RANK] += members - len(decoded)
-        if not decoded:
-            return torch.zeros(self.fragment_length, dtype=self.w.dtype, device=self.w.device)
-        rows = torch.stack(decoded).to(self.w.device, self.w.dtype)
+                rows.append(row.to(self.w.device, self.w.dtype))
+        self.mixing.seen[ALLREDUCE_RANK] += members
+        self.mixing.refused[ALLREDUCE_RANK] += members - len(rows)
+        return rows
+
+    def _robust_aggregate(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rule's aggregate of the safe rows, counted under the all-reduce: rows trimmed or clipped, and outlying
+        (nodeagent.robust.outliers)."""
+        assert self.aggregator is not None
         aggregate, clipped = self.aggregator.aggregate(rows)
-        counts.clipped[ALLREDUCE_RANK] += sum(clipped)
-        counts.outlying[ALLREDUCE_RANK] += sum(outliers(rows, aggregate))
+        self.mixing.clipped[ALLREDUCE_RANK] += sum(clipped)
+        self.mixing.outlying[ALLREDUCE_RANK] += sum(outliers(rows, aggregate))
         return aggregate
 
     def group_state(self) -> Message:
