@@ -250,6 +250,17 @@ class RobustAggregator:
         return result, flags
 
 
+def aggregate_counted(aggregator: RobustAggregator, rows: torch.Tensor, counts: MixingCounts,
+                      route: int) -> torch.Tensor:
+    """The rule's aggregate of a collective's `rows` (one member's contribution each, all through `route`), counted
+    under it: the rows the rule clipped or trimmed, and those outlying (`outliers`, one measure for every rule:
+    CenteredClip at its automatic radius clips half the rows)."""
+    aggregate, clipped = aggregator.aggregate(rows)
+    counts.clipped[route] += sum(clipped)
+    counts.outlying[route] += sum(outliers(rows, aggregate))
+    return aggregate
+
+
 class NormClip:
     """An asynchronous server's centered-clip: each update's norm clipped (center 0) at the radius, set or auto: the
     median of the last AUTO_WINDOW norms times NORM_CLIP_MULTIPLIER once AUTO_WARM are seen, the smallest norm seen

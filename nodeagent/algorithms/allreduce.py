@@ -46,7 +46,7 @@ from nodeagent.algorithms.base import (
 )
 from nodeagent.jobspec import JobSpec, JobSpecError
 from nodeagent.ps.worker import check_robust_workers
-from nodeagent.robust import RobustAggregator, outliers, unsafe
+from nodeagent.robust import RobustAggregator, aggregate_counted, unsafe
 from nodeagent.wire.errors import Reason, WireError
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
@@ -193,12 +193,8 @@ class AllReduceSGD(Algorithm):
         counts.refused[ALLREDUCE_RANK] += members - len(safe)
         if not safe:
             return None
-        rows = rows[safe] if len(safe) < members else rows
-        aggregate, clipped = self.aggregator.aggregate(rows)
-        counts.clipped[ALLREDUCE_RANK] += sum(clipped)
-        # Outlying by one measure for every rule: CenteredClip at its automatic radius clips half the rows.
-        counts.outlying[ALLREDUCE_RANK] += sum(outliers(rows, aggregate))
-        return aggregate
+        return aggregate_counted(self.aggregator, rows[safe] if len(safe) < members else rows, counts,
+                                 ALLREDUCE_RANK)
 
     def _adamw(self, grad: torch.Tensor) -> None:
         """One AdamW step (decoupled weight decay, bias-corrected moments) with the mean gradient, step clock + 1."""

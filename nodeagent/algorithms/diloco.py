@@ -150,7 +150,7 @@ from nodeagent.ps.messages import ServerAnswer, ServerModel, ServerPush
 from nodeagent.ps.rules import OuterServer, ParameterServer, ProtocolError, PushResult
 from nodeagent.ps.server import ServerHalf, ServerOptions
 from nodeagent.ps.worker import PSWorker, check_robust_workers
-from nodeagent.robust import RobustAggregator, outliers, unsafe
+from nodeagent.robust import RobustAggregator, aggregate_counted, unsafe
 from nodeagent.wire import lowprecision
 from nodeagent.wire.errors import Reason, WireError
 from nodeagent.wire.lowprecision import Precision
@@ -483,7 +483,7 @@ class DiLoCo(_DiLoCo):
             if not rows:
                 pending.mean = torch.zeros(self.fragment_length, dtype=self.w.dtype, device=self.w.device)
             elif self.aggregator is not None:
-                pending.mean = self._robust_aggregate(torch.stack(rows))
+                pending.mean = aggregate_counted(self.aggregator, torch.stack(rows), self.mixing, ALLREDUCE_RANK)
             else:
                 total = torch.zeros(self.fragment_length, dtype=self.w.dtype, device=self.w.device)
                 for vector in rows:  # in rank order: the same float sum on every node
@@ -507,15 +507,6 @@ class DiLoCo(_DiLoCo):
         self.mixing.seen[ALLREDUCE_RANK] += members
         self.mixing.refused[ALLREDUCE_RANK] += members - len(rows)
         return rows
-
-    def _robust_aggregate(self, rows: torch.Tensor) -> torch.Tensor:
-        """The rule's aggregate of the safe rows, counted under the all-reduce: rows trimmed or clipped, and outlying
-        (nodeagent.robust.outliers)."""
-        assert self.aggregator is not None
-        aggregate, clipped = self.aggregator.aggregate(rows)
-        self.mixing.clipped[ALLREDUCE_RANK] += sum(clipped)
-        self.mixing.outlying[ALLREDUCE_RANK] += sum(outliers(rows, aggregate))
-        return aggregate
 
     def group_state(self) -> Message:
         """What the all-reduce hands from this rank to every other when the group is formed again: parameters,
