@@ -82,6 +82,13 @@ def unsafe(contribution: torch.Tensor) -> bool:
     return not largest <= safe_magnitude(contribution.dtype)  # NaN compares false
 
 
+def safe_rows(rows: torch.Tensor) -> list[int]:
+    """The indices of the rows of `rows` (one contribution each, floating) that are not `unsafe`: one pass and one
+    read back for all of them, where a check per row would synchronise with a GPU once per row."""
+    largest = rows.abs().amax(dim=1)
+    return torch.nonzero(largest <= safe_magnitude(rows.dtype)).flatten().tolist()  # NaN compares false
+
+
 def distance(a: torch.Tensor, b: torch.Tensor) -> float:
     # In float64: the square of a large float32 difference overflows float32.
     return float(torch.linalg.vector_norm(a - b, dtype=torch.float64))

@@ -46,7 +46,7 @@ from nodeagent.algorithms.base import (
 )
 from nodeagent.jobspec import JobSpec, JobSpecError
 from nodeagent.ps.worker import check_robust_workers
-from nodeagent.robust import RobustAggregator, aggregate_counted, unsafe
+from nodeagent.robust import RobustAggregator, aggregate_counted, safe_rows, unsafe
 from nodeagent.wire.errors import Reason, WireError
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
@@ -189,7 +189,7 @@ class AllReduceSGD(Algorithm):
         rows = rows.to(self.w.device, self.w.dtype)
         counts = self.mixing
         counts.seen[ALLREDUCE_RANK] += members
-        safe = [index for index in range(members) if not unsafe(rows[index])]
+        safe = safe_rows(rows)
         counts.refused[ALLREDUCE_RANK] += members - len(safe)
         if not safe:
             return None

@@ -150,7 +150,7 @@ from nodeagent.ps.messages import ServerAnswer, ServerModel, ServerPush
 from nodeagent.ps.rules import OuterServer, ParameterServer, ProtocolError, PushResult
 from nodeagent.ps.server import ServerHalf, ServerOptions
 from nodeagent.ps.worker import PSWorker, check_robust_workers
-from nodeagent.robust import RobustAggregator, aggregate_counted, unsafe
+from nodeagent.robust import RobustAggregator, aggregate_counted, safe_rows, unsafe
 from nodeagent.wire import lowprecision
 from nodeagent.wire.errors import Reason, WireError
 from nodeagent.wire.lowprecision import Precision
@@ -496,14 +496,16 @@ class DiLoCo(_DiLoCo):
         when lossy), without the rows that do not decode (a liar's negative int8 scales) or could overflow
         (nodeagent.robust.unsafe): dropped alike on every member, counted as refused under the all-reduce."""
         members = next(iter(message.tensors.values())).shape[0]  # the quorum's: a lost rank is not in it
-        rows = []
+        decoded = []
         for member in range(members):
             try:
-                row = self.decode({name: t[member] for name, t in message.tensors.items()})
+                decoded.append(self.decode({name: t[member] for name, t in message.tensors.items()}))
             except WireError:
                 continue
-            if not unsafe(row):
-                rows.append(row.to(self.w.device, self.w.dtype))
+        rows = []
+        if decoded:
+            stacked = torch.stack(decoded).to(self.w.device, self.w.dtype)
+            rows = [stacked[index] for index in safe_rows(stacked)]
         self.mixing.seen[ALLREDUCE_RANK] += members
         self.mixing.refused[ALLREDUCE_RANK] += members - len(rows)
         return rows
