@@ -1122,6 +1122,7 @@ def _bounded_edge(edge: EdgeCounters) -> EdgeCounters:
         in_flight_s=_age(edge.in_flight_s) if edge.in_flight_s > 0 else 0.0,
         last_failure_age_s=_age(edge.last_failure_age_s), consensus_distance=_age(edge.consensus_distance),
         staleness_steps=edge.staleness_steps if math.isfinite(edge.staleness_steps) else math.nan,
+        judged=edge.judged[:MAX_NODES],
     )
 
 

@@ -74,12 +74,14 @@ class RobustSpec(_Strict):
         "coordinate, krum scores against n - f - 2 neighbours; unset: floor((n - 1) / 4)")
     suspect_fraction: float = Field(
         0.5, gt=0, le=1, description="a member whose suspicion (the share of its contributions in the last `window_s` "
-        "that its neighbours, or the parameter server, found outlying) reaches this is flagged: an event, `status`, "
+        "that its neighbours, the parameter server or, in an all-reduce job, the other members found outlying) reaches "
+        "this is flagged: an event, `status`, "
         "`edges`, the PeertrainMemberSuspected alert")
     window_s: float = Field(30.0, gt=0, le=3600, description="the window of recent contributions the suspicion counts")
     quarantine: QuarantineSpec | None = Field(
         None, description="quarantine a persistently suspected member on the coordinator's own decision ({}: the "
-        "defaults; unset: only by hand, `coordinator quarantine`)")
+        "defaults; unset: only by hand, `coordinator quarantine`; refused by allreduce and diloco, whose members "
+        "would all have to drop a member's rows from the same round)")
 
     @model_validator(mode="after")
     def _radius_positive(self) -> RobustSpec:

@@ -49,7 +49,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict, deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -257,14 +257,35 @@ class RobustAggregator:
         return result, flags
 
 
-def aggregate_counted(aggregator: RobustAggregator, rows: torch.Tensor, counts: MixingCounts,
-                      route: int) -> torch.Tensor:
-    """The rule's aggregate of a collective's `rows` (one member's contribution each, all through `route`), counted
-    under it: the rows the rule clipped or trimmed, and those outlying (`outliers`, one measure for every rule:
-    CenteredClip at its automatic radius clips half the rows)."""
+def count_gathered(counts: MixingCounts, route: int, judged: MixingCounts, own: int, members: Sequence[int],
+                   kept: Sequence[int]) -> None:
+    """A collective's gathered rows seen, and those not `kept` (row indices) refused: counted in total under `route`
+    (the all-reduce's edge) and under the member that sent each row (`judged`, by job rank: `members` holds one per
+    row, in order; this node's own row aside), from which the coordinator's suspicion scores each member."""
+    counts.seen[route] += len(members)
+    counts.refused[route] += len(members) - len(kept)
+    taken = set(kept)
+    for row, member in enumerate(members):
+        if member != own:
+            judged.seen[member] += 1
+            if row not in taken:
+                judged.refused[member] += 1
+
+
+def aggregate_counted(aggregator: RobustAggregator, rows: torch.Tensor, counts: MixingCounts, route: int,
+                      judged: MixingCounts, own: int, members: Sequence[int]) -> torch.Tensor:
+    """The rule's aggregate of a collective's `rows` (one contribution each of `members`, job ranks), counted in total
+    under `route` and per member in `judged` (this node's own row aside): the rows the rule clipped or trimmed, and
+    those outlying (`outliers`, one measure for every rule: CenteredClip at its automatic radius clips half the
+    rows)."""
     aggregate, clipped = aggregator.aggregate(rows)
+    outlying = outliers(rows, aggregate)
     counts.clipped[route] += sum(clipped)
-    counts.outlying[route] += sum(outliers(rows, aggregate))
+    counts.outlying[route] += sum(outlying)
+    for member, was_clipped, was_outlying in zip(members, clipped, outlying, strict=True):
+        if member != own:
+            judged.clipped[member] += was_clipped
+            judged.outlying[member] += was_outlying
     return aggregate
 
 

@@ -24,9 +24,9 @@ import nodeagent.agent.collective as collective_module
 from nodeagent.agent.collective import Collective, QuorumOptions
 from nodeagent.agent.process_group import GroupFactory
 from nodeagent.algorithms.allreduce import AllReduceSGD
-from nodeagent.algorithms.base import Algorithm, NodeContext
+from nodeagent.algorithms.base import Algorithm, NodeContext, Route
 from nodeagent.algorithms.diloco import DiLoCo
-from nodeagent.jobspec import AlgorithmSpec
+from nodeagent.jobspec import AlgorithmSpec, RobustSpec
 from nodeagent.metrics import Metrics
 from nodeagent.runtime.progress import Traffic
 from nodeagent.wire.message import Kind
@@ -76,7 +76,8 @@ def train(node: Algorithm, member: Collective, steps: int, on_step: Callable[[in
         sends = node.sends()
         while sends:
             for send in sends:
-                node.receive(member.mean(send.message))
+                collect = member.mean if send.route == Route.ALLREDUCE else member.gather
+                node.receive(collect(send.message))
             sends = node.sends()
         if node.clock >= steps:
             return stepped
@@ -209,3 +210,20 @@ def test_a_member_restarted_mid_job_takes_the_groups_state_before_its_first_step
     for node in nodes[1:]:
         assert torch.equal(node.w, nodes[0].w)
         assert torch.equal(node._momentum_buffer, nodes[0]._momentum_buffer)
+
+
+def test_a_robust_jobs_all_gather_names_the_member_of_each_row_so_each_member_judges_the_others():
+    """A robust allreduce job all-gathers every member's gradient: the Collective names each row's job rank, so that
+    each member counts every other member's rows under that member (the coordinator's suspicion scores them)."""
+    shared, groups = store(), FakeGroups()
+    spec = AlgorithmSpec(name="allreduce", lr=0.05, robust=RobustSpec(rule="median"))
+    nodes = []
+    for rank in range(WORLD):
+        torch.manual_seed(0)
+        nodes.append(AllReduceSGD(nn.Linear(4, 2), NodeContext(rank=rank, world_size=WORLD, neighbors=(), spec=spec)))
+    members = [collective(shared, rank, nodes[rank], groups) for rank in range(WORLD)]
+    run_ranks(lambda rank: train(nodes[rank], members[rank], STEPS), members)
+    for node in nodes:
+        others = {rank: STEPS for rank in range(WORLD) if rank != node.context.rank}
+        assert dict(node.judged.seen) == others
+    assert all(torch.equal(node.w, nodes[0].w) for node in nodes)

@@ -25,7 +25,8 @@ from coordinator.control.records import Job
 from coordinator.control.states import JobState, MemberState
 from nodeagent.jobspec import JobSpecError, TopologySpec, parse_job_spec
 from nodeagent.runtime import events
-from nodeagent.runtime.progress import EdgeCounters, Progress
+from nodeagent.runtime.driver import ALLREDUCE_NAME
+from nodeagent.runtime.progress import EdgeCounters, MemberJudgement, Progress
 from nodeagent.training.data import DatasetInfo
 
 pytestmark = pytest.mark.unit
@@ -429,6 +430,31 @@ def test_a_member_its_neighbours_find_outlying_is_flagged_and_a_liar_alone_flags
                                                 "outlying (suspect_fraction 0.5): suspected"]
     assert not cluster.plane.quarantined(job_id)  # the job does not ask for it
     assert job.topology_version == 1
+
+
+def test_an_all_reduce_member_whose_gathered_rows_the_others_find_outlying_is_flagged_not_the_ones_it_blames(
+        cluster):
+    """A robust all-reduce job: each member judges every other member's all-gathered rows (the all-reduce's edge,
+    per rank); the liar says every honest member's rows are outlying, a rank outside the job is ignored."""
+    cluster.register("a", "b", "c", "d")
+    job_id = cluster.submit(robust_spec(4, algorithm="allreduce"))
+    cluster.ready_all(job_id)
+    liar = 3
+    for second in range(1, 4):
+        rows = 10 * second
+        for rank, node in enumerate("abcd"):
+            judged = (*(MemberJudgement(member, rows, 0, rows if liar in (member, rank) else 0)
+                        for member in range(4) if member != rank), MemberJudgement(9, rows, 0, rows))
+            edge = EdgeCounters(ALLREDUCE_NAME, judged=judged)
+            progress = Progress(job_id, rank, node, step=second, local_steps=second, time=cluster.now, edges=(edge,))
+            cluster.state.record_progress(progress)
+            cluster.apply(cluster.plane.progress_reported(cluster.job(job_id), progress))
+        cluster.advance(1, beating=tuple("abcd"))
+    job = cluster.job(job_id)
+    assert cluster.plane.flagged(job_id) == {liar}
+    assert [cluster.plane.suspicion_of(job, rank) for rank in range(4)] == [0.0, 0.0, 0.0, 1.0]
+    assert cluster.events(events.SUSPECTED) == ["rank 3 (node d): 100% of its contributions in the last 10 s were "
+                                                "outlying (suspect_fraction 0.5): suspected"]
 
 
 def test_a_member_judged_by_one_neighbour_only_is_not_scored(cluster):

@@ -24,8 +24,8 @@ from coordinator.service import MAX_REPORTED_EDGES, MAX_WAITING_CHARS, OTHER_REA
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import MAX_FIELD_CHARS
-from nodeagent.runtime.messages import to_report
-from nodeagent.runtime.progress import EdgeCounters, Progress, RunLog, read_run_log
+from nodeagent.runtime.messages import from_report, to_report
+from nodeagent.runtime.progress import EdgeCounters, MemberJudgement, Progress, RunLog, read_run_log
 
 pytestmark = pytest.mark.integration
 
@@ -149,9 +149,12 @@ def test_the_edges_command_prints_the_table_and_json(coordinator_stub, monkeypat
     assert shown["edges"][0]["consensus_distance"] == 0.5
 
 
-def test_the_run_log_keeps_the_edges_and_reads_older_logs(tmp_path):
-    edge = EdgeCounters("n1", messages_sent=3, last_message_age_s=0.25, failure_reasons={"unavailable": 1})
-    RunLog(tmp_path).append(Progress(job="j", rank=0, node="n0", edges=(edge,), waiting_for="rank 1"))
+def test_the_run_log_and_a_report_keep_the_edges_and_the_log_reads_older_logs(tmp_path):
+    edge = EdgeCounters("n1", messages_sent=3, last_message_age_s=0.25, failure_reasons={"unavailable": 1},
+                        judged=(MemberJudgement(2, 10, 4, 3), MemberJudgement(3, 10, 0, 0)))
+    progress = Progress(job="j", rank=0, node="n0", edges=(edge,), waiting_for="rank 1")
+    assert from_report(to_report(progress), progress.time).edges[0].judged == edge.judged
+    RunLog(tmp_path).append(progress)
     older = {"job": "j", "rank": 1, "node": "n1", "step": 4, "loss": None,
              "edges": [{"peer": "n0", "bytes_sent": 10, "bytes_received": 0, "exchanges": 1, "failures": 0}]}
     with open(tmp_path / "metrics.jsonl", "a") as log:

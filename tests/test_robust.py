@@ -28,6 +28,7 @@ from nodeagent.robust import (
     trimmed_mean,
     unsafe,
 )
+from nodeagent.runtime.driver import ALLREDUCE_NAME
 
 pytestmark = pytest.mark.unit
 
@@ -186,6 +187,8 @@ def job(fashion_mnist_dir, algorithm: dict, nodes: int = 8, steps: int = 120, by
     ({"name": "allreduce", "robust": {"rule": "self-centered-clip"}}, "algorithm.robust.rule: allreduce takes "
      "centered-clip or trimmed-mean or median or krum, not self-centered-clip"),
     ({"name": "allreduce", "robust": {"rule": "krum", "byzantine": 6}}, "algorithm.robust.byzantine: krum needs"),
+    ({"name": "allreduce", "robust": {"rule": "median", "quarantine": {}}}, "algorithm.robust.quarantine: allreduce "
+     "aggregates every member's rows in each round: the coordinator flags"),
     ({"name": "diloco", "options": {"inner_steps": 10}, "robust": {"rule": "centered-clip"}}, "algorithm.robust.rule: "
      "diloco takes trimmed-mean or median or krum, not centered-clip: centered-clip's center is state"),
     ({"name": "asgd", "robust": {"rule": "trimmed-mean"}}, "algorithm.robust.rule: asgd takes centered-clip, not "
@@ -280,6 +283,16 @@ def test_a_liar_in_an_all_reduce_job_is_outvoted_over_the_all_gather_and_the_rep
     # The liar's row is outlying in every round (an honest row now and then too), alike on every member.
     outlying = [sim.node.algorithm.robust_outlying(ALLREDUCE_RANK) for sim in robust.mesh.nodes]
     assert len(set(outlying)) == 1 and rounds <= outlying[0] < rounds + 10
+    # Each member reports, on its all-reduce edge, every other member's rows by rank (its own aside): the liar's
+    # outlying in every round, which the coordinator's suspicion scores per member.
+    for progress in robust.progress:
+        (edge,) = [edge for edge in progress.edges if edge.peer == ALLREDUCE_NAME]
+        judged = {judgement.rank: judgement for judgement in edge.judged}
+        assert sorted(judged) == [rank for rank in range(8) if rank != progress.rank]
+        assert all(judgement.seen == rounds for judgement in judged.values())
+        if progress.rank != 3:
+            assert judged[3].outlying == rounds
+            assert sum(judgement.outlying for rank, judgement in judged.items() if rank != 3) < 10
 
 
 def test_int8_diloco_refuses_a_liars_codes_that_do_not_decode_on_every_member_alike(fashion_mnist_dir):
@@ -293,6 +306,8 @@ def test_int8_diloco_refuses_a_liars_codes_that_do_not_decode_on_every_member_al
     assert all(torch.equal(model, models[0]) for model in models)
     refused = [sim.node.algorithm.mixing.refused[ALLREDUCE_RANK] for sim in robust.mesh.nodes]
     assert refused == [6] * 8  # the liar's row of each of the 6 syncs, on every member
+    # ... counted under the liar by every other member.
+    assert [dict(sim.node.algorithm.judged.refused) for sim in robust.mesh.nodes if sim.rank != 3] == [{3: 6}] * 7
 
 
 @pytest.mark.parametrize("algorithm", [{"name": "allreduce"}, DILOCO,

@@ -370,11 +370,17 @@ class ControlPlane:
         self._waiting.setdefault(job.job_id, {})[progress.rank] = (progress.waiting_for, now)
         if job.spec.algorithm.robust is not None:
             ranks = {m.node_id: m.rank for m in self.state.members(job.job_id)}
+            members = set(ranks.values())
             for edge in progress.edges:
                 member = ranks.get(edge.peer)
                 if member is not None and member != progress.rank:
                     self.suspicion.observe(job.job_id, progress.rank, member, edge.robust_outlying,
                                            edge.messages_received, now)
+                # A collective's all-gathered rows, judged per member: only the job's members count.
+                for judged in edge.judged:
+                    if judged.rank in members and judged.rank != progress.rank:
+                        self.suspicion.observe(job.job_id, progress.rank, judged.rank, judged.outlying, judged.seen,
+                                               now)
         return []
 
     def server_reported(self, job: Job, counts: dict[int, tuple[int, int]]) -> list[Effect]:

@@ -275,7 +275,7 @@ class MetricsReport(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., finished: _Optional[bool] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., exchanges: _Optional[int] = ..., exchange_failures: _Optional[int] = ..., edges: _Optional[_Iterable[_Union[EdgeTraffic, _Mapping]]] = ..., local_steps: _Optional[int] = ..., waiting_for: _Optional[str] = ..., test_perplexity: _Optional[float] = ...) -> None: ...
 
 class EdgeTraffic(_message.Message):
-    __slots__ = ("peer", "bytes_sent", "bytes_received", "exchanges", "failures", "messages_sent", "messages_received", "last_message_age_s", "message_interval_s", "in_flight_s", "failure_reasons", "last_failure_age_s", "staleness_steps", "consensus_distance", "robust_clipped", "robust_outlying")
+    __slots__ = ("peer", "bytes_sent", "bytes_received", "exchanges", "failures", "messages_sent", "messages_received", "last_message_age_s", "message_interval_s", "in_flight_s", "failure_reasons", "last_failure_age_s", "staleness_steps", "consensus_distance", "robust_clipped", "robust_outlying", "judged")
     class FailureReasonsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -299,6 +299,7 @@ class EdgeTraffic(_message.Message):
     CONSENSUS_DISTANCE_FIELD_NUMBER: _ClassVar[int]
     ROBUST_CLIPPED_FIELD_NUMBER: _ClassVar[int]
     ROBUST_OUTLYING_FIELD_NUMBER: _ClassVar[int]
+    JUDGED_FIELD_NUMBER: _ClassVar[int]
     peer: str
     bytes_sent: int
     bytes_received: int
@@ -315,7 +316,20 @@ class EdgeTraffic(_message.Message):
     consensus_distance: float
     robust_clipped: int
     robust_outlying: int
-    def __init__(self, peer: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., exchanges: _Optional[int] = ..., failures: _Optional[int] = ..., messages_sent: _Optional[int] = ..., messages_received: _Optional[int] = ..., last_message_age_s: _Optional[float] = ..., message_interval_s: _Optional[float] = ..., in_flight_s: _Optional[float] = ..., failure_reasons: _Optional[_Mapping[str, int]] = ..., last_failure_age_s: _Optional[float] = ..., staleness_steps: _Optional[float] = ..., consensus_distance: _Optional[float] = ..., robust_clipped: _Optional[int] = ..., robust_outlying: _Optional[int] = ...) -> None: ...
+    judged: _containers.RepeatedCompositeFieldContainer[MemberJudgement]
+    def __init__(self, peer: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., exchanges: _Optional[int] = ..., failures: _Optional[int] = ..., messages_sent: _Optional[int] = ..., messages_received: _Optional[int] = ..., last_message_age_s: _Optional[float] = ..., message_interval_s: _Optional[float] = ..., in_flight_s: _Optional[float] = ..., failure_reasons: _Optional[_Mapping[str, int]] = ..., last_failure_age_s: _Optional[float] = ..., staleness_steps: _Optional[float] = ..., consensus_distance: _Optional[float] = ..., robust_clipped: _Optional[int] = ..., robust_outlying: _Optional[int] = ..., judged: _Optional[_Iterable[_Union[MemberJudgement, _Mapping]]] = ...) -> None: ...
+
+class MemberJudgement(_message.Message):
+    __slots__ = ("rank", "seen", "clipped", "outlying")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SEEN_FIELD_NUMBER: _ClassVar[int]
+    CLIPPED_FIELD_NUMBER: _ClassVar[int]
+    OUTLYING_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    seen: int
+    clipped: int
+    outlying: int
+    def __init__(self, rank: _Optional[int] = ..., seen: _Optional[int] = ..., clipped: _Optional[int] = ..., outlying: _Optional[int] = ...) -> None: ...
 
 class NodeFailure(_message.Message):
     __slots__ = ("node_id", "job_id", "rank", "reason")

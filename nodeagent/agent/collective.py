@@ -239,7 +239,8 @@ class Collective:
                 part[offset : offset + size].clone().view(tensor.dtype).view(tensor.shape) for part in gathered
             ]).to(tensor.device)
             offset += size
-        return Message(message.kind, ALLREDUCE_RANK, self.rank, out, clock=message.clock, loss=message.loss)
+        return Message(message.kind, ALLREDUCE_RANK, self.rank, out, clock=message.clock, loss=message.loss,
+                       members=quorum.members)
 
     def _leave(self) -> None:
         """Drop this rank's group (its pairs close, which fails any peer still in a call on it)."""

@@ -21,7 +21,9 @@ state the rule keeps, travels in the group's state. A row that could overflow (n
 or beyond the dtype's safe magnitude) is dropped before the rule, on every member alike; a round with no row left
 takes no step, nor does a plain job's round whose mean could overflow (a liar's finite values summed past the
 dtype). The cost is in bytes: an all-gather moves (n - 1) gradients per member where the ring all-reduce moves
-2 (n - 1) / n, n / 2 times as many.
+2 (n - 1) / n, n / 2 times as many. The gathered message names each row's member (Message.members), so every
+member counts each other member's rows it judged outlying or refused under that member's rank (`judged`), which the
+coordinator's suspicion scores as it does a neighbour's.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from nodeagent.algorithms.base import (
 )
 from nodeagent.jobspec import JobSpec, JobSpecError
 from nodeagent.ps.worker import check_robust_workers
-from nodeagent.robust import RobustAggregator, aggregate_counted, safe_rows, unsafe
+from nodeagent.robust import RobustAggregator, aggregate_counted, count_gathered, safe_rows, unsafe
 from nodeagent.wire.errors import Reason, WireError
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
@@ -180,21 +182,21 @@ class AllReduceSGD(Algorithm):
 
     def _robust_aggregate(self, message: Message) -> torch.Tensor | None:
         """The rule's aggregate of the gathered gradients (each tensor of `message` stacked over the quorum's
-        members), the rows that could overflow dropped first; None when none is left. Counted under the all-reduce:
-        every row seen, those the rule clipped or trimmed, those outlying (nodeagent.robust.outliers) and those
-        refused."""
+        members), the rows that could overflow dropped first; None when none is left. Counted under the all-reduce
+        and under each member that sent a row: every row seen, those the rule clipped or trimmed, those outlying
+        (nodeagent.robust.outliers) and those refused."""
         assert self.aggregator is not None
-        members = next(iter(message.tensors.values())).shape[0]
-        rows = torch.cat([message.tensors[name].reshape(members, -1) for name in self.params.names], dim=1)
+        members = message.members
+        rows = torch.cat([message.tensors[name].reshape(len(members), -1) for name in self.params.names], dim=1)
         rows = rows.to(self.w.device, self.w.dtype)
-        counts = self.mixing
-        counts.seen[ALLREDUCE_RANK] += members
         safe = safe_rows(rows)
-        counts.refused[ALLREDUCE_RANK] += members - len(safe)
+        own = self.context.rank
+        count_gathered(self.mixing, ALLREDUCE_RANK, self.judged, own, members, safe)
         if not safe:
             return None
-        return aggregate_counted(self.aggregator, rows[safe] if len(safe) < members else rows, counts,
-                                 ALLREDUCE_RANK)
+        if len(safe) < len(members):
+            rows, members = rows[safe], tuple(members[row] for row in safe)
+        return aggregate_counted(self.aggregator, rows, self.mixing, ALLREDUCE_RANK, self.judged, own, members)
 
     def _adamw(self, grad: torch.Tensor) -> None:
         """One AdamW step (decoupled weight decay, bias-corrected moments) with the mean gradient, step clock + 1."""

@@ -287,6 +287,9 @@ class Algorithm(ABC):
         robust = context.spec.robust
         self.clipper = SelfCenteredClip(robust) if robust is not None and robust.rule == "self-centered-clip" else None
         self.mixing = self.clipper.counts if self.clipper is not None else MixingCounts()
+        # The collective family's all-gathers: each member's rows this node judged, by the member's job rank (the
+        # edge is the all-reduce's; the coordinator scores each member from these, nodeagent.robust.count_gathered).
+        self.judged = MixingCounts()
 
     # -- what a job may ask of it (no model needed) --------------------------------------------------------------
 
@@ -304,6 +307,11 @@ class Algorithm(ABC):
             takes = " or ".join(cls.robust_rules)
             raise JobSpecError(f"algorithm.robust.rule: {cls.name} takes {takes}, not {spec.robust.rule}"
                                + (f": {cls.robust_refusal}" if cls.robust_refusal else ""))
+        if spec.robust is not None and spec.robust.quarantine is not None and cls.family is Family.COLLECTIVE:
+            raise JobSpecError(f"algorithm.robust.quarantine: {cls.name} aggregates every member's rows in each "
+                               "round: the coordinator flags a member whose rows are outlying, but cannot quarantine "
+                               "it (every member would have to drop its rows from the same round); the robust rule "
+                               "bounds what it sends")
         try:
             return cls.Options.model_validate(spec.options)
         except ValidationError as error:

@@ -150,7 +150,7 @@ from nodeagent.ps.messages import ServerAnswer, ServerModel, ServerPush
 from nodeagent.ps.rules import OuterServer, ParameterServer, ProtocolError, PushResult
 from nodeagent.ps.server import ServerHalf, ServerOptions
 from nodeagent.ps.worker import PSWorker, check_robust_workers
-from nodeagent.robust import RobustAggregator, aggregate_counted, safe_rows, unsafe
+from nodeagent.robust import RobustAggregator, aggregate_counted, count_gathered, safe_rows, unsafe
 from nodeagent.wire import lowprecision
 from nodeagent.wire.errors import Reason, WireError
 from nodeagent.wire.lowprecision import Precision
@@ -479,11 +479,12 @@ class DiLoCo(_DiLoCo):
                 self.mixing.refused[ALLREDUCE_RANK] += 1
                 pending.mean = torch.zeros_like(pending.mean)
         else:
-            rows = self._gathered_rows(message)
+            rows, members = self._gathered_rows(message)
             if not rows:
                 pending.mean = torch.zeros(self.fragment_length, dtype=self.w.dtype, device=self.w.device)
             elif self.aggregator is not None:
-                pending.mean = aggregate_counted(self.aggregator, torch.stack(rows), self.mixing, ALLREDUCE_RANK)
+                pending.mean = aggregate_counted(self.aggregator, torch.stack(rows), self.mixing, ALLREDUCE_RANK,
+                                                 self.judged, self.context.rank, members)
             else:
                 total = torch.zeros(self.fragment_length, dtype=self.w.dtype, device=self.w.device)
                 for vector in rows:  # in rank order: the same float sum on every node
@@ -491,24 +492,28 @@ class DiLoCo(_DiLoCo):
                 pending.mean = total / len(rows)
         self._apply_due()
 
-    def _gathered_rows(self, message: Message) -> list[torch.Tensor]:
+    def _gathered_rows(self, message: Message) -> tuple[list[torch.Tensor], tuple[int, ...]]:
         """Every member's pseudo-gradient of an all-gather (one row per member of the quorum, in rank order, decoded
         when lossy), without the rows that do not decode (a liar's negative int8 scales) or could overflow
-        (nodeagent.robust.unsafe): dropped alike on every member, counted as refused under the all-reduce."""
-        members = next(iter(message.tensors.values())).shape[0]  # the quorum's: a lost rank is not in it
-        decoded = []
-        for member in range(members):
+        (nodeagent.robust.unsafe), and the job ranks of the members whose rows are kept. The rows dropped are dropped
+        alike on every member, counted as refused under the all-reduce and under the member that sent each."""
+        members = message.members  # the quorum's: a lost rank is not in it
+        decoded, decoded_rows = [], []
+        for row in range(len(members)):
             try:
-                decoded.append(self.decode({name: t[member] for name, t in message.tensors.items()}))
+                decoded.append(self.decode({name: t[row] for name, t in message.tensors.items()}))
             except WireError:
                 continue
-        rows = []
+            decoded_rows.append(row)
+        rows: list[torch.Tensor] = []
+        kept: list[int] = []
         if decoded:
             stacked = torch.stack(decoded).to(self.w.device, self.w.dtype)
-            rows = [stacked[index] for index in safe_rows(stacked)]
-        self.mixing.seen[ALLREDUCE_RANK] += members
-        self.mixing.refused[ALLREDUCE_RANK] += members - len(rows)
-        return rows
+            for index in safe_rows(stacked):
+                rows.append(stacked[index])
+                kept.append(decoded_rows[index])
+        count_gathered(self.mixing, ALLREDUCE_RANK, self.judged, self.context.rank, members, kept)
+        return rows, tuple(members[row] for row in kept)
 
     def group_state(self) -> Message:
         """What the all-reduce hands from this rank to every other when the group is formed again: parameters,

@@ -71,7 +71,7 @@ from typing import Protocol
 
 from nodeagent.algorithms.base import ALLREDUCE_RANK, Family, Loss, Neighbor, Route, Send
 from nodeagent.ps.messages import SERVER_NAME, SERVER_RANK, ServerAnswer
-from nodeagent.runtime.progress import IN_FLIGHT, EdgeCounters, Progress, Traffic
+from nodeagent.runtime.progress import IN_FLIGHT, EdgeCounters, MemberJudgement, Progress, Traffic
 from nodeagent.training.job import Node
 from nodeagent.wire.errors import Reason
 from nodeagent.wire.message import Kind, Message
@@ -118,7 +118,8 @@ class EdgeLog:
 
     def counters(self, peer: str, now: float, traffic: tuple[int, int], exchanges: int, failures: int,
                  in_flight_since: float | None, clock: int, consensus_distance: float | None,
-                 robust_clipped: int = 0, robust_outlying: int = 0) -> EdgeCounters:
+                 robust_clipped: int = 0, robust_outlying: int = 0,
+                 judged: tuple[MemberJudgement, ...] = ()) -> EdgeCounters:
         interval = (self.last_message - self.first_message) / (self.messages - 1) if self.messages > 1 else math.nan
         return EdgeCounters(
             peer, traffic[0], traffic[1], exchanges, failures, messages_sent=self.messages_sent,
@@ -127,7 +128,7 @@ class EdgeLog:
             failure_reasons=dict(self.failure_reasons), last_failure_age_s=now - self.last_failure,
             staleness_steps=math.nan if self.peer_clock is None else float(clock - self.peer_clock),
             consensus_distance=math.nan if consensus_distance is None else consensus_distance,
-            robust_clipped=robust_clipped, robust_outlying=robust_outlying,
+            robust_clipped=robust_clipped, robust_outlying=robust_outlying, judged=judged,
         )
 
 
@@ -682,6 +683,13 @@ class NodeDriver:
             return ALLREDUCE_NAME
         return self.name_of(rank)
 
+    def _judged(self) -> tuple[MemberJudgement, ...]:
+        """Each member whose all-gathered rows this node's robust rule judged, with its counts (by rank)."""
+        counts = self.algorithm.judged
+        return tuple(MemberJudgement(rank, seen, counts.clipped.get(rank, 0) + counts.refused.get(rank, 0),
+                                     counts.outlying.get(rank, 0) + counts.refused.get(rank, 0))
+                     for rank, seen in sorted(counts.seen.items()))
+
     def progress(self) -> Progress:
         """The node's progress now; `finished` once its last step is done and evaluated."""
         now = self.clock()
@@ -693,7 +701,8 @@ class NodeDriver:
                 self.peer_name(peer), now, (sent_to.get(peer, 0), received_from.get(peer, 0)),
                 self._exchanges_with.get(peer, 0), self._failures_with.get(peer, 0), self._in_flight.get(peer),
                 self.algorithm.clock, self.algorithm.consensus_distance(peer) if peer >= 0 else None,
-                self.algorithm.robust_clipped(peer), self.algorithm.robust_outlying(peer))
+                self.algorithm.robust_clipped(peer), self.algorithm.robust_outlying(peer),
+                self._judged() if peer == ALLREDUCE_RANK else ())
              for peer in peers),
             key=lambda edge: edge.peer,
         )

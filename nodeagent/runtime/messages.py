@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.runtime.events import Event
-from nodeagent.runtime.progress import EdgeCounters, Progress
+from nodeagent.runtime.progress import EdgeCounters, MemberJudgement, Progress
 
 if TYPE_CHECKING:  # the data layer loads torch, which the command line need not
     from nodeagent.training.data import DatasetInfo
@@ -80,13 +80,16 @@ def from_node_progress(job: str, node: pb.NodeProgress) -> Progress:
 
 
 def _edge_to_pb(edge: EdgeCounters) -> pb.EdgeTraffic:
-    # EdgeTraffic has EdgeCounters' fields, by the same names.
-    return pb.EdgeTraffic(**{f.name: getattr(edge, f.name) for f in dataclasses.fields(EdgeCounters)})
+    # EdgeTraffic has EdgeCounters' fields, by the same names; MemberJudgement's, too.
+    return pb.EdgeTraffic(**{f.name: getattr(edge, f.name) for f in dataclasses.fields(EdgeCounters)}
+                          | {"judged": [pb.MemberJudgement(**dataclasses.asdict(j)) for j in edge.judged]})
 
 
 def _edge_from_pb(edge: pb.EdgeTraffic) -> EdgeCounters:
     return EdgeCounters(**{f.name: getattr(edge, f.name) for f in dataclasses.fields(EdgeCounters)}
-                        | {"failure_reasons": dict(edge.failure_reasons)})
+                        | {"failure_reasons": dict(edge.failure_reasons),
+                           "judged": tuple(MemberJudgement(j.rank, j.seen, j.clipped, j.outlying)
+                                           for j in edge.judged)})
 
 
 # -- events -------------------------------------------------------------------------------------------------------

@@ -26,6 +26,16 @@ IN_FLIGHT = "in_flight"
 
 
 @dataclass(frozen=True)
+class MemberJudgement:
+    """One member's rows of a collective's all-gathers, as this node's robust rule judged them (issue 28)."""
+
+    rank: int  # the member's rank in the job
+    seen: int
+    clipped: int  # clipped, trimmed or refused
+    outlying: int  # outlying or refused: what the coordinator's suspicion of the member counts
+
+
+@dataclass(frozen=True)
 class EdgeCounters:
     """One edge's counters of a node in a job: the peer is a node id, SERVER_NAME or "allreduce".
 
@@ -48,6 +58,7 @@ class EdgeCounters:
     consensus_distance: float = math.nan  # ||w - the copy of the peer's w|| where the algorithm keeps one
     robust_clipped: int = 0  # the peer's contributions this node's robust rule clipped or refused (nodeagent.robust)
     robust_outlying: int = 0  # of them, those outlying or refused: the coordinator's suspicion is built from these
+    judged: tuple[MemberJudgement, ...] = ()  # the all-reduce's edge of a robust job: each member's gathered rows
 
 
 @dataclass(frozen=True)
@@ -166,14 +177,16 @@ class RunLog(JsonLinesLog):
 
 
 _PROGRESS_FIELDS = tuple(f.name for f in dataclasses.fields(Progress))
-_EDGE_FIELDS = tuple(f.name for f in dataclasses.fields(EdgeCounters))
+_EDGE_FIELDS = tuple(f.name for f in dataclasses.fields(EdgeCounters) if f.name != "judged")
 
 
 def _plain(progress: Progress) -> dict:
     """A record as JSON takes it, NaN as null, edges as a list of objects. Written out field by field:
     `dataclasses.asdict` deep-copies every value, the most of a simulation's cost of its log at 10,000 nodes."""
     fields = {name: _nan_as_null(getattr(progress, name)) for name in _PROGRESS_FIELDS}
-    fields["edges"] = [{name: _nan_as_null(getattr(edge, name)) for name in _EDGE_FIELDS} for edge in progress.edges]
+    fields["edges"] = [{**{name: _nan_as_null(getattr(edge, name)) for name in _EDGE_FIELDS},
+                        "judged": [dataclasses.asdict(judgement) for judgement in edge.judged]}
+                       for edge in progress.edges]
     return fields
 
 
@@ -185,6 +198,11 @@ def _null_as_nan(fields: dict) -> dict:
     return {key: math.nan if value is None else value for key, value in fields.items()}
 
 
+def _edge_of(fields: dict) -> EdgeCounters:
+    judged = tuple(MemberJudgement(**judgement) for judgement in fields.pop("judged", ()))
+    return EdgeCounters(**_null_as_nan(fields), judged=judged)
+
+
 def read_run_log(run_dir: str | Path) -> list[Progress]:
     """The records of a run's metrics log; fields that older logs lack take their defaults, and a line being written
     (no newline yet) is left for a later read."""
@@ -193,6 +211,6 @@ def read_run_log(run_dir: str | Path) -> list[Progress]:
     for line in text[: text.rfind("\n") + 1].splitlines():
         if line.strip():
             fields = json.loads(line)
-            edges = tuple(EdgeCounters(**_null_as_nan(edge)) for edge in fields.pop("edges", ()))
+            edges = tuple(_edge_of(edge) for edge in fields.pop("edges", ()))
             records.append(Progress(**_null_as_nan(fields), edges=edges))
     return records

@@ -109,7 +109,8 @@ class SimulatedQuorum:
             node = self.mesh.nodes[rank]
             self.mesh.count(node, self.mesh.nodes[self.members[(index + 1) % count]], share)
             reply = Reply(part.transmission, Message(part.transmission.send.kind, ALLREDUCE_RANK, rank, result,
-                                                     clock=part.message.clock))
+                                                     clock=part.message.clock,
+                                                     members=self.members if gather else ()))
             self.mesh.at(self.mesh.now + duration, lambda node=node, reply=reply: self.mesh.arrive(node, reply))
         if outcome.leave:  # every member saw the votes: the next quorum is formed with the waiting ranks
             self._leave()

@@ -90,6 +90,9 @@ class Message:
     loss: float | torch.Tensor = 0.0
     weight: float = 1.0
     model_version: int = 0
+    # An all-gather's result (Route.ALLGATHER): the job rank of each member whose row its tensors stack, in order,
+    # so that a robust rule can tell whose row it judged. Never on the wire: the collective's executor sets it.
+    members: tuple[int, ...] = ()
 
     @property
     def payload_bytes(self) -> int:
