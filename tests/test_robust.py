@@ -19,6 +19,8 @@ from nodeagent.ps.rules import ASGDServer, SSGDServer
 from nodeagent.robust import (
     AUTO_MULTIPLIER,
     AUTO_WARM,
+    EXCLUDED_OUTLYING,
+    EXCLUDED_WINDOW,
     NormClip,
     RobustAggregator,
     SelfCenteredClip,
@@ -72,6 +74,24 @@ def test_a_liar_sending_half_the_contributions_does_not_set_the_auto_radius_and_
     assert clip.counts.outlying[1] == 0
     # Counted once the window is warm: from the AUTO_WARM-th distance on (two a round).
     assert clip.counts.outlying[3] == 2 * AUTO_WARM - AUTO_WARM // 2 + 1
+
+
+def test_a_neighbour_persistently_outlying_is_excluded_until_it_is_mixed_within_the_radius_again():
+    """Exclusion: a neighbour with EXCLUDED_OUTLYING of its last EXCLUDED_WINDOW contributions outlying is clipped to
+    radius 0 (the node's own state in its place); honest again, it is mixed again once its share falls."""
+    clip = SelfCenteredClip(RobustSpec(rule="self-centered-clip"))
+    origin = own = vec(0, 0)
+    for _ in range(AUTO_WARM):
+        clip.clip_all(own, {1: vec(0, 1), 2: vec(1, 0)}, origin)  # warm: honest distances of 1
+    factors = [clip.scales(own, {1: vec(0, 1), 3: vec(-50, 0)}, origin)[3] for _ in range(EXCLUDED_WINDOW)]
+    assert all(0 < factor < 1 for factor in factors[: EXCLUDED_OUTLYING - 1])  # clipped, still mixed
+    assert factors[EXCLUDED_OUTLYING - 1 :] == [0.0] * (EXCLUDED_WINDOW - EXCLUDED_OUTLYING + 1)
+    assert torch.equal(clip.clip_all(own, {3: vec(-50, 0)}, origin)[3], own)
+    assert clip.counts.outlying[3] == EXCLUDED_WINDOW + 1  # still judged and counted
+    honest = [clip.scales(own, {3: vec(0.5, 0)}, origin)[3] for _ in range(EXCLUDED_WINDOW)]
+    assert honest[: EXCLUDED_WINDOW - EXCLUDED_OUTLYING] == [0.0] * (EXCLUDED_WINDOW - EXCLUDED_OUTLYING)
+    assert honest[-1] > 0  # mixed again (within the radius, or clipped to it)
+    assert not clip.excluded(1) and clip.scales(own, {1: vec(0, 1)}, origin)[1] > 0  # never excluded
 
 
 def test_contributions_that_could_overflow_are_unsafe():
