@@ -8,8 +8,11 @@ members (ranks 5; 2, 7 and 12: no honest node of the multiplex ring has two lyin
 `simulation.byzantine` (nodeagent.byzantine), with the plain rule and with the robust one: self-centered clipping for
 the peer-to-peer algorithms, centered-clip for ASGD (each update's norm), trimmed mean for ESync, DiLoCo through the
 server and both all-reduce algorithms. PDMM-ISVR refuses a robust rule (nodeagent.algorithms.ecl says why). Reported
-per row: the honest members' mean and worst final test accuracy, and node steps per second of wall time (the cost
-of the rule; the simulator's own overhead included).
+per row: the honest members' mean and worst final test accuracy, node steps per second of wall time (the cost
+of the rule; the simulator's own overhead included), and, with the robust rule, the members the coordinator's
+suspicion flagged (its rules run in the simulator's virtual time: a `suspected` event): liars caught of those
+there were, and honest members flagged by mistake. A local step takes 0.05 virtual seconds (`--step-time`), so that
+a run of 120 steps lasts several of the coordinator's reviews (one each virtual second).
 
 Targets: with 1 liar of 16 every robust row within 2 points of the algorithm's no-attack row (the plain rule, no
 liar), with 3 within 5 points; with no attack the robust rule costs at most 1 point and 10% of steps/s.
@@ -31,12 +34,16 @@ On a shared machine one run's steps/s moves with the other work: `--cost N` runs
 from __future__ import annotations
 
 import argparse
+import re
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from coordinator.simulate import simulate
 from nodeagent.byzantine import ATTACKS
 from nodeagent.jobspec import DEFAULT_DATA_DIR, parse_job_spec
+from nodeagent.runtime.events import SUSPECTED, read_events
 
 NODES = 16
 LIARS = {0: [], 1: [5], 3: [2, 7, 12]}
@@ -80,6 +87,18 @@ class Row:
     mean: float  # honest members' final test accuracy, percent
     worst: float
     steps_per_s: float  # node steps per wall second
+    caught: int  # liars the coordinator flagged
+    wrongly_flagged: int  # honest members it flagged
+
+
+def flagged_ranks(run_dir: Path) -> set[int]:
+    """The members a run's coordinator flagged (its `suspected` events), at any time."""
+    flagged = set()
+    for event in read_events(run_dir)[0]:
+        match = re.match(r"rank (\d+) \(node [^)]*\): .*: suspected$", event.message)
+        if event.kind == SUSPECTED and match:
+            flagged.add(int(match.group(1)))
+    return flagged
 
 
 def run(algorithm: Algorithm, split: str, attack: str, liars: int, robust: bool, args: argparse.Namespace) -> Row:
@@ -94,7 +113,8 @@ def run(algorithm: Algorithm, split: str, attack: str, liars: int, robust: bool,
         "model": {"name": "logistic"},
         "data": {"data_dir": args.data_dir, "split": split, "batch_size": 32, "test_limit": args.test_limit},
         "topology": {"kind": algorithm.topology, "seed": 1},
-        "simulation": {"byzantine": [{"ranks": ranks, "attack": attack}] if ranks else []},
+        "simulation": {"byzantine": [{"ranks": ranks, "attack": attack}] if ranks else [],
+                       "step_time_s": args.step_time},
     })
     run_started: list[float] = []  # when the nodes start (building them reads and splits the data: not counted)
 
@@ -102,13 +122,16 @@ def run(algorithm: Algorithm, split: str, attack: str, liars: int, robust: bool,
         if not run_started:
             run_started.append(time.monotonic())
 
-    result = simulate(spec, on_progress=first_event)
-    wall = time.monotonic() - run_started[0]
+    with tempfile.TemporaryDirectory(prefix="byzantine-") as run_dir:
+        result = simulate(spec, run_dir=Path(run_dir), on_progress=first_event)
+        wall = time.monotonic() - run_started[0]
+        flagged = flagged_ranks(Path(run_dir))
     honest = [100 * p.test_accuracy for p in result.progress if p.rank not in ranks]
     row = Row(algorithm.label, split, attack if ranks else "none", liars, robust, sum(honest) / len(honest),
-              min(honest), NODES * steps / wall)
+              min(honest), NODES * steps / wall, len(flagged & set(ranks)), len(flagged - set(ranks)))
     print(f"  {row.algorithm:<14} {split:<13} {row.attack:<10} {liars}  {'robust' if robust else 'plain ':<6}  "
-          f"mean {row.mean:6.2f}  worst {row.worst:6.2f}  {row.steps_per_s:7.0f} steps/s", flush=True)
+          f"mean {row.mean:6.2f}  worst {row.worst:6.2f}  {row.steps_per_s:7.0f} steps/s  flagged "
+          f"{row.caught}/{liars} (+{row.wrongly_flagged} honest)", flush=True)
     return row
 
 
@@ -116,8 +139,8 @@ def table(rows: list[Row]) -> list[str]:
     """The markdown table, each robust row under attack compared with its algorithm's no-attack row (plain rule), and
     each robust row without attack with the plain one."""
     baseline = {(r.algorithm, r.split): r for r in rows if r.liars == 0 and not r.robust}
-    lines = ["| algorithm | split | attack | liars | rule | honest mean | honest worst | steps/s | vs no attack | "
-             "target |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| algorithm | split | attack | liars | rule | honest mean | honest worst | steps/s | flagged "
+             "| vs no attack | target |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     misses = []
     for r in rows:
         base = baseline.get((r.algorithm, r.split))
@@ -134,8 +157,10 @@ def table(rows: list[Row]) -> list[str]:
                 verdict = f"{'met' if met else 'MISSED'} (<= {TARGET_GAP[r.liars]:.0f})"
             if not met:
                 misses.append(f"{r.algorithm} {r.split} {r.attack} x{r.liars}")
+        flagged = "" if not r.robust else f"{r.caught}/{r.liars}" + (
+            f" (+{r.wrongly_flagged} honest)" if r.wrongly_flagged else "")
         lines.append(f"| {r.algorithm} | {r.split} | {r.attack} | {r.liars} | {'robust' if r.robust else 'plain'} | "
-                     f"{r.mean:.2f} | {r.worst:.2f} | {r.steps_per_s:.0f} | {gap} | {verdict} |")
+                     f"{r.mean:.2f} | {r.worst:.2f} | {r.steps_per_s:.0f} | {flagged} | {gap} | {verdict} |")
     robust_rows = [r for r in rows if r.robust and (r.algorithm, r.split) in baseline]
     lines += ["", f"Robust rows meeting their target: {len(robust_rows) - len(misses)} of {len(robust_rows)}."]
     if misses:
@@ -152,6 +177,8 @@ def main() -> None:
     parser.add_argument("--splits", default="", help="comma-separated splits (default: class-window; --full: both)")
     parser.add_argument("--only", default="", help="comma-separated algorithm names (dsgd, gossip, sgp, "
                         "diloco-gossip, asgd, esync, diloco-ps, allreduce, diloco)")
+    parser.add_argument("--step-time", type=float, default=0.05, help="virtual seconds of a local step "
+                        "(simulation.step_time_s): the coordinator reviews its suspicion each virtual second")
     parser.add_argument("--test-limit", type=int, default=2000, help="test images each node is evaluated on")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--cost", type=int, default=0, metavar="N", help="only the no-attack pairs, alternated N "

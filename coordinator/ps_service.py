@@ -115,17 +115,14 @@ class PSJob:
     def __init__(self, job_id: str, spec: JobSpec, run_dir: Path, members: dict[int, str], metrics: Metrics,
                  data: DatasetInfo, fsync: bool = False, quarantined: set[int] | None = None):
         self.job_id = job_id
-        # Issue 28: the workers whose pushes are ignored (the coordinator's ControlPlane decides; the set is the
-        # service's, shared), and per worker the pushes taken and those the robust rule flagged (suspicion).
-        self.quarantined = quarantined if quarantined is not None else set()
-        self.pushes: dict[int, int] = {}
-        self.flagged: dict[int, int] = {}
         self.spec = spec
         self.members = members  # rank -> node id
         self.metrics = metrics
         self.fsync = fsync
         # The model is shaped for the data the job's ranks described in their ready reports: the coordinator has none.
         self.half: ServerHalf = build_server(spec, data)
+        if quarantined is not None:  # the service's set, shared: the ControlPlane's quarantine reaches the pushes
+            self.half.quarantined = quarantined
         self.run_dir = run_dir
         self.state_path = run_dir / STATE_FILE
         self.round_path = run_dir / ROUND_FILE
@@ -166,9 +163,6 @@ class PSJob:
     def push(self, rank: int, push: ServerPush, push_id: str, alive: Callable[[], bool]) -> PushResult:
         with self.condition:
             self._check_open()
-            if rank in self.quarantined:  # ignored: its update counts as zero, so that a round still completes
-                push = dataclasses.replace(push, tensors={
-                    name: torch.zeros_like(t) if t.is_floating_point() else t for name, t in push.tensors.items()})
             result = self.half.push(rank, push, push_id, time.monotonic())
             outcome = "duplicate" if result.duplicate else "rejected" if result.rejected else (
                 "applied" if result.applied else "pending")
@@ -178,9 +172,6 @@ class PSJob:
             for worker in result.flagged:
                 member = self.members.get(worker, f"rank{worker}")
                 self.metrics.robust_clipped.labels(self.job_id, member, SERVER_NAME).inc()
-                self.flagged[worker] = self.flagged.get(worker, 0) + 1
-            if not result.duplicate:
-                self.pushes[rank] = self.pushes.get(rank, 0) + 1
             if not result.duplicate:
                 self._commit()
                 if result.applied and not self.half.synchronous:
@@ -277,7 +268,7 @@ class PSService:
         counts = {}
         for job in jobs:
             with job.condition:
-                counts[job.job_id] = {rank: (job.flagged.get(rank, 0), pushes) for rank, pushes in job.pushes.items()}
+                counts[job.job_id] = job.half.robust_counts()
         return counts
     def job(self, job_id: str, rank: int, node_id: str, context: grpc.ServicerContext) -> PSJob:
         """The running centralised job `job_id`'s server (loaded from its run directory after a restart), for a caller

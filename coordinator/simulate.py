@@ -16,6 +16,11 @@ join while it runs.)
 real change (`NodeDriver.change_topology`): every node learns of every change at the start, so none is late, and
 switches just before the change's step. Each change is written to the run's events log, at the virtual time of
 the first node's switch.
+
+A job with `algorithm.robust` is judged as on agents: the nodes' reports (and the parameter server's counts, at each
+monitor tick) feed the coordinator's suspicion, which flags a lying rank (`simulation.byzantine`) with a `suspected`
+event; with `robust.quarantine` the coordinator's quarantine is carried out, a peer-to-peer member's edges dropped
+by a live topology change that every node is told of at once, a parameter-server worker's pushes taken as zero.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from pathlib import Path
 import torch
 
 from coordinator.control.memory import MemoryState
-from coordinator.control.plane import ControlPlane, Effect, JobEnded, JobEvent
+from coordinator.control.plane import AssignmentsChanged, ControlPlane, Effect, JobEnded, JobEvent, Quarantined
 from coordinator.control.records import Job
 from coordinator.control.states import JobState
 from coordinator.display import mean_accuracy, mean_measured
@@ -83,6 +88,7 @@ finished (failed, or finished without the lost) halts the mesh: its nodes are fr
         self.plane = ControlPlane(self.state, mesh.clock, HEARTBEAT_TIMEOUT_S)
         self.job_id = spec.name
         self._finished: set[int] = set()
+        self._topology_version = 1  # the last version of the job's topology its nodes were told
         for sim in mesh.nodes:
             self.state.register_node(sim.name, sim.name, sim.name, "", device.type, "", "", 0)
         self.state.add_job(self.job_id, spec, "", "")
@@ -107,6 +113,7 @@ finished (failed, or finished without the lost) halts the mesh: its nodes are fr
         """A node's progress report; once every rank has finished, the job is. Returns it as the coordinator
         records it (its traffic added up over the rank's part in the job)."""
         recorded = self.state.record_progress(progress) or progress
+        self._apply(self.plane.progress_reported(self.job, progress))
         if progress.finished and progress.rank not in self._finished:
             self._finished.add(progress.rank)
             if len(self._finished) == len(self.mesh.nodes):  # asked once, not on each report (O(nodes) each)
@@ -118,6 +125,9 @@ finished (failed, or finished without the lost) halts the mesh: its nodes are fr
         for sim in self.mesh.nodes:
             if self.mesh.down_until(sim.rank, now) is None:
                 self.state.touch_node(sim.name)
+        server = self.mesh.server
+        if server is not None and self.job.spec.algorithm.robust is not None:
+            self._apply(self.plane.server_reported(self.job, server.half.robust_counts()))
         self._apply(self.plane.tick())
         if self.job.state == JobState.RUNNING:
             self.mesh.in_background(now + MONITOR_EVERY_S, self._tick)
@@ -129,6 +139,24 @@ finished (failed, or finished without the lost) halts the mesh: its nodes are fr
                                             events.bounded(effect.message), effect.level))
             elif isinstance(effect, JobEnded) and len(self._finished) < len(self.mesh.nodes):
                 self.mesh.halt()  # ended before every node finished (failed, or finished without the lost)
+            elif isinstance(effect, Quarantined):
+                assert self.mesh.server is not None, "pushes quarantined, but the job has no parameter server"
+                quarantined = self.mesh.server.half.quarantined
+                (quarantined.discard if effect.released else quarantined.add)(effect.rank)
+            elif isinstance(effect, AssignmentsChanged) and self.job.topology_version > self._topology_version:
+                self._switch_topology()
+
+    def _switch_topology(self) -> None:
+        """The job's topology changed (a quarantine's dropped edges): every member is told its place in the new
+        graph at once, as the servicer tells the agents, and switches before the job's switch step."""
+        job = self.job
+        self._topology_version = job.topology_version
+        members = self.state.members(self.job_id)
+        description = f"{job.running_spec.topology.kind} (version {job.topology_version})"
+        for member in members:
+            plan = self.plane.plan(job, members, member.rank)
+            self.mesh.nodes[member.rank].driver.change_topology(
+                TopologyChange(job.switch_step, plan.neighbors, plan.self_weight, plan.peer_schedule, description))
 
 
 @dataclass

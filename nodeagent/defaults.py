@@ -13,6 +13,7 @@ COORDINATOR_ADDRESS = f"127.0.0.1:{COORDINATOR_PORT}"  # where an agent or a com
 
 HEARTBEAT_INTERVAL_S = 2.0  # how often an agent says it is up; the coordinator sends it at registration
 HEARTBEAT_TIMEOUT_S = 15.0  # a node silent for this long is marked down
+REPORT_INTERVAL_S = 1.0  # how often a node reports its progress (the simulator's: in a robust job only, virtual)
 RATE_WINDOW_S = 30.0  # `coordinator status`'s recent steps/s of a node: over its reports of this long
 
 KEEP_RUNS = 100  # the coordinator keeps the run directories of this many ended jobs, the newest (--keep-runs)

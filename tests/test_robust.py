@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from coordinator.control.states import JobState
 from coordinator.jobs import validate_job
 from coordinator.simulate import simulate
 from nodeagent.algorithms.allreduce import AllReduceSGD
@@ -31,6 +32,7 @@ from nodeagent.robust import (
     unsafe,
 )
 from nodeagent.runtime.driver import ALLREDUCE_NAME
+from nodeagent.runtime.events import QUARANTINED, SUSPECTED, TOPOLOGY, read_events
 
 pytestmark = pytest.mark.unit
 
@@ -191,9 +193,9 @@ def test_forge_leaves_tensors_that_are_not_floating_alone():
 
 
 def job(fashion_mnist_dir, algorithm: dict, nodes: int = 8, steps: int = 120, byzantine: list | None = None,
-        topology: str = "multiplex-ring", interval: int = 1):
+        topology: str = "multiplex-ring", interval: int = 1, pace_s: float = 0.0):
     return parse_job_spec({
-        "name": "robust", "nodes": nodes, "steps": steps, "eval_every": steps, "seed": 0,
+        "name": "robust", "nodes": nodes, "steps": steps, "eval_every": steps, "seed": 0, "min_step_s": pace_s,
         "algorithm": {"lr": 0.05, "interval": interval, **algorithm},
         "model": {"name": "logistic"},
         "data": {"data_dir": str(fashion_mnist_dir), "split": "iid", "batch_size": 32, "train_limit": 8000,
@@ -367,3 +369,37 @@ def test_without_max_update_norm_a_1e30_gradient_is_bounded_by_the_default(fashi
                                    metrics=metrics)
     assert all(math.isfinite(a) and a > 0.2 for a in accuracies)  # damaged but bounded, never NaN
     assert metrics.registry.get_sample_value("peertrain_ps_updates_clipped_total", {"job_id": "robust"}) >= 50
+
+
+# -- detection and quarantine in the simulator (the coordinator's rules in virtual time) ------------------------------
+
+
+@pytest.mark.parametrize(("algorithm", "quarantined"), [
+    ({"name": "dsgd", "robust": {"rule": "self-centered-clip"}}, "its edges are dropped from step"),
+    ({"name": "ssgd", "robust": {"rule": "trimmed-mean"}}, "its pushes are ignored"),
+    ({"name": "allreduce", "robust": {"rule": "median"}}, None),  # flagged from the gathered rows; not quarantined
+])
+def test_a_simulated_liar_is_flagged_by_the_coordinator_and_quarantined_where_the_job_asks(
+        fashion_mnist_dir, tmp_path, algorithm, quarantined):
+    robust = {**algorithm["robust"], "window_s": 2}
+    if quarantined is not None:
+        robust["quarantine"] = {"fraction": 0.8, "after_s": 1}
+    liar = [{"ranks": [3], "attack": "constant"}]
+    # Paced at 20 steps/s (virtual): a live topology change switches some seconds of steps ahead (SWITCH_LEAD_S).
+    result = simulate(job(fashion_mnist_dir, {**algorithm, "robust": robust}, steps=300, byzantine=liar,
+                          topology="ring", pace_s=0.05), run_dir=tmp_path)
+    assert result.job.state == JobState.FINISHED
+    log, _ = read_events(tmp_path)
+    suspected = [e.message for e in log if e.kind == SUSPECTED]
+    assert suspected and all(message.startswith("rank 3 (node rank3): ") for message in suspected), suspected
+    done = [e.message for e in log if e.kind == QUARANTINED]
+    if quarantined is None:
+        assert not done
+    else:
+        assert len(done) == 1 and done[0].startswith("rank 3 (node rank3) quarantined: ") and quarantined in done[0]
+    if algorithm["name"] == "dsgd":  # carried out: the live topology change reached every node
+        assert any(e.kind == TOPOLOGY and "edge-list (version 2)" in e.message for e in log)
+        assert all(3 not in sim.node.algorithm.context.neighbor_ranks for sim in result.mesh.nodes if sim.rank != 3)
+    if algorithm["name"] == "ssgd":
+        assert result.mesh.server is not None and result.mesh.server.half.quarantined == {3}
+    assert min(p.test_accuracy for p in result.progress if p.rank != 3) > 0.7

@@ -29,8 +29,8 @@ Quarantine (issue 28): a quarantined member's contributions are dropped from the
   The member keeps its rank, runs alone, and is waited for by no one: the job finishes without it, and its silence
   does not fail a synchronous job. An asynchronous elastic job that keeps its least members plans its graph again
   without it (the member leaves, as a drained one does).
-- Parameter server: its pushes are ignored (coordinator.ps_service: a quarantined worker's update is taken as zero,
-  so a synchronous round still completes; the worker can still pull the model).
+- Parameter server: its pushes are ignored (nodeagent.ps.server.ServerHalf: a quarantined worker's update is taken
+  as zero, so a synchronous round still completes; the worker can still pull the model).
 The operator is told (a `quarantined` event, `status`); a revoked member is quarantined the same way.
 """
 

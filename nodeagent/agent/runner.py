@@ -43,6 +43,7 @@ from nodeagent.agent.dispatch import Dispatch
 from nodeagent.agent.forward import FORWARDED
 from nodeagent.agent.rendezvous import CoordinatorStore
 from nodeagent.algorithms import Family, Neighbor
+from nodeagent.defaults import REPORT_INTERVAL_S
 from nodeagent.jobspec import JobSpec
 from nodeagent.ps.link import ServerExpectation
 from nodeagent.rpc import Backoff, failure_reason, split_address
@@ -64,7 +65,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("nodeagent")
 
-REPORT_INTERVAL_S = 1.0
 NEIGHBOUR_WAIT_S = 60.0
 READY_WAIT_S = 5.0  # how long the coordinator may hold a ready report's answer (a long poll for the release)
 READY_CALL_SLACK_S = 5.0  # beyond it, for the call's own deadline

@@ -13,6 +13,7 @@ happened in order (pushes, pulls that change the state, rounds), for the run's l
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -77,6 +78,11 @@ class ServerHalf:
         self.last_push = [""] * self.num_workers
         self.released = [""] * self.num_workers
         self.events: list[dict[str, Any]] = []
+        # Issue 28: the workers whose pushes are ignored (the coordinator's ControlPlane decides), and per worker the
+        # pushes taken and those the robust rule flagged (the coordinator's suspicion, `robust_counts`).
+        self.quarantined: set[int] = set()
+        self.pushes: dict[int, int] = {}
+        self.flagged: dict[int, int] = {}
 
     def build_rule(self, w0: torch.Tensor) -> ParameterServer:
         raise NotImplementedError
@@ -126,6 +132,10 @@ class ServerHalf:
             return PushResult(applied=False, version=self.version, release=release, duplicate=True)
         if push.kind != self.push_kind:
             raise ProtocolError(f"expected a {self.push_kind.name.lower()} push, got {push.kind.name.lower()}")
+        if rank in self.quarantined:  # ignored: its update counts as zero, so that a round still completes
+            push = dataclasses.replace(push, tensors={
+                name: torch.zeros_like(t) if t.is_floating_point() else t for name, t in push.tensors.items()})
+        self.pushes[rank] = self.pushes.get(rank, 0) + 1
         if self.synchronous and push.version != self.version:
             reason = f"computed on version {push.version}, the round is {self.version}"
             result = PushResult(applied=False, version=self.version, release=(rank,), rejected=reason)
@@ -134,12 +144,18 @@ class ServerHalf:
         self.last_push[rank] = push_id
         for worker in result.release:
             self.released[worker] = self.last_push[worker]
+        for worker in result.flagged:
+            self.flagged[worker] = self.flagged.get(worker, 0) + 1
         self.events.append({
             "event": "push", "time": now, "rank": rank, "push_id": push_id, "worker_version": push.version,
             "version": result.version, "applied": result.applied, "delay": result.delay, "rejected": result.rejected,
             "clipped": result.clipped, "flagged": list(result.flagged),
         })
         return result
+
+    def robust_counts(self) -> dict[int, tuple[int, int]]:
+        """Per worker: (pushes its robust rule flagged, pushes taken), cumulative."""
+        return {rank: (self.flagged.get(rank, 0), pushes) for rank, pushes in self.pushes.items()}
 
     def is_released(self, rank: int, push_id: str) -> bool:
         return self.released[rank] == push_id
