@@ -35,12 +35,13 @@ outlying and not flagged: its harm is bounded by the clipping instead.
 Exclusion (beyond ClippedGossip, a deviation). Clipping bounds a liar's pull per mix by its weight times tau, but a
 sign-flipping liar pulls the same way at every mix, and with several liars among a node's peers (pull gossip, the
 exponential graph of SGP) those bounded pulls add up: 16 nodes, 3 sign-flipping liars, class-window split, gossip
-lost 9.1 points and SGP 14.0 with clipping alone. So a node also excludes, on its own judgement, a neighbour at least
-EXCLUDED_OUTLYING of whose last EXCLUDED_WINDOW contributions were outlying: it clips it to radius 0 (its own state
-in the neighbour's place, the push-sum weight kept) until the share falls again; the contribution is still judged
-and counted. No honest neighbour was excluded in benchmarks/byzantine.py's no-attack rows (their accuracy did not
-move), and gossip and SGP under 3 sign-flipping liars came within 2.7 and 2.5 points of the no-attack rows
-(docs/results.md). A node-local decision: the coordinator's quarantine acts on the whole job.
+lost 9.1 points and SGP 14.0 with clipping alone. So a node also excludes, on its own judgement, a neighbour
+EXCLUDED_SHARE of whose last contributions were outlying (at least EXCLUDED_SEEN judged, the last EXCLUDED_WINDOW
+counted): it clips it to radius 0 (its own state in the neighbour's place, the push-sum weight kept) until the share
+falls again; the contribution is still judged and counted. No honest neighbour was excluded in
+benchmarks/byzantine.py's no-attack rows (their accuracy did not move), and gossip and SGP under 3 sign-flipping
+liars came within 1.5 and 2.4 points of the no-attack rows (docs/results.md). A node-local decision: the
+coordinator's quarantine acts on the whole job.
 
 Robust aggregation at the parameter server, over the n workers' updates of one round (U, n x d):
 - centered-clip (Karimireddy, He and Jaggi 2021): v <- v + (1/n) sum_i clip(U_i - v, tau), CENTERED_CLIP_ITERATIONS
@@ -74,10 +75,11 @@ AUTO_MULTIPLIER = 0.7
 NORM_CLIP_MULTIPLIER = 2.0  # an asynchronous server's: tau = NORM_CLIP_MULTIPLIER * median of the recent norms
 CENTERED_CLIP_ITERATIONS = 3
 OUTLYING_FACTOR = 4.0  # a neighbour's contribution farther than this times the window's lower quartile is outlying
-# A neighbour with at least EXCLUDED_OUTLYING of its last EXCLUDED_WINDOW contributions outlying is excluded: the
-# node clips it to radius 0 (mixes its own state in its place) until its share falls again.
+# A neighbour with at least EXCLUDED_SEEN of its last EXCLUDED_WINDOW contributions judged, EXCLUDED_SHARE of them
+# outlying, is excluded: the node clips it to radius 0 (mixes its own state in its place) until its share falls.
 EXCLUDED_WINDOW = 16
-EXCLUDED_OUTLYING = 12
+EXCLUDED_SEEN = 4
+EXCLUDED_SHARE = 0.75
 OUTLIER_FACTOR = 2.0  # a server-side contribution farther than this times the median distance counts as clipped
 
 
@@ -128,9 +130,9 @@ class SelfCenteredClip:
         self.recent: dict[int, deque[bool]] = {}  # per neighbour: whether each of its last contributions was outlying
 
     def excluded(self, peer: int) -> bool:
-        """Whether `peer`'s recent contributions are persistently outlying (see EXCLUDED_OUTLYING)."""
+        """Whether `peer`'s recent contributions are persistently outlying (see EXCLUDED_SHARE)."""
         recent = self.recent.get(peer)
-        return recent is not None and sum(recent) >= EXCLUDED_OUTLYING
+        return recent is not None and len(recent) >= EXCLUDED_SEEN and sum(recent) >= EXCLUDED_SHARE * len(recent)
 
     def radius(self, own: torch.Tensor, origin: torch.Tensor) -> float:
         if self.fixed_radius is not None:

@@ -20,7 +20,8 @@ from nodeagent.ps.rules import ASGDServer, SSGDServer
 from nodeagent.robust import (
     AUTO_MULTIPLIER,
     AUTO_WARM,
-    EXCLUDED_OUTLYING,
+    EXCLUDED_SEEN,
+    EXCLUDED_SHARE,
     EXCLUDED_WINDOW,
     NormClip,
     RobustAggregator,
@@ -79,19 +80,21 @@ def test_a_liar_sending_half_the_contributions_does_not_set_the_auto_radius_and_
 
 
 def test_a_neighbour_persistently_outlying_is_excluded_until_it_is_mixed_within_the_radius_again():
-    """Exclusion: a neighbour with EXCLUDED_OUTLYING of its last EXCLUDED_WINDOW contributions outlying is clipped to
-    radius 0 (the node's own state in its place); honest again, it is mixed again once its share falls."""
+    """Exclusion: a neighbour with EXCLUDED_SHARE of its last contributions outlying (at least EXCLUDED_SEEN judged,
+    at most EXCLUDED_WINDOW) is clipped to radius 0 (the node's own state in its place); honest again, it is mixed
+    again once its share falls."""
     clip = SelfCenteredClip(RobustSpec(rule="self-centered-clip"))
     origin = own = vec(0, 0)
     for _ in range(AUTO_WARM):
         clip.clip_all(own, {1: vec(0, 1), 2: vec(1, 0)}, origin)  # warm: honest distances of 1
     factors = [clip.scales(own, {1: vec(0, 1), 3: vec(-50, 0)}, origin)[3] for _ in range(EXCLUDED_WINDOW)]
-    assert all(0 < factor < 1 for factor in factors[: EXCLUDED_OUTLYING - 1])  # clipped, still mixed
-    assert factors[EXCLUDED_OUTLYING - 1 :] == [0.0] * (EXCLUDED_WINDOW - EXCLUDED_OUTLYING + 1)
+    assert all(0 < factor < 1 for factor in factors[: EXCLUDED_SEEN - 1])  # clipped, still mixed
+    assert factors[EXCLUDED_SEEN - 1 :] == [0.0] * (EXCLUDED_WINDOW - EXCLUDED_SEEN + 1)
     assert torch.equal(clip.clip_all(own, {3: vec(-50, 0)}, origin)[3], own)
     assert clip.counts.outlying[3] == EXCLUDED_WINDOW + 1  # still judged and counted
     honest = [clip.scales(own, {3: vec(0.5, 0)}, origin)[3] for _ in range(EXCLUDED_WINDOW)]
-    assert honest[: EXCLUDED_WINDOW - EXCLUDED_OUTLYING] == [0.0] * (EXCLUDED_WINDOW - EXCLUDED_OUTLYING)
+    still = EXCLUDED_WINDOW - math.ceil(EXCLUDED_SHARE * EXCLUDED_WINDOW)  # honest ones before the share falls
+    assert honest[:still] == [0.0] * still and honest[still] > 0
     assert honest[-1] > 0  # mixed again (within the radius, or clipped to it)
     assert not clip.excluded(1) and clip.scales(own, {1: vec(0, 1)}, origin)[1] > 0  # never excluded
 
