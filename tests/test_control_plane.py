@@ -491,6 +491,22 @@ def test_a_persistently_outlying_member_is_quarantined_its_edges_dropped_by_a_to
     assert cluster.job(job_id).state == JobState.FINISHED
 
 
+def test_a_quarantined_members_failure_does_not_end_the_job(cluster):
+    """A liar, once quarantined, could otherwise stop a job by reporting a failure."""
+    cluster.register("a", "b", "c", "d")
+    job_id = cluster.submit(robust_spec(4, mode="sync", quarantine={"fraction": 0.8, "after_s": 1}))
+    cluster.ready_all(job_id)
+    lie(cluster, job_id, 3)
+    assert cluster.plane.quarantined(job_id) == {3}
+    recorded, effects = cluster.plane.failed(job_id, 3, "d", "it says it broke")
+    cluster.apply(effects)
+    assert recorded and cluster.job(job_id).state == JobState.RUNNING
+    assert cluster.events(events.QUARANTINED)[-1] == ("rank 3 (node d), quarantined, failed: it says it broke; the "
+                                                      "job goes on without it")
+    cluster.apply(cluster.plane.failed(job_id, 1, "b", "a real failure")[1])  # an honest member's still does
+    assert cluster.job(job_id).state == JobState.FAILED
+
+
 def test_an_operator_quarantines_a_member_unless_the_others_would_be_cut_apart(cluster):
     cluster.register("a", "b", "c", "d")
     job_id = cluster.submit(robust_spec(4))

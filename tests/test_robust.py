@@ -379,6 +379,8 @@ def test_without_max_update_norm_a_1e30_gradient_is_bounded_by_the_default(fashi
 
 @pytest.mark.parametrize(("algorithm", "quarantined"), [
     ({"name": "dsgd", "robust": {"rule": "self-centered-clip"}}, "its edges are dropped from step"),
+    # Synchronous: the quarantined member, left without neighbours, steps on alone (its rounds once raised KeyError).
+    ({"name": "dsgd", "mode": "sync", "robust": {"rule": "self-centered-clip"}}, "its edges are dropped from step"),
     ({"name": "ssgd", "robust": {"rule": "trimmed-mean"}}, "its pushes are ignored"),
     ({"name": "allreduce", "robust": {"rule": "median"}}, None),  # flagged from the gathered rows; not quarantined
 ])

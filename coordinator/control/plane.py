@@ -232,6 +232,11 @@ class ControlPlane:
         job = self.state.job(job_id)
         assert job is not None
         effects = Effects()
+        if rank in self._quarantined.get(job_id, set()):
+            # Its contributions are dropped and nobody waits for it: a quarantined member cannot end the job.
+            effects.add(JobEvent(job, events.QUARANTINED, f"rank {rank} (node {node_id}), quarantined, failed: "
+                                 f"{reason}; the job goes on without it", "WARNING"))
+            return True, effects.items
         self._end_job(job, JobState.FAILED, f"rank {rank} (node {node_id}) failed: {reason}", effects)
         return True, effects.items
 

@@ -101,7 +101,7 @@ class DSGD(Algorithm):
         with torch.no_grad():
             self._mix(copies)
             self.w.sub_(self._pending_direction, alpha=self.spec.lr)
-        del self.round_copies[self.clock]
+        self.round_copies.pop(self.clock, None)  # none kept for a node without neighbours (a quarantined one)
         self._pending_direction = None
         self.clock += 1
         self.republish()
