@@ -36,6 +36,7 @@ def job_yaml(agents: int, steps: int, data_dir: str, name: str) -> str:
         "model": {"name": "logistic"},
         "data": {"data_dir": data_dir, "split": "iid", "batch_size": 32, "test_limit": 2000},
         "failure": {"step_timeout_s": 5.0, "join_s": 1.0},
+        "checkpoint": {"keep": True},  # compared at the end: an agent deletes an ended job's checkpoints otherwise
     })
 
 
@@ -46,7 +47,7 @@ def agent_of(cluster: LocalCluster, status: pb.JobStatusReply, rank: int) -> int
 
 def identical_replicas(cluster: LocalCluster, status: pb.JobStatusReply, steps: int) -> bool:
     states = [torch.load(checkpoint_path(cluster.state_dir(agent_of(cluster, status, n.rank)), status.job_id,
-                                         n.rank), weights_only=True) for n in status.nodes]
+                                         n.rank, keep=True), weights_only=True) for n in status.nodes]
     return all(s["clock"] == steps and torch.equal(s["w"], states[0]["w"]) for s in states)
 
 
