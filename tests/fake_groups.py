@@ -77,29 +77,23 @@ class FakeGroup:
             self.groups.changed.notify_all()
 
 
-def is_vote(tensor: torch.Tensor) -> bool:
-    """A commit vote on the wire (nodeagent.agent.agreement.Vote): one int64."""
-    return tensor.dtype == torch.int64 and tensor.numel() == 1
-
-
 class FailsAfterTheOthers:
-    """One member's groups, which raise on that member once its `at`-th all-reduce (`op` "all_reduce") or commit
-    vote (`op` "vote") has completed: the other members have their answer, this one does not."""
+    """One member's groups, which raise on that member once its `at`-th all-reduce has completed: the other members
+    have their answer, this one does not."""
 
-    def __init__(self, groups: GroupFactory, op: str, at: int):
-        self.groups, self.op, self.at = groups, op, at
+    def __init__(self, groups: GroupFactory, at: int):
+        self.groups, self.at = groups, at
         self.count = 0
         self.failed = False
 
     def __call__(self, number: int, members: tuple[int, ...], index: int) -> ProcessGroup:
         return _Failing(self.groups(number, members, index), self)
 
-    def completed(self, op: str) -> None:
-        if op == self.op:
-            self.count += 1
-            if self.count == self.at:
-                self.failed = True
-                raise RuntimeError(f"injected: this member's {op} failed after the others had their answer")
+    def completed(self) -> None:
+        self.count += 1
+        if self.count == self.at:
+            self.failed = True
+            raise RuntimeError("injected: this member's all-reduce failed after the others had their answer")
 
 
 class _Failing:
@@ -108,13 +102,10 @@ class _Failing:
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         self.inner.all_reduce_sum(tensor)
-        self.fault.completed("all_reduce")
+        self.fault.completed()
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        gathered = self.inner.all_gather(tensor)
-        if is_vote(tensor):
-            self.fault.completed("vote")
-        return gathered
+        return self.inner.all_gather(tensor)
 
     def broadcast(self, tensor: torch.Tensor, source: int) -> None:
         self.inner.broadcast(tensor, source)

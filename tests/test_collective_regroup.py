@@ -67,8 +67,8 @@ def run_rank(port: int, rank: int, start: int, value: float, dies_at: int | None
     quorums: list[tuple[int, ...]] = []  # the members of each all-reduce that completed, in order
     all_reduce = collective._all_reduce
 
-    def recording(quorum, message):
-        answer = all_reduce(quorum, message)
+    def recording(quorum, message, waiting):
+        answer = all_reduce(quorum, message, waiting)
         quorums.append(quorum.members)
         return answer
 
@@ -187,8 +187,8 @@ def check_replicas(finished: dict[int, tuple]) -> None:
     weights = {rank: result[0] for rank, result in finished.items()}
     assert weights[0] == weights[1] == weights[2], weights
     # Ranks 0 and 1 never left: each went through every step of the job once, committing it or (where a member lost
-    # within the commit vote split them, the one case the vote leaves) taking the state of the one that committed it
-    # at the next quorum. Every step was committed, with one quorum, and w is the sum of those steps' means.
+    # within a step split them: some had its answer, the others not) taking the state of one that had it at the
+    # next quorum. Every step was committed, with one quorum, and w is the sum of those steps' means.
     quorum_of: dict[int, tuple[int, ...]] = {}
     for rank in (0, 1):
         took_up, committed = finished[rank][1], finished[rank][2]

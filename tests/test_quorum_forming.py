@@ -195,8 +195,8 @@ def test_a_member_slow_to_say_it_is_there_is_not_taken_for_a_rank_waiting_to_com
     for member in collectives:  # the watcher's question, asked of each member once the step is done
         original = member._all_reduce
 
-        def recording(quorum, message, member=member, original=original):
-            answer = original(quorum, message)
+        def recording(quorum, message, waiting, member=member, original=original):
+            answer = original(quorum, message, waiting)
             members.append(quorum.members)
             answers.append(member.forming.knocked_since(member._knocks))
             return answer

@@ -1,4 +1,4 @@
-"""What the members of an all-reduce quorum tell each other besides the data, and the rules they decide by: pure
+"""What the members of an all-reduce quorum tell each other when it forms, and the rule they decide by: pure
 functions of typed messages, no store, no group, no clock (nodeagent.agent.collective performs them).
 
 State agreement. Every new quorum first agrees on the state the job goes on from. Each member gives a StateKey:
@@ -10,13 +10,11 @@ held by the lowest member with it, whose state is broadcast; when every member h
 (a restarted rank's key, -1, is never the same as a live one's, except in the job's first quorum, whose ranks all
 start from the same seeded model). The key also carries the member's token (checked against the rendezvous store's).
 
-Commit vote (as torchft's should_commit). A round's result is applied only if every member of the quorum voted
-that its collective completed: each member that completed it votes (saying whether it saw a rank waiting to come
-in), the votes are all-gathered, and the round is committed when every member's vote came. A member whose
-collective failed drops the group instead of voting, which fails the vote of every other member: the round is
-applied nowhere and retried by the next quorum. The vote itself can complete on some
-members and fail on others (a member lost within the vote): those that committed hold the next key (a later step,
-or `applied`), so the next quorum's agreement brings the others to it; the round is then applied everywhere.
+Commit (nodeagent.agent.collective). A round's answer is applied on receipt, and the quorum's next round commits
+it: a member enters a round only with its answer of the one before. A round in doubt (the next one failed: some
+member may not have had its answer) is settled by the next quorum's agreement: the members that applied it hold
+the next key (a later step, or `applied`) and bring the others to it; when none of them is there, it is taken
+again. No separate vote travels.
 """
 
 from __future__ import annotations
@@ -77,32 +75,3 @@ def agree(keys: list[StateKey], first_quorum: bool) -> Agreement:
     if all(key.rank == best for key in keys) and (best[0] >= 0 or first_quorum):
         return Agreement(None, winner)
     return Agreement(source, winner)
-
-
-@dataclass(frozen=True)
-class Vote:
-    """A member's vote that its collective of a round completed (a member whose collective failed gives none), and
-    whether it saw a rank waiting to come in."""
-
-    waiting: bool
-
-    def encode(self) -> torch.Tensor:
-        return torch.tensor([int(self.waiting)], dtype=torch.int64)
-
-    @classmethod
-    def decode(cls, tensor: torch.Tensor) -> Vote:
-        return cls(bool(int(tensor[0])))
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What every member that saw all the votes does: apply the round (`committed`), and leave the quorum after it
-    for the next one with a waiting rank (`leave`)."""
-
-    committed: bool
-    leave: bool
-
-
-def decide(votes: list[Vote], members: int) -> Outcome:
-    """The outcome of a round from the votes gathered (every member's when the vote completed, else none)."""
-    return Outcome(len(votes) == members, any(vote.waiting for vote in votes))

@@ -23,48 +23,54 @@ lower): a rank the quorum was closed with never skips it. A quorum whose gloo gr
 MAX_FAILED_GROUPS in a row fail the job.
 
 The pieces, each in its own place: the store client (nodeagent.agent.rendezvous), quorum forming
-(nodeagent.agent.quorum, on an injected store, clock and pause), the agreement and the commit vote (typed messages
-and pure rules: nodeagent.agent.agreement), the process group (nodeagent.agent.process_group: gloo, or a fake),
+(nodeagent.agent.quorum, on an injected store, clock and pause), the state agreement (typed messages and pure
+rules: nodeagent.agent.agreement), the process group (nodeagent.agent.process_group: gloo, or a fake),
 and this module, the runner that performs a round with them.
 
 Each step (the algorithm's Route.ALLREDUCE message) is one all-reduce over the quorum's group, under
-`step_timeout_s`, of the message's tensors flattened, then a commit vote (nodeagent.agent.agreement): every member
-whose all-reduce completed votes, saying whether it saw `knocks` differ from its value when the quorum was closed
-(a watcher thread looks at the store twice a second): a rank came since. A store that restarted empty differs
-too, and the members form a quorum again once, which sets `next` in the new store past their numbers, where a
-restarted rank then finds them. The mean is over the quorum's members. The step is applied on a member only when
-every member's vote came: all or nothing. A member lost mid-step (killed: its sockets close at once; stopped: it
-does not answer within `step_timeout_s`), or whose all-reduce failed after the others had their answer, gives no
-vote; the others' vote fails, so no member applies the step; each drops its group (which fails its own peers'
-calls in turn), and forms the next quorum at the step it was at, which takes the step again (a DiLoCo sync, the
-job's last one included, is sent again, not lost). When a vote says a rank waits, every member, having all seen
-the same votes, leaves the quorum after that step and forms the next with the waiting rank.
+`step_timeout_s`, of the message's tensors flattened and one element more: the count of members that saw `knocks`
+differ from its value when the quorum was closed (a watcher thread looks at the store twice a second): a rank came
+since. A store that restarted empty differs too, and the members form a quorum again once, which sets `next` in the
+new store past their numbers, where a restarted rank then finds them. The mean is over the quorum's members. When
+the count is not zero every member, having seen the same sum, leaves the quorum after that step and forms the next
+with the waiting rank.
 
-Every new quorum first agrees on the state: each member gives (the last quorum it held the job's state in, its
-step, whether the round of that step is applied: `round_applied()`), -1 for a rank that restarted from its
-checkpoint; the greatest key wins, held by the lowest rank with it, whose `group_state()` (parameters, momentum,
-and for DiLoCo the outer and inner optimizers' state) is broadcast. The same all-gather carries each member's
-token, a random number it wrote to the store with its presence: gloo's
-pair connections have no credentials, and a process that reaches a member's gloo port before the member's peer
-does can take the peer's place (gloo matches a connection to its pair by a small sequence number). A member whose
-gathered tokens are not the store's drops the group before any state or gradient travels on it, and the quorum is
-formed again.
-A rank with another key takes it up: the all-reduce answers it a PARAMS message at that step, instead of a mean,
-and the algorithm takes the job up from it. A restarted rank never gives the state while a live one is present;
-a member that committed a step where the others' vote failed (a member lost within the vote) brings the others
+All or nothing, committed by the next round. A member applies a round's answer at once, and the quorum's next round
+commits it: a member enters a round only with its answer of the round before, so a round that completes anywhere
+proves that every member had that answer. (torchft asks every member `should_commit` in a second exchange each
+step; that vote, an all-gather of one integer after each all-reduce, took 8 agents on loopback from 44 to 30 steps/s
+of a logistic model, benchmarks/faults.py.) A member lost mid-step (killed: its sockets close at once; stopped: it
+does not answer within `step_timeout_s`), or whose all-reduce failed after the others had their answer, drops its
+group, which fails the others' next round; each member forms the next quorum at the step it was at, and the state
+agreement there settles the round in doubt: a member that applied it holds the greater key and brings every member
+to it (applied everywhere); when no member of the new quorum applied it, the new quorum takes it again (applied
+nowhere: a DiLoCo sync, the job's last one included, is sent again, not lost). The job's last round has no next
+one: a member that did not get its answer forms a quorum with the members that finished (`hand_over`) and takes
+their state.
+
+Every new quorum first agrees on the state: each member gives (the last quorum it held the job's state in, its step,
+whether the round of that step is applied: `round_applied()`), -1 for a rank that restarted from its checkpoint; the
+greatest key wins, held by the lowest rank with it, whose `group_state()` (parameters, momentum, and for DiLoCo the
+outer and inner optimizers' state) is broadcast. The same all-gather carries each member's token, a random number it
+wrote to the store with its presence: gloo's pair connections have no credentials, and a process that reaches a
+member's gloo port before the member's peer does can take the peer's place (gloo matches a connection to its pair by
+a small sequence number). A member whose gathered tokens are not the store's drops the group before any state or
+gradient travels on it, and the quorum is formed again. A rank with another key takes it up: the all-reduce answers
+it a PARAMS message at that step, instead of a mean, and the algorithm takes the job up from it. A restarted rank
+never gives the state while a live one is present; a member that applied the round in doubt brings the others
 forward to it (a DiLoCo sync applied wins over the same sync pending: the job's last sync cannot be taken for one
-still to send); a member that was stopped while the others went on without it takes their state, not its
-late one. So every step is applied once, by every member of the quorum that took it, and all replicas are equal
-after each quorum's agreement. In the job's first quorum, when every member holds the same key (all started from
-the same seeded model and reached the same step, the first collective one), nothing is broadcast: a DiLoCo member's
-first all-reduce comes after its first H inner steps, whose local results differ by design and must all count.
+still to send); a member that was stopped while the others went on without it takes their state, not its late one.
+So every step is applied once, by every member of the quorum that took it, and all replicas are equal after each
+quorum's agreement. In the job's first quorum, when every member holds the same key (all started from the same
+seeded model and reached the same step, the first collective one), nothing is broadcast: a DiLoCo member's first
+all-reduce comes after its first H inner steps, whose local results differ by design and must all count.
 
 Fewer than `min_members` present (a majority by default: two halves cut apart never both train) for longer than the
 wait time fails this rank's job with the absent ranks named, as does the coordinator after `failure.lost_grace_s`.
 
 A rank restarted from its checkpoint heals before its first step: the node driver sends its group state as a
 PARAMS message on the all-reduce route (`mean`), which forms a quorum and answers the group's state (or its own,
-when it is the quorum's) without an all-reduce; the members join that quorum after their next step's commit.
+when it is the quorum's) without an all-reduce; the members join that quorum after their next round.
 
 A rank that comes back after the others took the job's last step still gets the final state: a member that finished
 keeps looking for a waiting rank until the job ends (`hand_over`), and forms a quorum with it, whose agreement hands
@@ -84,7 +90,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from nodeagent.agent.agreement import MemberState, StateKey, Vote, agree, decide
+from nodeagent.agent.agreement import MemberState, StateKey, agree
 from nodeagent.agent.process_group import GroupFactory, ProcessGroup, gloo_groups
 from nodeagent.agent.quorum import MAX_FAILED_GROUPS, GroupLost, QuorumForming, QuorumOptions, first_line
 from nodeagent.agent.rendezvous import CALL_TIMEOUT_S
@@ -115,6 +121,11 @@ class Quorum:
     number: int
     members: tuple[int, ...]  # job ranks, in the order of their group ranks
     group: ProcessGroup
+
+
+# One round's collective over a quorum: (quorum, message, this member's flag of a waiting rank) -> (its answer,
+# whether any member saw a rank waiting).
+RoundCall = Callable[[Quorum, Message, bool], tuple[Message, bool]]
 
 
 class Collective:
@@ -170,8 +181,7 @@ class Collective:
         cannot be summed: int8 codes); or, like `mean`, the state of a new quorum."""
         return self._collect(message, self._all_gather, state)
 
-    def _collect(self, message: Message, collective: Callable[[Quorum, Message], Message],
-                 state: MemberState | None) -> Message:
+    def _collect(self, message: Message, collective: RoundCall, state: MemberState | None) -> Message:
         while True:
             agreeing = self.quorum is None
             try:
@@ -191,45 +201,46 @@ class Collective:
                 if not agreeing:
                     self.aborted_steps.inc()
                 self._tell(f"rank {self.rank}: {what} step {message.clock} failed ({first_line(error)}); the step "
-                           "is aborted (applied nowhere) and the quorum formed again", "WARNING", message.clock)
+                           "is aborted and the quorum formed again (its agreement settles whether a member applied it)",
+                           "WARNING", message.clock)
 
-    def _round(self, quorum: Quorum, message: Message, collective: Callable[[Quorum, Message], Message]) -> Message:
-        """One round: the collective, then the commit vote; the answer only when every member voted it complete."""
+    def _round(self, quorum: Quorum, message: Message, collective: RoundCall) -> Message:
+        """One round: the collective, which carries each member's flag of a waiting rank; its answer is applied at
+        once, and its completion commits the quorum's round before it (see the module's text)."""
         started = time.perf_counter()
-        answer = collective(quorum, message)
-        try:
-            votes: list[Vote] | None = [Vote.decode(vote) for vote in
-                                        quorum.group.all_gather(Vote(self.waiting.is_set()).encode())]
-        except RuntimeError:
-            votes = None
-        outcome = decide(votes or [], len(quorum.members))
-        if not outcome.committed:
-            raise RuntimeError("the commit vote failed: a member's collective did not complete")
+        answer, waiting = collective(quorum, message, self.waiting.is_set())
         self.held_in = quorum.number
         self.seconds.observe(time.perf_counter() - started)
-        if outcome.leave:  # every member saw the same votes: all leave after this step, for the newcomer's quorum
+        if waiting:  # every member saw the same flags: all leave after this round, for the newcomer's quorum
             self._leave()
         return answer
 
-    def _all_reduce(self, quorum: Quorum, message: Message) -> Message:
+    def _all_reduce(self, quorum: Quorum, message: Message, waiting: bool) -> tuple[Message, bool]:
+        """The mean of the message's tensors, flattened, with one more element: the number of members that saw a
+        rank waiting (a member's flag is 0 or 1; anything above one half, a liar's included, makes every member
+        leave alike)."""
         tensors = message.tensors
-        flat = on_host([t.detach().reshape(-1) for t in tensors.values()])
+        parts = [t.detach().reshape(-1) for t in tensors.values()]
+        flat = on_host([*parts, torch.full((1,), float(waiting), dtype=parts[0].dtype, device=parts[0].device)])
         quorum.group.all_reduce_sum(flat)
-        flat = flat / len(quorum.members)
+        leave = bool(flat[-1] > 0.5)
+        flat = flat[:-1] / len(quorum.members)
         moved = ring_allreduce_bytes(flat.numel() * flat.element_size(), len(quorum.members))
         self.traffic.add_sent(ALLREDUCE_RANK, moved)
         self.traffic.add_received(ALLREDUCE_RANK, moved)
         return Message(message.kind, ALLREDUCE_RANK, self.rank, _split(flat, tensors), clock=message.clock,
-                       loss=message.loss)
+                       loss=message.loss), leave
 
-    def _all_gather(self, quorum: Quorum, message: Message) -> Message:
+    def _all_gather(self, quorum: Quorum, message: Message, waiting: bool) -> tuple[Message, bool]:
         """One all-gather of the message's tensors as raw bytes over the quorum (gloo gathers any dtype that way;
-        every member's message has the same tensors), cut back into each member's tensors (copied: a view at an odd
-        byte offset cannot be read as a wider dtype)."""
+        every member's message has the same tensors), and one byte more, the member's flag of a waiting rank; cut
+        back into each member's tensors (copied: a view at an odd byte offset cannot be read as a wider dtype)."""
         tensors = message.tensors
-        flat = on_host([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()])
+        parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()]
+        flat = on_host([*parts, torch.full((1,), int(waiting), dtype=torch.uint8, device=parts[0].device)])
         gathered = quorum.group.all_gather(flat)
-        moved = ring_allgather_bytes(flat.numel(), len(quorum.members))
+        leave = any(int(part[-1]) != 0 for part in gathered)
+        moved = ring_allgather_bytes(flat.numel() - 1, len(quorum.members))
         self.traffic.add_sent(ALLREDUCE_RANK, moved)
         self.traffic.add_received(ALLREDUCE_RANK, moved)
         out, offset = {}, 0
@@ -240,7 +251,7 @@ class Collective:
             ]).to(tensor.device)
             offset += size
         return Message(message.kind, ALLREDUCE_RANK, self.rank, out, clock=message.clock, loss=message.loss,
-                       members=quorum.members)
+                       members=quorum.members), leave
 
     def _leave(self) -> None:
         """Drop this rank's group (its pairs close, which fails any peer still in a call on it)."""
@@ -302,7 +313,7 @@ class Collective:
         return Message(state.kind, ALLREDUCE_RANK, self.rank, _split(flat, state.tensors), clock=best.step)
 
     def _watch(self) -> None:
-        """Look for a rank waiting in the quorum after this rank's (it raises the flag of the next vote); a store
+        """Look for a rank waiting in the quorum after this rank's (this rank's next round carries its flag); a store
         that is away is tried again at the next look."""
         while not self._closed.wait(WATCH_POLL_S) and not self.stop.is_set():
             quorum = self.quorum

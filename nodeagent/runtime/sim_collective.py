@@ -1,21 +1,21 @@
 """The simulator's all-reduce (and all-gather): the agents' quorum policy in virtual time, with the simulation's
 faults (a node down, a partition) as lost members. The decisions are the agents' own pure rules: `may_close`
 (nodeagent.agent.quorum) closes a quorum, `agree` (nodeagent.agent.agreement) picks the state a new quorum goes on
-from, `decide` commits a round; only their inputs come from the virtual clock instead of a store.
+from; only their inputs come from the virtual clock instead of a store.
 
 A quorum (its number, its members, all at the same step) takes rounds. A round completes once every member
-contributed (its message, and its state at that moment, as the agent takes it when the collective is asked for)
-and every member is up and reachable from the others: the round is committed (every member votes) and each
-member receives the mean (or every member's tensors) after a ring's time. A round not complete `step_timeout_s`
-after its first contribution (a member down or cut off) is aborted, applied nowhere, and the next quorum is formed
-from the ranks that contributed, are up and reach each other (the largest such group), once `may_close` allows
-(every rank there, or `min_members` and `join_s` waited by the rank there longest; looked at as the agents poll
-the store, PRESENCE_POLL_S after a rank came and every `join_s`, for at most `wait_s`, after
-which the job is left unfinished as the agents' GroupLost would fail it). A new quorum agrees on the state: a rank
-whose key is not the best is answered the best one's state (a PARAMS message) and contributes again from it; the
-others' contributions stand. A rank that contributes while it is not a member (it was lost when the quorum formed)
-waits; the members' next vote says so, they leave after that round and form the next quorum with it. A rank that
-comes to a quorum after every member finished takes their final state at once (the agents' hand-over).
+contributed (its message, and its state at that moment, as the agent takes it when the collective is asked for) and
+every member is up and reachable from the others: the round is committed and each member receives the mean (or every
+member's tensors) after a ring's time. A round not complete `step_timeout_s` after its first contribution (a member
+down or cut off) is aborted, applied nowhere, and the next quorum is formed from the ranks that contributed, are up
+and reach each other (the largest such group), once `may_close` allows (every rank there, or `min_members` and
+`join_s` waited by the rank there longest; looked at as the agents poll the store, PRESENCE_POLL_S after a rank came
+and every `join_s`, for at most `wait_s`, after which the job is left unfinished as the agents' GroupLost would fail
+it). A new quorum agrees on the state: a rank whose key is not the best is answered the best one's state (a PARAMS
+message) and contributes again from it; the others' contributions stand. A rank that contributes while it is not a
+member (it was lost when the quorum formed) waits; the members' next round carries their flag of it, they leave
+after that round and form the next quorum with it. A rank that comes to a quorum after every member finished takes
+their final state at once (the agents' hand-over).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nodeagent.agent.agreement import MemberState, StateKey, Vote, agree, decide
+from nodeagent.agent.agreement import MemberState, StateKey, agree
 from nodeagent.agent.quorum import PRESENCE_POLL_S, QuorumOptions, may_close
 from nodeagent.algorithms.base import ALLREDUCE_RANK, Route
 from nodeagent.runtime.driver import Reply, Transmission
@@ -85,8 +85,7 @@ class SimulatedQuorum:
     def _complete(self) -> None:
         if len(self.parts) < len(self.members) or not self._connected(self.members):
             return
-        votes = [Vote(any(self._up(rank) for rank in self.waiting)) for _ in self.members]
-        outcome = decide(votes, len(self.members))
+        leave = any(self._up(rank) for rank in self.waiting)  # every member's flag of a waiting rank, alike
         parts = [self.parts[rank] for rank in self.members]
         self.parts = {}
         self.round += 1
@@ -112,7 +111,7 @@ class SimulatedQuorum:
                                                      clock=part.message.clock,
                                                      members=self.members if gather else ()))
             self.mesh.at(self.mesh.now + duration, lambda node=node, reply=reply: self.mesh.arrive(node, reply))
-        if outcome.leave:  # every member saw the votes: the next quorum is formed with the waiting ranks
+        if leave:  # every member saw the flags: the next quorum is formed with the waiting ranks
             self._leave()
 
     def _watch(self) -> None:
