@@ -673,7 +673,10 @@ class GossipDiLoCo(_DiLoCo):
     theta_i only after one period of npeer-exponential with a power-of-two node count (log2 n rounds). Not exact:
     each node's state on a ring, a torus, or npeer-exponential with 6 or 12 nodes, at any number of rounds. A push
     carries the outer momentum in the job's precision and the global parameters in their own dtype. gossip_rounds
-    must be at most inner_steps / fragments: set, or a time-varying graph's period, it is refused above that."""
+    must be at most inner_steps / fragments: set, or a time-varying graph's period, it is refused above that. More
+    rounds bring each node nearer the average where the default does not make it exact: on a ring of 6 nodes with
+    the class-window split, 500 syncs of H = 10, 3 rounds (the default) ended 1.95 points below DiLoCo over the
+    all-reduce, 4 rounds 1.15, 5 rounds 0.70, each round one more push of the model per node (docs/results.md)."""
 
     name = "diloco-gossip"
     family = Family.PEER
