@@ -3,16 +3,16 @@
 16 nodes (peer-to-peer: DSGD and pairwise gossip on the multiplex ring, SGP on the static exponential graph, DiLoCo
 over gossip on the one-peer exponential graph; parameter server: ASGD, ESync and DiLoCo through the server with 16
 workers; all-reduce SGD and DiLoCo over the all-reduce, whose robust rules all-gather every member's contribution),
-Fashion-MNIST with the logistic model, the class-window and iid splits. Each algorithm runs with 0, 1 and 3 lying
-members (ranks 5; 2, 7 and 12: no honest node of the multiplex ring has two lying neighbours) under each attack of
-`simulation.byzantine` (nodeagent.byzantine), with the plain rule and with the robust one: self-centered clipping for
-the peer-to-peer algorithms, centered-clip for ASGD (each update's norm), trimmed mean for ESync, DiLoCo through the
-server and both all-reduce algorithms. PDMM-ISVR refuses a robust rule (nodeagent.algorithms.ecl says why). Reported
-per row: the honest members' mean and worst final test accuracy, node steps per second of wall time (the cost
-of the rule; the simulator's own overhead included), and, with the robust rule, the members the coordinator's
-suspicion flagged (its rules run in the simulator's virtual time: a `suspected` event): liars caught of those
-there were, and honest members flagged by mistake. A local step takes 0.05 virtual seconds (`--step-time`), so that
-a run of 120 steps lasts several of the coordinator's reviews (one each virtual second).
+Fashion-MNIST with the logistic model (`--model`), the class-window and iid splits. Each algorithm runs with 0, 1
+and 3 lying members (ranks 5; 2, 7 and 12: no honest node of the multiplex ring has two lying neighbours) under each
+attack of `simulation.byzantine` (nodeagent.byzantine), with the plain rule and with the robust one: self-centered
+clipping for the peer-to-peer algorithms, centered-clip for ASGD (each update's norm), trimmed mean for ESync,
+DiLoCo through the server and both all-reduce algorithms. PDMM-ISVR refuses a robust rule (nodeagent.algorithms.ecl
+says why). Reported per row: the honest members' mean and worst final test accuracy, node steps per second of wall
+time (the cost of the rule; the simulator's own overhead included), and, with the robust rule, the members the
+coordinator's suspicion flagged (its rules run in the simulator's virtual time: a `suspected` event): liars caught
+of those there were, and honest members flagged by mistake. A local step takes 0.05 virtual seconds (`--step-time`),
+so that a run of 120 steps lasts several of the coordinator's reviews (one each virtual second).
 
 Targets: with 1 liar of 16 every robust row within 2 points of the algorithm's no-attack row (the plain rule, no
 liar), with 3 within 5 points; with no attack the robust rule costs at most 1 point and 10% of steps/s.
@@ -26,6 +26,7 @@ data). `--full` runs everything (both splits, all 8 attacks, the plain rule with
     nice -n 10 .venv/bin/python benchmarks/byzantine.py --full
     nice -n 10 .venv/bin/python benchmarks/byzantine.py --only dsgd,asgd --attacks ipm --steps 300
     nice -n 10 .venv/bin/python benchmarks/byzantine.py --cost 3    # only the no-attack pairs, alternated 3 times
+    nice -n 10 .venv/bin/python benchmarks/byzantine.py --cost 3 --model cnn --only dsgd,gossip,sgp
 
 On a shared machine one run's steps/s moves with the other work: `--cost N` runs each algorithm's no-attack pair
 (plain, robust) N times alternately and keeps each one's best rate, the figure for the 10% target.
@@ -110,7 +111,7 @@ def run(algorithm: Algorithm, split: str, attack: str, liars: int, robust: bool,
     spec = parse_job_spec({
         "name": "byzantine", "nodes": NODES, "steps": steps, "eval_every": steps, "seed": 0,
         "algorithm": section,
-        "model": {"name": "logistic"},
+        "model": {"name": args.model},
         "data": {"data_dir": args.data_dir, "split": split, "batch_size": 32, "test_limit": args.test_limit},
         "topology": {"kind": algorithm.topology, "seed": 1},
         "simulation": {"byzantine": [{"ranks": ranks, "attack": attack}] if ranks else [],
@@ -180,6 +181,8 @@ def main() -> None:
     parser.add_argument("--step-time", type=float, default=0.05, help="virtual seconds of a local step "
                         "(simulation.step_time_s): the coordinator reviews its suspicion each virtual second")
     parser.add_argument("--test-limit", type=int, default=2000, help="test images each node is evaluated on")
+    parser.add_argument("--model", default="logistic", help="the job's model (the rule's cost per contribution is "
+                        "fixed, its share of a step falls as the model's compute grows)")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--cost", type=int, default=0, metavar="N", help="only the no-attack pairs, alternated N "
                         "times, each one's best steps/s kept")
@@ -187,7 +190,7 @@ def main() -> None:
     attacks = [a for a in args.attacks.split(",") if a] or (list(ATTACKS) if args.full else list(DEFAULT_ATTACKS))
     splits = [s for s in args.splits.split(",") if s] or (["class-window", "iid"] if args.full else ["class-window"])
     algorithms = [a for a in ALGORITHMS if not args.only or a.name in args.only.split(",")]
-    print(f"{NODES} nodes, {args.steps} steps, splits {splits}, attacks {attacks}", flush=True)
+    print(f"{NODES} nodes, {args.model}, {args.steps} steps, splits {splits}, attacks {attacks}", flush=True)
     started = time.monotonic()
     rows: list[Row] = []
     for split in splits:

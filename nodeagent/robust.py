@@ -105,6 +105,17 @@ def safe_rows(rows: torch.Tensor) -> list[int]:
     return torch.nonzero(largest <= safe_magnitude(rows.dtype)).flatten().tolist()  # NaN compares false
 
 
+def lower_quartile(values: Sequence[float]) -> float:
+    """The 25th percentile of at least two values, as statistics.quantiles(values, n=4)[0] (its exclusive method),
+    without the other two quartiles: it runs at every contribution a node mixes."""
+    data = sorted(values)
+    count = len(data)
+    m = count + 1
+    j = min(max(m // 4, 1), count - 1)
+    delta = m - 4 * j
+    return (data[j - 1] * (4 - delta) + data[j] * delta) / 4
+
+
 def distance(a: torch.Tensor, b: torch.Tensor) -> float:
     # In float64: the square of a large float32 difference overflows float32.
     return float(torch.linalg.vector_norm(a - b, dtype=torch.float64))
@@ -134,12 +145,13 @@ class SelfCenteredClip:
         recent = self.recent.get(peer)
         return recent is not None and len(recent) >= EXCLUDED_SEEN and sum(recent) >= EXCLUDED_SHARE * len(recent)
 
-    def radius(self, own: torch.Tensor, origin: torch.Tensor) -> float:
+    def radius(self, own: torch.Tensor, origin: torch.Tensor, quartile: float | None = None) -> float:
+        """tau: set, or the auto radius (`quartile`: the window's lower quartile when the caller has it)."""
         if self.fixed_radius is not None:
             return self.fixed_radius
         if len(self.window) < AUTO_WARM:
             return 2 * distance(own, origin)
-        return AUTO_MULTIPLIER * statistics.quantiles(self.window, n=4)[0]
+        return AUTO_MULTIPLIER * (lower_quartile(self.window) if quartile is None else quartile)
 
     def scales(self, own: torch.Tensor, contributions: Mapping[int, torch.Tensor],
                origin: torch.Tensor) -> dict[int, float]:
@@ -149,16 +161,18 @@ class SelfCenteredClip:
         enter the window first, so that one round's contributions are judged together."""
         if not contributions:
             return {}
-        differences = torch.stack(list(contributions.values())) - own
-        norms = torch.linalg.vector_norm(differences, dim=1)
-        if not bool(torch.isfinite(norms).all()):  # a square overflowed the dtype: again in float64
-            norms = torch.linalg.vector_norm(differences.double(), dim=1)
-        lengths = dict(zip(contributions, norms.tolist(), strict=True))
+        # One contribution (most calls: one per message) without the stack's copy.
+        differences = (torch.stack(list(contributions.values())) if len(contributions) > 1
+                       else next(iter(contributions.values())).unsqueeze(0)) - own
+        lengths = dict(zip(contributions, torch.linalg.vector_norm(differences, dim=1).tolist(), strict=True))
+        if not all(math.isfinite(length) for length in lengths.values()):  # a square overflowed: again in float64
+            lengths = dict(zip(contributions, torch.linalg.vector_norm(differences.double(), dim=1).tolist(),
+                               strict=True))
         self.window.extend(lengths.values())
-        radius = self.radius(own, origin)
-        # The window's lower quartile (statistics.quantiles' exclusive method: the 25th percentile).
-        outlying_above = OUTLYING_FACTOR * statistics.quantiles(self.window, n=4)[0] \
-            if len(self.window) >= AUTO_WARM else math.inf
+        warm = len(self.window) >= AUTO_WARM
+        quartile = lower_quartile(self.window) if warm else None
+        radius = self.radius(own, origin, quartile)
+        outlying_above = OUTLYING_FACTOR * quartile if quartile is not None else math.inf
         factors = {}
         for peer, length in lengths.items():
             outlying = length > outlying_above

@@ -3,6 +3,8 @@ each rule's mathematics on small tensors, each attack's effect, the job option's
 where a lying member ruins the plain rule and the robust rule holds."""
 
 import math
+import random
+import statistics
 
 import pytest
 import torch
@@ -29,6 +31,7 @@ from nodeagent.robust import (
     centered_clip,
     coordinate_median,
     krum,
+    lower_quartile,
     trimmed_mean,
     unsafe,
 )
@@ -44,6 +47,14 @@ def vec(*values: float) -> torch.Tensor:
 
 # -- self-centered clipping -----------------------------------------------------------------------------------------
 
+
+
+def test_the_auto_radius_quartile_is_statistics_lower_quartile():
+    generator = random.Random(7)
+    for _ in range(500):
+        window = [generator.choice([generator.random(), generator.expovariate(0.01), 1.0])
+                  for _ in range(generator.randint(2, 70))]
+        assert lower_quartile(window) == statistics.quantiles(window, n=4)[0], window
 
 def test_a_contribution_beyond_the_radius_is_clipped_around_the_own_state_and_counted():
     clip = SelfCenteredClip(RobustSpec(rule="self-centered-clip", radius=1.0))
