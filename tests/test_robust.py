@@ -14,6 +14,7 @@ from coordinator.jobs import validate_job
 from coordinator.simulate import simulate
 from nodeagent.algorithms.allreduce import AllReduceSGD
 from nodeagent.algorithms.base import ALLREDUCE_RANK, NodeContext
+from nodeagent.algorithms.sgp import SGP
 from nodeagent.byzantine import forge, forge_tensor
 from nodeagent.jobspec import AlgorithmSpec, JobSpecError, RobustSpec, parse_job_spec
 from nodeagent.metrics import Metrics
@@ -277,6 +278,31 @@ def test_one_liar_ruins_plain_dsgd_and_self_centered_clipping_holds(fashion_mnis
     assert min(plain) < 0.4 < min(baseline)
     assert min(robust) > min(baseline) - 0.05
     assert sum(robust) / len(robust) > sum(baseline) / len(baseline) - 0.03
+
+
+def test_one_liar_ruins_plain_push_sum_and_clipped_shares_hold(fashion_mnist_dir):
+    liar = [{"ranks": [3], "attack": "scale"}]
+    baseline = honest_accuracies(job(fashion_mnist_dir, {"name": "sgp"}, topology="exponential"))
+    plain = honest_accuracies(job(fashion_mnist_dir, {"name": "sgp"}, byzantine=liar, topology="exponential"))
+    robust = honest_accuracies(job(fashion_mnist_dir, {"name": "sgp", "robust": {"rule": "self-centered-clip"}},
+                                   byzantine=liar, topology="exponential"))
+    assert min(plain) < 0.4 < min(baseline)
+    # The liar's scaled shares are clipped: every honest node trains on, where without the rule the worst is near
+    # chance.
+    assert min(robust) > 0.7
+    assert sum(robust) / len(robust) > sum(baseline) / len(baseline) - 0.04
+
+
+def test_a_clipped_push_sum_share_is_its_weight_times_the_clipped_model():
+    spec = AlgorithmSpec(name="sgp", lr=0.05, robust=RobustSpec(rule="self-centered-clip", radius=1.0))
+    context = NodeContext(rank=0, world_size=3, neighbors=(), spec=spec)
+    node = SGP(torch.nn.Linear(3, 1, bias=False), context)
+    own = node.x / node.weight
+    far, near = own + torch.tensor([6.0, 0.0, 8.0]), own + torch.tensor([0.3, 0.0, 0.4])  # 10 and 0.5 away
+    shares = node._clipped({1: (far * 0.25, 0.25), 2: (near * 0.5, 0.5), 3: (far, 0.0)})
+    assert torch.allclose(shares[1][0], 0.25 * (own + torch.tensor([0.6, 0.0, 0.8])))  # clipped to radius 1
+    assert torch.equal(shares[2][0], near * 0.5)  # within the radius: the share as it came
+    assert torch.equal(shares[3][0], torch.zeros(3)) and shares[3][1] == 0.0  # weight 0 carries nothing
 
 
 def test_a_finite_message_that_would_overflow_is_refused_and_the_honest_models_stay_finite(fashion_mnist_dir):

@@ -129,13 +129,21 @@ class SGP(Algorithm):
         return absorbed
 
     def _clipped(self, received: Mapping[int, tuple[torch.Tensor, float]]) -> dict[int, tuple[torch.Tensor, float]]:
-        """The round's shares with their de-biased models clipped around this node's z (the module's text)."""
+        """The round's shares with their de-biased models clipped around this node's z (the module's text): a share
+        clipped by the factor f is y (z + f (x / y - z)) = f x + (1 - f) y z, built without the clipped model (two
+        passes over it instead of four); one within the radius is the share as it came."""
         assert self.clipper is not None and self.origin is not None
         own = self.x / self.weight if self.weight > 0 else self.w.detach()
         models = {sender: x / y for sender, (x, y) in received.items() if y > 0}
-        clipped = self.clipper.clip_all(own, models, self.origin)
-        return {sender: (clipped[sender] * y if sender in clipped else torch.zeros_like(x), y)
-                for sender, (x, y) in received.items()}
+        factors = self.clipper.scales(own, models, self.origin)
+        shares = {}
+        for sender, (x, y) in received.items():
+            factor = factors.get(sender)
+            if factor is None:  # weight 0: it carries nothing
+                shares[sender] = (torch.zeros_like(x), y)
+            else:
+                shares[sender] = (x if factor == 1.0 else torch.add(x * factor, own, alpha=(1 - factor) * y), y)
+        return shares
 
     def _context_of(self, round_: int) -> NodeContext:
         """The context round `round_` was sent in."""
