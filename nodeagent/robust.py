@@ -159,8 +159,13 @@ class SelfCenteredClip:
         own + factor (x_j - own), which a mix can apply as weights without building it. `origin` is what `own` was
         at the start of the job, on every node alike (the auto radius's warm-up). The contributions' distances
         enter the window first, so that one round's contributions are judged together."""
+        return self._judge(own, contributions, origin)[0]
+
+    def _judge(self, own: torch.Tensor, contributions: Mapping[int, torch.Tensor],
+               origin: torch.Tensor) -> tuple[dict[int, float], torch.Tensor | None]:
+        """`scales`, and the differences x_j - own it measured (one row per contribution, in order)."""
         if not contributions:
-            return {}
+            return {}, None
         # One contribution (most calls: one per message) without the stack's copy.
         differences = (torch.stack(list(contributions.values())) if len(contributions) > 1
                        else next(iter(contributions.values())).unsqueeze(0)) - own
@@ -184,15 +189,15 @@ class SelfCenteredClip:
                 factors[peer] = 1.0 if length <= radius else radius / length
             self.counts.clipped[peer] += factors[peer] < 1.0
             self.counts.outlying[peer] += outlying
-        return factors
+        return factors, differences
 
     def clip_all(self, own: torch.Tensor, contributions: Mapping[int, torch.Tensor],
                  origin: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Each neighbour's contribution clipped around `own` (a contribution within the radius is returned as it
-        is, not copied)."""
-        factors = self.scales(own, contributions, origin)
-        return {peer: value if factors[peer] == 1.0 else own + (value - own) * factors[peer]
-                for peer, value in contributions.items()}
+        """Each neighbour's contribution clipped around `own`, own + factor (x_j - own), from the differences
+        measured (a contribution within the radius is returned as it is, not copied)."""
+        factors, differences = self._judge(own, contributions, origin)
+        return {peer: value if factors[peer] == 1.0 else own + differences[row] * factors[peer]
+                for row, (peer, value) in enumerate(contributions.items())}
 
     def clip(self, own: torch.Tensor, peer: int, value: torch.Tensor, origin: torch.Tensor) -> torch.Tensor:
         return self.clip_all(own, {peer: value}, origin)[peer]

@@ -142,9 +142,7 @@ class DSGD(Algorithm):
         elif self.clipper is not None and not self.synchronous:
             # Clipped once, on arrival, around the node's x then: what is mixed until the next copy replaces it.
             assert self.origin is not None
-            factor = self.clipper.scales(self.w, {message.sender: copy}, self.origin)[message.sender]
-            if factor < 1.0:
-                copy = self.w + (copy - self.w) * factor
+            copy = self.clipper.clip(self.w, message.sender, copy, self.origin)
         self.last_copy[message.sender] = copy  # asynchronous: what is mixed; synchronous: for consensus_distance()
         if not self.synchronous:
             return
