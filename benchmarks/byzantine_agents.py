@@ -16,7 +16,7 @@ its `suspected` and `quarantined` events for the liar, and whether `status` and 
 Targets (the issue's): with the robust rule every attack's honest accuracy within 2 points of the honest baseline;
 the liar flagged in `edges`, `status` and an event within 30 s of the start, and quarantined when the job asks for it.
 
-    nice -n 10 .venv/bin/python benchmarks/byzantine_agents.py                    # every attack, about 12 minutes
+    nice -n 10 .venv/bin/python benchmarks/byzantine_agents.py    # every attack: 17 and 32 minutes on 2 cores
     nice -n 10 .venv/bin/python benchmarks/byzantine_agents.py --attacks constant --steps 400
 """
 
