@@ -6,7 +6,7 @@ workers; all-reduce SGD and DiLoCo over the all-reduce, whose robust rules all-g
 Fashion-MNIST with the logistic model (`--model`), the class-window and iid splits. Each algorithm runs with 0, 1
 and 3 lying members (ranks 5; 2, 7 and 12: no honest node of the multiplex ring has two lying neighbours) under each
 attack of `simulation.byzantine` (nodeagent.byzantine), with the plain rule and with the robust one: self-centered
-clipping for the peer-to-peer algorithms, centered-clip for ASGD (each update's norm), trimmed mean for ESync,
+clipping for the peer-to-peer algorithms, centered-clip for ASGD (each update's norm) and ESync, trimmed mean for
 DiLoCo through the server and both all-reduce algorithms. PDMM-ISVR refuses a robust rule (nodeagent.algorithms.ecl
 says why). Reported per row: the honest members' mean and worst final test accuracy, node steps per second of wall
 time (the cost of the rule; the simulator's own overhead included), and, with the robust rule, the members the
@@ -71,7 +71,7 @@ ALGORITHMS = (
     Algorithm("DiLoCo gossip", "diloco-gossip", "npeer-exponential", "self-centered-clip",
               {"lr": 0.001, "options": {"inner_steps": 20}}),
     Algorithm("ASGD", "asgd", "ring", "centered-clip", {"lr": 0.05}),
-    Algorithm("ESync", "esync", "ring", "trimmed-mean", {"lr": 0.05}, steps_factor=0.25),
+    Algorithm("ESync", "esync", "ring", "centered-clip", {"lr": 0.05}, steps_factor=0.25),
     Algorithm("DiLoCo PS", "diloco-ps", "ring", "trimmed-mean", {"lr": 0.001, "options": {"inner_steps": 20}}),
     Algorithm("all-reduce", "allreduce", "ring", "trimmed-mean", {"lr": 0.05}),
     Algorithm("DiLoCo AR", "diloco", "ring", "trimmed-mean", {"lr": 0.001, "options": {"inner_steps": 20}}),

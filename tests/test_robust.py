@@ -140,9 +140,21 @@ def test_krum_picks_the_update_closest_to_its_neighbours():
 
 def test_centered_clip_moves_from_its_center_by_at_most_the_radius_per_update():
     updates = honest_and_liar()
-    aggregate, clipped = centered_clip(updates, torch.zeros(2), radius=None)
+    aggregate = centered_clip(updates, torch.zeros(2), radius=None)
     assert torch.linalg.vector_norm(aggregate - vec(1, 2)) < 0.5  # the honest mean, give or take the liar's pull
-    assert clipped[4]
+
+
+def test_centered_clip_counts_only_the_outlier_as_clipped():
+    # At its auto radius centered-clip clips half the updates in every iteration; the honest ones are not counted.
+    generator = torch.Generator().manual_seed(0)
+    honest = 1.0 + 0.1 * torch.randn(11, 10, generator=generator)
+    updates = torch.cat([honest, torch.full((1, 10), -50.0)])
+    aggregator = RobustAggregator(RobustSpec(rule="centered-clip"), num_workers=12)
+    for _ in range(3):
+        aggregate, flags = aggregator.aggregate(updates)
+        assert flags == [False] * 11 + [True]
+    assert aggregator.clipped == [0] * 11 + [3]
+    assert torch.linalg.vector_norm(aggregate - honest.mean(dim=0)) < 0.5
 
 
 def test_a_synchronous_server_applies_the_robust_aggregate_and_flags_the_outlier():
