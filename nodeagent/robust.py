@@ -10,7 +10,13 @@ within tau of the node is mixed exactly as before. The algorithms apply it where
 and in the forms their mathematics allows (push-sum and ECL-ISVR, derived in their modules).
 
 The radius tau. Set (`radius: <float>`), or `auto`: the lower quartile of the last AUTO_WINDOW distances the node
-has seen (every neighbour's, before clipping), times AUTO_MULTIPLIER. A quartile is moved by the liars only when
+has seen (every neighbour's, before clipping), times AUTO_PULL / w, w the weight one contribution has in the node's
+mix (the algorithm's `contribution_weight`: 1/5 for DSGD on the multiplex ring, 1/2 for a pairwise average or a
+one-peer push-sum). A contribution then moves the node by at most w tau = AUTO_PULL times the quartile, whatever the
+graph: a fixed multiplier of the quartile (0.7) held gossip's and DiLoCo over gossip's liars (weight 1/2) but cost
+SGP on the exponential graph (weight 1/8) 1.86 points without an attack, clipping honest shares whose pull was
+small; at 2.0 times the quartile SGP cost nothing and held 3 liars, where gossip and DiLoCo over gossip failed
+(benchmarks/byzantine.py, docs/results.md). A quartile is moved by the liars only when
 they send three quarters of the node's contributions, so tau stays of the order of the honest distances even where
 one of a ring node's two neighbours lies (a median was not: with half the window a liar's, tau followed the liar,
 and a constant 1000 dragged its honest neighbours to it; 4-node ring, async DSGD, logistic: 0.64 honest accuracy
@@ -75,10 +81,9 @@ from nodeagent.jobspec import RobustSpec
 
 AUTO_WINDOW = 64  # recent distances the auto radius is the lower quartile of
 AUTO_WARM = 8  # distances seen before the window's quartile is trusted
-# tau = AUTO_MULTIPLIER * the window's lower quartile. With the median, 0.5 (1.5 and 1.0 let a sign-flipping
-# neighbour cost 19 and 10 points, 8 nodes, DSGD); 0.7 of the lower quartile is about 0.5 of the median of honest
-# distances.
-AUTO_MULTIPLIER = 0.7
+# tau = AUTO_PULL / w * the window's lower quartile, w a contribution's weight in the mix (the module's text): 0.7 times
+# the quartile at w = 1/2, where 1.5 let 3 liars cost gossip 7.7 points and DiLoCo over gossip 16.
+AUTO_PULL = 0.35
 NORM_CLIP_MULTIPLIER = 2.0  # an asynchronous server's: tau = NORM_CLIP_MULTIPLIER * median of the recent norms
 CENTERED_CLIP_ITERATIONS = 3
 OUTLYING_FACTOR = 2.0  # a neighbour's contribution farther than this times the window's lower quartile is outlying
@@ -139,9 +144,13 @@ class MixingCounts:
 
 
 class SelfCenteredClip:
-    """A node's self-centered clipping: the radius (set or auto) and the counts per neighbour."""
+    """A node's self-centered clipping: the radius (set or auto) and the counts per neighbour. `weight`: the weight
+    one contribution has in the node's mix (the auto radius is AUTO_PULL / weight times the quartile)."""
 
-    def __init__(self, spec: RobustSpec):
+    def __init__(self, spec: RobustSpec, weight: float):
+        if not 0 < weight <= 1:
+            raise ValueError(f"a contribution's weight in a mix is in (0, 1], not {weight}")
+        self.weight = weight
         self.fixed_radius = None if spec.radius == "auto" else float(spec.radius)
         self.window: deque[float] = deque(maxlen=AUTO_WINDOW)
         self.counts = MixingCounts()
@@ -158,7 +167,7 @@ class SelfCenteredClip:
             return self.fixed_radius
         if len(self.window) < AUTO_WARM:
             return 2 * distance(own, origin)
-        return AUTO_MULTIPLIER * (lower_quartile(self.window) if quartile is None else quartile)
+        return AUTO_PULL / self.weight * (lower_quartile(self.window) if quartile is None else quartile)
 
     def scales(self, own: torch.Tensor, contributions: Mapping[int, torch.Tensor],
                origin: torch.Tensor) -> dict[int, float]:
@@ -200,10 +209,10 @@ class SelfCenteredClip:
 
     def clip_all(self, own: torch.Tensor, contributions: Mapping[int, torch.Tensor],
                  origin: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Each neighbour's contribution clipped around `own`, own + factor (x_j - own), from the differences
-        measured (a contribution within the radius is returned as it is, not copied)."""
+        """Each neighbour's contribution clipped around `own`, own + factor (x_j - own), built in place of the
+        difference measured (a contribution within the radius is returned as it is, not copied)."""
         factors, differences = self._judge(own, contributions, origin)
-        return {peer: value if factors[peer] == 1.0 else own + differences[row] * factors[peer]
+        return {peer: value if factors[peer] == 1.0 else differences[row].mul_(factors[peer]).add_(own)
                 for row, (peer, value) in enumerate(contributions.items())}
 
     def clip(self, own: torch.Tensor, peer: int, value: torch.Tensor, origin: torch.Tensor) -> torch.Tensor:

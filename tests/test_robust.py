@@ -13,7 +13,7 @@ from coordinator.control.states import JobState
 from coordinator.jobs import validate_job
 from coordinator.simulate import simulate
 from nodeagent.algorithms.allreduce import AllReduceSGD
-from nodeagent.algorithms.base import ALLREDUCE_RANK, NodeContext
+from nodeagent.algorithms.base import ALLREDUCE_RANK, Neighbor, NodeContext, push_sum_share
 from nodeagent.algorithms.sgp import SGP
 from nodeagent.byzantine import forge, forge_tensor
 from nodeagent.jobspec import AlgorithmSpec, JobSpecError, RobustSpec, parse_job_spec
@@ -21,7 +21,7 @@ from nodeagent.metrics import Metrics
 from nodeagent.ps.messages import SERVER_NAME
 from nodeagent.ps.rules import ASGDServer, SSGDServer
 from nodeagent.robust import (
-    AUTO_MULTIPLIER,
+    AUTO_PULL,
     AUTO_WARM,
     EXCLUDED_SEEN,
     EXCLUDED_SHARE,
@@ -58,7 +58,7 @@ def test_the_auto_radius_quartile_is_statistics_lower_quartile():
         assert lower_quartile(window) == statistics.quantiles(window, n=4)[0], window
 
 def test_a_contribution_beyond_the_radius_is_clipped_around_the_own_state_and_counted():
-    clip = SelfCenteredClip(RobustSpec(rule="self-centered-clip", radius=1.0))
+    clip = SelfCenteredClip(RobustSpec(rule="self-centered-clip", radius=1.0), weight=0.5)
     own = vec(1, 1)
     near, far = vec(1.5, 1), vec(4, 5)  # 0.5 and 5 away
     out = clip.clip_all(own, {2: near, 3: far}, origin=own)
@@ -69,23 +69,44 @@ def test_a_contribution_beyond_the_radius_is_clipped_around_the_own_state_and_co
 
 
 def test_the_auto_radius_starts_at_twice_the_drift_from_the_initial_model_then_follows_the_lower_quartile():
-    clip = SelfCenteredClip(RobustSpec(rule="self-centered-clip"))
+    clip = SelfCenteredClip(RobustSpec(rule="self-centered-clip"), weight=0.5)
     origin, own = vec(0, 0), vec(0.3, 0.4)  # drifted 0.5 from the shared start
     out = clip.clip_all(own, {1: own + vec(100, 0)}, origin)  # a first message from a liar is not taken whole
     assert math.isclose(float(torch.linalg.vector_norm(out[1] - own)), 1.0, rel_tol=1e-6)
     for _ in range(AUTO_WARM):
         clip.clip_all(own, {2: own + vec(0, 2)}, origin)  # honest distances of 2
     radius = clip.radius(own, origin)
-    assert radius < 100 and math.isclose(radius, AUTO_MULTIPLIER * 2.0)  # the liar's distance is not the quartile
+    assert radius < 100 and math.isclose(radius, AUTO_PULL / 0.5 * 2.0)  # the liar's distance is not the quartile
+
+
+def test_the_auto_radius_bounds_a_contributions_pull_whatever_its_weight_in_the_mix():
+    """w tau, how far one contribution of weight w moves the node, is AUTO_PULL times the quartile at every weight."""
+    pulls = []
+    for weight in (0.5, 0.2, 0.125):
+        clip = SelfCenteredClip(RobustSpec(rule="self-centered-clip"), weight=weight)
+        origin = own = vec(0, 0)
+        for _ in range(AUTO_WARM):
+            clip.clip_all(own, {1: vec(0, 1)}, origin)  # honest distances of 1
+        pulls.append(weight * clip.radius(own, origin))
+    assert all(math.isclose(pull, AUTO_PULL) for pull in pulls), pulls
+
+
+def test_a_push_sum_share_is_the_senders_mass_over_its_out_peers_and_itself():
+    static = NodeContext(rank=0, world_size=16, neighbors=tuple(Neighbor(rank) for rank in (1, 2, 4, 8, 12, 14, 15)),
+                         spec=AlgorithmSpec(name="sgp"))
+    assert push_sum_share(static) == 1 / 8
+    one_peer = NodeContext(rank=0, world_size=16, neighbors=static.neighbors, spec=AlgorithmSpec(name="sgp"),
+                           peer_schedule=((1,), (2,), (4,), (8,)))
+    assert push_sum_share(one_peer) == 1 / 2
 
 
 def test_a_liar_sending_half_the_contributions_does_not_set_the_auto_radius_and_is_outlying():
     """A ring node with one lying neighbour of two: half its window is the liar's distances."""
-    clip = SelfCenteredClip(RobustSpec(rule="self-centered-clip"))
+    clip = SelfCenteredClip(RobustSpec(rule="self-centered-clip"), weight=0.5)
     origin = own = vec(0, 0)
     for _ in range(2 * AUTO_WARM):
         clip.clip_all(own, {1: vec(0, 1), 3: vec(1000, 1000)}, origin)
-    assert math.isclose(clip.radius(own, origin), AUTO_MULTIPLIER * 1.0)
+    assert math.isclose(clip.radius(own, origin), AUTO_PULL / 0.5 * 1.0)
     assert clip.counts.outlying[1] == 0
     # Counted once the window is warm: from the AUTO_WARM-th distance on (two a round).
     assert clip.counts.outlying[3] == 2 * AUTO_WARM - AUTO_WARM // 2 + 1
@@ -95,7 +116,7 @@ def test_a_neighbour_persistently_outlying_is_excluded_until_it_is_mixed_within_
     """Exclusion: a neighbour with EXCLUDED_SHARE of its last contributions outlying (at least EXCLUDED_SEEN judged,
     at most EXCLUDED_WINDOW) is clipped to radius 0 (the node's own state in its place); honest again, it is mixed
     again once its share falls."""
-    clip = SelfCenteredClip(RobustSpec(rule="self-centered-clip"))
+    clip = SelfCenteredClip(RobustSpec(rule="self-centered-clip"), weight=0.5)
     origin = own = vec(0, 0)
     for _ in range(AUTO_WARM):
         clip.clip_all(own, {1: vec(0, 1), 2: vec(1, 0)}, origin)  # warm: honest distances of 1

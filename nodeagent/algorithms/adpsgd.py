@@ -56,6 +56,9 @@ class ADPSGD(Algorithm):
         self.origin = self.w.detach().clone() if self.clipper is not None else None  # the shared initial model
         self.republish()
 
+    def contribution_weight(self, context: NodeContext) -> float:
+        return 0.5  # a bilateral average
+
     def _publish(self) -> Snapshot:
         # The served copy; the active node's request is this snapshot too, and `_sent` keeps it.
         self._published_w = self.w.detach().clone()

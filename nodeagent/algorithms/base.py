@@ -81,6 +81,13 @@ class NodeContext:
         return self.peer_schedule[iteration % len(self.peer_schedule)]
 
 
+def push_sum_share(context: NodeContext) -> float:
+    """The largest share of a push-sum round: a sender keeps 1 / (k + 1) of its mass and pushes as much to each of
+    its k out-peers, k the fewest of any round of the schedule."""
+    schedule = context.peer_schedule or (context.neighbor_ranks,)
+    return 1.0 / (min(len(peers) for peers in schedule) + 1)
+
+
 class Route(enum.StrEnum):
     EXCHANGE = "exchange"  # symmetric: send ours, the peer's reply arrives through receive()
     PUSH = "push"  # one way; the driver retries until delivered (synchronous rounds rely on every push)
@@ -285,7 +292,8 @@ class Algorithm(ABC):
         # Robust mixing (peer-to-peer family): the clipping, when the job asks for it, and the counts per neighbour of
         # contributions seen, clipped and refused (refused ones: see nodeagent.robust.unsafe; always checked).
         robust = context.spec.robust
-        self.clipper = SelfCenteredClip(robust) if robust is not None and robust.rule == "self-centered-clip" else None
+        self.clipper = (SelfCenteredClip(robust, self.contribution_weight(context))
+                        if robust is not None and robust.rule == "self-centered-clip" else None)
         self.mixing = self.clipper.counts if self.clipper is not None else MixingCounts()
         # The collective family's all-gathers: each member's rows this node judged, by the member's job rank (the
         # edge is the all-reduce's; the coordinator scores each member from these, nodeagent.robust.count_gathered).
@@ -510,6 +518,13 @@ class Algorithm(ABC):
         """The part of `change_topology` every algorithm shares: the new context, whose neighbours are accepted."""
         self.accepted_ranks = self.accepted_ranks | frozenset(context.neighbor_ranks)
         self.context = context
+        if self.clipper is not None:
+            self.clipper.weight = self.contribution_weight(context)
+
+    def contribution_weight(self, context: NodeContext) -> float:
+        """The largest weight one neighbour's contribution has in this node's mix (the auto radius of robust mixing,
+        nodeagent.robust): here the neighbours' fixed mixing weights; pairwise and push-sum mixing say theirs."""
+        return max((neighbor.weight for neighbor in context.neighbors), default=1.0)
 
     def failed(self, send: Send, reason: str) -> None:
         """A send could not be completed; `reason` is the failure label of the metrics (unavailable,

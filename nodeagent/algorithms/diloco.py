@@ -144,6 +144,7 @@ from nodeagent.algorithms.base import (
     Route,
     Send,
     Snapshot,
+    push_sum_share,
 )
 from nodeagent.jobspec import JobSpec, JobSpecError
 from nodeagent.ps.messages import ServerAnswer, ServerModel, ServerPush
@@ -693,6 +694,9 @@ class GossipDiLoCo(_DiLoCo):
         # Shares of syncs this node has not started yet: clock -> sender -> (decoded share, weight).
         self.early: dict[int, dict[int, tuple[torch.Tensor, float]]] = defaultdict(dict)
         self.origin = self.w.detach().clone() if self.clipper is not None else None  # theta_0
+
+    def contribution_weight(self, context: NodeContext) -> float:
+        return push_sum_share(context)
 
     @classmethod
     def check(cls, spec: JobSpec, topology: Graph) -> None:

@@ -159,6 +159,9 @@ class PairwiseGossip(Algorithm):
         self.origin = self.w.detach().clone() if self.clipper is not None else None  # the shared initial model
         self.republish()
 
+    def contribution_weight(self, context: NodeContext) -> float:
+        return 0.5  # a pairwise average (the default factor, and what the clock and loss rules give equal peers)
+
     # -- the interface -----------------------------------------------------------------------------------------
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:

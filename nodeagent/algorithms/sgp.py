@@ -55,7 +55,16 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from nodeagent.algorithms.base import Algorithm, AlgorithmOptions, Graph, NodeContext, Route, Send, Snapshot
+from nodeagent.algorithms.base import (
+    Algorithm,
+    AlgorithmOptions,
+    Graph,
+    NodeContext,
+    Route,
+    Send,
+    Snapshot,
+    push_sum_share,
+)
 from nodeagent.jobspec import AlgorithmSpec, JobSpec, JobSpecError
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
@@ -96,6 +105,9 @@ class SGP(Algorithm):
 
     def _rounds_in_flight(self) -> int:
         return 0
+
+    def contribution_weight(self, context: NodeContext) -> float:
+        return push_sum_share(context)
 
     # -- push-sum ------------------------------------------------------------------------------------------------
 
