@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,6 +45,22 @@ class ClusterError(RuntimeError):
 START_TIMEOUT_S = 300.0
 
 
+def _unwind_on_sigterm() -> bool:
+    """Make SIGTERM (what `timeout` and `kill` send) raise SystemExit in this process while a cluster's with-block
+    runs, so that the block's stop() ends the processes it started: by default SIGTERM ends the interpreter at once
+    and leaves them running (a benchmark killed so left its coordinator, agents and fork server behind). Only from
+    the main thread, where Python runs handlers, and only over the default action; whether it was installed."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return False
+
+    def exit_unwinding(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, exit_unwinding)
+    return True
+
+
 @dataclass
 class LocalCluster:
     root: Path
@@ -61,13 +78,19 @@ class LocalCluster:
     metrics_address: str = ""
     enroll_address: str = ""
     _channel: grpc.Channel | None = None
+    _unwinds_sigterm: bool = False
 
     def __enter__(self) -> LocalCluster:
+        self._unwinds_sigterm = _unwind_on_sigterm()
         self.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        try:
+            self.stop()
+        finally:
+            if self._unwinds_sigterm:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def _spawn(self, name: str, args: list[str], prepare: Callable[[], None] | None = None) -> ForkedProcess:
         """Run `python -m ARGS` as process `name`, forked from the fork server that imported torch once

@@ -1,7 +1,10 @@
 """A coordinator and 4 agents as separate processes on loopback, training on the real Fashion-MNIST."""
 
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from collections import defaultdict
@@ -99,3 +102,32 @@ def test_a_cluster_that_cannot_start_in_time_stops_what_it_started(tmp_path):
     with pytest.raises(ClusterError, match="did not start in time"):
         cluster.start(timeout_s=0.0)
     assert cluster.processes and all(process.poll() is not None for process in cluster.processes.values())
+
+
+HOLD_A_CLUSTER = """
+import sys, time
+from pathlib import Path
+from coordinator.cluster import LocalCluster
+root = Path(sys.argv[1])
+with LocalCluster(root=root, agents=1, data_dir=sys.argv[2], tls=False) as cluster:
+    (root / "pids").write_text(" ".join(str(process.pid) for process in cluster.processes.values()))
+    time.sleep(600)
+"""
+
+
+def test_a_program_holding_a_cluster_stops_its_processes_when_it_is_sent_sigterm(tmp_path, fashion_mnist_dir):
+    """What `timeout` or `kill` does to a benchmark: the coordinator and agents it started end with it."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_A_CLUSTER, str(tmp_path), str(fashion_mnist_dir)],
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    try:
+        deadline = time.monotonic() + 180  # a bound for a loaded machine, not a speed
+        while not (tmp_path / "pids").exists():
+            assert holder.poll() is None and time.monotonic() < deadline, "the cluster did not start"
+            time.sleep(0.2)
+        pids = [int(pid) for pid in (tmp_path / "pids").read_text().split()]
+        holder.send_signal(signal.SIGTERM)
+        assert holder.wait(timeout=90) == 128 + signal.SIGTERM
+    finally:
+        holder.kill()
+        holder.wait()
+    assert len(pids) == 2 and not [pid for pid in pids if Path(f"/proc/{pid}").exists()]
