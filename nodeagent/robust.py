@@ -11,18 +11,21 @@ and in the forms their mathematics allows (push-sum and ECL-ISVR, derived in the
 
 The radius tau. Set (`radius: <float>`), or `auto`: the lower quartile of the last AUTO_WINDOW distances the node
 has seen (every neighbour's, before clipping), times AUTO_PULL / w, w the weight one contribution has in the node's
-mix (the algorithm's `contribution_weight`: 1/5 for DSGD on the multiplex ring, 1/2 for a pairwise average or a
-one-peer push-sum). A contribution then moves the node by at most w tau = AUTO_PULL times the quartile, whatever the
-graph: a fixed multiplier of the quartile (0.7) held gossip's and DiLoCo over gossip's liars (weight 1/2) but cost
-SGP on the exponential graph (weight 1/8) 1.86 points without an attack, clipping honest shares whose pull was
-small; at 2.0 times the quartile SGP cost nothing and held 3 liars, where gossip and DiLoCo over gossip failed
-(benchmarks/byzantine.py, docs/results.md). A quartile is moved by the liars only when
-they send three quarters of the node's contributions, so tau stays of the order of the honest distances even where
-one of a ring node's two neighbours lies (a median was not: with half the window a liar's, tau followed the liar,
-and a constant 1000 dragged its honest neighbours to it; 4-node ring, async DSGD, logistic: 0.64 honest accuracy
-with the median, 0.80 with the quartile, 0.80 without an attack). Until AUTO_WARM distances are seen, tau is twice
-the node's own distance from the shared initial model, ||x_i - x_0||: every honest node starts from x_0, so two of
-them are about that far apart, and no first contribution, a liar's included, passes unclipped.
+mix (the algorithm's `contribution_weight`: 1/5 for DSGD on the multiplex ring, 1/8 for SGP on the exponential graph
+of 16, 1/2 for a pairwise average or a one-peer push-sum). A contribution then moves the node by at most w tau =
+AUTO_PULL times the quartile, whatever the graph. A fixed multiplier of the quartile (0.7 on every graph) held
+gossip's liars (weight 1/2) but cost SGP (weight 1/8) 1.86 points without an attack, clipping honest shares whose
+pull was small; at 2.0 SGP cost nothing and held 3 liars, where gossip and DiLoCo over gossip failed. At w = 1/2 the
+radius is now the quartile itself: 0.7 times it had cost DiLoCo over gossip 1.78 points without an attack (its
+sync's average is taken once, so every clipped honest share biases it), 1.5 times it let 3 liars cost 8 to 16 points
+(benchmarks/byzantine.py, docs/results.md). Exclusion and the outlying count (below) catch what a wider radius lets
+through. A quartile is moved by the liars only when they send three quarters of the node's contributions, so tau
+stays of the order of the honest distances even where one of a ring node's two neighbours lies (a median was not:
+with half the window a liar's, tau followed the liar, and a constant 1000 dragged its honest neighbours to it;
+4-node ring, async DSGD, logistic: 0.64 honest accuracy with the median, 0.80 with the quartile, 0.80 without an
+attack). Until AUTO_WARM distances are seen, tau is twice the node's own distance from the shared initial model,
+||x_i - x_0||: every honest node starts from x_0, so two of them are about that far apart, and no first
+contribution, a liar's included, passes unclipped.
 
 Refused before it is applied, clip or no clip: a contribution with an entry above SAFE_MAGNITUDE (the square root
 of the dtype's largest finite value: a product of two such entries, as in any forward pass or norm, is not
@@ -81,9 +84,9 @@ from nodeagent.jobspec import RobustSpec
 
 AUTO_WINDOW = 64  # recent distances the auto radius is the lower quartile of
 AUTO_WARM = 8  # distances seen before the window's quartile is trusted
-# tau = AUTO_PULL / w * the window's lower quartile, w a contribution's weight in the mix (the module's text): 0.7 times
-# the quartile at w = 1/2, where 1.5 let 3 liars cost gossip 7.7 points and DiLoCo over gossip 16.
-AUTO_PULL = 0.35
+# tau = AUTO_PULL / w * the window's lower quartile, w a contribution's weight in the mix (the module's text): the
+# quartile itself at w = 1/2.
+AUTO_PULL = 0.5
 NORM_CLIP_MULTIPLIER = 2.0  # an asynchronous server's: tau = NORM_CLIP_MULTIPLIER * median of the recent norms
 CENTERED_CLIP_ITERATIONS = 3
 OUTLYING_FACTOR = 2.0  # a neighbour's contribution farther than this times the window's lower quartile is outlying
