@@ -203,7 +203,8 @@ class SelfCenteredClip:
         factors = {}
         for peer, length in lengths.items():
             outlying = length > outlying_above
-            self.recent.setdefault(peer, deque(maxlen=EXCLUDED_WINDOW)).append(outlying)
+            if warm:  # judged: before, no contribution is outlying, and none may count towards a peer's record
+                self.recent.setdefault(peer, deque(maxlen=EXCLUDED_WINDOW)).append(outlying)
             self.counts.seen[peer] += 1
             if self.excluded(peer):
                 factors[peer] = 0.0
