@@ -226,6 +226,24 @@ class SelfCenteredClip:
         return self.clip_all(own, {peer: value}, origin)[peer]
 
 
+def clip_push_sum_shares(clipper: SelfCenteredClip, own: torch.Tensor,
+                         received: Mapping[int, tuple[torch.Tensor, float]],
+                         origin: torch.Tensor) -> dict[int, tuple[torch.Tensor, float]]:
+    """A push-sum round's shares (x, y) with their estimates x / y clipped around `own`, the node's estimate (SGP's
+    and DiLoCo over gossip's robust push-sum, derived in nodeagent.algorithms.sgp): a share clipped by the factor f is
+    y (own + f (x / y - own)) = f x + (1 - f) y own, built without the clipped estimate (two passes over it instead of
+    four); one within the radius is the share as it came, one of weight 0 carries nothing."""
+    factors = clipper.scales(own, {sender: x / y for sender, (x, y) in received.items() if y > 0}, origin)
+    shares = {}
+    for sender, (x, y) in received.items():
+        factor = factors.get(sender)
+        if factor is None:
+            shares[sender] = (torch.zeros_like(x), y)
+        else:
+            shares[sender] = (x if factor == 1.0 else torch.add(x * factor, own, alpha=(1 - factor) * y), y)
+    return shares
+
+
 def refuse_unsafe(counts: MixingCounts, peer: int, value: torch.Tensor) -> bool:
     """Whether `value` from `peer` must be refused (see `unsafe`); counted when it is."""
     if unsafe(value):

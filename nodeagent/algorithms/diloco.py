@@ -151,7 +151,14 @@ from nodeagent.ps.messages import ServerAnswer, ServerModel, ServerPush
 from nodeagent.ps.rules import OuterServer, ParameterServer, ProtocolError, PushResult
 from nodeagent.ps.server import ServerHalf, ServerOptions
 from nodeagent.ps.worker import PSWorker, check_robust_workers
-from nodeagent.robust import RobustAggregator, aggregate_counted, count_gathered, safe_rows, unsafe
+from nodeagent.robust import (
+    RobustAggregator,
+    aggregate_counted,
+    clip_push_sum_shares,
+    count_gathered,
+    safe_rows,
+    unsafe,
+)
 from nodeagent.wire import lowprecision
 from nodeagent.wire.errors import Reason, WireError
 from nodeagent.wire.lowprecision import Precision
@@ -786,10 +793,7 @@ class GossipDiLoCo(_DiLoCo):
         own = pending.x / pending.weight if pending.weight > 0 else pending.x
         start = self.padded(self.origin[self.fragment_slice(pending.fragment)].to(own.device))
         origin = torch.cat([torch.zeros_like(start), start])
-        estimates = {sender: x / y for sender, (x, y) in received.items() if y > 0}
-        clipped = self.clipper.clip_all(own, estimates, origin)
-        return {sender: (clipped[sender] * y if sender in clipped else torch.zeros_like(x), y)
-                for sender, (x, y) in received.items()}
+        return clip_push_sum_shares(self.clipper, own, received, origin)
 
     def outer_step(self, fragment: int, mean: torch.Tensor) -> None:
         """The gossip's estimates of the means of the nodes' outer momenta and global parameters after their local

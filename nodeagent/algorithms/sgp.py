@@ -66,6 +66,7 @@ from nodeagent.algorithms.base import (
     push_sum_share,
 )
 from nodeagent.jobspec import AlgorithmSpec, JobSpec, JobSpecError
+from nodeagent.robust import clip_push_sum_shares
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
 
@@ -141,21 +142,10 @@ class SGP(Algorithm):
         return absorbed
 
     def _clipped(self, received: Mapping[int, tuple[torch.Tensor, float]]) -> dict[int, tuple[torch.Tensor, float]]:
-        """The round's shares with their de-biased models clipped around this node's z (the module's text): a share
-        clipped by the factor f is y (z + f (x / y - z)) = f x + (1 - f) y z, built without the clipped model (two
-        passes over it instead of four); one within the radius is the share as it came."""
+        """The round's shares with their de-biased models clipped around this node's z (the module's text)."""
         assert self.clipper is not None and self.origin is not None
         own = self.x / self.weight if self.weight > 0 else self.w.detach()
-        models = {sender: x / y for sender, (x, y) in received.items() if y > 0}
-        factors = self.clipper.scales(own, models, self.origin)
-        shares = {}
-        for sender, (x, y) in received.items():
-            factor = factors.get(sender)
-            if factor is None:  # weight 0: it carries nothing
-                shares[sender] = (torch.zeros_like(x), y)
-            else:
-                shares[sender] = (x if factor == 1.0 else torch.add(x * factor, own, alpha=(1 - factor) * y), y)
-        return shares
+        return clip_push_sum_shares(self.clipper, own, received, self.origin)
 
     def _context_of(self, round_: int) -> NodeContext:
         """The context round `round_` was sent in."""
