@@ -288,8 +288,8 @@ def outlying_share(edge: EdgeCounters) -> float:
     """The edge's suspicion score: the share of the neighbour's contributions so far that the node's robust rule
     found outlying or refused (NaN: none judged)."""
     if not edge.robust_clipped and not edge.robust_outlying:
-        return 0.0 if edge.messages_received else math.nan
-    return min(1.0, edge.robust_outlying / max(1, edge.messages_received))
+        return 0.0 if edge.judged_contributions() else math.nan
+    return min(1.0, edge.robust_outlying / max(1, edge.judged_contributions()))
 
 
 def _reasons(reasons: Mapping[str, int]) -> str:

@@ -73,6 +73,7 @@ aggregate: its centered-clip clips each update's norm (center 0) at the auto rad
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections import defaultdict, deque
@@ -125,13 +126,37 @@ def safe_rows(rows: torch.Tensor) -> list[int]:
 
 def lower_quartile(values: Sequence[float]) -> float:
     """The 25th percentile of at least two values, as statistics.quantiles(values, n=4)[0] (its exclusive method),
-    without the other two quartiles: it runs at every contribution a node mixes."""
-    data = sorted(values)
+    without the other two quartiles."""
+    return _sorted_lower_quartile(sorted(values))
+
+
+def _sorted_lower_quartile(data: Sequence[float]) -> float:
     count = len(data)
     m = count + 1
     j = min(max(m // 4, 1), count - 1)
     delta = m - 4 * j
     return (data[j - 1] * (4 - delta) + data[j] * delta) / 4
+
+
+class DistanceWindow:
+    """The last AUTO_WINDOW distances in arrival order, and the same kept sorted: the lower quartile is read at every
+    contribution a node mixes, and one insertion into a sorted list is cheaper than a sort."""
+
+    def __init__(self) -> None:
+        self.arrived: deque[float] = deque()
+        self.ordered: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self.arrived)
+
+    def add(self, length: float) -> None:
+        if len(self.arrived) == AUTO_WINDOW:
+            del self.ordered[bisect.bisect_left(self.ordered, self.arrived.popleft())]
+        self.arrived.append(length)
+        bisect.insort(self.ordered, length)
+
+    def lower_quartile(self) -> float:
+        return _sorted_lower_quartile(self.ordered)
 
 
 def distance(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -158,7 +183,7 @@ class SelfCenteredClip:
             raise ValueError(f"a contribution's weight in a mix is in (0, 1], not {weight}")
         self.weight = weight
         self.fixed_radius = None if spec.radius == "auto" else float(spec.radius)
-        self.window: deque[float] = deque(maxlen=AUTO_WINDOW)
+        self.window = DistanceWindow()
         self.counts = MixingCounts()
         self.recent: dict[int, deque[bool]] = {}  # per neighbour: whether each of its last contributions was outlying
 
@@ -173,7 +198,7 @@ class SelfCenteredClip:
             return self.fixed_radius
         if len(self.window) < AUTO_WARM:
             return 2 * distance(own, origin)
-        return AUTO_PULL / self.weight * (lower_quartile(self.window) if quartile is None else quartile)
+        return AUTO_PULL / self.weight * (self.window.lower_quartile() if quartile is None else quartile)
 
     def scales(self, own: torch.Tensor, contributions: Mapping[int, torch.Tensor],
                origin: torch.Tensor) -> dict[int, float]:
@@ -181,46 +206,41 @@ class SelfCenteredClip:
         own + factor (x_j - own), which a mix can apply as weights without building it. `origin` is what `own` was
         at the start of the job, on every node alike (the auto radius's warm-up). The contributions' distances
         enter the window first, so that one round's contributions are judged together."""
-        return self._judge(own, contributions, origin)[0]
-
-    def _judge(self, own: torch.Tensor, contributions: Mapping[int, torch.Tensor],
-               origin: torch.Tensor) -> tuple[dict[int, float], torch.Tensor | None]:
-        """`scales`, and the differences x_j - own it measured (one row per contribution, in order)."""
         if not contributions:
-            return {}, None
-        # One contribution (most calls: one per message) without the stack's copy.
-        differences = (torch.stack(list(contributions.values())) if len(contributions) > 1
-                       else next(iter(contributions.values())).unsqueeze(0)) - own
-        lengths = dict(zip(contributions, torch.linalg.vector_norm(differences, dim=1).tolist(), strict=True))
-        if not all(math.isfinite(length) for length in lengths.values()):  # a square overflowed: again in float64
-            lengths = dict(zip(contributions, torch.linalg.vector_norm(differences.double(), dim=1).tolist(),
-                               strict=True))
-        self.window.extend(lengths.values())
+            return {}
+        values = list(contributions.values())
+        if len(values) == 1:  # most calls: one per message, without a stack's copy
+            lengths = [float(torch.dist(values[0], own))]
+        else:  # one read back for all of them (a GPU synchronises once)
+            lengths = torch.linalg.vector_norm(torch.stack(values) - own, dim=1).tolist()
+        if not all(map(math.isfinite, lengths)):  # a square overflowed float32: again in float64
+            lengths = [distance(value, own) for value in values]
+        for length in lengths:
+            self.window.add(length)
         warm = len(self.window) >= AUTO_WARM
-        quartile = lower_quartile(self.window) if warm else None
+        quartile = self.window.lower_quartile() if warm else None
         radius = self.radius(own, origin, quartile)
         outlying_above = OUTLYING_FACTOR * quartile if quartile is not None else math.inf
+        counts = self.counts
         factors = {}
-        for peer, length in lengths.items():
+        for peer, length in zip(contributions, lengths, strict=True):
             outlying = length > outlying_above
             if warm:  # judged: before, no contribution is outlying, and none may count towards a peer's record
                 self.recent.setdefault(peer, deque(maxlen=EXCLUDED_WINDOW)).append(outlying)
-            self.counts.seen[peer] += 1
-            if self.excluded(peer):
-                factors[peer] = 0.0
-            else:
-                factors[peer] = 1.0 if length <= radius else radius / length
-            self.counts.clipped[peer] += factors[peer] < 1.0
-            self.counts.outlying[peer] += outlying
-        return factors, differences
+            factor = 0.0 if self.excluded(peer) else 1.0 if length <= radius else radius / length
+            factors[peer] = factor
+            counts.seen[peer] += 1
+            counts.clipped[peer] += factor < 1.0
+            counts.outlying[peer] += outlying
+        return factors
 
     def clip_all(self, own: torch.Tensor, contributions: Mapping[int, torch.Tensor],
                  origin: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Each neighbour's contribution clipped around `own`, own + factor (x_j - own), built in place of the
-        difference measured (a contribution within the radius is returned as it is, not copied)."""
-        factors, differences = self._judge(own, contributions, origin)
-        return {peer: value if factors[peer] == 1.0 else differences[row].mul_(factors[peer]).add_(own)
-                for row, (peer, value) in enumerate(contributions.items())}
+        """Each neighbour's contribution clipped around `own`, own + factor (x_j - own) (a contribution within the
+        radius is returned as it is, not copied)."""
+        factors = self.scales(own, contributions, origin)
+        return {peer: value if factors[peer] == 1.0 else torch.sub(value, own).mul_(factors[peer]).add_(own)
+                for peer, value in contributions.items()}
 
     def clip(self, own: torch.Tensor, peer: int, value: torch.Tensor, origin: torch.Tensor) -> torch.Tensor:
         return self.clip_all(own, {peer: value}, origin)[peer]

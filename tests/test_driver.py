@@ -77,6 +77,9 @@ class ScriptedAlgorithm:
     def robust_outlying(self, peer: int) -> int:
         return 0
 
+    def robust_judged(self, peer: int) -> int:
+        return 0
+
 
 class Batches:
     def next(self):

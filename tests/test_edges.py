@@ -123,6 +123,9 @@ def test_an_edge_whose_neighbour_is_mostly_outlying_is_suspect_after_failing_and
     assert [(r.edge.peer, r.trouble) for r in rows] == [
         ("n2", Trouble.FAILING), ("n3", Trouble.SUSPECT), ("n1", Trouble.STALE)]  # clipped alone is not suspect
     assert outlying_share(rows[1].edge) == 0.6 and math.isnan(outlying_share(EdgeCounters("n5")))
+    # A node that counts what its rule judged is read by it: half its messages carried copies never mixed.
+    judged = EdgeCounters("n1", **healthy, messages_received=200, robust_judged=100, robust_outlying=60)
+    assert outlying_share(judged) == 0.6 and edge_rows([node(0, (judged,))], now=100.0)[0].trouble is Trouble.SUSPECT
 
 
 def test_the_edges_command_prints_the_table_and_json(coordinator_stub, monkeypatch, capsys):

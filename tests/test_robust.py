@@ -14,6 +14,7 @@ from coordinator.jobs import validate_job
 from coordinator.simulate import simulate
 from nodeagent.algorithms.allreduce import AllReduceSGD
 from nodeagent.algorithms.base import ALLREDUCE_RANK, Neighbor, NodeContext, push_sum_share
+from nodeagent.algorithms.dsgd import DSGD
 from nodeagent.algorithms.sgp import SGP
 from nodeagent.byzantine import forge, forge_tensor
 from nodeagent.jobspec import AlgorithmSpec, JobSpecError, RobustSpec, parse_job_spec
@@ -39,6 +40,7 @@ from nodeagent.robust import (
 )
 from nodeagent.runtime.driver import ALLREDUCE_NAME
 from nodeagent.runtime.events import QUARANTINED, SUSPECTED, TOPOLOGY, read_events
+from nodeagent.wire.message import Kind, Message
 
 pytestmark = pytest.mark.unit
 
@@ -349,6 +351,31 @@ def test_a_clipped_push_sum_share_is_its_weight_times_the_clipped_model():
     assert torch.allclose(shares[1][0], 0.25 * (own + torch.tensor([0.6, 0.0, 0.8])))  # clipped to radius 1
     assert torch.equal(shares[2][0], near * 0.5)  # within the radius: the share as it came
     assert torch.equal(shares[3][0], torch.zeros(3)) and shares[3][1] == 0.0  # weight 0 carries nothing
+
+
+def test_asynchronous_dsgd_judges_a_copy_at_its_first_mix_around_the_state_it_is_mixed_into():
+    spec = AlgorithmSpec(name="dsgd", lr=0.05, robust=RobustSpec(rule="self-centered-clip", radius=1.0))
+    context = NodeContext(rank=0, world_size=3, neighbors=(Neighbor(1, weight=0.25), Neighbor(2, weight=0.25)),
+                          spec=spec, self_weight=0.5)
+    node = DSGD(torch.nn.Linear(3, 1, bias=False), context)
+
+    def send(sender: int, offset: list[float]) -> None:
+        tensors = {"weight": (node.w + torch.tensor(offset)).reshape(1, 3)}
+        node.receive(Message(Kind.PARAMS, sender, 0, tensors, clock=1))
+
+    send(1, [30.0, 0.0, 40.0])  # replaced before any mix: never judged
+    send(1, [6.0, 0.0, 8.0])  # 10 away
+    assert node.mixing.seen == {}  # nothing judged on arrival
+    node.w.add_(torch.tensor([0.0, 1.0, 0.0]))  # the node moved before the mix (its own step)
+    before = node.w.clone()
+    node._mix(node.last_copy)
+    far = before + (torch.tensor([6.0, -1.0, 8.0]) / math.sqrt(101))  # clipped to radius 1 around the mixed-into w
+    initial = before - torch.tensor([0.0, 1.0, 0.0])  # neighbour 2's copy until its first message
+    assert torch.allclose(node.w, 0.5 * before + 0.25 * far + 0.25 * initial)
+    assert node.mixing.seen == {1: 1}
+    assert node.robust_judged(1) == 1 and node.robust_clipped(1) == 1
+    node._mix(node.last_copy)  # the clipped copy is mixed as it is from now on, not judged again
+    assert node.robust_judged(1) == 1
 
 
 def test_a_finite_message_that_would_overflow_is_refused_and_the_honest_models_stay_finite(fashion_mnist_dir):

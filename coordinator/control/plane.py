@@ -380,7 +380,7 @@ class ControlPlane:
                 member = ranks.get(edge.peer)
                 if member is not None and member != progress.rank:
                     self.suspicion.observe(job.job_id, progress.rank, member, edge.robust_outlying,
-                                           edge.messages_received, now)
+                                           edge.judged_contributions(), now)
                 # A collective's all-gathered rows, judged per member: only the job's members count.
                 for judged in edge.judged:
                     if judged.rank in members and judged.rank != progress.rank:

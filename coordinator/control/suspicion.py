@@ -2,12 +2,12 @@
 I/O: counts in, a score out, on the caller's clock.
 
 A reporter is a member whose robust rule judged another's contributions (a neighbour, per edge: its
-`robust_outlying` next to its `messages_received`, nodeagent.robust), or the parameter server (reporter
+`robust_outlying` next to its `robust_judged`, nodeagent.robust), or the parameter server (reporter
 SERVER_REPORTER: per worker, the pushes its rule flagged next to the pushes it took). The counts are cumulative; the
 tracker keeps each reporter's increments over the last `window_s` seconds.
 
-A reporter's share: the outlying contributions of the member in the window over the contributions it received in
-the window (at most 1), once it received at least MIN_CONTRIBUTIONS there. The member's suspicion: the lower median
+A reporter's share: the outlying contributions of the member in the window over the contributions it judged in the
+window (at most 1), once it judged at least MIN_CONTRIBUTIONS there. The member's suspicion: the lower median
 of its reporters' shares, so it is suspected only when a majority of those that judged it agree (for a member with
 one honest and one lying neighbour, the liar's word alone is not enough: a liar cannot get an honest node blamed
 without a majority of its neighbours). A member judged by one neighbour only is not scored (that one may be the

@@ -275,7 +275,7 @@ class MetricsReport(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., finished: _Optional[bool] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., exchanges: _Optional[int] = ..., exchange_failures: _Optional[int] = ..., edges: _Optional[_Iterable[_Union[EdgeTraffic, _Mapping]]] = ..., local_steps: _Optional[int] = ..., waiting_for: _Optional[str] = ..., test_perplexity: _Optional[float] = ...) -> None: ...
 
 class EdgeTraffic(_message.Message):
-    __slots__ = ("peer", "bytes_sent", "bytes_received", "exchanges", "failures", "messages_sent", "messages_received", "last_message_age_s", "message_interval_s", "in_flight_s", "failure_reasons", "last_failure_age_s", "staleness_steps", "consensus_distance", "robust_clipped", "robust_outlying", "judged")
+    __slots__ = ("peer", "bytes_sent", "bytes_received", "exchanges", "failures", "messages_sent", "messages_received", "last_message_age_s", "message_interval_s", "in_flight_s", "failure_reasons", "last_failure_age_s", "staleness_steps", "consensus_distance", "robust_clipped", "robust_outlying", "judged", "robust_judged")
     class FailureReasonsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -300,6 +300,7 @@ class EdgeTraffic(_message.Message):
     ROBUST_CLIPPED_FIELD_NUMBER: _ClassVar[int]
     ROBUST_OUTLYING_FIELD_NUMBER: _ClassVar[int]
     JUDGED_FIELD_NUMBER: _ClassVar[int]
+    ROBUST_JUDGED_FIELD_NUMBER: _ClassVar[int]
     peer: str
     bytes_sent: int
     bytes_received: int
@@ -317,7 +318,8 @@ class EdgeTraffic(_message.Message):
     robust_clipped: int
     robust_outlying: int
     judged: _containers.RepeatedCompositeFieldContainer[MemberJudgement]
-    def __init__(self, peer: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., exchanges: _Optional[int] = ..., failures: _Optional[int] = ..., messages_sent: _Optional[int] = ..., messages_received: _Optional[int] = ..., last_message_age_s: _Optional[float] = ..., message_interval_s: _Optional[float] = ..., in_flight_s: _Optional[float] = ..., failure_reasons: _Optional[_Mapping[str, int]] = ..., last_failure_age_s: _Optional[float] = ..., staleness_steps: _Optional[float] = ..., consensus_distance: _Optional[float] = ..., robust_clipped: _Optional[int] = ..., robust_outlying: _Optional[int] = ..., judged: _Optional[_Iterable[_Union[MemberJudgement, _Mapping]]] = ...) -> None: ...
+    robust_judged: int
+    def __init__(self, peer: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., exchanges: _Optional[int] = ..., failures: _Optional[int] = ..., messages_sent: _Optional[int] = ..., messages_received: _Optional[int] = ..., last_message_age_s: _Optional[float] = ..., message_interval_s: _Optional[float] = ..., in_flight_s: _Optional[float] = ..., failure_reasons: _Optional[_Mapping[str, int]] = ..., last_failure_age_s: _Optional[float] = ..., staleness_steps: _Optional[float] = ..., consensus_distance: _Optional[float] = ..., robust_clipped: _Optional[int] = ..., robust_outlying: _Optional[int] = ..., judged: _Optional[_Iterable[_Union[MemberJudgement, _Mapping]]] = ..., robust_judged: _Optional[int] = ...) -> None: ...
 
 class MemberJudgement(_message.Message):
     __slots__ = ("rank", "seen", "clipped", "outlying")

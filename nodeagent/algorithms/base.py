@@ -466,6 +466,10 @@ class Algorithm(ABC):
         """How many of the neighbour `peer`'s contributions this node clipped or refused (nodeagent.robust)."""
         return self.mixing.clipped.get(peer, 0) + self.mixing.refused.get(peer, 0)
 
+    def robust_judged(self, peer: int) -> int:
+        """How many of the neighbour `peer`'s contributions this node's robust rule judged or refused."""
+        return self.mixing.seen.get(peer, 0) + self.mixing.refused.get(peer, 0)
+
     def robust_outlying(self, peer: int) -> int:
         """How many of the neighbour `peer`'s contributions were outlying or refused (nodeagent.robust): what the
         coordinator's suspicion of a member is built from."""

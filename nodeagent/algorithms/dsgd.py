@@ -11,8 +11,10 @@ next-step copy can arrive early without harm.
 
 Robust mixing (`algorithm.robust: {rule: self-centered-clip}`, nodeagent.robust): every neighbour's copy is clipped
 around the node's own x before it is mixed, x_j <- x + min(1, tau / ||x_j - x||) (x_j - x), so a neighbour moves the
-node by at most weight_j * tau per mix: in synchronous rounds around x_t, asynchronously once on arrival, around the
-x of that moment (the copy is then mixed as it is until the next one replaces it). A copy that could make x
+node by at most weight_j * tau per mix: in synchronous rounds around x_t; asynchronously once, at the first mix
+after it arrived, around the x it is mixed into (the clipped copy is then mixed as it is until the next one replaces
+it; the copies that arrived since the last mix are judged together, and a copy replaced before any mix is not
+judged at all). A copy that could make x
 non-finite is refused whatever the rule: the asynchronous node keeps the neighbour's previous copy, the synchronous
 one mixes its own x_t in its place (the round still completes).
 """
@@ -53,6 +55,7 @@ class DSGD(Algorithm):
         self._pending_direction: torch.Tensor | None = None
         self._outbox: list[Send] = []
         self.origin = self.w.detach().clone() if self.clipper is not None else None  # the shared initial model
+        self.unjudged: set[int] = set()  # asynchronous robust mixing: neighbours whose last copy is not clipped yet
         self.republish()
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -89,6 +92,11 @@ class DSGD(Algorithm):
             for neighbor in self.context.neighbors:
                 self.w.add_(copies[neighbor.rank], alpha=neighbor.weight * factors[neighbor.rank])
             return
+        if self.unjudged:
+            assert self.clipper is not None and self.origin is not None
+            fresh = {rank: copies[rank] for rank in self.unjudged if rank in copies}
+            copies.update(self.clipper.clip_all(self.w, fresh, self.origin))
+            self.unjudged.clear()
         # In place: the same operations in the same order as into a new tensor, without allocating one per step.
         self.w.mul_(self.context.self_weight)
         for neighbor in self.context.neighbors:
@@ -140,9 +148,7 @@ class DSGD(Algorithm):
                 return
             copy = self.w.detach().clone()  # x_t in its place: the round completes without it
         elif self.clipper is not None and not self.synchronous:
-            # Clipped once, on arrival, around the node's x then: what is mixed until the next copy replaces it.
-            assert self.origin is not None
-            copy = self.clipper.clip(self.w, message.sender, copy, self.origin)
+            self.unjudged.add(message.sender)  # clipped at the next mix (the module's text)
         self.last_copy[message.sender] = copy  # asynchronous: what is mixed; synchronous: for consensus_distance()
         if not self.synchronous:
             return

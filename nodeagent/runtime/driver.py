@@ -118,7 +118,7 @@ class EdgeLog:
 
     def counters(self, peer: str, now: float, traffic: tuple[int, int], exchanges: int, failures: int,
                  in_flight_since: float | None, clock: int, consensus_distance: float | None,
-                 robust_clipped: int = 0, robust_outlying: int = 0,
+                 robust_clipped: int = 0, robust_outlying: int = 0, robust_judged: int = 0,
                  judged: tuple[MemberJudgement, ...] = ()) -> EdgeCounters:
         interval = (self.last_message - self.first_message) / (self.messages - 1) if self.messages > 1 else math.nan
         return EdgeCounters(
@@ -128,7 +128,7 @@ class EdgeLog:
             failure_reasons=dict(self.failure_reasons), last_failure_age_s=now - self.last_failure,
             staleness_steps=math.nan if self.peer_clock is None else float(clock - self.peer_clock),
             consensus_distance=math.nan if consensus_distance is None else consensus_distance,
-            robust_clipped=robust_clipped, robust_outlying=robust_outlying, judged=judged,
+            robust_clipped=robust_clipped, robust_outlying=robust_outlying, judged=judged, robust_judged=robust_judged,
         )
 
 
@@ -702,7 +702,7 @@ class NodeDriver:
                 self._exchanges_with.get(peer, 0), self._failures_with.get(peer, 0), self._in_flight.get(peer),
                 self.algorithm.clock, self.algorithm.consensus_distance(peer) if peer >= 0 else None,
                 self.algorithm.robust_clipped(peer), self.algorithm.robust_outlying(peer),
-                self._judged() if peer == ALLREDUCE_RANK else ())
+                self.algorithm.robust_judged(peer), self._judged() if peer == ALLREDUCE_RANK else ())
              for peer in peers),
             key=lambda edge: edge.peer,
         )

@@ -59,6 +59,13 @@ class EdgeCounters:
     robust_clipped: int = 0  # the peer's contributions this node's robust rule clipped or refused (nodeagent.robust)
     robust_outlying: int = 0  # of them, those outlying or refused: the coordinator's suspicion is built from these
     judged: tuple[MemberJudgement, ...] = ()  # the all-reduce's edge of a robust job: each member's gathered rows
+    robust_judged: int = 0  # the peer's contributions this node's robust rule judged or refused
+
+    def judged_contributions(self) -> int:
+        """The denominator of the peer's outlying share: the contributions judged, or the messages received where
+        the node does not count them (an agent from before robust_judged; a message may carry no contribution, or
+        one replaced before it was judged)."""
+        return self.robust_judged or self.messages_received
 
 
 @dataclass(frozen=True)
