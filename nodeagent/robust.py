@@ -215,7 +215,11 @@ class SelfCenteredClip:
             lengths = torch.linalg.vector_norm(torch.stack(values) - own, dim=1).tolist()
         if not all(map(math.isfinite, lengths)):  # a square overflowed float32: again in float64
             lengths = [distance(value, own) for value in values]
-        for length in lengths:
+        return self.judge(own, dict(zip(contributions, lengths, strict=True)), origin)
+
+    def judge(self, own: torch.Tensor, lengths: Mapping[int, float], origin: torch.Tensor) -> dict[int, float]:
+        """`scales` from the contributions' distances ||x_j - own||, measured by the caller."""
+        for length in lengths.values():
             self.window.add(length)
         warm = len(self.window) >= AUTO_WARM
         quartile = self.window.lower_quartile() if warm else None
@@ -223,7 +227,7 @@ class SelfCenteredClip:
         outlying_above = OUTLYING_FACTOR * quartile if quartile is not None else math.inf
         counts = self.counts
         factors = {}
-        for peer, length in zip(contributions, lengths, strict=True):
+        for peer, length in lengths.items():
             outlying = length > outlying_above
             if warm:  # judged: before, no contribution is outlying, and none may count towards a peer's record
                 self.recent.setdefault(peer, deque(maxlen=EXCLUDED_WINDOW)).append(outlying)
@@ -253,7 +257,17 @@ def clip_push_sum_shares(clipper: SelfCenteredClip, own: torch.Tensor,
     and DiLoCo over gossip's robust push-sum, derived in nodeagent.algorithms.sgp): a share clipped by the factor f is
     y (own + f (x / y - own)) = f x + (1 - f) y own, built without the clipped estimate (two passes over it instead of
     four); one within the radius is the share as it came, one of weight 0 carries nothing."""
-    factors = clipper.scales(own, {sender: x / y for sender, (x, y) in received.items() if y > 0}, origin)
+    weighted = [(sender, x, y) for sender, (x, y) in received.items() if y > 0]
+    lengths: dict[int, float] = {}
+    if weighted:
+        # ||x / y - own|| = ||x - y own|| / y: one pass over the stacked shares, no estimate built.
+        xs = torch.stack([x for _, x, _ in weighted])
+        ys = torch.tensor([y for _, _, y in weighted], dtype=xs.dtype, device=xs.device)
+        norms = torch.linalg.vector_norm(torch.addr(xs, ys, own, alpha=-1), dim=1).tolist()
+        lengths = {sender: norm / y for (sender, _, y), norm in zip(weighted, norms, strict=True)}
+        if not all(map(math.isfinite, lengths.values())):  # overflowed float32: again in float64
+            lengths = {sender: distance(x / y, own) for sender, x, y in weighted}
+    factors = clipper.judge(own, lengths, origin)
     shares = {}
     for sender, (x, y) in received.items():
         factor = factors.get(sender)
@@ -303,20 +317,30 @@ def krum(updates: torch.Tensor, f: int) -> torch.Tensor:
     return updates[int(scores.argmin())].clone()
 
 
+def row_lengths(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's norm, in float64: computed in the rows' dtype, and again in float64 only where a square
+    overflowed (a full float64 copy of the rows costs the server three times the norm)."""
+    lengths = torch.linalg.vector_norm(rows, dim=1)
+    if not bool(torch.isfinite(lengths).all()):
+        lengths = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64)
+    return lengths.double()
+
+
 def centered_clip(updates: torch.Tensor, center: torch.Tensor, radius: float | None) -> torch.Tensor:
     """The CenteredClip aggregate from `center`."""
     v = center.clone()
     for _ in range(CENTERED_CLIP_ITERATIONS):
-        lengths = torch.linalg.vector_norm((updates - v).double(), dim=1)
+        differences = updates - v
+        lengths = row_lengths(differences)
         tau = float(lengths.median()) if radius is None else radius
         scale = torch.where(lengths > tau, tau / lengths.clamp(min=1e-300), torch.ones_like(lengths))
-        v = v + ((updates - v) * scale.to(updates.dtype).unsqueeze(1)).mean(dim=0)
+        v = v + (scale.to(updates.dtype) @ differences) / updates.shape[0]
     return v
 
 
 def outliers(updates: torch.Tensor, aggregate: torch.Tensor) -> list[bool]:
     """The updates farther from `aggregate` than OUTLIER_FACTOR times the median distance."""
-    lengths = torch.linalg.vector_norm((updates - aggregate).double(), dim=1)
+    lengths = row_lengths(updates - aggregate)
     return (lengths > OUTLIER_FACTOR * float(lengths.median())).tolist()
 
 
