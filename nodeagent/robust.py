@@ -27,6 +27,20 @@ attack). Until AUTO_WARM distances are seen, tau is twice the node's own distanc
 ||x_i - x_0||: every honest node starts from x_0, so two of them are about that far apart, and no first
 contribution, a liar's included, passes unclipped.
 
+Distances of several scales (groups). The rounds of one push-sum average are not alike: DiLoCo over gossip on the
+one-peer exponential graph of 16 compares, in round r, two averages of 2^r nodes each, and the honest distances
+fall from round to round (median 0.91, 0.78, 0.52, 0.38 in its 4 rounds, class-window; 1.07, 0.42, 0.31, 0.21
+iid). Against one window's quartile, the last rounds', the first rounds' honest shares were outlying, and their
+senders excluded (in 388 of 480 first rounds, iid): the sync's average, taken once, lost their mass (1.05 points
+without an attack, class-window). So a caller may name a contribution's group (the round): it enters the node's
+window and its group's, and counts as outlying beyond OUTLYING_FACTOR times the group's quartile, capped at
+GROUP_CAP times the window's; until GROUP_WARM distances of its group are seen it is not judged (not outlying, not
+counted towards exclusion). The radius stays the window's: a group may hold one peer's distances only (one peer per
+round), and a radius from a liar's own distances, even capped, let 1 sign-flipping liar of 16 pull its receivers
+GROUP_CAP times as far in every sync until their distances, and with them the window's quartile, grew without
+bound (honest worst 3.00, a NaN model). The cap keeps such a liar outlying beyond OUTLYING_FACTOR x GROUP_CAP times
+the honest scale.
+
 Refused before it is applied, clip or no clip: a contribution with an entry above SAFE_MAGNITUDE (the square root
 of the dtype's largest finite value: a product of two such entries, as in any forward pass or norm, is not
 finite) or not finite. Mixing a convex combination of finite values below it cannot overflow, and the next local
@@ -88,6 +102,8 @@ AUTO_WARM = 8  # distances seen before the window's quartile is trusted
 # tau = AUTO_PULL / w * the window's lower quartile, w a contribution's weight in the mix (the module's text): the
 # quartile itself at w = 1/2.
 AUTO_PULL = 0.5
+GROUP_CAP = 4.0  # a group's quartile counts at most this times the whole window's (the module's text)
+GROUP_WARM = 4  # a group's distances before its quartile is trusted (a round's come once per sync)
 # An asynchronous server's: tau = NORM_CLIP_MULTIPLIER * the median of the recent norms. At 2 it clipped honest
 # workers whose class-window shard gives longer updates (ASGD without an attack, 600 steps: 1.18 points); at 3 every
 # robust row of benchmarks/byzantine.py --full --only asgd is met, 34 of 34 (docs/results.md).
@@ -184,6 +200,7 @@ class SelfCenteredClip:
         self.weight = weight
         self.fixed_radius = None if spec.radius == "auto" else float(spec.radius)
         self.window = DistanceWindow()
+        self.groups: dict[int, DistanceWindow] = {}  # the windows of the callers' groups (the module's text)
         self.counts = MixingCounts()
         self.recent: dict[int, deque[bool]] = {}  # per neighbour: whether each of its last contributions was outlying
 
@@ -201,11 +218,11 @@ class SelfCenteredClip:
         return AUTO_PULL / self.weight * (self.window.lower_quartile() if quartile is None else quartile)
 
     def scales(self, own: torch.Tensor, contributions: Mapping[int, torch.Tensor],
-               origin: torch.Tensor) -> dict[int, float]:
+               origin: torch.Tensor, group: int | None = None) -> dict[int, float]:
         """Each neighbour's clipping factor min(1, tau / ||x_j - own||): its contribution clipped around `own` is
         own + factor (x_j - own), which a mix can apply as weights without building it. `origin` is what `own` was
         at the start of the job, on every node alike (the auto radius's warm-up). The contributions' distances
-        enter the window first, so that one round's contributions are judged together."""
+        enter the window first, so that one round's contributions are judged together; `group`: theirs, if any."""
         if not contributions:
             return {}
         values = list(contributions.values())
@@ -215,21 +232,28 @@ class SelfCenteredClip:
             lengths = torch.linalg.vector_norm(torch.stack(values) - own, dim=1).tolist()
         if not all(map(math.isfinite, lengths)):  # a square overflowed float32: again in float64
             lengths = [distance(value, own) for value in values]
-        return self.judge(own, dict(zip(contributions, lengths, strict=True)), origin)
+        return self.judge(own, dict(zip(contributions, lengths, strict=True)), origin, group)
 
-    def judge(self, own: torch.Tensor, lengths: Mapping[int, float], origin: torch.Tensor) -> dict[int, float]:
+    def judge(self, own: torch.Tensor, lengths: Mapping[int, float], origin: torch.Tensor,
+              group: int | None = None) -> dict[int, float]:
         """`scales` from the contributions' distances ||x_j - own||, measured by the caller."""
+        grouped = None if group is None else self.groups.setdefault(group, DistanceWindow())
         for length in lengths.values():
             self.window.add(length)
-        warm = len(self.window) >= AUTO_WARM
-        quartile = self.window.lower_quartile() if warm else None
+            if grouped is not None:
+                grouped.add(length)
+        quartile = self.window.lower_quartile() if len(self.window) >= AUTO_WARM else None
+        scale = quartile  # what outlying is measured against: the group's where it has one (the module's text)
+        if quartile is not None and grouped is not None:
+            scale = min(grouped.lower_quartile(), GROUP_CAP * quartile) if len(grouped) >= GROUP_WARM else None
         radius = self.radius(own, origin, quartile)
-        outlying_above = OUTLYING_FACTOR * quartile if quartile is not None else math.inf
+        judged = scale is not None
+        outlying_above = OUTLYING_FACTOR * scale if scale is not None else math.inf
         counts = self.counts
         factors = {}
         for peer, length in lengths.items():
             outlying = length > outlying_above
-            if warm:  # judged: before, no contribution is outlying, and none may count towards a peer's record
+            if judged:  # before, no contribution is outlying, and none may count towards a peer's record
                 self.recent.setdefault(peer, deque(maxlen=EXCLUDED_WINDOW)).append(outlying)
             factor = 0.0 if self.excluded(peer) else 1.0 if length <= radius else radius / length
             factors[peer] = factor
@@ -251,12 +275,13 @@ class SelfCenteredClip:
 
 
 def clip_push_sum_shares(clipper: SelfCenteredClip, own: torch.Tensor,
-                         received: Mapping[int, tuple[torch.Tensor, float]],
-                         origin: torch.Tensor) -> dict[int, tuple[torch.Tensor, float]]:
+                         received: Mapping[int, tuple[torch.Tensor, float]], origin: torch.Tensor,
+                         group: int | None = None) -> dict[int, tuple[torch.Tensor, float]]:
     """A push-sum round's shares (x, y) with their estimates x / y clipped around `own`, the node's estimate (SGP's
     and DiLoCo over gossip's robust push-sum, derived in nodeagent.algorithms.sgp): a share clipped by the factor f is
     y (own + f (x / y - own)) = f x + (1 - f) y own, built without the clipped estimate (two passes over it instead of
-    four); one within the radius is the share as it came, one of weight 0 carries nothing."""
+    four); one within the radius is the share as it came, one of weight 0 carries nothing. `group`: the shares' (see
+    SelfCenteredClip.judge), if any."""
     weighted = [(sender, x, y) for sender, (x, y) in received.items() if y > 0]
     lengths: dict[int, float] = {}
     if weighted:
@@ -267,7 +292,7 @@ def clip_push_sum_shares(clipper: SelfCenteredClip, own: torch.Tensor,
         lengths = {sender: norm / y for (sender, _, y), norm in zip(weighted, norms, strict=True)}
         if not all(map(math.isfinite, lengths.values())):  # overflowed float32: again in float64
             lengths = {sender: distance(x / y, own) for sender, x, y in weighted}
-    factors = clipper.judge(own, lengths, origin)
+    factors = clipper.judge(own, lengths, origin, group)
     shares = {}
     for sender, (x, y) in received.items():
         factor = factors.get(sender)

@@ -27,7 +27,10 @@ from nodeagent.robust import (
     EXCLUDED_SEEN,
     EXCLUDED_SHARE,
     EXCLUDED_WINDOW,
+    GROUP_CAP,
+    GROUP_WARM,
     NORM_CLIP_MULTIPLIER,
+    OUTLYING_FACTOR,
     NormClip,
     RobustAggregator,
     SelfCenteredClip,
@@ -92,6 +95,33 @@ def test_the_auto_radius_bounds_a_contributions_pull_whatever_its_weight_in_the_
             clip.clip_all(own, {1: vec(0, 1)}, origin)  # honest distances of 1
         pulls.append(weight * clip.radius(own, origin))
     assert all(math.isclose(pull, AUTO_PULL) for pull in pulls), pulls
+
+
+def test_a_round_whose_honest_distances_are_longer_is_judged_by_its_own_quartile_capped_by_the_whole_windows():
+    """A push-sum's first rounds compare nodes farther apart than its last: judged by one window, their honest senders
+    are outlying and excluded; judged by their round's (the group's) quartile, they are not, and are clipped at the
+    window's radius. A liar alone in its round cannot widen its radius, and beyond GROUP_CAP times the window's
+    quartile (twice that) it is outlying and excluded all the same."""
+    origin = own = vec(0, 0)
+    grouped = SelfCenteredClip(RobustSpec(rule="self-centered-clip"), weight=0.5)
+    pooled = SelfCenteredClip(RobustSpec(rule="self-centered-clip"), weight=0.5)
+    for _ in range(AUTO_WARM):
+        for group, length in ((0, 3.0), (1, 1.0), (2, 1.0), (3, 1.0)):  # rounds 1 to 3 at 1, round 0 at 3
+            grouped.judge(own, {group: length}, origin, group=group)
+            pooled.judge(own, {group: length}, origin)
+    assert grouped.judge(own, {0: 3.0}, origin, group=0) == {0: pytest.approx(1 / 3)}  # the window's radius, 1
+    assert pooled.judge(own, {0: 3.0}, origin) == {0: 0.0}  # outlying every time: the honest sender is excluded
+    assert grouped.counts.outlying[0] == 0 and pooled.excluded(0)
+    # A liar alone in its round, just beyond the cap: its own quartile would let it pass, the cap does not.
+    far = OUTLYING_FACTOR * GROUP_CAP * 1.0 + 1.0
+    for _ in range(GROUP_WARM - 1):
+        grouped.judge(own, {9: far}, origin, group=4)  # clipped, not yet judged
+    assert grouped.counts.clipped[9] == GROUP_WARM - 1 and grouped.counts.outlying[9] == 0
+    assert grouped.judge(own, {9: far}, origin, group=4) == {9: pytest.approx(1 / far)}  # the window's radius
+    assert grouped.counts.outlying[9] == 1
+    for _ in range(EXCLUDED_SEEN):
+        grouped.judge(own, {9: far}, origin, group=4)
+    assert grouped.excluded(9)
 
 
 def test_a_push_sum_share_is_the_senders_mass_over_its_out_peers_and_itself():

@@ -793,7 +793,8 @@ class GossipDiLoCo(_DiLoCo):
         own = pending.x / pending.weight if pending.weight > 0 else pending.x
         start = self.padded(self.origin[self.fragment_slice(pending.fragment)].to(own.device))
         origin = torch.cat([torch.zeros_like(start), start])
-        return clip_push_sum_shares(self.clipper, own, received, origin)
+        # Judged by the round's distances: they fall from round to round (nodeagent.robust, "several scales").
+        return clip_push_sum_shares(self.clipper, own, received, origin, group=pending.round)
 
     def outer_step(self, fragment: int, mean: torch.Tensor) -> None:
         """The gossip's estimates of the means of the nodes' outer momenta and global parameters after their local
