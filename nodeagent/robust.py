@@ -218,11 +218,11 @@ class SelfCenteredClip:
         return AUTO_PULL / self.weight * (self.window.lower_quartile() if quartile is None else quartile)
 
     def scales(self, own: torch.Tensor, contributions: Mapping[int, torch.Tensor],
-               origin: torch.Tensor, group: int | None = None) -> dict[int, float]:
+               origin: torch.Tensor) -> dict[int, float]:
         """Each neighbour's clipping factor min(1, tau / ||x_j - own||): its contribution clipped around `own` is
         own + factor (x_j - own), which a mix can apply as weights without building it. `origin` is what `own` was
         at the start of the job, on every node alike (the auto radius's warm-up). The contributions' distances
-        enter the window first, so that one round's contributions are judged together; `group`: theirs, if any."""
+        enter the window first, so that one round's contributions are judged together."""
         if not contributions:
             return {}
         values = list(contributions.values())
@@ -232,11 +232,12 @@ class SelfCenteredClip:
             lengths = torch.linalg.vector_norm(torch.stack(values) - own, dim=1).tolist()
         if not all(map(math.isfinite, lengths)):  # a square overflowed float32: again in float64
             lengths = [distance(value, own) for value in values]
-        return self.judge(own, dict(zip(contributions, lengths, strict=True)), origin, group)
+        return self.judge(own, dict(zip(contributions, lengths, strict=True)), origin)
 
     def judge(self, own: torch.Tensor, lengths: Mapping[int, float], origin: torch.Tensor,
               group: int | None = None) -> dict[int, float]:
-        """`scales` from the contributions' distances ||x_j - own||, measured by the caller."""
+        """`scales` from the contributions' distances ||x_j - own||, measured by the caller; `group`: theirs, if any
+        (the module's text, "several scales")."""
         grouped = None if group is None else self.groups.setdefault(group, DistanceWindow())
         for length in lengths.values():
             self.window.add(length)
