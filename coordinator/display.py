@@ -347,7 +347,8 @@ def edges_json(status: pb.JobStatusReply, interval_steps: int = 1, now: float | 
              "bytes_received": r.edge.bytes_received, "failures": r.failures, "skips": r.skips,
              "staleness_steps": number(r.edge.staleness_steps), "staleness_s": number(r.staleness_s),
              "consensus_distance": number(r.edge.consensus_distance), "robust_clipped": r.edge.robust_clipped,
-             "robust_outlying": r.edge.robust_outlying, "outlying_share": number(outlying_share(r.edge))}
+             "robust_outlying": r.edge.robust_outlying, "robust_judged": r.edge.judged_contributions(),
+             "outlying_share": number(outlying_share(r.edge))}
             for r in rows
         ],
         "waits_on": waits_on(nodes, rows),

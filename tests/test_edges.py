@@ -135,7 +135,9 @@ def test_the_edges_command_prints_the_table_and_json(coordinator_stub, monkeypat
                                nodes=[pb.NodeProgress(rank=0, node_id="n0", step=10, elapsed_s=1.0, updated_unix=1.0,
                                                       edges=[pb.EdgeTraffic(peer="n1", last_message_age_s=30.0,
                                                                             staleness_steps=math.nan,
-                                                                            consensus_distance=0.5)])])
+                                                                            consensus_distance=0.5,
+                                                                            messages_received=4, robust_judged=2,
+                                                                            robust_outlying=1)])])
 
     class Stub:
         def JobStatus(self, request, timeout):
@@ -150,6 +152,8 @@ def test_the_edges_command_prints_the_table_and_json(coordinator_stub, monkeypat
     shown = json.loads(capsys.readouterr().out)
     assert shown["edges"][0]["trouble"] == "stalled" and shown["edges"][0]["staleness_steps"] is None
     assert shown["edges"][0]["consensus_distance"] == 0.5
+    # The share is of the contributions judged (2), not of the messages received (4).
+    assert shown["edges"][0]["robust_judged"] == 2 and shown["edges"][0]["outlying_share"] == 0.5
 
 
 def test_the_run_log_and_a_report_keep_the_edges_and_the_log_reads_older_logs(tmp_path):
