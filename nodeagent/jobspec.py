@@ -69,7 +69,8 @@ class RobustSpec(_Strict):
     radius: float | Literal["auto"] = Field(
         "auto", description="the clipping radius (L2) of the clip rules; auto: adapted from the recent "
         "distances the node (their lower quartile, over a neighbour's weight in the mix) or server (their median) has "
-        "seen")
+        "seen; a contribution beyond twice the lower quartile (DiLoCo over gossip: its push-sum round's, at most 4 "
+        "times the whole window's) counts as outlying")
     byzantine: int | None = Field(
         None, ge=0, description="f, the members assumed Byzantine: trimmed-mean drops f values at each end of every "
         "coordinate, krum scores against n - f - 2 neighbours; unset: floor((n - 1) / 4)")
