@@ -13,10 +13,9 @@ Robust mixing (`algorithm.robust: {rule: self-centered-clip}`, nodeagent.robust)
 around the node's own x before it is mixed, x_j <- x + min(1, tau / ||x_j - x||) (x_j - x), so a neighbour moves the
 node by at most weight_j * tau per mix: in synchronous rounds around x_t; asynchronously once, at the first mix
 after it arrived, around the x it is mixed into (the clipped copy is then mixed as it is until the next one replaces
-it; the copies that arrived since the last mix are judged together, and a copy replaced before any mix is not
-judged at all). A copy that could make x
-non-finite is refused whatever the rule: the asynchronous node keeps the neighbour's previous copy, the synchronous
-one mixes its own x_t in its place (the round still completes).
+it; the copies that arrived since the last mix are judged together, and a copy replaced before any mix is not judged
+at all). A copy that could make x non-finite is refused whatever the rule: the asynchronous node keeps the
+neighbour's previous copy, the synchronous one mixes its own x_t in its place (the round still completes).
 """
 
 from __future__ import annotations
