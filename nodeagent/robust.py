@@ -229,7 +229,7 @@ class SelfCenteredClip:
         if len(values) == 1:  # most calls: one per message, without a stack's copy
             lengths = [float(torch.dist(values[0], own))]
         else:  # one read back for all of them (a GPU synchronises once)
-            lengths = torch.linalg.vector_norm(torch.stack(values) - own, dim=1).tolist()
+            lengths = torch.linalg.vector_norm(torch.stack(values).sub_(own), dim=1).tolist()
         if not all(map(math.isfinite, lengths)):  # a square overflowed float32: again in float64
             lengths = [distance(value, own) for value in values]
         return self.judge(own, dict(zip(contributions, lengths, strict=True)), origin)
@@ -250,17 +250,22 @@ class SelfCenteredClip:
         radius = self.radius(own, origin, quartile)
         judged = scale is not None
         outlying_above = OUTLYING_FACTOR * scale if scale is not None else math.inf
-        counts = self.counts
+        seen, clipped, outlying_counts = self.counts.seen, self.counts.clipped, self.counts.outlying
         factors = {}
         for peer, length in lengths.items():
             outlying = length > outlying_above
             if judged:  # before, no contribution is outlying, and none may count towards a peer's record
-                self.recent.setdefault(peer, deque(maxlen=EXCLUDED_WINDOW)).append(outlying)
+                record = self.recent.get(peer)
+                if record is None:
+                    record = self.recent[peer] = deque(maxlen=EXCLUDED_WINDOW)
+                record.append(outlying)
             factor = 0.0 if self.excluded(peer) else 1.0 if length <= radius else radius / length
             factors[peer] = factor
-            counts.seen[peer] += 1
-            counts.clipped[peer] += factor < 1.0
-            counts.outlying[peer] += outlying
+            seen[peer] += 1
+            if factor < 1.0:
+                clipped[peer] += 1
+            if outlying:
+                outlying_counts[peer] += 1
         return factors
 
     def clip_all(self, own: torch.Tensor, contributions: Mapping[int, torch.Tensor],
@@ -289,7 +294,7 @@ def clip_push_sum_shares(clipper: SelfCenteredClip, own: torch.Tensor,
         # ||x / y - own|| = ||x - y own|| / y: one pass over the stacked shares, no estimate built.
         xs = torch.stack([x for _, x, _ in weighted])
         ys = torch.tensor([y for _, _, y in weighted], dtype=xs.dtype, device=xs.device)
-        norms = torch.linalg.vector_norm(torch.addr(xs, ys, own, alpha=-1), dim=1).tolist()
+        norms = torch.linalg.vector_norm(xs.addr_(ys, own, alpha=-1), dim=1).tolist()
         lengths = {sender: norm / y for (sender, _, y), norm in zip(weighted, norms, strict=True)}
         if not all(map(math.isfinite, lengths.values())):  # overflowed float32: again in float64
             lengths = {sender: distance(x / y, own) for sender, x, y in weighted}
