@@ -140,13 +140,9 @@ def safe_rows(rows: torch.Tensor) -> list[int]:
     return torch.nonzero(largest <= safe_magnitude(rows.dtype)).flatten().tolist()  # NaN compares false
 
 
-def lower_quartile(values: Sequence[float]) -> float:
-    """The 25th percentile of at least two values, as statistics.quantiles(values, n=4)[0] (its exclusive method),
-    without the other two quartiles."""
-    return _sorted_lower_quartile(sorted(values))
-
-
-def _sorted_lower_quartile(data: Sequence[float]) -> float:
+def sorted_lower_quartile(data: Sequence[float]) -> float:
+    """The 25th percentile of at least two sorted values, as statistics.quantiles(data, n=4)[0] (its exclusive
+    method), without the other two quartiles."""
     count = len(data)
     m = count + 1
     j = min(max(m // 4, 1), count - 1)
@@ -172,7 +168,7 @@ class DistanceWindow:
         bisect.insort(self.ordered, length)
 
     def lower_quartile(self) -> float:
-        return _sorted_lower_quartile(self.ordered)
+        return sorted_lower_quartile(self.ordered)
 
 
 def distance(a: torch.Tensor, b: torch.Tensor) -> float:

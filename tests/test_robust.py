@@ -24,6 +24,7 @@ from nodeagent.ps.rules import ASGDServer, SSGDServer
 from nodeagent.robust import (
     AUTO_PULL,
     AUTO_WARM,
+    AUTO_WINDOW,
     EXCLUDED_SEEN,
     EXCLUDED_SHARE,
     EXCLUDED_WINDOW,
@@ -31,13 +32,13 @@ from nodeagent.robust import (
     GROUP_WARM,
     NORM_CLIP_MULTIPLIER,
     OUTLYING_FACTOR,
+    DistanceWindow,
     NormClip,
     RobustAggregator,
     SelfCenteredClip,
     centered_clip,
     coordinate_median,
     krum,
-    lower_quartile,
     trimmed_mean,
     unsafe,
 )
@@ -56,12 +57,19 @@ def vec(*values: float) -> torch.Tensor:
 
 
 
-def test_the_auto_radius_quartile_is_statistics_lower_quartile():
+def test_the_auto_radius_quartile_is_statistics_lower_quartile_of_the_last_distances():
     generator = random.Random(7)
-    for _ in range(500):
-        window = [generator.choice([generator.random(), generator.expovariate(0.01), 1.0])
-                  for _ in range(generator.randint(2, 70))]
-        assert lower_quartile(window) == statistics.quantiles(window, n=4)[0], window
+    for _ in range(50):
+        window, distances = DistanceWindow(), []
+        for _ in range(generator.randint(2, 3 * AUTO_WINDOW)):
+            distance = generator.choice([generator.random(), generator.expovariate(0.01), 1.0])
+            window.add(distance)
+            distances.append(distance)
+            if len(distances) >= 2:
+                last = distances[-AUTO_WINDOW:]
+                assert window.lower_quartile() == statistics.quantiles(last, n=4)[0], last
+        assert len(window) == min(len(distances), AUTO_WINDOW)
+
 
 def test_a_contribution_beyond_the_radius_is_clipped_around_the_own_state_and_counted():
     clip = SelfCenteredClip(RobustSpec(rule="self-centered-clip", radius=1.0), weight=0.5)
