@@ -176,6 +176,15 @@ def distance(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(a - b, dtype=torch.float64))
 
 
+def row_lengths(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's norm, in float64: computed in the rows' dtype, and again in float64 only where a square
+    overflowed (a full float64 copy of the rows costs the server three times the norm)."""
+    lengths = torch.linalg.vector_norm(rows, dim=1)
+    if not bool(torch.isfinite(lengths).all()):
+        lengths = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64)
+    return lengths.double()
+
+
 class MixingCounts:
     """Per neighbour: contributions seen, clipped, outlying and refused (the algorithm's state a runtime exports)."""
 
@@ -223,11 +232,10 @@ class SelfCenteredClip:
             return {}
         values = list(contributions.values())
         if len(values) == 1:  # most calls: one per message, without a stack's copy
-            lengths = [float(torch.dist(values[0], own))]
+            length = float(torch.dist(values[0], own))
+            lengths = [length if math.isfinite(length) else distance(values[0], own)]
         else:  # one read back for all of them (a GPU synchronises once)
-            lengths = torch.linalg.vector_norm(torch.stack(values).sub_(own), dim=1).tolist()
-        if not all(map(math.isfinite, lengths)):  # a square overflowed float32: again in float64
-            lengths = [distance(value, own) for value in values]
+            lengths = row_lengths(torch.stack(values).sub_(own)).tolist()
         return self.judge(own, dict(zip(contributions, lengths, strict=True)), origin)
 
     def judge(self, own: torch.Tensor, lengths: Mapping[int, float], origin: torch.Tensor,
@@ -290,10 +298,8 @@ def clip_push_sum_shares(clipper: SelfCenteredClip, own: torch.Tensor,
         # ||x / y - own|| = ||x - y own|| / y: one pass over the stacked shares, no estimate built.
         xs = torch.stack([x for _, x, _ in weighted])
         ys = torch.tensor([y for _, _, y in weighted], dtype=xs.dtype, device=xs.device)
-        norms = torch.linalg.vector_norm(xs.addr_(ys, own, alpha=-1), dim=1).tolist()
+        norms = row_lengths(xs.addr_(ys, own, alpha=-1)).tolist()
         lengths = {sender: norm / y for (sender, _, y), norm in zip(weighted, norms, strict=True)}
-        if not all(map(math.isfinite, lengths.values())):  # overflowed float32: again in float64
-            lengths = {sender: distance(x / y, own) for sender, x, y in weighted}
     factors = clipper.judge(own, lengths, origin, group)
     shares = {}
     for sender, (x, y) in received.items():
@@ -342,15 +348,6 @@ def krum(updates: torch.Tensor, f: int) -> torch.Tensor:
     squared = torch.cdist(updates.double(), updates.double()).pow(2)
     scores = squared.sort(dim=1).values[:, 1 : neighbours + 1].sum(dim=1)  # column 0: the update itself
     return updates[int(scores.argmin())].clone()
-
-
-def row_lengths(rows: torch.Tensor) -> torch.Tensor:
-    """Each row's norm, in float64: computed in the rows' dtype, and again in float64 only where a square
-    overflowed (a full float64 copy of the rows costs the server three times the norm)."""
-    lengths = torch.linalg.vector_norm(rows, dim=1)
-    if not bool(torch.isfinite(lengths).all()):
-        lengths = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64)
-    return lengths.double()
 
 
 def centered_clip(updates: torch.Tensor, center: torch.Tensor, radius: float | None) -> torch.Tensor:
