@@ -88,6 +88,7 @@ aggregate: its centered-clip clips each update's norm (center 0) at the auto rad
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import statistics
 from collections import defaultdict, deque
@@ -326,17 +327,49 @@ def default_byzantine(n: int) -> int:
     return max(0, (n - 1) // 4)
 
 
+@functools.cache
+def sorting_network(n: int) -> tuple[tuple[int, int], ...]:
+    """Batcher's odd-even merge sort of `n` values as compare-exchanges (i, j), i < j: the smaller value to i. Built
+    for the next power of two, less the pairs that touch a position past n: those hold +inf, which no compare-exchange
+    moves, so the network sorts any n finite values."""
+    size = 1 << max(0, n - 1).bit_length()
+    pairs = []
+    span = 1
+    while span < size:
+        step = span
+        while step >= 1:
+            for start in range(step % span, size - step, 2 * step):
+                for offset in range(min(step, size - start - step)):
+                    low, high = start + offset, start + offset + step
+                    if low // (2 * span) == high // (2 * span) and high < n:
+                        pairs.append((low, high))
+            step //= 2
+        span *= 2
+    return tuple(pairs)
+
+
+def sorted_rows(updates: torch.Tensor) -> list[torch.Tensor]:
+    """The rows of `updates` (finite) sorted coordinate by coordinate: row k of the result holds each coordinate's k-th
+    smallest value. A sorting network of elementwise minima and maxima over whole rows: torch's sort along dim 0
+    sorts each column of n values separately, 6 times slower for 16 x 7,850 on a CPU (benchmarks/byzantine.py's
+    all-reduce). Leaving out the compare-exchanges that only order values within the kept middle saved a tenth of
+    that, and made the mean's order of summation differ from a sort's."""
+    rows = list(updates.unbind(0))
+    for low, high in sorting_network(len(rows)):
+        rows[low], rows[high] = torch.minimum(rows[low], rows[high]), torch.maximum(rows[low], rows[high])
+    return rows
+
+
 def trimmed_mean(updates: torch.Tensor, f: int) -> torch.Tensor:
     n = updates.shape[0]
     if 2 * f >= n:
         raise ValueError(f"trimmed-mean cannot drop {f} of {n} values at each end")
-    ordered = updates.sort(dim=0).values
-    return ordered[f : n - f].mean(dim=0)
+    return torch.stack(sorted_rows(updates)[f : n - f]).mean(dim=0)
 
 
 def coordinate_median(updates: torch.Tensor) -> torch.Tensor:
     n = updates.shape[0]
-    ordered = updates.sort(dim=0).values
+    ordered = sorted_rows(updates)
     if n % 2:
         return ordered[n // 2].clone()
     return (ordered[n // 2 - 1] + ordered[n // 2]) / 2

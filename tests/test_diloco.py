@@ -44,9 +44,12 @@ def collect(nodes, sends):
     (route,) = {send.route for send in sends}
     names = list(sends[0].message.tensors)
     stacked = {name: torch.stack([s.message.tensors[name] for s in sends]) for name in names}
-    tensors = stacked if route == Route.ALLGATHER else {name: t.mean(0) for name, t in stacked.items()}
+    gather = route == Route.ALLGATHER
+    tensors = stacked if gather else {name: t.mean(0) for name, t in stacked.items()}
+    members = tuple(node.context.rank for node in nodes) if gather else ()
     for node, send in zip(nodes, sends, strict=True):
-        node.receive(Message(Kind.DELTA, ALLREDUCE_RANK, node.context.rank, tensors, clock=send.message.clock))
+        node.receive(Message(Kind.DELTA, ALLREDUCE_RANK, node.context.rank, tensors, clock=send.message.clock,
+                             members=members))
 
 
 def run(nodes, batches, steps):
@@ -160,6 +163,35 @@ def test_int8_round_trip_is_within_half_a_step_of_each_chunks_scale(chunk):
     assert float(decoded.abs().max()) == pytest.approx(float(vector.abs().max()), rel=1e-6)  # absmax is exact
     assert torch.equal(lowprecision.decode(lowprecision.encode(torch.zeros(5), "int8", 0), "int8", 0, torch.float32),
                        torch.zeros(5))
+
+
+@pytest.mark.parametrize("precision", ["int8", "bf16"])
+def test_a_gathered_row_that_does_not_decode_or_is_not_finite_is_dropped_on_every_member_and_counted(precision):
+    """Four members over the all-gather; member 2's row is forged (a negative int8 scale, an infinite bf16 value):
+    every member takes the outer step with the mean of the other three rows, and counts one row refused, member 2's."""
+    options = {**SGD_INNER, "inner_steps": 1, "precision": precision, "outer_momentum": 0.0, "outer_lr": 1.0}
+    nodes = [make(rank, 4, nn.Linear(3, 2, bias=False), options) for rank in range(4)]
+    for node in nodes[1:]:
+        node.w.data.copy_(nodes[0].w)
+        node.global_w.copy_(nodes[0].global_w)
+    generator = torch.Generator().manual_seed(5)
+    sends = []
+    for node in nodes:
+        node.step(torch.randn(4, 3, generator=generator), torch.randint(0, 2, (4,), generator=generator))
+        sends.extend(node.sends())
+    forged = sends[2].message.tensors
+    if precision == "int8":
+        forged["scales"][0] = -1.0
+    else:
+        forged["delta"][1] = float("inf")
+    honest = torch.stack([nodes[0].decode(sends[rank].message.tensors) for rank in (0, 1, 3)]).mean(dim=0)
+    expected = nodes[0].global_w - honest
+    assert not torch.allclose(expected, nodes[0].global_w - honest * 3 / 4)  # the mean is over the three kept rows
+    collect(nodes, sends)
+    for node in nodes:
+        assert torch.allclose(node.global_w, expected, rtol=0, atol=1e-6)
+        assert node.mixing.refused[ALLREDUCE_RANK] == 1
+        assert dict(node.judged.refused) == ({} if node.context.rank == 2 else {2: 1})
 
 
 def test_float_precisions_travel_in_their_dtype_and_forged_values_are_refused():

@@ -2,6 +2,7 @@
 each rule's mathematics on small tensors, each attack's effect, the job option's validation, and small simulated jobs
 where a lying member ruins the plain rule and the robust rule holds."""
 
+import itertools
 import math
 import random
 import statistics
@@ -39,6 +40,7 @@ from nodeagent.robust import (
     centered_clip,
     coordinate_median,
     krum,
+    sorted_rows,
     trimmed_mean,
     unsafe,
 )
@@ -206,6 +208,15 @@ def test_trimmed_mean_and_median_ignore_one_outlier_coordinate_by_coordinate():
     assert torch.allclose(coordinate_median(updates[:4]), vec(1.0, 2.0))  # even count: mean of the middle two
     with pytest.raises(ValueError, match="cannot drop"):
         trimmed_mean(updates, 3)
+
+
+def test_the_sorting_network_sorts_every_binary_input_of_up_to_13_rows_and_ties_and_signs_as_torch_sort():
+    # The 0-1 principle: a comparator network that sorts every 0/1 input sorts every input.
+    for n in range(1, 14):
+        inputs = torch.tensor(list(itertools.product([0.0, 1.0], repeat=n))).t()
+        assert torch.equal(torch.stack(sorted_rows(inputs)), inputs.sort(dim=0).values), n
+    updates = torch.tensor([[3.0, -0.5, 2.0], [-1e30, -0.5, 2.0], [7.0, 4.0, -2.0], [3.0, 1e30, 0.0], [0.0, 0.0, 0.0]])
+    assert torch.equal(torch.stack(sorted_rows(updates)), updates.sort(dim=0).values)
 
 
 def test_krum_picks_the_update_closest_to_its_neighbours():

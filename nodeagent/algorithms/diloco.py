@@ -488,11 +488,11 @@ class DiLoCo(_DiLoCo):
                 pending.mean = torch.zeros_like(pending.mean)
         else:
             rows, members = self._gathered_rows(message)
-            if not rows:
+            if not members:
                 pending.mean = torch.zeros(self.fragment_length, dtype=self.w.dtype, device=self.w.device)
             elif self.aggregator is not None:
-                pending.mean = aggregate_counted(self.aggregator, torch.stack(rows), self.mixing, ALLREDUCE_RANK,
-                                                 self.judged, self.context.rank, members)
+                pending.mean = aggregate_counted(self.aggregator, rows, self.mixing, ALLREDUCE_RANK, self.judged,
+                                                 self.context.rank, members)
             else:
                 total = torch.zeros(self.fragment_length, dtype=self.w.dtype, device=self.w.device)
                 for vector in rows:  # in rank order: the same float sum on every node
@@ -500,27 +500,20 @@ class DiLoCo(_DiLoCo):
                 pending.mean = total / len(rows)
         self._apply_due()
 
-    def _gathered_rows(self, message: Message) -> tuple[list[torch.Tensor], tuple[int, ...]]:
+    def _gathered_rows(self, message: Message) -> tuple[torch.Tensor, tuple[int, ...]]:
         """Every member's pseudo-gradient of an all-gather (one row per member of the quorum, in rank order, decoded
         when lossy), without the rows that do not decode (a liar's negative int8 scales) or could overflow
         (nodeagent.robust.unsafe), and the job ranks of the members whose rows are kept. The rows dropped are dropped
         alike on every member, counted as refused under the all-reduce and under the member that sent each."""
         members = message.members  # the quorum's: a lost rank is not in it
-        decoded, decoded_rows = [], []
-        for row in range(len(members)):
-            try:
-                decoded.append(self.decode({name: t[row] for name, t in message.tensors.items()}))
-            except WireError:
-                continue
-            decoded_rows.append(row)
-        rows: list[torch.Tensor] = []
-        kept: list[int] = []
-        if decoded:
-            stacked = torch.stack(decoded).to(self.w.device, self.w.dtype)
-            for index in safe_rows(stacked):
-                rows.append(stacked[index])
-                kept.append(decoded_rows[index])
+        options = self.options
+        decoded, decoded_rows = lowprecision.decode_rows(dict(message.tensors), options.precision,
+                                                         options.int8_chunk, self.w.dtype)
+        decoded = decoded.to(self.w.device)
+        safe = safe_rows(decoded) if decoded_rows else []
+        kept = [decoded_rows[index] for index in safe]
         count_gathered(self.mixing, ALLREDUCE_RANK, self.judged, self.context.rank, members, kept)
+        rows = decoded if len(safe) == len(decoded_rows) else decoded[safe]
         return rows, tuple(members[row] for row in kept)
 
     def group_state(self) -> Message:

@@ -72,3 +72,25 @@ def decode(tensors: dict[str, torch.Tensor], precision: Precision, chunk: int, d
     padded = torch.zeros(scales.numel() * size, dtype=torch.float32, device=codes.device)
     padded[:length] = codes.to(torch.float32)
     return (padded.view(scales.numel(), size) * scales[:, None]).reshape(-1)[:length].to(dtype)
+
+
+def decode_rows(tensors: dict[str, torch.Tensor], precision: Precision, chunk: int,
+                dtype: torch.dtype) -> tuple[torch.Tensor, list[int]]:
+    """The vectors of an all-gather (each tensor stacked over its rows, one row per member) as the rows of one tensor
+    of `dtype`, and the indices of the rows kept: an int8 row whose scales `decode` refuses is left out; a float row
+    is kept as it came, non-finite values and all, for the caller's own check of every row (one pass over the stack,
+    not one per row)."""
+    if precision != "int8":
+        delta = tensors["delta"]
+        return delta.to(dtype), list(range(delta.shape[0]))
+    decoded, kept = [], []
+    for row in range(tensors["codes"].shape[0]):
+        try:
+            decoded.append(decode({name: t[row] for name, t in tensors.items()}, precision, chunk, dtype))
+        except WireError:
+            continue
+        kept.append(row)
+    if not decoded:
+        return torch.empty(0, tensors["codes"].shape[1], dtype=dtype, device=tensors["codes"].device), kept
+    return torch.stack(decoded), kept
+
