@@ -285,31 +285,27 @@ class SelfCenteredClip:
         return self.clip_all(own, {peer: value}, origin)[peer]
 
 
-def clip_push_sum_shares(clipper: SelfCenteredClip, own: torch.Tensor,
-                         received: Mapping[int, tuple[torch.Tensor, float]], origin: torch.Tensor,
-                         group: int | None = None) -> dict[int, tuple[torch.Tensor, float]]:
-    """A push-sum round's shares (x, y) with their estimates x / y clipped around `own`, the node's estimate (SGP's
-    and DiLoCo over gossip's robust push-sum, derived in nodeagent.algorithms.sgp): a share clipped by the factor f is
-    y (own + f (x / y - own)) = f x + (1 - f) y own, built without the clipped estimate (two passes over it instead of
-    four); one within the radius is the share as it came, one of weight 0 carries nothing. `group`: the shares' (see
-    SelfCenteredClip.judge), if any."""
-    weighted = [(sender, x, y) for sender, (x, y) in received.items() if y > 0]
-    lengths: dict[int, float] = {}
-    if weighted:
-        # ||x / y - own|| = ||x - y own|| / y: one pass over the stacked shares, no estimate built.
-        xs = torch.stack([x for _, x, _ in weighted])
-        ys = torch.tensor([y for _, _, y in weighted], dtype=xs.dtype, device=xs.device)
-        norms = row_lengths(xs.addr_(ys, own, alpha=-1)).tolist()
-        lengths = {sender: norm / y for (sender, _, y), norm in zip(weighted, norms, strict=True)}
+def clipped_push_sum(clipper: SelfCenteredClip, own: torch.Tensor, received: Mapping[int, tuple[torch.Tensor, float]],
+                     origin: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, float]:
+    """The sum of a push-sum round's shares (x, y), each with its estimate x / y clipped around `own`, the node's
+    estimate (SGP's and DiLoCo over gossip's robust push-sum, derived in nodeagent.algorithms.sgp), and the sum of
+    their weights. A share clipped by the factor f is y (own + f (x / y - own)) = f (x - y own) + y own, so the round
+    sums to F (X - y own) + (sum y) own: one matrix-vector product over the stacked differences, which the distances
+    are measured on too, where clipping each share and adding it read every share three more times. A share of
+    weight 0 carries nothing. `group`: the shares' (see SelfCenteredClip.judge), if any."""
+    weighted = [(sender, x, y) for sender, (x, y) in sorted(received.items()) if y > 0]
+    weight = sum(y for _, (_, y) in sorted(received.items()))
+    if not weighted:
+        clipper.judge(own, {}, origin, group)
+        return torch.zeros_like(own), weight
+    xs = torch.stack([x for _, x, _ in weighted])
+    ys = torch.tensor([y for _, _, y in weighted], dtype=xs.dtype, device=xs.device)
+    differences = xs.addr_(ys, own, alpha=-1)  # x - y own, whose norm over y is ||x / y - own||
+    norms = row_lengths(differences).tolist()
+    lengths = {sender: norm / y for (sender, _, y), norm in zip(weighted, norms, strict=True)}
     factors = clipper.judge(own, lengths, origin, group)
-    shares = {}
-    for sender, (x, y) in received.items():
-        factor = factors.get(sender)
-        if factor is None:
-            shares[sender] = (torch.zeros_like(x), y)
-        else:
-            shares[sender] = (x if factor == 1.0 else torch.add(x * factor, own, alpha=(1 - factor) * y), y)
-    return shares
+    scale = torch.tensor([factors[sender] for sender, _, _ in weighted], dtype=xs.dtype, device=xs.device)
+    return (scale @ differences).add_(own, alpha=float(ys.sum())), weight
 
 
 def refuse_unsafe(counts: MixingCounts, peer: int, value: torch.Tensor) -> bool:

@@ -14,7 +14,7 @@ from coordinator.topology import out_peers as schedule_out_peers
 from coordinator.topology import schedule_period
 from nodeagent.algorithms.allreduce import AllReduceSGD
 from nodeagent.algorithms.base import ALLREDUCE_RANK, FlatParameters, Neighbor, NodeContext, Route
-from nodeagent.algorithms.diloco import DiLoCo, GossipDiLoCo, ServerDiLoCo
+from nodeagent.algorithms.diloco import FINAL_ROUNDS_FACTOR, DiLoCo, GossipDiLoCo, ServerDiLoCo
 from nodeagent.jobspec import AlgorithmSpec, JobSpecError, parse_job_spec
 from nodeagent.ps import OuterServer, ProtocolError
 from nodeagent.ps.messages import ServerPush
@@ -680,7 +680,8 @@ def test_simulated_gossip_diloco_trains_without_a_collective(fashion_mnist_dir):
     one_push = MODEL_BYTES // 4 + 4 + MODEL_BYTES  # the int8 pseudo-gradient, and the global parameters in float32
     for progress in result.progress:
         assert progress.step == 40 and progress.test_accuracy > 0.6
-        assert progress.bytes_sent == 4 * 2 * one_push  # 4 syncs, 2 rounds of one push each (log2 4)
+        # 4 syncs, 2 rounds of one push each (log2 4), the last FINAL_ROUNDS_FACTOR times as many
+        assert progress.bytes_sent == (3 * 2 + FINAL_ROUNDS_FACTOR * 2) * one_push
         assert "allreduce" not in {edge.peer for edge in progress.edges}
     final = [sim.node.algorithm.w for sim in result.mesh.nodes]
     assert all(torch.allclose(final[0], w, rtol=0, atol=1e-3) for w in final[1:])
@@ -694,6 +695,28 @@ def test_simulated_diloco_through_the_server_counts_int8_pushes_and_full_pulls(f
         assert progress.bytes_received == 4 * MODEL_BYTES  # the new global parameters, in float32
     final = [sim.node.algorithm.w for sim in result.mesh.nodes]
     assert all(torch.equal(final[0], w) for w in final[1:])
+
+
+def test_the_last_gossip_sync_takes_more_rounds_and_the_replicas_end_nearer_agreement(fashion_mnist_dir):
+    """A ring of 6, where push-sum is not exact: 3 rounds a sync (ceil(log2 6)). Its last sync, which no sync
+    follows, takes FINAL_ROUNDS_FACTOR times as many unless told otherwise, and the replicas' final models are
+    nearer each other; the syncs before it are the same (the same pushes, the same bytes)."""
+    def spread(result) -> float:
+        final = torch.stack([sim.node.algorithm.w.detach() for sim in result.mesh.nodes])
+        return float((final - final.mean(dim=0)).norm(dim=1).max())
+
+    options = {"inner_steps": 10, "outer_lr": 1.0}
+    default = simulated(fashion_mnist_dir, "diloco-gossip", options, topology="ring", nodes=6)
+    one_round = simulated(fashion_mnist_dir, "diloco-gossip", {**options, "final_gossip_rounds": 3}, topology="ring",
+                          nodes=6)
+    push = MODEL_BYTES * 2  # the outer momentum and the global parameters, float32, to each of 2 neighbours
+    assert [p.bytes_sent for p in one_round.progress] == [4 * 3 * 2 * push] * 6
+    assert [p.bytes_sent for p in default.progress] == [(3 + FINAL_ROUNDS_FACTOR) * 3 * 2 * push] * 6
+    assert spread(default) < spread(one_round) / 5
+    with pytest.raises(JobSpecError, match="final_gossip_rounds: applies only with fragments 1"):
+        validate_job(parse_job_spec({"name": "d", "nodes": 6, "steps": 40, "topology": {"kind": "ring"},
+                                     "algorithm": {"name": "diloco-gossip", "options": {
+                                         "inner_steps": 10, "fragments": 2, "final_gossip_rounds": 9}}}))
 
 
 @pytest.mark.parametrize(("nodes", "inner_steps"), [(8, 1), (8, 2), (16, 2)])

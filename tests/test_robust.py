@@ -396,10 +396,11 @@ def test_a_clipped_push_sum_share_is_its_weight_times_the_clipped_model():
     node = SGP(torch.nn.Linear(3, 1, bias=False), context)
     own = node.x / node.weight
     far, near = own + torch.tensor([6.0, 0.0, 8.0]), own + torch.tensor([0.3, 0.0, 0.4])  # 10 and 0.5 away
-    shares = node._clipped({1: (far * 0.25, 0.25), 2: (near * 0.5, 0.5), 3: (far, 0.0)})
-    assert torch.allclose(shares[1][0], 0.25 * (own + torch.tensor([0.6, 0.0, 0.8])))  # clipped to radius 1
-    assert torch.equal(shares[2][0], near * 0.5)  # within the radius: the share as it came
-    assert torch.equal(shares[3][0], torch.zeros(3)) and shares[3][1] == 0.0  # weight 0 carries nothing
+    x_sum, weight_sum = node._clipped({1: (far * 0.25, 0.25), 2: (near * 0.5, 0.5), 3: (far, 0.0)})
+    clipped = 0.25 * (own + torch.tensor([0.6, 0.0, 0.8]))  # clipped to radius 1
+    assert torch.allclose(x_sum, clipped + near * 0.5)  # within the radius: the share as it came; weight 0: nothing
+    assert weight_sum == 0.75
+    assert node.mixing.clipped == {1: 1} and node.mixing.seen == {1: 1, 2: 1}
 
 
 def test_asynchronous_dsgd_judges_a_copy_at_its_first_mix_around_the_state_it_is_mixed_into():

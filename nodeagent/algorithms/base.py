@@ -70,6 +70,7 @@ class NodeContext:
     # t mod period); empty for static topologies. Every peer in it is also in `neighbors`.
     peer_schedule: tuple[tuple[int, ...], ...] = ()
     precision: Precision = "fp32"  # the job's training.precision: the arithmetic of forward and backward
+    steps: int = 0  # the job's steps (0: not known): its last step is `steps`
 
     @property
     def neighbor_ranks(self) -> tuple[int, ...]:

@@ -154,7 +154,7 @@ from nodeagent.ps.worker import PSWorker, check_robust_workers
 from nodeagent.robust import (
     RobustAggregator,
     aggregate_counted,
-    clip_push_sum_shares,
+    clipped_push_sum,
     count_gathered,
     safe_rows,
     unsafe,
@@ -652,6 +652,20 @@ class GossipDiLoCoOptions(DiLoCoOptions):
         None, ge=1, description="push-sum rounds per sync, at most inner_steps / fragments; unset: one period of a "
         "time-varying graph's schedule (log2 n on npeer-exponential: the exact average when n is a power of two), "
         "ceil(log2 n) on a static graph (at most inner_steps / fragments)")
+    final_gossip_rounds: int | None = Field(
+        None, ge=1, description="push-sum rounds of the job's last sync, which no sync follows, so that the replicas "
+        "end in agreement; unset: 3 times a sync's rounds with fragments 1, a sync's rounds with fragments (the last "
+        "sync carries only the last fragment: set it only with fragments 1)")
+
+
+FINAL_ROUNDS_FACTOR = 3  # the last sync's rounds, unset: this times a sync's (GossipDiLoCo's text)
+
+
+def final_rounds(options: GossipDiLoCoOptions, rounds: int) -> int:
+    """The push-sum rounds of the job's last sync, `rounds` those of any other."""
+    if options.fragments != 1:
+        return rounds
+    return options.final_gossip_rounds or FINAL_ROUNDS_FACTOR * rounds
 
 
 def default_rounds(options: GossipDiLoCoOptions, nodes: int, period: int) -> int:
@@ -677,7 +691,12 @@ class GossipDiLoCo(_DiLoCo):
     must be at most inner_steps / fragments: set, or a time-varying graph's period, it is refused above that. More
     rounds bring each node nearer the average where the default does not make it exact: on a ring of 6 nodes with
     the class-window split, 500 syncs of H = 10, 3 rounds (the default) ended 1.95 points below DiLoCo over the
-    all-reduce, 4 rounds 1.15, 5 rounds 0.70, each round one more push of the model per node (docs/results.md)."""
+    all-reduce, 4 rounds 1.15, 5 rounds 0.70, each round one more push of the model per node, though the mean of
+    the replicas' models was 0.60 below with 3: what they lacked at the end was agreement (docs/results.md). So the
+    job's last sync, which no sync follows and whose rounds are therefore not bounded by inner_steps / fragments,
+    takes `final_gossip_rounds` (unset: 3 times a sync's rounds, FINAL_ROUNDS_FACTOR, with fragments 1): its
+    disagreement contracts by lambda^(G_final) instead of lambda^G, once, at the cost of G_final - G more pushes of
+    the model per node. With fragments, the last sync carries only the last fragment, so it keeps a sync's rounds."""
 
     name = "diloco-gossip"
     family = Family.PEER
@@ -690,6 +709,7 @@ class GossipDiLoCo(_DiLoCo):
         super().__init__(model, context, loss_fn)
         self.rounds = self.options.gossip_rounds or default_rounds(self.options, context.world_size,
                                                                    len(context.peer_schedule))
+        self.final_rounds = final_rounds(self.options, self.rounds)
         self.residual = None  # a push's rounding stays in the sender's numerator: nothing is carried to later syncs
         # Shares of syncs this node has not started yet: clock -> sender -> (decoded share, weight).
         self.early: dict[int, dict[int, tuple[torch.Tensor, float]]] = defaultdict(dict)
@@ -720,11 +740,18 @@ class GossipDiLoCo(_DiLoCo):
             raise JobSpecError(f"algorithm.options.gossip_rounds{given}: at most inner_steps / fragments ({gap}): a "
                                "sync's rounds are numbered by the steps up to the next sync; set fewer rounds or "
                                "more inner steps")
+        if options.final_gossip_rounds is not None and options.fragments != 1:
+            raise JobSpecError("algorithm.options.final_gossip_rounds: applies only with fragments 1 (the job's last "
+                               "sync carries the last fragment alone)")
 
     # -- push-sum ------------------------------------------------------------------------------------------------
 
     def _iteration(self, pending: PendingSync) -> int:
         return self.sync_index(pending.sent_at, pending.fragment) * self.rounds + pending.round
+
+    def _rounds_of(self, pending: PendingSync) -> int:
+        """The push-sum rounds of `pending`: more for the job's last sync (the class's text)."""
+        return self.final_rounds if pending.apply_at == self.context.steps else self.rounds
 
     def _sync_sends(self, pending: PendingSync, value: torch.Tensor) -> list[Send]:
         part = self.fragment_slice(pending.fragment)
@@ -732,7 +759,7 @@ class GossipDiLoCo(_DiLoCo):
         pending.x, pending.weight = torch.cat([self.padded(momentum), self.padded(theta)]), 1.0
         pending.shares = defaultdict(dict)
         for clock in sorted(self.early):
-            if clock < pending.sent_at + self.rounds:  # this sync's, or repeated deliveries of one absorbed
+            if clock < pending.sent_at + self._rounds_of(pending):  # this sync's, or repeated deliveries of one
                 shares = self.early.pop(clock)
                 if clock >= pending.sent_at:
                     pending.shares[clock] = shares
@@ -766,28 +793,32 @@ class GossipDiLoCo(_DiLoCo):
             if len(received) < len(self.context.out_peers(self._iteration(pending))):
                 return
             if self.clipper is not None:
-                received = self._clipped(pending, received)
-            for sender in sorted(received):  # in sender order: the float sums do not depend on timing
-                x_share, weight_share = received[sender]
-                pending.x.add_(x_share)
-                pending.weight += weight_share
+                x_sum, weight_sum = self._clipped(pending, received)
+                pending.x.add_(x_sum)
+                pending.weight += weight_sum
+            else:
+                for sender in sorted(received):  # in sender order: the float sums do not depend on timing
+                    x_share, weight_share = received[sender]
+                    pending.x.add_(x_share)
+                    pending.weight += weight_share
             pending.shares.pop(clock, None)
             pending.round += 1
-            if pending.round < self.rounds:
+            if pending.round < self._rounds_of(pending):
                 self._outbox.extend(self._round_sends(pending))
             else:
                 pending.mean = pending.x / pending.weight  # the estimates of the outer momentum's mean, then theta's
                 self._apply_due()
 
     def _clipped(self, pending: PendingSync,
-                 received: Mapping[int, tuple[torch.Tensor, float]]) -> dict[int, tuple[torch.Tensor, float]]:
-        """The round's shares with their estimates of (u, theta) clipped around this node's (the module's text)."""
+                 received: Mapping[int, tuple[torch.Tensor, float]]) -> tuple[torch.Tensor, float]:
+        """The sum of the round's shares with their estimates of (u, theta) clipped around this node's, and of their
+        weights (the module's text)."""
         assert self.clipper is not None and self.origin is not None and pending.x is not None
         own = pending.x / pending.weight if pending.weight > 0 else pending.x
         start = self.padded(self.origin[self.fragment_slice(pending.fragment)].to(own.device))
         origin = torch.cat([torch.zeros_like(start), start])
         # Judged by the round's distances: they fall from round to round (nodeagent.robust, "several scales").
-        return clip_push_sum_shares(self.clipper, own, received, origin, group=pending.round)
+        return clipped_push_sum(self.clipper, own, received, origin, group=pending.round)
 
     def outer_step(self, fragment: int, mean: torch.Tensor) -> None:
         """The gossip's estimates of the means of the nodes' outer momenta and global parameters after their local
@@ -815,7 +846,7 @@ class GossipDiLoCo(_DiLoCo):
             vector, weight = torch.zeros_like(vector), 0.0  # received, with no mass: the round completes
         share = (vector, weight)
         pending = self.pending
-        if pending is not None and pending.sent_at <= message.clock < pending.sent_at + self.rounds:
+        if pending is not None and pending.sent_at <= message.clock < pending.sent_at + self._rounds_of(pending):
             if message.clock < pending.sent_at + pending.round or pending.mean is not None:
                 return  # a repeated delivery of a retried push of a round absorbed already
             pending.shares[message.clock][message.sender] = share

@@ -214,6 +214,7 @@ class JobData:
             seed=spec.seed,
             peer_schedule=peer_schedule,
             precision=spec.training.precision,
+            steps=spec.steps,
         )
         algorithm = build_algorithm(copy_model(self.initial, self.device), context, self.loss_fn)
         shard = self.shards[rank]
