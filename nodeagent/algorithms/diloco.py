@@ -817,8 +817,11 @@ class GossipDiLoCo(_DiLoCo):
         own = pending.x / pending.weight if pending.weight > 0 else pending.x
         start = self.padded(self.origin[self.fragment_slice(pending.fragment)].to(own.device))
         origin = torch.cat([torch.zeros_like(start), start])
-        # Judged by the round's distances: they fall from round to round (nodeagent.robust, "several scales").
-        return clipped_push_sum(self.clipper, own, received, origin, group=pending.round)
+        # Judged by the round's distances: they fall from round to round (nodeagent.robust, "several scales"). The
+        # last sync's extra rounds come once a job, too few for a group of their own: they are judged by the last
+        # round of a sync, whose distances are the nearest to theirs.
+        group = min(pending.round, self.rounds - 1)
+        return clipped_push_sum(self.clipper, own, received, origin, group=group)
 
     def outer_step(self, fragment: int, mean: torch.Tensor) -> None:
         """The gossip's estimates of the means of the nodes' outer momenta and global parameters after their local
