@@ -278,7 +278,7 @@ class SelfCenteredClip:
         """Each neighbour's contribution clipped around `own`, own + factor (x_j - own) (a contribution within the
         radius is returned as it is, not copied)."""
         factors = self.scales(own, contributions, origin)
-        return {peer: value if factors[peer] == 1.0 else torch.sub(value, own).mul_(factors[peer]).add_(own)
+        return {peer: value if factors[peer] == 1.0 else torch.lerp(own, value, factors[peer])
                 for peer, value in contributions.items()}
 
     def clip(self, own: torch.Tensor, peer: int, value: torch.Tensor, origin: torch.Tensor) -> torch.Tensor:
