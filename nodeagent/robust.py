@@ -293,8 +293,9 @@ def clipped_push_sum(clipper: SelfCenteredClip, own: torch.Tensor, received: Map
     sums to F (X - y own) + (sum y) own: one matrix-vector product over the stacked differences, which the distances
     are measured on too, where clipping each share and adding it read every share three more times. A share of
     weight 0 carries nothing. `group`: the shares' (see SelfCenteredClip.judge), if any."""
-    weighted = [(sender, x, y) for sender, (x, y) in sorted(received.items()) if y > 0]
-    weight = sum(y for _, (_, y) in sorted(received.items()))
+    ordered = sorted(received.items())  # in sender order: the float sums do not depend on timing
+    weighted = [(sender, x, y) for sender, (x, y) in ordered if y > 0]
+    weight = sum(y for _, (_, y) in ordered)
     if not weighted:
         clipper.judge(own, {}, origin, group)
         return torch.zeros_like(own), weight
