@@ -25,7 +25,11 @@ with half the window a liar's, tau followed the liar, and a constant 1000 dragge
 4-node ring, async DSGD, logistic: 0.64 honest accuracy with the median, 0.80 with the quartile, 0.80 without an
 attack). Until AUTO_WARM distances are seen, tau is twice the node's own distance from the shared initial model,
 ||x_i - x_0||: every honest node starts from x_0, so two of them are about that far apart, and no first
-contribution, a liar's included, passes unclipped.
+contribution, a liar's included, passes unclipped. It is capped by AUTO_PULL / w times the shortest distance seen
+yet: the drift grows as a liar pulls the node, and the tau it gives grew with it. A zeros liar on a 4-node ring,
+with copies 2 steps stale, pulled its neighbours' norms from 1.85 to 0.6 before the window was warm, within twice
+their honest distances from then on: never outlying, never excluded (async DSGD, simulator, 0.1 s latency: honest
+52 to 60%; 81 to 83% with the cap, as without an attack).
 
 Distances of several scales (groups). The rounds of one push-sum average are not alike: DiLoCo over gossip on the
 one-peer exponential graph of 16 compares, in round r, two averages of 2^r nodes each, and the honest distances
@@ -220,7 +224,8 @@ class SelfCenteredClip:
         if self.fixed_radius is not None:
             return self.fixed_radius
         if len(self.window) < AUTO_WARM:
-            return 2 * distance(own, origin)
+            warm = 2 * distance(own, origin)
+            return min(warm, AUTO_PULL / self.weight * self.window.ordered[0]) if self.window.ordered else warm
         return AUTO_PULL / self.weight * (self.window.lower_quartile() if quartile is None else quartile)
 
     def scales(self, own: torch.Tensor, contributions: Mapping[int, torch.Tensor],
