@@ -455,6 +455,48 @@ def test_asynchronous_dsgd_judges_a_copy_at_its_first_mix_around_the_state_it_is
     assert node.robust_judged(1) == 1
 
 
+@pytest.mark.parametrize("name", ["dsgd", "sgp"])
+def test_a_node_that_joins_starts_from_its_neighbours_median_under_a_robust_rule_and_refuses_an_overflowing_model(
+        name):
+    """Joining (or rejoining) mixes the neighbours' models too: their mean let one liar of three place the new node
+    anywhere (here a million times away); the median does not. A model that could overflow is refused and counted,
+    rule or no rule."""
+    honest = [vec(1.0, 2.0, 3.0), vec(1.2, 2.2, 2.8)]
+
+    def joined(robust: RobustSpec | None, liar: torch.Tensor) -> DSGD | SGP:
+        spec = AlgorithmSpec(name=name, lr=0.05, robust=robust)
+        context = NodeContext(rank=0, world_size=4, neighbors=tuple(Neighbor(rank, weight=0.25) for rank in (1, 2, 3)),
+                              spec=spec, self_weight=0.25)
+        node = (DSGD if name == "dsgd" else SGP)(torch.nn.Linear(3, 1, bias=False), context)
+        states = {rank: Message(Kind.PARAMS, rank, 0, {"weight": model.reshape(1, 3)}, clock=5)
+                  for rank, model in zip((1, 2, 3), [*honest, liar], strict=True)}
+        node.join(states, at_step=5)
+        return node
+
+    scaled = honest[0] * 1e6
+    plain = joined(None, scaled)
+    assert float(plain.w.abs().max()) > 1e5  # the mean
+    robust = joined(RobustSpec(rule="self-centered-clip"), scaled)
+    assert torch.allclose(robust.w, vec(1.2, 2.2, 3.0))  # each coordinate's middle value
+    for rule in (None, RobustSpec(rule="self-centered-clip")):
+        node = joined(rule, vec(3e38, 0.0, 0.0))
+        assert node.mixing.refused == {3: 1}
+        assert torch.allclose(node.w, (honest[0] + honest[1]) / 2)  # the two left: mean and median alike
+
+
+def test_a_synchronous_dsgd_node_that_rejoins_refuses_an_overflowing_model_and_mixes_its_own_in_its_place():
+    spec = AlgorithmSpec(name="dsgd", mode="sync", lr=0.05, robust=RobustSpec(rule="self-centered-clip"))
+    context = NodeContext(rank=0, world_size=4, neighbors=tuple(Neighbor(rank, weight=0.25) for rank in (1, 2, 3)),
+                          spec=spec, self_weight=0.25)
+    node = DSGD(torch.nn.Linear(3, 1, bias=False), context)
+    models = {1: vec(1.0, 2.0, 3.0), 2: vec(1.2, 2.2, 2.8), 3: vec(3e38, 0.0, 0.0)}
+    node.rejoin({rank: Message(Kind.PARAMS, rank, 0, {"weight": model.reshape(1, 3)}, clock=7)
+                 for rank, model in models.items()})
+    assert node.clock == 7 and node.mixing.refused == {3: 1}
+    assert torch.allclose(node.w, vec(1.1, 2.1, 2.9))
+    assert torch.equal(node.round_copies[7][3], node.w)  # the round completes without the refused model
+
+
 def test_a_finite_message_that_would_overflow_is_refused_and_the_honest_models_stay_finite(fashion_mnist_dir):
     # Every parameter at 3e38: finite, so it passes the wire's check, but any forward pass through it overflows.
     liar = [{"ranks": [3], "attack": "constant", "strength": 3e38}]

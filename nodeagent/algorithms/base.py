@@ -42,7 +42,7 @@ from torch import nn
 
 from nodeagent.jobspec import AlgorithmSpec, JobSpec, JobSpecError, Mode, Precision, format_validation_error
 from nodeagent.ps.messages import ServerAnswer, ServerRequest
-from nodeagent.robust import MixingCounts, SelfCenteredClip, refuse_unsafe
+from nodeagent.robust import MixingCounts, SelfCenteredClip, coordinate_median, refuse_unsafe
 from nodeagent.wire.errors import Reason, WireError
 from nodeagent.wire.message import Kind, Message, TensorSpec, all_finite
 
@@ -500,12 +500,28 @@ class Algorithm(ABC):
         initial model when it pulled nothing."""
         if not self.changes_topology:
             raise NotImplementedError(f"{self.name} cannot join a running job")
-        if states:
+        start = self.neighbors_start(states)
+        if start is not None:
             with torch.no_grad():
-                self.w.copy_(torch.stack([self.params.flatten(s.tensors) for s in states.values()]).mean(dim=0))
+                self.w.copy_(start)
         self.clock = max((s.clock for s in states.values()), default=at_step)
         self._momentum_buffer = None
         self.republish()
+
+    def neighbors_start(self, states: Mapping[int, Message]) -> torch.Tensor | None:
+        """Where a node that joins or rejoins starts from its neighbours' models (`Kind.PARAMS` states): their mean,
+        or under a robust rule their coordinate-wise median, which one liar among three or more cannot move (among
+        two it is the mean: the clipped mixes after it bound what the liar moved). A model that could make this
+        node's state non-finite is refused, counted, and left out, rule or no rule. None when no model is left."""
+        models = []
+        for rank, state in states.items():
+            model = self.params.flatten(state.tensors)
+            if not self.refused(rank, model):
+                models.append(model)
+        if not models:
+            return None
+        stacked = torch.stack(models)
+        return coordinate_median(stacked) if self.clipper is not None else stacked.mean(dim=0)
 
     def expect_neighbors(self, ranks: tuple[int, ...]) -> None:
         """A topology change is coming: accept messages from `ranks` too (the neighbours of the new topology, which

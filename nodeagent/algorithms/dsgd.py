@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from nodeagent.algorithms.base import Algorithm, NodeContext, Route, Send, Snapshot
+from nodeagent.robust import unsafe
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
 # Synchronous mode: a neighbour runs at most one round ahead of this node (it completes a round only with this
@@ -169,12 +170,19 @@ class DSGD(Algorithm):
         return Kind.PARAMS
 
     def join(self, states: Mapping[int, Message], at_step: int) -> None:
-        """A node that joins a running job starts from the mean of its neighbours' models, which are its first
-        copies of them; asynchronous at the latest of their clocks, synchronous at the switch step `at_step`, the
-        first round its neighbours wait for its part of."""
+        """A node that joins a running job starts from its neighbours' models (`neighbors_start`: their mean, their
+        median under a robust rule), which are its first copies of them (a refused one: its own state);
+        asynchronous at the latest of their clocks, synchronous at the switch step `at_step`, the first round its
+        neighbours wait for its part of."""
         super().join(states, at_step)
-        self.last_copy = {n.rank: self.params.flatten(states[n.rank].tensors) if n.rank in states else
-                          self.w.detach().clone() for n in self.context.neighbors}
+        own = self.w.detach().clone()
+        self.last_copy = {n.rank: own for n in self.context.neighbors}
+        for rank, state in states.items():
+            copy = self.params.flatten(state.tensors)
+            if rank in self.last_copy and not unsafe(copy):  # refused and counted by neighbors_start
+                self.last_copy[rank] = copy
+                if self.clipper is not None and not self.synchronous:
+                    self.unjudged.add(rank)  # judged at the first mix, as a copy that arrived
         if self.synchronous:
             self.clock = at_step
             self.round_copies = defaultdict(dict)
@@ -183,14 +191,19 @@ class DSGD(Algorithm):
 
     def rejoin(self, states: Mapping[int, Message]) -> list[Send]:
         """Synchronous mode after a restart: the neighbours wait at their rounds (their snapshot's clock holds
-        each one's x_t of it) for this node's x_t. It starts again at the latest of their rounds R from their mean,
-        sends each neighbour still at an earlier round this x for every round up to R (its part of those rounds;
-        its own copies of them were lost), and keeps the copies of round R it pulled; the rest of round R's copies
-        come as the neighbours complete their rounds. What the node had learned since its checkpoint is lost."""
+        each one's x_t of it) for this node's x_t. It starts again at the latest of their rounds R from their
+        models (`neighbors_start`), sends each neighbour still at an earlier round this x for every round up to R
+        (its part of those rounds; its own copies of them were lost), and keeps the copies of round R it pulled;
+        the rest of round R's copies come as the neighbours complete their rounds. What the node had learned since
+        its checkpoint is lost."""
         round_ = max(state.clock for state in states.values())
-        copies = {rank: self.params.flatten(state.tensors) for rank, state in states.items()}
+        start = self.neighbors_start(states)
         with torch.no_grad():
-            self.w.copy_(torch.stack(list(copies.values())).mean(dim=0))
+            if start is not None:  # else every model was refused: the checkpoint's
+                self.w.copy_(start)
+        own = self.w.detach().clone()
+        copies = {rank: self.params.flatten(state.tensors) for rank, state in states.items()}
+        copies = {rank: own if unsafe(copy) else copy for rank, copy in copies.items()}  # x_t in a refused one's place
         self.clock = round_
         self._pending_direction = None
         self._momentum_buffer = None

@@ -270,8 +270,8 @@ class PairwiseGossip(Algorithm):
         return Kind.PARAMS
 
     def join(self, states: Mapping[int, Message], at_step: int) -> None:
-        """A node that joins a running job starts from the mean of its neighbours' models, at the latest of their
-        (gossip) clocks."""
+        """A node that joins a running job starts from its neighbours' models (`neighbors_start`), at the latest of
+        their (gossip) clocks."""
         super().join(states, at_step)
         self.gossip_clock = float(self.clock)
 

@@ -261,11 +261,12 @@ class SGP(Algorithm):
         """A node that joins a running job brings no push-sum mass: numerator 0 and weight 0, so the sum of the
         weights, and with it the average sum(x) / sum(weight) that push-sum converges to, is exactly what it was.
         Its first round is the job's switch step `at_step` (its neighbours' first round in the topology that
-        includes it); the gradient of its first step is taken at the mean of its neighbours' models z, and from
+        includes it); the gradient of its first step is taken at its neighbours' models z (`neighbors_start`), and from
         the shares of that round on it holds mass and de-biases as every node does."""
+        start = self.neighbors_start(states)
         with torch.no_grad():
-            if states:
-                self.w.copy_(torch.stack([self.params.flatten(s.tensors) for s in states.values()]).mean(dim=0))
+            if start is not None:
+                self.w.copy_(start)
             self.x.zero_()
         self.weight = 0.0
         self.clock = at_step
@@ -277,14 +278,15 @@ class SGP(Algorithm):
 
     def rejoin(self, states: Mapping[int, Message]) -> list[Send]:
         """After a restart: the node lost its push-sum mass and the shares in flight to it. It starts again at the
-        latest round R of its neighbours (their snapshots' clocks) with the mean of their models as numerator and a
-        weight of 1, and sends each out-peer its share of every round from the oldest that out-peer may still wait
+        latest round R of its neighbours (their snapshots' clocks) with their models (`neighbors_start`) as numerator
+        and a weight of 1, and sends each out-peer its share of every round from the oldest that out-peer may still wait
         for up to R - 1 (shares it already has are dropped by it); shares to this node of rounds before R are
         dropped. Push-sum's total weight then differs from the number of nodes: z stays an average of the models,
         weighted slightly off uniform until the mixing evens it out."""
         round_ = max(state.clock for state in states.values())
+        start = self.neighbors_start(states)
         with torch.no_grad():
-            self.x.copy_(torch.stack([self.params.flatten(s.tensors) for s in states.values()]).mean(dim=0))
+            self.x.copy_(self.w if start is None else start)  # every model refused: the checkpoint's estimate
         self.weight = 1.0
         self.clock = round_
         self.shares.clear()
