@@ -29,7 +29,7 @@ contribution, a liar's included, passes unclipped. It is capped by AUTO_PULL / w
 yet: the drift grows as a liar pulls the node, and the tau it gives grew with it. A zeros liar on a 4-node ring,
 with copies 2 steps stale, pulled its neighbours' norms from 1.85 to 0.6 before the window was warm, within twice
 their honest distances from then on: never outlying, never excluded (async DSGD, simulator, 0.1 s latency: honest
-52 to 60%; 81 to 83% with the cap, as without an attack).
+52 to 65%; 81 to 83% with the cap, as without an attack).
 
 Distances of several scales (groups). The rounds of one push-sum average are not alike: DiLoCo over gossip on the
 one-peer exponential graph of 16 compares, in round r, two averages of 2^r nodes each, and the honest distances
