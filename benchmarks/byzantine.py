@@ -28,6 +28,7 @@ does). Steps per second count the run only, not the building of the nodes (which
     nice -n 10 .venv/bin/python benchmarks/byzantine.py --full
     nice -n 10 .venv/bin/python benchmarks/byzantine.py --only dsgd,asgd --attacks ipm --steps 300
     nice -n 10 .venv/bin/python benchmarks/byzantine.py --cost 3    # only the no-attack pairs, alternated 3 times
+    nice -n 10 .venv/bin/python benchmarks/byzantine.py --only dsgd --attacks dissensus --strength 0   # echoing liars
     nice -n 10 .venv/bin/python benchmarks/byzantine.py --cost 3 --model cnn --only dsgd,gossip,sgp
 
 On a shared machine one run's steps/s moves with the other work: `--cost N` runs each algorithm's no-attack pair
@@ -124,7 +125,7 @@ def run(algorithm: Algorithm, split: str, attack: str, liars: int, robust: bool,
         "model": {"name": args.model},
         "data": {"data_dir": args.data_dir, "split": split, "batch_size": 32, "test_limit": args.test_limit},
         "topology": {"kind": algorithm.topology, "seed": 1},
-        "simulation": {"byzantine": [{"ranks": ranks, "attack": attack}] if ranks else [],
+        "simulation": {"byzantine": [{"ranks": ranks, "attack": attack, "strength": args.strength}] if ranks else [],
                        "step_time_s": args.step_time},
     })
     run_started: list[float] = []  # when the nodes start (building them reads and splits the data: not counted)
@@ -195,13 +196,16 @@ def main() -> None:
     parser.add_argument("--model", default="logistic", help="the job's model (the rule's cost per contribution is "
                         "fixed, its share of a step falls as the model's compute grows)")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    parser.add_argument("--strength", type=float, default=None, help="every attack's strength "
+                        "(simulation.byzantine's; unset: each attack's own default, nodeagent.byzantine)")
     parser.add_argument("--cost", type=int, default=0, metavar="N", help="only the no-attack pairs, alternated N "
                         "times, each one's best steps/s kept")
     args = parser.parse_args()
     attacks = [a for a in args.attacks.split(",") if a] or (list(ATTACKS) if args.full else list(DEFAULT_ATTACKS))
     splits = [s for s in args.splits.split(",") if s] or (["class-window", "iid"] if args.full else ["class-window"])
     algorithms = [a for a in ALGORITHMS if not args.only or a.name in args.only.split(",")]
-    print(f"{NODES} nodes, {args.model}, {args.steps} steps, splits {splits}, attacks {attacks}", flush=True)
+    strength = "" if args.strength is None else f" at strength {args.strength:g}"
+    print(f"{NODES} nodes, {args.model}, {args.steps} steps, splits {splits}, attacks {attacks}{strength}", flush=True)
     started = time.monotonic()
     rows: list[Row] = []
     for split in splits:
