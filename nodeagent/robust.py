@@ -175,6 +175,9 @@ class DistanceWindow:
     def lower_quartile(self) -> float:
         return sorted_lower_quartile(self.ordered)
 
+    def shortest(self) -> float | None:
+        return self.ordered[0] if self.ordered else None
+
 
 def distance(a: torch.Tensor, b: torch.Tensor) -> float:
     # In float64: the square of a large float32 difference overflows float32.
@@ -224,8 +227,8 @@ class SelfCenteredClip:
         if self.fixed_radius is not None:
             return self.fixed_radius
         if len(self.window) < AUTO_WARM:
-            warm = 2 * distance(own, origin)
-            return min(warm, AUTO_PULL / self.weight * self.window.ordered[0]) if self.window.ordered else warm
+            warm, shortest = 2 * distance(own, origin), self.window.shortest()
+            return warm if shortest is None else min(warm, AUTO_PULL / self.weight * shortest)
         return AUTO_PULL / self.weight * (self.window.lower_quartile() if quartile is None else quartile)
 
     def scales(self, own: torch.Tensor, contributions: Mapping[int, torch.Tensor],
