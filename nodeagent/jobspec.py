@@ -70,7 +70,8 @@ class RobustSpec(_Strict):
         "auto", description="the clipping radius (L2) of the clip rules; auto: adapted from the recent "
         "distances the node (their lower quartile, over a neighbour's weight in the mix) or server (their median) has "
         "seen; a contribution beyond twice the lower quartile (DiLoCo over gossip: its push-sum round's, at most 4 "
-        "times the whole window's) counts as outlying")
+        "times the whole window's) counts as outlying, and is reported as such where it is also beyond 3 of the node's "
+        "own average local steps")
     byzantine: int | None = Field(
         None, ge=0, description="f, the members assumed Byzantine: trimmed-mean drops f values at each end of every "
         "coordinate, krum scores against n - f - 2 neighbours; unset: floor((n - 1) / 4)")

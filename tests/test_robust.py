@@ -26,6 +26,7 @@ from nodeagent.robust import (
     AUTO_PULL,
     AUTO_WARM,
     AUTO_WINDOW,
+    ECHO_FLOOR,
     EXCLUDED_SEEN,
     EXCLUDED_SHARE,
     EXCLUDED_WINDOW,
@@ -33,6 +34,8 @@ from nodeagent.robust import (
     GROUP_WARM,
     NORM_CLIP_MULTIPLIER,
     OUTLYING_FACTOR,
+    STEP_DECAY,
+    STEP_OUTLYING,
     DistanceWindow,
     NormClip,
     RobustAggregator,
@@ -184,6 +187,44 @@ def test_a_neighbour_persistently_outlying_is_excluded_until_it_is_mixed_within_
     assert honest[:still] == [0.0] * still and honest[still] > 0
     assert honest[-1] > 0  # mixed again (within the radius, or clipped to it)
     assert not clip.excluded(1) and clip.scales(own, {1: vec(0, 1)}, origin)[1] > 0  # never excluded
+
+
+def test_the_nodes_step_length_is_an_average_of_lr_times_each_directions_norm():
+    clip = SelfCenteredClip(RobustSpec(rule="self-centered-clip"), weight=0.5)
+    clip.stepped(vec(3, 4), lr=0.1)
+    assert float(clip.step_length) == pytest.approx(0.5)
+    clip.stepped(vec(0, 10), lr=0.1)
+    assert float(clip.step_length) == pytest.approx(STEP_DECAY * 0.5 + (1 - STEP_DECAY) * 1.0)
+
+
+def test_once_the_window_is_warm_a_distance_far_below_the_nodes_own_step_enters_no_window():
+    """An echoing neighbour (its distance about 0) would pull the lower quartile, and the radius and what counts as
+    outlying with it, towards 0; before the window is warm every honest distance is as small, and kept."""
+    clip = SelfCenteredClip(RobustSpec(rule="self-centered-clip"), weight=0.5)
+    origin = own = vec(0, 0)
+    clip.stepped(vec(0, 1), lr=1.0)  # an average step of 1
+    for _ in range(AUTO_WARM):
+        clip.scales(own, {1: vec(0, 0.01)}, origin)  # the first steps: honest and close alike
+    assert len(clip.window) == AUTO_WARM
+    for _ in range(AUTO_WINDOW):
+        factors = clip.scales(own, {1: vec(0, 1.2), 3: vec(0, ECHO_FLOOR / 2)}, origin)
+    assert len(clip.window) == AUTO_WINDOW and clip.window.lower_quartile() == pytest.approx(1.2)  # no echo in it
+    assert factors == {1: 1.0, 3: 1.0} and clip.counts.seen[3] == AUTO_WINDOW  # judged and mixed all the same
+
+
+def test_a_neighbour_is_reported_outlying_only_beyond_step_outlying_of_the_nodes_own_steps_but_excluded_as_before():
+    """The quartile is the node's own defence; a report accuses a member, so it also needs a distance that no
+    neighbour can make look long by shrinking the quartile (a 4-node ring with an echoing liar quarantined the honest
+    rank opposite it, 98% of its contributions outlying)."""
+    clip = SelfCenteredClip(RobustSpec(rule="self-centered-clip"), weight=0.5)
+    origin = own = vec(0, 0)
+    clip.stepped(vec(0, 1), lr=1.0)
+    for _ in range(EXCLUDED_WINDOW):
+        clip.scales(own, {3: vec(0, 0.6), 1: vec(0, 0.6 * OUTLYING_FACTOR * 2)}, origin)  # 2.4 < 3 steps
+    assert clip.excluded(1) and clip.counts.outlying[1] == 0
+    for _ in range(EXCLUDED_WINDOW):
+        clip.scales(own, {3: vec(0, 0.6), 2: vec(0, 1.1 * STEP_OUTLYING)}, origin)
+    assert clip.excluded(2) and clip.counts.outlying[2] == EXCLUDED_WINDOW
 
 
 def test_a_neighbour_lying_from_its_first_contribution_is_excluded_at_its_excluded_seen_th_judged_one():
@@ -402,6 +443,23 @@ def test_a_zeros_liar_with_stale_copies_is_excluded_before_it_shrinks_its_ring_n
     robust = [p.test_accuracy for p in result.progress if p.rank != 3]
     assert min(robust) > min(baseline) - 0.03
     assert all(sim.node.algorithm.clipper.excluded(3) for sim in result.mesh.nodes if sim.rank in (0, 2))
+
+
+@pytest.mark.parametrize(("nodes", "liars"), [(4, [3]), (16, [3, 8, 12])])
+def test_echoing_liars_get_no_honest_member_flagged_or_quarantined(fashion_mnist_dir, tmp_path, nodes, liars):
+    """A liar that sends each neighbour its own state back (`dissensus` at strength 0) shrank the lower quartile of
+    the nodes it shares with an honest member: a 4-node ring quarantined the honest rank opposite it (99% of its
+    contributions outlying); 16 nodes on the multiplex ring, where some honest nodes have two echoing neighbours of
+    four, flagged honest ranks 5 and 9."""
+    robust = {"rule": "self-centered-clip", "quarantine": {}}
+    spec = job(fashion_mnist_dir, {"name": "dsgd", "mode": "sync", "robust": robust}, nodes=nodes,
+               steps=400 if nodes == 4 else 200, topology="ring" if nodes == 4 else "multiplex-ring", pace_s=0.05,
+               byzantine=[{"ranks": liars, "attack": "dissensus", "strength": 0}])
+    result = simulate(spec, run_dir=tmp_path)
+    assert result.job.state == JobState.FINISHED
+    log, _ = read_events(tmp_path)
+    assert not [e.message for e in log if e.kind in (SUSPECTED, QUARANTINED)]
+    assert min(p.test_accuracy for p in result.progress if p.rank not in liars) > 0.7
 
 
 def test_one_liar_ruins_plain_push_sum_and_clipped_shares_hold(fashion_mnist_dir):

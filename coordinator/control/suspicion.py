@@ -11,9 +11,10 @@ window (at most 1), once it judged at least MIN_CONTRIBUTIONS there. The member'
 of its reporters' shares, so it is suspected only when a majority of those that judged it agree (for a member with
 one honest and one lying neighbour, the liar's word alone is not enough: a liar cannot get an honest node blamed
 without a majority of its neighbours). A member judged by one neighbour only is not scored (that one may be the
-liar); the parameter server's word counts alone. NaN: not enough judged yet. What this does not stop: a liar that
-shares an honest member's judges can skew their judgement itself, by sending each its own state back, which shrinks
-the scale they judge against (docs/operations.md, "A known limit").
+liar); the parameter server's word counts alone. NaN: not enough judged yet. A liar that shares an honest member's
+judges could skew their judgement itself, by sending each its own state back, which shrinks the scale they judge
+against: a node that takes local steps reports a neighbour only where it is also far on the scale of its own steps,
+which no neighbour can shrink (nodeagent.robust, "echoes"; docs/operations.md, "A known limit").
 """
 
 from __future__ import annotations

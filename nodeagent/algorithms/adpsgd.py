@@ -68,7 +68,7 @@ class ADPSGD(Algorithm):
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         loss, grad = self.gradient(inputs, targets)
         self.last_loss = loss
-        self.w.sub_(self.sgd_direction(grad), alpha=self.spec.lr)
+        self.w.sub_(self.descent(grad), alpha=self.spec.lr)
         self.clock += 1
         self.republish()
         if self.partner is None and self.rotation:

@@ -380,6 +380,14 @@ class Algorithm(ABC):
             return grad.add(self._momentum_buffer, alpha=momentum)
         return self._momentum_buffer
 
+    def descent(self, grad: torch.Tensor) -> torch.Tensor:
+        """`sgd_direction` for a node that mixes its neighbours' models: under self-centered clipping the step's
+        length lr * ||d|| is noted, the scale below which a neighbour's distance is an echo (nodeagent.robust)."""
+        direction = self.sgd_direction(grad)
+        if self.clipper is not None:
+            self.clipper.stepped(direction, self.spec.lr)
+        return direction
+
     def due_neighbors(self) -> list[Neighbor]:
         """Neighbours whose edge phase matches the step just taken (the asynchronous schedule)."""
         position = (self.clock - 1) % self.spec.interval

@@ -68,11 +68,11 @@ class DSGD(Algorithm):
                 Send(Route.PUSH, n.rank, Kind.PARAMS, self._published.message_for(n.rank, Kind.PARAMS))
                 for n in self.context.neighbors
             ]
-            self._pending_direction = self.sgd_direction(grad).clone()
+            self._pending_direction = self.descent(grad).clone()
             self._complete_round()
             return loss
         with torch.no_grad():
-            self.w.sub_(self.sgd_direction(grad), alpha=self.spec.lr)
+            self.w.sub_(self.descent(grad), alpha=self.spec.lr)
             self._mix(self.last_copy)
         self.clock += 1
         self.republish()

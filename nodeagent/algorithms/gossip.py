@@ -168,7 +168,7 @@ class PairwiseGossip(Algorithm):
         loss, grad = self.gradient(inputs, targets)
         self.last_loss = loss
         with torch.no_grad():
-            self.w.sub_(self.sgd_direction(grad), alpha=self.spec.lr)
+            self.w.sub_(self.descent(grad), alpha=self.spec.lr)
         self.clock += 1
         self.gossip_clock += 1
         self._mix_due()

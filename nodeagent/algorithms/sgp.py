@@ -193,7 +193,7 @@ class SGP(Algorithm):
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         loss, grad = self.gradient(inputs, targets)  # at z, which `w` holds
         self.last_loss = loss
-        self.x.sub_(self.sgd_direction(grad), alpha=self.spec.lr)
+        self.x.sub_(self.descent(grad), alpha=self.spec.lr)
         peers = self.context.out_peers(self.clock)
         x_share, weight_share = self._split(len(peers))
         tensors = self.params.views(x_share)
