@@ -3,7 +3,9 @@
 A local cluster of 4 agents under mutual TLS (coordinator.cluster.LocalCluster), Fashion-MNIST with the logistic
 model, iid split, a ring. Agent 3 holds a valid node certificate and runs the project's own agent with every tensor
 message it serves or sends forged (tests/lying_agent.py, the attacks of nodeagent.byzantine): constant 1000, zeros,
-sign-flip, its model times 1e6 (scale). Jobs: async DSGD (an exchange every 2 steps), sync DSGD, and gossip
+sign-flip, its model times 1e6 (scale); `--attacks echo` (not in the default run): each neighbour's own state sent
+back to it (`dissensus` at strength 0), which on a ring of 4 shares both judges of the honest agent opposite it.
+Jobs: async DSGD (an exchange every 2 steps), sync DSGD, and gossip
 (constant interpolation 0.5). Each job runs three ways: plain (no robust rule), robust (self-centered clipping, the
 automatic radius) and robust with quarantine (`robust.quarantine: {}`, the coordinator's defaults). One cluster per
 attack (the liar's attack is its command line); the three algorithms of a variant run at once, paced
@@ -11,19 +13,24 @@ attack (the liar's attack is its command line); the three algorithms of a varian
 
 Reported per row: the honest members' mean and worst final test accuracy, the gap of the mean to the same
 algorithm's honest baseline (plain rule, agent 3 honest), and how long after the job's start the coordinator raised
-its `suspected` and `quarantined` events for the liar, and whether `status` and `edges` named it.
+its `suspected` and `quarantined` events for the liar, whether `status` and `edges` named it, and how many honest
+members the coordinator flagged (a `suspected` or `quarantined` event).
 
 Targets (the issue's): with the robust rule every attack's honest accuracy within 2 points of the honest baseline;
-the liar flagged in `edges`, `status` and an event within 30 s of the start, and quarantined when the job asks for it.
+the liar flagged in `edges`, `status` and an event within 30 s of the start, and quarantined when the job asks for it;
+no honest member flagged. An echo stays within the honest spread, so its liar is not flagged: its rows' target is the
+accuracy and no honest member flagged.
 
     nice -n 10 .venv/bin/python benchmarks/byzantine_agents.py    # every attack: 17 and 32 minutes on 2 cores
     nice -n 10 .venv/bin/python benchmarks/byzantine_agents.py --attacks constant --steps 400
+    nice -n 10 .venv/bin/python benchmarks/byzantine_agents.py --attacks echo
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -40,7 +47,8 @@ from nodeagent.runtime.events import QUARANTINED, SUSPECTED, read_events
 TESTS = Path(__file__).resolve().parent.parent / "tests"  # lying_agent.py: the hostile member (not product code)
 AGENTS = 4
 LIAR = 3  # agent-3
-ATTACKS = ("constant", "zeros", "sign-flip", "scale")
+ATTACKS = ("constant", "zeros", "sign-flip", "scale")  # the default run: the issue's table
+LIES = {"echo": "dissensus:0"}  # further attacks, by name: the lying agent's attack[:strength]
 TARGET_GAP = 2.0  # points below the honest baseline
 TARGET_FLAG_S = 30.0
 
@@ -64,7 +72,8 @@ class AttackCluster(LocalCluster):
 
     def agent_args(self, index: int) -> list[str]:
         args = super().agent_args(index)
-        return ["lying_agent", self.attack, *args[1:]] if index == LIAR and self.attack else args
+        lie = LIES.get(self.attack, self.attack) if self.attack else None
+        return ["lying_agent", lie, *args[1:]] if index == LIAR and lie else args
 
 
 @dataclass
@@ -78,6 +87,7 @@ class Row:
     quarantined_s: float | None = None
     in_status: bool = False
     in_edges: bool = False
+    honest_flagged: set[int] = field(default_factory=set)  # honest ranks with a suspected or quarantined event
 
     @property
     def mean(self) -> float:
@@ -122,6 +132,10 @@ def run_variant(cluster: AttackCluster, attack: str, variant: str, args: argpars
         started = next((e.time for e in events if e.kind == "started"), None)
         mine = f"rank {rank} (node {liar})"
         for event in events:
+            blamed = re.match(r"rank (\d+) \(node [^)]*\)(:| quarantined:)", event.message)
+            if event.kind in (SUSPECTED, QUARANTINED) and blamed and int(blamed.group(1)) != rank and \
+                    "no longer" not in event.message:
+                row.honest_flagged.add(int(blamed.group(1)))
             if started is None or not event.message.startswith(mine):
                 continue
             if event.kind == SUSPECTED and row.flagged_s is None and "no longer" not in event.message:
@@ -138,15 +152,16 @@ def seconds(value: float | None) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--attacks", default=",".join(ATTACKS), help="comma-separated, of " + ", ".join(ATTACKS))
+    parser.add_argument("--attacks", default=",".join(ATTACKS),
+                        help=f"comma-separated, of {', '.join([*ATTACKS, *LIES])} (default: {', '.join(ATTACKS)})")
     parser.add_argument("--steps", type=int, default=800, help="local steps per node (default 800)")
     parser.add_argument("--pace", type=float, default=0.05, help="min_step_s of every job (default 0.05)")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     args = parser.parse_args()
     attacks = [a for a in args.attacks.split(",") if a]
-    unknown = set(attacks) - set(ATTACKS)
+    unknown = set(attacks) - set(ATTACKS) - set(LIES)
     if unknown:
-        parser.error(f"unknown attack(s) {', '.join(sorted(unknown))}; known: {', '.join(ATTACKS)}")
+        parser.error(f"unknown attack(s) {', '.join(sorted(unknown))}; known: {', '.join([*ATTACKS, *LIES])}")
     # The agents (forked programs) find lying_agent on their path.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
 
@@ -163,22 +178,23 @@ def main() -> None:
 
     baseline = {r.job: r.mean for r in rows if r.attack == "none" and r.variant == "plain"}
     print(f"\n{AGENTS} agents on a ring, agent {LIAR} lying; {args.steps} steps at {args.pace} s; honest test accuracy "
-          f"(%), gap to the honest baseline, the liar's flags (s after the start)")
+          f"(%), gap to the honest baseline, the liar's flags (s after the start), honest members flagged")
     print("| job | attack | rule | state | honest mean | worst | gap | flagged s | quarantined s | status | edges "
-          "| target |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| honest flagged | target |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         gap = r.mean - baseline.get(r.job, float("nan"))
         verdict = ""
         if r.attack != "none" and r.variant != "plain":
-            met = gap >= -TARGET_GAP
-            if r.variant == "robust+quarantine":
+            met = gap >= -TARGET_GAP and not r.honest_flagged
+            if r.variant == "robust+quarantine" and r.attack not in LIES:
                 met = met and r.flagged_s is not None and r.flagged_s <= TARGET_FLAG_S and r.in_status and \
                     r.in_edges and r.quarantined_s is not None
             verdict = "met" if met else "**missed**"
         print(f"| {r.job} | {r.attack} | {r.variant} | {r.state.removeprefix('JOB_').lower()} | {r.mean:.2f} | "
               f"{r.worst:.2f} | {gap:+.2f} | {seconds(r.flagged_s)} | {seconds(r.quarantined_s)} | "
-              f"{'yes' if r.in_status else 'no'} | {'yes' if r.in_edges else 'no'} | {verdict} |")
+              f"{'yes' if r.in_status else 'no'} | {'yes' if r.in_edges else 'no'} | "
+              f"{', '.join(map(str, sorted(r.honest_flagged))) or 'none'} | {verdict} |")
 
 
 if __name__ == "__main__":
