@@ -245,7 +245,9 @@ class SelfCenteredClip:
         self.groups: dict[int, DistanceWindow] = {}  # the windows of the callers' groups (the module's text)
         self.counts = MixingCounts()
         self.recent: dict[int, deque[bool]] = {}  # per neighbour: whether each of its last contributions was outlying
-        self.step_length: torch.Tensor | None = None  # the average lr ||d|| of the node's local steps (`stepped`)
+        # The average ||d|| of the node's local steps, and their lr (`stepped`).
+        self.direction_norm: torch.Tensor | None = None
+        self.lr = 0.0
 
     def excluded(self, peer: int) -> bool:
         """Whether `peer`'s recent contributions are persistently outlying (see EXCLUDED_SHARE)."""
@@ -256,11 +258,16 @@ class SelfCenteredClip:
         """The node took a local step of `lr` along `direction`: its length scales the echo floor and what is
         reported as outlying (the module's text, "echoes"). Kept as a tensor: read at the next judgement, which reads
         its distances back anyway (a GPU synchronises there, not at every step)."""
-        length = torch.linalg.vector_norm(direction) * lr
-        if self.step_length is None:
-            self.step_length = length
+        norm = torch.linalg.vector_norm(direction)  # lr is applied when the average is read: one operation less
+        if self.direction_norm is None:
+            self.direction_norm = norm
         else:  # an average: one step's length varies severalfold from the next
-            self.step_length.mul_(STEP_DECAY).add_(length, alpha=1 - STEP_DECAY)
+            self.direction_norm.lerp_(norm, 1 - STEP_DECAY)
+        self.lr = lr
+
+    def step_length(self) -> float | None:
+        """The average length of the node's local steps, lr ||d|| (None: it takes none, or none yet)."""
+        return None if self.direction_norm is None else self.lr * float(self.direction_norm)
 
     def radius(self, own: torch.Tensor, origin: torch.Tensor, quartile: float | None = None) -> float:
         """tau: set, or the auto radius (`quartile`: the window's lower quartile when the caller has it)."""
@@ -292,7 +299,7 @@ class SelfCenteredClip:
         """`scales` from the contributions' distances ||x_j - own||, measured by the caller; `group`: theirs, if any
         (the module's text, "several scales")."""
         grouped = None if group is None else self.groups.setdefault(group, DistanceWindow())
-        step = None if self.step_length is None else float(self.step_length)
+        step = self.step_length()
         floor = ECHO_FLOOR * step if step is not None and len(self.window) >= AUTO_WARM else 0.0
         for length in lengths.values():
             if length < floor:
