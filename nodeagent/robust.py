@@ -77,8 +77,8 @@ gossip, AD-PSGD, SGP) note each step's length lr ||d|| (`stepped`), averaged wit
   mixed all the same). Before, every honest distance is as small (one initial model for all), and the floor would
   leave the liars' distances alone in the window: 3 `zeros` liars then cost 26 points.
 - A contribution counts towards what the node reports (`robust_outlying`, the coordinator's suspicion) only beyond
-  STEP_OUTLYING times the average step as well. An honest neighbour is rarely that far: 1.0 to 1.7 steps at the
-  median, 2.9 to 4.5 at the 95th percentile of the honest distances in the runs below, where a `zeros`, `sign-flip`
+  STEP_OUTLYING times the average step as well. An honest neighbour is rarely that far: 0.9 to 1.7 steps at the
+  median, 1.3 to 3.3 at the 95th percentile of the honest distances in the runs below, where a `zeros`, `sign-flip`
   or `ipm` liar is 12 to 30 steps away at the median and 2.8 or more from its first contribution. The node's own
   exclusion keeps the quartile's judgement alone: at 3 steps a `zeros` liar on a 4-node ring with stale copies,
   whose distance, the node's norm, is 1.7 to 2.8 steps at the start, was not excluded (honest 57 to 67%).
