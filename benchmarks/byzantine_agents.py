@@ -13,8 +13,8 @@ attack (the liar's attack is its command line); the three algorithms of a varian
 
 Reported per row: the honest members' mean and worst final test accuracy, the gap of the mean to the same
 algorithm's honest baseline (plain rule, agent 3 honest), and how long after the job's start the coordinator raised
-its `suspected` and `quarantined` events for the liar, whether `status` and `edges` named it, and how many honest
-members the coordinator flagged (a `suspected` or `quarantined` event).
+its `suspected` and `quarantined` events for the liar, whether `status` and `edges` named it, and which honest
+members the coordinator flagged (a `suspected` or `quarantined` event), from when to when.
 
 Targets (the issue's): with the robust rule every attack's honest accuracy within 2 points of the honest baseline;
 the liar flagged in `edges`, `status` and an event within 30 s of the start, and quarantined when the job asks for it;
@@ -87,7 +87,9 @@ class Row:
     quarantined_s: float | None = None
     in_status: bool = False
     in_edges: bool = False
-    honest_flagged: set[int] = field(default_factory=set)  # honest ranks with a suspected or quarantined event
+    # Honest ranks the coordinator flagged: per rank, when each flag began and ended (s after the start; None: held
+    # to the job's end, or quarantined).
+    honest_flagged: dict[int, list[list[float | None]]] = field(default_factory=dict)
 
     @property
     def mean(self) -> float:
@@ -134,8 +136,13 @@ def run_variant(cluster: AttackCluster, attack: str, variant: str, args: argpars
         for event in events:
             blamed = re.match(r"rank (\d+) \(node [^)]*\)(:| quarantined:)", event.message)
             if event.kind in (SUSPECTED, QUARANTINED) and blamed and int(blamed.group(1)) != rank and \
-                    "no longer" not in event.message:
-                row.honest_flagged.add(int(blamed.group(1)))
+                    started is not None:
+                flags = row.honest_flagged.setdefault(int(blamed.group(1)), [])
+                if "no longer" in event.message:
+                    if flags and flags[-1][1] is None:
+                        flags[-1][1] = event.time - started
+                else:
+                    flags.append([event.time - started, None])
             if started is None or not event.message.startswith(mine):
                 continue
             if event.kind == SUSPECTED and row.flagged_s is None and "no longer" not in event.message:
@@ -144,6 +151,13 @@ def run_variant(cluster: AttackCluster, attack: str, variant: str, args: argpars
                     event.message.startswith(f"{mine} quarantined:"):
                 row.quarantined_s = event.time - started
     return list(rows.values())
+
+
+def honest_flags(row: Row) -> str:
+    """Each honest rank flagged, with when: `0 (2.1-6.3 s)`; `-end` where the flag held to the end."""
+    return "; ".join(f"{rank} (" + ", ".join(f"{begun:.1f}-{'end' if ended is None else f'{ended:.1f}'} s"
+                                             for begun, ended in flags) + ")"
+                     for rank, flags in sorted(row.honest_flagged.items()))
 
 
 def seconds(value: float | None) -> str:
@@ -194,7 +208,7 @@ def main() -> None:
         print(f"| {r.job} | {r.attack} | {r.variant} | {r.state.removeprefix('JOB_').lower()} | {r.mean:.2f} | "
               f"{r.worst:.2f} | {gap:+.2f} | {seconds(r.flagged_s)} | {seconds(r.quarantined_s)} | "
               f"{'yes' if r.in_status else 'no'} | {'yes' if r.in_edges else 'no'} | "
-              f"{', '.join(map(str, sorted(r.honest_flagged))) or 'none'} | {verdict} |")
+              f"{honest_flags(r) or 'none'} | {verdict} |")
 
 
 if __name__ == "__main__":
