@@ -213,6 +213,16 @@ def distance(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(a - b, dtype=torch.float64))
 
 
+def row_norms(rows: torch.Tensor) -> list[float]:
+    """Each row's norm, read back: `row_lengths` for a node's judgement of a few contributions, whose overflow check
+    reads the floats read back anyway instead of making two more passes (under a profiler, a sixth of the rule's time
+    in asynchronous DSGD)."""
+    lengths = torch.linalg.vector_norm(rows, dim=1).tolist()
+    if all(map(math.isfinite, lengths)):
+        return lengths
+    return torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64).tolist()
+
+
 def row_lengths(rows: torch.Tensor) -> torch.Tensor:
     """Each row's norm, in float64: computed in the rows' dtype, and again in float64 only where a square
     overflowed (a full float64 copy of the rows costs the server three times the norm)."""
@@ -291,7 +301,7 @@ class SelfCenteredClip:
             length = float(torch.dist(values[0], own))
             lengths = [length if math.isfinite(length) else distance(values[0], own)]
         else:  # one read back for all of them (a GPU synchronises once)
-            lengths = row_lengths(torch.stack(values).sub_(own)).tolist()
+            lengths = row_norms(torch.stack(values).sub_(own))
         return self.judge(own, dict(zip(contributions, lengths, strict=True)), origin)
 
     def judge(self, own: torch.Tensor, lengths: Mapping[int, float], origin: torch.Tensor,
@@ -363,7 +373,7 @@ def clipped_push_sum(clipper: SelfCenteredClip, own: torch.Tensor, received: Map
     xs = torch.stack([x for _, x, _ in weighted])
     ys = torch.tensor([y for _, _, y in weighted], dtype=xs.dtype, device=xs.device)
     differences = xs.addr_(ys, own, alpha=-1)  # x - y own, whose norm over y is ||x / y - own||
-    norms = row_lengths(differences).tolist()
+    norms = row_norms(differences)
     lengths = {sender: norm / y for (sender, _, y), norm in zip(weighted, norms, strict=True)}
     factors = clipper.judge(own, lengths, origin, group)
     scale = torch.tensor([factors[sender] for sender, _, _ in weighted], dtype=xs.dtype, device=xs.device)
