@@ -403,6 +403,17 @@ def test_the_peer_algorithms_take_self_centered_clipping(fashion_mnist_dir, name
                      topology="ring"))
 
 
+@pytest.mark.parametrize("algorithm", [{"name": "dsgd"}, {"name": "dsgd", "mode": "sync"}, {"name": "gossip"},
+                                       {"name": "ad-psgd"}, {"name": "sgp"}, {"name": "osgp"}])
+def test_every_algorithm_that_steps_between_its_mixes_gives_its_clipper_the_step_scale(fashion_mnist_dir, algorithm):
+    """The echo floor and the report's step scale exist only where the algorithm notes its local steps."""
+    spec = job(fashion_mnist_dir, {**algorithm, "robust": {"rule": "self-centered-clip"}}, nodes=4, steps=6,
+               topology="ring")
+    for sim in simulate(spec).mesh.nodes:
+        step = sim.node.algorithm.clipper.step_length()
+        assert step is not None and step > 0, (algorithm, sim.rank)
+
+
 def test_byzantine_ranks_are_validated(fashion_mnist_dir):
     with pytest.raises(JobSpecError, match=r"simulation\.byzantine: rank 8 is not in 0\.\.7"):
         job(fashion_mnist_dir, {"name": "dsgd"}, byzantine=[{"ranks": [8], "attack": "zeros"}])
