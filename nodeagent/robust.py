@@ -146,6 +146,7 @@ EXCLUDED_SHARE = 0.75
 # module's text, "echoes").
 ECHO_FLOOR = 0.5
 STEP_DECAY = 0.9  # of the running average of the node's step lengths
+STEPS_UNREAD = 64  # steps' norms held for the next judgement at most (a node that judges nothing for long)
 # A contribution counts towards the node's report only beyond STEP_OUTLYING times its average step too (the module's
 # text).
 STEP_OUTLYING = 3.0
@@ -255,8 +256,9 @@ class SelfCenteredClip:
         self.groups: dict[int, DistanceWindow] = {}  # the windows of the callers' groups (the module's text)
         self.counts = MixingCounts()
         self.recent: dict[int, deque[bool]] = {}  # per neighbour: whether each of its last contributions was outlying
-        # The average ||d|| of the node's local steps, and their lr (`stepped`).
-        self.direction_norm: torch.Tensor | None = None
+        # The average ||d|| of the node's local steps, the norms of those not yet read into it, and their lr.
+        self.direction_norm: float | None = None
+        self.step_norms: list[torch.Tensor] = []
         self.lr = 0.0
 
     def excluded(self, peer: int) -> bool:
@@ -266,18 +268,28 @@ class SelfCenteredClip:
 
     def stepped(self, direction: torch.Tensor, lr: float) -> None:
         """The node took a local step of `lr` along `direction`: its length scales the echo floor and what is
-        reported as outlying (the module's text, "echoes"). Kept as a tensor: read at the next judgement, which reads
-        its distances back anyway (a GPU synchronises there, not at every step)."""
-        norm = torch.linalg.vector_norm(direction)  # lr is applied when the average is read: one operation less
-        if self.direction_norm is None:
-            self.direction_norm = norm
-        else:  # an average: one step's length varies severalfold from the next
-            self.direction_norm.lerp_(norm, 1 - STEP_DECAY)
+        reported as outlying (the module's text, "echoes"). Its norm is read back with the steps' since, at the next
+        judgement (a GPU synchronises there, not at every step)."""
+        if self.step_norms and lr != self.lr:
+            self._read_steps()  # the steps before at their own lr
+        self.step_norms.append(torch.linalg.vector_norm(direction))  # lr is applied when the average is read
         self.lr = lr
+        if len(self.step_norms) == STEPS_UNREAD:
+            self._read_steps()
+
+    def _read_steps(self) -> None:
+        norms = self.step_norms
+        values = [float(norms[0])] if len(norms) == 1 else torch.stack(norms).tolist()  # most reads: one step's
+        norms.clear()
+        for value in values:  # an average: one step's length varies severalfold from the next
+            average = self.direction_norm
+            self.direction_norm = value if average is None else STEP_DECAY * average + (1 - STEP_DECAY) * value
 
     def step_length(self) -> float | None:
         """The average length of the node's local steps, lr ||d|| (None: it takes none, or none yet)."""
-        return None if self.direction_norm is None else self.lr * float(self.direction_norm)
+        if self.step_norms:
+            self._read_steps()
+        return None if self.direction_norm is None else self.lr * self.direction_norm
 
     def radius(self, own: torch.Tensor, origin: torch.Tensor, quartile: float | None = None) -> float:
         """tau: set, or the auto radius (`quartile`: the window's lower quartile when the caller has it)."""
@@ -356,28 +368,30 @@ class SelfCenteredClip:
         return self.clip_all(own, {peer: value}, origin)[peer]
 
 
-def clipped_push_sum(clipper: SelfCenteredClip, own: torch.Tensor, received: Mapping[int, tuple[torch.Tensor, float]],
-                     origin: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, float]:
-    """The sum of a push-sum round's shares (x, y), each with its estimate x / y clipped around `own`, the node's
-    estimate (SGP's and DiLoCo over gossip's robust push-sum, derived in nodeagent.algorithms.sgp), and the sum of
-    their weights. A share clipped by the factor f is y (own + f (x / y - own)) = f (x - y own) + y own, so the round
-    sums to F (X - y own) + (sum y) own: one matrix-vector product over the stacked differences, which the distances
-    are measured on too, where clipping each share and adding it read every share three more times. A share of
-    weight 0 carries nothing. `group`: the shares' (see SelfCenteredClip.judge), if any."""
-    ordered = sorted(received.items())  # in sender order: the float sums do not depend on timing
-    weighted = [(sender, x, y) for sender, (x, y) in ordered if y > 0]
-    weight = sum(y for _, (_, y) in ordered)
+def clipped_shares(clipper: SelfCenteredClip, own: torch.Tensor, received: Mapping[int, tuple[torch.Tensor, float]],
+                   origin: torch.Tensor, group: int | None = None) -> list[tuple[torch.Tensor, float]]:
+    """A push-sum round's shares (x, y) to absorb, in sender order, each with its estimate x / y clipped around
+    `own`, the node's estimate (SGP's and DiLoCo over gossip's robust push-sum, derived in nodeagent.algorithms.sgp).
+    A share within the radius is absorbed as it came, so a round without a clipped share is the plain rule's, bit for
+    bit; one clipped by the factor f becomes y (own + f (x / y - own)) = f (x - y own) + y own, built from the
+    difference its distance was measured on. A share of weight 0 carries nothing. `group`: the shares' (see
+    SelfCenteredClip.judge), if any."""
+    weighted = [(sender, *received[sender]) for sender in sorted(received) if received[sender][1] > 0]
     if not weighted:
         clipper.judge(own, {}, origin, group)
-        return torch.zeros_like(own), weight
-    xs = torch.stack([x for _, x, _ in weighted])
-    ys = torch.tensor([y for _, _, y in weighted], dtype=xs.dtype, device=xs.device)
-    differences = xs.addr_(ys, own, alpha=-1)  # x - y own, whose norm over y is ||x / y - own||
+        return []
+    if len(weighted) == 1:  # without a stack's copy or a weights tensor
+        _, x, y = weighted[0]
+        differences = torch.sub(x, own, alpha=y).unsqueeze(0)
+    else:  # one read back for all of them (a GPU synchronises once)
+        xs = torch.stack([x for _, x, _ in weighted])
+        ys = torch.tensor([y for _, _, y in weighted], dtype=xs.dtype, device=xs.device)
+        differences = xs.addr_(ys, own, alpha=-1)  # x - y own, whose norm over y is ||x / y - own||
     norms = row_norms(differences)
-    lengths = {sender: norm / y for (sender, _, y), norm in zip(weighted, norms, strict=True)}
-    factors = clipper.judge(own, lengths, origin, group)
-    scale = torch.tensor([factors[sender] for sender, _, _ in weighted], dtype=xs.dtype, device=xs.device)
-    return (scale @ differences).add_(own, alpha=float(ys.sum())), weight
+    factors = clipper.judge(own, {sender: norm / y for (sender, _, y), norm in zip(weighted, norms, strict=True)},
+                            origin, group)
+    return [(x, y) if factors[sender] == 1.0 else (differences[row].mul(factors[sender]).add_(own, alpha=y), y)
+            for row, (sender, x, y) in enumerate(weighted)]
 
 
 def refuse_unsafe(counts: MixingCounts, peer: int, value: torch.Tensor) -> bool:

@@ -154,7 +154,7 @@ from nodeagent.ps.worker import PSWorker, check_robust_workers
 from nodeagent.robust import (
     RobustAggregator,
     aggregate_counted,
-    clipped_push_sum,
+    clipped_shares,
     count_gathered,
     safe_rows,
     unsafe,
@@ -795,15 +795,12 @@ class GossipDiLoCo(_DiLoCo):
             received = pending.shares.get(clock, {})
             if len(received) < len(self.context.out_peers(self._iteration(pending))):
                 return
-            if self.clipper is not None:
-                x_sum, weight_sum = self._clipped(pending, received)
-                pending.x.add_(x_sum)
-                pending.weight += weight_sum
-            else:
-                for sender in sorted(received):  # in sender order: the float sums do not depend on timing
-                    x_share, weight_share = received[sender]
-                    pending.x.add_(x_share)
-                    pending.weight += weight_share
+            # In sender order: the float sums do not depend on timing.
+            shares = (self._clipped(pending, received) if self.clipper is not None
+                      else [received[sender] for sender in sorted(received)])
+            for x_share, weight_share in shares:
+                pending.x.add_(x_share)
+                pending.weight += weight_share
             pending.shares.pop(clock, None)
             pending.round += 1
             if pending.round < self._rounds_of(pending):
@@ -813,9 +810,8 @@ class GossipDiLoCo(_DiLoCo):
                 self._apply_due()
 
     def _clipped(self, pending: PendingSync,
-                 received: Mapping[int, tuple[torch.Tensor, float]]) -> tuple[torch.Tensor, float]:
-        """The sum of the round's shares with their estimates of (u, theta) clipped around this node's, and of their
-        weights (the module's text)."""
+                 received: Mapping[int, tuple[torch.Tensor, float]]) -> list[tuple[torch.Tensor, float]]:
+        """The round's shares, their estimates of (u, theta) clipped around this node's (the module's text)."""
         assert self.clipper is not None and self.origin is not None and pending.x is not None
         own = pending.x / pending.weight if pending.weight > 0 else pending.x
         start = self.padded(self.origin[self.fragment_slice(pending.fragment)].to(own.device))
@@ -824,7 +820,7 @@ class GossipDiLoCo(_DiLoCo):
         # last sync's extra rounds come once a job, too few for a group of their own: they are judged by the last
         # round of a sync, whose distances are the nearest to theirs.
         group = min(pending.round, self.rounds - 1)
-        return clipped_push_sum(self.clipper, own, received, origin, group=group)
+        return clipped_shares(self.clipper, own, received, origin, group=group)
 
     def outer_step(self, fragment: int, mean: torch.Tensor) -> None:
         """The gossip's estimates of the means of the nodes' outer momenta and global parameters after their local

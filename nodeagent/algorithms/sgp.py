@@ -66,7 +66,7 @@ from nodeagent.algorithms.base import (
     push_sum_share,
 )
 from nodeagent.jobspec import AlgorithmSpec, JobSpec, JobSpecError
-from nodeagent.robust import clipped_push_sum
+from nodeagent.robust import clipped_shares
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
 
@@ -130,24 +130,20 @@ class SGP(Algorithm):
             received = self.shares.get(round_, {})
             if len(received) < len(self._context_of(round_).out_peers(round_)):
                 break
-            if self.clipper is not None:
-                self._absorb(*self._clipped(received))
-            else:
-                # In sender order, not arrival order: the float sums then do not depend on timing.
-                for sender in sorted(received):
-                    x_share, weight_share = received[sender]
-                    self._absorb(x_share, weight_share)
+            # In sender order, not arrival order: the float sums then do not depend on timing.
+            shares = self._clipped(received) if self.clipper is not None else [received[s] for s in sorted(received)]
+            for x_share, weight_share in shares:
+                self._absorb(x_share, weight_share)
             self.shares.pop(round_, None)
             self.open_rounds.popleft()
             absorbed = True
         return absorbed
 
-    def _clipped(self, received: Mapping[int, tuple[torch.Tensor, float]]) -> tuple[torch.Tensor, float]:
-        """The sum of the round's shares with their de-biased models clipped around this node's z, and of their
-        weights (the module's text)."""
+    def _clipped(self, received: Mapping[int, tuple[torch.Tensor, float]]) -> list[tuple[torch.Tensor, float]]:
+        """The round's shares, their de-biased models clipped around this node's z (the module's text)."""
         assert self.clipper is not None and self.origin is not None
         own = self.x / self.weight if self.weight > 0 else self.w.detach()
-        return clipped_push_sum(self.clipper, own, received, self.origin)
+        return clipped_shares(self.clipper, own, received, self.origin)
 
     def _context_of(self, round_: int) -> NodeContext:
         """The context round `round_` was sent in."""
