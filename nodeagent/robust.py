@@ -19,7 +19,7 @@ pull was small; at 2.0 SGP cost nothing and held 3 liars, where gossip and DiLoC
 radius is now the quartile itself: 0.7 times it had cost DiLoCo over gossip 1.78 points without an attack (its
 sync's average is taken once, so every clipped honest share biases it), 1.5 times it let 3 liars cost 8 to 16 points
 (benchmarks/byzantine.py, docs/results.md). Exclusion and the outlying count (below) catch what a wider radius lets
-through. A quartile is moved by the liars only when they send three quarters of the node's contributions, so tau
+through. A quartile is moved by the liars only when they are three quarters of the node's neighbours (below), so tau
 stays of the order of the honest distances even where one of a ring node's two neighbours lies (a median was not:
 with half the window a liar's, tau followed the liar, and a constant 1000 dragged its honest neighbours to it;
 4-node ring, async DSGD, logistic: 0.64 honest accuracy with the median, 0.80 with the quartile, 0.80 without an
@@ -29,7 +29,17 @@ contribution, a liar's included, passes unclipped. It is capped by AUTO_PULL / w
 yet: the drift grows as a liar pulls the node, and the tau it gives grew with it. A zeros liar on a 4-node ring,
 with copies 2 steps stale, pulled its neighbours' norms from 1.85 to 0.6 before the window was warm, within twice
 their honest distances from then on: never outlying, never excluded (async DSGD, simulator, 0.1 s latency: honest
-52 to 65%; 81 to 83% with the cap, as without an attack).
+52 to 65%; 81 to 83% with the cap, as without an attack). Before any honest distance is seen the shortest is a
+liar's, so a node that takes local steps caps it by the auto radius of STEP_OUTLYING of its own steps as well (see
+"echoes"): pull gossip's first fetches of a `constant` liar doubled the drift, and tau, at each pull.
+
+A neighbour's share. The window is pooled over the neighbours, and a neighbour may send more than its share of it:
+pull gossip on a 4-node ring fetched its liar 7 times in its first 9 fetches by chance, and the liar's three
+quarters of the window became its quartile (44,300 where the honest distances were 0.3 to 5), which let the liar's
+values in: the honest node was dragged 22,152 away, excluded by its other neighbour and flagged (seed 2, simulator).
+So every neighbour in the window weighs as much in the quartile as any other, 1 / (neighbours x its distances) each
+(a balanced window's quartile is the plain one): liars move it only when they are three quarters of the node's
+neighbours, however often they are heard.
 
 Distances of several scales (groups). The rounds of one push-sum average are not alike: DiLoCo over gossip on the
 one-peer exponential graph of 16 compares, in round r, two averages of 2^r nodes each, and the honest distances
@@ -53,7 +63,7 @@ step's forward pass stays finite; such a contribution is dropped and counted, an
 Outlying contributions (detection, coordinator.control.suspicion). Clipping says little about a neighbour: at the
 auto radius most honest contributions are clipped a little. A contribution counts as outlying when its distance is
 above OUTLYING_FACTOR times the lower quartile of the window (once AUTO_WARM distances are seen), or when it is
-refused: a quartile is moved by the liars only when they send three quarters of the node's contributions, and an
+refused: a quartile is moved by the liars only when they are three quarters of the node's neighbours, and an
 honest neighbour is rarely that far. The factor was 4 until a liar sending zeros showed what it let through: it
 drags its neighbours towards the origin, which inflates their honest distances too, and its own distance, ||x_i||,
 stayed within 4 times them (4-node ring, synchronous DSGD: honest 0.49 to 0.59 with 4, 0.78 to 0.82 with 2, as
@@ -186,27 +196,51 @@ def sorted_lower_quartile(data: Sequence[float]) -> float:
 
 
 class DistanceWindow:
-    """The last AUTO_WINDOW distances in arrival order, and the same kept sorted: the lower quartile is read at every
-    contribution a node mixes, and one insertion into a sorted list is cheaper than a sort."""
+    """The last AUTO_WINDOW distances in arrival order with the neighbour each came from, and the same kept sorted:
+    the lower quartile is read at every contribution a node mixes, and one insertion into a sorted list is cheaper
+    than a sort. Every neighbour in the window weighs as much in the quartile as any other, however many of the
+    distances are its (the module's text, "a neighbour's share")."""
 
     def __init__(self) -> None:
-        self.arrived: deque[float] = deque()
-        self.ordered: list[float] = []
+        self.arrived: deque[tuple[float, int]] = deque()
+        self.ordered: list[tuple[float, int]] = []
+        self.held: dict[int, int] = {}  # per neighbour: its distances in the window
 
     def __len__(self) -> int:
         return len(self.arrived)
 
-    def add(self, length: float) -> None:
+    def add(self, peer: int, length: float) -> None:
         if len(self.arrived) == AUTO_WINDOW:
-            del self.ordered[bisect.bisect_left(self.ordered, self.arrived.popleft())]
-        self.arrived.append(length)
-        bisect.insort(self.ordered, length)
+            oldest = self.arrived.popleft()
+            del self.ordered[bisect.bisect_left(self.ordered, oldest)]
+            if self.held[oldest[1]] == 1:
+                del self.held[oldest[1]]
+            else:
+                self.held[oldest[1]] -= 1
+        entry = (length, peer)
+        self.arrived.append(entry)
+        bisect.insort(self.ordered, entry)
+        self.held[peer] = self.held.get(peer, 0) + 1
 
     def lower_quartile(self) -> float:
-        return sorted_lower_quartile(self.ordered)
+        """statistics.quantiles(window, n=4)[0] (its exclusive method) with each neighbour's distances weighing 1 /
+        (neighbours x its distances) of the window: the quarter point (n + 1) / 4 interpolated between the two
+        distances whose cumulative weights, in order, bracket it (as many distances from each: the same)."""
+        held = self.held.values()
+        if max(held) == min(held):
+            return sorted_lower_quartile([length for length, _ in self.ordered])
+        count, scale = len(self.ordered), len(self.ordered) / len(self.held)
+        quarter = (count + 1) / 4
+        below, at = 0.0, self.ordered[0][0]
+        for length, peer in self.ordered:
+            reached = below + scale / self.held[peer]
+            if reached >= quarter:
+                return at if below == 0.0 else at + (quarter - below) / (reached - below) * (length - at)
+            below, at = reached, length
+        return at
 
     def shortest(self) -> float | None:
-        return self.ordered[0] if self.ordered else None
+        return self.ordered[0][0] if self.ordered else None
 
 
 def distance(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -296,7 +330,9 @@ class SelfCenteredClip:
         if self.fixed_radius is not None:
             return self.fixed_radius
         if len(self.window) < AUTO_WARM:
-            warm, shortest = 2 * distance(own, origin), self.window.shortest()
+            warm, shortest, step = 2 * distance(own, origin), self.window.shortest(), self.step_length()
+            if step is not None:  # a scale no neighbour can move: the drift grows as a liar pulls the node
+                warm = min(warm, AUTO_PULL / self.weight * STEP_OUTLYING * step)
             return warm if shortest is None else min(warm, AUTO_PULL / self.weight * shortest)
         return AUTO_PULL / self.weight * (self.window.lower_quartile() if quartile is None else quartile)
 
@@ -323,12 +359,12 @@ class SelfCenteredClip:
         grouped = None if group is None else self.groups.setdefault(group, DistanceWindow())
         step = self.step_length()
         floor = ECHO_FLOOR * step if step is not None and len(self.window) >= AUTO_WARM else 0.0
-        for length in lengths.values():
+        for peer, length in lengths.items():
             if length < floor:
                 continue  # an echo's, or as close: it would pull the quartile down (judged and mixed all the same)
-            self.window.add(length)
+            self.window.add(peer, length)
             if grouped is not None:
-                grouped.add(length)
+                grouped.add(peer, length)
         quartile = self.window.lower_quartile() if len(self.window) >= AUTO_WARM else None
         scale = quartile  # what outlying is measured against: the group's where it has one (the module's text)
         if quartile is not None and grouped is not None:

@@ -63,17 +63,32 @@ def vec(*values: float) -> torch.Tensor:
 
 
 def test_the_auto_radius_quartile_is_statistics_lower_quartile_of_the_last_distances():
+    """From one neighbour, or as many distances from each of several (the window's balanced), the window's quartile
+    is statistics' lower quartile."""
     generator = random.Random(7)
     for _ in range(50):
-        window, distances = DistanceWindow(), []
-        for _ in range(generator.randint(2, 3 * AUTO_WINDOW)):
+        window, distances, peers = DistanceWindow(), [], generator.choice([1, 2, 4, 8])
+        for sent in range(generator.randint(2, 3 * AUTO_WINDOW)):
             distance = generator.choice([generator.random(), generator.expovariate(0.01), 1.0])
-            window.add(distance)
+            window.add(sent % peers, distance)
             distances.append(distance)
-            if len(distances) >= 2:
+            if len(distances) >= 2 and len(window) % peers == 0:
                 last = distances[-AUTO_WINDOW:]
                 assert window.lower_quartile() == statistics.quantiles(last, n=4)[0], last
         assert len(window) == min(len(distances), AUTO_WINDOW)
+
+
+def test_a_neighbour_that_sends_most_of_the_window_moves_its_quartile_no_more_than_another():
+    """Pull gossip on a 4-node ring fetched its liar 7 times in its first 9 fetches by chance: the liar's distances,
+    three quarters of the window, became its quartile, the radius let the liar's 1000s in, and the honest node,
+    dragged 22,152 away, was excluded by its other neighbour and flagged (simulator, seed 2)."""
+    window = DistanceWindow()
+    for length in (88600.0, 88600.0, 0.5, 88600.0, 88600.0, 88600.0, 0.3, 88600.0, 88600.0):
+        window.add(3 if length > 1 else 1, length)
+    assert window.lower_quartile() < 1  # the honest neighbour's distances weigh half the window, as the liar's
+    for length in (0.4, 0.2, 0.6):
+        window.add(1, length)
+    assert 0.2 < window.lower_quartile() < 0.5  # interpolated between the two that bracket the quarter point
 
 
 def test_a_contribution_beyond_the_radius_is_clipped_around_the_own_state_and_counted():
@@ -107,6 +122,16 @@ def test_while_the_window_warms_the_radius_is_at_most_the_auto_radius_of_the_sho
     factors = clip.scales(own, {1: own + vec(0, 0.5), 3: vec(0, 0)}, origin)
     assert clip.radius(own, origin) == AUTO_PULL / 0.5 * 0.5
     assert factors == {1: 1.0, 3: pytest.approx(0.5 / 5)}  # the liar would have passed whole at 10
+
+
+def test_while_the_window_warms_the_radius_is_at_most_a_few_of_the_nodes_own_steps():
+    """The drift from the start is what a liar's pull makes of it: each pull of a `constant` liar fetched before any
+    honest neighbour doubled the drift, and with it the radius (4-node ring, pull gossip, simulator)."""
+    clip = SelfCenteredClip(RobustSpec(rule="self-centered-clip"), weight=0.5)
+    origin, own = vec(0, 0), vec(30, 40)  # dragged 50 from the start: twice that would be 100
+    clip.stepped(vec(0, 1), lr=0.1)  # its own steps: 0.1 long
+    clip.scales(own, {3: own + vec(0, 1000)}, origin)
+    assert clip.radius(own, origin) == pytest.approx(AUTO_PULL / 0.5 * STEP_OUTLYING * 0.1)
 
 
 def test_the_auto_radius_bounds_a_contributions_pull_whatever_its_weight_in_the_mix():
@@ -472,6 +497,25 @@ def test_echoing_liars_get_no_honest_member_flagged_or_quarantined(fashion_mnist
     log, _ = read_events(tmp_path)
     assert not [e.message for e in log if e.kind in (SUSPECTED, QUARANTINED)]
     assert min(p.test_accuracy for p in result.progress if p.rank not in liars) > 0.7
+
+
+def test_a_liar_fetched_most_while_the_window_warms_gets_no_honest_neighbour_flagged(fashion_mnist_dir, tmp_path):
+    """Pull gossip on a 4-node ring: honest rank 2 fetched the `constant` liar 7 times in its first 9 fetches. It was
+    dragged 22,152 away before it excluded the liar, and flagged (55%), with the liar."""
+    spec = parse_job_spec({
+        "name": "robust", "nodes": 4, "steps": 800, "eval_every": 800, "seed": 2, "min_step_s": 0.05,
+        "algorithm": {"name": "gossip", "lr": 0.05, "interval": 2, "robust": {"rule": "self-centered-clip"},
+                      "options": {"interpolation": "constant", "factor": 0.5}},
+        "model": {"name": "logistic"},
+        "data": {"data_dir": str(fashion_mnist_dir), "split": "iid", "batch_size": 32, "test_limit": 1000},
+        "topology": {"kind": "ring", "seed": 1},
+        "simulation": {"step_time_s": 0.05, "jitter": 0.3, "seed": 2,
+                       "byzantine": [{"ranks": [3], "attack": "constant"}]},
+    })
+    result = simulate(spec, run_dir=tmp_path)
+    log, _ = read_events(tmp_path)
+    assert [e.message.split(":")[0] for e in log if e.kind == SUSPECTED] == ["rank 3 (node rank3)"]
+    assert min(p.test_accuracy for p in result.progress if p.rank != 3) > 0.75
 
 
 def test_one_liar_ruins_plain_push_sum_and_clipped_shares_hold(fashion_mnist_dir):
