@@ -406,12 +406,13 @@ class SelfCenteredClip:
 
 def clipped_shares(clipper: SelfCenteredClip, own: torch.Tensor, received: Mapping[int, tuple[torch.Tensor, float]],
                    origin: torch.Tensor, group: int | None = None) -> list[tuple[torch.Tensor, float]]:
-    """A push-sum round's shares (x, y) to absorb, in sender order, each with its estimate x / y clipped around
-    `own`, the node's estimate (SGP's and DiLoCo over gossip's robust push-sum, derived in nodeagent.algorithms.sgp).
-    A share within the radius is absorbed as it came, so a round without a clipped share is the plain rule's, bit for
-    bit; one clipped by the factor f becomes y (own + f (x / y - own)) = f (x - y own) + y own, built from the
-    difference its distance was measured on. A share of weight 0 carries nothing. `group`: the shares' (see
-    SelfCenteredClip.judge), if any."""
+    """What a push-sum round adds to the node's (x, weight): its shares (x, y), each with its estimate x / y clipped
+    around `own`, the node's estimate (SGP's and DiLoCo over gossip's robust push-sum, derived in
+    nodeagent.algorithms.sgp). A share clipped by the factor f is y (own + f (x / y - own)) = f (x - y own) + y own,
+    so the round adds F (X - y own) + (sum y) own: one product over the stacked differences, which the distances are
+    measured on too, where clipping each share and adding it read every share three more times. One share within
+    the radius is added as it came (the plain rule's, bit for bit: the one-peer graphs' every round). A share of
+    weight 0 carries nothing. `group`: the shares' (see SelfCenteredClip.judge), if any."""
     weighted = [(sender, *received[sender]) for sender in sorted(received) if received[sender][1] > 0]
     if not weighted:
         clipper.judge(own, {}, origin, group)
@@ -424,10 +425,17 @@ def clipped_shares(clipper: SelfCenteredClip, own: torch.Tensor, received: Mappi
         ys = torch.tensor([y for _, _, y in weighted], dtype=xs.dtype, device=xs.device)
         differences = xs.addr_(ys, own, alpha=-1)  # x - y own, whose norm over y is ||x / y - own||
     norms = row_norms(differences)
-    factors = clipper.judge(own, {sender: norm / y for (sender, _, y), norm in zip(weighted, norms, strict=True)},
-                            origin, group)
-    return [(x, y) if factors[sender] == 1.0 else (differences[row].mul(factors[sender]).add_(own, alpha=y), y)
-            for row, (sender, x, y) in enumerate(weighted)]
+    judged = clipper.judge(own, {sender: norm / y for (sender, _, y), norm in zip(weighted, norms, strict=True)},
+                           origin, group)
+    factors = [judged[sender] for sender, _, _ in weighted]
+    weight = sum(y for _, _, y in weighted)
+    if factors == [1.0]:
+        return [(weighted[0][1], weight)]
+    if all(factor == 1.0 for factor in factors):
+        summed = differences.sum(dim=0)
+    else:
+        summed = torch.tensor(factors, dtype=differences.dtype, device=differences.device) @ differences
+    return [(summed.add_(own, alpha=weight), weight)]
 
 
 def refuse_unsafe(counts: MixingCounts, peer: int, value: torch.Tensor) -> bool:

@@ -537,12 +537,10 @@ def test_a_clipped_push_sum_share_is_its_weight_times_the_clipped_model():
     node = SGP(torch.nn.Linear(3, 1, bias=False), context)
     own = node.x / node.weight
     far, near = own + torch.tensor([6.0, 0.0, 8.0]), own + torch.tensor([0.3, 0.0, 0.4])  # 10 and 0.5 away
-    near_share = near * 0.5
-    (clipped, clipped_weight), (kept, kept_weight) = node._clipped({3: (far, 0.0), 2: (near_share, 0.5),
-                                                                    1: (far * 0.25, 0.25)})
-    assert torch.allclose(clipped, 0.25 * (own + torch.tensor([0.6, 0.0, 0.8])))  # clipped to radius 1
-    assert kept is near_share  # within the radius: as it came
-    assert (clipped_weight, kept_weight) == (0.25, 0.5)  # in sender order; weight 0: nothing to absorb
+    ((x_sum, weight_sum),) = node._clipped({3: (far, 0.0), 2: (near * 0.5, 0.5), 1: (far * 0.25, 0.25)})
+    clipped = 0.25 * (own + torch.tensor([0.6, 0.0, 0.8]))  # clipped to radius 1
+    assert torch.allclose(x_sum, clipped + near * 0.5)  # within the radius: the share as it came; weight 0: nothing
+    assert weight_sum == 0.75
     assert node.mixing.clipped == {1: 1} and node.mixing.seen == {1: 1, 2: 1}
 
 
@@ -551,9 +549,9 @@ def test_push_sum_shares_within_the_radius_are_absorbed_as_they_came():
     node = SGP(torch.nn.Linear(64, 1, bias=False), NodeContext(rank=0, world_size=3, neighbors=(), spec=spec))
     own = node.x / node.weight
     shares = {1: ((own + 0.05) * 0.3, 0.3), 2: ((own - 0.1) * 0.25, 0.25)}
-    # A round without a clipped share is the plain rule's, bit for bit, one share or several.
-    assert node._clipped({1: shares[1]}) == [shares[1]]
-    assert node._clipped(shares) == [shares[1], shares[2]]
+    assert node._clipped({1: shares[1]}) == [shares[1]]  # one share within the radius: the plain rule's, bit for bit
+    ((x_sum, weight_sum),) = node._clipped(shares)
+    assert torch.allclose(x_sum, shares[1][0] + shares[2][0]) and weight_sum == 0.55
     assert node.mixing.clipped == {} and node.mixing.seen == {1: 2, 2: 1}
 
 
