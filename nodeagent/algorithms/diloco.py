@@ -811,7 +811,8 @@ class GossipDiLoCo(_DiLoCo):
 
     def _clipped(self, pending: PendingSync,
                  received: Mapping[int, tuple[torch.Tensor, float]]) -> list[tuple[torch.Tensor, float]]:
-        """The round's shares, their estimates of (u, theta) clipped around this node's (the module's text)."""
+        """What the round adds to the pending (x, weight), its shares' estimates of (u, theta) clipped around this
+        node's (the module's text)."""
         assert self.clipper is not None and self.origin is not None and pending.x is not None
         own = pending.x / pending.weight if pending.weight > 0 else pending.x
         start = self.padded(self.origin[self.fragment_slice(pending.fragment)].to(own.device))

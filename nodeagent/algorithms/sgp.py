@@ -140,7 +140,8 @@ class SGP(Algorithm):
         return absorbed
 
     def _clipped(self, received: Mapping[int, tuple[torch.Tensor, float]]) -> list[tuple[torch.Tensor, float]]:
-        """The round's shares, their de-biased models clipped around this node's z (the module's text)."""
+        """What the round adds to (x, weight), its shares' de-biased models clipped around this node's z (the module's
+        text)."""
         assert self.clipper is not None and self.origin is not None
         own = self.x / self.weight if self.weight > 0 else self.w.detach()
         return clipped_shares(self.clipper, own, received, self.origin)
