@@ -185,14 +185,15 @@ def safe_rows(rows: torch.Tensor) -> list[int]:
     return torch.nonzero(largest <= safe_magnitude(rows.dtype)).flatten().tolist()  # NaN compares false
 
 
-def sorted_lower_quartile(data: Sequence[float]) -> float:
-    """The 25th percentile of at least two sorted values, as statistics.quantiles(data, n=4)[0] (its exclusive
-    method), without the other two quartiles."""
-    count = len(data)
+def sorted_lower_quartile(entries: Sequence[tuple[float, int]]) -> float:
+    """The 25th percentile of the values of at least two (value, neighbour) entries sorted by value, as
+    statistics.quantiles(values, n=4)[0] (its exclusive method), without the other two quartiles (and without a
+    copy of the values: it reads two)."""
+    count = len(entries)
     m = count + 1
     j = min(max(m // 4, 1), count - 1)
     delta = m - 4 * j
-    return (data[j - 1] * (4 - delta) + data[j] * delta) / 4
+    return (entries[j - 1][0] * (4 - delta) + entries[j][0] * delta) / 4
 
 
 class DistanceWindow:
@@ -228,7 +229,7 @@ class DistanceWindow:
         distances whose cumulative weights, in order, bracket it (as many distances from each: the same)."""
         held = self.held.values()
         if max(held) == min(held):
-            return sorted_lower_quartile([length for length, _ in self.ordered])
+            return sorted_lower_quartile(self.ordered)
         count, scale = len(self.ordered), len(self.ordered) / len(self.held)
         quarter = (count + 1) / 4
         below, at = 0.0, self.ordered[0][0]
