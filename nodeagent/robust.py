@@ -82,7 +82,8 @@ its honest neighbours outlying, excluded them and reported them: on a 4-node rin
 was quarantined (98% outlying); on 16 nodes with 3 echoing liars, two of them among some honest nodes' four
 neighbours, 4 honest members were flagged and the honest nodes lost 9 points (synchronous DSGD, class-window). The
 node's own steps are a scale the liars cannot move: the algorithms that take local SGD steps between mixes (DSGD,
-gossip, AD-PSGD, SGP) note each step's length lr ||d|| (`stepped`), averaged with decay STEP_DECAY. Two uses:
+gossip, AD-PSGD, SGP) note the length lr ||d|| of one step in STEP_SAMPLE (`stepped`), averaged with decay
+STEP_DECAY: an average needs no more, and a norm at every step was a tenth of the rule's cost. Two uses:
 - Once the window is warm, a distance below ECHO_FLOOR times the average step enters no window (it is judged and
   mixed all the same). Before, every honest distance is as small (one initial model for all), and the floor would
   leave the liars' distances alone in the window: 3 `zeros` liars then cost 26 points.
@@ -128,7 +129,8 @@ import functools
 import math
 import statistics
 from collections import defaultdict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -157,6 +159,7 @@ EXCLUDED_SHARE = 0.75
 ECHO_FLOOR = 0.5
 STEP_DECAY = 0.9  # of the running average of the node's step lengths
 STEPS_UNREAD = 64  # steps' norms held for the next judgement at most (a node that judges nothing for long)
+STEP_SAMPLE = 4  # one local step in this many has its length noted (the module's text, "echoes")
 # A contribution counts towards the node's report only beyond STEP_OUTLYING times its average step too (the module's
 # text).
 STEP_OUTLYING = 3.0
@@ -211,17 +214,19 @@ class DistanceWindow:
         return len(self.arrived)
 
     def add(self, peer: int, length: float) -> None:
-        if len(self.arrived) == AUTO_WINDOW:
-            oldest = self.arrived.popleft()
-            del self.ordered[bisect.bisect_left(self.ordered, oldest)]
-            if self.held[oldest[1]] == 1:
-                del self.held[oldest[1]]
+        arrived, ordered, held = self.arrived, self.ordered, self.held
+        if len(arrived) == AUTO_WINDOW:
+            oldest = arrived.popleft()
+            del ordered[bisect.bisect_left(ordered, oldest)]
+            left = held[oldest[1]] - 1
+            if left:
+                held[oldest[1]] = left
             else:
-                self.held[oldest[1]] -= 1
+                del held[oldest[1]]
         entry = (length, peer)
-        self.arrived.append(entry)
-        bisect.insort(self.ordered, entry)
-        self.held[peer] = self.held.get(peer, 0) + 1
+        arrived.append(entry)
+        bisect.insort(ordered, entry)
+        held[peer] = held.get(peer, 0) + 1
 
     def lower_quartile(self) -> float:
         """statistics.quantiles(window, n=4)[0] (its exclusive method) with each neighbour's distances weighing 1 /
@@ -231,10 +236,11 @@ class DistanceWindow:
         if max(held) == min(held):
             return sorted_lower_quartile(self.ordered)
         count, scale = len(self.ordered), len(self.ordered) / len(self.held)
+        weights = {peer: scale / distances for peer, distances in self.held.items()}
         quarter = (count + 1) / 4
         below, at = 0.0, self.ordered[0][0]
         for length, peer in self.ordered:
-            reached = below + scale / self.held[peer]
+            reached = below + weights[peer]
             if reached >= quarter:
                 return at if below == 0.0 else at + (quarter - below) / (reached - below) * (length - at)
             below, at = reached, length
@@ -292,6 +298,7 @@ class SelfCenteredClip:
         self.counts = MixingCounts()
         self.recent: dict[int, deque[bool]] = {}  # per neighbour: whether each of its last contributions was outlying
         # The average ||d|| of the node's local steps, the norms of those not yet read into it, and their lr.
+        self.steps_taken = 0
         self.direction_norm: float | None = None
         self.step_norms: list[torch.Tensor] = []
         self.lr = 0.0
@@ -302,9 +309,12 @@ class SelfCenteredClip:
         return recent is not None and len(recent) >= EXCLUDED_SEEN and sum(recent) >= EXCLUDED_SHARE * len(recent)
 
     def stepped(self, direction: torch.Tensor, lr: float) -> None:
-        """The node took a local step of `lr` along `direction`: its length scales the echo floor and what is
-        reported as outlying (the module's text, "echoes"). Its norm is read back with the steps' since, at the next
-        judgement (a GPU synchronises there, not at every step)."""
+        """The node took a local step of `lr` along `direction`: the length of one step in STEP_SAMPLE scales the
+        echo floor and what is reported as outlying (the module's text, "echoes"). Its norm is read back with the
+        steps' since, at the next judgement (a GPU synchronises there, not at every step)."""
+        self.steps_taken += 1
+        if (self.steps_taken - 1) % STEP_SAMPLE:
+            return
         if self.step_norms and lr != self.lr:
             self._read_steps()  # the steps before at their own lr
         self.step_norms.append(torch.linalg.vector_norm(direction))  # lr is applied when the average is read
@@ -359,14 +369,15 @@ class SelfCenteredClip:
         (the module's text, "several scales")."""
         grouped = None if group is None else self.groups.setdefault(group, DistanceWindow())
         step = self.step_length()
-        floor = ECHO_FLOOR * step if step is not None and len(self.window) >= AUTO_WARM else 0.0
+        window = self.window
+        floor = ECHO_FLOOR * step if step is not None and len(window) >= AUTO_WARM else 0.0
         for peer, length in lengths.items():
             if length < floor:
                 continue  # an echo's, or as close: it would pull the quartile down (judged and mixed all the same)
-            self.window.add(peer, length)
+            window.add(peer, length)
             if grouped is not None:
                 grouped.add(peer, length)
-        quartile = self.window.lower_quartile() if len(self.window) >= AUTO_WARM else None
+        quartile = window.lower_quartile() if len(window) >= AUTO_WARM else None
         scale = quartile  # what outlying is measured against: the group's where it has one (the module's text)
         if quartile is not None and grouped is not None:
             scale = min(grouped.lower_quartile(), GROUP_CAP * quartile) if len(grouped) >= GROUP_WARM else None
@@ -376,15 +387,18 @@ class SelfCenteredClip:
         # What the node reports (the coordinator's suspicion) must also be far on a scale no neighbour can shrink.
         reported_above = outlying_above if step is None else max(outlying_above, STEP_OUTLYING * step)
         seen, clipped, outlying_counts = self.counts.seen, self.counts.clipped, self.counts.outlying
+        recent = self.recent
         factors = {}
         for peer, length in lengths.items():
-            outlying = length > outlying_above
+            record = recent.get(peer)
             if judged:  # before, no contribution is outlying, and none may count towards a peer's record
-                record = self.recent.get(peer)
                 if record is None:
-                    record = self.recent[peer] = deque(maxlen=EXCLUDED_WINDOW)
-                record.append(outlying)
-            factor = 0.0 if self.excluded(peer) else 1.0 if length <= radius else radius / length
+                    record = recent[peer] = deque(maxlen=EXCLUDED_WINDOW)
+                record.append(length > outlying_above)
+            # excluded(peer), inline: this loop runs at every contribution a node mixes
+            excluded = record is not None and len(record) >= EXCLUDED_SEEN and \
+                sum(record) >= EXCLUDED_SHARE * len(record)
+            factor = 0.0 if excluded else 1.0 if length <= radius else radius / length
             factors[peer] = factor
             seen[peer] += 1
             if factor < 1.0:
@@ -437,6 +451,45 @@ def clipped_shares(clipper: SelfCenteredClip, own: torch.Tensor, received: Mappi
     else:
         summed = torch.tensor(factors, dtype=differences.dtype, device=differences.device) @ differences
     return [(summed.add_(own, alpha=weight), weight)]
+
+
+@dataclass(frozen=True)
+class MixingWeights:
+    """A node's mixing weights in the form one mix over its stacked copies takes them (`mix_clipped`), built once
+    per topology: a tensor built at every mix costs as much as the mix's arithmetic."""
+
+    ranks: tuple[int, ...]
+    vector: torch.Tensor  # the neighbours' weights in the order of `ranks`, on the model's device
+    total: float  # the node's own weight and its neighbours'
+
+    @staticmethod
+    def of(neighbors: Sequence[tuple[int, float]], self_weight: float, like: torch.Tensor) -> MixingWeights:
+        """From (rank, weight) pairs, with a vector of `like`'s dtype and device."""
+        weights = [weight for _, weight in neighbors]
+        return MixingWeights(tuple(rank for rank, _ in neighbors),
+                             torch.tensor(weights, dtype=like.dtype, device=like.device), self_weight + sum(weights))
+
+
+def mix_clipped(clipper: SelfCenteredClip, own: torch.Tensor, copies: Mapping[int, torch.Tensor],
+                weights: MixingWeights, judged: Collection[int], origin: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Mixes the neighbours' `copies` into `own` in place with `weights`, those of `judged` clipped around `own`
+    first (DSGD's robust mix): s x + sum_j w_j (x + f_j (x_j - x)) = (s + sum_j w_j) x + sum_j w_j f_j (x_j - x),
+    one product over the stacked differences, which the distances are measured on too, where a mix of each copy
+    reads every copy once more. The others (copies clipped before) count with f_j = 1. Returns the copies of
+    `judged` that were clipped, each as it was mixed (own + f_j (x_j - own), own before the mix)."""
+    ranks = weights.ranks
+    differences = torch.stack([copies[rank] for rank in ranks]).sub_(own)
+    lengths = row_norms(differences)  # one read back for all of them (a GPU synchronises once)
+    factors = clipper.judge(own, {rank: length for rank, length in zip(ranks, lengths, strict=True) if rank in judged},
+                            origin)
+    clipped, coefficients = {}, weights.vector
+    shrunk = [factors.get(rank, 1.0) for rank in ranks]
+    if min(shrunk) < 1.0:  # under an attack only: the vector is built
+        clipped = {rank: torch.add(own, differences[i], alpha=factor)
+                   for i, (rank, factor) in enumerate(zip(ranks, shrunk, strict=True)) if factor < 1.0}
+        coefficients = coefficients * torch.tensor(shrunk, dtype=own.dtype, device=own.device)
+    own.addmv_(differences.T, coefficients, beta=weights.total)
+    return clipped
 
 
 def refuse_unsafe(counts: MixingCounts, peer: int, value: torch.Tensor) -> bool:

@@ -36,6 +36,7 @@ from nodeagent.robust import (
     OUTLYING_FACTOR,
     STEP_DECAY,
     STEP_OUTLYING,
+    STEP_SAMPLE,
     DistanceWindow,
     NormClip,
     RobustAggregator,
@@ -214,10 +215,13 @@ def test_a_neighbour_persistently_outlying_is_excluded_until_it_is_mixed_within_
     assert not clip.excluded(1) and clip.scales(own, {1: vec(0, 1)}, origin)[1] > 0  # never excluded
 
 
-def test_the_nodes_step_length_is_an_average_of_lr_times_each_directions_norm():
+def test_the_nodes_step_length_is_an_average_of_lr_times_the_norm_of_one_direction_in_step_sample():
     clip = SelfCenteredClip(RobustSpec(rule="self-centered-clip"), weight=0.5)
     assert clip.step_length() is None  # no local step taken: no step scale
     clip.stepped(vec(3, 4), lr=0.1)
+    assert clip.step_length() == pytest.approx(0.5)
+    for _ in range(STEP_SAMPLE - 1):
+        clip.stepped(vec(0, 100), lr=0.1)  # not noted
     assert clip.step_length() == pytest.approx(0.5)
     clip.stepped(vec(0, 10), lr=0.1)
     assert clip.step_length() == pytest.approx(STEP_DECAY * 0.5 + (1 - STEP_DECAY) * 1.0)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from nodeagent.algorithms.base import Algorithm, NodeContext, Route, Send, Snapshot
-from nodeagent.robust import unsafe
+from nodeagent.robust import MixingWeights, mix_clipped, unsafe
 from nodeagent.wire.message import Kind, Message, TensorSpec
 
 # Synchronous mode: a neighbour runs at most one round ahead of this node (it completes a round only with this
@@ -56,6 +56,7 @@ class DSGD(Algorithm):
         self._outbox: list[Send] = []
         self.origin = self.w.detach().clone() if self.clipper is not None else None  # the shared initial model
         self.unjudged: set[int] = set()  # asynchronous robust mixing: neighbours whose last copy is not clipped yet
+        self._mixing: MixingWeights | None = None  # robust mixing: the context's weights (built at the first mix)
         self.republish()
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -81,22 +82,18 @@ class DSGD(Algorithm):
     def _mix(self, copies: dict[int, torch.Tensor]) -> None:
         if not self.context.neighbors:
             return
-        if self.synchronous and self.clipper is not None:
-            # The round's copies clipped around x_t: x_j -> x + f_j (x_j - x), applied as weights, with no copy
-            # built: sum_j w_j (x + f_j (x_j - x)) = (sum_j w_j (1 - f_j)) x + sum_j w_j f_j x_j.
+        if self.clipper is not None and (self.synchronous or self.unjudged):
+            # The round's copies (synchronous), or those that arrived since the last mix, clipped around x.
             assert self.origin is not None
-            factors = self.clipper.scales(self.w, {n.rank: copies[n.rank] for n in self.context.neighbors},
-                                          self.origin)
-            kept = sum(n.weight * (1 - factors[n.rank]) for n in self.context.neighbors)
-            self.w.mul_(self.context.self_weight + kept)
-            for neighbor in self.context.neighbors:
-                self.w.add_(copies[neighbor.rank], alpha=neighbor.weight * factors[neighbor.rank])
+            if self._mixing is None:
+                self._mixing = MixingWeights.of([(n.rank, n.weight) for n in self.context.neighbors],
+                                                self.context.self_weight, self.w)
+            judged = copies.keys() if self.synchronous else self.unjudged
+            clipped = mix_clipped(self.clipper, self.w, copies, self._mixing, judged, self.origin)
+            if not self.synchronous:
+                copies.update(clipped)  # mixed as clipped until the neighbour's next copy
+                self.unjudged.clear()
             return
-        if self.unjudged:
-            assert self.clipper is not None and self.origin is not None
-            fresh = {rank: copies[rank] for rank in self.unjudged if rank in copies}
-            copies.update(self.clipper.clip_all(self.w, fresh, self.origin))
-            self.unjudged.clear()
         # In place: the same operations in the same order as into a new tensor, without allocating one per step.
         self.w.mul_(self.context.self_weight)
         for neighbor in self.context.neighbors:
@@ -129,6 +126,7 @@ class DSGD(Algorithm):
             for rank in set(copies) - ranks:
                 del copies[rank]
         self._take_context(context)
+        self._mixing = None
 
     def sends(self) -> list[Send]:
         if self.synchronous:
