@@ -559,6 +559,27 @@ def test_push_sum_shares_within_the_radius_are_absorbed_as_they_came():
     assert node.mixing.clipped == {} and node.mixing.seen == {1: 2, 2: 1}
 
 
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_dsgd_mix_with_every_copy_within_the_radius_is_the_plain_mix(mode):
+    """No attack, no clipping: the robust mix (one product over the stacked differences) mixes what the plain one
+    does, to rounding."""
+    def node(robust: RobustSpec | None) -> DSGD:
+        torch.manual_seed(0)
+        spec = AlgorithmSpec(name="dsgd", lr=0.05, mode=mode, robust=robust)
+        context = NodeContext(rank=0, world_size=4, spec=spec, self_weight=0.4,
+                              neighbors=(Neighbor(1, weight=0.3), Neighbor(2, weight=0.2), Neighbor(3, weight=0.1)))
+        return DSGD(torch.nn.Linear(16, 2), context)
+
+    plain, robust = node(None), node(RobustSpec(rule="self-centered-clip", radius=100.0))
+    copies = {rank: plain.w.detach() + 0.1 * torch.randn_like(plain.w) for rank in (1, 2, 3)}
+    for each in (plain, robust):
+        each.unjudged |= set(copies)
+        with torch.no_grad():
+            each._mix(dict(copies))
+    assert torch.allclose(robust.w, plain.w, rtol=0, atol=1e-6) and not torch.equal(plain.w, copies[1])
+    assert robust.mixing.seen == {1: 1, 2: 1, 3: 1} and robust.mixing.clipped == {}
+
+
 def test_asynchronous_dsgd_judges_a_copy_at_its_first_mix_around_the_state_it_is_mixed_into():
     spec = AlgorithmSpec(name="dsgd", lr=0.05, robust=RobustSpec(rule="self-centered-clip", radius=1.0))
     context = NodeContext(rank=0, world_size=3, neighbors=(Neighbor(1, weight=0.25), Neighbor(2, weight=0.25)),
