@@ -355,13 +355,11 @@ class SelfCenteredClip:
         enter the window first, so that one round's contributions are judged together."""
         if not contributions:
             return {}
-        values = list(contributions.values())
-        if len(values) == 1:  # most calls: one per message, without a stack's copy
-            length = float(torch.dist(values[0], own))
-            lengths = [length if math.isfinite(length) else distance(values[0], own)]
-        else:  # one read back for all of them (a GPU synchronises once)
-            lengths = row_norms(torch.stack(values).sub_(own))
-        return self.judge(own, dict(zip(contributions, lengths, strict=True)), origin)
+        lengths = {}
+        for peer, value in contributions.items():  # the callers mix one at a time (a mix of several measures them
+            length = float(torch.dist(value, own))  # on its stacked differences: mix_clipped, clipped_shares)
+            lengths[peer] = length if math.isfinite(length) else distance(value, own)
+        return self.judge(own, lengths, origin)
 
     def judge(self, own: torch.Tensor, lengths: Mapping[int, float], origin: torch.Tensor,
               group: int | None = None) -> dict[int, float]:
