@@ -548,6 +548,19 @@ def test_a_clipped_push_sum_share_is_its_weight_times_the_clipped_model():
     assert node.mixing.clipped == {1: 1} and node.mixing.seen == {1: 1, 2: 1}
 
 
+def test_push_sum_shares_of_equal_weight_are_clipped_and_summed_as_shares_of_different_weights():
+    """A regular graph's rounds bring shares of one weight, measured without a weights tensor: the same result."""
+    spec = AlgorithmSpec(name="sgp", lr=0.05, robust=RobustSpec(rule="self-centered-clip", radius=1.0))
+    node = SGP(torch.nn.Linear(3, 1, bias=False), NodeContext(rank=0, world_size=3, neighbors=(), spec=spec))
+    own = node.x / node.weight
+    far, near = own + torch.tensor([6.0, 0.0, 8.0]), own + torch.tensor([0.3, 0.0, 0.4])  # 10 and 0.5 away
+    ((x_sum, weight_sum),) = node._clipped({1: (far * 0.25, 0.25), 2: (near * 0.25, 0.25)})
+    assert torch.allclose(x_sum, 0.25 * (own + torch.tensor([0.6, 0.0, 0.8])) + near * 0.25) and weight_sum == 0.5
+    ((x_sum, weight_sum),) = node._clipped({1: (near * 0.25, 0.25), 2: ((own - 0.2) * 0.25, 0.25)})
+    assert torch.allclose(x_sum, near * 0.25 + (own - 0.2) * 0.25) and weight_sum == 0.5
+    assert node.mixing.clipped == {1: 1} and node.mixing.seen == {1: 2, 2: 2}
+
+
 def test_push_sum_shares_within_the_radius_are_absorbed_as_they_came():
     spec = AlgorithmSpec(name="sgp", lr=0.05, robust=RobustSpec(rule="self-centered-clip", radius=1.0))
     node = SGP(torch.nn.Linear(64, 1, bias=False), NodeContext(rank=0, world_size=3, neighbors=(), spec=spec))
