@@ -214,19 +214,17 @@ class DistanceWindow:
         return len(self.arrived)
 
     def add(self, peer: int, length: float) -> None:
-        arrived, ordered, held = self.arrived, self.ordered, self.held
-        if len(arrived) == AUTO_WINDOW:
-            oldest = arrived.popleft()
-            del ordered[bisect.bisect_left(ordered, oldest)]
-            left = held[oldest[1]] - 1
-            if left:
-                held[oldest[1]] = left
+        if len(self.arrived) == AUTO_WINDOW:
+            oldest = self.arrived.popleft()
+            del self.ordered[bisect.bisect_left(self.ordered, oldest)]
+            if self.held[oldest[1]] == 1:
+                del self.held[oldest[1]]
             else:
-                del held[oldest[1]]
+                self.held[oldest[1]] -= 1
         entry = (length, peer)
-        arrived.append(entry)
-        bisect.insort(ordered, entry)
-        held[peer] = held.get(peer, 0) + 1
+        self.arrived.append(entry)
+        bisect.insort(self.ordered, entry)
+        self.held[peer] = self.held.get(peer, 0) + 1
 
     def lower_quartile(self) -> float:
         """statistics.quantiles(window, n=4)[0] (its exclusive method) with each neighbour's distances weighing 1 /
@@ -236,11 +234,10 @@ class DistanceWindow:
         if max(held) == min(held):
             return sorted_lower_quartile(self.ordered)
         count, scale = len(self.ordered), len(self.ordered) / len(self.held)
-        weights = {peer: scale / distances for peer, distances in self.held.items()}
         quarter = (count + 1) / 4
         below, at = 0.0, self.ordered[0][0]
         for length, peer in self.ordered:
-            reached = below + weights[peer]
+            reached = below + scale / self.held[peer]
             if reached >= quarter:
                 return at if below == 0.0 else at + (quarter - below) / (reached - below) * (length - at)
             below, at = reached, length
@@ -367,15 +364,14 @@ class SelfCenteredClip:
         (the module's text, "several scales")."""
         grouped = None if group is None else self.groups.setdefault(group, DistanceWindow())
         step = self.step_length()
-        window = self.window
-        floor = ECHO_FLOOR * step if step is not None and len(window) >= AUTO_WARM else 0.0
+        floor = ECHO_FLOOR * step if step is not None and len(self.window) >= AUTO_WARM else 0.0
         for peer, length in lengths.items():
             if length < floor:
                 continue  # an echo's, or as close: it would pull the quartile down (judged and mixed all the same)
-            window.add(peer, length)
+            self.window.add(peer, length)
             if grouped is not None:
                 grouped.add(peer, length)
-        quartile = window.lower_quartile() if len(window) >= AUTO_WARM else None
+        quartile = self.window.lower_quartile() if len(self.window) >= AUTO_WARM else None
         scale = quartile  # what outlying is measured against: the group's where it has one (the module's text)
         if quartile is not None and grouped is not None:
             scale = min(grouped.lower_quartile(), GROUP_CAP * quartile) if len(grouped) >= GROUP_WARM else None
@@ -385,18 +381,15 @@ class SelfCenteredClip:
         # What the node reports (the coordinator's suspicion) must also be far on a scale no neighbour can shrink.
         reported_above = outlying_above if step is None else max(outlying_above, STEP_OUTLYING * step)
         seen, clipped, outlying_counts = self.counts.seen, self.counts.clipped, self.counts.outlying
-        recent = self.recent
         factors = {}
         for peer, length in lengths.items():
-            record = recent.get(peer)
+            outlying = length > outlying_above
             if judged:  # before, no contribution is outlying, and none may count towards a peer's record
+                record = self.recent.get(peer)
                 if record is None:
-                    record = recent[peer] = deque(maxlen=EXCLUDED_WINDOW)
-                record.append(length > outlying_above)
-            # excluded(peer), inline: this loop runs at every contribution a node mixes
-            excluded = record is not None and len(record) >= EXCLUDED_SEEN and \
-                sum(record) >= EXCLUDED_SHARE * len(record)
-            factor = 0.0 if excluded else 1.0 if length <= radius else radius / length
+                    record = self.recent[peer] = deque(maxlen=EXCLUDED_WINDOW)
+                record.append(outlying)
+            factor = 0.0 if self.excluded(peer) else 1.0 if length <= radius else radius / length
             factors[peer] = factor
             seen[peer] += 1
             if factor < 1.0:
