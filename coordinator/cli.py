@@ -365,6 +365,10 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--device", default="cpu", metavar="{cpu,cuda,cuda:N,auto}",
                           help="where the simulated nodes' models, state and data live: every node on this one "
                           "device (default %(default)s; results agree with the CPU's within float rounding)")
+    simulate.add_argument("--export", type=Path, metavar="MODEL.pt",
+                          help="write the trained model to this file as `coordinator export` writes a job's (the "
+                          "consensus: the mean of the ranks' models for peer-to-peer, the server's, or rank 0's for "
+                          "all-reduce), which `report --model` evaluates and a job's model.init starts from")
 
     report = commands.add_parser(
         "report", help="write the figures of one or several runs and an HTML page that shows them",
@@ -1035,10 +1039,11 @@ def _load_job(path: Path, args: argparse.Namespace) -> JobFile:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from coordinator.control.states import JobState
-    from coordinator.simulate import SimulationProgress, simulate
+    from coordinator.simulate import SimulationProgress, simulate, simulated_model
     from nodeagent.runtime.simulator import rare_full_collections
     from nodeagent.training.data import DataError
     from nodeagent.training.device import DeviceError, resolve_device
+    from nodeagent.training.modelfile import write_model_file
     from nodeagent.training.models import ModelError
 
     _check_imports(args.allow_import)
@@ -1057,7 +1062,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         with ProgressView(spec.name, spec.steps, spec.nodes) as view:
             result = simulate(spec, run_dir, args.data_dir, on_progress=SimulationProgress(view, spec.task),
                               allow_imports=tuple(args.allow_import), device=device)
-    except ModelError as error:  # an import path not allowed here, most likely
+    except ModelError as error:  # an import path not allowed here, or a model.init file that does not fit
         raise SystemExit(f"coordinator: {args.job_file}: {error}") from None
     except DataError as error:
         raise SystemExit(f"coordinator: {error}") from None
@@ -1066,11 +1071,21 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     with rare_full_collections():  # every node's record: a full collection here took 3 s at 5,000 nodes
         print(format_status(result.progress, task=spec.task))
     print(f"virtual time {result.mesh.now:.2f} s, wall time {result.wall_s:.1f} s; metrics log {run_dir}/metrics.jsonl")
+    if args.export is not None:
+        try:
+            state_dict, manifest = simulated_model(result)
+            write_model_file(args.export, state_dict, manifest)
+        except ValueError as error:
+            raise SystemExit(f"coordinator: --export: {error}") from None
+        except OSError as error:
+            raise SystemExit(f"coordinator: cannot write {args.export}: {error.strerror}") from None
+        print(shown(f"wrote {args.export}: {manifest['source']} at step {manifest['step']}"))
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from coordinator.export import ExportError, receive_model, write_model
+    from coordinator.export import ExportError, receive_model
+    from nodeagent.training.modelfile import write_model_file
     from nodeagent.training.models import ModelError
 
     _check_imports(args.allow_import)
@@ -1085,7 +1100,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     except (ExportError, ModelError) as error:
         raise SystemExit(f"coordinator: {error}") from None
     try:
-        write_model(args.out, state_dict, manifest)
+        write_model_file(args.out, state_dict, manifest)
     except OSError as error:
         raise SystemExit(f"coordinator: cannot write {args.out}: {error.strerror}") from None
     metric = manifest["metric"]
@@ -1128,14 +1143,15 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def _report_model(args: argparse.Namespace) -> int:
     """`report --model`: the exported model evaluated on its job's test set, beside what the job reported."""
-    from coordinator.export import ExportError, evaluate_model_file
+    from coordinator.export import evaluate_model_file
     from nodeagent.training.data import DataError
+    from nodeagent.training.modelfile import ModelFileError
     from nodeagent.training.models import ModelError
 
     _check_imports(args.allow_import)
     try:
         result, manifest = evaluate_model_file(args.model, args.data_dir, tuple(args.allow_import))
-    except (ExportError, ModelError, DataError) as error:
+    except (ModelFileError, ModelError, DataError) as error:
         raise SystemExit(f"coordinator: {error}") from None
     metric = manifest["metric"]
     measured = {"test_accuracy": result.accuracy, "test_loss": result.loss, "test_perplexity": result.perplexity}

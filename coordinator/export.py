@@ -1,12 +1,12 @@
 """`coordinator export`: a job's trained model as one file that plain PyTorch loads, and `coordinator report --model`,
 which evaluates such a file on its job's test set.
 
-The file is `torch.save({"state_dict": ..., "manifest": ...})`, loadable with `torch.load(path, weights_only=True)`:
-`state_dict` is the model's own (the keys of `model.state_dict()`, each tensor shaped as the module holds it; the
-parameters as trained, buffers as the job's seeded initial model has them: the algorithms exchange and train only
-parameters), `manifest` a dictionary of plain values (FORMAT, the job, its algorithm, the model's name and options,
-the data's description, what the parameters are, their step and the job's metric). docs/operations.md, "Taking a
-trained model home", shows how to load it.
+The file is nodeagent.training.modelfile's: `torch.save({"state_dict": ..., "manifest": ...})`, loadable with
+`torch.load(path, weights_only=True)`. `state_dict` is the model's own (the parameters as trained, buffers as the
+job's seeded model has them: the algorithms exchange and train only parameters), `manifest` a dictionary of plain
+values (`manifest_of`: FORMAT, the job, its algorithm, the model's name and options, the data's description, what the
+parameters are, their step and the job's metric). docs/operations.md, "Taking a trained model home", shows how to
+load it.
 
 The parameters come from the coordinator (ExportModel: coordinator.model_store), which the job's ranks sent them to
 over their authenticated channels as they finished. They are read here within the job's `wire.max_message_bytes`,
@@ -16,8 +16,6 @@ any payload is read; nothing that does not fit is written), and never unpickled.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,17 +28,16 @@ from nodeagent.jobspec import JobSpec
 from nodeagent.runtime.messages import data_from_proto
 from nodeagent.training.data import DatasetInfo
 from nodeagent.training.loop import EvalResult
-from nodeagent.training.models import initial_model, parameter_specs
+from nodeagent.training.modelfile import FORMAT, load_model_file
+from nodeagent.training.models import parameter_specs, seeded_model
 from nodeagent.training.tasks import task_of
 from nodeagent.wire.decoder import decode
 from nodeagent.wire.errors import WireError
 from nodeagent.wire.message import TensorSpec
 
-FORMAT = "peertrain-model/1"
-
 
 class ExportError(Exception):
-    """An export that cannot be had or written, or a file that is not one; the message says why."""
+    """An export that cannot be had; the message says why."""
 
 
 def receive_model(replies: Iterable[pb.ModelExport], allow_imports: Collection[str] = ()
@@ -56,7 +53,7 @@ def receive_model(replies: Iterable[pb.ModelExport], allow_imports: Collection[s
     if not described.HasField("data"):
         raise ExportError(f"job {described.job_id}: no rank described its data, so the model has no shape")
     info = data_from_proto(described.data)
-    model = initial_model(spec, info, allow_imports)  # its buffers as the job's nodes started with them
+    model = seeded_model(spec, info, allow_imports)  # its buffers as the job's nodes built them
     expected = [TensorSpec(name, dtype, shape) for name, dtype, shape in parameter_specs(model)]
     try:
         message = decode(_frames(stream), lambda _manifest: expected, spec.wire.max_message_bytes)
@@ -101,26 +98,6 @@ def manifest_of(described: pb.ExportedModel, spec: JobSpec, info: DatasetInfo) -
     }
 
 
-def write_model(path: Path, state_dict: dict[str, torch.Tensor], manifest: dict[str, Any]) -> None:
-    """The file, written whole and renamed into place (a file cut short is never left under its name)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as tmp:
-        torch.save({"state_dict": state_dict, "manifest": manifest}, tmp)
-    os.replace(tmp.name, path)
-
-
-def load_model_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The state_dict and manifest of an exported file (weights only: nothing in it is code)."""
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, EOFError) as error:
-        raise ExportError(f"{path}: not a model file `coordinator export` wrote: {error}") from None
-    if not isinstance(saved, dict) or not isinstance(saved.get("manifest"), dict) or \
-            saved["manifest"].get("format") != FORMAT:
-        raise ExportError(f"{path}: not a model file `coordinator export` wrote (no {FORMAT} manifest)")
-    return saved["state_dict"], saved["manifest"]
-
-
 def evaluate_model_file(path: Path, data_dir: str | None = None, allow_imports: Collection[str] = ()
                         ) -> tuple[EvalResult, dict[str, Any]]:
     """An exported model evaluated on its job's test set (the job's data directory, or `data_dir`) by the job's
@@ -129,6 +106,6 @@ def evaluate_model_file(path: Path, data_dir: str | None = None, allow_imports: 
     spec = JobSpec.from_json(manifest["job_spec"])
     task = task_of(spec)
     test = task.load(spec, data_dir or spec.data.data_dir, "test")
-    model = initial_model(spec, test.info, allow_imports)
+    model = seeded_model(spec, test.info, allow_imports)
     model.load_state_dict(state_dict)
     return task.evaluate(model, test), manifest

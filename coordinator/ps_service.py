@@ -59,6 +59,7 @@ from nodeagent.rpc import add_servicer, grpc_code
 from nodeagent.runtime.readiness import data_from_json
 from nodeagent.security.tls import caller
 from nodeagent.training.data import DatasetInfo
+from nodeagent.training.models import ModelError
 from nodeagent.wire.decoder import decode
 from nodeagent.wire.encoder import encode
 from nodeagent.wire.errors import Reason, Status, WireError
@@ -298,9 +299,13 @@ class PSService:
         if not row.data_json:  # every worker reports ready, with its data, before its first call
             raise WireError(Reason.NOT_READY, f"job {job_id!r}: no worker has described its data yet",
                             Status.FAILED_PRECONDITION)
-        job = self._jobs[job_id] = PSJob(job_id, spec, Path(row.run_dir), members, self.metrics,
-                                         data_from_json(row.data_json), self.fsync,
-                                         self._quarantined.setdefault(job_id, set()))
+        try:
+            job = PSJob(job_id, spec, Path(row.run_dir), members, self.metrics, data_from_json(row.data_json),
+                        self.fsync, self._quarantined.setdefault(job_id, set()))
+        except ModelError as error:  # model.init: a file this machine cannot read, or not the job's model
+            raise WireError(Reason.NO_SERVER, f"job {job_id!r}: its parameter server cannot start: {error}",
+                            Status.FAILED_PRECONDITION) from None
+        self._jobs[job_id] = job
         return job
 
     def version_of(self, job_id: str) -> int | None:

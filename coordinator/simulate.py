@@ -25,12 +25,14 @@ by a live topology change that every node is told of at once, a parameter-server
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable, Collection
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,14 +41,18 @@ from coordinator.control.plane import AssignmentsChanged, ControlPlane, Effect, 
 from coordinator.control.records import Job
 from coordinator.control.states import JobState
 from coordinator.display import mean_accuracy, mean_measured
+from coordinator.export import manifest_of
 from coordinator.jobs import plan_node, validate_job, validate_topology_change, with_topology
 from coordinator.progress_view import ProgressView
+from nodeagent._proto import coordinator_pb2 as pb
+from nodeagent.algorithms import Family, lookup
 from nodeagent.defaults import HEARTBEAT_TIMEOUT_S
 from nodeagent.jobspec import JobSpec
 from nodeagent.metrics import Metrics
 from nodeagent.runtime import events
 from nodeagent.runtime.driver import Report, Switch, TopologyChange
 from nodeagent.runtime.events import Event, EventLog
+from nodeagent.runtime.messages import data_to_proto
 from nodeagent.runtime.progress import Progress, RunLog, figures_text, task_metrics
 from nodeagent.runtime.simulator import SimNode, VirtualMesh, rare_full_collections
 from nodeagent.training.job import JobData, Node
@@ -227,6 +233,47 @@ def simulate(
             event_log.append(Event(mesh.now, spec.name, events.STOPPED,
                                    "the simulation ended before every node finished"))
         return SimulationResult(mesh, run_dir, time.monotonic() - started, job)
+
+
+def simulated_model(result: SimulationResult) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The simulated job's model and its manifest, as `coordinator export` takes a job's by default: the mean of
+    the finished ranks' models for the peer-to-peer family, the parameter server's model for the server family, the
+    first finished rank's for the all-reduce family (whose ranks hold the same model). ValueError if no rank
+    finished."""
+    spec = result.job.spec
+    nodes = [sim.node for sim in result.mesh.nodes if sim.done]
+    if not nodes:
+        raise ValueError(f"job {spec.name}: no rank finished, so it has no trained model")
+    info = nodes[0].batches.dataset.info
+    metric = task_metrics(spec.task)[0]
+    model = copy.deepcopy(nodes[0].algorithm.model).cpu()
+    family = lookup(spec.algorithm.name).family
+    if family is Family.SERVER:
+        assert result.mesh.server is not None
+        chosen: list[Node] = []
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        torch.nn.utils.vector_to_parameters(result.mesh.server.half.w.cpu(), parameters)
+        source = "the parameter server"
+    else:
+        chosen = nodes if family is Family.PEER else nodes[:1]
+        with torch.no_grad():
+            mean = {name: torch.stack([dict(n.algorithm.model.named_parameters())[name].detach().cpu()
+                                       for n in chosen]).mean(dim=0) for name, _ in model.named_parameters()}
+            for name, parameter in model.named_parameters():
+                parameter.copy_(mean[name])
+        source = f"rank {chosen[0].rank}" if len(chosen) == 1 else (
+            f"the mean of the models of ranks {chosen[0].rank}..{chosen[-1].rank}")
+    finals = [sim.driver.progress() for sim in result.mesh.nodes if sim.done and
+              (family is Family.SERVER or sim.node in chosen)]
+    described = pb.ExportedModel(
+        job_id=spec.name, spec_json=spec.to_json(), metric_name=metric.field, data=data_to_proto(info),
+        ranks=[n.rank for n in chosen], step=min(p.step for p in finals), source=source,
+        metric_value=sum(metric.of(p) for p in finals) / len(finals),
+        metric_of=f"rank {chosen[0].rank}'s final evaluation" if len(chosen) == 1 else
+        "the mean of the workers' final evaluations, each of the model the server last sent it" if not chosen else
+        "the mean of the ranks' final evaluations (the mean model itself was not evaluated: `coordinator report "
+        "--model` evaluates it)")
+    return model.state_dict(), manifest_of(described, spec, info)
 
 
 def schedule_topology_changes(mesh: VirtualMesh, spec: JobSpec) -> None:

@@ -121,6 +121,11 @@ class ModelSpec(_Strict):
         "'package.module:factory' (agents import only modules their operator allowed: nodeagent serve --allow-import "
         "package.module)")
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the model factory")
+    init: str | None = Field(
+        None, min_length=1, max_length=4096, description="start from the parameters of this model file (what "
+        "`coordinator export` or `coordinator simulate --export` writes) instead of the seeded initial ones: a path "
+        "on every agent, and on the coordinator for the parameter-server family (as data.data_dir is); its model "
+        "must be this job's, name for name and shape for shape")
 
 
 class DataSpec(_Strict):

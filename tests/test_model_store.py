@@ -12,13 +12,14 @@ import torch
 
 from coordinator.control.memory import MemoryState
 from coordinator.control.states import JobState
-from coordinator.export import ExportError, load_model_file, receive_model, write_model
+from coordinator.export import ExportError, receive_model
 from coordinator.model_store import ModelStore, model_path
 from nodeagent._proto import coordinator_pb2 as pb
 from nodeagent.jobspec import parse_job_spec
 from nodeagent.runtime.progress import Progress
 from nodeagent.runtime.readiness import data_to_json
 from nodeagent.training.data import DatasetInfo
+from nodeagent.training.modelfile import load_model_file, write_model_file
 from nodeagent.training.models import initial_model
 from nodeagent.wire.encoder import encode
 from nodeagent.wire.message import Kind, Message
@@ -95,7 +96,7 @@ def test_each_rank_model_is_kept_and_the_consensus_is_their_mean(tmp_path):
     assert manifest["metric"]["value"] == pytest.approx(2 / 3)
     for name, tensor in mean.items():
         assert torch.allclose(tensor, torch.stack([sent[rank][name] for rank in range(3)]).mean(dim=0))
-    write_model(tmp_path / "out" / "model.pt", mean, manifest)
+    write_model_file(tmp_path / "out" / "model.pt", mean, manifest)
     loaded, read = load_model_file(tmp_path / "out" / "model.pt")
     assert read == manifest and all(torch.equal(loaded[name], mean[name]) for name in mean)
 

@@ -17,6 +17,7 @@ import math
 import re
 import sys
 from collections.abc import Callable, Collection, Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -24,6 +25,7 @@ from torch import nn
 from nodeagent.jobspec import MAX_SHOWN_CHARS, JobSpec, ModelSpec, shown
 from nodeagent.text import clip
 from nodeagent.training.data import DatasetInfo
+from nodeagent.training.modelfile import ModelFileError, load_parameters
 
 __all__ = [
     "MODELS",
@@ -408,12 +410,24 @@ def build_model(spec: ModelSpec, input_shape: InputShape = (1, 28, 28), num_clas
     return model
 
 
-def initial_model(spec: JobSpec, info: DatasetInfo, allow_imports: Collection[str] = ()) -> nn.Module:
-    """The job's seeded initial model, identical on every node and at the parameter server, shaped for the data
-    `info` describes. It seeds torch's global generator with the job's seed, so that what a node draws next
-    (dropout) is the same on every run; a caller that must keep its own random state forks it first."""
+def seeded_model(spec: JobSpec, info: DatasetInfo, allow_imports: Collection[str] = ()) -> nn.Module:
+    """The job's model as its seed initialises it, shaped for the data `info` describes. It seeds torch's global
+    generator with the job's seed, so that what a node draws next (dropout) is the same on every run; a caller that
+    must keep its own random state forks it first."""
     torch.manual_seed(spec.seed)
     return build_model(spec.model, info.input_shape, info.num_classes, allow_imports)
+
+
+def initial_model(spec: JobSpec, info: DatasetInfo, allow_imports: Collection[str] = ()) -> nn.Module:
+    """The job's initial model, identical on every node and at the parameter server: the seeded one, with the
+    parameters of the job's `model.init` file where it names one (ModelError if that file does not fit)."""
+    model = seeded_model(spec, info, allow_imports)
+    if spec.model.init is not None:
+        try:
+            load_parameters(model, Path(spec.model.init))
+        except ModelFileError as error:
+            raise ModelError(f"model.init {error}") from None
+    return model
 
 
 def check_model(spec: ModelSpec, input_shape: InputShape, num_classes: int) -> nn.Module | None:
