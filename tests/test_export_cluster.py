@@ -1,7 +1,7 @@
 """A trained model taken home: `coordinator export` of a peer-to-peer, a parameter-server and an all-reduce job on real
 agents, each file loaded in plain PyTorch (torch.load with weights_only, the model rebuilt from the manifest's name
 and options, load_state_dict) and evaluated to the job's own final metric; `coordinator report --model` evaluates it
-the same. And retention: once a job ended, its checkpoints are gone from the agents unless the job keeps them."""
+the same, and a job started from the file (`model.init`) starts at its model. And retention: once a job ended, its checkpoints are gone from the agents unless the job keeps them."""
 
 from __future__ import annotations
 
@@ -105,6 +105,12 @@ def test_a_parameter_server_job_exports_the_servers_model(cluster, fashion_mnist
     for node in status.nodes:
         assert accuracy == pytest.approx(node.test_accuracy, abs=1e-6)
     assert manifest["metric"]["value"] == pytest.approx(accuracy, abs=1e-6)
+    # A job that starts from the file (model.init, read by the agents and by the coordinator's server) and barely
+    # moves from it ends at its accuracy; the seeded model is near chance.
+    again = run_job(cluster, fashion_mnist_dir, "from-server", {"name": "ssgd", "lr": 1e-9},
+                    topology={"kind": "complete"}, steps=4, eval_every=4,
+                    model={"name": "logistic", "init": str(tmp_path / "server.pt")})
+    assert [node.test_accuracy for node in again.nodes] == pytest.approx([accuracy] * 4, abs=1e-6)
 
 
 def test_an_all_reduce_job_exports_rank_0_and_keeps_the_checkpoints_it_asks_to(cluster, fashion_mnist_dir, tmp_path):
