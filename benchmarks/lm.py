@@ -11,9 +11,12 @@ file's sequences) and by-file (each worker its own files: the heterogeneous sett
 - DiLoCo through the parameter server (diloco-ps), H = 100;
 - decentralised DiLoCo (diloco-gossip), H = 100, push-sum on the one-peer exponential graph (log2 8 = 3 rounds);
 - streaming DiLoCo, H = 100, 4 fragments, each sync overlapped with 5 inner steps, int8 pseudo-gradients.
-Each run prints its curve (mean validation perplexity over the workers at each evaluation, with the tokens the
-workers had trained on and the bytes each had sent), then the comparison with the targets: DiLoCo at H = 100 within
-2% of the all-reduce baseline's final perplexity with at least 100x fewer bytes per worker.
+Every run starts from the same model, trained first by the synchronous baseline for --warmup-steps (1,500; the
+paper's runs start from a model trained synchronously, and they ask how to go on from there); --warmup-steps 0
+starts every run from the seeded model instead. Each run prints its curve (mean validation perplexity over the
+workers at each evaluation, with the tokens the workers had trained on and the bytes each had sent), then the
+comparison with the targets: DiLoCo at H = 100 within 2% of the all-reduce baseline's final perplexity with at
+least 100x fewer bytes per worker.
 
 The default is sized for a shared 2-core machine (about 10 minutes: see results.md); --long is the 1 M-parameter
 GPT of the issue over longer sequences and 3,000 steps (hours on such a machine).
@@ -38,9 +41,10 @@ from pathlib import Path
 
 import torch
 
-from coordinator.simulate import simulate
+from coordinator.simulate import simulate, simulated_model
 from nodeagent.jobspec import parse_job_spec
 from nodeagent.runtime.progress import read_run_log
+from nodeagent.training.modelfile import write_model_file
 from nodeagent.training.models import gpt
 
 NODES = 8
@@ -110,12 +114,28 @@ def job(variant: Variant, split: str, args: argparse.Namespace) -> dict:
         "task": "language-model", "nodes": NODES, "steps": args.steps, "eval_every": max(1, args.steps // 10),
         "seed": 0,
         "algorithm": {"name": variant.algorithm, "mode": "sync", "lr": args.lr, "options": variant.options},
-        "model": {"name": "gpt", "options": {"layers": args.layers, "heads": args.heads, "width": args.width}},
+        "model": {"name": "gpt", "options": {"layers": args.layers, "heads": args.heads, "width": args.width},
+                  "init": args.init},
         "data": {"dataset": "text", "data_dir": str(args.corpus), "split": split, "batch_size": args.batch_size,
                  "options": {"sequence_length": args.sequence_length}, "test_limit": args.test_limit},
         "topology": {"kind": variant.topology, "seed": 1},
         "simulation": {"step_time_s": 0.01, "network": {"bandwidth_bytes_per_s": 125e6, "latency_s": 1e-4}},
     }
+
+
+def warmed_up(args: argparse.Namespace, path: Path) -> None:
+    """The paper's start: `args.warmup_steps` of the synchronous baseline (all-reduce AdamW, iid) from the seeded
+    model, whose model every run then starts from (its `model.init`)."""
+    spec = parse_job_spec(job(Variant("warm-up", "allreduce", {"optimizer": "adamw"}), "iid",
+                              argparse.Namespace(**{**vars(args), "steps": args.warmup_steps, "init": None})))
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory() as run_dir:
+        result = simulate(spec, Path(run_dir), device=torch.device(args.device))
+    state_dict, manifest = simulated_model(result)
+    write_model_file(path, state_dict, manifest)
+    perplexity = sum(p.test_perplexity for p in result.progress) / len(result.progress)
+    print(f"  warm-up: {args.warmup_steps} steps of all-reduce AdamW (iid) from the seeded model: perplexity "
+          f"{perplexity:.3f} (wall {time.monotonic() - started:.0f} s); every run starts from it", flush=True)
 
 
 def simulated(split: str, variant: Variant, args: argparse.Namespace) -> Outcome:
@@ -198,6 +218,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--sequence-length", type=int)
     parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--warmup-steps", type=int, default=1500, help="steps of the synchronous baseline every run "
+                        "starts from, as the paper's runs start from a synchronously trained model (0: from the seeded "
+                        "model; default %(default)s)")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's step size (baseline and inner)")
     parser.add_argument("--test-limit", type=int, default=64, help="validation sequences (of every file's tail)")
     parser.add_argument("--corpus", type=Path, help="a directory of text files instead of the stdlib's sources")
@@ -217,6 +240,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         if args.corpus is None:
             args.corpus = corpus(Path(scratch) / "corpus", args.corpus_bytes)
+        args.init = None
         files = sorted(p for p in Path(args.corpus).rglob("*") if p.is_file())
         parameters = sum(p.numel() for p in gpt((args.sequence_length,), 256, args.layers, args.heads,
                                                  args.width).parameters())
@@ -225,6 +249,9 @@ def main() -> None:
               f"{args.layers} layers x {args.width} wide, "
               f"{args.heads} heads, sequences of {args.sequence_length} bytes, batch {args.batch_size}, "
               f"{args.steps} steps, {NODES} workers")
+        if args.warmup_steps > 0:
+            args.init = str(Path(scratch) / "warm.pt")
+            warmed_up(args, Path(args.init))
         # The target's runs first (the baseline and DiLoCo H=100 of each split), then the others.
         runs = sorted(((split, variant) for split in args.splits.split(",") for variant in variants(args)),
                       key=lambda run: (run[1].label not in ("AllReduce AdamW", "DiLoCo H=100"),))
