@@ -1,7 +1,8 @@
 """A trained model taken home: `coordinator export` of a peer-to-peer, a parameter-server and an all-reduce job on real
 agents, each file loaded in plain PyTorch (torch.load with weights_only, the model rebuilt from the manifest's name
 and options, load_state_dict) and evaluated to the job's own final metric; `coordinator report --model` evaluates it
-the same, and a job started from the file (`model.init`) starts at its model. And retention: once a job ended, its checkpoints are gone from the agents unless the job keeps them."""
+the same, and a job started from the file (`model.init`) starts at its model. And retention: once a job ended, its
+checkpoints are gone from the agents unless the job keeps them."""
 
 from __future__ import annotations
 
