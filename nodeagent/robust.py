@@ -649,23 +649,30 @@ def aggregate_counted(aggregator: RobustAggregator, rows: torch.Tensor, counts: 
 
 class NormClip:
     """An asynchronous server's centered-clip: each update's norm clipped (center 0) at the radius, set or auto: the
-    median of the last AUTO_WINDOW norms times NORM_CLIP_MULTIPLIER once AUTO_WARM are seen, the smallest norm seen
-    before (so a liar among the first pushes is held to an honest one's length)."""
+    median of the recent norms times NORM_CLIP_MULTIPLIER once AUTO_WARM are seen from at least half the workers, the
+    smallest norm held before (so a liar among the first pushes is held to an honest one's length). The recent norms
+    are each worker's last AUTO_WINDOW / workers (at least one): a worker that pushes more often than the others (an
+    asynchronous server takes every push as it comes) replaces its own norms, not theirs, so it holds no more of the
+    median than its share, however fast it pushes."""
 
     def __init__(self, spec: RobustSpec, num_workers: int):
         self.fixed_radius = None if spec.radius == "auto" else float(spec.radius)
-        self.window: deque[float] = deque(maxlen=AUTO_WINDOW)
+        share = max(1, AUTO_WINDOW // num_workers)
+        self.recent: list[deque[float]] = [deque(maxlen=share) for _ in range(num_workers)]
+        self.seen = 0
         self.clipped = [0] * num_workers
 
     def clip(self, worker: int, update: torch.Tensor) -> tuple[torch.Tensor, bool]:
         norm = float(torch.linalg.vector_norm(update, dtype=torch.float64))
-        self.window.append(norm)
+        self.recent[worker].append(norm)
+        self.seen += 1
+        norms = [n for recent in self.recent for n in recent]
         if self.fixed_radius is not None:
             radius = self.fixed_radius
-        elif len(self.window) < AUTO_WARM:
-            radius = min(self.window)
+        elif self.seen < AUTO_WARM or 2 * sum(1 for recent in self.recent if recent) < len(self.recent):
+            radius = min(norms)  # until half the workers are heard: a fast liar alone at the start cannot warm it
         else:
-            radius = NORM_CLIP_MULTIPLIER * statistics.median(self.window)
+            radius = NORM_CLIP_MULTIPLIER * statistics.median(norms)
         if norm <= radius:
             return update, False
         self.clipped[worker] += 1

@@ -343,6 +343,21 @@ def test_an_asynchronous_server_clips_a_long_update_to_the_recent_norms():
     assert float(server.w[1]) == pytest.approx(NORM_CLIP_MULTIPLIER)  # clipped to that times the median norm, 1
 
 
+def test_a_worker_that_pushes_thirty_times_as_often_holds_no_more_of_the_norm_clips_median_than_its_share():
+    clip = NormClip(RobustSpec(rule="centered-clip"), num_workers=16)
+    liar_pushes = liar_clipped = 0
+    for round_ in range(20):  # every honest worker pushes once a round, the liar 30 times: 2 in 3 of all pushes
+        for worker in range(15):
+            _update, clipped = clip.clip(worker, vec(1.0 + worker / 100, 0))
+            assert not clipped or round_ == 0  # the first round warms the radius up at the shortest norm held
+        for _ in range(30):
+            update, clipped = clip.clip(15, vec(0, 1e3))
+            liar_pushes += 1
+            liar_clipped += clipped
+            assert float(torch.linalg.vector_norm(update)) <= NORM_CLIP_MULTIPLIER * 1.15
+    assert liar_clipped == liar_pushes == clip.clipped[15] == 600
+
+
 def test_norm_clip_during_warm_up_holds_a_long_update_to_the_shortest_seen():
     clip = NormClip(RobustSpec(rule="centered-clip"), num_workers=2)
     clip.clip(0, vec(3, 4))
