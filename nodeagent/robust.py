@@ -119,7 +119,8 @@ coordinator's suspicion) when its update is farther from the aggregate than twic
 updates to it, whatever the rule: centered-clip at its auto radius clips half the updates in every iteration, so
 counting those flagged 9 of the 16 honest workers of an ESync job without a liar in 30 rounds
 (benchmarks/byzantine.py). An asynchronous server applies one update at a time and has no round to
-aggregate: its centered-clip clips each update's norm (center 0) at the auto radius of the recent norms.
+aggregate: its centered-clip clips each update's norm (center 0) at the auto radius of the recent norms, each
+worker holding its own share of them however fast it pushes (NormClip).
 """
 
 from __future__ import annotations
