@@ -256,11 +256,10 @@ def simulated_model(result: SimulationResult) -> tuple[dict[str, torch.Tensor], 
         source = "the parameter server"
     else:
         chosen = nodes if family is Family.PEER else nodes[:1]
+        held = [dict(n.algorithm.model.named_parameters()) for n in chosen]
         with torch.no_grad():
-            mean = {name: torch.stack([dict(n.algorithm.model.named_parameters())[name].detach().cpu()
-                                       for n in chosen]).mean(dim=0) for name, _ in model.named_parameters()}
             for name, parameter in model.named_parameters():
-                parameter.copy_(mean[name])
+                parameter.copy_(torch.stack([h[name].detach().cpu() for h in held]).mean(dim=0))
         source = f"rank {chosen[0].rank}" if len(chosen) == 1 else (
             f"the mean of the models of ranks {chosen[0].rank}..{chosen[-1].rank}")
     finals = [sim.driver.progress() for sim in result.mesh.nodes if sim.done and
