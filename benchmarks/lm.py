@@ -18,8 +18,8 @@ workers at each evaluation, with the tokens the workers had trained on and the b
 comparison with the targets: DiLoCo at H = 100 within 2% of the all-reduce baseline's final perplexity with at
 least 100x fewer bytes per worker.
 
-The default is sized for a shared 2-core machine (about 10 minutes: see results.md); --long is the 1 M-parameter
-GPT of the issue over longer sequences and 3,000 steps (hours on such a machine).
+The default is sized for a 2-core machine (about 5 minutes with the warm-up: see results.md); --long is the
+1 M-parameter GPT of the issue over longer sequences and 3,000 steps (hours on such a machine).
 
     .venv/bin/python benchmarks/lm.py                            # the default (results.md)
     .venv/bin/python benchmarks/lm.py --long                     # a GPT of 0.83 M parameters, 3000 steps
