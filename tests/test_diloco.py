@@ -672,6 +672,15 @@ def test_simulated_diloco_over_the_collective_trains_counts_its_bytes_and_ends_i
         assert progress.bytes_sent == syncs * per_sync
     final = [sim.node.algorithm.global_w for sim in result.mesh.nodes]
     assert all(torch.equal(final[0], w) for w in final[1:])
+    # The job ends on its global parameters, streamed and overlapped too: every node's model is theta.
+    assert all(torch.equal(sim.node.algorithm.w, final[0]) for sim in result.mesh.nodes)
+
+
+def test_a_streamed_gossip_job_ends_on_each_nodes_global_parameters(fashion_mnist_dir):
+    result = simulated(fashion_mnist_dir, "diloco-gossip", {"inner_steps": 10, "fragments": 2, "overlap_steps": 2},
+                       topology="npeer-exponential", nodes=4)
+    for sim in result.mesh.nodes:
+        assert sim.node.algorithm.clock == 40 and torch.equal(sim.node.algorithm.w, sim.node.algorithm.global_w)
 
 
 def test_simulated_gossip_diloco_trains_without_a_collective(fashion_mnist_dir):
