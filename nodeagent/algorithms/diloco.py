@@ -706,7 +706,7 @@ class GossipDiLoCo(_DiLoCo):
     takes `final_gossip_rounds` (unset: 3 times a sync's rounds, FINAL_ROUNDS_FACTOR, with fragments 1): its
     disagreement contracts by lambda^(G_final) instead of lambda^G, once, at the cost of G_final - G more pushes of
     the model per node. With fragments, the last sync carries only the last fragment, so it keeps a sync's rounds.
-    Each node ends on its global parameters (the module's text), not merged with its local ones, so an overlap no
+    Each node ends on its global parameters (as every DiLoCo job does), not merged with its local ones, so an overlap no
     longer keeps part of their disagreement: a 6-node ring, 40 steps, H = 10, tau = 2 ends with a spread of 0.003
     (0.063 when the merge was kept), against 0.002 without an overlap."""
 
