@@ -661,19 +661,22 @@ class NormClip:
         share = max(1, AUTO_WINDOW // num_workers)
         self.recent: list[deque[float]] = [deque(maxlen=share) for _ in range(num_workers)]
         self.seen = 0
+        self.heard = 0  # workers with a norm held
         self.clipped = [0] * num_workers
 
     def clip(self, worker: int, update: torch.Tensor) -> tuple[torch.Tensor, bool]:
         norm = float(torch.linalg.vector_norm(update, dtype=torch.float64))
-        self.recent[worker].append(norm)
+        recent = self.recent[worker]
+        self.heard += not recent
+        recent.append(norm)
         self.seen += 1
-        norms = [n for recent in self.recent for n in recent]
         if self.fixed_radius is not None:
             radius = self.fixed_radius
-        elif self.seen < AUTO_WARM or 2 * sum(1 for recent in self.recent if recent) < len(self.recent):
-            radius = min(norms)  # until half the workers are heard: a fast liar alone at the start cannot warm it
+        elif self.seen < AUTO_WARM or 2 * self.heard < len(self.recent):
+            # Until half the workers are heard: a fast liar alone at the start cannot warm it.
+            radius = min(n for held in self.recent for n in held)
         else:
-            radius = NORM_CLIP_MULTIPLIER * statistics.median(norms)
+            radius = NORM_CLIP_MULTIPLIER * statistics.median(n for held in self.recent for n in held)
         if norm <= radius:
             return update, False
         self.clipped[worker] += 1
