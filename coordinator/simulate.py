@@ -262,8 +262,9 @@ def simulated_model(result: SimulationResult) -> tuple[dict[str, torch.Tensor], 
                 parameter.copy_(torch.stack([h[name].detach().cpu() for h in held]).mean(dim=0))
         source = f"rank {chosen[0].rank}" if len(chosen) == 1 else (
             f"the mean of the models of ranks {chosen[0].rank}..{chosen[-1].rank}")
+    ranks = {n.rank for n in chosen}
     finals = [sim.driver.progress() for sim in result.mesh.nodes if sim.done and
-              (family is Family.SERVER or sim.node in chosen)]
+              (family is Family.SERVER or sim.rank in ranks)]
     described = pb.ExportedModel(
         job_id=spec.name, spec_json=spec.to_json(), metric_name=metric.field, data=data_to_proto(info),
         ranks=[n.rank for n in chosen], step=min(p.step for p in finals), source=source,
