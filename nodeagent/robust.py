@@ -44,7 +44,7 @@ raised to a full share either: when every neighbour weighed 1 / (neighbours x it
 distances about 0, below) heard less than the others was raised to a quarter of the window among 4 in-neighbours,
 which set the quartile, and the radius, near 0: DiLoCo over gossip on 16 nodes with one echo clipped every honest
 share, and one honest node ended at 64.65% and was flagged (84.15% and none flagged since; 3 echoes: -7.35 points
-and 2 honest nodes flagged, -3.05 and 1 since; benchmarks/byzantine.py --attacks dissensus --strength 0). The
+and 2 honest nodes flagged, -3.05 and 1 since; benchmarks/byzantine.py --attacks echo). The
 price: an honest neighbour heard far less often than a liar weighs only what it sent (in pull gossip between two
 neighbours, the window warm at 8 distances holds 1 or none of the honest one's 4% of the time, by chance).
 

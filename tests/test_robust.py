@@ -522,7 +522,7 @@ def test_an_echoing_liar_heard_less_than_its_share_does_not_set_the_quartile():
     """An echo's distances, about 0, weigh in the window's quartile no more than their count: boosted to a full
     neighbour's share (a quarter of the window among 4 in-neighbours), they set the quartile and the radius near 0,
     every honest share was clipped, and DiLoCo over gossip on 16 nodes with one echoing liar got an honest node
-    flagged (benchmarks/byzantine.py --attacks dissensus --strength 0: worst honest 64.65%, 84.15% since)."""
+    flagged (benchmarks/byzantine.py --attacks echo: worst honest 64.65%, 84.15% since)."""
     window, honest = DistanceWindow(), iter([0.9 + 0.2 * (k % 7) / 6 for k in range(52)])
     for turn in range(AUTO_WINDOW):  # the echo is heard 12 times, the three honest neighbours 52
         peer = 0 if turn % 16 < 3 else 1 + turn % 3
