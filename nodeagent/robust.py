@@ -127,7 +127,15 @@ updates to it, whatever the rule: centered-clip at its auto radius clips half th
 counting those flagged 9 of the 16 honest workers of an ESync job without a liar in 30 rounds
 (benchmarks/byzantine.py). An asynchronous server applies one update at a time and has no round to
 aggregate: its centered-clip clips each update's norm (center 0) at the auto radius of the recent norms, each
-worker holding its own share of them however fast it pushes (NormClip).
+worker holding its own share of them however fast it pushes (NormClip). It applies every push, though, so a worker
+that pushes 30 times as often as the others pulled the model 30 times as hard, each push clipped: per round of 15
+honest pushes (norms 1 to 1.14), 30 clipped pushes of a liar added up to 103 against their 16. So it also bounds a
+worker's rate: among the last pushes (max(AUTO_WINDOW, 4 x workers) of them), a worker's beyond RATE_MULTIPLIER
+times the others' median count (at least 1) are scaled by allowed / its count, so that over time no worker moves the
+model more than RATE_MULTIPLIER workers pushing at the median rate with the longest norm the clip lets through,
+however fast it pushes (once that many pushes are seen). The scaling is a bound, not a judgement: it does not count
+as clipped (an honest worker on faster hardware is slowed, not suspected); a worker twice as fast as the median is
+not scaled at all.
 """
 
 from __future__ import annotations
@@ -155,6 +163,9 @@ GROUP_WARM = 4  # a group's distances before its quartile is trusted (a round's 
 # workers whose class-window shard gives longer updates (ASGD without an attack, 600 steps: 1.18 points); at 3 every
 # robust row of benchmarks/byzantine.py --full --only asgd is met, 34 of 34 (docs/results.md).
 NORM_CLIP_MULTIPLIER = 3.0
+# An asynchronous server's: a worker's pushes beyond this times the other workers' median count among the recent
+# pushes are scaled down to it (NormClip, the module's text).
+RATE_MULTIPLIER = 3.0
 CENTERED_CLIP_ITERATIONS = 3
 OUTLYING_FACTOR = 2.0  # a neighbour's contribution farther than this times the window's lower quartile is outlying
 # A neighbour with at least EXCLUDED_SEEN of its last EXCLUDED_WINDOW contributions judged, EXCLUDED_SHARE of them
@@ -663,7 +674,8 @@ class NormClip:
     smallest norm held before (so a liar among the first pushes is held to an honest one's length). The recent norms
     are each worker's last AUTO_WINDOW / workers (at least one): a worker that pushes more often than the others (an
     asynchronous server takes every push as it comes) replaces its own norms, not theirs, so it holds no more of the
-    median than its share, however fast it pushes."""
+    median than its share, however fast it pushes. A worker's pushes beyond its rate's bound are scaled down too
+    (RATE_MULTIPLIER, the module's text)."""
 
     def __init__(self, spec: RobustSpec, num_workers: int):
         self.fixed_radius = None if spec.radius == "auto" else float(spec.radius)
@@ -672,6 +684,8 @@ class NormClip:
         self.seen = 0
         self.heard = 0  # workers with a norm held
         self.clipped = [0] * num_workers
+        self.pushers: deque[int] = deque(maxlen=max(AUTO_WINDOW, 4 * num_workers))  # who made the recent pushes
+        self.pushes = [0] * num_workers  # each worker's among them
 
     def clip(self, worker: int, update: torch.Tensor) -> tuple[torch.Tensor, bool]:
         norm = float(torch.linalg.vector_norm(update, dtype=torch.float64))
@@ -686,7 +700,24 @@ class NormClip:
             radius = min(n for held in self.recent for n in held)
         else:
             radius = NORM_CLIP_MULTIPLIER * statistics.median(n for held in self.recent for n in held)
-        if norm <= radius:
-            return update, False
-        self.clipped[worker] += 1
-        return update * (radius / norm), True
+        scale, clipped = 1.0, norm > radius
+        if clipped:
+            self.clipped[worker] += 1
+            scale = radius / norm
+        scale *= self._rate_scale(worker)
+        return (update, clipped) if scale == 1.0 else (update * scale, clipped)
+
+    def _rate_scale(self, worker: int) -> float:
+        """The factor a push of `worker` is scaled by for its rate (the module's text): allowed / its count among the
+        recent pushes, where it has more than allowed, RATE_MULTIPLIER times the others' median count (at least 1)."""
+        full = len(self.pushers) == self.pushers.maxlen
+        if full:
+            self.pushes[self.pushers[0]] -= 1
+        self.pushers.append(worker)
+        self.pushes[worker] += 1
+        if not full:  # the first counts are too few to compare (a worker's second push in a row is 2 against 1)
+            return 1.0
+        count = self.pushes[worker]
+        others = self.pushes[:worker] + self.pushes[worker + 1 :]
+        allowed = RATE_MULTIPLIER * max(1.0, statistics.median(others)) if others else math.inf
+        return 1.0 if count <= allowed else allowed / count

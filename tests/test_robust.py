@@ -34,6 +34,7 @@ from nodeagent.robust import (
     GROUP_WARM,
     NORM_CLIP_MULTIPLIER,
     OUTLYING_FACTOR,
+    RATE_MULTIPLIER,
     STEP_DECAY,
     STEP_OUTLYING,
     STEP_SAMPLE,
@@ -356,6 +357,32 @@ def test_a_worker_that_pushes_thirty_times_as_often_holds_no_more_of_the_norm_cl
             liar_clipped += clipped
             assert float(torch.linalg.vector_norm(update)) <= NORM_CLIP_MULTIPLIER * 1.15
     assert liar_clipped == liar_pushes == clip.clipped[15] == 600
+
+
+def test_a_worker_that_pushes_thirty_times_as_often_moves_the_server_no_more_than_a_few_honest_workers():
+    """Each of a fast liar's pushes was clipped to 3 honest norms, but it pushed 30 times for each honest push: per
+    round its clipped pushes added up to 103 against the 15 honest workers' 16, and an asynchronous server applies
+    every one. A worker's pushes beyond RATE_MULTIPLIER times the others' median count in the recent window are
+    scaled down, so its pull over time is at most that many honest workers', however fast it pushes."""
+    server = ASGDServer(torch.zeros(2), 16, lr=1.0, robust=RobustSpec(rule="centered-clip"))
+    honest_round = sum(1.0 + worker / 100 for worker in range(15))
+    positions = []
+    for _ in range(40):  # every honest worker pushes once a round (descending along x), the liar 30 times (along -x)
+        for worker in range(15):
+            server.push(worker, vec(1.0 + worker / 100, 0), server.version)
+        for _ in range(30):
+            server.push(15, vec(-1e3, 0), server.version)
+        positions.append(float(server.w[0]))
+    liar_pull = positions[-1] - positions[19] + 20 * honest_round  # rounds 21 to 40; w = -(honest) + liar, lr 1
+    assert liar_pull <= 20 * RATE_MULTIPLIER * NORM_CLIP_MULTIPLIER * 1.15  # as 3 honest workers' longest pushes
+    assert positions[-1] < positions[19] < 0  # the honest workers' direction wins, and keeps winning
+    # Workers that push as often as each other, or twice as often, are not scaled (once the radius is warm).
+    clip = NormClip(RobustSpec(rule="centered-clip"), num_workers=16)
+    for round_ in range(20):
+        for worker in range(16):
+            for _ in range(2 if worker == 0 else 1):
+                update = vec(1.0 + worker / 100, 0)
+                assert clip.clip(worker, update)[0] is update or round_ == 0
 
 
 def test_norm_clip_during_warm_up_holds_a_long_update_to_the_shortest_seen():
