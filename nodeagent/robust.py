@@ -715,9 +715,11 @@ class NormClip:
             self.pushes[self.pushers[0]] -= 1
         self.pushers.append(worker)
         self.pushes[worker] += 1
-        if not full:  # the first counts are too few to compare (a worker's second push in a row is 2 against 1)
-            return 1.0
         count = self.pushes[worker]
+        # The first counts are too few to compare (a worker's second push in a row is 2 against 1); a count within
+        # the least allowed needs no median of the others.
+        if not full or count <= RATE_MULTIPLIER:
+            return 1.0
         others = self.pushes[:worker] + self.pushes[worker + 1 :]
         allowed = RATE_MULTIPLIER * max(1.0, statistics.median(others)) if others else math.inf
         return 1.0 if count <= allowed else allowed / count
