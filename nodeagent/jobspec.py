@@ -63,7 +63,9 @@ class RobustSpec(_Strict):
     rule: RobustRule = Field(
         description="self-centered-clip (peer-to-peer: each neighbour's contribution clipped around the node's own "
         "state before it is mixed); centered-clip, trimmed-mean, median or krum (the parameter server's aggregation "
-        "of the workers' updates, the asynchronous servers taking centered-clip alone; allreduce's of every member's "
+        "of the workers' updates, the asynchronous servers taking centered-clip alone: each update's norm clipped, "
+        "and the pushes of a worker more than 3 times as frequent as the median worker's scaled down; allreduce's of "
+        "every member's "
         "gradient and diloco's of every pseudo-gradient but centered-clip, all-gathered instead of summed: n / 2 "
         "times the bytes)")
     radius: float | Literal["auto"] = Field(
