@@ -24,6 +24,15 @@ accuracy and no honest member flagged.
     nice -n 10 .venv/bin/python benchmarks/byzantine_agents.py    # every attack: 17 and 32 minutes on 2 cores
     nice -n 10 .venv/bin/python benchmarks/byzantine_agents.py --attacks constant --steps 400
     nice -n 10 .venv/bin/python benchmarks/byzantine_agents.py --attacks echo
+
+`--cost N`: instead, what the robust rule costs a user without an attack, on one cluster of honest agents (the
+issue's target: at most 10% of steps/s). N pairs of each job, unpaced, plain and robust one after the other (which
+goes first alternates from pair to pair, so that a drift of the machine's load falls on both alike); steps/s per
+node between the nodes' first and last progress reports (evaluations excluded, as benchmarks/rounds.py measures
+them), and the final honest accuracy. Reported per job: each rule's median rate, the median of the pairs' costs
+with their range, and the accuracies' means.
+
+    nice -n 10 .venv/bin/python benchmarks/byzantine_agents.py --cost 4 --steps 2000
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import statistics
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -153,6 +163,31 @@ def run_variant(cluster: AttackCluster, attack: str, variant: str, args: argpars
     return list(rows.values())
 
 
+def cost_pairs(cluster: LocalCluster, pairs: int, args: argparse.Namespace) -> None:
+    """`--cost`: each job's plain and robust rates and accuracies, in `pairs` alternating pairs; prints the table."""
+    from rounds import run_job  # the same measure of steps/s as the rounds benchmark (this script's directory)
+
+    print(f"\n{AGENTS} agents on a ring, no attack, {args.steps} steps unpaced, {pairs} pairs per job: steps/s per "
+          "node (median over the pairs), the robust rule's cost (median of the pairs', range), final test accuracy (%, "
+          "mean over the pairs)")
+    print("| job | plain steps/s | robust steps/s | cost: median (range) | plain accuracy | robust accuracy |")
+    print("|---|---|---|---|---|---|")
+    for job in JOBS:
+        rates: dict[str, list[float]] = {"plain": [], "robust": []}
+        accuracies: dict[str, list[float]] = {"plain": [], "robust": []}
+        for pair in range(pairs):
+            for variant in ("plain", "robust") if pair % 2 == 0 else ("robust", "plain"):
+                print(f"-- {job}, pair {pair + 1} of {pairs}, {variant} ...", file=sys.stderr, flush=True)
+                figures = run_job(cluster, yaml.safe_load(spec(job, variant, args.steps, 0.0, args.data_dir)))
+                rates[variant].append(figures.steps_per_s)
+                accuracies[variant].append(figures.accuracy)
+        costs = [1 - robust / plain for plain, robust in zip(rates["plain"], rates["robust"], strict=True)]
+        print(f"| {job} | {statistics.median(rates['plain']):.1f} | {statistics.median(rates['robust']):.1f} | "
+              f"{statistics.median(costs):.0%} ({min(costs):.0%} to {max(costs):.0%}) | "
+              f"{100 * statistics.mean(accuracies['plain']):.2f} | {100 * statistics.mean(accuracies['robust']):.2f} |",
+              flush=True)
+
+
 def honest_flags(row: Row) -> str:
     """Each honest rank flagged, with when: `0 (2.1-6.3 s)`; `-end` where the flag held to the end."""
     return "; ".join(f"{rank} (" + ", ".join(f"{begun:.1f}-{'end' if ended is None else f'{ended:.1f}'} s"
@@ -171,6 +206,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=800, help="local steps per node (default 800)")
     parser.add_argument("--pace", type=float, default=0.05, help="min_step_s of every job (default 0.05)")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    parser.add_argument("--cost", type=int, default=0, metavar="N",
+                        help="only the robust rule's cost without an attack: N plain/robust pairs of each job, "
+                        "unpaced (the module's text)")
     args = parser.parse_args()
     attacks = [a for a in args.attacks.split(",") if a]
     unknown = set(attacks) - set(ATTACKS) - set(LIES)
@@ -178,6 +216,11 @@ def main() -> None:
         parser.error(f"unknown attack(s) {', '.join(sorted(unknown))}; known: {', '.join([*ATTACKS, *LIES])}")
     # The agents (forked programs) find lying_agent on their path.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
+    if args.cost:
+        with tempfile.TemporaryDirectory(prefix="byzantine-agents-") as root, \
+                LocalCluster(root=Path(root), agents=AGENTS, data_dir=args.data_dir, log_level="WARNING") as cluster:
+            cost_pairs(cluster, args.cost, args)
+        return
 
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="byzantine-agents-") as root:

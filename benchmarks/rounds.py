@@ -187,6 +187,7 @@ class JobFigures:
     compute_share: float  # of the nodes' elapsed time, from the driver's accounting
     wait_share: float
     steps: int
+    accuracy: float  # the nodes' mean final test accuracy
 
     @property
     def step_s(self) -> float:
@@ -234,7 +235,8 @@ def run_job(cluster: Any, spec: dict) -> JobFigures:
         rates.append((last.step - first.step) / span)
         computes.append((last.compute_s - first.compute_s) / span)
         waits.append((last.wait_s - first.wait_s) / span)
-    return JobFigures(statistics.mean(rates), statistics.mean(computes), statistics.mean(waits), spec["steps"])
+    return JobFigures(statistics.mean(rates), statistics.mean(computes), statistics.mean(waits), spec["steps"],
+                      statistics.mean(node.test_accuracy for node in status.nodes))
 
 
 def agents(models: list[str], jobs: list[str], data_dir: str, root: Path, tls: bool, seconds: float,
