@@ -6,16 +6,17 @@ from; only their inputs come from the virtual clock instead of a store.
 A quorum (its number, its members, all at the same step) takes rounds. A round completes once every member
 contributed (its message, and its state at that moment, as the agent takes it when the collective is asked for) and
 every member is up and reachable from the others: the round is committed and each member receives the mean (or every
-member's tensors) after a ring's time. A round not complete `step_timeout_s` after its first contribution (a member
-down or cut off) is aborted, applied nowhere, and the next quorum is formed from the ranks that contributed, are up
-and reach each other (the largest such group), once `may_close` allows (every rank there, or `min_members` and
-`join_s` waited by the rank there longest; looked at as the agents poll the store, PRESENCE_POLL_S after a rank came
-and every `join_s`, for at most `wait_s`, after which the job is left unfinished as the agents' GroupLost would fail
-it). A new quorum agrees on the state: a rank whose key is not the best is answered the best one's state (a PARAMS
-message) and contributes again from it; the others' contributions stand. A rank that contributes while it is not a
-member (it was lost when the quorum formed) waits; the members' next round carries their flag of it, they leave
-after that round and form the next quorum with it. A rank that comes to a quorum after every member finished takes
-their final state at once (the agents' hand-over).
+member's tensors) after a ring's time: its bytes, a latency per step of the ring, and one message's fixed cost. A
+round not complete `step_timeout_s` after its first contribution (a member down or cut off) is aborted, applied
+nowhere, and the next quorum is formed from the ranks that contributed, are up and reach each other (the largest
+such group), once `may_close` allows (every rank there, or `min_members` and `join_s` waited by the rank there
+longest; looked at as the agents poll the store, PRESENCE_POLL_S after a rank came and every `join_s`, for at most
+`wait_s`, after which the job is left unfinished as the agents' GroupLost would fail it). A new quorum agrees on the
+state: a rank whose key is not the best is answered the best one's state (a PARAMS message) and contributes again
+from it; the others' contributions stand. A rank that contributes while it is not a member (it was lost when the
+quorum formed) waits; the members' next round carries their flag of it, they leave after that round and form the
+next quorum with it. A rank that comes to a quorum after every member finished takes their final state at once (the
+agents' hand-over).
 """
 
 from __future__ import annotations
@@ -100,7 +101,10 @@ class SimulatedQuorum:
             share = ring_allreduce_bytes(message.payload_bytes, count)
             latencies = 2 * (count - 1)
         network = self.mesh.network
-        duration = share / network.bandwidth_bytes_per_s + latencies * (network.latency_s + network.message_cost_s)
+        # A ring's steps are gloo's, each a latency; the fixed cost of a message (the hand-off to the collective's
+        # thread and the runner's wake-up) is paid once a round: charged per step, a 2-member all-reduce of logistic
+        # regression ran at 0.59 times the agents' rate (benchmarks/rounds.py --nodes 2), once 1.03 times.
+        duration = share / network.bandwidth_bytes_per_s + latencies * network.latency_s + network.message_cost_s
         stacked = {name: torch.stack([p.message.tensors[name] for p in parts]) for name in message.tensors}
         result = stacked if gather else {name: tensor.mean(dim=0) for name, tensor in stacked.items()}
         for index, (rank, part) in enumerate(zip(self.members, parts, strict=True)):
