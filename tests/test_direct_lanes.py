@@ -148,6 +148,25 @@ def test_push_and_exchange_travel_on_one_direct_lane_and_count_as_before(node):
     client.close()
 
 
+def test_a_call_while_another_holds_the_lane_waits_for_it_and_goes_on_the_same_lane(node):
+    """A synchronous round's next push, made while the push before it still waits for its answer, goes on the lane
+    after it, not over gRPC with a payload lane of its own (a call's set-up and a thread's start)."""
+    client, state = PeerClient(node.address), serving(0, queue.Queue(), {})
+    client.push(state, message(seed=1), timeout=10, metrics=Metrics())
+    node.inbox.get_nowait()
+    (lane,) = client._direct.values()
+    lane.lock.acquire()  # as a call on it that waits for its answer
+    with futures.ThreadPoolExecutor(1) as pool:
+        pushed = pool.submit(client.push, state, message(seed=2), 10, Metrics())
+        time.sleep(0.2)
+        assert not pushed.done() and node.inbox.empty()
+        lane.lock.release()
+        pushed.result(timeout=10)
+    assert torch.equal(node.inbox.get_nowait().tensors["w"], message(seed=2).tensors["w"])
+    assert list(client._direct.values()) == [lane] and len(node.servicer.lanes._lanes) == 1 and not client._idle
+    client.close()
+
+
 def test_a_direct_lane_beside_tls_is_sealed_and_speaks_for_its_node(tls):
     node, client_of = tls
     client = client_of("n0")

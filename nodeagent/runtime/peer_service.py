@@ -753,20 +753,31 @@ class PeerClient:
 
     def _direct_lane(self, state: ServingState, timeout: float) -> LaneSocket | None:
         """This node's direct lane to the peer for `state`'s job, held for one call (its lock); None when the peer
-        serves none (the call goes over gRPC then) or another call of this node's is on it."""
+        serves none (the call goes over gRPC then). A call waits for one of this node's before it on the lane (up to
+        `timeout`): a lane carries one call at a time, and the one before is most often a push waiting for its
+        answer, due at once. Sent over gRPC instead, with a lane granted for its payload, a call cost a thread's
+        start and a call's set-up, where the wait costs the answer's arrival: a synchronous round's push of round t
+        + 1 found the push of round t still on the lane for 16% of messages (2 agents, sync DSGD, logistic)."""
         if self._host is None or time.monotonic() < self._no_direct_until:
             return None
         key = (state.job_id, state.rank)
-        with self._lock:
-            lane = self._direct.get(key)
-            if lane is not None:
-                if not lane.lock.acquire(blocking=False):
-                    return None
-                if lane.alive():
+        patience = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                lane = self._direct.get(key)
+            if lane is None:
+                break
+            if not lane.lock.acquire(timeout=max(0.0, patience - time.monotonic())):
+                return None  # the call before holds it still: past this call's patience, over gRPC
+            with self._lock:
+                current = self._direct.get(key) is lane
+                if current and lane.alive():
                     return lane
-                del self._direct[key]  # the peer closed it (idle, a refusal, a restart): open another
+                if current:
+                    del self._direct[key]  # the peer closed it (idle, a refusal, a restart): open another
+            if current:
                 lane.close()
-                lane.lock.release()
+            lane.lock.release()  # a lane the call before failed on, and replaced: wait for the current one
         try:
             lane = self._open_lane(state, timeout, direct=True)
         except (grpc.RpcError, OSError):  # the peer may not serve the job yet: the call goes over gRPC
