@@ -167,6 +167,23 @@ def test_a_call_while_another_holds_the_lane_waits_for_it_and_goes_on_the_same_l
     client.close()
 
 
+def test_a_call_that_waits_for_the_lane_past_its_deadline_fails_as_at_its_deadline(node):
+    """Behind a call that holds the lane (a peer that stopped answering), the next call fails at its own deadline,
+    not again over gRPC for as long."""
+    client, state = PeerClient(node.address), serving(0, queue.Queue(), {})
+    client.push(state, message(seed=1), timeout=10, metrics=Metrics())
+    node.inbox.get_nowait()
+    (lane,) = client._direct.values()
+    lane.lock.acquire()
+    started = time.monotonic()
+    with pytest.raises(SendFailed) as failed:
+        client.push(state, message(seed=2), timeout=0.3, metrics=Metrics())
+    assert failed.value.reason == "deadline_exceeded" and time.monotonic() - started < 5
+    assert node.inbox.empty() and len(node.servicer.lanes._lanes) == 1
+    lane.lock.release()
+    client.close()
+
+
 def test_a_direct_lane_beside_tls_is_sealed_and_speaks_for_its_node(tls):
     node, client_of = tls
     client = client_of("n0")

@@ -754,10 +754,11 @@ class PeerClient:
     def _direct_lane(self, state: ServingState, timeout: float) -> LaneSocket | None:
         """This node's direct lane to the peer for `state`'s job, held for one call (its lock); None when the peer
         serves none (the call goes over gRPC then). A call waits for one of this node's before it on the lane (up to
-        `timeout`): a lane carries one call at a time, and the one before is most often a push waiting for its
-        answer, due at once. Sent over gRPC instead, with a lane granted for its payload, a call cost a thread's
-        start and a call's set-up, where the wait costs the answer's arrival: a synchronous round's push of round t
-        + 1 found the push of round t still on the lane for 16% of messages (2 agents, sync DSGD, logistic)."""
+        `timeout`, then it fails with SendFailed as at its deadline): a lane carries one call at a time, and the one
+        before is most often a push waiting for its answer, due at once. Sent over gRPC instead, with a lane granted for
+        its payload, a call cost a thread's start and a call's set-up, where the wait costs the answer's arrival: a
+        synchronous round's push of round t + 1 found the push of round t still on the lane for 16% of messages (2
+        agents, sync DSGD, logistic)."""
         if self._host is None or time.monotonic() < self._no_direct_until:
             return None
         key = (state.job_id, state.rank)
@@ -768,7 +769,10 @@ class PeerClient:
             if lane is None:
                 break
             if not lane.lock.acquire(timeout=max(0.0, patience - time.monotonic())):
-                return None  # the call before holds it still: past this call's patience, over gRPC
+                # The call before still holds it at this call's deadline (a peer that stopped answering): this
+                # call fails as at its deadline, not again over gRPC for as long.
+                raise SendFailed("deadline_exceeded", "the call before this one held the direct lane past its "
+                                 "deadline")
             with self._lock:
                 current = self._direct.get(key) is lane
                 if current and lane.alive():
