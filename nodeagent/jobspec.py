@@ -189,7 +189,7 @@ class WireSpec(_Strict):
 
 # The fixed cost of one message between agents (a direct-lane exchange of one element on loopback, insecure,
 # benchmarks/rounds.py "exchange" on a 2-core machine; docs/results.md, "Rounds"). What a round of agents pays for a
-# message, the hand-offs between an agent's threads included, is more (1.41 ms on that machine): the benchmark prints
+# message, the hand-offs between an agent's threads included, is more (1.26 to 1.59 ms there): the benchmark prints
 # it for the machine it runs on. The default stays, so that the simulated tables of docs/results.md, measured under
 # it, can be run again as they were.
 MESSAGE_COST_S = 0.0003
