@@ -184,6 +184,131 @@ def test_a_call_that_waits_for_the_lane_past_its_deadline_fails_as_at_its_deadli
     client.close()
 
 
+class Outcomes:
+    """The `done` of pushes written ahead: what each heard, in order."""
+
+    def __init__(self) -> None:
+        self.heard: list[SendFailed | None] = []
+
+    def done(self, failure: SendFailed | None) -> None:
+        self.heard.append(failure)
+
+
+def test_pushes_written_ahead_arrive_in_order_and_hear_of_their_answers_when_polled(node):
+    """A push on the open direct lane is written from the calling thread without waiting for its answer; the answers
+    are read when the caller polls, each push hears it was delivered, and is counted on the edge as a push is."""
+    client, state, metrics = PeerClient(node.address), serving(0, queue.Queue(), {}), Metrics()
+    outcomes = Outcomes()
+    assert not client.begin_push(state, message(seed=0), 10, metrics, outcomes.done)  # no lane open yet
+    client.push(state, message(seed=0), timeout=10, metrics=metrics)
+    node.inbox.get_nowait()
+    for seed in (1, 2, 3):
+        assert client.begin_push(state, message(seed=seed), 10, metrics, outcomes.done)
+    for seed in (1, 2, 3):
+        assert torch.equal(node.inbox.get(timeout=5).tensors["w"], message(seed=seed).tensors["w"])
+    (lane,) = client._direct.values()
+    assert outcomes.heard == [] and len(lane.owed) == 3
+
+    def polled() -> bool:
+        client.poll()
+        return len(outcomes.heard) == 3
+
+    assert wait_for(polled) and outcomes.heard == [None, None, None] and not lane.owed
+    sent = metrics.registry.get_sample_value("peertrain_edge_messages_sent_total",
+                                             {"job_id": JOB, "src": "n0", "dst": "n1"})
+    assert sent == 4 and list(client._direct.values()) == [lane] and len(node.direct_lanes()) == 1
+    client.close()
+
+
+def test_a_lane_owed_its_most_answers_takes_no_more_pushes_ahead_and_a_call_reads_them_first(node, monkeypatch):
+    client, state, metrics = PeerClient(node.address), serving(0, queue.Queue(), {}), Metrics()
+    outcomes = Outcomes()
+    client.push(state, message(), timeout=10, metrics=metrics)
+    node.inbox.get_nowait()
+    serve, release = node.servicer._direct_call, threading.Event()  # a peer slow to answer
+    monkeypatch.setattr(node.servicer, "_direct_call", lambda lane, call: release.wait(10) and serve(lane, call))
+    owed = peer_service.MAX_OWED_PER_LANE
+    for seed in range(owed):
+        assert client.begin_push(state, message(seed=seed), 10, metrics, outcomes.done)
+    assert not client.begin_push(state, message(seed=9), 10, metrics, outcomes.done)
+    release.set()
+    reply = client.exchange(state, message(seed=8), timeout=10, metrics=metrics)  # reads the owed answers first
+    assert torch.equal(reply.tensors["w"], node.served["w"]) and outcomes.heard == [None] * owed
+    for seed in (*range(owed), 8):
+        assert torch.equal(node.inbox.get_nowait().tensors["w"], message(seed=seed).tensors["w"])
+    assert not client._direct[(JOB, 0)].owed
+    client.close()
+
+
+def test_a_refused_push_written_ahead_fails_so_do_those_after_it_and_the_next_push_opens_another_lane(node):
+    """A refusal closes the lane at the peer: the refused push hears why, the pushes written after it were never
+    read and fail as on a lost lane (the driver sends them again), and the next push goes on a new lane."""
+    client, state, metrics = PeerClient(node.address), serving(0, queue.Queue(), {}), Metrics()
+    outcomes = Outcomes()
+    client.push(state, message(), timeout=10, metrics=metrics)
+    node.inbox.get_nowait()
+    (first,) = node.direct_lanes()
+    assert client.begin_push(state, message(seed=1), 10, metrics, outcomes.done)
+    assert client.begin_push(state, message(value=math.nan), 10, metrics, outcomes.done)
+    assert client.begin_push(state, message(seed=2), 10, metrics, outcomes.done)
+
+    def polled() -> bool:
+        client.poll()
+        return len(outcomes.heard) == 3
+
+    assert wait_for(polled)
+    delivered, refused, unread = outcomes.heard
+    assert delivered is None
+    assert isinstance(refused, SendFailed) and refused.reason == "invalid_argument" and "non_finite" in str(refused)
+    assert isinstance(unread, SendFailed) and unread.reason == "unavailable"
+    assert torch.equal(node.inbox.get_nowait().tensors["w"], message(seed=1).tensors["w"]) and node.inbox.empty()
+    assert not client._direct
+    client.push(state, message(seed=4), timeout=10, metrics=metrics)
+    assert torch.equal(node.inbox.get_nowait().tensors["w"], message(seed=4).tensors["w"])
+    assert wait_for(lambda: node.direct_lanes() and first not in node.direct_lanes())
+    client.close()
+
+
+def test_a_push_written_ahead_that_gets_no_answer_fails_at_its_deadline(node, monkeypatch):
+    client, state, metrics = PeerClient(node.address), serving(0, queue.Queue(), {}), Metrics()
+    outcomes = Outcomes()
+    client.push(state, message(), timeout=10, metrics=metrics)
+    node.inbox.get_nowait()
+    answered = threading.Event()  # a peer cut off: the call is read, no answer comes
+    monkeypatch.setattr(node.servicer, "_direct_call", lambda lane, call: answered.wait(10) and False)
+    assert client.begin_push(state, message(seed=1), 0.3, metrics, outcomes.done)
+    client.poll()
+    assert outcomes.heard == []
+
+    def polled() -> bool:
+        client.poll()
+        return bool(outcomes.heard)
+
+    assert wait_for(polled)
+    answered.set()
+    (lost,) = outcomes.heard
+    assert isinstance(lost, SendFailed) and lost.reason == "deadline_exceeded" and not client._direct
+    client.close()
+
+
+def test_a_push_written_ahead_on_a_sealed_lane_is_sealed_and_answered(tls):
+    node, client_of = tls
+    client, state, metrics = client_of("n0"), serving(0, queue.Queue(), {}), Metrics()
+    outcomes = Outcomes()
+    client.push(state, message(), timeout=10, metrics=metrics)
+    node.inbox.get_nowait()
+    assert client.begin_push(state, message(seed=5), 10, metrics, outcomes.done)
+    assert torch.equal(node.inbox.get(timeout=5).tensors["w"], message(seed=5).tensors["w"])
+
+    def polled() -> bool:
+        client.poll()
+        return bool(outcomes.heard)
+
+    assert wait_for(polled) and outcomes.heard == [None]
+    (lane,) = node.direct_lanes()
+    assert lane.sealed
+
+
 def test_a_direct_lane_beside_tls_is_sealed_and_speaks_for_its_node(tls):
     node, client_of = tls
     client = client_of("n0")

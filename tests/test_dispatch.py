@@ -43,6 +43,28 @@ class FakePeers:
     def push(self, message: Message) -> None:
         self._answer(("push", message.receiver))
 
+    def begin_push(self, message: Message, done) -> bool:
+        return False
+
+    def poll(self) -> None:
+        pass
+
+
+class AheadPeers(FakePeers):
+    """Takes every push ahead of its answer; `answer(failure)` answers the oldest one, as `poll` would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.owed: list = []
+
+    def begin_push(self, message: Message, done) -> bool:
+        self.calls.append(("begin_push", message.receiver))
+        self.owed.append(done)
+        return True
+
+    def answer(self, failure: SendFailed | None) -> None:
+        self.owed.pop(0)(failure)
+
 
 class FakeLink(ServerLink):
     def __init__(self) -> None:
@@ -101,6 +123,23 @@ def test_a_delivered_push_is_settled_without_waking_the_runner_and_a_failed_one_
                        FakePeers(SendFailed("unavailable", "gone", transient=True)), settle=settled.append)
     perform(failing, t)
     assert posted == [Failure(t, "unavailable", True)] and len(settled) == 1
+
+
+def test_a_push_written_ahead_takes_no_pool_thread_and_its_answer_settles_or_wakes_the_runner_later():
+    posted: list = []
+    settled: list = []
+    peers = AheadPeers()
+    pool = futures.ThreadPoolExecutor(max_workers=1)
+    d = Dispatch(posted.append, pool, peers, settle=settled.append)
+    first, second = (Transmission(Send(Route.PUSH, 3, Kind.PARAMS, Message(Kind.PARAMS, 0, 3, TENSORS)))
+                     for _ in range(2))
+    d.perform(first)
+    d.perform(second)
+    pool.shutdown(wait=True)
+    assert peers.calls == [("begin_push", 3), ("begin_push", 3)] and posted == [] and settled == []
+    peers.answer(None)
+    peers.answer(SendFailed("unavailable", "the lane closed", transient=True))
+    assert settled == [Reply(first, None)] and posted == [Failure(second, "unavailable", True)]
 
 
 @pytest.mark.parametrize(

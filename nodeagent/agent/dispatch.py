@@ -12,11 +12,15 @@ its own threads. The transports are injected, so the routing can be tested with 
 
 A delivered push's receipt changes nothing the runner waits for (only the edge's accounting), so it is `settle`d:
 handed over with the next arrival instead of waking the runner (a wake-up per receipt cost a synchronous round two
-extra passes of the runner per neighbour).
+extra passes of the runner per neighbour). A small push to a neighbour whose direct lane is free is written by the
+runner itself, ahead of its answer (`PeerTransport.begin_push`), and its answer taken up later (`poll`): a pool
+thread woken to write it, and woken again by its answer, cost a synchronous round two thread wake-ups per neighbour.
+A failed one wakes the runner as before, and the driver sends it again.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from concurrent import futures
@@ -43,6 +47,15 @@ class PeerTransport(Protocol):
     def pull(self, peer: int, kind: Kind) -> Message: ...
 
     def push(self, message: Message) -> None: ...
+
+    def begin_push(self, message: Message, done: Callable[[SendFailed | None], None]) -> bool:
+        """Send a push from the calling thread without waiting for its answer, where that needs no waiting; `done`
+        hears later how it went (None: delivered), from `poll` or another call. False: nothing sent (`push` it)."""
+        ...
+
+    def poll(self) -> None:
+        """Hand the answers that have come to pushes begun earlier to their `done`."""
+        ...
 
 
 class AllReduce(Protocol):
@@ -84,8 +97,21 @@ class Dispatch:
                 self.post(Reply(t, self._collective(t, collect, state)))
             else:
                 self.collectives.submit(self._collect, t, collect, state)
+        elif send.route == Route.PUSH and self.peers.begin_push(send.message, functools.partial(self._pushed, t)):
+            return
         else:
             self.pool.submit(self._call_peer, t)
+
+    def poll(self) -> None:
+        """Take up the answers to pushes begun in this thread (`PeerTransport.begin_push`) that have come."""
+        self.peers.poll()
+
+    def _pushed(self, t: Transmission, failure: SendFailed | None) -> None:
+        if failure is None:
+            self.settle(Reply(t, None))
+        else:
+            log.debug("push to rank %d failed: %s", t.send.peer, failure)
+            self.post(Failure(t, failure.reason, failure.transient))
 
     @staticmethod
     def _collective(t: Transmission, collect: Collect, state: MemberState | None) -> Message:

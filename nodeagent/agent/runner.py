@@ -485,6 +485,7 @@ class NodeLoop:
         # Keep serving until the job ends: slower neighbours may still exchange with this node (the driver reports
         # the traffic that adds), and its pushes that failed are retried until they are delivered.
         while not self.stop.wait(SERVE_POLL_S):
+            self.dispatch.poll()
             self._collect()
             for transmission in driver.due_retries():
                 dispatch.perform(transmission)
@@ -492,12 +493,16 @@ class NodeLoop:
                 self.publish(report)
 
     def _collect(self, block: bool = False) -> None:
-        """Hand the driver everything that arrived; with `block`, wait a little for the first item."""
+        """Hand the driver everything that arrived; with `block`, wait a little for the first item, and when none
+        came, take up the answers to pushes written ahead (`Dispatch.poll`: a busy runner leaves them to pile up a
+        little, as each system call it makes lets another thread take the GIL)."""
         while self.settled:
             self.driver.arrived(self.settled.popleft())
         try:
             item = self.inbox.get(timeout=WAIT_POLL_S) if block else self.inbox.get_nowait()
         except queue.Empty:
+            if block:
+                self.dispatch.poll()
             return
         while True:
             self.driver.arrived(item)

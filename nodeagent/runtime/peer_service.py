@@ -44,10 +44,12 @@ from nodeagent.wire.encoder import Outgoing, plan
 from nodeagent.wire.errors import Reason, Status, WireError
 from nodeagent.wire.frames import MAX_CONTROL_FRAME_BYTES, counted, new_stream_id, serialize
 from nodeagent.wire.lane import (
+    COALESCE_BYTES,
     DIRECT_IDLE_S,
     KEY_BYTES,
     LaneHub,
     LaneSocket,
+    call_bytes,
     dial,
     read_call,
     send_call,
@@ -82,6 +84,9 @@ LANE_RETRY_S = 30.0  # after a peer refused lanes (or could not be dialled), fra
 DIRECT_RETRY_S = 1.0  # after a direct lane could not be opened, calls go over gRPC for this long
 LANE_SETUP_TIMEOUT_S = 5.0
 IDLE_LANES_PER_PEER = 8
+# Pushes written ahead on one direct lane whose answers are still to be read (`PeerClient.begin_push`): a synchronous
+# neighbour is a round or two behind at most. Beyond, a push waits for the answers on a pool thread, as before.
+MAX_OWED_PER_LANE = 4
 # A client's lane payloads are written by these threads while the calling thread runs the gRPC call itself
 # (blocking calls poll their own completion queue: no thread is started per call, unlike gRPC's futures).
 # A writer is held for as long as its peer takes to read (at most the call's deadline), hence a generous bound.
@@ -643,9 +648,25 @@ def _lost(deadline: float) -> str:
     return "deadline_exceeded" if time.monotonic() >= deadline else "unavailable"
 
 
+def _fail_owed(lane: LaneSocket, failure: SendFailed) -> None:
+    """Every push still owed an answer on a lane that failed fails with `failure` (its lock held)."""
+    while lane.owed:
+        lane.owed.popleft().done(failure)
+
+
 def _identity(data: bytes) -> bytes:
     return data
 
+
+
+@dataclass(frozen=True)
+class _Owed:
+    """A push written ahead on a direct lane, until its answer is read: by its deadline, then `done` hears how it
+    went (None: delivered, after `count` has counted it on the edge)."""
+
+    deadline: float
+    done: Callable[[SendFailed | None], None]
+    count: Callable[[], None]
 
 
 class PeerClient:
@@ -780,6 +801,7 @@ class PeerClient:
                 if current:
                     del self._direct[key]  # the peer closed it (idle, a refusal, a restart): open another
             if current:
+                _fail_owed(lane, SendFailed("unavailable", "the peer closed the direct lane"))
                 lane.close()
             lane.lock.release()  # a lane the call before failed on, and replaced: wait for the current one
         try:
@@ -804,9 +826,10 @@ class PeerClient:
         peer's message, checked like any received stream). Raises SendFailed; the lane is closed after any
         failure, as its byte stream may be out of step."""
         deadline = time.monotonic() + timeout
-        lane.set_timeout(timeout)
         ok = False
         try:
+            self._read_owed(lane, wait=True)
+            lane.set_timeout(timeout)
             stream_id = new_stream_id()
             frames = outgoing.lane_frames([lane.token], stream_id, [(0, outgoing.total)])
             send_call(lane, wire_pb2.LaneCall(frames=wire_pb2.Frames(frames=frames), answer_wanted=answer_wanted),
@@ -832,12 +855,132 @@ class PeerClient:
             raise SendFailed(_lost(deadline) if error.reason == Reason.TRUNCATED else "rejected", str(error)) from None
         finally:
             if not ok:
-                lane.abort()
-                with self._lock:
-                    if self._direct.get((lane.job_id, lane.rank)) is lane:
-                        del self._direct[(lane.job_id, lane.rank)]
-                lane.close()
+                self._drop_direct(lane, SendFailed(_lost(deadline), "the direct lane failed under a later call"))
             lane.lock.release()
+
+    def _drop_direct(self, lane: LaneSocket, failure: SendFailed) -> None:
+        """Close a direct lane that failed (its lock held), failing the pushes still owed an answer on it."""
+        lane.abort()
+        with self._lock:
+            if self._direct.get((lane.job_id, lane.rank)) is lane:
+                del self._direct[(lane.job_id, lane.rank)]
+        _fail_owed(lane, failure)
+        lane.close()
+
+    # -- pushes written ahead ------------------------------------------------------------------------------------
+
+    def begin_push(self, state: ServingState, message: Message, timeout: float, metrics: Metrics,
+                   done: Callable[[SendFailed | None], None]) -> bool:
+        """Write a small push on the open direct lane to this peer from the calling thread, without waiting for its
+        answer; False (nothing sent) when there is none, another call holds it, its payload is large, or
+        MAX_OWED_PER_LANE answers are owed on it still: then `push` it. Its answer is read later (`poll`, a push
+        that finds the lane owed its most, or the next call on the lane) and `done` hears of it: None once the peer
+        took the push, else the SendFailed that `push` would have raised. The bytes the socket does not take at once
+        are written by a lane writer.
+
+        Why: a push handed to a pool thread that waits for the answer cost a synchronous round two thread wake-ups
+        per neighbour on top of its bytes; a runner that writes it and reads the answer when it passes by costs
+        none (4 agents, sync DSGD, logistic: 207-223 against 256-293 steps/s in a first measurement)."""
+        if self._host is None or message.payload_bytes > COALESCE_BYTES:
+            return False
+        key = (state.job_id, state.rank)
+        with self._lock:
+            lane = self._direct.get(key)
+        if lane is None or not lane.lock.acquire(blocking=False):
+            return False
+        started = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        taken = False
+        try:
+            with self._lock:
+                current = self._direct.get(key) is lane
+            if not current or lane.closed:
+                return False
+            if len(lane.owed) >= MAX_OWED_PER_LANE:
+                self._read_owed(lane, wait=False)  # those that came, in one system call
+                if len(lane.owed) >= MAX_OWED_PER_LANE:
+                    return False
+            outgoing = state.outgoing(message)
+            stream_id = new_stream_id()
+            frames = outgoing.lane_frames([lane.token], stream_id, [(0, outgoing.total)])
+            data = call_bytes(wire_pb2.LaneCall(frames=wire_pb2.Frames(frames=frames)), outgoing.lane_pieces(stream_id))
+            lane.set_timeout(timeout)
+            rest = lane.write_ahead(data)
+            taken = True
+        except (SendFailed, OSError) as error:  # the lane failed under an earlier push: `push` opens another
+            self._drop_direct(lane, error if isinstance(error, SendFailed) else SendFailed(
+                "unavailable", f"the direct lane failed: {error}"))
+            return False
+        finally:
+            if not taken:
+                lane.lock.release()
+        dst = state.name_of(message.receiver)
+
+        def count() -> None:
+            state.sent_to(metrics, message.receiver)(outgoing.total)
+            metrics.edge_messages_sent.labels(state.job_id, state.node_id, dst).inc()
+            metrics.exchange_seconds.labels(state.job_id, state.node_id, dst).observe(time.perf_counter() - started)
+
+        lane.owed.append(_Owed(deadline, done, count))
+        if len(rest):
+            _LANE_WRITERS.submit(self._finish_push, lane, rest, deadline)
+        else:
+            lane.lock.release()
+        return True
+
+    def _finish_push(self, lane: LaneSocket, rest: memoryview, deadline: float) -> None:
+        """Write what the socket did not take of a push written ahead (its lane's lock held), then let go of it."""
+        try:
+            lane.finish(rest)
+        except OSError as error:
+            self._drop_direct(lane, SendFailed(_lost(deadline), f"the direct lane failed: {error}"))
+        finally:
+            lane.lock.release()
+
+    def poll(self) -> None:
+        """Read the answers that have come to pushes written ahead, and fail those past their deadline; a lane
+        another call holds is left to it (that call reads them first)."""
+        with self._lock:
+            lanes = [lane for lane in self._direct.values() if lane.owed]
+        for lane in lanes:
+            if not lane.lock.acquire(blocking=False):
+                continue
+            try:
+                self._read_owed(lane, wait=False)
+            except SendFailed as failure:
+                self._drop_direct(lane, failure)
+            finally:
+                lane.lock.release()
+
+    @staticmethod
+    def _read_owed(lane: LaneSocket, wait: bool) -> None:
+        """Read the answers owed on a direct lane (its lock held): those that have come, or with `wait` every one,
+        each by its push's deadline, and tell each push how it went. Once one fails, the lane is out of step: every
+        push still owed fails, and SendFailed is raised for the caller to drop the lane."""
+        while lane.owed:
+            owed: _Owed = lane.owed[0]
+            if not wait and not lane.readable():
+                if time.monotonic() < owed.deadline:
+                    return
+                failure = SendFailed("deadline_exceeded", "the peer did not answer a push on the direct lane")
+            else:
+                lane.set_timeout(owed.deadline - time.monotonic())
+                try:
+                    answer = read_call(lane)
+                except WireError as error:
+                    failure = SendFailed(_lost(owed.deadline), f"the direct lane failed: {error}")
+                else:
+                    lane.owed.popleft()
+                    if not answer.status:
+                        owed.count()
+                        owed.done(None)
+                        continue
+                    code = _STATUS_CODES.get(answer.status, grpc.StatusCode.UNKNOWN)
+                    owed.done(SendFailed(code.name.lower(), clip(answer.details, MAX_DETAIL_CHARS)))
+                    # The peer closes a lane after a refusal: the calls written after it were not read.
+                    failure = SendFailed("unavailable", "the peer refused a push before this one on the direct lane")
+            _fail_owed(lane, failure)
+            raise failure
 
     def _give_back(self, lane: LaneSocket, ok: bool) -> None:
         if not ok or lane.closed:
@@ -1073,6 +1216,22 @@ class GrpcPeers:
     def push(self, message: Message) -> None:
         with _failures():
             self.client(message.receiver).push(self.state, message, self.timeout_s, self.metrics)
+
+    def begin_push(self, message: Message, done: Callable[[SendFailed | None], None]) -> bool:
+        """Write a push ahead of its answer where its neighbour's direct lane is free (PeerClient.begin_push);
+        False: `push` it."""
+        try:
+            client = self.client(message.receiver)
+        except SendFailed:
+            return False
+        return client.begin_push(self.state, message, self.timeout_s, self.metrics, done)
+
+    def poll(self) -> None:
+        """Read the answers that have come to pushes written ahead (PeerClient.poll)."""
+        with self._lock:
+            clients = list(self._clients.values())
+        for client in clients:
+            client.poll()
 
     def close(self) -> None:
         with self._lock:

@@ -41,10 +41,16 @@ payload). The trust is the grant's: a direct lane speaks for the one rank of one
 that OpenLane authorised, sealed with the key only that node received; each call is checked again against the
 current job, the caller's edge and the revoked certificates. A direct lane that waits DIRECT_IDLE_S for a call is
 closed; after any refusal it is closed too (its byte stream may hold a payload nobody read).
+
+Calls written ahead: the hub answers a lane's calls one after the other, in order, so a caller may write a small
+call (`write_ahead`) before the answers to the calls before it are read, and read those answers later, in the same
+order (`owed` keeps the caller's record of each). A refusal closes the lane at the hub: the calls written after the
+refused one were never read, and fail as on a lost lane.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ipaddress
 import itertools
@@ -79,6 +85,7 @@ LANES_PER_PEER = 16  # open lanes per node (under TLS) or per (job, rank); the o
 DIRECT_LANES_PER_PEER = 4
 DIRECT_IDLE_S = 60.0  # a direct lane with no call for this long is closed (its caller opens another when needed)
 CALL_LENGTH = struct.Struct(">I")
+READ_AHEAD_BYTES = 4096  # taken at most by `readable`: many answers without payload (4 bytes, 24 sealed)
 # A call whose payload is at most this is written in one piece (one system call, one TCP segment train): below
 # it, the copy costs less than the calls it saves.
 COALESCE_BYTES = 64 << 10
@@ -156,10 +163,14 @@ class LaneSocket(LaneReader):
         self._seal = _Sealer(cipher, TO_HUB if dialled else FROM_HUB) if cipher is not None else None
         self._open = _Sealer(cipher, FROM_HUB if dialled else TO_HUB) if cipher is not None else None
         self._plaintext = memoryview(b"")  # of the last record opened, not read yet
+        self._ahead = memoryview(b"")  # bytes received ahead of the reads that take them (`readable`)
         self.lock = threading.Lock()
         self.closed = False
         self.direct = False  # a direct lane: it carries whole calls (see the module's docstring)
         self.holder: object = None  # who a hub's lane was granted to, as the granting call knew it (an Identity)
+        # The dialling end's records of the calls it wrote ahead on a direct lane, whose answers are still to be read
+        # (in the order they will come), under `lock`: see `write_ahead`.
+        self.owed: collections.deque = collections.deque()
         self.last_used = time.monotonic()
         self.deadline = self.last_used + DEFAULT_TIMEOUT_S
 
@@ -182,6 +193,10 @@ class LaneSocket(LaneReader):
         self.sock.setsockopt(socket.SOL_SOCKET, option, _TIMEVAL.pack(whole, max(1, int((left - whole) * 1e6))))
 
     def _receive_exactly(self, view: memoryview) -> None:
+        if len(self._ahead):
+            n = min(len(view), len(self._ahead))
+            view[:n] = self._ahead[:n]
+            view, self._ahead = view[n:], self._ahead[n:]
         while len(view):
             self._arm(socket.SO_RCVTIMEO)
             n = self.sock.recv_into(view, len(view), socket.MSG_WAITALL)
@@ -243,7 +258,8 @@ class LaneSocket(LaneReader):
             self.abort()
             raise
 
-    def _send_record(self, plaintext: memoryview) -> None:
+    def _sealed_record(self, plaintext: memoryview) -> memoryview:
+        """The next record of `plaintext` (at most RECORD_BYTES), sealed in this direction's scratch."""
         sealer = self._seal
         assert sealer is not None
         scratch = sealer.buffer(RECORD_LENGTH.size + RECORD_BYTES + TAG_BYTES)
@@ -252,7 +268,10 @@ class LaneSocket(LaneReader):
         record = scratch[: RECORD_LENGTH.size + length]
         sealer.cipher.encrypt_into(sealer.nonce(), plaintext, record[: RECORD_LENGTH.size],
                                    record[RECORD_LENGTH.size :])
-        self._send_exactly(record)
+        return record
+
+    def _send_record(self, plaintext: memoryview) -> None:
+        self._send_exactly(self._sealed_record(plaintext))
 
     def _send_sealed(self, pieces: Iterable[memoryview | bytes]) -> None:
         """Seal the pieces into records of RECORD_BYTES (the last one shorter): whole records straight from a
@@ -291,10 +310,52 @@ class LaneSocket(LaneReader):
             self.abort()
             raise
 
+    def write_ahead(self, data: bytes) -> memoryview:
+        """Write `data` (at most RECORD_BYTES: one record when sealed) as far as the socket takes it without waiting;
+        returns what it did not take, which `finish` writes (sealed, the rest of the record, in this lane's scratch:
+        nothing else may be written on the lane first). Raises OSError."""
+        record = self._sealed_record(memoryview(data)) if self._seal is not None else memoryview(data)
+        try:
+            written = self.sock.send(record, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            written = 0
+        except BaseException:
+            self.abort()
+            raise
+        return record[written:]
+
+    def finish(self, rest: memoryview) -> None:
+        """Write the rest that `write_ahead` left, by the lane's deadline. Raises OSError."""
+        try:
+            self._send_exactly(rest)
+        except BlockingIOError:
+            self.abort()
+            raise TimeoutError("the lane's peer did not read in time") from None
+        except BaseException:
+            self.abort()
+            raise
+
+    def readable(self) -> bool:
+        """Whether a read would find something at once: bytes, or the other end closed. The bytes that have come
+        (up to READ_AHEAD_BYTES) are taken in the same system call, for the reads that follow: a caller that reads
+        a few small answers when it passes by makes one call, not two per answer."""
+        if len(self._plaintext) or len(self._ahead):
+            return True
+        try:
+            received = self.sock.recv(READ_AHEAD_BYTES, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True  # the read fails at once
+        self._ahead = memoryview(received)
+        return True
+
     def alive(self) -> bool:
         """Whether an idle lane is still open at the other end (it has sent nothing, and not closed)."""
         if self.closed:
             return False
+        if len(self._ahead):
+            return True
         try:
             return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
         except BlockingIOError:
@@ -336,12 +397,17 @@ class _Granted:
 def send_call(lane: LaneSocket, call: wire_pb2.LaneCall, payload: Iterable[memoryview | bytes] = (),
               payload_bytes: int = 0) -> None:
     """Write a call (or an answer) on a direct lane, then its payload; a small one in one piece. Raises OSError."""
-    body = call.SerializeToString()
-    head = CALL_LENGTH.pack(len(body)) + body
     if payload_bytes <= COALESCE_BYTES:
-        lane.send((b"".join((head, *(bytes(piece) for piece in payload))),))
+        lane.send((call_bytes(call, payload),))
     else:
-        lane.send(itertools.chain((head,), payload))
+        body = call.SerializeToString()
+        lane.send(itertools.chain((CALL_LENGTH.pack(len(body)) + body,), payload))
+
+
+def call_bytes(call: wire_pb2.LaneCall, payload: Iterable[memoryview | bytes] = ()) -> bytes:
+    """A call and its payload (at most COALESCE_BYTES) in one piece, as `send_call` writes it."""
+    body = call.SerializeToString()
+    return b"".join((CALL_LENGTH.pack(len(body)), body, *(bytes(piece) for piece in payload)))
 
 
 def read_call(lane: LaneSocket) -> wire_pb2.LaneCall:
