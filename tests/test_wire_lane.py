@@ -1014,3 +1014,27 @@ def test_idle_connections_from_one_address_leave_room_for_an_honest_lane(tls_nod
     for sock in idle:
         sock.close()
     client.close()
+
+
+@pytest.mark.parametrize("sealed", [False, True])
+def test_reads_of_any_size_after_a_read_ahead_give_the_byte_stream_as_sent(sealed):
+    """A short read takes what has come beyond it (READ_AHEAD_BYTES at most); the reads after it, short or long,
+    and `readable`, get the bytes in order, none lost or repeated, across the buffer and the socket."""
+    key = secrets.token_bytes(KEY_BYTES) if sealed else None
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        left = socket.create_connection(listener.getsockname())
+        right, _ = listener.accept()
+    sender, receiver = LaneSocket(left, key=key, dialled=True), LaneSocket(right, key=key)
+    stream = torch.arange(200_000, dtype=torch.int32).numpy().tobytes()  # 800 kB, several reads ahead
+    sizes = [4, 9, 1, 70_000, 3, lane_module.READ_AHEAD_BYTES + 5, 2, 100_000, 16]
+    with futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(sender.send, [stream[:4], stream[4:150_000], stream[150_000:]])
+        received = bytearray()
+        for size in [*sizes, len(stream) - sum(sizes)]:
+            receiver.readable()  # takes what has come, if anything, ahead of the read
+            view = memoryview(bytearray(size))
+            receiver.read_into(view)
+            received += view
+    assert bytes(received) == stream and not receiver.readable()
+    sender.close()
+    receiver.close()

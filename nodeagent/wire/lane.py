@@ -85,10 +85,12 @@ LANES_PER_PEER = 16  # open lanes per node (under TLS) or per (job, rank); the o
 DIRECT_LANES_PER_PEER = 4
 DIRECT_IDLE_S = 60.0  # a direct lane with no call for this long is closed (its caller opens another when needed)
 CALL_LENGTH = struct.Struct(">I")
-READ_AHEAD_BYTES = 4096  # taken at most by `readable`: many answers without payload (4 bytes, 24 sealed)
 # A call whose payload is at most this is written in one piece (one system call, one TCP segment train): below
 # it, the copy costs less than the calls it saves.
 COALESCE_BYTES = 64 << 10
+# Read at most at once by a short read (a call's length, say) or by `readable`: a whole call with a payload of up to
+# COALESCE_BYTES, sealed or not, or many answers without payload (4 bytes each, 24 sealed).
+READ_AHEAD_BYTES = COALESCE_BYTES + 4096
 DEFAULT_TIMEOUT_S = 60.0  # lane I/O of a call without a deadline
 # A payload is striped over one lane per STRIPE_BYTES, at most MAX_STRIPES: one TCP connection on loopback stalls
 # on its own window and wake-ups; a few side by side overlap those stalls (measured: 44 MB in one lane 17 ms,
@@ -163,7 +165,8 @@ class LaneSocket(LaneReader):
         self._seal = _Sealer(cipher, TO_HUB if dialled else FROM_HUB) if cipher is not None else None
         self._open = _Sealer(cipher, FROM_HUB if dialled else TO_HUB) if cipher is not None else None
         self._plaintext = memoryview(b"")  # of the last record opened, not read yet
-        self._ahead = memoryview(b"")  # bytes received ahead of the reads that take them (`readable`)
+        self._ahead = memoryview(b"")  # bytes received ahead of the reads that take them, in `_ahead_space`
+        self._ahead_space = memoryview(b"")
         self.lock = threading.Lock()
         self.closed = False
         self.direct = False  # a direct lane: it carries whole calls (see the module's docstring)
@@ -199,10 +202,26 @@ class LaneSocket(LaneReader):
             view, self._ahead = view[n:], self._ahead[n:]
         while len(view):
             self._arm(socket.SO_RCVTIMEO)
-            n = self.sock.recv_into(view, len(view), socket.MSG_WAITALL)
+            if len(view) < READ_AHEAD_BYTES:
+                # A short read takes what has come beyond it too, for the reads that follow: a direct lane's call
+                # (its length, its message, a small payload) in one system call, not three.
+                buffer = self._ahead_buffer()
+                n = self.sock.recv_into(buffer, READ_AHEAD_BYTES)
+                taken = min(n, len(view))
+                view[:taken] = buffer[:taken]
+                self._ahead = buffer[taken:n]
+            else:
+                n = self.sock.recv_into(view, len(view), socket.MSG_WAITALL)
+                taken = n
             if n == 0:
                 raise WireError(Reason.TRUNCATED, "the lane closed before the stream's payload was complete")
-            view = view[n:]
+            view = view[taken:]
+
+    def _ahead_buffer(self) -> memoryview:
+        """Where bytes are read ahead (allocated on first use: an idle lane holds none); empty when used."""
+        if not len(self._ahead_space):
+            self._ahead_space = memoryview(bytearray(READ_AHEAD_BYTES))
+        return self._ahead_space
 
     def _send_exactly(self, view: memoryview) -> None:
         while len(view):
@@ -338,16 +357,17 @@ class LaneSocket(LaneReader):
     def readable(self) -> bool:
         """Whether a read would find something at once: bytes, or the other end closed. The bytes that have come
         (up to READ_AHEAD_BYTES) are taken in the same system call, for the reads that follow: a caller that reads
-        a few small answers when it passes by makes one call, not two per answer."""
+        a few small answers when it passes by makes one system call, not two per answer."""
         if len(self._plaintext) or len(self._ahead):
             return True
+        buffer = self._ahead_buffer()
         try:
-            received = self.sock.recv(READ_AHEAD_BYTES, socket.MSG_DONTWAIT)
+            received = self.sock.recv_into(buffer, READ_AHEAD_BYTES, socket.MSG_DONTWAIT)
         except BlockingIOError:
             return False
         except OSError:
             return True  # the read fails at once
-        self._ahead = memoryview(received)
+        self._ahead = buffer[:received]
         return True
 
     def alive(self) -> bool:
