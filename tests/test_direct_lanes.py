@@ -24,7 +24,7 @@ from nodeagent.algorithms.base import SendFailed, Snapshot
 from nodeagent.metrics import Metrics
 from nodeagent.rpc import GRPC_OPTIONS
 from nodeagent.runtime import peer_service
-from nodeagent.runtime.peer_service import PeerClient, PeerServicer, ServingState, add_peer_servicer
+from nodeagent.runtime.peer_service import GrpcPeers, PeerClient, PeerServicer, ServingState, add_peer_servicer
 from nodeagent.security.pki import Role
 from nodeagent.security.tls import Transport
 from nodeagent.wire import Encoding, Kind, Message, TensorSpec, WireError
@@ -307,6 +307,27 @@ def test_a_push_written_ahead_on_a_sealed_lane_is_sealed_and_answered(tls):
     assert wait_for(polled) and outcomes.heard == [None]
     (lane,) = node.direct_lanes()
     assert lane.sealed
+
+
+def test_pushes_written_ahead_on_a_client_replaced_since_are_still_answered(node):
+    """A renewed certificate replaces a neighbour's client (GrpcPeers.client): the answers owed to pushes written on
+    the one before are still read, so that a refused one is still sent again."""
+    state, metrics = serving(0, queue.Queue(), {}), Metrics()
+    peers = GrpcPeers(state, {1: node.address}, metrics, 10)
+    former = peers.client(1)
+    former.push(state, message(), timeout=10, metrics=metrics)
+    node.inbox.get_nowait()
+    outcomes = Outcomes()
+    assert peers.begin_push(message(seed=1), outcomes.done)
+    with peers._lock:  # as a renewal does: the next call dials again, the former client may still hold calls
+        peers._replaced.append(peers._clients.pop((node.address, "n1")))
+
+    def polled() -> bool:
+        peers.poll()
+        return bool(outcomes.heard)
+
+    assert wait_for(polled) and outcomes.heard == [None]
+    peers.close()
 
 
 def test_a_direct_lane_beside_tls_is_sealed_and_speaks_for_its_node(tls):

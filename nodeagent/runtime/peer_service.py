@@ -1227,9 +1227,10 @@ class GrpcPeers:
         return client.begin_push(self.state, message, self.timeout_s, self.metrics, done)
 
     def poll(self) -> None:
-        """Read the answers that have come to pushes written ahead (PeerClient.poll)."""
+        """Read the answers that have come to pushes written ahead (PeerClient.poll), those on clients replaced
+        since (a renewed certificate) too."""
         with self._lock:
-            clients = list(self._clients.values())
+            clients = [*self._clients.values(), *self._replaced]
         for client in clients:
             client.poll()
 
