@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -103,12 +104,14 @@ def all_finite(tensor: torch.Tensor) -> bool:
     """Whether a tensor holds no NaN and no infinity (tensors that are not floating always do).
 
     aminmax propagates NaN and reads the tensor once without allocating; isfinite(t).all() builds a mask as large
-    as a quarter of a float32 tensor and took 10 to 20 times as long on 44 MB.
+    as a quarter of a float32 tensor and took 10 to 20 times as long on 44 MB. Its two bounds are judged as Python
+    floats: isfinite on a 0-dim tensor runs several kernels, and the check of 7,850 floats took 13.7 us with two of
+    them and their `&`, 3.0 us so (every received message and every local gradient is checked).
     """
     if not tensor.is_floating_point() or tensor.numel() == 0:
         return True
     low, high = torch.aminmax(tensor)
-    return bool(torch.isfinite(low) & torch.isfinite(high))
+    return math.isfinite(low.item()) and math.isfinite(high.item())
 
 
 def payload_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
