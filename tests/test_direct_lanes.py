@@ -193,6 +193,15 @@ class Outcomes:
     def done(self, failure: SendFailed | None) -> None:
         self.heard.append(failure)
 
+    def polled(self, poller, count: int = 1) -> bool:
+        """Whether `count` pushes have heard, polling `poller` (a PeerClient or GrpcPeers) until then."""
+
+        def heard() -> bool:
+            poller.poll()
+            return len(self.heard) >= count
+
+        return wait_for(heard)
+
 
 def test_pushes_written_ahead_arrive_in_order_and_hear_of_their_answers_when_polled(node):
     """A push on the open direct lane is written from the calling thread without waiting for its answer; the answers
@@ -209,11 +218,7 @@ def test_pushes_written_ahead_arrive_in_order_and_hear_of_their_answers_when_pol
     (lane,) = client._direct.values()
     assert outcomes.heard == [] and len(lane.owed) == 3
 
-    def polled() -> bool:
-        client.poll()
-        return len(outcomes.heard) == 3
-
-    assert wait_for(polled) and outcomes.heard == [None, None, None] and not lane.owed
+    assert outcomes.polled(client, 3) and outcomes.heard == [None, None, None] and not lane.owed
     sent = metrics.registry.get_sample_value("peertrain_edge_messages_sent_total",
                                              {"job_id": JOB, "src": "n0", "dst": "n1"})
     assert sent == 4 and list(client._direct.values()) == [lane] and len(node.direct_lanes()) == 1
@@ -252,11 +257,7 @@ def test_a_refused_push_written_ahead_fails_so_do_those_after_it_and_the_next_pu
     assert client.begin_push(state, message(value=math.nan), 10, metrics, outcomes.done)
     assert client.begin_push(state, message(seed=2), 10, metrics, outcomes.done)
 
-    def polled() -> bool:
-        client.poll()
-        return len(outcomes.heard) == 3
-
-    assert wait_for(polled)
+    assert outcomes.polled(client, 3)
     delivered, refused, unread = outcomes.heard
     assert delivered is None
     assert isinstance(refused, SendFailed) and refused.reason == "invalid_argument" and "non_finite" in str(refused)
@@ -280,11 +281,7 @@ def test_a_push_written_ahead_that_gets_no_answer_fails_at_its_deadline(node, mo
     client.poll()
     assert outcomes.heard == []
 
-    def polled() -> bool:
-        client.poll()
-        return bool(outcomes.heard)
-
-    assert wait_for(polled)
+    assert outcomes.polled(client)
     answered.set()
     (lost,) = outcomes.heard
     assert isinstance(lost, SendFailed) and lost.reason == "deadline_exceeded" and not client._direct
@@ -300,11 +297,7 @@ def test_a_push_written_ahead_on_a_sealed_lane_is_sealed_and_answered(tls):
     assert client.begin_push(state, message(seed=5), 10, metrics, outcomes.done)
     assert torch.equal(node.inbox.get(timeout=5).tensors["w"], message(seed=5).tensors["w"])
 
-    def polled() -> bool:
-        client.poll()
-        return bool(outcomes.heard)
-
-    assert wait_for(polled) and outcomes.heard == [None]
+    assert outcomes.polled(client) and outcomes.heard == [None]
     (lane,) = node.direct_lanes()
     assert lane.sealed
 
@@ -322,11 +315,7 @@ def test_pushes_written_ahead_on_a_client_replaced_since_are_still_answered(node
     with peers._lock:  # as a renewal does: the next call dials again, the former client may still hold calls
         peers._replaced.append(peers._clients.pop((node.address, "n1")))
 
-    def polled() -> bool:
-        peers.poll()
-        return bool(outcomes.heard)
-
-    assert wait_for(polled) and outcomes.heard == [None]
+    assert outcomes.polled(peers) and outcomes.heard == [None]
     peers.close()
 
 

@@ -59,7 +59,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
@@ -313,21 +313,27 @@ class LaneSocket(LaneReader):
         if gathered:
             self._send_record(memoryview(gathered))
 
-    def send(self, pieces: Iterable[memoryview | bytes]) -> None:
-        """Write every piece (each is consumed before the next is asked for). Raises OSError (TimeoutError at
-        the deadline)."""
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """A failed write shuts the lane down; one past the deadline raises TimeoutError."""
         try:
-            if self._seal is not None:
-                self._send_sealed(pieces)
-            else:
-                for piece in pieces:
-                    self._send_exactly(memoryview(piece))
+            yield
         except BlockingIOError:
             self.abort()
             raise TimeoutError("the lane's peer did not read in time") from None
         except BaseException:
             self.abort()
             raise
+
+    def send(self, pieces: Iterable[memoryview | bytes]) -> None:
+        """Write every piece (each is consumed before the next is asked for). Raises OSError (TimeoutError at
+        the deadline)."""
+        with self._writing():
+            if self._seal is not None:
+                self._send_sealed(pieces)
+            else:
+                for piece in pieces:
+                    self._send_exactly(memoryview(piece))
 
     def write_ahead(self, data: bytes) -> memoryview:
         """Write `data` (at most RECORD_BYTES: one record when sealed) as far as the socket takes it without waiting;
@@ -345,14 +351,8 @@ class LaneSocket(LaneReader):
 
     def finish(self, rest: memoryview) -> None:
         """Write the rest that `write_ahead` left, by the lane's deadline. Raises OSError."""
-        try:
+        with self._writing():
             self._send_exactly(rest)
-        except BlockingIOError:
-            self.abort()
-            raise TimeoutError("the lane's peer did not read in time") from None
-        except BaseException:
-            self.abort()
-            raise
 
     def readable(self) -> bool:
         """Whether a read would find something at once: bytes, or the other end closed. The bytes that have come
