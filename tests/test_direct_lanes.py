@@ -203,6 +203,15 @@ class Outcomes:
         return wait_for(heard)
 
 
+def open_direct_lane(node: Node) -> tuple[PeerClient, ServingState, Metrics, Outcomes]:
+    """A client of rank 0 whose direct lane to `node` is open (one push made and taken), and the outcomes of the
+    pushes it will write ahead."""
+    client, state, metrics = PeerClient(node.address), serving(0, queue.Queue(), {}), Metrics()
+    client.push(state, message(), timeout=10, metrics=metrics)
+    node.inbox.get_nowait()
+    return client, state, metrics, Outcomes()
+
+
 def test_pushes_written_ahead_arrive_in_order_and_hear_of_their_answers_when_polled(node):
     """A push on the open direct lane is written from the calling thread without waiting for its answer; the answers
     are read when the caller polls, each push hears it was delivered, and is counted on the edge as a push is."""
@@ -226,10 +235,7 @@ def test_pushes_written_ahead_arrive_in_order_and_hear_of_their_answers_when_pol
 
 
 def test_a_lane_owed_its_most_answers_takes_no_more_pushes_ahead_and_a_call_reads_them_first(node, monkeypatch):
-    client, state, metrics = PeerClient(node.address), serving(0, queue.Queue(), {}), Metrics()
-    outcomes = Outcomes()
-    client.push(state, message(), timeout=10, metrics=metrics)
-    node.inbox.get_nowait()
+    client, state, metrics, outcomes = open_direct_lane(node)
     serve, release = node.servicer._direct_call, threading.Event()  # a peer slow to answer
     monkeypatch.setattr(node.servicer, "_direct_call", lambda lane, call: release.wait(10) and serve(lane, call))
     owed = peer_service.MAX_OWED_PER_LANE
@@ -248,10 +254,7 @@ def test_a_lane_owed_its_most_answers_takes_no_more_pushes_ahead_and_a_call_read
 def test_a_refused_push_written_ahead_fails_so_do_those_after_it_and_the_next_push_opens_another_lane(node):
     """A refusal closes the lane at the peer: the refused push hears why, the pushes written after it were never
     read and fail as on a lost lane (the driver sends them again), and the next push goes on a new lane."""
-    client, state, metrics = PeerClient(node.address), serving(0, queue.Queue(), {}), Metrics()
-    outcomes = Outcomes()
-    client.push(state, message(), timeout=10, metrics=metrics)
-    node.inbox.get_nowait()
+    client, state, metrics, outcomes = open_direct_lane(node)
     (first,) = node.direct_lanes()
     assert client.begin_push(state, message(seed=1), 10, metrics, outcomes.done)
     assert client.begin_push(state, message(value=math.nan), 10, metrics, outcomes.done)
@@ -271,10 +274,7 @@ def test_a_refused_push_written_ahead_fails_so_do_those_after_it_and_the_next_pu
 
 
 def test_a_push_written_ahead_that_gets_no_answer_fails_at_its_deadline(node, monkeypatch):
-    client, state, metrics = PeerClient(node.address), serving(0, queue.Queue(), {}), Metrics()
-    outcomes = Outcomes()
-    client.push(state, message(), timeout=10, metrics=metrics)
-    node.inbox.get_nowait()
+    client, state, metrics, outcomes = open_direct_lane(node)
     answered = threading.Event()  # a peer cut off: the call is read, no answer comes
     monkeypatch.setattr(node.servicer, "_direct_call", lambda lane, call: answered.wait(10) and False)
     assert client.begin_push(state, message(seed=1), 0.3, metrics, outcomes.done)
