@@ -25,6 +25,15 @@ accuracy and no honest member flagged.
     nice -n 10 .venv/bin/python benchmarks/byzantine_agents.py --attacks constant --steps 400
     nice -n 10 .venv/bin/python benchmarks/byzantine_agents.py --attacks echo
 
+`--jobs ASGD` (not in the default run): the asynchronous parameter server, whose robust rule is centered-clip (each
+update's norm clipped, each worker's rate bounded: nodeagent.robust.NormClip); the liar pushes its forged updates.
+`--liar-speed N`: the liar steps N times as often as the job's pace and counts one step in N (tests/lying_agent.py),
+so it pushes as often as the server answers it, up to N times an honest worker's rate, for as long as the job runs.
+The honest workers are paced, so a fast liar also costs them the coordinator's time it takes.
+
+    nice -n 10 .venv/bin/python benchmarks/byzantine_agents.py --jobs ASGD --attacks sign-flip --liar-speed 30 \
+        --steps 400
+
 `--cost N`: instead, what the robust rule costs a user without an attack, on one cluster of honest agents (the
 issue's target: at most 10% of steps/s). N pairs of each job, unpaced, plain and robust one after the other (which
 goes first alternates from pair to pair, so that a drift of the machine's load falls on both alike); steps/s per
@@ -67,22 +76,29 @@ JOBS = {  # label -> the job's algorithm section, robust rule aside
     "sync DSGD": {"name": "dsgd", "mode": "sync", "lr": 0.05, "interval": 1},
     "gossip": {"name": "gossip", "lr": 0.05, "interval": 2,
                "options": {"interpolation": "constant", "factor": 0.5}},
+    "ASGD": {"name": "asgd", "lr": 0.05},
 }
-VARIANTS = {  # label -> algorithm.robust
+DEFAULT_JOBS = ("async DSGD", "sync DSGD", "gossip")
+RULES = {"ASGD": "centered-clip"}  # a job's robust rule where it is not self-centered clipping
+VARIANTS = {  # label -> algorithm.robust, its rule aside (None: no robust rule)
     "plain": None,
-    "robust": {"rule": "self-centered-clip"},
-    "robust+quarantine": {"rule": "self-centered-clip", "quarantine": {}},
+    "robust": {},
+    "robust+quarantine": {"quarantine": {}},
 }
 
 
 class AttackCluster(LocalCluster):
-    """A LocalCluster whose agent LIAR runs tests/lying_agent.py with `attack` (None: the honest agent)."""
+    """A LocalCluster whose agent LIAR runs tests/lying_agent.py with `attack` (None: the honest agent), stepping
+    `speed` times as often as the others where it is a parameter server's worker."""
 
     attack: str | None = None
+    speed: int = 1
 
     def agent_args(self, index: int) -> list[str]:
         args = super().agent_args(index)
         lie = LIES.get(self.attack, self.attack) if self.attack else None
+        if lie and self.speed > 1:
+            lie += f"@{self.speed}"
         return ["lying_agent", lie, *args[1:]] if index == LIAR and lie else args
 
 
@@ -113,7 +129,7 @@ class Row:
 def spec(job: str, variant: str, steps: int, pace_s: float, data_dir: str) -> str:
     algorithm = dict(JOBS[job])
     if VARIANTS[variant] is not None:
-        algorithm["robust"] = VARIANTS[variant]
+        algorithm["robust"] = {"rule": RULES.get(job, "self-centered-clip"), **VARIANTS[variant]}
     return yaml.safe_dump({
         "name": f"{job.replace(' ', '-')}-{variant.replace('+', '-')}", "nodes": AGENTS, "steps": steps,
         "eval_every": steps, "seed": 0, "min_step_s": pace_s, "algorithm": algorithm,
@@ -127,7 +143,7 @@ def run_variant(cluster: AttackCluster, attack: str, variant: str, args: argpars
     """The three jobs of one variant, at once; their rows once all ended."""
     liar = {n.name: n.node_id for n in cluster.nodes()}[f"agent-{LIAR}"]
     rows = {cluster.submit(spec(job, variant, args.steps, args.pace, args.data_dir)): Row(job, attack, variant)
-            for job in JOBS}
+            for job in args.jobs}
     for job_id, row in rows.items():
         def watch(status: pb.JobStatusReply, row: Row = row) -> None:
             flagged = [n for n in status.nodes if n.node_id == liar and (n.suspected or n.quarantined)]
@@ -172,7 +188,7 @@ def cost_pairs(cluster: LocalCluster, pairs: int, args: argparse.Namespace) -> N
           "mean over the pairs)")
     print("| job | plain steps/s | robust steps/s | cost: median (range) | plain accuracy | robust accuracy |")
     print("|---|---|---|---|---|---|")
-    for job in JOBS:
+    for job in args.jobs:
         rates: dict[str, list[float]] = {"plain": [], "robust": []}
         accuracies: dict[str, list[float]] = {"plain": [], "robust": []}
         for pair in range(pairs):
@@ -203,6 +219,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--attacks", default=",".join(ATTACKS),
                         help=f"comma-separated, of {', '.join([*ATTACKS, *LIES])} (default: {', '.join(ATTACKS)})")
+    parser.add_argument("--jobs", default=",".join(DEFAULT_JOBS),
+                        help=f"comma-separated, of {', '.join(JOBS)} (default: {', '.join(DEFAULT_JOBS)})")
+    parser.add_argument("--liar-speed", type=int, default=1, metavar="N",
+                        help="a parameter-server job's liar steps, and pushes, N times as often as the honest workers "
+                        "(default 1)")
     parser.add_argument("--steps", type=int, default=800, help="local steps per node (default 800)")
     parser.add_argument("--pace", type=float, default=0.05, help="min_step_s of every job (default 0.05)")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
@@ -214,6 +235,12 @@ def main() -> None:
     unknown = set(attacks) - set(ATTACKS) - set(LIES)
     if unknown:
         parser.error(f"unknown attack(s) {', '.join(sorted(unknown))}; known: {', '.join([*ATTACKS, *LIES])}")
+    args.jobs = [j for j in args.jobs.split(",") if j]
+    unknown = set(args.jobs) - set(JOBS)
+    if unknown:
+        parser.error(f"unknown job(s) {', '.join(sorted(unknown))}; known: {', '.join(JOBS)}")
+    if args.liar_speed < 1:
+        parser.error("--liar-speed is at least 1")
     # The agents (forked programs) find lying_agent on their path.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
     if args.cost:
@@ -227,6 +254,7 @@ def main() -> None:
         for attack in ["none", *attacks]:
             cluster = AttackCluster(root=Path(root) / attack, agents=AGENTS)
             cluster.attack = None if attack == "none" else attack
+            cluster.speed = args.liar_speed
             variants = ["plain", "robust"] if attack == "none" else list(VARIANTS)
             with cluster:
                 for variant in variants:
@@ -234,8 +262,9 @@ def main() -> None:
                     rows += run_variant(cluster, attack, variant, args)
 
     baseline = {r.job: r.mean for r in rows if r.attack == "none" and r.variant == "plain"}
-    print(f"\n{AGENTS} agents on a ring, agent {LIAR} lying; {args.steps} steps at {args.pace} s; honest test accuracy "
-          f"(%), gap to the honest baseline, the liar's flags (s after the start), honest members flagged")
+    speed = f" and stepping {args.liar_speed} times as often" if args.liar_speed > 1 else ""
+    print(f"\n{AGENTS} agents on a ring, agent {LIAR} lying{speed}; {args.steps} steps at {args.pace} s; honest test "
+          "accuracy (%), gap to the honest baseline, the liar's flags (s after the start), honest members flagged")
     print("| job | attack | rule | state | honest mean | worst | gap | flagged s | quarantined s | status | edges "
           "| honest flagged | target |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
