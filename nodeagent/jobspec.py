@@ -64,10 +64,9 @@ class RobustSpec(_Strict):
         description="self-centered-clip (peer-to-peer: each neighbour's contribution clipped around the node's own "
         "state before it is mixed); centered-clip, trimmed-mean, median or krum (the parameter server's aggregation "
         "of the workers' updates, the asynchronous servers taking centered-clip alone: each update's norm clipped, "
-        "and the pushes of a worker more than 3 times as frequent as the median worker's scaled down; allreduce's of "
-        "every member's "
-        "gradient and diloco's of every pseudo-gradient but centered-clip, all-gathered instead of summed: n / 2 "
-        "times the bytes)")
+        "and the pushes of a worker more frequent than the median worker's scaled down to its rate; allreduce's of "
+        "every member's gradient and diloco's of every pseudo-gradient but centered-clip, all-gathered instead of "
+        "summed: n / 2 times the bytes)")
     radius: float | Literal["auto"] = Field(
         "auto", description="the clipping radius (L2) of the clip rules; auto: adapted from the recent "
         "distances the node (their lower quartile, over a neighbour's weight in the mix) or server (their median) has "
