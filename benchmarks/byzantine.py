@@ -33,6 +33,7 @@ attacks at their default strengths are not, and its rows regressed unseen for th
     nice -n 10 .venv/bin/python benchmarks/byzantine.py --cost 3    # only the no-attack pairs, alternated 3 times
     nice -n 10 .venv/bin/python benchmarks/byzantine.py --only dsgd --attacks echo   # echoing liars
     nice -n 10 .venv/bin/python benchmarks/byzantine.py --cost 3 --model cnn --only dsgd,gossip,sgp
+    nice -n 10 .venv/bin/python benchmarks/byzantine.py --only asgd --liar-pushes 30   # liars that push fast
 
 On a shared machine one run's steps/s moves with the other work, by up to 10% from one run to the next: `--cost N`
 runs each algorithm's no-attack pair (plain, robust) N times, which of the two runs first alternating, each over at
@@ -64,6 +65,7 @@ TARGET_COST_RATE = 0.10
 DEFAULT_ATTACKS = ("sign-flip", "alie")
 LIES = {"echo": ("dissensus", 0.0)}  # further attacks, by name: an attack of nodeagent.byzantine at a strength
 COST_MIN_STEPS = 480  # local steps of a --cost run, at least
+ASYNCHRONOUS_SERVERS = ("asgd",)  # whose liars push --liar-pushes times a step
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,7 @@ def run(algorithm: Algorithm, split: str, attack: str, liars: int, robust: bool,
     wanted = max(args.steps, COST_MIN_STEPS) if args.cost else args.steps
     steps = max(20, algorithm.min_steps, int(wanted * algorithm.steps_factor) // 20 * 20)  # a multiple of H
     forged, strength = LIES.get(attack, (attack, args.strength))
+    pushes = args.liar_pushes if algorithm.name in ASYNCHRONOUS_SERVERS else 1
     section = {"name": algorithm.name, **algorithm.algorithm}
     if robust:
         section["robust"] = {"rule": algorithm.robust}
@@ -133,7 +136,8 @@ def run(algorithm: Algorithm, split: str, attack: str, liars: int, robust: bool,
         "model": {"name": args.model},
         "data": {"data_dir": args.data_dir, "split": split, "batch_size": 32, "test_limit": args.test_limit},
         "topology": {"kind": algorithm.topology, "seed": 1},
-        "simulation": {"byzantine": [{"ranks": ranks, "attack": forged, "strength": strength}] if ranks else [],
+        "simulation": {"byzantine": [{"ranks": ranks, "attack": forged, "strength": strength, "pushes": pushes}]
+                       if ranks else [],
                        "step_time_s": args.step_time},
     })
     run_started: list[float] = []  # when the nodes start (building them reads and splits the data: not counted)
@@ -210,9 +214,14 @@ def main() -> None:
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--strength", type=float, default=None, help="every attack's strength but the echo's "
                         "(simulation.byzantine's; unset: each attack's own default, nodeagent.byzantine)")
+    parser.add_argument("--liar-pushes", type=int, default=1, metavar="N", help="ASGD's liars push each forged update "
+                        "N times a step, each applied by the server (simulation.byzantine[].pushes: a liar that pushes "
+                        "as often as the server answers it)")
     parser.add_argument("--cost", type=int, default=0, metavar="N", help="only the no-attack pairs, run N times "
                         "(which rule first alternating): the steps/s cost is the pairs' median")
     args = parser.parse_args()
+    if args.liar_pushes < 1:
+        parser.error("--liar-pushes is at least 1")
     attacks = [a for a in args.attacks.split(",") if a] or ([*ATTACKS, *LIES] if args.full else list(DEFAULT_ATTACKS))
     unknown = set(attacks) - set(ATTACKS) - set(LIES)
     if unknown:
@@ -220,7 +229,9 @@ def main() -> None:
     splits = [s for s in args.splits.split(",") if s] or (["class-window", "iid"] if args.full else ["class-window"])
     algorithms = [a for a in ALGORITHMS if not args.only or a.name in args.only.split(",")]
     strength = "" if args.strength is None else f" at strength {args.strength:g}"
-    print(f"{NODES} nodes, {args.model}, {args.steps} steps, splits {splits}, attacks {attacks}{strength}", flush=True)
+    fast = f", ASGD's liars pushing {args.liar_pushes} times a step" if args.liar_pushes > 1 else ""
+    print(f"{NODES} nodes, {args.model}, {args.steps} steps, splits {splits}, attacks {attacks}{strength}{fast}",
+          flush=True)
     started = time.monotonic()
     rows: list[Row] = []
     pair_costs: dict[tuple[str, str], list[float]] = {}

@@ -34,6 +34,7 @@ MAX_JOB_BYTES = 1 << 20  # of the YAML text; an inlined edge list counts
 MAX_YAML_VALUES = 65_536  # scalars, lists and mappings: a 10,000-node job with per-rank speeds and slow-downs fits
 MAX_YAML_DEPTH = 32  # nested lists and mappings; a job needs 6 (simulation.partitions[].groups[])
 MAX_NODES = 10_000  # the simulator's scale (benchmarks/simulator.py); planning stays linear in nodes
+MAX_LIAR_PUSHES = 1_000  # a simulated liar's pushes per step (simulation.byzantine[].pushes)
 MAX_SHOWN_CHARS = 100  # of what a job wrote, repeated in an error
 MAX_ERRORS_SHOWN = 10  # wrong fields named in one error
 
@@ -257,6 +258,10 @@ class ByzantineSpec(_Strict):
     strength: float | None = Field(
         None, description="the attack's parameter; unset: scale 1e6, constant 1000, random 1.0, alie z = 1.0, "
         "ipm 0.1, dissensus 1.0")
+    pushes: int = Field(
+        1, ge=1, le=MAX_LIAR_PUSHES, description="an asynchronous parameter server's liar (asgd, dc-asgd, adacomp): "
+        "each of its steps pushes its forged update this many times, each applied by the server (a worker that "
+        "pushes as often as the server answers it)")
 
 
 class SimulationSpec(_Strict):

@@ -340,6 +340,8 @@ class Algorithm(ABC):
         before any node exists, and refuses at least every job the constructor would; subclasses with
         constraints on the graph or between options extend it."""
         cls.options_of(spec.algorithm)
+        if cls.family is not Family.SERVER and any(group.pushes > 1 for group in spec.simulation.byzantine):
+            raise JobSpecError(f"simulation.byzantine: pushes is a parameter-server liar's; {cls.name} has no server")
 
     # -- local computation shared by the algorithms ------------------------------------------------------------
 

@@ -66,6 +66,9 @@ class PSWorker(Algorithm):
     def check(cls, spec: JobSpec, topology: Graph) -> None:
         super().check(spec, topology)
         check_robust_workers(spec)
+        if cls.server_half.synchronous and any(group.pushes > 1 for group in spec.simulation.byzantine):
+            raise JobSpecError(f"simulation.byzantine: pushes needs an asynchronous server; {cls.name}'s takes one "
+                               "update per worker and round")
 
     @classmethod
     def build_server(cls, spec: JobSpec, info: DatasetInfo) -> ServerHalf:

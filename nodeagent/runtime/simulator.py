@@ -26,6 +26,9 @@ step reports, and waiting for the other workers).
 Byzantine members (`simulation.byzantine`): a lying rank trains as the others do, and every tensor message it sends
 (a push, an exchange's request or answer, a pull's answer, a push to the parameter server) is replaced by its
 attack's (nodeagent.byzantine), forged against the latest honest messages of the same kind, which the mesh keeps.
+A liar of an asynchronous server with `pushes: N` sends each forged update N times, one after the other through the
+server's ingress; the server applies each, and the liar gets the answer to the last (a worker that pushes as often
+as the server answers it, which a simulated rank, whose steps end with its job, could not be otherwise).
 
 Everything is deterministic for a given seed: one heap ordered by (time, sequence number) and one generator.
 """
@@ -489,12 +492,18 @@ class SimulatedServer:
         # would off the wire (and its answers reach the worker in host memory, as the agent's link decodes them).
         tensors = {name: tensor.cpu() for name, tensor in push.tensors.items()}
         push = replace(push, tensors=mesh.sent_by(sim.rank, None, push.kind, tensors) if mesh.liars else tensors)
+        liar = mesh.liars.get(sim.rank)
+        for repeat in range(1, liar.pushes if liar is not None else 1):  # applied, not answered (the module's text)
+            self.count(sim, up=push.payload_bytes)
+            arrival = mesh._arrival(self.INGRESS, push.payload_bytes)
+            mesh.at(arrival, lambda repeat=repeat: self._applied(sim, push, f"{call_id}/{repeat}"))
         self.count(sim, up=push.payload_bytes)
         arrival = mesh._arrival(self.INGRESS, push.payload_bytes)
         sim.round.network += arrival - mesh.now
         mesh.at(arrival, lambda: self._apply(sim, push, call_id, answered))
 
-    def _apply(self, sim: SimNode, push: ServerPush, call_id: str, answered: Answered) -> None:
+    def _applied(self, sim: SimNode, push: ServerPush, call_id: str) -> list[int]:
+        """The server's half applies `push`; the ranks it releases."""
         result = self.half.push(sim.rank, push, call_id, self.mesh.now)
         self.half.drain_events()
         metrics = self.mesh.metrics
@@ -503,8 +512,12 @@ class SimulatedServer:
                 metrics.ps_updates_clipped.labels(self.mesh.job).inc()
             for worker in result.flagged:
                 metrics.robust_clipped.labels(self.mesh.job, self.mesh.name_of(worker), SERVER_NAME).inc()
+        return result.release
+
+    def _apply(self, sim: SimNode, push: ServerPush, call_id: str, answered: Answered) -> None:
+        release = self._applied(sim, push, call_id)
         self._waiting[sim.rank] = (sim, push, answered)
-        for rank in result.release:
+        for rank in release:
             worker, released, reply = self._waiting.pop(rank)
             self.send_model(worker, ServerPull(released.version, released.pull_delta), reply)
 
