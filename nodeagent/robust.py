@@ -130,19 +130,22 @@ aggregate: its centered-clip clips each update's norm (center 0) at the auto rad
 worker holding its own share of them however fast it pushes (NormClip). It applies every push, though, so a worker
 that pushes 30 times as often as the others pulled the model 30 times as hard, each push clipped: per round of 15
 honest pushes (norms 1 to 1.14), 30 clipped pushes of a liar added up to 103 against their 16. So it also bounds a
-worker's rate: among the last pushes (max(AUTO_WINDOW, 4 x workers) of them), a worker's beyond the others' median
-count (at least 1) plus RATE_SLACK are scaled by allowed / its count, so that over time no worker moves the model
-much more than one worker pushing at the median rate with the longest norm the clip lets through, however fast it
-pushes (once that many pushes are seen). The slack is one push: a short window's counts move by one from push to
-push, and without it the honest workers of a round that the window held twice were scaled by half. The bound was 3
-times the median count until a fast liar on agents showed what that let through: a sign-flipping worker that steps
-30 times as often as 3 honest ones held as much pull as all of them together, and the model went nowhere (4 agents,
-ASGD, the honest workers at 9.95% against 82.62% without the liar; in the simulator 8.12%, 70.08% at twice the
-median, 74.75% at 1.5 times, 78.18% at the median plus one: benchmarks/byzantine_agents.py --jobs ASGD --liar-speed
-30, docs/results.md). The scaling is a bound, not a judgement: it does not count as clipped; an honest worker on
-faster hardware is slowed to about the median rate's pull, not suspected (in the simulator, 16 workers of which 4
-twice as fast and 2 at half speed, class-window and iid: 77.06% and 80.78% with the bound, 79.06% and 79.36% at 3
-times).
+worker's rate: among the last pushes (max(RATE_WINDOW, RATE_WINDOW_PER_WORKER x workers) of them), a worker's beyond
+the median count of the other workers among them (at least 1) plus RATE_SLACK are scaled by allowed / its count
+(a worker alone among them, the others lost or not started, is not scaled), so that over time no
+worker moves the model much more than one worker pushing at the median rate with the longest norm the clip lets
+through, however fast it pushes. The slack is one push: counts move by one from push to push, and without it the
+honest workers of a round that a short window held twice were scaled by half. The window holds about
+RATE_WINDOW_PER_WORKER pushes of each worker at the median rate, so the slack is a small part of what each is
+allowed; the bound applies from the first pushes (with the slack, a worker's second push in a row is not scaled).
+The bound was 3 times the median count, in a window of 64 pushes and only once it was full, until a fast liar on
+agents showed what that let through: a sign-flipping worker that steps 30 times as often as 3 honest ones held as
+much pull as all of them together, and the model went nowhere (4 agents, ASGD: the honest workers at 9.95% against
+82.62% without the liar; in the simulator 8.12%, then 79.62% against 81.72%: benchmarks/byzantine_agents.py --jobs
+ASGD --liar-speed 30, docs/results.md). The scaling is a bound, not a judgement: it does not count as clipped; an
+honest worker on faster hardware is slowed to about the median rate's pull, not suspected (in the simulator, 16
+workers of which 4 twice as fast and 2 at half speed, class-window and iid: 77.84% and 79.47% with the bound,
+79.06% and 79.36% at 3 times).
 """
 
 from __future__ import annotations
@@ -171,8 +174,11 @@ GROUP_WARM = 4  # a group's distances before its quartile is trusted (a round's 
 # robust row of benchmarks/byzantine.py --full --only asgd is met, 34 of 34 (docs/results.md).
 NORM_CLIP_MULTIPLIER = 3.0
 # An asynchronous server's: a worker's pushes beyond the other workers' median count among the recent pushes plus
-# this many are scaled down to it (NormClip, the module's text).
+# RATE_SLACK are scaled down to it; the recent pushes are at least RATE_WINDOW, and RATE_WINDOW_PER_WORKER a worker
+# (NormClip, the module's text).
 RATE_SLACK = 1
+RATE_WINDOW = 256
+RATE_WINDOW_PER_WORKER = 16
 CENTERED_CLIP_ITERATIONS = 3
 OUTLYING_FACTOR = 2.0  # a neighbour's contribution farther than this times the window's lower quartile is outlying
 # A neighbour with at least EXCLUDED_SEEN of its last EXCLUDED_WINDOW contributions judged, EXCLUDED_SHARE of them
@@ -691,7 +697,8 @@ class NormClip:
         self.seen = 0
         self.heard = 0  # workers with a norm held
         self.clipped = [0] * num_workers
-        self.pushers: deque[int] = deque(maxlen=max(AUTO_WINDOW, 4 * num_workers))  # who made the recent pushes
+        # Who made the recent pushes.
+        self.pushers: deque[int] = deque(maxlen=max(RATE_WINDOW, RATE_WINDOW_PER_WORKER * num_workers))
         self.pushes = [0] * num_workers  # each worker's among them
 
     def clip(self, worker: int, update: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -716,16 +723,16 @@ class NormClip:
 
     def _rate_scale(self, worker: int) -> float:
         """The factor a push of `worker` is scaled by for its rate (the module's text): allowed / its count among the
-        recent pushes, where it has more than allowed, the others' median count (at least 1) plus RATE_SLACK."""
-        full = len(self.pushers) == self.pushers.maxlen
-        if full:
+        recent pushes, where it has more than allowed: the median count of the others among them (at least 1) plus
+        RATE_SLACK."""
+        if len(self.pushers) == self.pushers.maxlen:
             self.pushes[self.pushers[0]] -= 1
         self.pushers.append(worker)
         self.pushes[worker] += 1
         count = self.pushes[worker]
-        # The first counts are too few to compare; a count within the least allowed needs no median of the others.
-        if not full or count <= 1 + RATE_SLACK:
+        if count <= 1 + RATE_SLACK:  # within the least allowed: no median of the others needed
             return 1.0
-        others = self.pushes[:worker] + self.pushes[worker + 1 :]
+        # The others that pushed lately: a lost worker's 0 would hold the workers left to 1 + RATE_SLACK pushes.
+        others = [held for other, held in enumerate(self.pushes) if held and other != worker]
         allowed = max(1.0, statistics.median(others)) + RATE_SLACK if others else math.inf
         return 1.0 if count <= allowed else allowed / count

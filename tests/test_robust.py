@@ -484,6 +484,19 @@ def test_a_robust_rule_an_algorithm_cannot_apply_is_refused_at_validation_with_t
         validate_job(job(fashion_mnist_dir, algorithm))
 
 
+@pytest.mark.parametrize(("algorithm", "message"), [
+    ({"name": "dsgd"}, "simulation.byzantine: pushes is a parameter-server liar's; dsgd has no server"),
+    ({"name": "ssgd"}, "simulation.byzantine: pushes needs an asynchronous server; ssgd's takes one update per "
+     "worker and round"),
+])
+def test_a_liar_that_pushes_many_times_a_step_is_refused_where_no_asynchronous_server_takes_its_pushes(
+        fashion_mnist_dir, algorithm, message):
+    liar = [{"ranks": [3], "attack": "sign-flip", "pushes": 30}]
+    with pytest.raises(JobSpecError, match=message):
+        validate_job(job(fashion_mnist_dir, algorithm, byzantine=liar))
+    validate_job(job(fashion_mnist_dir, {"name": "asgd"}, byzantine=liar))
+
+
 @pytest.mark.parametrize("name", ["dsgd", "gossip", "ad-psgd", "sgp", "osgp"])
 def test_the_peer_algorithms_take_self_centered_clipping(fashion_mnist_dir, name):
     validate_job(job(fashion_mnist_dir, {"name": name, "robust": {"rule": "self-centered-clip", "radius": 2}},
@@ -762,6 +775,23 @@ def test_a_liar_through_the_parameter_server_is_trimmed_and_counted(fashion_mnis
     flagged = metrics.registry.get_sample_value("peertrain_robust_clipped_total",
                                                 {"job_id": "robust", "src": "rank3", "dst": SERVER_NAME})
     assert flagged == 60  # the liar, in every round
+
+
+def test_a_liar_that_pushes_thirty_times_a_step_to_an_asynchronous_server_pulls_about_as_hard_as_an_honest_worker(
+        fashion_mnist_dir):
+    """A sign-flipping worker that pushes 30 times for each honest push: while its rate was bounded at 3 times the
+    median, its pushes held as much pull as the 3 honest workers together, and the model went nowhere (the honest
+    workers at 26 to 29%). Bounded at about the median rate, it costs the honest workers about what a liar pushing
+    once a step costs them (here 73 to 79%, 80% without a liar)."""
+    robust = {"name": "asgd", "robust": {"rule": "centered-clip"}}
+
+    def honest_with_liar(pushes: int) -> list[float]:
+        liar = [{"ranks": [3], "attack": "sign-flip", "pushes": pushes}]
+        return honest_accuracies(job(fashion_mnist_dir, robust, nodes=4, byzantine=liar))
+
+    once, fast = honest_with_liar(1), honest_with_liar(30)
+    assert min(fast) > min(once) - 0.1
+    assert min(once) > 0.6
 
 
 DILOCO = {"name": "diloco", "options": {"inner_steps": 10}}  # 6 syncs in 60 steps
