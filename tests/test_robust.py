@@ -35,6 +35,7 @@ from nodeagent.robust import (
     NORM_CLIP_MULTIPLIER,
     OUTLYING_FACTOR,
     RATE_SLACK,
+    RATE_WINDOW,
     STEP_DECAY,
     STEP_OUTLYING,
     STEP_SAMPLE,
@@ -399,6 +400,17 @@ def test_a_worker_twice_as_fast_as_the_others_moves_the_server_about_as_much_as_
                     pulls[worker] += float(torch.linalg.vector_norm(scaled))
     honest = statistics.median(pulls[1:])  # 20 pushes of norm 1 each: never scaled
     assert honest == 20 and honest < pulls[0] <= 1.5 * honest, pulls  # the slack's push of 4 in the window
+
+
+def test_a_worker_whose_fellows_are_lost_is_not_held_to_their_rate_once_they_leave_the_window():
+    """The others' counts of 0 once made the median 0: a worker left alone was held to a few pushes' pull in every
+    window for the rest of the job."""
+    clip = NormClip(RobustSpec(rule="centered-clip"), num_workers=4)
+    for _ in range(100):
+        for worker in range(4):
+            clip.clip(worker, vec(1.0, 0))
+    alone = [float(torch.linalg.vector_norm(clip.clip(0, vec(1.0, 0))[0])) for _ in range(2 * RATE_WINDOW)]
+    assert alone[-RATE_WINDOW // 2:] == [1.0] * (RATE_WINDOW // 2)
 
 
 def test_norm_clip_during_warm_up_holds_a_long_update_to_the_shortest_seen():
