@@ -9,6 +9,7 @@ revoked certificate's open lane delivers nothing more. A peer that serves no dir
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import queue
 import threading
@@ -469,3 +470,18 @@ def test_lanes_closing_under_a_client_send_its_calls_over_grpc(node):
     assert node.inbox.qsize() == 2 and not node.direct_lanes()
     client.close()
 
+
+
+def test_a_rank_that_another_node_takes_over_is_counted_under_that_nodes_name():
+    """Each edge's series are looked up once per job and peer; a state replaced with new names (a rank that another
+    node took over) counts under the new name, not the cached old one."""
+    metrics, state = Metrics(), serving(0, queue.Queue(), {})
+    state.edge(metrics, 1).messages_sent.inc()
+    taken_over = dataclasses.replace(state, names={**state.names, 1: "n9"})
+    taken_over.edge(metrics, 1).messages_sent.inc()
+
+    def sent(dst: str) -> float | None:
+        return metrics.registry.get_sample_value("peertrain_edge_messages_sent_total",
+                                                 {"job_id": JOB, "src": "n0", "dst": dst})
+
+    assert sent("n1") == 1 and sent("n9") == 1

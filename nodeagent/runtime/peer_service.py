@@ -28,6 +28,7 @@ from typing import NoReturn
 import grpc
 import grpc.experimental
 from google.protobuf.message import DecodeError
+from prometheus_client import Counter, Histogram
 
 from nodeagent._proto import peer_pb2, peer_pb2_grpc, wire_pb2
 from nodeagent.algorithms.base import SendFailed, Snapshot
@@ -99,6 +100,27 @@ def serve_promptly() -> None:
 
 
 @dataclass(frozen=True)
+class EdgeSeries:
+    """This node's series of one edge (both directions), looked up once per job and peer: a labelled lookup costs
+    about 2 us, and a small model's message took five of them."""
+
+    metrics: Metrics  # whose series these are
+    bytes_sent: Counter
+    bytes_received: Counter
+    messages_sent: Counter
+    messages_received: Counter
+    exchange_seconds: Histogram
+
+    @staticmethod
+    def of(metrics: Metrics, job_id: str, node_id: str, peer: str) -> EdgeSeries:
+        return EdgeSeries(metrics, metrics.edge_bytes_sent.labels(job_id, node_id, peer),
+                          metrics.edge_bytes_received.labels(job_id, peer, node_id),
+                          metrics.edge_messages_sent.labels(job_id, node_id, peer),
+                          metrics.edge_messages_received.labels(job_id, peer, node_id),
+                          metrics.exchange_seconds.labels(job_id, node_id, peer))
+
+
+@dataclass(frozen=True)
 class ServingState:
     """What the servicer needs to answer peers during one job; replaced whole when the job changes."""
 
@@ -117,6 +139,8 @@ class ServingState:
     # Receive buffers of this job, reused once no received tensor made from them is alive (wire/pool.py).
     buffers: BufferPool = field(default_factory=BufferPool, compare=False, repr=False)
     traffic: Traffic = field(default_factory=Traffic, compare=False, repr=False)  # this job's payload bytes
+    # Per peer rank; a state replaced with new names starts without any (init=False: `replace` makes a new one).
+    _edges: dict[int, EdgeSeries] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def name_of(self, rank: int) -> str:
         return self.names.get(rank, f"rank{rank}")
@@ -128,9 +152,16 @@ class ServingState:
         call in flight, and concurrent streams may each pass the check: the bound holds within a server pool."""
         return INBOX_MESSAGES_PER_PEER * len(self.names)
 
+    def edge(self, metrics: Metrics, rank: int) -> EdgeSeries:
+        """The series of this node's edge with `rank` in `metrics` (two threads may build them at once: alike)."""
+        series = self._edges.get(rank)
+        if series is None or series.metrics is not metrics:
+            series = self._edges[rank] = EdgeSeries.of(metrics, self.job_id, self.node_id, self.name_of(rank))
+        return series
+
     def sent_to(self, metrics: Metrics, rank: int) -> Callable[[int], None]:
         """Counts payload bytes sent to `rank`, on the edge's metric and in this job's traffic."""
-        edge = metrics.edge_bytes_sent.labels(self.job_id, self.node_id, self.name_of(rank))
+        edge = self.edge(metrics, rank).bytes_sent
 
         def count(n: int) -> None:
             edge.inc(n)
@@ -140,7 +171,7 @@ class ServingState:
 
     def received_from(self, metrics: Metrics, rank: int) -> Callable[[int], None]:
         """Counts payload bytes received from `rank`, on the edge's metric and in this job's traffic."""
-        edge = metrics.edge_bytes_received.labels(self.job_id, self.name_of(rank), self.node_id)
+        edge = self.edge(metrics, rank).bytes_received
 
         def count(n: int) -> None:
             edge.inc(n)
@@ -351,7 +382,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             self._release(claimed, False)
             self._refuse(context, identity, state.node_id, error)
         state.received_from(self._metrics, message.sender)(receiver.received)
-        self._metrics.edge_messages_received.labels(state.job_id, state.name_of(message.sender), state.node_id).inc()
+        state.edge(self._metrics, message.sender).messages_received.inc()
         return message, claimed
 
     def _send(
@@ -360,7 +391,6 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
     ) -> Iterator[wire_pb2.Frame | wire_pb2.Frames]:
         """The reply stream: Frame messages, or Frames messages when `batched`. On lanes, the Manifest, Lane and
         End frames go first and the payload follows on the lanes."""
-        dst = state.name_of(message.receiver)
         sent = state.sent_to(self._metrics, message.receiver)
         outgoing = state.outgoing(message)
         stream.allow(outgoing.total)
@@ -383,7 +413,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                 yield wire_pb2.Frames(frames=[frame])
         else:
             yield from counted(outgoing.frames(), sent)
-        self._metrics.edge_messages_sent.labels(state.job_id, state.node_id, dst).inc()
+        state.edge(self._metrics, message.receiver).messages_sent.inc()
 
     def _enqueue(self, state: ServingState, message: Message, context: grpc.ServicerContext) -> None:
         """Put a received message on the node's inbox, or refuse its stream when the inbox is full."""
@@ -543,7 +573,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             frames = outgoing.lane_frames([lane.token], stream_id, [(0, outgoing.total)])
             # Counted as it goes out (the caller may read the answer before this thread runs again).
             state.sent_to(self._metrics, message.sender)(outgoing.total)
-            self._metrics.edge_messages_sent.labels(state.job_id, state.node_id, state.name_of(message.sender)).inc()
+            state.edge(self._metrics, message.sender).messages_sent.inc()
             send_call(lane, wire_pb2.LaneCall(frames=wire_pb2.Frames(frames=frames)), outgoing.lane_pieces(stream_id),
                       outgoing.total)
         except OSError:
@@ -579,7 +609,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         except WireError as error:
             raise error.with_traceback(None) from None  # the receive buffers go back to the pool at once
         state.received_from(self._metrics, message.sender)(receiver.received)
-        self._metrics.edge_messages_received.labels(state.job_id, state.name_of(message.sender), state.node_id).inc()
+        state.edge(self._metrics, message.sender).messages_received.inc()
         return message
 
     def Describe(self, request, context):
@@ -846,7 +876,7 @@ class PeerClient:
                     receiver.feed(frame)
                 reply = receiver.result()
                 state.received_from(metrics, peer)(receiver.received)
-                metrics.edge_messages_received.labels(state.job_id, state.name_of(peer), state.node_id).inc()
+                state.edge(metrics, peer).messages_received.inc()
             ok = True
             return reply
         except OSError as error:
@@ -914,12 +944,12 @@ class PeerClient:
         finally:
             if not taken:
                 lane.lock.release()
-        dst = state.name_of(message.receiver)
 
         def count() -> None:
             state.sent_to(metrics, message.receiver)(outgoing.total)
-            metrics.edge_messages_sent.labels(state.job_id, state.node_id, dst).inc()
-            metrics.exchange_seconds.labels(state.job_id, state.node_id, dst).observe(time.perf_counter() - started)
+            edge = state.edge(metrics, message.receiver)
+            edge.messages_sent.inc()
+            edge.exchange_seconds.observe(time.perf_counter() - started)
 
         lane.owed.append(_Owed(deadline, done, count))
         if len(rest):
@@ -1037,7 +1067,6 @@ class PeerClient:
 
     def push(self, state: ServingState, message: Message, timeout: float, metrics: Metrics) -> None:
         """Stream our message to the peer, which absorbs it. Counts traffic on the edge."""
-        dst = state.name_of(message.receiver)
         started = time.perf_counter()
         deadline = time.monotonic() + timeout
         sent = state.sent_to(metrics, message.receiver)
@@ -1064,8 +1093,9 @@ class PeerClient:
                 ok = True
             finally:
                 self._finish(lanes, delivered, ok)
-        metrics.edge_messages_sent.labels(state.job_id, state.node_id, dst).inc()
-        metrics.exchange_seconds.labels(state.job_id, state.node_id, dst).observe(time.perf_counter() - started)
+        edge = state.edge(metrics, message.receiver)
+        edge.messages_sent.inc()
+        edge.exchange_seconds.observe(time.perf_counter() - started)
 
     @staticmethod
     def _incoming(state: ServingState, replies, peer: int, metrics: Metrics, lanes: list[LaneSocket] = (),
@@ -1081,7 +1111,7 @@ class PeerClient:
             replies.cancel()
             raise
         state.received_from(metrics, peer)(receiver.received)
-        metrics.edge_messages_received.labels(state.job_id, state.name_of(peer), state.node_id).inc()
+        state.edge(metrics, peer).messages_received.inc()
         return reply
 
     @staticmethod
@@ -1106,7 +1136,6 @@ class PeerClient:
 
     def exchange(self, state: ServingState, message: Message, timeout: float, metrics: Metrics) -> Message:
         """Send our message, return the peer's reply for the same edge. Counts traffic on the edge."""
-        dst = state.name_of(message.receiver)
         started = time.perf_counter()
         deadline = time.monotonic() + timeout
         sent = state.sent_to(metrics, message.receiver)
@@ -1136,8 +1165,9 @@ class PeerClient:
                 ok = True
             finally:
                 self._finish(lanes, writing, ok)
-        metrics.edge_messages_sent.labels(state.job_id, state.node_id, dst).inc()
-        metrics.exchange_seconds.labels(state.job_id, state.node_id, dst).observe(time.perf_counter() - started)
+        edge = state.edge(metrics, message.receiver)
+        edge.messages_sent.inc()
+        edge.exchange_seconds.observe(time.perf_counter() - started)
         return reply
 
     def pull(self, state: ServingState, peer: int, kind: Kind, timeout: float, metrics: Metrics) -> Message:
@@ -1156,8 +1186,7 @@ class PeerClient:
             ok = True
         finally:
             self._finish(lanes, True, ok)
-        seconds = metrics.exchange_seconds.labels(state.job_id, state.node_id, state.name_of(peer))
-        seconds.observe(time.perf_counter() - started)
+        state.edge(metrics, peer).exchange_seconds.observe(time.perf_counter() - started)
         return reply
 
 
