@@ -493,12 +493,12 @@ class SimulatedServer:
         tensors = {name: tensor.cpu() for name, tensor in push.tensors.items()}
         push = replace(push, tensors=mesh.sent_by(sim.rank, None, push.kind, tensors) if mesh.liars else tensors)
         liar = mesh.liars.get(sim.rank)
-        for repeat in range(1, liar.pushes if liar is not None else 1):  # applied, not answered (the module's text)
+        copies = liar.pushes if liar is not None else 1
+        for copy in range(1, copies + 1):
             self.count(sim, up=push.payload_bytes)
             arrival = mesh._arrival(self.INGRESS, push.payload_bytes)
-            mesh.at(arrival, lambda repeat=repeat: self._applied(sim, push, f"{call_id}/{repeat}"))
-        self.count(sim, up=push.payload_bytes)
-        arrival = mesh._arrival(self.INGRESS, push.payload_bytes)
+            if copy < copies:  # applied, not answered (the module's text)
+                mesh.at(arrival, lambda copy=copy: self._applied(sim, push, f"{call_id}/{copy}"))
         sim.round.network += arrival - mesh.now
         mesh.at(arrival, lambda: self._apply(sim, push, call_id, answered))
 
