@@ -78,6 +78,10 @@ def build_nodes(spec: JobSpec, data_dir: str | None = None, allow_imports: Colle
 # How often simulated nodes beat and the coordinator's monitor looks at them, in virtual seconds (as agents beat and
 # the coordinator's monitor runs: `coordinator serve`).
 MONITOR_EVERY_S = 1.0
+# The coordinator's rules read times as unix times, where 0 means "not yet" (a job not released, a member not ready);
+# the virtual clock starts at 0, so they read it from this offset. Without it a job released at virtual time 0 was
+# never released to them: it failed its start barrier once it ran longer than `start.timeout_s`.
+COORDINATOR_EPOCH_S = 1.0
 
 
 class SimulatedCoordinator:
@@ -90,8 +94,8 @@ finished (failed, or finished without the lost) halts the mesh: its nodes are fr
     def __init__(self, mesh: VirtualMesh, spec: JobSpec, device: torch.device, event_log: EventLog | None):
         self.mesh = mesh
         self.event_log = event_log
-        self.state = MemoryState(mesh.clock)
-        self.plane = ControlPlane(self.state, mesh.clock, HEARTBEAT_TIMEOUT_S)
+        self.state = MemoryState(self.clock)
+        self.plane = ControlPlane(self.state, self.clock, HEARTBEAT_TIMEOUT_S)
         self.job_id = spec.name
         self._finished: set[int] = set()
         self._topology_version = 1  # the last version of the job's topology its nodes were told
@@ -108,6 +112,9 @@ finished (failed, or finished without the lost) halts the mesh: its nodes are fr
         for sim in mesh.nodes:
             self._apply(self.plane.ready(job, sim.rank, sim.name, data)[1])
         mesh.in_background(MONITOR_EVERY_S, self._tick)
+
+    def clock(self) -> float:
+        return COORDINATOR_EPOCH_S + self.mesh.now
 
     @property
     def job(self) -> Job:
