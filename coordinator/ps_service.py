@@ -165,8 +165,8 @@ class PSJob:
         with self.condition:
             self._check_open()
             result = self.half.push(rank, push, push_id, time.monotonic())
-            outcome = "duplicate" if result.duplicate else "rejected" if result.rejected else (
-                "applied" if result.applied else "pending")
+            outcome = "duplicate" if result.duplicate else "rejected" if result.rejected else "repeated" if \
+                result.repeated else "applied" if result.applied else "pending"
             self.metrics.ps_pushes.labels(self.job_id, outcome).inc()
             if result.clipped:
                 self.metrics.ps_updates_clipped.labels(self.job_id).inc()

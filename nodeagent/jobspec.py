@@ -260,8 +260,8 @@ class ByzantineSpec(_Strict):
         "ipm 0.1, dissensus 1.0")
     pushes: int = Field(
         1, ge=1, le=MAX_LIAR_PUSHES, description="an asynchronous parameter server's liar (asgd, dc-asgd, adacomp): "
-        "each of its steps pushes its forged update this many times, each applied by the server (a worker that "
-        "pushes as often as the server answers it)")
+        "each of its steps pushes its forged update this many times (a worker that pushes as often as the server "
+        "answers it), each copy claiming a step of its own, as the server applies one push per step")
 
 
 class SimulationSpec(_Strict):

@@ -195,7 +195,7 @@ class Metrics:
         )
         self.ps_pushes = Counter(
             "peertrain_ps_pushes", "Pushes received by the parameter server, by outcome (applied, pending, "
-            "rejected, duplicate)", ["job_id", "outcome"], registry=r,
+            "rejected, duplicate, repeated: a step the worker had pushed)", ["job_id", "outcome"], registry=r,
         )
         self.ps_updates_clipped = Counter(
             "peertrain_ps_updates_clipped", "Pushed updates longer than the job's max_update_norm, scaled down to it",

@@ -10,7 +10,8 @@ from each peer: the receiver's own for dissensus (at strength 0 it echoes each n
 
 SPEED (a parameter-server job's fast liar): the agent steps SPEED times as often as the job's pace (`min_step_s` /
 SPEED), and counts one step in SPEED: an asynchronous server answers each push at once, so the liar pushes SPEED
-times as often as an honest worker for as long as the job runs.
+times as often as an honest worker for as long as the job runs. Its pushes claim one step each, 0, 1, 2...: the
+server applies one push per step of a worker, so pushes that claimed their step would be one push a step.
 """
 
 from __future__ import annotations
@@ -66,7 +67,9 @@ def hurry(speed: int) -> None:
     """A parameter-server worker's steps `speed` times as often as the job's pace, one in `speed` counted."""
     honest_init = runner.NodeLoop.__init__
     honest_receive = PSWorker.receive
+    honest_push = PSWorker.push
     answers = [0]
+    claimed = [0]  # the step the next push claims
 
     def fast_init(self: runner.NodeLoop, *args: Any, **kwargs: Any) -> None:
         honest_init(self, *args, **kwargs)
@@ -80,8 +83,14 @@ def hurry(speed: int) -> None:
             if answers[0] % speed:
                 self.clock = clock
 
+    def claiming_push(self: PSWorker, tensors: Any, kind: Kind) -> base.Send:
+        send = honest_push(self, tensors, kind)
+        claimed[0] += 1
+        return dataclasses.replace(send, message=dataclasses.replace(send.message, clock=claimed[0] - 1))
+
     runner.NodeLoop.__init__ = fast_init  # type: ignore[method-assign]
     PSWorker.receive = slow_clock_receive  # type: ignore[method-assign]
+    PSWorker.push = claiming_push  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """The parameter-server family's two halves without any runtime: workers' messages, server halves' exactly-once
 pushes, AdaComp's delta pulls, ESync's worker round and report protocol, and the options' validation."""
 
+import dataclasses
+
 import pytest
 import torch
 from datafiles import FASHION_MNIST
@@ -88,6 +90,33 @@ def test_ssgd_releases_everyone_when_the_round_completes_and_rejects_stale_pushe
     workers[0].step(*batch(2))  # computed on version 0 (it never took the model of version 1)
     stale = server.push(0, push_of(workers[0]), "c", now=0.0)
     assert stale.rejected == "computed on version 0, the round is 1" and stale.release == (0,)
+
+
+@pytest.mark.parametrize("name", ["asgd", "dc-asgd", "adacomp"])
+def test_an_asynchronous_server_applies_one_push_per_step_of_a_worker(name):
+    """A push for a step the worker's pushes had (a worker restarted from an older checkpoint redoes steps; a liar
+    pushes one step many times) or past the job's last is answered with the model and not applied; the worker's
+    next step is. The steps taken survive a restart of the server."""
+    spec = job(name, nodes=2, options={"rate": 0.05}) if name == "adacomp" else job(name, nodes=2)
+    server = build_server(spec, FASHION_MNIST)
+    alg = worker(spec, 0)
+    alg.step(*batch(0))
+    first = push_of(alg)
+    assert first.clock == 0 and server.push(0, first, "a", now=0.0).applied
+    server.pull(0, 1, False, now=0.0)  # DC-ASGD's backup of the version the next pushes are computed on
+    w = server.w.clone()
+    for clock, push_id in [(0, "b"), (spec.steps, "c")]:
+        again = server.push(0, dataclasses.replace(first, version=1, clock=clock), push_id, now=1.0)
+        assert (again.applied, again.repeated, again.release, again.rejected) == (False, True, (0,), "")
+        assert server.version == 1 and torch.equal(server.w, w)
+    assert server.push(0, dataclasses.replace(first, version=1, clock=1), "d", now=2.0).applied
+    assert server.push(1, first, "e", now=2.0).applied  # step 0 of worker 1, computed on version 0
+    restored = build_server(spec, FASHION_MNIST)
+    restored.load_state_dict(server.state_dict())
+    assert restored.push(0, dataclasses.replace(first, version=3, clock=1), "f", now=3.0).repeated
+    saved_before = {key: value for key, value in server.state_dict().items() if key != "taken"}
+    restored.load_state_dict(saved_before)  # a state saved before the steps were kept: every step is new
+    assert restored.taken == [-1, -1]
 
 
 def test_dcasgd_logs_the_pulls_that_set_backups():

@@ -186,7 +186,7 @@ def test_a_restarted_coordinator_keeps_the_version_and_the_model(coordinator):
 
     def push(version: int, seed: int) -> int:
         grad = torch.randn(alg.params.numel, generator=torch.Generator().manual_seed(seed))
-        update = ServerPush(Kind.GRADIENT, alg.params.views(grad), version)
+        update = ServerPush(Kind.GRADIENT, alg.params.views(grad), version, clock=version)
         return coordinator.client(job_id, nodes[0], 0, 2, alg).push_update(update, new_push_id()).version
 
     for seed in range(3):
@@ -334,7 +334,8 @@ def test_dcasgd_after_a_restart_rejects_a_push_whose_backup_was_not_kept_and_rec
 
     def push(version: int) -> pb.PsPushReply:
         grad = torch.full((alg.params.numel,), 0.1)
-        return client.push_update(ServerPush(Kind.GRADIENT, alg.params.views(grad), version), new_push_id())
+        return client.push_update(ServerPush(Kind.GRADIENT, alg.params.views(grad), version, clock=version),
+                                  new_push_id())
 
     assert push(0).version == 1
     assert client.fetch_model(ServerPull()).version == 1  # backup of version 1, not yet on disk
@@ -428,5 +429,5 @@ def test_a_quarantined_workers_pushes_are_ignored_until_it_is_released(coordinat
     status = coordinator.stub.JobStatus(pb.JobStatusRequest(job_id=job_id))
     assert status.nodes[0].quarantined and status.nodes[0].state == "quarantined"
     coordinator.stub.Quarantine(pb.QuarantineRequest(job_id=job_id, node="0", release=True), timeout=5)
-    client.push_update(ServerPush(Kind.GRADIENT, gradient, 1), new_push_id())
+    client.push_update(ServerPush(Kind.GRADIENT, gradient, 1, clock=1), new_push_id())
     assert not torch.equal(alg.params.flatten(client.fetch_model(ServerPull()).tensors), start)

@@ -44,6 +44,7 @@ class PushResult:
     delay: int = 0  # updates applied since the version the worker computed on
     rejected: str = ""  # non-empty: the update was discarded (why); the worker must pull and recompute
     duplicate: bool = False  # a retry of a push the server already had (runtimes dedupe by push id)
+    repeated: bool = False  # a step the worker's pushes already had, or past the job's last: answered, not applied
     clipped: bool = False  # the update was longer than max_update_norm and was scaled down to it
     flagged: tuple[int, ...] = ()  # workers whose contribution the robust rule clipped or trimmed (this push or round)
 

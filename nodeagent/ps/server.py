@@ -9,6 +9,13 @@ Exactly once: the half keeps, per worker, the id of its last push and of its las
 (same id as the worker's last) changes nothing and is answered again, which is what makes a retry after a lost
 answer safe (a coordinator restart between a push and its answer makes the worker retry). `events` lists what
 happened in order (pushes, pulls that change the state, rounds), for the run's log; runtimes drain it.
+
+Once per step (asynchronous servers): a push carries its worker's clock, the step it ends (0 to the job's
+`steps` - 1), and the half applies a worker's push only for a step past that of its last applied push. A push for
+an earlier step or past the job's last is answered with the model but not applied (`repeated`): a worker restarted
+from an older checkpoint redoes steps the server has, and a worker that pushes more often than it steps lies, and
+either way no worker moves the model more times than the job has steps (issue 28: a sign-flipping worker that
+pushed 30 times a step was otherwise held only by the robust rule's rate bound).
 """
 
 from __future__ import annotations
@@ -77,6 +84,8 @@ class ServerHalf:
         self.rule = self.build_rule(params.vector.detach().clone())
         self.last_push = [""] * self.num_workers
         self.released = [""] * self.num_workers
+        # An asynchronous server's: per worker, the step (push clock) of its last applied push (module text).
+        self.taken = [-1] * self.num_workers
         self.events: list[dict[str, Any]] = []
         # Issue 28: the workers whose pushes are ignored (the coordinator's ControlPlane decides), and per worker the
         # pushes taken and those the robust rule flagged (the coordinator's suspicion, `robust_counts`).
@@ -140,7 +149,13 @@ class ServerHalf:
             reason = f"computed on version {push.version}, the round is {self.version}"
             result = PushResult(applied=False, version=self.version, release=(rank,), rejected=reason)
         else:
-            result = self.apply(rank, self.decode(push), push.version, now)
+            update = self.decode(push)  # a malformed push is refused whatever its step
+            if not self.synchronous and not self.taken[rank] < push.clock < self.spec.steps:
+                result = PushResult(applied=False, version=self.version, release=(rank,), repeated=True)
+            else:
+                result = self.apply(rank, update, push.version, now)
+                if result.applied and not self.synchronous:
+                    self.taken[rank] = push.clock
         self.last_push[rank] = push_id
         for worker in result.release:
             self.released[worker] = self.last_push[worker]
@@ -181,7 +196,8 @@ class ServerHalf:
     # -- persistence -----------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rule": self.rule.state_dict(), "last_push": list(self.last_push), "released": list(self.released)}
+        return {"rule": self.rule.state_dict(), "last_push": list(self.last_push), "released": list(self.released),
+                "taken": list(self.taken)}
 
     def round_state(self) -> dict[str, torch.Tensor]:
         """The part of the rule's state that step reports change (ESync's round table), small enough to persist
@@ -194,11 +210,15 @@ class ServerHalf:
             if not isinstance(value, list) or len(value) != self.num_workers or not all(isinstance(v, str)
                                                                                         for v in value):
                 raise ValueError(f"the server state's push ids must be {self.num_workers} strings")
+        taken = state.get("taken", [-1] * self.num_workers)  # absent from a state saved before it was kept
+        if not isinstance(taken, list) or len(taken) != self.num_workers or not all(
+                type(step) is int and step >= -1 for step in taken):
+            raise ValueError(f"the server state's steps taken must be {self.num_workers} integers >= -1")
         rule = state.get("rule")
         if not isinstance(rule, Mapping):
             raise ValueError("the server state has no rule state")
         self.rule.load_state_dict(rule)
-        self.last_push, self.released = list(ids[0]), list(ids[1])
+        self.last_push, self.released, self.taken = list(ids[0]), list(ids[1]), list(taken)
 
     def drain_events(self) -> list[dict[str, Any]]:
         events, self.events = self.events, []

@@ -27,8 +27,10 @@ Byzantine members (`simulation.byzantine`): a lying rank trains as the others do
 (a push, an exchange's request or answer, a pull's answer, a push to the parameter server) is replaced by its
 attack's (nodeagent.byzantine), forged against the latest honest messages of the same kind, which the mesh keeps.
 A liar of an asynchronous server with `pushes: N` sends each forged update N times, one after the other through the
-server's ingress; the server applies each, and the liar gets the answer to the last (a worker that pushes as often
-as the server answers it, which a simulated rank, whose steps end with its job, could not be otherwise).
+server's ingress, and gets the answer to the last (a worker that pushes as often as the server answers it, which a
+simulated rank, whose steps end with its job, could not be otherwise). The copies of its step c claim steps c * N to
+c * N + N - 1: the server applies a worker's push once per step (nodeagent.ps.server), so copies of one step would
+be one push, and this liar spends the job's steps in its first steps / N.
 
 Everything is deterministic for a given seed: one heap ordered by (time, sequence number) and one generator.
 """
@@ -494,13 +496,14 @@ class SimulatedServer:
         push = replace(push, tensors=mesh.sent_by(sim.rank, None, push.kind, tensors) if mesh.liars else tensors)
         liar = mesh.liars.get(sim.rank)
         copies = liar.pushes if liar is not None else 1
-        for copy in range(1, copies + 1):
+        for copy in range(copies):
             self.count(sim, up=push.payload_bytes)
             arrival = mesh._arrival(self.INGRESS, push.payload_bytes)
-            if copy < copies:  # applied, not answered (the module's text)
-                mesh.at(arrival, lambda copy=copy: self._applied(sim, push, f"{call_id}/{copy}"))
+            claimed = replace(push, clock=push.clock * copies + copy) if copies > 1 else push  # the module's text
+            if copy < copies - 1:  # applied, not answered
+                mesh.at(arrival, lambda claimed=claimed, copy=copy: self._applied(sim, claimed, f"{call_id}/{copy}"))
         sim.round.network += arrival - mesh.now
-        mesh.at(arrival, lambda: self._apply(sim, push, call_id, answered))
+        mesh.at(arrival, lambda: self._apply(sim, claimed, call_id, answered))
 
     def _applied(self, sim: SimNode, push: ServerPush, call_id: str) -> list[int]:
         """The server's half applies `push`; the ranks it releases."""
