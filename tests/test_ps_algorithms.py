@@ -105,9 +105,11 @@ def test_an_asynchronous_server_applies_one_push_per_step_of_a_worker(name):
     assert first.clock == 0 and server.push(0, first, "a", now=0.0).applied
     server.pull(0, 1, False, now=0.0)  # DC-ASGD's backup of the version the next pushes are computed on
     w = server.w.clone()
-    for clock, push_id in [(0, "b"), (spec.steps, "c")]:
+    # A redone step is not judged; a step past the job's last, which no honest worker pushes, is flagged.
+    for clock, push_id, flagged, counts in [(0, "b", (), (0, 1)), (spec.steps, "c", (0,), (1, 2))]:
         again = server.push(0, dataclasses.replace(first, version=1, clock=clock), push_id, now=1.0)
         assert (again.applied, again.repeated, again.release, again.rejected) == (False, True, (0,), "")
+        assert again.flagged == flagged and server.robust_counts()[0] == counts
         assert server.version == 1 and torch.equal(server.w, w)
     assert server.push(0, dataclasses.replace(first, version=1, clock=1), "d", now=2.0).applied
     assert server.push(1, first, "e", now=2.0).applied  # step 0 of worker 1, computed on version 0

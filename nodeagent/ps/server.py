@@ -15,7 +15,9 @@ Once per step (asynchronous servers): a push carries its worker's clock, the ste
 an earlier step or past the job's last is answered with the model but not applied (`repeated`): a worker restarted
 from an older checkpoint redoes steps the server has, and a worker that pushes more often than it steps lies, and
 either way no worker moves the model more times than the job has steps (issue 28: a sign-flipping worker that
-pushed 30 times a step was otherwise held only by the robust rule's rate bound).
+pushed 30 times a step was otherwise held only by the robust rule's rate bound). A push past the job's last step,
+which no honest worker sends, is flagged for the coordinator's suspicion (`robust_counts`); a redone step is not
+counted there, judged neither way.
 """
 
 from __future__ import annotations
@@ -144,18 +146,23 @@ class ServerHalf:
         if rank in self.quarantined:  # ignored: its update counts as zero, so that a round still completes
             push = dataclasses.replace(push, tensors={
                 name: torch.zeros_like(t) if t.is_floating_point() else t for name, t in push.tensors.items()})
-        self.pushes[rank] = self.pushes.get(rank, 0) + 1
         if self.synchronous and push.version != self.version:
             reason = f"computed on version {push.version}, the round is {self.version}"
             result = PushResult(applied=False, version=self.version, release=(rank,), rejected=reason)
         else:
             update = self.decode(push)  # a malformed push is refused whatever its step
             if not self.synchronous and not self.taken[rank] < push.clock < self.spec.steps:
-                result = PushResult(applied=False, version=self.version, release=(rank,), repeated=True)
+                # No honest worker pushes a step outside the job's: flagged. A step taken is a restarted worker's
+                # redo (or a liar's repeat): neither judged nor counted.
+                outside = () if 0 <= push.clock < self.spec.steps else (rank,)
+                result = PushResult(applied=False, version=self.version, release=(rank,), repeated=True,
+                                    flagged=outside)
             else:
                 result = self.apply(rank, update, push.version, now)
                 if result.applied and not self.synchronous:
                     self.taken[rank] = push.clock
+        if not result.repeated or result.flagged:
+            self.pushes[rank] = self.pushes.get(rank, 0) + 1
         self.last_push[rank] = push_id
         for worker in result.release:
             self.released[worker] = self.last_push[worker]
@@ -169,7 +176,8 @@ class ServerHalf:
         return result
 
     def robust_counts(self) -> dict[int, tuple[int, int]]:
-        """Per worker: (pushes its robust rule flagged, pushes taken), cumulative."""
+        """Per worker: (pushes its robust rule flagged or that claimed a step outside the job's, pushes judged),
+        cumulative."""
         return {rank: (self.flagged.get(rank, 0), pushes) for rank, pushes in self.pushes.items()}
 
     def is_released(self, rank: int, push_id: str) -> bool:
