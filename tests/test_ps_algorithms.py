@@ -12,7 +12,16 @@ from nodeagent.algorithms import REGISTRY, NodeContext, build_server
 from nodeagent.algorithms.base import Route, Send
 from nodeagent.jobspec import JobSpecError, parse_job_spec
 from nodeagent.ps import Decision, ProtocolError
-from nodeagent.ps.messages import SERVER_RANK, ReadyAnswer, ServerModel, ServerPull, ServerPush, StepReport
+from nodeagent.ps.messages import (
+    SERVER_RANK,
+    ReadyAnswer,
+    ServerModel,
+    ServerPull,
+    ServerPush,
+    StepReport,
+    model_message,
+    model_of,
+)
 from nodeagent.training.models import build_model
 from nodeagent.wire.errors import WireError
 from nodeagent.wire.message import Kind, Message
@@ -227,6 +236,29 @@ def test_a_refused_call_makes_the_worker_rejoin_from_the_servers_model(name, clo
     assert push_of(alg).version == 7
     alg.failed(Send(Route.SERVER, SERVER_RANK, Kind.PARAMS, ServerPull()), "failed_precondition")
     assert alg.ready() and alg.sends() == []  # a refused pull: step on from the own model
+
+
+def test_a_restarted_asynchronous_worker_takes_its_steps_up_where_the_server_is_and_redoes_none():
+    """Restarted from a checkpoint at step 1 (or from none) after the server applied its steps 0 to 2, the worker
+    rejoins (it pulls) and its next step is 3, the one the server would apply; the pull's answer names it, over
+    the wire too."""
+    spec = job("asgd", nodes=2)
+    server = build_server(spec, FASHION_MNIST)
+    alg = worker(spec, 0)
+    for step in range(3):
+        alg.step(*batch(step))
+        server.push(0, push_of(alg), f"p{step}", now=0.0)
+        alg.receive(server.pull(0, step, False, now=0.0))
+    restarted = worker(spec, 0)
+    restarted.load_state_dict({**alg.state_dict(), "clock": 1})
+    restarted.rejoin()
+    (pull,) = restarted.sends()
+    answer = server.pull(0, pull.message.since_version, False, now=1.0)
+    assert answer.step == 3 and model_of(model_message(answer, 0, 2)).step == 3
+    restarted.receive(answer)
+    assert restarted.clock == 3 and restarted.version == 3
+    restarted.step(*batch(3))
+    assert server.push(0, push_of(restarted), "p3", now=1.0).applied
 
 
 def test_an_esync_worker_rejoins_the_round_and_the_server_restarts_its_entry():

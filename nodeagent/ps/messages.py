@@ -89,6 +89,7 @@ class ServerModel:
     kind: Kind
     tensors: Mapping[str, torch.Tensor]
     version: int
+    step: int = 0  # an asynchronous server's pull: the worker's next step it would apply (nodeagent.ps.server)
 
     @property
     def payload_bytes(self) -> int:
@@ -120,8 +121,9 @@ def push_of(message: Message) -> ServerPush:
 
 
 def model_message(model: ServerModel, rank: int, world_size: int) -> Message:
-    return Message(model.kind, server_wire_rank(world_size), rank, model.tensors, model_version=model.version)
+    return Message(model.kind, server_wire_rank(world_size), rank, model.tensors, clock=model.step,
+                   model_version=model.version)
 
 
 def model_of(message: Message) -> ServerModel:
-    return ServerModel(message.kind, message.tensors, message.model_version)
+    return ServerModel(message.kind, message.tensors, message.model_version, step=message.clock)

@@ -17,7 +17,9 @@ from an older checkpoint redoes steps the server has, and a worker that pushes m
 either way no worker moves the model more times than the job has steps (issue 28: a sign-flipping worker that
 pushed 30 times a step was otherwise held only by the robust rule's rate bound). A push past the job's last step,
 which no honest worker sends, is flagged for the coordinator's suspicion (`robust_counts`); a redone step is not
-counted there, judged neither way.
+counted there, judged neither way. A worker that rejoins (a restart, from an older checkpoint or none) takes its
+steps up from its pull's answer, which names the next step the half would apply (`ServerModel.step`), instead of
+redoing the steps applied already.
 """
 
 from __future__ import annotations
@@ -196,7 +198,8 @@ class ServerHalf:
         w, version = self.rule.pull(rank)
         if self.pull_mutates:
             self.events.append({"event": "pull", "time": now, "rank": rank, "version": version})
-        return ServerModel(Kind.PARAMS, self.params.views(w), version)
+        return ServerModel(Kind.PARAMS, self.params.views(w), version, step=0 if self.synchronous else
+                           self.taken[rank] + 1)
 
     def report(self, rank: int, version: int, round_step: int, duration_s: float, now: float) -> Decision:
         raise ProtocolError(f"{self.spec.algorithm.name} takes no step reports")

@@ -112,7 +112,10 @@ class PSWorker(Algorithm):
             # Every worker takes part in every round, so its clock is the round count: rounds that went by while
             # it was away (restarted, or refused) count for it too, and all workers end with the job's last round.
             self.clock = message.version
-        elif not self.rejoining:
+        elif self.rejoining:
+            # Restarted from an older checkpoint (or none): the steps the server applied already are not redone.
+            self.clock = max(self.clock, message.step)
+        else:
             self.clock += 1
         self.rejoining = False
         self.republish()
