@@ -215,8 +215,8 @@ def main() -> None:
     parser.add_argument("--strength", type=float, default=None, help="every attack's strength but the echo's "
                         "(simulation.byzantine's; unset: each attack's own default, nodeagent.byzantine)")
     parser.add_argument("--liar-pushes", type=int, default=1, metavar="N", help="ASGD's liars push each forged update "
-                        "N times a step, each applied by the server (simulation.byzantine[].pushes: a liar that pushes "
-                        "as often as the server answers it)")
+                        "N times a step, each copy claiming a step of its own (simulation.byzantine[].pushes: a liar "
+                        "that pushes as often as the server answers it; the server applies one push per step)")
     parser.add_argument("--cost", type=int, default=0, metavar="N", help="only the no-attack pairs, run N times "
                         "(which rule first alternating): the steps/s cost is the pairs' median")
     args = parser.parse_args()

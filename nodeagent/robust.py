@@ -141,9 +141,11 @@ allowed; the bound applies from the first pushes (with the slack, a worker's sec
 The bound was 3 times the median count, in a window of 64 pushes and only once it was full, until a fast liar on
 agents showed what that let through: a sign-flipping worker that steps 30 times as often as 3 honest ones held as
 much pull as all of them together, and the model went nowhere (4 agents, ASGD: the honest workers at 9.95% against
-82.62% without the liar, 77.12% and 79.90% in two runs now: benchmarks/byzantine_agents.py --jobs ASGD --liar-speed
-30; 3 such liars of 16 in the simulator: 8.25% and 81.84% now, iid: byzantine.py --only asgd --liar-pushes 30;
-docs/results.md). The scaling is a bound, not a judgement: it does not count as clipped; an
+82.62% without the liar, 77.12% and 79.90% with this bound: benchmarks/byzantine_agents.py --jobs ASGD --liar-speed
+30; 3 such liars of 16 in the simulator: 8.25% and 81.84%, iid: byzantine.py --only asgd --liar-pushes 30;
+docs/results.md). The server half now also applies one push per step of a worker (nodeagent.ps.server), so a liar
+that claims a step per push spends the job's steps early, at this bound's rate, and one that repeats its steps
+counts once a step. The scaling is a bound, not a judgement: it does not count as clipped; an
 honest worker on faster hardware is slowed to about the median rate's pull, not suspected (in the simulator, 16
 workers of which 4 twice as fast and 2 at half speed, class-window and iid: 77.84% and 79.47% with the bound,
 79.06% and 79.36% at 3 times).
