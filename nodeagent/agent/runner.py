@@ -456,8 +456,13 @@ class NodeLoop:
         # alike, however the thread started and whatever ran in it first.
         same_threads(torch.get_num_threads())
         driver, dispatch = self.driver, self.dispatch
+        steps = driver.node.spec.steps
         while not self.stop.is_set():
             dispatch.check()
+            if driver.algorithm.clock >= steps:
+                # Its last step taken (a last sync under way): the answers that came to its pushes written ahead are
+                # taken up now, so that the report that finishes the node, which may end the job, counts them.
+                dispatch.poll()
             self._collect()
             while not self.topology_changes.empty():
                 driver.change_topology(self.topology_changes.get_nowait())
