@@ -99,6 +99,7 @@ finished (failed, or finished without the lost) halts the mesh: its nodes are fr
         self.job_id = spec.name
         self._finished: set[int] = set()
         self._topology_version = 1  # the last version of the job's topology its nodes were told
+        self._leading_step = -1  # the highest step the coordinator's rules were told of at a tick
         for sim in mesh.nodes:
             self.state.register_node(sim.name, sim.name, sim.name, "", device.type, "", "", 0)
         self.state.add_job(self.job_id, spec, "", "")
@@ -138,6 +139,13 @@ finished (failed, or finished without the lost) halts the mesh: its nodes are fr
         for sim in self.mesh.nodes:
             if self.mesh.down_until(sim.rank, now) is None:
                 self.state.touch_node(sim.name)
+        # Agents report every REPORT_INTERVAL_S; simulated nodes, but a robust job's, only at their evaluations (the
+        # reports' cost at scale). The rules judge whether a synchronous job still steps from the highest step
+        # reported, so the leading node's progress reaches them at each tick, as an agent's report would.
+        leading = max(self.mesh.nodes, key=lambda sim: sim.node.algorithm.clock)
+        if leading.node.algorithm.clock > self._leading_step:
+            self._leading_step = leading.node.algorithm.clock
+            self._apply(self.plane.progress_reported(self.job, leading.driver.progress()))
         server = self.mesh.server
         if server is not None and self.job.spec.algorithm.robust is not None:
             self._apply(self.plane.server_reported(self.job, server.half.robust_counts()))

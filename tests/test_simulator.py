@@ -149,15 +149,17 @@ def test_a_node_down_for_longer_than_the_failure_policy_allows_ends_the_job_as_o
         assert kinds[-1][0] == "finished" and kinds[-1][1].startswith("without the lost rank 2 (node rank2")
 
 
-def test_a_job_that_runs_longer_than_its_start_barriers_timeout_finishes(fashion_mnist_dir):
+def test_a_synchronous_job_that_runs_longer_than_its_start_barrier_and_failure_bounds_finishes(fashion_mnist_dir):
     """Released at virtual time 0, the job is released for the coordinator's rules too: it runs past its
-    `start.timeout_s` (10 s here; 20 steps of 1 s) without failing its start barrier."""
-    job = spec(fashion_mnist_dir, nodes=4, steps=20, eval_every=20, start={"timeout_s": 10},
-               simulation={"step_time_s": 1.0})
+    `start.timeout_s` (10 s here). And its nodes, which report at their evaluations only (30 s apart here), are seen
+    to step: the rules hold a synchronous job whose highest step does not move for the heartbeat timeout and
+    `failure.lost_grace_s` (15 + 5 s) as withheld."""
+    job = spec(fashion_mnist_dir, nodes=4, steps=30, eval_every=30, algorithm={"mode": "sync", "interval": 1},
+               start={"timeout_s": 10}, failure={"lost_grace_s": 5}, simulation={"step_time_s": 1.0})
     result = simulate(job)
     assert result.job.state == "FINISHED", result.job.reason
-    assert result.mesh.now > 20
-    assert all(sim.node.algorithm.clock == 20 for sim in result.mesh.nodes)
+    assert result.mesh.now > 30
+    assert all(sim.node.algorithm.clock == 30 for sim in result.mesh.nodes)
 
 
 def test_a_run_keeps_prometheus_series_only_for_a_caller_that_reads_them(fashion_mnist_dir, tmp_path):
