@@ -136,13 +136,15 @@ finished (failed, or finished without the lost) halts the mesh: its nodes are fr
 
     def _tick(self) -> None:
         now = self.mesh.now
+        leading = self.mesh.nodes[0]
         for sim in self.mesh.nodes:
             if self.mesh.down_until(sim.rank, now) is None:
                 self.state.touch_node(sim.name)
+            if sim.node.algorithm.clock > leading.node.algorithm.clock:
+                leading = sim
         # Agents report every REPORT_INTERVAL_S; simulated nodes, but a robust job's, only at their evaluations (the
         # reports' cost at scale). The rules judge whether a synchronous job still steps from the highest step
         # reported, so the leading node's progress reaches them at each tick, as an agent's report would.
-        leading = max(self.mesh.nodes, key=lambda sim: sim.node.algorithm.clock)
         if leading.node.algorithm.clock > self._leading_step:
             self._leading_step = leading.node.algorithm.clock
             self._apply(self.plane.progress_reported(self.job, leading.driver.progress()))
