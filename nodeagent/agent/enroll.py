@@ -122,5 +122,5 @@ def renew(transport: Transport, stub: coordinator_pb2_grpc.CoordinatorStub) -> s
         timeout=ENROLL_TIMEOUT_S,
     )
     cert = _checked(reply.certificate_pem, current.ca_pem, key)
-    transport.tls_dir.save(Credentials(current.ca_pem, certificate_pem(cert), private_key_pem(key)))
+    transport.save(Credentials(current.ca_pem, certificate_pem(cert), private_key_pem(key)))
     return identity_of(cert).serial
