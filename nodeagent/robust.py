@@ -482,7 +482,7 @@ def clipped_shares(clipper: SelfCenteredClip, own: torch.Tensor, received: Mappi
     if factors == [1.0]:
         return [(weighted[0][1], weight)]
     if all(factor == 1.0 for factor in factors):
-        return [(differences.sum(dim=0).add_(own, alpha=weight), weight)]  # the shares as they came, summed
+        return [(differences.sum(dim=0).add_(own, alpha=weight), weight)]  # the shares' sum, to rounding
     summed = torch.tensor(factors, dtype=differences.dtype, device=differences.device) @ differences
     return [(summed.add_(own, alpha=weight), weight)]
 

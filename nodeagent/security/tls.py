@@ -37,7 +37,7 @@ CA_FILE = "ca.crt"
 CERT_FILE = "tls.crt"
 KEY_FILE = "tls.key"
 # A rotation of the credentials' files by another process is read within this. Every call of a neighbour asks for the
-# credentials, and looking at three files costs 15 us (2 to 3% of a logistic model's synchronous step at 4 agents).
+# credentials, and looking at three files cost 15 us a call (2% of an agent's samples in synchronous DSGD on logistic).
 CREDENTIALS_RECHECK_S = 1.0
 INSECURE_WARNING = ("INSECURE MODE: no TLS and no identities on any link; anyone who reaches a port can read and "
                     "change everything. For local experiments only.")
