@@ -44,6 +44,7 @@ from nodeagent.robust import (
     RobustAggregator,
     SelfCenteredClip,
     centered_clip,
+    clipped_shares,
     coordinate_median,
     krum,
     sorted_rows,
@@ -681,6 +682,22 @@ def test_push_sum_shares_within_the_radius_are_absorbed_as_they_came():
     ((x_sum, weight_sum),) = node._clipped(shares)
     assert torch.allclose(x_sum, shares[1][0] + shares[2][0]) and weight_sum == 0.55
     assert node.mixing.clipped == {} and node.mixing.seen == {1: 2, 2: 1}
+
+
+def test_a_push_sum_round_is_clipped_and_summed_on_the_shares_device(device):
+    """A round of shares of several weights (one clipped) and one of equal weights (none clipped), where the model
+    lives: on a GPU the differences, their norms and the sum stay there."""
+    own = torch.tensor([1.0, 2.0, 3.0], device=device)
+    far, near = own + torch.tensor([6.0, 0.0, 8.0], device=device), own + torch.tensor([0.3, 0.0, 0.4], device=device)
+    clip = SelfCenteredClip(RobustSpec(rule="self-centered-clip", radius=1.0), 0.25)
+    ((x_sum, weight_sum),) = clipped_shares(clip, own, {1: (far * 0.25, 0.25), 2: (near * 0.5, 0.5)}, own)
+    clipped = 0.25 * (own + torch.tensor([0.6, 0.0, 0.8], device=device))  # far, clipped to radius 1
+    assert x_sum.device == own.device and weight_sum == 0.75
+    assert torch.allclose(x_sum, clipped + near * 0.5)
+    ((x_sum, weight_sum),) = clipped_shares(clip, own, {1: (near * 0.25, 0.25), 2: ((own - 0.2) * 0.25, 0.25)}, own)
+    assert x_sum.device == own.device and weight_sum == 0.5
+    assert torch.allclose(x_sum, near * 0.25 + (own - 0.2) * 0.25)
+    assert clip.counts.clipped == {1: 1}
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
