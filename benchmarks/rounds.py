@@ -25,9 +25,11 @@ images), iid shards):
   a round pays it and the exchange's slope; steps/s against the agents' (target: within 20%). The simulator gives
   every node a machine of its own: where the agents outnumber the cores (4 on 2), their waiting holds the time
   they wait for a core, which it does not model (`--nodes 2` there).
-With `--repeat N` the loops and the agents run N times, one after the other, and the comparisons are of the
-medians, each with the range of the N runs' own ratios (a run's loops against the same run's agents): on a shared
-machine one run's rates move by 10 to 20%.
+With `--repeat N` the loops and the agents run N times, and the comparisons are of the medians, each with the range
+of the N runs' own ratios (a run's loops against the same run's agents): on a shared machine one run's rates move by
+10 to 20%. Every other run goes in the reverse order (the agents before the loops, the last security first): a
+machine whose speed drifts through a run otherwise favours whatever runs first (TLS, always after insecure, came out
+at 0.73x of the loop where pairs of runs in alternating order put it within 4% of insecure).
 Targets (issue 23): peertrain's sync DSGD and all-reduce SGD >= 1.0x the hand-written loop of their family on every
 model insecure, >= 0.9x with mutual TLS; the fixed cost of an exchange under 1 ms on loopback. It asserts nothing.
 """
@@ -361,22 +363,24 @@ def main(argv: list[str] | None = None) -> int:
     for run in range(args.repeat):
         if args.repeat > 1:
             print(f"run {run + 1} of {args.repeat}:", flush=True)
-        if "loops" in args.sections:
-            print(f"hand-written torch.distributed gloo loops, {args.nodes} processes:", flush=True)
-            for model_name in args.models:
-                for family in sorted({FAMILY[job] for job in args.jobs}):
-                    rate = loop_rate(family, model_name, args.data_dir, args.seconds, args.nodes)
-                    loop_runs.setdefault((family, model_name), []).append(rate)
-                    print(f"  {model_name} {family}: {rate:.1f} steps/s per process", flush=True)
-            loops = {key: statistics.median(rates) for key, rates in loop_runs.items()}
-        if "agents" in args.sections:
-            print(f"peertrain, {args.nodes} agents:", flush=True)
-            with tempfile.TemporaryDirectory(prefix="rounds-bench-") as root:
-                for security in args.security:
-                    measured = agents(args.models, args.jobs, args.data_dir, Path(root), security == "tls",
-                                      args.seconds, loops, args.steps, args.nodes)
-                    for (model_name, job), result in measured.items():
-                        figure_runs.setdefault((security, model_name, job), []).append(result)
+        reverse = run % 2 == 1  # against a drifting machine (the module's text)
+        for section in sorted(set(args.sections) - {"exchange"}, reverse=not reverse):  # loops, agents
+            if section == "loops":
+                print(f"hand-written torch.distributed gloo loops, {args.nodes} processes:", flush=True)
+                for model_name in args.models:
+                    for family in sorted({FAMILY[job] for job in args.jobs}):
+                        rate = loop_rate(family, model_name, args.data_dir, args.seconds, args.nodes)
+                        loop_runs.setdefault((family, model_name), []).append(rate)
+                        print(f"  {model_name} {family}: {rate:.1f} steps/s per process", flush=True)
+                loops = {key: statistics.median(rates) for key, rates in loop_runs.items()}
+            else:
+                print(f"peertrain, {args.nodes} agents:", flush=True)
+                with tempfile.TemporaryDirectory(prefix="rounds-bench-") as root:
+                    for security in reversed(args.security) if reverse else args.security:
+                        measured = agents(args.models, args.jobs, args.data_dir, Path(root), security == "tls",
+                                          args.seconds, loops, args.steps, args.nodes)
+                        for (model_name, job), result in measured.items():
+                            figure_runs.setdefault((security, model_name, job), []).append(result)
     # Each job's run of the median rate (the lower one of an even count): its shares and accuracy go with it.
     figures = {key: sorted(runs, key=lambda figure: figure.steps_per_s)[(len(runs) - 1) // 2]
                for key, runs in figure_runs.items()}
