@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 import tracemalloc
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -778,11 +779,27 @@ def test_a_lane_opened_with_a_stolen_token_delivers_nothing(tls_node, lane_certs
     client.close()
 
 
+def record_byte(record: int, within: int) -> Callable[[bytes], int | None]:
+    """Where byte `within` of sealed record `record` lies in what a lane's dialling side sends (counted from the
+    record's length field; negative: from the record's end), once the bytes sent so far tell."""
+
+    def locate(stream: bytes) -> int | None:
+        start = TOKEN_BYTES
+        for _ in range(record + (within < 0)):
+            if len(stream) < start + RECORD_LENGTH.size:
+                return None
+            (length,) = RECORD_LENGTH.unpack_from(stream, start)
+            start += RECORD_LENGTH.size + length
+        return start + within
+
+    return locate
+
+
 class FlippingRelay:
-    """A man in the middle on loopback: relays connections to `port`, flipping the byte at offset `flip` of what
+    """A man in the middle on loopback: relays connections to `port`, flipping the byte that `flip` locates in what
     the dialling side sends on its first connection (None: relays faithfully)."""
 
-    def __init__(self, port: int, flip: int | None):
+    def __init__(self, port: int, flip: Callable[[bytes], int | None] | None):
         self.port, self.flip = port, flip
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = self.listener.getsockname()
@@ -801,13 +818,16 @@ class FlippingRelay:
             threading.Thread(target=self._pipe, args=(near, far, flip), daemon=True).start()
             threading.Thread(target=self._pipe, args=(far, near, None), daemon=True).start()
 
-    def _pipe(self, source: socket.socket, sink: socket.socket, flip: int | None) -> None:
-        offset = 0
+    def _pipe(self, source: socket.socket, sink: socket.socket, flip: Callable[[bytes], int | None] | None) -> None:
+        offset, stream = 0, bytearray()
         with contextlib.suppress(OSError):
             while data := bytearray(source.recv(1 << 16)):
-                if flip is not None and offset <= flip < offset + len(data):
-                    data[flip - offset] ^= 0x01
-                    self.flipped.set()
+                if flip is not None and not self.flipped.is_set():
+                    stream += data
+                    target = flip(bytes(stream))
+                    if target is not None and offset <= target < offset + len(data):
+                        data[target - offset] ^= 0x01
+                        self.flipped.set()
                 offset += len(data)
                 sink.sendall(data)
         for sock in (source, sink):
@@ -820,9 +840,10 @@ class FlippingRelay:
 
 @pytest.mark.parametrize("where", ["length", "ciphertext", "tag", "faithful"])
 def test_a_byte_flipped_on_the_way_fails_the_stream(tls_node, lane_certs, monkeypatch, where):
-    flip = {"length": TOKEN_BYTES + 3,  # the first record's length: its bound, or its additional data, fails
-            "ciphertext": TOKEN_BYTES + RECORD_LENGTH.size + 1000,
-            "tag": TOKEN_BYTES + RECORD_LENGTH.size + RECORD_BYTES + 5,  # the first record is a whole one
+    # Record 0: the call; record 1: the payload's first (its tensor is sealed in records of its own).
+    flip = {"length": record_byte(0, 3),  # the first record's length: its bound, or its additional data, fails
+            "ciphertext": record_byte(1, RECORD_LENGTH.size + 1000),
+            "tag": record_byte(1, -5),
             "faithful": None}[where]
     relay = FlippingRelay(tls_node.servicer.lanes.port, flip)
     dial_direct = lane_module.dial
@@ -936,6 +957,29 @@ def test_reads_of_any_size_reassemble_the_records(hub):
         offset += size
     writer.join(timeout=10)
     assert offset == len(data) and bytes(received) == data
+    dialled.close()
+    hub.release(accepted, True)
+
+
+def test_a_sealed_write_seals_a_large_piece_from_its_own_memory(hub):
+    """A call's header and a payload of 3 MiB: no Python buffer of a record's size is allocated to seal or open
+    them (the payload's first MiB was gathered into one after the header)."""
+    dialled, accepted = sealed_pair(hub)
+    header, payload = b"call" * 30, torch.randint(0, 256, (3 * RECORD_BYTES,), dtype=torch.uint8).numpy()
+    received = bytearray(len(header) + payload.nbytes)
+    for _ in range(2):  # the first allocates the lane's scratch
+        tracemalloc.start()
+        try:
+            writer = threading.Thread(target=dialled.send, args=([header, memoryview(payload)],), daemon=True)
+            writer.start()
+            accepted.read_into(memoryview(received)[: len(header)])
+            accepted.read_into(memoryview(received)[len(header) :])
+            writer.join(timeout=10)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert bytes(received) == header + payload.tobytes()
+    assert peak < RECORD_BYTES // 4, f"{peak} bytes allocated to seal and open 3 MiB"
     dialled.close()
     hub.release(accepted, True)
 

@@ -103,6 +103,9 @@ MAX_STRIPES = 2
 MAX_SEALED_STRIPES = 2
 
 RECORD_BYTES = 1 << 20  # of plaintext in one sealed record: few Python calls per payload, a small scratch
+# A piece of a sealed write this long or longer is sealed from its own memory, in records of its own; shorter ones
+# are gathered (a record's fixed cost, a few microseconds, is about that of copying this many bytes).
+SEAL_IN_PLACE_BYTES = 64 << 10
 TAG_BYTES = 16
 RECORD_LENGTH = struct.Struct(">I")  # a sealed record's ciphertext length, its additional authenticated data
 TO_HUB = b"lane"  # the direction tag of records from the dialling end
@@ -247,8 +250,11 @@ class LaneSocket(LaneReader):
             if not TAG_BYTES < length <= RECORD_BYTES + TAG_BYTES:
                 raise WireError(Reason.BAD_LANE,
                                 f"a sealed record of {length} bytes, at most {RECORD_BYTES + TAG_BYTES}")
-            ciphertext = scratch[RECORD_LENGTH.size : RECORD_LENGTH.size + length]
-            self._receive_exactly(ciphertext)
+            if len(self._ahead) >= length:  # read ahead already (a small record): opened where it lies
+                ciphertext, self._ahead = self._ahead[:length], self._ahead[length:]
+            else:
+                ciphertext = scratch[RECORD_LENGTH.size : RECORD_LENGTH.size + length]
+                self._receive_exactly(ciphertext)
             plaintext_bytes = length - TAG_BYTES
             fits = plaintext_bytes <= len(view)
             target = view[:plaintext_bytes] if fits else scratch[-RECORD_BYTES:][:plaintext_bytes]
@@ -293,25 +299,31 @@ class LaneSocket(LaneReader):
         self._send_exactly(self._sealed_record(plaintext))
 
     def _send_sealed(self, pieces: Iterable[memoryview | bytes]) -> None:
-        """Seal the pieces into records of RECORD_BYTES (the last one shorter): whole records straight from a
-        piece, the bytes around them gathered in a buffer first (a piece may be reused once the next is asked
-        for, so none is left in it)."""
-        gathered = bytearray()
+        """Seal the pieces into records: a piece of SEAL_IN_PLACE_BYTES or more straight from its own memory, in
+        records of up to RECORD_BYTES from its first byte; the smaller ones around it gathered into one record (a
+        piece may be reused once the next is asked for, so a mutable one is copied first). A large piece's records
+        then start where it does, so the receiver, reading it into its destination, opens each record straight
+        there: records filled to RECORD_BYTES across pieces put the call's header at the head of the payload's
+        first record, and the sender copied nearly the whole payload to gather it, the receiver a record of it."""
+        held: list[bytes] = []
+        held_bytes = 0
         for piece in pieces:
             view = memoryview(piece)
-            if gathered:
-                taken = min(len(view), RECORD_BYTES - len(gathered))
-                gathered += view[:taken]
-                view = view[taken:]
-                if len(gathered) == RECORD_BYTES:
-                    self._send_record(memoryview(gathered))
-                    gathered.clear()
-            while len(view) >= RECORD_BYTES:
-                self._send_record(view[:RECORD_BYTES])
-                view = view[RECORD_BYTES:]
-            gathered += view
-        if gathered:
-            self._send_record(memoryview(gathered))
+            if len(view) >= SEAL_IN_PLACE_BYTES:
+                if held:
+                    self._send_record(memoryview(held[0] if len(held) == 1 else b"".join(held)))
+                    held, held_bytes = [], 0
+                while len(view):
+                    self._send_record(view[:RECORD_BYTES])
+                    view = view[RECORD_BYTES:]
+                continue
+            if held_bytes + len(view) > RECORD_BYTES:
+                self._send_record(memoryview(b"".join(held)))
+                held, held_bytes = [], 0
+            held.append(piece if isinstance(piece, bytes) else view.tobytes())
+            held_bytes += len(view)
+        if held:
+            self._send_record(memoryview(held[0] if len(held) == 1 else b"".join(held)))
 
     @contextlib.contextmanager
     def _writing(self) -> Iterator[None]:
