@@ -285,9 +285,13 @@ def peer_client(conn: Connection, ports: tuple[int, int, int], numel: int, chunk
                 raise RuntimeError(f"exchange answered {answer.payload_bytes} bytes, expected {4 * numel}")
             del answer
         conn.send(("seconds", time.perf_counter() - started, time.process_time() - cpu_start))
-    lanes_used = bool(laned._idle) and not framed._idle
+    def kept(client: PeerClient) -> list:
+        """The client's lanes kept open: payload lanes idle, and its direct lanes (the calls' own)."""
+        return [lane for lanes in client._idle.values() for lane in lanes] + list(client._direct.values())
+
+    lanes_used = bool(kept(laned)) and not kept(framed)
     # How many lanes a Push under TLS used, and whether they were sealed.
-    secure_lanes = [lane for lanes in secure._idle.values() for lane in lanes]
+    secure_lanes = kept(secure)
     sealed = bool(secure_lanes) and all(lane.sealed for lane in secure_lanes)
     for client in (laned, framed, secure):
         client.close()
