@@ -19,10 +19,13 @@ images), iid shards):
   the agent's own client and servicer): the time of an exchange of a 1-element tensor, and the slope (bytes/s) from
   an exchange of 1 MB; insecure and under mutual TLS. Then what a message costs a round of agents (2 agents in
   synchronous DSGD rounds, each round's wait for the other's copy): the exchange's time plus the hand-offs between
-  an agent's threads at both ends, the simulator's `simulation.network.message_cost_s` for this machine.
+  an agent's threads at both ends, the simulator's `simulation.network.message_cost_s` for this machine. And a
+  step of gloo's ring: a gloo all-reduce of one element among `--nodes` processes over its 2 (n - 1) steps.
 - with agents and exchange measured: the same jobs (logistic and the cnn) in the simulator, its step time the
   agents' own time per step (compute and the rest of the runner's work: all but waiting), its network a message as
-  a round pays it and the exchange's slope; steps/s against the agents' (target: within 20%). The simulator gives
+  a round pays it and the exchange's slope, and for the all-reduce family a latency per ring step of gloo's (the
+  ring's steps are gloo's, in C++ on the agents; the simulator charges `latency_s` per step); steps/s against the
+  agents' (target: within 20%). The simulator gives
   every node a machine of its own: where the agents outnumber the cores (4 on 2), their waiting holds the time
   they wait for a core, which it does not model (`--nodes 2` there).
 With `--repeat N` the loops and the agents run N times, and the comparisons are of the medians, each with the range
@@ -165,30 +168,64 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def loop_rate(family: str, model_name: str, data_dir: str, seconds: float, nodes: int) -> float:
-    """Steps/s per process of the hand-written loop of `family`, the mean over its `nodes` processes."""
+def run_ranks(target: Any, nodes: int, args: tuple, timeout_s: float, what: str) -> list[Any]:
+    """Run `target(conn, rank, nodes, port, *args)` in `nodes` spawned processes that meet at one port; what each
+    sends back, by rank."""
     context = mp.get_context("spawn")
     port = free_port()
     pipes, processes = [], []
     for rank in range(nodes):
         parent, child = context.Pipe()
-        process = context.Process(target=hand_written, args=(child, rank, nodes, port, family, model_name, data_dir,
-                                                               seconds))
+        process = context.Process(target=target, args=(child, rank, nodes, port, *args))
         process.start()
         pipes.append(parent)
         processes.append(process)
     try:
-        rates = []
+        results = []
         for parent in pipes:
-            if not parent.poll(seconds + 300):
-                raise RuntimeError(f"the hand-written {family} loop on {model_name} did not finish")
-            rates.append(parent.recv())
-        return statistics.mean(rates)
+            if not parent.poll(timeout_s):
+                raise RuntimeError(f"{what} did not finish")
+            results.append(parent.recv())
+        return results
     finally:
         for process in processes:
             process.join(30)
             if process.is_alive():
                 process.kill()
+
+
+def loop_rate(family: str, model_name: str, data_dir: str, seconds: float, nodes: int) -> float:
+    """Steps/s per process of the hand-written loop of `family`, the mean over its `nodes` processes."""
+    return statistics.mean(run_ranks(hand_written, nodes, (family, model_name, data_dir, seconds), seconds + 300,
+                                     f"the hand-written {family} loop on {model_name}"))
+
+
+def gloo_all_reduce(conn: Connection, rank: int, nodes: int, port: int) -> None:
+    """One process of a gloo all-reduce of one element, EXCHANGE_REPEATS times; sends back the median seconds."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nodes,
+                            timeout=timedelta(seconds=120))
+    value = torch.zeros(1)
+    for _ in range(20):
+        dist.all_reduce(value)
+    seconds = []
+    for _ in range(EXCHANGE_REPEATS):
+        started = time.perf_counter()
+        dist.all_reduce(value)
+        seconds.append(time.perf_counter() - started)
+    dist.destroy_process_group()
+    conn.send(statistics.median(seconds))
+
+
+def ring_step_cost(nodes: int) -> float:
+    """Seconds a step of gloo's ring costs on this machine: a gloo all-reduce of one element among `nodes`
+    processes (the median, the mean over the processes), over the 2 (nodes - 1) steps of a ring all-reduce."""
+    return statistics.mean(run_ranks(gloo_all_reduce, nodes, (), 120, "the gloo all-reduce")) / (2 * (nodes - 1))
 
 
 # -- the agents -----------------------------------------------------------------------------------------------------
@@ -315,16 +352,18 @@ def paid_message_cost(data_dir: str, root: Path, tls: bool, steps: int) -> float
 
 
 def simulated_rate(model_name: str, job: str, figures: JobFigures, data_dir: str, nodes: int, message_cost_s: float,
-                   bytes_per_s: float) -> float:
+                   bytes_per_s: float, ring_step_s: float) -> float:
     """Steps/s per node of the same job in the simulator, its step time the agents' own per step
-    (`JobFigures.step_s`), its network a message's cost as a round pays it and the slope of an exchange (no latency
-    beside them: loopback)."""
+    (`JobFigures.step_s`), its network a message's cost as a round pays it and the slope of an exchange; the latency
+    of a link, loopback's, is in a message's cost, and for the all-reduce family a step of gloo's ring
+    (`ring_step_cost`), which the simulator charges per ring step."""
     from coordinator.simulate import simulate
     from nodeagent.jobspec import parse_job_spec
 
     spec = job_spec(model_name, job, figures.steps, data_dir, nodes)
+    latency = ring_step_s if FAMILY[job] == "allreduce" else 0.0
     spec["simulation"] = {"step_time_s": figures.step_s, "network": {
-        "latency_s": 0.0, "message_cost_s": message_cost_s, "bandwidth_bytes_per_s": bytes_per_s}}
+        "latency_s": latency, "message_cost_s": message_cost_s, "bandwidth_bytes_per_s": bytes_per_s}}
     return figures.steps / simulate(parse_job_spec(spec)).mesh.now
 
 
@@ -385,7 +424,12 @@ def main(argv: list[str] | None = None) -> int:
     figures = {key: sorted(runs, key=lambda figure: figure.steps_per_s)[(len(runs) - 1) // 2]
                for key, runs in figure_runs.items()}
     costs: dict[str, tuple[float, float]] = {}  # per security: a message's cost as a round pays it, the slope
+    ring_step = 0.0
     if "exchange" in args.sections:
+        ring_step = ring_step_cost(args.nodes)
+        print(f"a step of gloo's ring on this machine (an all-reduce of one element among {args.nodes} processes, "
+              f"over its {2 * (args.nodes - 1)} steps): {ring_step * 1e3:.2f} ms, the simulator's "
+              "simulation.network.latency_s of the all-reduce family here", flush=True)
         print("the fixed cost of one exchange (two processes, the peer service), and of a message as a round of 2 "
               "agents pays it (synchronous DSGD, logistic: the wait for the other's copy):", flush=True)
         with tempfile.TemporaryDirectory(prefix="rounds-bench-") as root:
@@ -422,7 +466,8 @@ def main(argv: list[str] | None = None) -> int:
         for (security, model_name, job), result in figures.items():
             if security not in costs or model_name not in SIMULATED_MODELS:
                 continue
-            simulated = simulated_rate(model_name, job, result, args.data_dir, args.nodes, *costs[security])
+            simulated = simulated_rate(model_name, job, result, args.data_dir, args.nodes, *costs[security],
+                                       ring_step)
             ratio = simulated / result.steps_per_s
             verdict = "met" if abs(ratio - 1) <= 0.2 else "missed"
             print(f"  {model_name:<9} {job:<10} {security:<9} {result.steps_per_s:>8.1f} {simulated:>10.1f} "
