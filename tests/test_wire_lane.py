@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import random
 import secrets
 import socket
 import threading
 import time
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,7 @@ from nodeagent.wire.lane import (
     READY,
     RECORD_BYTES,
     RECORD_LENGTH,
+    SEAL_IN_PLACE_BYTES,
     TOKEN_BYTES,
     LaneHub,
     LaneSocket,
@@ -980,6 +982,43 @@ def test_a_sealed_write_seals_a_large_piece_from_its_own_memory(hub):
             tracemalloc.stop()
         assert bytes(received) == header + payload.tobytes()
     assert peak < RECORD_BYTES // 4, f"{peak} bytes allocated to seal and open 3 MiB"
+    dialled.close()
+    hub.release(accepted, True)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_sealed_write_of_any_pieces_arrives_as_written(hub, seed):
+    """Pieces of any size, below and above SEAL_IN_PLACE_BYTES and a record, some of them in one buffer that the
+    writer refills for the next piece (as staging does: a piece may be reused once the next is asked for), read
+    back in reads of any size: the byte stream as written."""
+    rng = random.Random(seed)
+    sizes = [rng.choice([1, 7, 100, 4096, SEAL_IN_PLACE_BYTES - 1, SEAL_IN_PLACE_BYTES, 200_000, RECORD_BYTES + 3])
+             for _ in range(12)]
+    data = rng.randbytes(sum(sizes))
+    refilled = bytearray(max(sizes))
+
+    def pieces() -> Iterator[bytes | memoryview]:
+        offset = 0
+        for index, size in enumerate(sizes):
+            chunk = data[offset : offset + size]
+            offset += size
+            if index % 3 == 0:
+                yield chunk
+            else:
+                refilled[:size] = chunk
+                yield memoryview(refilled)[:size]
+
+    dialled, accepted = sealed_pair(hub)
+    writer = threading.Thread(target=dialled.send, args=(pieces(),), daemon=True)
+    writer.start()
+    received = bytearray(len(data))
+    view, offset = memoryview(received), 0
+    while offset < len(data):
+        size = min(rng.choice([1, 4, 1000, SEAL_IN_PLACE_BYTES, RECORD_BYTES, 3 * RECORD_BYTES]), len(data) - offset)
+        accepted.read_into(view[offset : offset + size])
+        offset += size
+    writer.join(timeout=10)
+    assert bytes(received) == data
     dialled.close()
     hub.release(accepted, True)
 
