@@ -25,9 +25,9 @@ images), iid shards):
   agents' own time per step (compute and the rest of the runner's work: all but waiting), its network a message as
   a round pays it and the exchange's slope, and for the all-reduce family a latency per ring step of gloo's (the
   ring's steps are gloo's, in C++ on the agents; the simulator charges `latency_s` per step); steps/s against the
-  agents' (target: within 20%). The simulator gives
-  every node a machine of its own: where the agents outnumber the cores (4 on 2), their waiting holds the time
-  they wait for a core, which it does not model (`--nodes 2` there).
+  agents' (target: within 20%). The simulator gives every node a machine of its own: where the agents outnumber
+  the cores (4 on 2), their waiting holds the time they wait for a core, which it does not model (`--nodes 2`
+  there).
 With `--repeat N` the loops and the agents run N times, and the comparisons are of the medians, each with the range
 of the N runs' own ratios (a run's loops against the same run's agents): on a shared machine one run's rates move by
 10 to 20%. Every other run goes in the reverse order (the agents before the loops, the last security first): a

@@ -23,7 +23,7 @@ before anything is read into a buffer), then L bytes: the AES-256-GCM ciphertext
 its 16-byte tag. The additional authenticated data is the 4 length bytes. The 12-byte nonce is a 4-byte
 direction tag (TO_HUB from the dialling end, FROM_HUB from the hub's: the two directions share the key, never a
 nonce) and the 8-byte big-endian count of the records sent that way on the lane so far, from 0. The lane closes
-rather than let a count wrap. Records carry the lane's byte stream as it was before, in records of up to RECORD_BYTES: a
+rather than let a count wrap. Records carry the lane's byte stream as it was before, up to RECORD_BYTES each: a
 piece of a payload of SEAL_IN_PLACE_BYTES or more in records of its own, the smaller pieces and a stream's header
 coalesced (Python's ssl, with its 16 kB records and a Python call each, cost about four times the CPU;
 benchmarks/wire.py). Plaintext lanes carry the byte stream as it is.
