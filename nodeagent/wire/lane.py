@@ -305,26 +305,25 @@ class LaneSocket(LaneReader):
         piece may be reused once the next is asked for, so a mutable one is copied first). A large piece's records
         then start where it does, so the receiver, reading it into its destination, opens each record straight
         there: records filled to RECORD_BYTES across pieces put the call's header at the head of the payload's
-        first record, and the sender copied nearly the whole payload to gather it, the receiver a record of it."""
-        held: list[bytes] = []
+        first record, and the sender copied the payload's first MiB and every piece's tail to gather them, the
+        receiver a record of it."""
+        held: list[bytes] = []  # the small pieces of the next record
         held_bytes = 0
         for piece in pieces:
             view = memoryview(piece)
-            if len(view) >= SEAL_IN_PLACE_BYTES:
-                if held:
-                    self._send_record(memoryview(held[0] if len(held) == 1 else b"".join(held)))
-                    held, held_bytes = [], 0
+            large = len(view) >= SEAL_IN_PLACE_BYTES
+            if held and (large or held_bytes + len(view) > RECORD_BYTES):
+                self._send_record(memoryview(b"".join(held)))  # one piece: itself, not a copy
+                held, held_bytes = [], 0
+            if large:
                 while len(view):
                     self._send_record(view[:RECORD_BYTES])
                     view = view[RECORD_BYTES:]
-                continue
-            if held_bytes + len(view) > RECORD_BYTES:
-                self._send_record(memoryview(b"".join(held)))
-                held, held_bytes = [], 0
-            held.append(piece if isinstance(piece, bytes) else view.tobytes())
-            held_bytes += len(view)
+            else:
+                held.append(piece if isinstance(piece, bytes) else view.tobytes())
+                held_bytes += len(view)
         if held:
-            self._send_record(memoryview(held[0] if len(held) == 1 else b"".join(held)))
+            self._send_record(memoryview(b"".join(held)))
 
     @contextlib.contextmanager
     def _writing(self) -> Iterator[None]:
