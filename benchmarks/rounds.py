@@ -46,6 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -168,7 +169,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_ranks(target: Any, nodes: int, args: tuple, timeout_s: float, what: str) -> list[Any]:
+def run_ranks(target: Callable[..., None], nodes: int, args: tuple, timeout_s: float, what: str) -> list[Any]:
     """Run `target(conn, rank, nodes, port, *args)` in `nodes` spawned processes that meet at one port; what each
     sends back, by rank."""
     context = mp.get_context("spawn")

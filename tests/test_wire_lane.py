@@ -781,11 +781,11 @@ def test_a_lane_opened_with_a_stolen_token_delivers_nothing(tls_node, lane_certs
     client.close()
 
 
-def record_byte(record: int, within: int) -> Callable[[bytes], int | None]:
+def record_byte(record: int, within: int) -> Callable[[bytearray], int | None]:
     """Where byte `within` of sealed record `record` lies in what a lane's dialling side sends (counted from the
     record's length field; negative: from the record's end), once the bytes sent so far tell."""
 
-    def locate(stream: bytes) -> int | None:
+    def locate(stream: bytearray) -> int | None:
         start = TOKEN_BYTES
         for _ in range(record + (within < 0)):
             if len(stream) < start + RECORD_LENGTH.size:
@@ -801,7 +801,7 @@ class FlippingRelay:
     """A man in the middle on loopback: relays connections to `port`, flipping the byte that `flip` locates in what
     the dialling side sends on its first connection (None: relays faithfully)."""
 
-    def __init__(self, port: int, flip: Callable[[bytes], int | None] | None):
+    def __init__(self, port: int, flip: Callable[[bytearray], int | None] | None):
         self.port, self.flip = port, flip
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = self.listener.getsockname()
@@ -820,13 +820,14 @@ class FlippingRelay:
             threading.Thread(target=self._pipe, args=(near, far, flip), daemon=True).start()
             threading.Thread(target=self._pipe, args=(far, near, None), daemon=True).start()
 
-    def _pipe(self, source: socket.socket, sink: socket.socket, flip: Callable[[bytes], int | None] | None) -> None:
+    def _pipe(self, source: socket.socket, sink: socket.socket,
+              flip: Callable[[bytearray], int | None] | None) -> None:
         offset, stream = 0, bytearray()
         with contextlib.suppress(OSError):
             while data := bytearray(source.recv(1 << 16)):
                 if flip is not None and not self.flipped.is_set():
                     stream += data
-                    target = flip(bytes(stream))
+                    target = flip(stream)  # what has come so far, not copied again for every chunk
                     if target is not None and offset <= target < offset + len(data):
                         data[target - offset] ^= 0x01
                         self.flipped.set()
