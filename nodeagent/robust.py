@@ -189,6 +189,7 @@ OUTLYING_FACTOR = 2.0  # a neighbour's contribution farther than this times the 
 EXCLUDED_WINDOW = 16
 EXCLUDED_SEEN = 4
 EXCLUDED_SHARE = 0.75
+VERDICT_BITS = (1 << EXCLUDED_WINDOW) - 1  # a neighbour's last EXCLUDED_WINDOW verdicts, one bit each
 # Once the window is warm, a distance below ECHO_FLOOR times the node's average step length does not enter it (the
 # module's text, "echoes").
 ECHO_FLOOR = 0.5
@@ -249,17 +250,19 @@ class DistanceWindow:
         return len(self.arrived)
 
     def add(self, peer: int, length: float) -> None:
-        if len(self.arrived) == AUTO_WINDOW:
-            oldest = self.arrived.popleft()
-            del self.ordered[bisect.bisect_left(self.ordered, oldest)]
-            if self.held[oldest[1]] == 1:
-                del self.held[oldest[1]]
+        arrived, ordered, held = self.arrived, self.ordered, self.held
+        if len(arrived) == AUTO_WINDOW:
+            oldest = arrived.popleft()
+            del ordered[bisect.bisect_left(ordered, oldest)]
+            left = held[oldest[1]] - 1
+            if left:
+                held[oldest[1]] = left
             else:
-                self.held[oldest[1]] -= 1
+                del held[oldest[1]]
         entry = (length, peer)
-        self.arrived.append(entry)
-        bisect.insort(self.ordered, entry)
-        self.held[peer] = self.held.get(peer, 0) + 1
+        arrived.append(entry)
+        bisect.insort(ordered, entry)
+        held[peer] = held.get(peer, 0) + 1
 
     def lower_quartile(self) -> float:
         """statistics.quantiles(window, n=4)[0] (its exclusive method) with each distance weighing 1, or share / count
@@ -330,7 +333,9 @@ class SelfCenteredClip:
         self.window = DistanceWindow()
         self.groups: dict[int, DistanceWindow] = {}  # the windows of the callers' groups (the module's text)
         self.counts = MixingCounts()
-        self.recent: dict[int, deque[bool]] = {}  # per neighbour: whether each of its last contributions was outlying
+        # Per neighbour: its last contributions' verdicts as bits (1: outlying; the newest lowest) and how many they
+        # are (at most EXCLUDED_WINDOW): a share read at every contribution is a bit count, not a sum over a deque.
+        self.recent: dict[int, tuple[int, int]] = {}
         # The average ||d|| of the node's local steps, the norms of those not yet read into it, and their lr.
         self.steps_taken = 0
         self.direction_norm: float | None = None
@@ -339,8 +344,8 @@ class SelfCenteredClip:
 
     def excluded(self, peer: int) -> bool:
         """Whether `peer`'s recent contributions are persistently outlying (see EXCLUDED_SHARE)."""
-        recent = self.recent.get(peer)
-        return recent is not None and len(recent) >= EXCLUDED_SEEN and sum(recent) >= EXCLUDED_SHARE * len(recent)
+        verdicts, count = self.recent.get(peer, (0, 0))
+        return count >= EXCLUDED_SEEN and verdicts.bit_count() >= EXCLUDED_SHARE * count
 
     def stepped(self, direction: torch.Tensor, lr: float) -> None:
         """The node took a local step of `lr` along `direction`: the length of one step in STEP_SAMPLE scales the
@@ -418,14 +423,13 @@ class SelfCenteredClip:
         # What the node reports (the coordinator's suspicion) must also be far on a scale no neighbour can shrink.
         reported_above = outlying_above if step is None else max(outlying_above, STEP_OUTLYING * step)
         seen, clipped, outlying_counts = self.counts.seen, self.counts.clipped, self.counts.outlying
+        recent = self.recent
         factors = {}
         for peer, length in lengths.items():
-            outlying = length > outlying_above
             if judged:  # before, no contribution is outlying, and none may count towards a peer's record
-                record = self.recent.get(peer)
-                if record is None:
-                    record = self.recent[peer] = deque(maxlen=EXCLUDED_WINDOW)
-                record.append(outlying)
+                verdicts, count = recent.get(peer, (0, 0))
+                verdicts = (verdicts << 1 | (length > outlying_above)) & VERDICT_BITS
+                recent[peer] = verdicts, min(count + 1, EXCLUDED_WINDOW)
             factor = 0.0 if self.excluded(peer) else 1.0 if length <= radius else radius / length
             factors[peer] = factor
             seen[peer] += 1
