@@ -259,7 +259,14 @@ def main() -> None:
             with cluster:
                 for variant in variants:
                     print(f"-- attack {attack}, {variant} ...", file=sys.stderr, flush=True)
-                    rows += run_variant(cluster, attack, variant, args)
+                    measured = run_variant(cluster, attack, variant, args)
+                    rows += measured
+                    baseline = {r.job: r.mean for r in rows if r.attack == "none" and r.variant == "plain"}
+                    for r in measured:  # as each ends: a long run stopped early still shows what it measured
+                        print(f"   {r.job}: honest mean {r.mean:.2f} ({r.mean - baseline[r.job]:+.2f}), worst "
+                              f"{r.worst:.2f}, liar flagged {seconds(r.flagged_s)} s, quarantined "
+                              f"{seconds(r.quarantined_s)} s, honest flagged {honest_flags(r) or 'none'}",
+                              file=sys.stderr, flush=True)
 
     baseline = {r.job: r.mean for r in rows if r.attack == "none" and r.variant == "plain"}
     speed = f" and stepping {args.liar_speed} times as often" if args.liar_speed > 1 else ""
