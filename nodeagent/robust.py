@@ -293,22 +293,19 @@ def distance(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def row_norms(rows: torch.Tensor) -> list[float]:
-    """Each row's norm, read back: `row_lengths` for a node's judgement of a few contributions, whose overflow check
-    reads the floats read back anyway instead of making two more passes (under a profiler, a sixth of the rule's time
-    in asynchronous DSGD)."""
+    """Each row's norm, read back: computed in the rows' dtype, and again in float64 only where a square overflowed
+    (a full float64 copy of the rows costs the server three times the norm). The overflow check reads the floats
+    read back anyway instead of making two more passes (under a profiler, a sixth of the rule's time in asynchronous
+    DSGD)."""
     lengths = torch.linalg.vector_norm(rows, dim=1).tolist()
     if all(map(math.isfinite, lengths)):
         return lengths
     return torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64).tolist()
 
 
-def row_lengths(rows: torch.Tensor) -> torch.Tensor:
-    """Each row's norm, in float64: computed in the rows' dtype, and again in float64 only where a square
-    overflowed (a full float64 copy of the rows costs the server three times the norm)."""
-    lengths = torch.linalg.vector_norm(rows, dim=1)
-    if not bool(torch.isfinite(lengths).all()):
-        lengths = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64)
-    return lengths.double()
+def lower_median(values: Sequence[float]) -> float:
+    """The lower of the two middle values of an even count, as torch.median takes it."""
+    return sorted(values)[(len(values) - 1) // 2]
 
 
 class MixingCounts:
@@ -601,22 +598,29 @@ def krum(updates: torch.Tensor, f: int) -> torch.Tensor:
     return updates[int(scores.argmin())].clone()
 
 
-def centered_clip(updates: torch.Tensor, center: torch.Tensor, radius: float | None) -> torch.Tensor:
-    """The CenteredClip aggregate from `center`."""
+def centered_clip(updates: torch.Tensor, center: torch.Tensor, radius: float | None,
+                  differences: torch.Tensor) -> torch.Tensor:
+    """The CenteredClip aggregate from `center`; `differences`, of the updates' shape, is where each iteration's
+    U_i - v are taken (one allocation of the round's size, not one per iteration). The clipping factors, one per
+    update, are computed in float64 from the norms read back and applied in the updates' dtype: a few
+    tensor operations on a handful of scalars took longer than the arithmetic (docs/results.md)."""
     v = center.clone()
     for _ in range(CENTERED_CLIP_ITERATIONS):
-        differences = updates - v
-        lengths = row_lengths(differences)
-        tau = float(lengths.median()) if radius is None else radius
-        scale = torch.where(lengths > tau, tau / lengths.clamp(min=1e-300), torch.ones_like(lengths))
-        v = v + (scale.to(updates.dtype) @ differences) / updates.shape[0]
+        torch.sub(updates, v, out=differences)
+        lengths = row_norms(differences)
+        tau = lower_median(lengths) if radius is None else radius
+        scale = torch.tensor([tau / length if length > tau else 1.0 for length in lengths], dtype=updates.dtype,
+                             device=updates.device)
+        v = v + (scale @ differences) / updates.shape[0]
     return v
 
 
-def outliers(updates: torch.Tensor, aggregate: torch.Tensor) -> list[bool]:
-    """The updates farther from `aggregate` than OUTLIER_FACTOR times the median distance."""
-    lengths = row_lengths(updates - aggregate)
-    return (lengths > OUTLIER_FACTOR * float(lengths.median())).tolist()
+def outliers(updates: torch.Tensor, aggregate: torch.Tensor, differences: torch.Tensor) -> list[bool]:
+    """The updates farther from `aggregate` than OUTLIER_FACTOR times the median distance (`differences`: a buffer of
+    the updates' shape)."""
+    lengths = row_norms(torch.sub(updates, aggregate, out=differences))
+    bound = OUTLIER_FACTOR * lower_median(lengths)
+    return [length > bound for length in lengths]
 
 
 class RobustAggregator:
@@ -642,9 +646,10 @@ class RobustAggregator:
     def aggregate(self, updates: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
         """The round's aggregate of `updates` (one row per contribution) and which rows count as clipped (`outliers`;
         also added to `clipped`)."""
+        differences = torch.empty_like(updates)  # for every U_i - v of the round (centered_clip, outliers)
         if self.rule == "centered-clip":
             center = torch.zeros_like(updates[0]) if self.center is None else self.center
-            result = centered_clip(updates, center, self.radius)
+            result = centered_clip(updates, center, self.radius, differences)
             self.center = result.clone()
         elif self.rule == "trimmed-mean":
             result = trimmed_mean(updates, self.byzantine_of(updates.shape[0]))
@@ -654,7 +659,7 @@ class RobustAggregator:
             result = krum(updates, self.byzantine_of(updates.shape[0]))
         else:
             raise ValueError(f"{self.rule} is not a rule of the parameter server")
-        flags = outliers(updates, result)
+        flags = outliers(updates, result, differences)
         for worker, flag in enumerate(flags):
             self.clipped[worker] += int(flag)
         return result, flags
