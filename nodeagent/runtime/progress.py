@@ -185,6 +185,7 @@ class RunLog(JsonLinesLog):
 
 _PROGRESS_FIELDS = tuple(f.name for f in dataclasses.fields(Progress))
 _EDGE_FIELDS = tuple(f.name for f in dataclasses.fields(EdgeCounters) if f.name != "judged")
+_JUDGEMENT_FIELDS = tuple(f.name for f in dataclasses.fields(MemberJudgement))
 
 
 def _plain(progress: Progress) -> dict:
@@ -192,7 +193,8 @@ def _plain(progress: Progress) -> dict:
     `dataclasses.asdict` deep-copies every value, the most of a simulation's cost of its log at 10,000 nodes."""
     fields = {name: _nan_as_null(getattr(progress, name)) for name in _PROGRESS_FIELDS}
     fields["edges"] = [{**{name: _nan_as_null(getattr(edge, name)) for name in _EDGE_FIELDS},
-                        "judged": [dataclasses.asdict(judgement) for judgement in edge.judged]}
+                        "judged": [{name: getattr(judgement, name) for name in _JUDGEMENT_FIELDS}
+                                   for judgement in edge.judged]}
                        for edge in progress.edges]
     return fields
 
