@@ -32,7 +32,7 @@ so it pushes as often as the server answers it, up to N times an honest worker's
 The honest workers are paced, so a fast liar also costs them the coordinator's time it takes.
 
     nice -n 10 .venv/bin/python benchmarks/byzantine_agents.py --jobs ASGD --attacks sign-flip --liar-speed 30 \
-        --steps 400    # 5 minutes; at the default 800 steps 9, and every attack about 30
+        --steps 400    # at the default 800 steps: 9 minutes on 2 cores, and every attack about 30
 
 Each row's figures are printed to stderr as its jobs end, so that a run stopped early keeps what it measured.
 
