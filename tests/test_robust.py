@@ -47,6 +47,7 @@ from nodeagent.robust import (
     clipped_shares,
     coordinate_median,
     krum,
+    lower_median,
     sorted_rows,
     trimmed_mean,
     unsafe,
@@ -306,6 +307,14 @@ def test_the_sorting_network_sorts_every_binary_input_of_up_to_13_rows_and_ties_
 
 def test_krum_picks_the_update_closest_to_its_neighbours():
     assert torch.equal(krum(honest_and_liar(), 1), vec(1.0, 2.0))
+
+
+def test_the_servers_median_distance_is_the_lower_middle_one_as_torch_takes_it():
+    # The auto radius of centered-clip and the outliers' bound: one value of the round's, never a mean of two.
+    generator = torch.Generator().manual_seed(0)
+    for count in (1, 2, 3, 4, 15, 16):
+        values = torch.rand(count, generator=generator, dtype=torch.float64)
+        assert lower_median(values.tolist()) == float(values.median())
 
 
 def test_centered_clip_moves_from_its_center_by_at_most_the_radius_per_update():
