@@ -49,6 +49,7 @@ with their range, and the accuracies' means.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import statistics
@@ -265,9 +266,10 @@ def main() -> None:
                     rows += measured
                     baseline = {r.job: r.mean for r in rows if r.attack == "none" and r.variant == "plain"}
                     for r in measured:  # as each ends: a long run stopped early still shows what it measured
-                        print(f"   {r.job}: honest mean {r.mean:.2f} ({r.mean - baseline[r.job]:+.2f}), worst "
-                              f"{r.worst:.2f}, liar flagged {seconds(r.flagged_s)} s, quarantined "
-                              f"{seconds(r.quarantined_s)} s, honest flagged {honest_flags(r) or 'none'}",
+                        gap = r.mean - baseline.get(r.job, math.nan)
+                        print(f"   {r.job}: honest mean {r.mean:.2f} ({gap:+.2f}), worst {r.worst:.2f}, liar flagged "
+                              f"{seconds(r.flagged_s)} s, quarantined {seconds(r.quarantined_s)} s, honest flagged "
+                              f"{honest_flags(r) or 'none'}",
                               file=sys.stderr, flush=True)
 
     baseline = {r.job: r.mean for r in rows if r.attack == "none" and r.variant == "plain"}
